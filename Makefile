@@ -1,0 +1,30 @@
+# `make demo` and `make test` each set up .venv on first use, then run.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.harpjax-installed
+# Eight fake CPU devices stand in for GPUs (see README "No GPU here").
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m harpjax.examples.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/schedules.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

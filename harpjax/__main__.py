@@ -1,0 +1,4 @@
+from harpjax.cli import main
+
+if __name__ == "__main__":
+  main()

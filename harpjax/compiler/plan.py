@@ -1,0 +1,274 @@
+"""Pipeline plans: which layers run on which submesh, with which logical mesh and warm-up.
+
+A :class:`Plan` is what the planner returns and what the runtime executes; a
+:class:`ManualPlan` is the same thing written by hand. Layer ranges are inclusive and 0-indexed,
+as in the paper's Tables 3-10 (``[0, 39]`` is layers 0 to 39).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+from harpjax.errors import PlanError
+
+__all__ = ["StageSpec", "Plan", "ManualPlan", "load_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+  """One pipeline stage.
+
+  Attributes:
+    layers: inclusive ``(first, last)`` layer indices.
+    subcluster: name of the subcluster whose devices run the stage.
+    submesh: ``(n, m)``: ``n`` hosts times ``m`` devices per host.
+    logical_mesh: ``(dp, tp)`` with ``dp * tp == n * m``; default ``(n * m, 1)``.
+    devices: optional explicit global device indices (cluster order), ``n * m`` of them.
+    warmup: H-1F1B warm-up count ``N_i`` (filled in by the planner or the runtime).
+    time_s: forward+backward seconds per microbatch predicted for this stage, if known.
+    comm_s: seconds to send one microbatch's boundary activation to the next stage, if known.
+  """
+  layers: tuple[int, int]
+  subcluster: str
+  submesh: tuple[int, int]
+  logical_mesh: tuple[int, int] | None = None
+  devices: tuple[int, ...] | None = None
+  warmup: int | None = None
+  time_s: float | None = None
+  comm_s: float | None = None
+
+  def __post_init__(self):
+    try:
+      layers = tuple(int(x) for x in self.layers)
+      submesh = tuple(int(x) for x in self.submesh)
+    except (TypeError, ValueError) as e:
+      raise PlanError(f"stage layers={self.layers!r} / submesh={self.submesh!r}: {e}") from None
+    if len(layers) != 2 or layers[0] < 0 or layers[1] < layers[0]:
+      raise PlanError(f"stage layers={self.layers!r}: expected (first, last) with "
+                      "0 <= first <= last")
+    if len(submesh) != 2 or min(submesh) < 1:
+      raise PlanError(f"stage submesh={self.submesh!r}: expected (hosts, devices_per_host) >= 1")
+    object.__setattr__(self, "layers", layers)
+    object.__setattr__(self, "submesh", submesh)
+    size = submesh[0] * submesh[1]
+    logical = self.logical_mesh
+    if logical is None:
+      logical = (size, 1)
+    logical = tuple(int(x) for x in logical)
+    if len(logical) != 2 or min(logical) < 1 or logical[0] * logical[1] != size:
+      raise PlanError(f"stage on layers {layers}: logical_mesh={self.logical_mesh!r} must be "
+                      f"(dp, tp) with dp * tp == {size} devices of submesh {submesh}")
+    object.__setattr__(self, "logical_mesh", logical)
+    if self.devices is not None:
+      devices = tuple(int(d) for d in self.devices)
+      if len(devices) != size or len(set(devices)) != size:
+        raise PlanError(f"stage on layers {layers}: devices={self.devices!r} must list "
+                        f"{size} distinct device indices for submesh {submesh}")
+      object.__setattr__(self, "devices", devices)
+    if self.warmup is not None and int(self.warmup) < 1:
+      raise PlanError(f"stage on layers {layers}: warmup={self.warmup} must be >= 1")
+
+  @property
+  def num_devices(self) -> int:
+    return self.submesh[0] * self.submesh[1]
+
+  @property
+  def num_layers(self) -> int:
+    return self.layers[1] - self.layers[0] + 1
+
+  def to_json(self) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items()}
+
+  @classmethod
+  def from_json(cls, data: dict) -> "StageSpec":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+      raise PlanError(f"stage has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+    kw = dict(data)
+    for k in ("layers", "submesh", "logical_mesh", "devices"):
+      if kw.get(k) is not None:
+        kw[k] = tuple(kw[k])
+    return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A pipeline plan.
+
+  Attributes:
+    stages: the stages in pipeline order.
+    num_microbatches: ``B``; ``None`` lets the decorator's argument decide.
+    schedule: ``"h1f1b"`` (default), ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``.
+    num_layers: total layers of the model the plan was made for (checked at compile time).
+    t_max_s: bottleneck stage time, seconds.
+    predicted_iteration_s: predicted seconds per iteration (HARP Eq. 12 or the simulator).
+    eta: load-balance score of Eq. 20, in ``(0, 1]``.
+    meta: free-form provenance (model, cluster, planner options).
+  """
+  stages: tuple[StageSpec, ...]
+  num_microbatches: int | None = None
+  schedule: str = "h1f1b"
+  num_layers: int | None = None
+  t_max_s: float | None = None
+  predicted_iteration_s: float | None = None
+  eta: float | None = None
+  meta: tuple[tuple[str, Any], ...] = ()
+
+  def __post_init__(self):
+    stages = tuple(s if isinstance(s, StageSpec) else _stage_from_any(s) for s in self.stages)
+    if not stages:
+      raise PlanError("a plan needs at least one stage")
+    object.__setattr__(self, "stages", stages)
+    if isinstance(self.meta, dict):
+      object.__setattr__(self, "meta", tuple(sorted(self.meta.items())))
+    for a, b in zip(stages, stages[1:]):
+      if b.layers[0] != a.layers[1] + 1:
+        raise PlanError(
+            f"stage layer ranges must be contiguous: {list(a.layers)} is followed by "
+            f"{list(b.layers)}; the next stage should start at layer {a.layers[1] + 1}")
+    if stages[0].layers[0] != 0:
+      raise PlanError(f"the first stage must start at layer 0, not {stages[0].layers[0]}")
+    if self.num_layers is not None and stages[-1].layers[1] != self.num_layers - 1:
+      raise PlanError(f"the stages cover layers 0..{stages[-1].layers[1]} but the model has "
+                      f"{self.num_layers} layers (0..{self.num_layers - 1})")
+    if self.num_microbatches is not None and int(self.num_microbatches) < 1:
+      raise PlanError(f"num_microbatches={self.num_microbatches} must be >= 1")
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  @property
+  def warmups(self) -> tuple[int, ...] | None:
+    if any(s.warmup is None for s in self.stages):
+      return None
+    return tuple(int(s.warmup) for s in self.stages)
+
+  def replace(self, **changes) -> "Plan":
+    return dataclasses.replace(self, **changes)
+
+  def with_stages(self, stages: Sequence[StageSpec]) -> "Plan":
+    return dataclasses.replace(self, stages=tuple(stages))
+
+  # ------------------------------------------------------------------ display
+
+  def table(self) -> str:
+    """The plan as a table in the layout of the paper's Tables 3-10."""
+    head = ["Stage", "Layer Range", "Cluster", "Physical Mesh", "Logical Mesh", "Warm-up",
+            "t (ms)", "c (ms)"]
+    rows = []
+    for i, s in enumerate(self.stages):
+      rows.append([str(i + 1), f"[{s.layers[0]}, {s.layers[1]}]", s.subcluster,
+                   f"({s.submesh[0]}, {s.submesh[1]})",
+                   f"({s.logical_mesh[0]}, {s.logical_mesh[1]})",
+                   "-" if s.warmup is None else str(s.warmup),
+                   "-" if s.time_s is None else f"{s.time_s * 1e3:.3f}",
+                   "-" if s.comm_s is None else f"{s.comm_s * 1e3:.3f}"])
+    widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
+    fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
+    lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
+    foot = [f"schedule={self.schedule}"]
+    if self.num_microbatches is not None:
+      foot.append(f"B={self.num_microbatches}")
+    if self.t_max_s is not None:
+      foot.append(f"t_max={self.t_max_s * 1e3:.3f} ms")
+    if self.predicted_iteration_s is not None:
+      foot.append(f"predicted iteration={self.predicted_iteration_s:.4f} s")
+    if self.eta is not None:
+      foot.append(f"eta={self.eta * 100:.1f}%")
+    return "\n".join(lines + ["  ".join(foot)])
+
+  def __str__(self) -> str:
+    return self.table()
+
+  # ------------------------------------------------------------------ persistence
+
+  def to_json(self) -> dict:
+    return {
+        "format": "harpjax.plan/1",
+        "stages": [s.to_json() for s in self.stages],
+        "num_microbatches": self.num_microbatches,
+        "schedule": self.schedule,
+        "num_layers": self.num_layers,
+        "t_max_s": self.t_max_s,
+        "predicted_iteration_s": self.predicted_iteration_s,
+        "eta": self.eta,
+        "meta": dict(self.meta),
+    }
+
+  @classmethod
+  def from_json(cls, data: dict) -> "Plan":
+    if not isinstance(data, dict) or "stages" not in data:
+      raise PlanError("not a harpjax plan: expected a JSON object with a 'stages' list")
+    fmt = data.get("format", "harpjax.plan/1")
+    if fmt != "harpjax.plan/1":
+      raise PlanError(f"unsupported plan format {fmt!r}; this version reads 'harpjax.plan/1'")
+    return Plan(stages=tuple(StageSpec.from_json(s) for s in data["stages"]),
+                num_microbatches=data.get("num_microbatches"),
+                schedule=data.get("schedule", "h1f1b"),
+                num_layers=data.get("num_layers"),
+                t_max_s=data.get("t_max_s"),
+                predicted_iteration_s=data.get("predicted_iteration_s"),
+                eta=data.get("eta"),
+                meta=tuple(sorted((data.get("meta") or {}).items())))
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_json(), f, indent=2)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "Plan":
+    return load_plan(path)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+  """Reads a plan saved by :meth:`Plan.save`."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    raise PlanError(f"plan file {os.fspath(path)!r} does not exist") from None
+  except json.JSONDecodeError as e:
+    raise PlanError(f"plan file {os.fspath(path)!r} is not valid JSON: {e}") from None
+  return Plan.from_json(data)
+
+
+def ManualPlan(stages: Iterable[StageSpec | dict | Sequence], *,  # noqa: N802 - reads as a type
+               num_microbatches: int | None = None, schedule: str | None = None) -> Plan:
+  """A plan written by hand.
+
+  Each stage is a :class:`StageSpec`, a dict of its fields, or a tuple
+  ``(layers, subcluster, submesh[, logical_mesh])``::
+
+    ManualPlan([((0, 3), "v100", (1, 2), (2, 1)),
+                ((4, 9), "a100", (1, 2), (1, 2)),
+                ((10, 15), "a100", (1, 4))])
+  """
+  kw = {}
+  if schedule is not None:
+    kw["schedule"] = schedule
+  return Plan(stages=tuple(_stage_from_any(s) for s in stages),
+              num_microbatches=num_microbatches, **kw)
+
+
+def _stage_from_any(s: Any) -> StageSpec:
+  if isinstance(s, StageSpec):
+    return s
+  if isinstance(s, dict):
+    return StageSpec.from_json(s)
+  if isinstance(s, (tuple, list)) and 3 <= len(s) <= 4:
+    return StageSpec(*s)
+  raise PlanError(f"cannot read stage {s!r}: give a StageSpec, a dict, or "
+                  "(layers, subcluster, submesh[, logical_mesh])")
+
+
+def stage_comm_costs(plan: Plan) -> list[float]:
+  """``c_i`` per cut (``[num_stages - 1]``), zeros where unknown."""
+  return [0.0 if s.comm_s is None or math.isnan(s.comm_s) else float(s.comm_s)
+          for s in plan.stages[:-1]]

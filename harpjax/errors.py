@@ -1,0 +1,68 @@
+"""User-facing errors.
+
+Every mistake a user can make (a malformed cluster file, a plan that does not fit, a batch that
+does not split into microbatches) raises a subclass of :class:`HarpjaxError` whose message says
+which object, which value and what to change. ``assert`` is kept for internal invariants.
+"""
+
+from __future__ import annotations
+
+
+class HarpjaxError(Exception):
+  """Base class of every error harpjax raises for bad input."""
+
+
+class ClusterSpecError(HarpjaxError, ValueError):
+  """The cluster description is malformed.
+
+  The message names the offending field (``subclusters[1].gpu``, ``links[0].between``...).
+  Fix the YAML file or the arguments of :class:`harpjax.Cluster`.
+  """
+
+
+class UnknownGPUError(ClusterSpecError):
+  """A GPU type is not in the built-in catalog and was not declared by the user.
+
+  Use one of the catalog names (``harpjax.cluster.GPU_CATALOG``) or declare the GPU under
+  ``gpus:`` in the cluster file with its peak TFLOP/s, memory and memory bandwidth.
+  """
+
+
+class NotEnoughDevicesError(HarpjaxError):
+  """The cluster (or a plan) needs more devices than this machine provides."""
+
+
+class PlanError(HarpjaxError, ValueError):
+  """A pipeline plan is invalid: layer ranges, submeshes, logical meshes or devices."""
+
+
+class ScheduleError(HarpjaxError, ValueError):
+  """A schedule table is invalid or deadlocks; the message shows the table and the bad step."""
+
+
+class MicrobatchError(HarpjaxError, ValueError):
+  """The batch cannot be split into the requested number of microbatches."""
+
+
+class TraceError(HarpjaxError, ValueError):
+  """The train step cannot be traced into a pipelined region and an apply-gradient part.
+
+  Typical causes: the step never calls ``harpjax.value_and_grad``/``harpjax.grad``, calls it
+  more than once, or the loss function behaves differently for a microbatch than for the batch.
+  """
+
+
+class UnsupportedError(HarpjaxError, NotImplementedError):
+  """The model uses a construct harpjax does not support yet; the message names it."""
+
+
+class InfeasiblePlanError(HarpjaxError):
+  """No plan satisfies the constraints; the message says which constraint and by how much."""
+
+
+class CostTablesError(HarpjaxError, ValueError):
+  """Cost tables are malformed (wrong shapes, negative times, ...)."""
+
+
+class RuntimeFailure(HarpjaxError, RuntimeError):
+  """A stage worker failed or timed out; the message names the stage."""

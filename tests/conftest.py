@@ -1,0 +1,15 @@
+"""Test setup: eight fake CPU devices, set before JAX is imported."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+try:
+  from hypothesis import settings
+  settings.register_profile("harpjax", deadline=None, derandomize=True, max_examples=60)
+  settings.load_profile("harpjax")
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+  pass
