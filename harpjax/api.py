@@ -1,0 +1,261 @@
+"""The ``@auto_parallel`` decorator and the step object it returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from harpjax.compiler import schedules as schedules_lib
+from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
+from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
+from harpjax.compiler.plan import Plan, StageSpec
+from harpjax.compiler.trace import TracedStep, trace_step
+from harpjax.errors import HarpjaxError, MicrobatchError, PlanError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["auto_parallel", "ParallelStep", "ParallelOptions"]
+
+RUNTIMES = ("local",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelOptions:
+  """Options of :func:`auto_parallel` (see there)."""
+  cluster: Any
+  num_microbatches: int | None = None
+  plan: Plan | None = None
+  schedule: str | None = None
+  batch_argnums: tuple[int, ...] = (1,)
+  loss_reduction: str = "mean"
+  runtime: str = "local"
+  eps: float = 0.1
+
+  def __post_init__(self):
+    if self.loss_reduction not in LOSS_REDUCTIONS:
+      raise PlanError(f"loss_reduction={self.loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
+    if self.runtime not in RUNTIMES:
+      raise PlanError(f"runtime={self.runtime!r}; choose one of {RUNTIMES}")
+    if self.schedule is not None:
+      key = self.schedule.lower().replace("-", "_")
+      if key not in schedules_lib.SCHEDULE_NAMES:
+        raise PlanError(f"schedule={self.schedule!r}; choose one of "
+                        f"{', '.join(schedules_lib.SCHEDULE_NAMES)}")
+      object.__setattr__(self, "schedule", key)
+    if self.num_microbatches is not None and (int(self.num_microbatches) != self.num_microbatches
+                                              or self.num_microbatches < 1):
+      raise MicrobatchError(f"num_microbatches={self.num_microbatches} must be a positive "
+                            "integer")
+    object.__setattr__(self, "batch_argnums", tuple(self.batch_argnums))
+
+
+def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int | None = None,
+                  plan: Plan | None = None, schedule: str | None = None,
+                  batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
+                  runtime: str = "local", eps: float = 0.1):
+  """Pipelines a train step over a heterogeneous cluster.
+
+  ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
+  :func:`harpjax.value_and_grad` (or :func:`harpjax.grad`) and applies them however it likes.
+  The decorated step returns the same pytree structure; its numbers equal ``jax.jit(fun)``'s
+  (up to float summation order) when the loss is a mean over the batch.
+
+  Args:
+    fun: the train step.
+    cluster: a :class:`harpjax.Cluster`, a path to its YAML file, or its dict form.
+    num_microbatches: B; the batch arguments' leading axis must divide by it.
+    plan: the pipeline plan (:class:`harpjax.ManualPlan` or a saved plan).
+    schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``; default the plan's.
+    batch_argnums: positions of the step's batch arguments (split along axis 0).
+    loss_reduction: ``"mean"`` if the loss (and scalar aux outputs) average over the batch,
+      ``"sum"`` if they add up.
+    runtime: ``"local"`` (one process).
+    eps: H-1F1B tolerance of :func:`harpjax.compiler.schedules.warmup_delta`.
+
+  Returns:
+    A :class:`ParallelStep`, callable like ``fun``.
+  """
+  options = ParallelOptions(cluster=cluster, num_microbatches=num_microbatches, plan=plan,
+                            schedule=schedule, batch_argnums=tuple(batch_argnums),
+                            loss_reduction=loss_reduction, runtime=runtime, eps=eps)
+  if fun is None:
+    return lambda f: ParallelStep(f, options)
+  return ParallelStep(fun, options)
+
+
+class ParallelStep:
+  """A pipelined train step. Call it like the original step.
+
+  Attributes:
+    plan: the plan in use, with warm-up counts, once the step has been compiled (else the
+      plan given).
+    layers: the layer sequence of the model, once traced.
+  """
+
+  def __init__(self, fun: Callable, options: ParallelOptions):
+    functools.update_wrapper(self, fun)
+    self._fun = fun
+    self.options = options
+    self._cluster = None
+    self._compiled: dict[Any, CompiledStep] = {}
+    self._last: CompiledStep | None = None
+
+  # ------------------------------------------------------------------ public
+
+  @property
+  def cluster(self):
+    if self._cluster is None:
+      self._cluster = _load_cluster(self.options.cluster)
+    return self._cluster
+
+  @property
+  def plan(self) -> Plan | None:
+    return self._last.plan if self._last is not None else self.options.plan
+
+  @property
+  def layers(self) -> LayerSequence | None:
+    return self._last.layers if self._last is not None else None
+
+  @property
+  def compiled(self) -> CompiledStep | None:
+    return self._last
+
+  def __call__(self, *args):
+    cs = self.compile(*args)
+    from harpjax.runtime.local import run_step
+    return run_step(cs, args)
+
+  def compile(self, *args) -> CompiledStep:
+    """Traces and compiles for these arguments (shapes and structure); cached."""
+    key = _signature(args)
+    cs = self._compiled.get(key)
+    if cs is None:
+      cs = self._compile(args)
+      self._compiled[key] = cs
+    self._last = cs
+    return cs
+
+  def trace(self, *args) -> tuple[TracedStep, LayerSequence]:
+    """The traced step and its layer sequence, without compiling."""
+    B = self._num_microbatches()
+    ts = trace_step(self._fun, args, num_microbatches=B,
+                    batch_argnums=self.options.batch_argnums)
+    return ts, layers_from_boundaries(ts.region, ts.boundary_cuts)
+
+  # ------------------------------------------------------------------ internals
+
+  def _num_microbatches(self) -> int:
+    B = self.options.num_microbatches
+    if B is None and self.options.plan is not None:
+      B = self.options.plan.num_microbatches
+    if B is None:
+      raise MicrobatchError("num_microbatches is not set: pass num_microbatches=B to "
+                            "auto_parallel or set it in the plan")
+    return int(B)
+
+  def _compile(self, args) -> CompiledStep:
+    plan = self.options.plan
+    if plan is None:
+      raise PlanError("auto_parallel needs plan=ManualPlan([...]) in this version: automatic "
+                      "planning is not available yet")
+    cluster = self.cluster
+    ts, layers = self.trace(*args)
+    B = ts.num_microbatches
+    if plan.stages[-1].layers[1] != len(layers) - 1:
+      raise PlanError(
+          f"the plan's stages cover layers 0..{plan.stages[-1].layers[1]} but the model has "
+          f"{len(layers)} layers (0..{len(layers) - 1}); {layers}. Adjust the layer ranges or "
+          "the mark_layer_boundary calls")
+    stage_indices = resolve_devices(cluster, plan)
+    local = cluster.local_devices()
+    stage_devices = [[local[i] for i in idx] for idx in stage_indices]
+    schedule_name = self.options.schedule or plan.schedule
+    warmups = _warmups(schedule_name, plan, layers, cluster, stage_indices, B, self.options.eps)
+    schedule = schedules_lib.make_schedule(
+        schedule_name, plan.num_stages, B,
+        warmups if schedule_name == "h1f1b" else None)
+    stages = tuple(dataclasses.replace(s, devices=tuple(idx), warmup=w)
+                   for s, idx, w in zip(plan.stages, stage_indices, schedule.warmups))
+    plan = plan.replace(stages=stages, num_microbatches=B, schedule=schedule_name,
+                        num_layers=len(layers))
+    log.info("compiling %d stages over %d layers with %s, B=%d", plan.num_stages, len(layers),
+             schedule_name, B)
+    return compile_step(ts, layers, plan, stage_devices, schedule, self.options.loss_reduction)
+
+
+def resolve_devices(cluster, plan: Plan) -> list[tuple[int, ...]]:
+  """Global device indices of every stage: explicit ones checked, the others allocated."""
+  names = [sc.name for sc in cluster.subclusters]
+  for i, s in enumerate(plan.stages):
+    if s.subcluster not in names:
+      raise PlanError(f"stage {i} (layers {list(s.layers)}) uses subcluster {s.subcluster!r}, "
+                      f"which the cluster does not have (it has {', '.join(names)})")
+  total = sum(s.num_devices for s in plan.stages)
+  if total > cluster.num_devices:
+    raise PlanError(f"the plan uses {total} devices but the cluster has {cluster.num_devices}")
+  explicit = {i: s.devices for i, s in enumerate(plan.stages) if s.devices is not None}
+  taken: dict[int, int] = {}
+  for i, devs in explicit.items():
+    allowed = set(cluster.devices_of(plan.stages[i].subcluster))
+    for d in devs:
+      if d not in allowed:
+        raise PlanError(f"stage {i} lists device {d}, which is not in subcluster "
+                        f"{plan.stages[i].subcluster!r} (devices {min(allowed)}..{max(allowed)})")
+      if d in taken:
+        raise PlanError(f"stages {taken[d]} and {i} both use device {d}; stages need disjoint "
+                        "devices")
+      taken[d] = i
+  todo = [i for i in range(plan.num_stages) if i not in explicit]
+  result: dict[int, tuple[int, ...]] = dict(explicit)
+  if todo:
+    allocated = cluster.allocate_submeshes(
+        [(plan.stages[i].subcluster, plan.stages[i].submesh) for i in todo],
+        reserved=set(taken))
+    for i, devs in zip(todo, allocated):
+      result[i] = tuple(devs)
+  return [result[i] for i in range(plan.num_stages)]
+
+
+def _warmups(schedule: str, plan: Plan, layers: LayerSequence, cluster, stage_indices, B: int,
+             eps: float) -> tuple[int, ...] | None:
+  """H-1F1B warm-up counts: given, from known stage/link times, or from the links alone."""
+  if schedule != "h1f1b":
+    return None
+  if plan.warmups is not None:
+    return plan.warmups
+  S = plan.num_stages
+  times = [s.time_s for s in plan.stages]
+  comms = [s.comm_s for s in plan.stages[:-1]]
+  if all(t is not None for t in times) and all(c is not None for c in comms):
+    return schedules_lib.h1f1b_warmups(comms, max(times), eps)
+  # Without compute times, assume a cut over a slower-than-intra-subcluster link needs one
+  # extra in-flight microbatch (delta = 2, Eq. 2's middle case) and a fast one none.
+  counts = [1]
+  for i in range(S - 2, -1, -1):
+    a, b = plan.stages[i], plan.stages[i + 1]
+    delta = 2 if a.subcluster != b.subcluster else 1
+    counts.append(counts[-1] + delta)
+  return tuple(reversed(counts))
+
+
+def _load_cluster(spec):
+  from harpjax.cluster import Cluster
+  if isinstance(spec, Cluster):
+    return spec
+  if isinstance(spec, (str, os.PathLike)):
+    return Cluster.load(spec)
+  if isinstance(spec, dict):
+    return Cluster.from_dict(spec)
+  raise HarpjaxError(f"cluster must be a harpjax.Cluster, a YAML path or a dict, not "
+                     f"{type(spec).__name__}")
+
+
+def _signature(args) -> Any:
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  return tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)

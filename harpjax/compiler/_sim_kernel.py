@@ -1,0 +1,255 @@
+"""Numeric kernel of the pipeline simulator, on plain arrays, with a pure-Python twin.
+
+The model is the DAG of HARP §4.2.1: compute nodes ``F``/``B`` per (stage, microbatch), one
+transfer node per (link, direction, microbatch), and three kinds of edges:
+
+* ``E_comp``: a stage runs its tasks one at a time, in its table's order;
+* ``E_comm``: a link direction sends one message at a time, in FIFO order of enqueueing (a
+  forward message is enqueued when its ``F`` ends, so the order is the sender's table order);
+* ``E_dep``: ``F(s, m)`` needs the activation of ``m`` delivered from stage ``s - 1``;
+  ``B(s, m)`` needs the gradient of ``m`` delivered from stage ``s + 1`` (the last stage's
+  ``B(m)`` needs only its own ``F(m)``, which its table runs earlier).
+
+Every node starts as soon as all its predecessors are done (Eq. 3 with equality), so the start
+times are the longest-path distances in the DAG. Two kernels compute them:
+
+* :func:`simulate_kernel` (Numba when available): a topological sweep. Stages are visited
+  forwards then backwards; each runs its table as far as the data already computed allows.
+  Every node is computed once, after all its predecessors, so the cost is
+  ``O(tasks + sweeps * stages)``.
+* :func:`simulate_reference` (pure Python): an independent discrete-event simulation that pops
+  events from a heap in time order. Tests cross-check the two on random tables.
+
+Both take the task table as two ``[num_stages, 2 * num_microbatches]`` integer arrays (kind
+``0 = F``, ``1 = B``; microbatch index) and return the same arrays.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+try:  # Numba is a hard dependency, but the twin keeps the simulator usable without it.
+  import numba as _numba
+except ImportError:  # pragma: no cover
+  _numba = None
+
+__all__ = ["simulate_kernel", "simulate_python", "simulate_reference", "KIND_F", "KIND_B",
+           "HAVE_NUMBA"]
+
+KIND_F = 0
+KIND_B = 1
+HAVE_NUMBA = _numba is not None
+
+
+def _simulate_impl(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd, task_start, task_end,
+                   msg_start, msg_end, stuck):
+  """Longest-path start times of every node (see module docstring).
+
+  Args:
+    kinds: ``[S, n]`` int, ``0`` for F, ``1`` for B; ``n = 2 * B``.
+    mbs: ``[S, n]`` int, the microbatch of each task.
+    fwd: ``[S, B]`` float, forward seconds of each (stage, microbatch).
+    bwd: ``[S, B]`` float, backward seconds.
+    comm_fwd: ``[max(S - 1, 1), B]`` float, seconds to send the activation of a microbatch
+      from stage ``i`` to ``i + 1``.
+    comm_bwd: ``[max(S - 1, 1), B]`` float, seconds to send the gradient from ``i + 1`` to
+      ``i``.
+    task_start: ``[S, n]`` float output, start of each table entry, seconds.
+    task_end: ``[S, n]`` float output.
+    msg_start: ``[2, max(S - 1, 1), B]`` float output, transfer start per (direction, link,
+      microbatch); direction ``0`` is activations (``i -> i + 1``), ``1`` gradients.
+    msg_end: ``[2, max(S - 1, 1), B]`` float output, delivery time.
+    stuck: ``[S]`` int output: on deadlock, the table position each stage is stuck at
+      (``n`` for stages that finished); untouched otherwise.
+
+  Returns:
+    ``0`` on success, ``1`` if the table deadlocks.
+  """
+  num_stages = kinds.shape[0]
+  n = kinds.shape[1]
+  num_mb = fwd.shape[1]
+  # -1 marks "not delivered yet"; every real time is >= 0.
+  act_ready = np.full((num_stages, num_mb), -1.0)
+  grad_ready = np.full((num_stages, num_mb), -1.0)
+  for m in range(num_mb):
+    act_ready[0, m] = 0.0
+  pos = np.zeros(num_stages, np.int64)
+  free = np.zeros(num_stages)
+  link_free = np.zeros((2, max(num_stages - 1, 1)))
+  remaining = num_stages * n
+  while remaining > 0:
+    progressed = False
+    for sweep in range(2 * num_stages):
+      s = sweep if sweep < num_stages else 2 * num_stages - 1 - sweep
+      while pos[s] < n:
+        p = pos[s]
+        m = mbs[s, p]
+        if kinds[s, p] == 0:
+          ready = act_ready[s, m]
+          dur = fwd[s, m]
+        else:
+          ready = grad_ready[s, m]
+          dur = bwd[s, m]
+        if ready < 0.0:
+          break
+        t0 = free[s] if free[s] > ready else ready
+        t1 = t0 + dur
+        task_start[s, p] = t0
+        task_end[s, p] = t1
+        free[s] = t1
+        if kinds[s, p] == 0:
+          if s + 1 < num_stages:
+            a = link_free[0, s] if link_free[0, s] > t1 else t1
+            e = a + comm_fwd[s, m]
+            msg_start[0, s, m] = a
+            msg_end[0, s, m] = e
+            link_free[0, s] = e
+            act_ready[s + 1, m] = e
+          else:
+            grad_ready[s, m] = t1
+        elif s > 0:
+          a = link_free[1, s - 1] if link_free[1, s - 1] > t1 else t1
+          e = a + comm_bwd[s - 1, m]
+          msg_start[1, s - 1, m] = a
+          msg_end[1, s - 1, m] = e
+          link_free[1, s - 1] = e
+          grad_ready[s - 1, m] = e
+        pos[s] = p + 1
+        remaining -= 1
+        progressed = True
+    if not progressed:
+      for s in range(num_stages):
+        stuck[s] = pos[s]
+      return 1
+  return 0
+
+
+if HAVE_NUMBA:
+  _simulate_jit = _numba.njit(cache=True, nogil=True)(_simulate_impl)
+else:  # pragma: no cover
+  _simulate_jit = _simulate_impl
+
+
+def _alloc(kinds, fwd, comm_fwd):
+  num_stages, n = kinds.shape
+  num_mb = fwd.shape[1]
+  links = comm_fwd.shape[0]
+  return (np.zeros((num_stages, n)), np.zeros((num_stages, n)),
+          np.zeros((2, links, num_mb)), np.zeros((2, links, num_mb)),
+          np.full(num_stages, n, np.int64))
+
+
+def simulate_kernel(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd, use_numba=True):
+  """Runs the sweep kernel; arguments as :func:`_simulate_impl`.
+
+  Args:
+    use_numba: ``False`` runs the very same code as plain Python (for debugging).
+
+  Returns:
+    ``(status, task_start, task_end, msg_start, msg_end, stuck)``; ``status`` is ``0`` on
+    success and ``1`` on deadlock, in which case ``stuck[s]`` is stage ``s``'s stuck position.
+  """
+  args = [np.ascontiguousarray(kinds, np.int64), np.ascontiguousarray(mbs, np.int64),
+          np.ascontiguousarray(fwd, np.float64), np.ascontiguousarray(bwd, np.float64),
+          np.ascontiguousarray(comm_fwd, np.float64), np.ascontiguousarray(comm_bwd, np.float64)]
+  out = _alloc(args[0], args[2], args[4])
+  fn = _simulate_jit if use_numba else _simulate_impl
+  status = fn(*args, *out)
+  return (int(status),) + out
+
+
+def simulate_python(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd):
+  """:func:`simulate_kernel` without Numba."""
+  return simulate_kernel(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd, use_numba=False)
+
+
+def simulate_reference(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd):
+  """Discrete-event twin of :func:`simulate_kernel`: same inputs, same outputs.
+
+  Events are popped in time order from a heap. A stage whose next task's input has been
+  delivered starts it when the stage is free; a link direction starts its next queued message
+  when the link is free. Written independently of the sweep so that the two check each other.
+  """
+  kinds = np.asarray(kinds)
+  mbs = np.asarray(mbs)
+  num_stages, n = kinds.shape
+  num_mb = np.asarray(fwd).shape[1]
+  task_start, task_end, msg_start, msg_end, stuck = _alloc(kinds, np.asarray(fwd),
+                                                           np.asarray(comm_fwd))
+  delivered = set()     # ("A"|"G", stage, microbatch): input available at that stage
+  for m in range(num_mb):
+    delivered.add(("A", 0, m))
+  pos = [0] * num_stages
+  busy = [False] * num_stages
+  queues = {(d, l): [] for d in range(2) for l in range(max(num_stages - 1, 1))}
+  link_busy = {key: False for key in queues}
+  events = []           # (time, seq, kind, payload)
+  seq = 0
+  now = 0.0
+
+  def push(t, kind, payload):
+    nonlocal seq
+    heapq.heappush(events, (t, seq, kind, payload))
+    seq += 1
+
+  def try_start_stage(s):
+    if busy[s] or pos[s] >= n:
+      return
+    p = pos[s]
+    k, m = int(kinds[s, p]), int(mbs[s, p])
+    need = ("A", s, m) if k == KIND_F else ("G", s, m)
+    if need not in delivered:
+      return
+    dur = float(fwd[s][m] if k == KIND_F else bwd[s][m])
+    busy[s] = True
+    task_start[s, p] = now
+    task_end[s, p] = now + dur
+    push(now + dur, "task_done", (s, p))
+
+  def try_start_link(key):
+    if link_busy[key] or not queues[key]:
+      return
+    d, l = key
+    m = queues[key].pop(0)
+    dur = float(comm_fwd[l][m] if d == 0 else comm_bwd[l][m])
+    link_busy[key] = True
+    msg_start[d, l, m] = now
+    msg_end[d, l, m] = now + dur
+    push(now + dur, "msg_done", (d, l, m))
+
+  for s in range(num_stages):
+    try_start_stage(s)
+  while events:
+    now, _, kind, payload = heapq.heappop(events)
+    if kind == "task_done":
+      s, p = payload
+      busy[s] = False
+      pos[s] += 1
+      k, m = int(kinds[s, p]), int(mbs[s, p])
+      if k == KIND_F and s + 1 < num_stages:
+        queues[(0, s)].append(m)
+        try_start_link((0, s))
+      elif k == KIND_F:
+        delivered.add(("G", s, m))
+      elif s > 0:
+        queues[(1, s - 1)].append(m)
+        try_start_link((1, s - 1))
+      try_start_stage(s)
+    else:
+      d, l, m = payload
+      link_busy[(d, l)] = False
+      if d == 0:
+        delivered.add(("A", l + 1, m))
+        try_start_stage(l + 1)
+      else:
+        delivered.add(("G", l, m))
+        try_start_stage(l)
+      try_start_link((d, l))
+    # Zero-length work can make new events due right now; the heap handles them in order.
+  status = 0
+  if any(p < n for p in pos):
+    status = 1
+    stuck[:] = pos
+  return status, task_start, task_end, msg_start, msg_end, stuck

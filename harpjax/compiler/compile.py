@@ -1,0 +1,166 @@
+"""From a traced step, a layer sequence and a plan to everything the runtimes execute."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from harpjax.compiler import placement as placement_lib
+from harpjax.compiler import sharding as sharding_lib
+from harpjax.compiler.layers import LayerSequence
+from harpjax.compiler.plan import Plan
+from harpjax.compiler.program import Lit, eval_ops
+from harpjax.compiler.schedules import Schedule
+from harpjax.compiler.stages import (StageExecutables, build_stage_executables, slice_stages,
+                                     stage_mesh)
+from harpjax.compiler.trace import TracedStep
+from harpjax.errors import PlanError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompiledStep", "compile_step", "LOSS_REDUCTIONS"]
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclasses.dataclass(eq=False)
+class CompiledStep:
+  """Everything needed to run one pipelined train step.
+
+  Attributes:
+    traced: the traced step.
+    layers: the layer sequence of the region.
+    plan: the plan (with warm-up counts filled in).
+    schedule: the task tables.
+    stages: per-stage executables.
+    placement: where the ops around the region run.
+    group_fns: jitted function per placement group (same order as ``placement.before +
+      placement.after``).
+    param_owner: per parameter index, the stage that owns it (first reader).
+    param_users: per parameter index, the stages reading it.
+    output_stage: per region output (loss, aux...), the stage computing it, or ``-1`` when the
+      output is a region input or a literal.
+    batch_dependent: region value ids whose leading axis carries the batch.
+    loss_reduction: ``"mean"`` or ``"sum"``.
+  """
+  traced: TracedStep
+  layers: LayerSequence
+  plan: Plan
+  schedule: Schedule
+  stages: list
+  placement: placement_lib.Placement
+  group_fns: list
+  param_owner: list
+  param_users: list
+  output_stage: list
+  batch_dependent: set
+  loss_reduction: str
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def output_sharding(self, stage: int, vid: int) -> NamedSharding:
+    """Sharding of a stage output (cotangents sent to it use the same)."""
+    st = self.stages[stage]
+    dp = st.mesh.devices.shape[0]
+    shape = self.layers.program.avals[vid].shape
+    spec = sharding_lib.batch_spec(shape, 0, dp) if vid in self.batch_dependent else P()
+    return NamedSharding(st.mesh, spec)
+
+
+def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
+                 stage_devices: Sequence[Sequence], schedule: Schedule,
+                 loss_reduction: str = "mean") -> CompiledStep:
+  """Builds stage executables and the placement of the rest of the step.
+
+  Args:
+    traced: from :func:`harpjax.compiler.trace.trace_step`.
+    layers: the region's layers; the plan's ranges index them.
+    plan: stages with logical meshes.
+    stage_devices: per stage, its JAX devices in submesh order.
+    schedule: the task tables (one row per stage).
+    loss_reduction: how microbatch losses combine into the step's loss.
+  """
+  if loss_reduction not in LOSS_REDUCTIONS:
+    raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
+  if plan.stages[-1].layers[1] != len(layers) - 1:
+    raise PlanError(f"the plan's stages cover layers 0..{plan.stages[-1].layers[1]} but the "
+                    f"model has {len(layers)} layers (0..{len(layers) - 1}): {layers}")
+  if schedule.num_stages != plan.num_stages:
+    raise PlanError(f"schedule has {schedule.num_stages} stages, plan {plan.num_stages}")
+  prog = layers.program
+  ranges = [s.layers for s in plan.stages]
+  programs = slice_stages(layers, ranges, traced)
+  batch_dependent = _batch_dependent(traced, prog)
+  stages: list[StageExecutables] = []
+  for spec, sp, devs in zip(plan.stages, programs, stage_devices):
+    mesh = stage_mesh(devs, spec.logical_mesh)
+    stages.append(build_stage_executables(sp, traced, layers, mesh, batch_dependent))
+
+  # Parameters: owner = first stage that reads them.
+  num_params = traced.num_params
+  nc = prog.num_consts
+  param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
+  assert len(param_vid) == num_params
+  users = [[s for s, sp in enumerate(programs) if v in sp.param_ids] for v in param_vid]
+  owner = [u[0] if u else 0 for u in users]
+
+  producer = prog.producers()
+  own_stage = {}
+  for s, sp in enumerate(programs):
+    for i in range(*sp.own_range):
+      own_stage[i] = s
+  output_stage = []
+  for ref in prog.outvars:
+    if isinstance(ref, Lit) or ref not in producer:
+      output_stage.append(-1)
+    else:
+      output_stage.append(own_stage[producer[ref]])
+
+  # Placement of the rest of the step.
+  outer = traced.outer
+  region_eqn = outer.ops[traced.region_op]
+  seeds = {}
+  for k, inp in enumerate(traced.inputs):
+    if inp.kind == "param" and not isinstance(inp.outer_ref, Lit):
+      seeds.setdefault(inp.outer_ref, owner[inp.param_index])
+  n_fwd_out = len(prog.outvars)
+  for k, vid in enumerate(region_eqn.outvars):
+    if vid < 0:
+      continue
+    if k < n_fwd_out:
+      seeds[vid] = max(output_stage[k], 0)
+    else:
+      seeds[vid] = owner[k - n_fwd_out]
+  placed = placement_lib.place(outer, traced.region_op, seeds)
+  group_fns = [_jit_group(g) for g in placed.before + placed.after]
+  log.info("compiled %d stages; %d groups before and %d after the pipeline", len(stages),
+           len(placed.before), len(placed.after))
+  return CompiledStep(traced, layers, plan, schedule, stages, placed, group_fns, owner, users,
+                      output_stage, batch_dependent, loss_reduction)
+
+
+def _jit_group(group: placement_lib.Group):
+  ops, in_ids, out_ids = group.ops, group.in_ids, group.out_ids
+
+  def fn(*inputs):
+    env = dict(zip(in_ids, inputs))
+    eval_ops(ops, env)
+    return tuple(env[v] for v in out_ids)
+
+  return jax.jit(fn)
+
+
+def _batch_dependent(traced: TracedStep, prog) -> set[int]:
+  roots = {prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "split"}
+  dep = set(roots)
+  for op in prog.ops:
+    if op.index in traced.regen_ops or any(v in dep for v in op.in_ids()):
+      dep.update(v for v in op.outvars if v >= 0)
+  return dep
