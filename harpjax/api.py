@@ -215,9 +215,13 @@ def resolve_devices(cluster, plan: Plan) -> list[tuple[int, ...]]:
   result: dict[int, tuple[int, ...]] = dict(explicit)
   if todo:
     allocated = cluster.allocate_submeshes(
-        [(plan.stages[i].subcluster, plan.stages[i].submesh) for i in todo],
-        reserved=set(taken))
+        [(plan.stages[i].subcluster, plan.stages[i].submesh) for i in todo])
     for i, devs in zip(todo, allocated):
+      clash = sorted(set(devs) & set(taken))
+      if clash:
+        raise PlanError(
+            f"stage {i} was allocated devices {list(devs)}, but stage {taken[clash[0]]} lists "
+            f"device {clash[0]} explicitly; give explicit devices for every stage or for none")
       result[i] = tuple(devs)
   return [result[i] for i in range(plan.num_stages)]
 

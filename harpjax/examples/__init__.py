@@ -1,0 +1,1 @@
+"""Small example models and the demo (``python -m harpjax.examples.demo``)."""

@@ -1,0 +1,49 @@
+"""Shared helpers: run a step pipelined and under ``jax.jit`` and compare every output."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import harpjax
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs")
+DEMO_CLUSTER = os.path.join(CONFIGS, "demo_local.yaml")
+RTOL = 1e-5
+
+
+def max_rel_err(a, b) -> float:
+  """Largest |a-b| / max|a| over matching leaves (exact match required for non-floats)."""
+  worst = 0.0
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb), (len(la), len(lb))
+  for x, y in zip(la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
+    if not np.issubdtype(x.dtype, np.inexact):
+      np.testing.assert_array_equal(x, y)
+      continue
+    scale = max(float(np.max(np.abs(x))), 1e-30) if x.size else 1.0
+    worst = max(worst, float(np.max(np.abs(x - y))) / scale if x.size else 0.0)
+  return worst
+
+
+def compare_steps(step, state, batches, *, plan, num_microbatches, schedule=None,
+                  cluster=DEMO_CLUSTER, extra_args=(), rtol=RTOL, **kwargs):
+  """Runs ``len(batches)`` steps both ways from ``state``; asserts equal results each step."""
+  pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=num_microbatches,
+                                plan=plan, schedule=schedule, **kwargs)
+  ref = jax.jit(step)
+  s_ref = s_par = state
+  for i, batch in enumerate(batches):
+    extra = extra_args[i] if extra_args else ()
+    out_ref = ref(s_ref, batch, *extra)
+    out_par = pstep(s_par, batch, *extra)
+    assert jax.tree_util.tree_structure(out_ref) == jax.tree_util.tree_structure(out_par)
+    err = max_rel_err(out_ref, out_par)
+    assert err <= rtol, f"step {i}: max relative error {err:.3g} > {rtol}"
+    s_ref, s_par = out_ref[0], out_par[0]
+  return pstep

@@ -1,0 +1,155 @@
+"""Pipelined steps equal ``jax.jit`` of the undecorated step (params, optimizer state, loss, aux)."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import harpjax
+from harpjax.examples.models import GPT, GPTConfig, MLP, DropoutMLP
+from tests.equivalence import compare_steps
+
+SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "h1f1b"]
+
+
+def _gpt_setup(num_blocks=2, dropout=0.0, batch=8, tx=None):
+  cfg = GPTConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=2, num_blocks=num_blocks,
+                  dropout=dropout)
+  model = GPT(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (batch, cfg.seq_len), 0, cfg.vocab_size)
+  params = model.init(jax.random.key(1), tokens)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx or optax.adamw(1e-2))
+
+  def step(state, batch, rng):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch[:, :-1], train=True, rngs={"dropout": rng})
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+      return loss, {"logits_norm": jnp.mean(logits ** 2)}
+    (loss, aux), grads = harpjax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+  batches = [jax.random.randint(jax.random.key(10 + i), (batch, cfg.seq_len + 1), 0,
+                                cfg.vocab_size) for i in range(3)]
+  # seq_len + 1 tokens: inputs are the first seq_len
+  model_cfg = cfg
+  return step, state, batches, model_cfg
+
+
+GPT3 = harpjax.ManualPlan([((0, 1), "v100", (1, 2), (2, 1)),
+                           ((2, 2), "a100", (1, 2), (1, 2)),
+                           ((3, 3), "a100", (1, 1))])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gpt_three_stages_every_schedule(schedule):
+  step, state, batches, _ = _gpt_setup()
+  rngs = [(jax.random.key(100 + i),) for i in range(len(batches))]
+  compare_steps(step, state, batches, plan=GPT3, num_microbatches=4, schedule=schedule,
+                extra_args=rngs)
+
+
+@pytest.mark.parametrize("plan", [
+    harpjax.ManualPlan([((0, 3), "a100", (1, 1))]),
+    harpjax.ManualPlan([((0, 1), "v100", (1, 4), (2, 2)), ((2, 3), "a100", (2, 2), (4, 1))]),
+    harpjax.ManualPlan([((0, 0), "v100", (1, 2), (1, 2)), ((1, 1), "v100", (1, 2), (2, 1)),
+                        ((2, 2), "a100", (1, 2), (2, 1)), ((3, 3), "a100", (1, 2), (1, 2))]),
+], ids=["1stage", "2stages-dp-tp", "4stages"])
+def test_gpt_stage_counts(plan):
+  step, state, batches, _ = _gpt_setup()
+  rngs = [(jax.random.key(100 + i),) for i in range(2)]
+  compare_steps(step, state, batches[:2], plan=plan, num_microbatches=2, extra_args=rngs)
+
+
+@pytest.mark.parametrize("tx", ["sgd", "adamw"])
+def test_gpt_with_dropout_matches_jit(tx):
+  # Dropout masks are the full batch's, sliced per microbatch, so gradients agree to rounding.
+  # Adam divides each gradient by its own magnitude: a gradient element of size ~eps turns
+  # summation-order rounding (~1e-7 of the leaf's largest gradient) into a visible change of
+  # its update, and a bias leaf starts at zero, so the leaf's scale is the update itself. With
+  # dropout some elements land there; eps=1e-3 keeps the comparison about the gradients. With
+  # SGD (lr=1) the parameters' change is the raw gradient.
+  opt = optax.sgd(1.0) if tx == "sgd" else optax.adamw(1e-2, eps=1e-3)
+  step, state, batches, _ = _gpt_setup(dropout=0.1, tx=opt)
+  rngs = [(jax.random.key(100 + i),) for i in range(len(batches))]
+  compare_steps(step, state, batches, plan=GPT3, num_microbatches=4, extra_args=rngs)
+
+
+def _classifier_step(model, tx, reduction="mean", use_grad=False):
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["x"], rngs={"dropout": batch["rng"]})
+      per_ex = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+      loss = per_ex.mean() if reduction == "mean" else per_ex.sum()
+      return loss, {"logits": logits, "correct": jnp.sum(logits.argmax(-1) == batch["y"])}
+    if use_grad:
+      grads, aux = harpjax.grad(loss_fn, has_aux=True)(state.params)
+      return state.apply_gradients(grads=grads), aux
+    (loss, aux), grads = harpjax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), (loss, aux)
+  x = jax.random.normal(jax.random.key(0), (16, 12))
+  params = model.init(jax.random.key(1), x)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  batches = [{"x": jax.random.normal(jax.random.key(20 + i), (16, 12)),
+              "y": jax.random.randint(jax.random.key(30 + i), (16,), 0, 10),
+              "rng": jax.random.key(40 + i)} for i in range(3)]
+  return step, state, batches
+
+
+MLP3 = harpjax.ManualPlan([((0, 0), "v100", (1, 2), (2, 1)), ((1, 2), "a100", (1, 2), (1, 2)),
+                           ((3, 3), "v100", (1, 2), (1, 2))])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "h1f1b"])
+def test_mlp_with_global_norm_clipping(schedule):
+  tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+  step, state, batches = _classifier_step(MLP(), tx)
+  compare_steps(step, state, batches, plan=MLP3, num_microbatches=4, schedule=schedule,
+                batch_argnums=(1,))
+
+
+def test_dropout_mlp_grad_api_and_sum_loss():
+  step, state, batches = _classifier_step(DropoutMLP(), optax.sgd(1e-2, momentum=0.9),
+                                          reduction="sum", use_grad=True)
+  compare_steps(step, state, batches, plan=MLP3, num_microbatches=8, schedule="gpipe",
+                loss_reduction="sum")
+
+
+class SkipModel(nn.Module):
+  """A value from layer 0 skips to layer 3; an integer mask crosses stages."""
+
+  @nn.compact
+  def __call__(self, x):
+    h0 = nn.Dense(24, name="in")(x)
+    mask = (x[:, 0] > 0).astype(jnp.int32)
+    h0 = harpjax.mark_layer_boundary(h0)
+    h = nn.tanh(nn.Dense(24, name="mid1")(h0))
+    h = harpjax.mark_layer_boundary(h)
+    h = nn.tanh(nn.Dense(24, name="mid2")(h))
+    h = harpjax.mark_layer_boundary(h)
+    out = nn.Dense(3, name="out")(h + h0)
+    return out * (1 + mask[:, None])
+
+
+def test_skip_connection_and_integer_activation():
+  model = SkipModel()
+  x = jax.random.normal(jax.random.key(0), (8, 6))
+  params = model.init(jax.random.key(1), x)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-2))
+
+  def step(state, batch):
+    loss_fn = lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  batches = [{"x": jax.random.normal(jax.random.key(5 + i), (8, 6)),
+              "y": jax.random.normal(jax.random.key(9 + i), (8, 3))} for i in range(2)]
+  plan = harpjax.ManualPlan([((0, 0), "a100", (1, 1)), ((1, 1), "a100", (1, 1)),
+                             ((2, 2), "v100", (1, 2)), ((3, 3), "v100", (1, 2), (1, 2))])
+  compare_steps(step, state, batches, plan=plan, num_microbatches=2)

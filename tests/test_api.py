@@ -1,0 +1,134 @@
+"""The decorator's contract: same API as JAX outside auto_parallel, clear errors for bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import harpjax
+from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, PlanError, ScheduleError,
+                            TraceError)
+from harpjax.examples.models import MLP
+from tests.equivalence import DEMO_CLUSTER
+
+
+def _setup():
+  model = MLP(features=(16, 16, 16), num_classes=4)
+  x = jnp.ones((8, 6))
+  state = train_state.TrainState.create(apply_fn=model.apply,
+                                        params=model.init(jax.random.key(0), x),
+                                        tx=optax.sgd(0.1))
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  batch = {"x": jax.random.normal(jax.random.key(1), (8, 6)), "y": jnp.arange(8) % 4}
+  return step, state, batch
+
+
+PLAN = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (1, 2))])
+
+
+def test_value_and_grad_and_grad_are_jax_outside_auto_parallel():
+  f = lambda p, x: jnp.sum(jnp.tanh(p * x)) ** 2
+  p, x = jnp.arange(3.0), jnp.ones(3)
+  for ours, theirs in [(harpjax.value_and_grad(f), jax.value_and_grad(f)),
+                       (harpjax.grad(f, argnums=(0, 1)), jax.grad(f, argnums=(0, 1)))]:
+    a, b = ours(p, x), theirs(p, x)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+      np.testing.assert_array_equal(u, v)
+  assert harpjax.mark_layer_boundary(x) is x
+  jaxpr = jax.make_jaxpr(lambda x: harpjax.mark_layer_boundary(x) * 2)(x)
+  assert "harpjax" not in str(jaxpr)
+
+
+def test_step_returns_same_structure_and_plan_table():
+  step, state, batch = _setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN)
+  out = pstep(state, batch)
+  ref = jax.jit(step)(state, batch)
+  assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(ref)
+  table = str(pstep.plan)
+  assert "Layer Range" in table and "[0, 1]" in table and "a100" in table
+  assert pstep.plan.num_layers == 4 and pstep.plan.warmups == (3, 1)
+  assert [len(s.devices) for s in pstep.plan.stages] == [2, 2]
+
+
+def test_batch_not_divisible_into_microbatches():
+  step, state, batch = _setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=3, plan=PLAN)
+  with pytest.raises(MicrobatchError, match=r"8 rows.*num_microbatches=3"):
+    pstep(state, batch)
+
+
+@pytest.mark.parametrize("plan, match", [
+    (harpjax.ManualPlan([((0, 1), "v100", (1, 4)), ((2, 3), "v100", (1, 2))]), "fit|left"),
+    (harpjax.ManualPlan([((0, 1), "v100", (1, 4)), ((2, 3), "a100", (2, 4))]), "submesh|devices"),
+    (harpjax.ManualPlan([((0, 1), "h100", (1, 1)), ((2, 3), "a100", (1, 1))]), "h100"),
+    (harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 2), "a100", (1, 2))]), "4 layers"),
+    (harpjax.ManualPlan([harpjax.StageSpec((0, 1), "v100", (1, 2), devices=(0, 1)),
+                         harpjax.StageSpec((2, 3), "v100", (1, 2), devices=(1, 2))]),
+     "both use device 1"),
+    (harpjax.ManualPlan([harpjax.StageSpec((0, 1), "v100", (1, 2), devices=(4, 5)),
+                         harpjax.StageSpec((2, 3), "a100", (1, 2))]), "not in subcluster"),
+], ids=["too-many-in-subcluster", "bad-shape", "unknown-subcluster", "not-covering",
+        "overlap", "wrong-subcluster"])
+def test_bad_plans(plan, match):
+  step, state, batch = _setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
+  with pytest.raises(PlanError, match=match):
+    pstep(state, batch)
+
+
+def test_plan_construction_errors():
+  with pytest.raises(PlanError, match="contiguous"):
+    harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((3, 3), "a100", (1, 2))])
+  with pytest.raises(PlanError, match="layer 0"):
+    harpjax.ManualPlan([((1, 3), "v100", (1, 2))])
+  with pytest.raises(PlanError, match="logical_mesh"):
+    harpjax.ManualPlan([((0, 3), "v100", (1, 2), (3, 1))])
+
+
+def test_step_without_value_and_grad():
+  _, state, batch = _setup()
+
+  def step(state, batch):
+    grads = jax.grad(lambda p: jnp.sum(state.apply_fn(p, batch["x"])))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN)
+  with pytest.raises(TraceError, match="never calls harpjax.value_and_grad"):
+    pstep(state, batch)
+
+
+def test_cluster_larger_than_machine():
+  step, state, batch = _setup()
+  cluster = harpjax.Cluster.simple([("a", "A100-40G", 2, 8)])
+  plan = harpjax.ManualPlan([((0, 3), "a", (1, 2))])
+  pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=2, plan=plan)
+  with pytest.raises(NotEnoughDevicesError, match="16"):
+    pstep(state, batch)
+
+
+def test_unknown_schedule_and_missing_microbatches():
+  step, _, _ = _setup()
+  with pytest.raises(PlanError, match="schedule"):
+    harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
+                          schedule="zero-bubble")
+  with pytest.raises(MicrobatchError):
+    harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=0, plan=PLAN)
+
+
+def test_plan_json_round_trip(tmp_path):
+  plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2), (1, 2)), ((2, 3), "a100", (2, 2))],
+                            num_microbatches=4)
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  assert harpjax.load_plan(path) == plan
