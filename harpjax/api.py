@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["auto_parallel", "ParallelStep", "ParallelOptions"]
 
-RUNTIMES = ("local",)
+RUNTIMES = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,7 @@ class ParallelOptions:
   loss_reduction: str = "mean"
   runtime: str = "local"
   eps: float = 0.1
+  runtime_options: tuple = ()
 
   def __post_init__(self):
     if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -53,12 +54,15 @@ class ParallelOptions:
       raise MicrobatchError(f"num_microbatches={self.num_microbatches} must be a positive "
                             "integer")
     object.__setattr__(self, "batch_argnums", tuple(self.batch_argnums))
+    if isinstance(self.runtime_options, dict):
+      object.__setattr__(self, "runtime_options", tuple(sorted(self.runtime_options.items())))
 
 
 def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int | None = None,
                   plan: Plan | None = None, schedule: str | None = None,
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
-                  runtime: str = "local", eps: float = 0.1):
+                  runtime: str = "local", eps: float = 0.1,
+                  runtime_options: dict | None = None):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -75,15 +79,18 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
     batch_argnums: positions of the step's batch arguments (split along axis 0).
     loss_reduction: ``"mean"`` if the loss (and scalar aux outputs) average over the batch,
       ``"sum"`` if they add up.
-    runtime: ``"local"`` (one process).
+    runtime: ``"local"`` (one process, the default) or ``"ray"`` (one Ray actor per stage).
     eps: H-1F1B tolerance of :func:`harpjax.compiler.schedules.warmup_delta`.
+    runtime_options: keyword options of the runtime (for ``"ray"``: see
+      :class:`harpjax.runtime.ray_runtime.RayRunner`).
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
   """
   options = ParallelOptions(cluster=cluster, num_microbatches=num_microbatches, plan=plan,
                             schedule=schedule, batch_argnums=tuple(batch_argnums),
-                            loss_reduction=loss_reduction, runtime=runtime, eps=eps)
+                            loss_reduction=loss_reduction, runtime=runtime, eps=eps,
+                            runtime_options=dict(runtime_options or {}))
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -104,6 +111,7 @@ class ParallelStep:
     self.options = options
     self._cluster = None
     self._compiled: dict[Any, CompiledStep] = {}
+    self._runners: dict[Any, Any] = {}
     self._last: CompiledStep | None = None
 
   # ------------------------------------------------------------------ public
@@ -128,8 +136,19 @@ class ParallelStep:
 
   def __call__(self, *args):
     cs = self.compile(*args)
+    if self.options.runtime == "ray":
+      return self.runner(*args)(args)
     from harpjax.runtime.local import run_step
     return run_step(cs, args)
+
+  def runner(self, *args):
+    """The Ray runner for these arguments' structure (``runtime="ray"`` only)."""
+    cs = self.compile(*args)
+    key = _signature(args)
+    if key not in self._runners:
+      from harpjax.runtime.ray_runtime import RayRunner
+      self._runners[key] = RayRunner(self, cs, args, **dict(self.options.runtime_options))
+    return self._runners[key]
 
   def compile(self, *args) -> CompiledStep:
     """Traces and compiles for these arguments (shapes and structure); cached."""
