@@ -358,8 +358,12 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
 
 
 def _trace(step_fn, args):
+  # A fresh function object each time: JAX caches traces by function identity (a jax.jit of
+  # the same step traced earlier would otherwise be reused without running our markers).
+  def fresh(*a):
+    return step_fn(*a)
   with _capturing() as cap:
-    closed, out_shape = jax.make_jaxpr(step_fn, return_shape=True)(*args)
+    closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
   return closed, cap, out_shape
 
 

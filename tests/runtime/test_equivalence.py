@@ -153,3 +153,37 @@ def test_skip_connection_and_integer_activation():
   plan = harpjax.ManualPlan([((0, 0), "a100", (1, 1)), ((1, 1), "a100", (1, 1)),
                              ((2, 2), "v100", (1, 2)), ((3, 3), "v100", (1, 2), (1, 2))])
   compare_steps(step, state, batches, plan=plan, num_microbatches=2)
+
+
+def test_flax_nnx_model_after_jit_of_same_step():
+  """An NNX model split into (graphdef, params); the step was jitted before (trace caching)."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(6, 16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 16, rngs=rngs)
+      self.l3 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+      x = harpjax.mark_layer_boundary(nnx.relu(self.l1(x)))
+      x = harpjax.mark_layer_boundary(nnx.relu(self.l2(x)))
+      return self.l3(x)
+
+  graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+  tx = optax.adam(1e-2)
+
+  def step(state, batch):
+    params, opt_state = state
+
+    def loss_fn(p):
+      return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = harpjax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  batches = [{"x": jax.random.normal(jax.random.key(i), (8, 6)),
+              "y": jax.random.normal(jax.random.key(9 + i), (8, 3))} for i in range(2)]
+  plan = harpjax.ManualPlan([((0, 0), "v100", (1, 2)), ((1, 2), "a100", (1, 2), (1, 2))])
+  compare_steps(step, (params, tx.init(params)), batches, plan=plan, num_microbatches=2)
