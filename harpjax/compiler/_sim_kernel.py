@@ -21,7 +21,8 @@ times are the longest-path distances in the DAG. Two kernels compute them:
   events from a heap in time order. Tests cross-check the two on random tables.
 
 Both take the task table as two ``[num_stages, 2 * num_microbatches]`` integer arrays (kind
-``0 = F``, ``1 = B``; microbatch index) and return the same arrays.
+``0 = F``, ``1 = B``; microbatch index) and return the same arrays. :func:`analyze` turns their
+output into the per-phase breakdown (compute, exposed communication, idle, bubble, overlap).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ try:  # Numba is a hard dependency, but the twin keeps the simulator usable with
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["simulate_kernel", "simulate_python", "simulate_reference", "KIND_F", "KIND_B",
-           "HAVE_NUMBA"]
+__all__ = ["simulate_kernel", "simulate_python", "simulate_reference", "analyze",
+           "steady_positions", "KIND_F", "KIND_B", "HAVE_NUMBA"]
 
 KIND_F = 0
 KIND_B = 1
@@ -253,3 +254,114 @@ def simulate_reference(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd):
     status = 1
     stuck[:] = pos
   return status, task_start, task_end, msg_start, msg_end, stuck
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def steady_positions(kinds_row: np.ndarray) -> tuple[int, int]:
+  """Table positions of the first backward and the last forward of a stage."""
+  first_b = int(np.argmax(kinds_row == 1))
+  last_f = len(kinds_row) - 1 - int(np.argmax(kinds_row[::-1] == 0))
+  return first_b, last_f
+
+
+def _coverage(mid: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+  """Whether each point of ``mid`` lies inside one of the sorted disjoint ``[starts, ends)``."""
+  if len(starts) == 0:
+    return np.zeros(len(mid), bool)
+  idx = np.searchsorted(starts, mid, side="right") - 1
+  ok = idx >= 0
+  out = np.zeros(len(mid), bool)
+  out[ok] = ends[idx[ok]] > mid[ok]
+  return out
+
+
+def analyze(kinds, start, end, msg_start, msg_end, ends) -> dict:
+  """Per-stage, per-phase breakdown of a simulated iteration (plain arrays in and out).
+
+  Args:
+    kinds: ``[S, n]`` task kinds (``0`` F, ``1`` B) in table order.
+    start: ``[S, n]`` task starts, seconds.
+    end: ``[S, n]`` task ends.
+    msg_start: ``[2, S - 1, B]`` transfer starts per (direction, link, microbatch).
+    msg_end: ``[2, S - 1, B]`` transfer ends.
+    ends: ``[S]`` end-of-iteration seconds, run after each stage's last task.
+
+  Returns:
+    A dict of the :class:`~harpjax.compiler.simulator.SimResult` fields ``iteration_time``,
+    ``phase_time``, ``compute_time``, ``comm_time``, ``idle_time`` (``[S, 3]``: warm-up,
+    steady, cool-down), ``update_time``, ``bubble``, ``link_busy``, ``link_hidden``,
+    ``stage_comm``, ``stage_comm_hidden`` and ``peak_held``.
+  """
+  S = kinds.shape[0]
+  L = S - 1
+  upd_start = end[:, -1]
+  upd_end = upd_start + ends
+  T = float(upd_end.max()) if S else 0.0
+  phase_time = np.zeros((S, 3))
+  compute = np.zeros((S, 3))
+  comm = np.zeros((S, 3))
+  idle = np.zeros((S, 3))
+  bubble = np.zeros(S)
+  stage_comm = np.zeros(S)
+  stage_hidden = np.zeros(S)
+  link_busy = np.zeros((max(L, 0), 2))
+  link_hidden = np.zeros((max(L, 0), 2))
+  # Messages of one link direction never overlap (FIFO), so sorting by start sorts them.
+  msgs = {}
+  for d in range(2):
+    for link in range(L):
+      order = np.argsort(msg_start[d, link], kind="stable")
+      msgs[d, link] = (msg_start[d, link, order], msg_end[d, link, order])
+      link_busy[link, d] = float(np.sum(msg_end[d, link] - msg_start[d, link]))
+  for s in range(S):
+    first_b, last_f = steady_positions(kinds[s])
+    w_end = start[s, first_b]
+    s_end = max(w_end, end[s, last_f])
+    if last_f > first_b:
+      gaps = start[s, first_b + 1:last_f + 1] - end[s, first_b:last_f]
+      bubble[s] = float(np.sum(gaps))
+    cuts = np.array([0.0, w_end, s_end, T])
+    phase_time[s] = np.diff(cuts)
+    # Links touching stage s: (direction, link, stage s receives?).
+    touching = []
+    if s > 0:
+      touching += [(0, s - 1, True), (1, s - 1, False)]
+    if s < L:
+      touching += [(0, s, False), (1, s, True)]
+    pts = [cuts, start[s], end[s], upd_start[s:s + 1], upd_end[s:s + 1]]
+    pts += [x for d, link, _ in touching for x in msgs[d, link]]
+    grid = np.unique(np.concatenate(pts))
+    grid = grid[(grid >= 0) & (grid <= T)]
+    if len(grid) < 2:
+      continue
+    mid = 0.5 * (grid[1:] + grid[:-1])
+    length = np.diff(grid)
+    phase = np.clip(np.searchsorted(cuts[1:3], mid, side="right"), 0, 2)
+    busy = _coverage(mid, start[s], end[s])
+    upd = (mid >= upd_start[s]) & (mid < upd_end[s])
+    any_comm = np.zeros(len(mid), bool)
+    for d, link, receives in touching:
+      cov = _coverage(mid, *msgs[d, link])
+      any_comm |= cov
+      if receives:
+        link_hidden[link, d] = float(np.sum(length[cov & busy]))
+    sums = lambda mask: np.bincount(phase[mask], weights=length[mask], minlength=3)
+    compute[s] = sums(busy)
+    comm[s] = sums(~busy & ~upd & any_comm)
+    idle[s] = sums(~busy & ~upd & ~any_comm)
+    stage_comm[s] = float(np.sum(length[any_comm]))
+    stage_hidden[s] = float(np.sum(length[any_comm & busy]))
+  held = []
+  for s in range(S):
+    arrive = start[s][kinds[s] == 0] if s == 0 else msg_end[0, s - 1]
+    release = end[s][kinds[s] == 1]
+    times = np.concatenate([release, arrive])
+    delta = np.concatenate([-np.ones(len(release)), np.ones(len(arrive))])
+    order = np.lexsort((delta, times))  # at equal times, releases first
+    held.append(int(np.cumsum(delta[order]).max()) if len(order) else 0)
+  return dict(iteration_time=T, phase_time=phase_time, compute_time=compute, comm_time=comm,
+              peak_held=tuple(held),
+              idle_time=idle, update_time=ends.copy(), bubble=bubble, link_busy=link_busy,
+              link_hidden=link_hidden, stage_comm=stage_comm, stage_comm_hidden=stage_hidden)

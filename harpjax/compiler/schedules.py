@@ -16,25 +16,41 @@ the remaining backward passes. The schedules differ only in the counts (stages 0
 * H-1F1B (HARP Eq. 1-2): ``N_{S-1} = 1`` and ``N_i = N_{i+1} + delta_i`` where ``delta_i``
   grows with the communication cost ``c_i`` between stage ``i`` and ``i+1`` relative to
   ``t_max`` (:func:`warmup_delta`).
+
+What these counts buy is proven on the simulator (:mod:`harpjax.compiler.simulator`) in
+``tests/compiler/test_h1f1b_theory.py`` and explained in ``docs/schedules.md``: with
+``eps = 0`` and every ``c_i <= t_max``, H-1F1B keeps every bottleneck stage busy from its first
+backward to its last forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import re
 from typing import Iterable, NamedTuple, Sequence
 
+import numpy as np
+
 from harpjax.errors import ScheduleError
 
+log = logging.getLogger(__name__)
+
 __all__ = [
-    "Task", "Schedule", "SCHEDULE_NAMES", "make_schedule", "table_from_warmups",
+    "Task", "Schedule", "SCHEDULE_NAMES", "make_schedule", "schedule_key", "table_from_warmups",
     "warmup_delta", "h1f1b_warmups", "eager_1f1b_warmups", "one_f_one_b_warmups",
-    "gpipe_warmups", "validate_tables", "dry_run", "peak_inflight", "format_tables",
-    "parse_tables",
+    "gpipe_warmups", "validate_tables", "dry_run", "peak_inflight", "table_warmups",
+    "tables_to_arrays", "format_tables", "parse_tables", "as_task",
 ]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "eager_1f1b", "h1f1b")
+
+# Spellings accepted for each name, compared after lower-casing and dropping "-", "_" and " ".
+_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "pipedream": "1f1b", "pipedreamflush": "1f1b",
+            "eager1f1b": "eager_1f1b", "eager": "eager_1f1b", "h1f1b": "h1f1b",
+            "harp": "h1f1b"}
 
 _TASK_RE = re.compile(r"^\s*([FB])(\d+)\s*$")
 
@@ -101,10 +117,27 @@ def h1f1b_warmups(comm_costs: Sequence[float], t_max: float, eps: float = 0.1) -
 
   Returns:
     ``[num_stages]`` warm-up counts, the last one 1.
+
+  Raises:
+    ScheduleError: if a cost is negative or not finite, or ``t_max`` is not positive.
+
+  With different costs per direction (activations ``c_f``, gradients ``c_b``), pass
+  ``(c_f + c_b) / 2``: the round trip a warm-up must cover is ``2 t + c_f + c_b``.
   """
+  comm = [float(c) for c in comm_costs]
+  for i, c in enumerate(comm):
+    if not math.isfinite(c) or c < 0:
+      raise ScheduleError(f"comm_costs[{i}]={c}: a transfer time is a finite number of "
+                          "seconds >= 0")
+  if not math.isfinite(float(t_max)):
+    raise ScheduleError(f"t_max must be finite, got t_max={t_max}")
+  over = [i for i, c in enumerate(comm) if c > t_max * (1 + 1e-9)]
+  if over:
+    log.warning("links %s carry more than t_max=%.4g s per microbatch; no warm-up count hides "
+                "them (HARP Eq. 4), the pipeline will be link-bound", over, t_max)
   counts = [1]
-  for c in reversed(list(comm_costs)):
-    counts.append(counts[-1] + warmup_delta(float(c), float(t_max), eps))
+  for c in reversed(comm):
+    counts.append(counts[-1] + warmup_delta(c, float(t_max), eps))
   return tuple(reversed(counts))
 
 
@@ -175,10 +208,15 @@ class Schedule:
   warmups: tuple[int, ...] | None = None
 
   def __post_init__(self):
-    tables = tuple(tuple(Task(*t) if not isinstance(t, Task) else t for t in row)
-                   for row in self.tables)
+    tables = self.tables
+    if not (type(tables) is tuple and all(type(row) is tuple for row in tables)
+            and all(type(t) is Task for row in tables for t in row)):
+      tables = tuple(tuple(as_task(t) for t in row) for row in tables)
     object.__setattr__(self, "tables", tables)
-    validate_tables(tables, self.num_microbatches)
+    if self.warmups is not None:
+      object.__setattr__(self, "warmups", tuple(int(w) for w in self.warmups))
+    # Validation builds the array form anyway; keep it for :attr:`arrays`.
+    object.__setattr__(self, "arrays", _validate(tables, self.num_microbatches))
 
   @property
   def num_stages(self) -> int:
@@ -188,11 +226,25 @@ class Schedule:
     """Per stage, the most microbatches whose forward ran and backward did not yet."""
     return peak_inflight(self.tables)
 
+  def table_warmups(self) -> tuple[int, ...]:
+    """Per stage, the forwards run before the first backward (the effective warm-up)."""
+    return table_warmups(self.tables)
+
+  @functools.cached_property
+  def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    """``(kinds, microbatches)``, two read-only ``[num_stages, 2 B]`` int64 arrays.
+
+    ``kinds[s, p]`` is ``0`` for a forward and ``1`` for a backward; the simulator and the
+    kernels read tables in this form.
+    """
+    return tables_to_arrays(self.tables)
+
   def text(self) -> str:
     return format_tables(self.tables)
 
   @classmethod
   def from_text(cls, text: str, name: str = "custom") -> "Schedule":
+    """Parses :func:`format_tables` text; ``B`` is the number of forwards of stage 0."""
     tables = parse_tables(text)
     num_mb = sum(1 for t in tables[0] if t.kind == "F") if tables else 0
     return cls(name, tables, num_mb)
@@ -210,12 +262,27 @@ class Schedule:
                tuple(warmups) if warmups is not None else None)
 
 
+def schedule_key(name: str) -> str:
+  """The canonical name (one of :data:`SCHEDULE_NAMES`) of a schedule spelling.
+
+  ``"H-1F1B"``, ``"h1f1b"`` and ``"harp"`` give ``"h1f1b"``; ``"Eager-1F1B"`` and ``"eager"``
+  give ``"eager_1f1b"``; ``"PipeDream-Flush"`` gives ``"1f1b"``.
+
+  Raises:
+    ScheduleError: for an unknown name.
+  """
+  key = _ALIASES.get(re.sub(r"[-_\s]", "", str(name).lower()))
+  if key is None:
+    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+  return key
+
+
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
                   warmups: Sequence[int] | None = None) -> Schedule:
   """Generates a named schedule.
 
   Args:
-    name: one of :data:`SCHEDULE_NAMES`.
+    name: one of :data:`SCHEDULE_NAMES` (or a spelling :func:`schedule_key` accepts).
     num_stages: ``S``.
     num_microbatches: ``B``.
     warmups: per-stage warm-up counts. Required meaning for ``"h1f1b"`` (use
@@ -224,10 +291,11 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
 
   Returns:
     A validated :class:`Schedule`.
+
+  Raises:
+    ScheduleError: unknown name, non-positive sizes, or counts that contradict the name.
   """
-  key = name.lower().replace("-", "_")
-  if key not in SCHEDULE_NAMES:
-    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+  key = schedule_key(name)
   _check_positive("num_stages", num_stages)
   _check_positive("num_microbatches", num_microbatches)
   default = {
@@ -257,64 +325,96 @@ def validate_tables(tables: Tables, num_microbatches: int) -> None:
   Raises:
     ScheduleError: with the grid and the offending position marked.
   """
+  _validate(tables, num_microbatches)
+
+
+def _validate(tables: Tables, num_microbatches: int) -> tuple[np.ndarray, np.ndarray]:
   if not tables:
     raise ScheduleError("a schedule needs at least one stage")
-  expected = {Task(k, m) for k in "FB" for m in range(num_microbatches)}
+  B = int(num_microbatches)
+  if B != num_microbatches or B < 1:
+    raise ScheduleError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
   for s, row in enumerate(tables):
-    seen = set()
+    seen_f = bytearray(B)
+    seen_b = bytearray(B)
     for pos, task in enumerate(row):
-      if task.kind not in ("F", "B"):
-        raise ScheduleError(f"stage {s} task {pos}: kind {task.kind!r} is not 'F' or 'B'")
-      if task in seen:
+      kind, m = task
+      if kind not in ("F", "B"):
+        raise ScheduleError(f"stage {s} task {pos}: kind {kind!r} is not 'F' or 'B'")
+      if not isinstance(m, (int, np.integer)) or not 0 <= m < B:
         raise ScheduleError(
-            f"stage {s} runs {task} twice\n" + format_tables(tables, mark=(s, pos)))
-      if task.kind == "B" and Task("F", task.microbatch) not in seen:
-        raise ScheduleError(
-            f"stage {s} runs {task} before F{task.microbatch}\n"
+            f"stage {s} task {pos} ({kind}{m}): microbatch must be an integer in 0..{B - 1}\n"
             + format_tables(tables, mark=(s, pos)))
-      seen.add(task)
-    if seen != expected:
-      missing = sorted(str(t) for t in expected - seen)
-      extra = sorted(str(t) for t in seen - expected)
+      seen = seen_f if kind == "F" else seen_b
+      if seen[m]:
+        raise ScheduleError(
+            f"stage {s} runs {kind}{m} twice\n" + format_tables(tables, mark=(s, pos)))
+      if kind == "B" and not seen_f[m]:
+        raise ScheduleError(
+            f"stage {s} runs B{m} before F{m}\n" + format_tables(tables, mark=(s, pos)))
+      seen[m] = 1
+    if len(row) != 2 * B:
+      missing = [f"F{m}" for m in range(B) if not seen_f[m]]
+      missing += [f"B{m}" for m in range(B) if not seen_b[m]]
       raise ScheduleError(
-          f"stage {s} must run F and B of microbatches 0..{num_microbatches - 1} once each; "
-          f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}")
-  dry_run(tables)
+          f"stage {s} must run F and B of microbatches 0..{B - 1} once each; "
+          f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}")
+  # Deadlock check: the simulator's kernel with zero durations (Numba; O(tasks)).
+  from harpjax.compiler import _sim_kernel  # pylint: disable=import-outside-toplevel
+  kinds, mbs = tables_to_arrays(tables)
+  zeros = np.zeros((len(tables), B))
+  links = np.zeros((max(len(tables) - 1, 1), B))
+  status, *_, stuck = _sim_kernel.simulate_kernel(kinds, mbs, zeros, zeros, links, links)
+  if status:
+    marks = [(s, int(p)) for s, p in enumerate(stuck) if p < kinds.shape[1]]
+    raise ScheduleError("schedule deadlocks: every stage waits on another\n"
+                        + format_tables(tables, marks=marks))
+  return kinds, mbs
 
 
 def dry_run(tables: Tables) -> list[tuple[int, Task]]:
   """Executes a table with zero-cost tasks and returns the (stage, task) completion order.
 
   ``F(s, m)`` needs ``F(s-1, m)``; ``B(s, m)`` needs ``B(s+1, m)`` (the last stage's backward
-  needs only its own forward); each stage runs its tasks in table order.
+  needs only its own forward); each stage runs its tasks in table order. Stages are visited
+  ``0, 1, ..., S-1`` over and over, each running as far as it can, so the order is a valid
+  global order for a single-threaded driver.
 
   Raises:
     ScheduleError: if no stage can make progress (deadlock); the grid marks where each stage
       is stuck.
   """
   num_stages = len(tables)
-  done: set[tuple[int, Task]] = set()
+  num_mb = max((t.microbatch for row in tables for t in row), default=-1) + 1
+  done_f = [bytearray(num_mb) for _ in range(num_stages)]
+  done_b = [bytearray(num_mb) for _ in range(num_stages)]
   pos = [0] * num_stages
+  lens = [len(r) for r in tables]
   order: list[tuple[int, Task]] = []
-  total = sum(len(r) for r in tables)
+  total = sum(lens)
+  last = num_stages - 1
   while len(order) < total:
     progressed = False
     for s in range(num_stages):
-      while pos[s] < len(tables[s]):
-        task = tables[s][pos[s]]
+      row, p, n = tables[s], pos[s], lens[s]
+      while p < n:
+        task = row[p]
+        m = task.microbatch
         if task.kind == "F":
-          ready = s == 0 or (s - 1, task) in done
+          if s and not done_f[s - 1][m]:
+            break
+          done_f[s][m] = 1
         else:
-          ready = (s == num_stages - 1 and (s, Task("F", task.microbatch)) in done) or \
-              (s < num_stages - 1 and (s + 1, task) in done)
-        if not ready:
-          break
-        done.add((s, task))
+          if (done_f[s][m] == 0) if s == last else (done_b[s + 1][m] == 0):
+            break
+          done_b[s][m] = 1
         order.append((s, task))
-        pos[s] += 1
+        p += 1
+      if p != pos[s]:
+        pos[s] = p
         progressed = True
     if not progressed:
-      stuck = [(s, pos[s]) for s in range(num_stages) if pos[s] < len(tables[s])]
+      stuck = [(s, pos[s]) for s in range(num_stages) if pos[s] < lens[s]]
       raise ScheduleError("schedule deadlocks: every stage waits on another\n"
                           + format_tables(tables, marks=stuck))
   return order
@@ -330,6 +430,39 @@ def peak_inflight(tables: Tables) -> tuple[int, ...]:
       peak = max(peak, cur)
     peaks.append(peak)
   return tuple(peaks)
+
+
+def table_warmups(tables: Tables) -> tuple[int, ...]:
+  """Per stage, how many forwards its table runs before its first backward."""
+  counts = []
+  for row in tables:
+    n = 0
+    for task in row:
+      if task.kind != "F":
+        break
+      n += 1
+    counts.append(n)
+  return tuple(counts)
+
+
+def tables_to_arrays(tables: Tables) -> tuple[np.ndarray, np.ndarray]:
+  """``(kinds, microbatches)`` as ``[num_stages, tasks_per_stage]`` int64 arrays.
+
+  ``kinds`` is ``0`` for ``F`` and ``1`` for ``B``. The arrays are read-only.
+
+  Raises:
+    ScheduleError: if the stages have different numbers of tasks.
+  """
+  lens = {len(r) for r in tables}
+  if len(lens) > 1:
+    raise ScheduleError(f"stages have different numbers of tasks {sorted(lens)}")
+  flat = [t for row in tables for t in row]
+  shape = (len(tables), lens.pop() if lens else 0)
+  kinds = np.fromiter((t.kind == "B" for t in flat), np.int64, len(flat)).reshape(shape)
+  mbs = np.fromiter((t.microbatch for t in flat), np.int64, len(flat)).reshape(shape)
+  kinds.flags.writeable = False
+  mbs.flags.writeable = False
+  return kinds, mbs
 
 
 def format_tables(tables: Tables, mark: tuple[int, int] | None = None,
@@ -351,12 +484,26 @@ def parse_tables(text: str) -> Tables:
   tables = []
   for line in text.strip().splitlines():
     line = line.strip()
-    if not line:
+    if not line or line.startswith("#"):
       continue
     if ":" in line:
       line = line.split(":", 1)[1]
     tables.append(tuple(Task.parse(tok.strip("[]")) for tok in line.split()))
   return tuple(tables)
+
+
+def as_task(t) -> Task:
+  """A :class:`Task` from a Task, its text (``"F3"``) or a ``(kind, microbatch)`` pair."""
+  if isinstance(t, Task):
+    return t
+  if isinstance(t, str):
+    return Task.parse(t)
+  try:
+    kind, m = t
+  except (TypeError, ValueError):
+    raise ScheduleError(f"cannot read task {t!r}: give a Task, 'F3'/'B0' or (kind, microbatch)"
+                        ) from None
+  return Task(str(kind), int(m) if isinstance(m, (int, np.integer)) else m)
 
 
 def _check_positive(name: str, value: int) -> None:

@@ -1,0 +1,220 @@
+"""``python -m harpjax simulate``: simulate a plan or given stage/link times.
+
+Examples::
+
+  python -m harpjax simulate plan.json --out out/sim
+  python -m harpjax simulate --fwd 1,1,1 --bwd 2,2,2 --comm 0.5,0.1 -B 16 \\
+      --schedule h1f1b,1f1b --out out/sim
+  python -m harpjax simulate --time 135ms,132ms,132ms --comm 107ms,3ms -B 32 --schedule all
+
+Times are seconds unless they carry a unit (``ms``, ``us``, ``s``). A single value stands for
+every stage (or link). Prints each schedule's per-stage breakdown (compute / exposed
+communication / idle per phase, bubble, peak in-flight microbatches, link overlap) and a
+comparison; with ``--out`` writes ``<schedule>.trace.json`` (open in https://ui.perfetto.dev),
+``<schedule>.png`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import click
+
+from harpjax.errors import HarpjaxError
+
+_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_NUM = re.compile(r"^\s*([-+0-9.eE]+)\s*([a-zµ]*)\s*$")
+
+
+def parse_times(text: str | None, what: str) -> list[float] | None:
+  """``"1,2ms,300us"`` -> ``[1.0, 0.002, 0.0003]`` seconds."""
+  if text is None:
+    return None
+  out = []
+  for tok in text.split(","):
+    m = _NUM.match(tok)
+    if not m or m.group(2) not in _UNITS:
+      raise click.BadParameter(f"{tok!r} is not a time (e.g. 0.5, 12ms, 300us)", param_hint=what)
+    try:
+      out.append(float(m.group(1)) * _UNITS[m.group(2)])
+    except ValueError:
+      raise click.BadParameter(f"{tok!r} is not a number", param_hint=what) from None
+  return out
+
+
+def _numbers(text: str | None, what: str) -> list[float] | None:
+  if text is None:
+    return None
+  try:
+    return [float(x) for x in text.split(",")]
+  except ValueError:
+    raise click.BadParameter(f"{text!r}: expected comma-separated numbers",
+                             param_hint=what) from None
+
+
+def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
+  if values is None:
+    return None
+  if len(values) == 1:
+    return values * n
+  if len(values) != n:
+    raise click.BadParameter(f"got {len(values)} values, expected 1 or {n}", param_hint=what)
+  return values
+
+
+@click.command("simulate", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("plan_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--fwd", help="Forward time per microbatch of each stage (e.g. 1,1,1 or 40ms).")
+@click.option("--bwd", help="Backward time per microbatch of each stage.")
+@click.option("--time", "fb_time", help="Forward+backward time per stage (split by "
+              "--bwd-ratio); what plan files hold.")
+@click.option("--bwd-ratio", default=2.0, show_default=True,
+              help="Backward / forward time when only forward+backward is known.")
+@click.option("--comm", help="Transfer time per microbatch of each link (S-1 values), both "
+              "directions.")
+@click.option("--comm-bwd", help="Gradient transfer times if they differ from --comm.")
+@click.option("-B", "--microbatches", type=int, help="Number of microbatches.")
+@click.option("--schedule", "schedules", help="Comma-separated: gpipe, 1f1b, eager_1f1b, "
+              "h1f1b, or 'all'. Default: the plan's schedule, else h1f1b.")
+@click.option("--warmups", help="H-1F1B warm-up counts per stage (default: from the plan or "
+              "from Eq. 1 with --eps).")
+@click.option("--table", "table_file", type=click.Path(exists=True, dir_okay=False),
+              help="A custom task table (text of format_tables: one 'stage i: F0 F1 B0 ...' "
+              "line per stage), simulated as schedule 'custom'.")
+@click.option("--eps", default=0.1, show_default=True,
+              help="H-1F1B tolerance: links with 2c/t_max <= eps get no extra warm-up.")
+@click.option("--end-cost", help="End-of-iteration time per stage (grad sync + update).")
+@click.option("--act-bytes", help="Activation bytes per in-flight microbatch, per stage.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Directory for <schedule>.trace.json, <schedule>.png and summary.json.")
+@click.option("--no-png", is_flag=True, help="With --out, skip the PNG charts.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
+def command(plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatches, schedules,
+            warmups, table_file, eps, end_cost, act_bytes, out_dir, no_png, as_json):
+  """Simulate one iteration of a pipeline plan (or of given stage/link times)."""
+  # pylint: disable=import-outside-toplevel
+  from harpjax.compiler import schedules as sched
+  from harpjax.compiler.plan import load_plan
+  from harpjax.compiler.simulator import simulate
+  try:
+    plan = load_plan(plan_file) if plan_file else None
+    fwd_l, bwd_l = parse_times(fwd, "--fwd"), parse_times(bwd, "--bwd")
+    time_l = parse_times(fb_time, "--time")
+    comm_l, comm_b_l = parse_times(comm, "--comm"), parse_times(comm_bwd, "--comm-bwd")
+    table = None
+    if table_file:
+      with open(table_file) as f:
+        table = sched.parse_tables(f.read())
+    lengths = [len(x) for x in (fwd_l, bwd_l, time_l) if x is not None and len(x) > 1]
+    lengths += [len(x) + 1 for x in (comm_l, comm_b_l) if x is not None and len(x) > 1]
+    if plan is not None:
+      S = plan.num_stages
+    elif table is not None:
+      S = len(table)
+    elif lengths:
+      S = max(lengths)
+    else:
+      S = 1
+    if bwd_ratio <= 0:
+      raise click.BadParameter("must be > 0", param_hint="--bwd-ratio")
+    if time_l is None and plan is not None and (fwd_l is None or bwd_l is None):
+      missing = [i for i, s in enumerate(plan.stages) if s.time_s is None]
+      if missing:
+        raise click.UsageError(f"the plan has no time_s for stages {missing}; give --fwd and "
+                               "--bwd (or --time)")
+      time_l = [s.time_s for s in plan.stages]
+    time_l = _fit(time_l, S, "--time")
+    if time_l is not None:
+      fwd_l = fwd_l or [t / (1 + bwd_ratio) for t in time_l]
+      bwd_l = bwd_l or [t * bwd_ratio / (1 + bwd_ratio) for t in time_l]
+    if fwd_l is None or bwd_l is None:
+      raise click.UsageError("give --fwd and --bwd (or --time, or a plan file with time_s)")
+    fwd_l, bwd_l = _fit(fwd_l, S, "--fwd"), _fit(bwd_l, S, "--bwd")
+    if comm_l is None and plan is not None:
+      comm_l = [0.0 if s.comm_s is None else s.comm_s for s in plan.stages[:-1]]
+    comm_l = _fit(comm_l or [0.0], S - 1, "--comm") if S > 1 else []
+    comm_b_l = _fit(comm_b_l, S - 1, "--comm-bwd") if S > 1 and comm_b_l else None
+    B = microbatches or (plan.num_microbatches if plan is not None else None)
+    if table is not None:
+      B = sum(1 for t in table[0] if t.kind == "F")
+    if not B:
+      raise click.UsageError("give the number of microbatches with -B")
+    names = _schedule_names(schedules, plan, table)
+    end_l = _fit(parse_times(end_cost, "--end-cost"), S, "--end-cost") or 0.0
+    ab = _fit(_numbers(act_bytes, "--act-bytes"), S, "--act-bytes")
+    given_w = [int(w) for w in _numbers(warmups, "--warmups")] if warmups else None
+    if given_w is None and plan is not None and plan.warmups is not None:
+      given_w = list(plan.warmups)
+    results = []
+    for name in names:
+      if name == "custom":
+        schedule = sched.Schedule("custom", table, B)
+      elif name == "h1f1b" and given_w is not None:
+        schedule = sched.make_schedule("h1f1b", S, B, given_w)
+      else:
+        schedule = name
+      results.append(simulate(fwd_l, bwd_l, comm_l, schedule, num_microbatches=B,
+                              comm_bwd=comm_b_l, end_cost=end_l, eps=eps, act_bytes=ab))
+  except HarpjaxError as e:
+    raise click.ClickException(str(e)) from None
+  _report(results, as_json)
+  if out_dir:
+    _write(results, out_dir, no_png)
+
+
+def _schedule_names(schedules: str | None, plan, table) -> list[str]:
+  from harpjax.compiler import schedules as sched  # pylint: disable=import-outside-toplevel
+  if schedules is None:
+    if table is not None:
+      return ["custom"]
+    return [sched.schedule_key(plan.schedule) if plan is not None else "h1f1b"]
+  names = []
+  for tok in schedules.split(","):
+    tok = tok.strip()
+    if tok == "all":
+      names += list(sched.SCHEDULE_NAMES)
+    elif tok == "custom":
+      if table is None:
+        raise click.BadParameter("'custom' needs --table", param_hint="--schedule")
+      names.append("custom")
+    else:
+      names.append(sched.schedule_key(tok))
+  if table is not None and "custom" not in names:
+    names.append("custom")
+  return list(dict.fromkeys(names))
+
+
+def _report(results, as_json: bool) -> None:
+  if as_json:
+    click.echo(json.dumps([r.summary() for r in results], indent=2))
+    return
+  for r in results:
+    click.echo(r.table())
+    click.echo("")
+  if len(results) > 1:
+    base = next((r for r in results if r.schedule.name == "1f1b"), None)
+    head = f"{'schedule':<12} {'iteration (s)':>14} {'vs 1f1b':>8} {'bubble (s)':>11}  " \
+           "peak in-flight per stage"
+    click.echo(head)
+    click.echo("-" * len(head))
+    for r in results:
+      speed = f"{base.iteration_time / r.iteration_time:.3f}x" if base else "-"
+      click.echo(f"{r.schedule.name:<12} {r.iteration_time:>14.6g} {speed:>8} "
+                 f"{r.bubble.sum():>11.4g}  {list(r.peak_inflight)}")
+
+
+def _write(results, out_dir: str, no_png: bool) -> None:
+  from harpjax import timeline  # pylint: disable=import-outside-toplevel
+  os.makedirs(out_dir, exist_ok=True)
+  for r in results:
+    path = timeline.save_chrome_trace(r, os.path.join(out_dir, f"{r.schedule.name}.trace.json"))
+    click.echo(f"wrote {path}")
+    if not no_png:
+      path = timeline.save_gantt(r, os.path.join(out_dir, f"{r.schedule.name}.png"))
+      click.echo(f"wrote {path}")
+  path = os.path.join(out_dir, "summary.json")
+  with open(path, "w") as f:
+    json.dump([r.summary() for r in results], f, indent=2)
+  click.echo(f"wrote {path}")
