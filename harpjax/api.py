@@ -16,7 +16,7 @@ from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
 from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
 from harpjax.compiler.plan import Plan, StageSpec
 from harpjax.compiler.trace import TracedStep, trace_step
-from harpjax.errors import HarpjaxError, MicrobatchError, PlanError
+from harpjax.errors import HarpjaxError, MicrobatchError, PlanError, ScheduleError
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ class ParallelOptions:
     if self.runtime not in RUNTIMES:
       raise PlanError(f"runtime={self.runtime!r}; choose one of {RUNTIMES}")
     if self.schedule is not None:
-      key = self.schedule.lower().replace("-", "_")
-      if key not in schedules_lib.SCHEDULE_NAMES:
-        raise PlanError(f"schedule={self.schedule!r}; choose one of "
-                        f"{', '.join(schedules_lib.SCHEDULE_NAMES)}")
+      try:
+        key = schedules_lib.schedule_key(self.schedule)
+      except ScheduleError as e:
+        raise PlanError(f"schedule={self.schedule!r}: {e}") from None
       object.__setattr__(self, "schedule", key)
     if self.num_microbatches is not None and (int(self.num_microbatches) != self.num_microbatches
                                               or self.num_microbatches < 1):
@@ -194,7 +194,7 @@ class ParallelStep:
     stage_indices = resolve_devices(cluster, plan)
     local = cluster.local_devices()
     stage_devices = [[local[i] for i in idx] for idx in stage_indices]
-    schedule_name = self.options.schedule or plan.schedule
+    schedule_name = self.options.schedule or schedules_lib.schedule_key(plan.schedule)
     warmups = _warmups(schedule_name, plan, layers, cluster, stage_indices, B, self.options.eps)
     schedule = schedules_lib.make_schedule(
         schedule_name, plan.num_stages, B,
