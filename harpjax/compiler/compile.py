@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Collection, Sequence
 
 import jax
 import numpy as np
@@ -47,6 +47,10 @@ class CompiledStep:
       output is a region input or a literal.
     batch_dependent: region value ids whose leading axis carries the batch.
     loss_reduction: ``"mean"`` or ``"sum"``.
+    programs: per stage, its :class:`~harpjax.compiler.stages.StageProgram` (for every stage,
+      built or not).
+    built: indices of the stages whose executables (and placement groups) were built; the
+      entries of ``stages`` and ``group_fns`` of the others are ``None``.
   """
   traced: TracedStep
   layers: LayerSequence
@@ -60,6 +64,8 @@ class CompiledStep:
   output_stage: list
   batch_dependent: set
   loss_reduction: str
+  programs: list = dataclasses.field(default_factory=list)
+  built: frozenset = frozenset()
 
   @property
   def num_stages(self) -> int:
@@ -75,17 +81,22 @@ class CompiledStep:
 
 
 def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
-                 stage_devices: Sequence[Sequence], schedule: Schedule,
-                 loss_reduction: str = "mean") -> CompiledStep:
+                 stage_devices: Sequence[Sequence | None], schedule: Schedule,
+                 loss_reduction: str = "mean",
+                 build_stages: Collection[int] | None = None) -> CompiledStep:
   """Builds stage executables and the placement of the rest of the step.
 
   Args:
     traced: from :func:`harpjax.compiler.trace.trace_step`.
     layers: the region's layers; the plan's ranges index them.
     plan: stages with logical meshes.
-    stage_devices: per stage, its JAX devices in submesh order.
+    stage_devices: per stage, its JAX devices in submesh order (``None`` for a stage that is
+      not built).
     schedule: the task tables (one row per stage).
     loss_reduction: how microbatch losses combine into the step's loss.
+    build_stages: stages whose executables and placement groups to build; ``None`` builds
+      all. A stage worker of the distributed runtime builds only its own; the slicing, the
+      parameter owners and the placement are computed for every stage either way.
   """
   if loss_reduction not in LOSS_REDUCTIONS:
     raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
@@ -98,8 +109,12 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
   ranges = [s.layers for s in plan.stages]
   programs = slice_stages(layers, ranges, traced)
   batch_dependent = _batch_dependent(traced, prog)
-  stages: list[StageExecutables] = []
-  for spec, sp, devs in zip(plan.stages, programs, stage_devices):
+  built = frozenset(range(plan.num_stages) if build_stages is None else build_stages)
+  stages: list[StageExecutables | None] = []
+  for s, (spec, sp, devs) in enumerate(zip(plan.stages, programs, stage_devices)):
+    if s not in built:
+      stages.append(None)
+      continue
     mesh = stage_mesh(devs, spec.logical_mesh)
     stages.append(build_stage_executables(sp, traced, layers, mesh, batch_dependent))
 
@@ -139,11 +154,12 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
     else:
       seeds[vid] = owner[k - n_fwd_out]
   placed = placement_lib.place(outer, traced.region_op, seeds)
-  group_fns = [_jit_group(g) for g in placed.before + placed.after]
-  log.info("compiled %d stages; %d groups before and %d after the pipeline", len(stages),
-           len(placed.before), len(placed.after))
+  group_fns = [_jit_group(g) if g.home in built else None
+               for g in placed.before + placed.after]
+  log.info("compiled %d of %d stages; %d groups before and %d after the pipeline", len(built),
+           len(stages), len(placed.before), len(placed.after))
   return CompiledStep(traced, layers, plan, schedule, stages, placed, group_fns, owner, users,
-                      output_stage, batch_dependent, loss_reduction)
+                      output_stage, batch_dependent, loss_reduction, programs, built)
 
 
 def _jit_group(group: placement_lib.Group):

@@ -78,6 +78,8 @@ def _preferred_shardings(cs: CompiledStep) -> dict:
       continue
     j = inp.param_index
     s = cs.param_owner[j]
+    if cs.stages[s] is None:   # a stage worker builds only its own stage
+      continue
     vid = prog.invars[k]
     sh = cs.stages[s].param_sharding.get(vid)
     if sh is None:

@@ -1,0 +1,266 @@
+"""Emulated heterogeneous hardware: fake CPU devices that take as long as the plan's GPUs.
+
+This machine has no GPU. To compare a measured run with the simulator
+(:mod:`harpjax.compiler.simulator`), the stage workers make their fake devices and links behave
+like the plan's:
+
+* **compute**: each forward or backward task runs for real, waits for its results
+  (``block_until_ready``), then sleeps until ``start + fwd_s[stage]`` (or ``bwd_s``) has passed;
+  the times are those the cost model gives the stage's GPU type (``StageSpec.time_s``, split
+  ``fwd_fraction : 1 - fwd_fraction``), or given explicitly;
+* **links**: each message from stage ``i`` to stage ``j`` holds its direction for
+  ``latency + bytes / bandwidth`` of the link between their hosts (from the cluster model, or
+  given), full duplex, FIFO per direction (:class:`harpjax.runtime.transport.Sender`).
+
+These are the simulator's semantics, and :meth:`Emulation.simulate` feeds the simulator exactly
+these numbers. ``time_scale`` multiplies every emulated duration (compute and transfers alike,
+so their ratios stay those of the hardware) to keep runs short; ``bytes_scale`` multiplies the
+bytes of each message before the bandwidth applies, to emulate a model whose activations are
+that much larger than those of the model actually run. The paper emulated V100s by throttling
+A100 clocks and slow links with ``tc`` (§6); this is the same idea in software.
+
+Real work must stay below the emulated durations for the emulation to be faithful: every task
+whose real duration exceeded its emulated one is counted (``overruns`` in the runner's
+timeline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Mapping, Sequence
+
+from harpjax.cluster import Cluster
+from harpjax.errors import ClusterSpecError, PlanError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LinkModel", "Emulation", "annotate_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+  """An emulated link direction.
+
+  Attributes:
+    bandwidth_bytes_per_s: bytes/s (``inf``: only latency).
+    latency_s: seconds per message.
+  """
+  bandwidth_bytes_per_s: float
+  latency_s: float = 0.0
+
+  def __post_init__(self):
+    if not self.bandwidth_bytes_per_s > 0:
+      raise ClusterSpecError(f"LinkModel.bandwidth_bytes_per_s={self.bandwidth_bytes_per_s}: "
+                             "must be > 0")
+    if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+      raise ClusterSpecError(f"LinkModel.latency_s={self.latency_s}: must be >= 0")
+
+  @classmethod
+  def gbps(cls, gbps: float, latency_us: float = 0.0) -> "LinkModel":
+    """From Gbit/s and microseconds."""
+    return cls(gbps * 1e9 / 8, latency_us * 1e-6)
+
+  def transfer_time_s(self, nbytes: float) -> float:
+    return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+def _times(name: str, x) -> tuple[float, ...] | None:
+  if x is None:
+    return None
+  out = tuple(float(v) for v in x)
+  for i, v in enumerate(out):
+    if not (math.isfinite(v) and v >= 0):
+      raise PlanError(f"Emulation.{name}[{i}]={v}: times are finite seconds >= 0")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+  """Options of the emulated hardware (pass as ``runtime_options={"emulation": ...}``).
+
+  Attributes:
+    fwd_s: per stage, seconds of one microbatch's forward on the emulated GPUs; ``None``:
+      ``fwd_fraction`` of the plan's ``StageSpec.time_s``.
+    bwd_s: per stage, backward seconds; ``None``: the rest of ``time_s``.
+    links: ``{(src_stage, dst_stage): LinkModel}`` overriding the cluster's links (pairs not
+      listed use the link between the two stages' hosts).
+    time_scale: multiplies every emulated duration.
+    bytes_scale: multiplies the bytes of every message before the bandwidth applies.
+    fwd_fraction: the forward's share of ``time_s`` (the backward costs about twice the
+      forward: ``1/3``).
+    end_s: per stage, seconds of the part after the pipeline (gradient sync + optimizer
+      update) to pad to, or ``None`` to leave it unpadded (the simulator's ``end_cost``).
+  """
+  fwd_s: tuple[float, ...] | None = None
+  bwd_s: tuple[float, ...] | None = None
+  links: Any = None
+  time_scale: float = 1.0
+  bytes_scale: float = 1.0
+  fwd_fraction: float = 1.0 / 3.0
+  end_s: tuple[float, ...] | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "fwd_s", _times("fwd_s", self.fwd_s))
+    object.__setattr__(self, "bwd_s", _times("bwd_s", self.bwd_s))
+    object.__setattr__(self, "end_s", _times("end_s", self.end_s))
+    links = self.links
+    if links is not None:
+      items = links.items() if isinstance(links, Mapping) else links
+      fixed = []
+      for key, model in items:
+        a, b = (int(x) for x in key)
+        if not isinstance(model, LinkModel):
+          raise PlanError(f"Emulation.links[{key}] must be a LinkModel, got {model!r}")
+        fixed.append(((a, b), model))
+      object.__setattr__(self, "links", tuple(sorted(fixed)))
+    for name in ("time_scale", "bytes_scale"):
+      v = getattr(self, name)
+      if not (math.isfinite(v) and v > 0):
+        raise PlanError(f"Emulation.{name}={v}: must be > 0")
+    if not 0 < self.fwd_fraction < 1:
+      raise PlanError(f"Emulation.fwd_fraction={self.fwd_fraction}: must be in (0, 1)")
+    if (self.fwd_s is None) != (self.bwd_s is None):
+      raise PlanError("Emulation: give both fwd_s and bwd_s, or neither (then the plan's "
+                      "StageSpec.time_s is split by fwd_fraction)")
+    if self.fwd_s is not None and len(self.fwd_s) != len(self.bwd_s):
+      raise PlanError(f"Emulation: fwd_s has {len(self.fwd_s)} stages, bwd_s "
+                      f"{len(self.bwd_s)}")
+
+  # ------------------------------------------------------------------ resolution
+
+  @property
+  def link_map(self) -> dict[tuple[int, int], LinkModel]:
+    return dict(self.links or ())
+
+  def replace(self, **changes) -> "Emulation":
+    return dataclasses.replace(self, **changes)
+
+  def resolve(self, plan, cluster: Cluster | None = None,
+              hosts: Sequence[str] | None = None) -> "Emulation":
+    """A fully specified copy: per-stage times and a link for every pair of stages.
+
+    Args:
+      plan: the resolved plan (its ``StageSpec.time_s`` is used when ``fwd_s`` is ``None``).
+      cluster: the cluster model, for links not given in ``links``.
+      hosts: per stage, its host name (``harpjax.runtime.transport.stage_hosts``).
+
+    Raises:
+      PlanError: times are missing, or their count does not match the plan.
+    """
+    S = plan.num_stages
+    fwd, bwd = self.fwd_s, self.bwd_s
+    if fwd is None:
+      missing = [i for i, s in enumerate(plan.stages) if s.time_s is None]
+      if missing:
+        raise PlanError(f"emulation needs each stage's time: stages {missing} have no "
+                        "StageSpec.time_s; give Emulation(fwd_s=..., bwd_s=...) or plan "
+                        "stages with time_s (the planner fills them in)")
+      fwd = tuple(s.time_s * self.fwd_fraction for s in plan.stages)
+      bwd = tuple(s.time_s * (1 - self.fwd_fraction) for s in plan.stages)
+    if len(fwd) != S:
+      raise PlanError(f"Emulation has times for {len(fwd)} stages, the plan has {S}")
+    links = self.link_map
+    if cluster is not None and hosts is not None:
+      for a in range(S):
+        for b in range(S):
+          if a == b or (a, b) in links:
+            continue
+          try:
+            link = cluster.link_between_hosts(hosts[a], hosts[b])
+          except ClusterSpecError:
+            continue   # the stages cannot talk; a message between them will fail anyway
+          links[(a, b)] = LinkModel(link.bandwidth_bytes_per_s, link.latency_s)
+    return dataclasses.replace(self, fwd_s=tuple(fwd), bwd_s=tuple(bwd), links=links)
+
+  # ------------------------------------------------------------------ durations
+
+  def compute_s(self, stage: int, kind: str) -> float:
+    """Emulated seconds of one forward (``"F"``) or backward (``"B"``) task, scaled."""
+    t = self.fwd_s if kind == "F" else self.bwd_s
+    return t[stage] * self.time_scale
+
+  def end_time_s(self, stage: int) -> float | None:
+    return None if self.end_s is None else self.end_s[stage] * self.time_scale
+
+  def transfer_s(self, src: int, dst: int, nbytes: float) -> float:
+    """Emulated seconds of one message of ``nbytes`` from ``src`` to ``dst``, scaled (0 when
+    the pair has no link)."""
+    link = self.link_map.get((src, dst))
+    if link is None:
+      return 0.0
+    return link.transfer_time_s(nbytes * self.bytes_scale) * self.time_scale
+
+  def delay_fn(self, src: int, dst: int):
+    link = self.link_map.get((src, dst))
+    if link is None:
+      return None
+    scale, bscale = self.time_scale, self.bytes_scale
+    return lambda nbytes: link.transfer_time_s(nbytes * bscale) * scale
+
+  # ------------------------------------------------------------------ simulator
+
+  def simulate(self, schedule, act_bytes: Sequence[float], ct_bytes: Sequence[float] | None = None,
+               **kwargs):
+    """The simulator's prediction for these emulated numbers.
+
+    Args:
+      schedule: the :class:`~harpjax.compiler.schedules.Schedule` the runtime runs.
+      act_bytes: ``[S - 1]`` bytes of the activation message from stage ``i`` to ``i + 1``
+        per microbatch.
+      ct_bytes: ``[S - 1]`` bytes of the cotangent message from ``i + 1`` to ``i``; default
+        ``act_bytes``.
+      kwargs: passed to :func:`harpjax.compiler.simulator.simulate`.
+
+    Returns:
+      The :class:`~harpjax.compiler.simulator.SimResult` (times scaled like the runtime's).
+    """
+    from harpjax.compiler import simulator  # pylint: disable=import-outside-toplevel
+    if self.fwd_s is None:
+      raise PlanError("resolve() the emulation against the plan before simulating")
+    S = schedule.num_stages
+    ct_bytes = act_bytes if ct_bytes is None else ct_bytes
+    fwd = [self.compute_s(s, "F") for s in range(S)]
+    bwd = [self.compute_s(s, "B") for s in range(S)]
+    cf = [self.transfer_s(i, i + 1, act_bytes[i]) for i in range(S - 1)]
+    cb = [self.transfer_s(i + 1, i, ct_bytes[i]) for i in range(S - 1)]
+    end = [self.end_time_s(s) or 0.0 for s in range(S)]
+    return simulator.simulate(fwd, bwd, schedule=schedule, comm_fwd=cf if S > 1 else 0.0,
+                              comm_bwd=cb if S > 1 else 0.0, end_cost=end, **kwargs)
+
+
+def annotate_plan(plan, layers, cluster: Cluster, emulation: Emulation | None = None):
+  """The plan with each stage's ``time_s`` and ``comm_s`` set to the emulated hardware's.
+
+  H-1F1B derives its warm-up counts from these (``auto_parallel`` reads them), so a plan
+  annotated this way runs the schedule the emulated cluster calls for. Times are unscaled
+  (``time_scale`` does not change their ratios); ``comm_s`` of stage ``i`` is the emulated
+  transfer of the activations crossing the cut after its last layer
+  (``layers[j].boundary_bytes``, times ``bytes_scale``) over the link from its host to the next
+  stage's.
+
+  Args:
+    plan: a plan whose stages list their devices explicitly.
+    layers: the model's :class:`~harpjax.compiler.layers.LayerSequence`
+      (``ParallelStep.trace(...)[1]``).
+    cluster: the cluster model.
+    emulation: the emulated times and link overrides; ``None`` keeps the plan's times and
+      uses the cluster's links.
+
+  Raises:
+    PlanError: a stage without explicit devices, or no times at all.
+  """
+  for i, s in enumerate(plan.stages):
+    if s.devices is None:
+      raise PlanError(f"annotate_plan needs explicit devices (stage {i} has none)")
+  hosts = [cluster.host_of_device(s.devices[0]).name for s in plan.stages]
+  emu = (emulation or Emulation()).resolve(plan, cluster, hosts)
+  stages = []
+  for i, s in enumerate(plan.stages):
+    comm = None
+    if i + 1 < plan.num_stages:
+      nbytes = layers[s.layers[1]].boundary_bytes
+      comm = emu.transfer_s(i, i + 1, nbytes) / emu.time_scale
+    stages.append(dataclasses.replace(s, time_s=emu.fwd_s[i] + emu.bwd_s[i], comm_s=comm))
+  return plan.with_stages(stages)
