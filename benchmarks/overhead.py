@@ -65,11 +65,22 @@ def main(argv=None):
   jit1 = jax.jit(make_step())
   one_state, one_tokens = jax.device_put(state, one), jax.device_put(tokens, one)
 
-  runs = {
-      "pipelined (3 stages, 8 devices)": lambda: pstep(state, tokens, rng),
-      "jax.jit, data parallel on 8 devices": lambda: jit8(dp_state, dp_tokens, rng),
-      "jax.jit, 1 device": lambda: jit1(one_state, one_tokens, rng),
-  }
+  # Each run feeds its state back, as a training loop does.
+  states = {"pipelined (3 stages, 8 devices)": state,
+            "jax.jit, data parallel on 8 devices": dp_state, "jax.jit, 1 device": one_state}
+  steps = {"pipelined (3 stages, 8 devices)": (pstep, tokens),
+           "jax.jit, data parallel on 8 devices": (jit8, dp_tokens),
+           "jax.jit, 1 device": (jit1, one_tokens)}
+
+  def runner(name):
+    fn, toks = steps[name]
+
+    def go():
+      states[name], loss = fn(states[name], toks, rng)
+      return loss
+    return go
+
+  runs = {name: runner(name) for name in steps}
   for fn in runs.values():   # compile and warm up (twice: optimizer groups may recompile once)
     jax.block_until_ready(fn())
     jax.block_until_ready(fn())

@@ -51,6 +51,9 @@ class CompiledStep:
       built or not).
     built: indices of the stages whose executables (and placement groups) were built; the
       entries of ``stages`` and ``group_fns`` of the others are ``None``.
+    preferred: ``(stage, outer value id) -> NamedSharding``: parameters, their gradients and
+      the optimizer values computed elementwise from them, as the stage shards them. Placement
+      groups take and produce these shardings so that nothing is resharded between steps.
   """
   traced: TracedStep
   layers: LayerSequence
@@ -66,6 +69,7 @@ class CompiledStep:
   loss_reduction: str
   programs: list = dataclasses.field(default_factory=list)
   built: frozenset = frozenset()
+  preferred: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_stages(self) -> int:
@@ -154,15 +158,21 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
     else:
       seeds[vid] = owner[k - n_fwd_out]
   placed = placement_lib.place(outer, traced.region_op, seeds)
-  group_fns = [_jit_group(g) if g.home in built else None
-               for g in placed.before + placed.after]
+  preferred = _preferred_shardings(traced, prog, stages, owner)
+  group_fns = []
+  for g in placed.before + placed.after:
+    if g.home not in built:
+      group_fns.append(None)
+      continue
+    _propagate_preferred(g, outer, preferred)
+    group_fns.append(_jit_group(g, [preferred.get((g.home, v)) for v in g.out_ids]))
   log.info("compiled %d of %d stages; %d groups before and %d after the pipeline", len(built),
            len(stages), len(placed.before), len(placed.after))
   return CompiledStep(traced, layers, plan, schedule, stages, placed, group_fns, owner, users,
-                      output_stage, batch_dependent, loss_reduction, programs, built)
+                      output_stage, batch_dependent, loss_reduction, programs, built, preferred)
 
 
-def _jit_group(group: placement_lib.Group):
+def _jit_group(group: placement_lib.Group, out_shardings: Sequence):
   ops, in_ids, out_ids = group.ops, group.in_ids, group.out_ids
 
   def fn(*inputs):
@@ -170,7 +180,50 @@ def _jit_group(group: placement_lib.Group):
     eval_ops(ops, env)
     return tuple(env[v] for v in out_ids)
 
-  return jax.jit(fn)
+  return jax.jit(fn, out_shardings=tuple(out_shardings))
+
+
+def _preferred_shardings(traced: TracedStep, prog, stages, owner) -> dict:
+  """(stage, outer value id) -> sharding for parameters and gradients on their owner."""
+  out = {}
+  region_eqn = traced.outer.ops[traced.region_op]
+  n_fwd = len(prog.outvars)
+  for k, inp in enumerate(traced.inputs):
+    if inp.kind != "param":
+      continue
+    j = inp.param_index
+    s = owner[j]
+    if stages[s] is None:   # a stage worker builds only its own stage
+      continue
+    sh = stages[s].param_sharding.get(prog.invars[k])
+    if sh is None:
+      continue
+    if not isinstance(inp.outer_ref, Lit):
+      out[(s, inp.outer_ref)] = sh
+    g = region_eqn.outvars[n_fwd + j]
+    if g >= 0:
+      out[(s, g)] = sh
+  return out
+
+
+def _propagate_preferred(group: placement_lib.Group, outer, preferred: dict) -> None:
+  """Values of ``group`` with a parameter's shape computed from a value with a preferred
+  sharding (an Adam moment from the gradient, the new parameter from the old) prefer it too,
+  and so do the group's inputs read alongside them (the moments' previous values)."""
+  h = group.home
+  for op in group.ops:
+    src = None
+    for v in op.in_ids():
+      sh = preferred.get((h, v))
+      if sh is not None:
+        src = (outer.avals[v].shape, sh)
+        break
+    if src is None:
+      continue
+    shape, sh = src
+    for v in list(op.outvars) + [u for u in op.in_ids() if u in group.in_ids]:
+      if v >= 0 and (h, v) not in preferred and outer.avals[v].shape == shape:
+        preferred[(h, v)] = sh
 
 
 def _batch_dependent(traced: TracedStep, prog) -> set[int]:

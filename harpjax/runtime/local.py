@@ -67,29 +67,8 @@ def run_step(cs: CompiledStep, args: tuple) -> Any:
 
 
 def _preferred_shardings(cs: CompiledStep) -> dict:
-  """(stage, outer value id) -> sharding for parameters and gradients on their owner."""
-  out = {}
-  ts = cs.traced
-  prog = cs.layers.program
-  region_eqn = ts.outer.ops[ts.region_op]
-  n_fwd = len(prog.outvars)
-  for k, inp in enumerate(ts.inputs):
-    if inp.kind != "param":
-      continue
-    j = inp.param_index
-    s = cs.param_owner[j]
-    if cs.stages[s] is None:   # a stage worker builds only its own stage
-      continue
-    vid = prog.invars[k]
-    sh = cs.stages[s].param_sharding.get(vid)
-    if sh is None:
-      continue
-    if not isinstance(inp.outer_ref, Lit):
-      out[(s, inp.outer_ref)] = sh
-    g = region_eqn.outvars[n_fwd + j]
-    if g >= 0:
-      out[(s, g)] = sh
-  return out
+  """(stage, outer value id) -> sharding the placement groups expect (see ``CompiledStep``)."""
+  return cs.preferred
 
 
 def _run_region(cs: CompiledStep, env: dict) -> None:
