@@ -1,23 +1,52 @@
-"""Layer sequences: the forward program cut into contiguous layers.
+"""Layer sequences: the forward program cut into fine-grained layers that keep its structure.
 
 A :class:`LayerSequence` is the unit the planner partitions into stages: layer ``i`` is the
 contiguous op range ``layers[i].start .. layers[i].end - 1`` of a boundary-free forward
-:class:`~harpjax.compiler.program.Program`. Layers come from
-:func:`harpjax.mark_layer_boundary` calls (:func:`layers_from_boundaries`); automatic layer
-construction produces the same type.
+:class:`~harpjax.compiler.program.Program`.
+
+Automatic construction (:func:`construct_layers`, HARP §5.1; see ``docs/layers.md``):
+
+1. **Canonicalise** every op (:mod:`harpjax.compiler.signature`): primitive, parameters,
+   shapes, dtypes, operand kinds; equal computations get equal tokens.
+2. **Find repeated modules**, iterating "the most repeated contiguous run with at least ``z``
+   compute-heavy ops" over the non-repeated parts. Module instances from the jaxpr's name stack
+   (Flax module scopes) are tried first, so that interleaved kinds (dense / MoE blocks) come out
+   as two kinds rather than one pair; runs of ops found by a suffix array cover models without
+   names. Sub-jaxpr equations (``pjit`` is inlined; ``remat2``, ``custom_jvp_call``,
+   ``cond``... are single ops costed from their bodies) take part like any op; a ``scan`` over
+   stacked layers is unrolled first (:func:`unroll_scans`).
+3. **Cluster** each module kind once into layers of balanced compute whose cuts cross small
+   tensors (a DP over low-crossing cut points), and apply the same relative cuts to every
+   instance, so layers of one repeat have the signatures of any other.
+
+Manual :func:`harpjax.mark_layer_boundary` calls win where present
+(:func:`layers_from_boundaries`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Sequence
+import functools
+import logging
+import re
+import time
+from typing import Any, Callable, NamedTuple, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from harpjax.compiler.program import Lit, Op, Program
+from harpjax import _compat
+from harpjax.compiler import primitives, signature
+from harpjax.compiler.program import Lit, Op, Program, from_closed_jaxpr
+from harpjax.errors import HarpjaxError
 
-__all__ = ["Layer", "LayerSequence", "layers_from_boundaries",
-           "layers_from_cuts", "crossing_bytes"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Layer", "LayerSequence", "Module", "LayerOptions", "construct_layers",
+           "layers_for_step", "layers_from_boundaries", "layers_from_cuts", "crossing_bytes",
+           "unroll_scans", "traced_step_for", "relayer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +59,13 @@ class Layer:
     name: module path (from the jaxpr name stack) or a generated label.
     signature: structural hash; equal signatures mean identical computations.
     flops: forward FLOPs per microbatch.
-    param_bytes: bytes of the parameters the layer reads.
+    param_bytes: bytes of the parameters the layer reads (slices of stacked parameters count
+      the slice).
     boundary_bytes: bytes of the values crossing the cut after this layer, per microbatch.
+    module: the layer's module kind (``"block"``); ``""`` when unknown.
+    module_index: index of the layer's module in :attr:`LayerSequence.modules`.
+    position: index of the layer inside its module.
+    heavy_ops: compute-heavy ops in the layer.
   """
   index: int
   start: int
@@ -41,10 +75,88 @@ class Layer:
   flops: float = 0.0
   param_bytes: int = 0
   boundary_bytes: int = 0
+  module: str = ""
+  module_index: int = -1
+  position: int = 0
+  heavy_ops: int = 0
 
   @property
   def num_ops(self) -> int:
     return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+  """A module instance: a contiguous run of layers.
+
+  Attributes:
+    index: position in :attr:`LayerSequence.modules`.
+    kind: module kind id; instances of one repeated kind are structurally identical.
+    name: kind name (``"block"``; for non-repeated modules their own name).
+    path: instance path from the name stack (``"GPT/block_3"``), may be ``""``.
+    start, end: op range.
+    first_layer, last_layer: inclusive layer range.
+    repeated: whether the kind has several instances.
+  """
+  index: int
+  kind: int
+  name: str
+  path: str
+  start: int
+  end: int
+  first_layer: int
+  last_layer: int
+  repeated: bool
+
+  @property
+  def num_layers(self) -> int:
+    return self.last_layer - self.first_layer + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+  """Knobs of automatic layer construction.
+
+  Attributes:
+    z: fewest compute-heavy ops (matmul, convolution) in a repeated module (paper's ``z``).
+    criterion: ``"coverage"`` (occurrences x size) or ``"frequency"`` (the paper's literal
+      "most frequent"), see :func:`harpjax.compiler.signature.most_repeated`.
+    target_layers: total layers wanted; modules get more layers where their layers are the
+      heaviest until the total would exceed it. ``None``: ``layers_per_module``.
+    layers_per_module: layers per module; ``None``: one per low-crossing segment holding
+      compute-heavy ops, at most ``max_layers_per_module``.
+    max_layers_per_module: cap of the default (3: GPT blocks give attention | projection |
+      MLP, 146 layers for a 48-block GPT as in the paper).
+    max_boundary_ratio: a cut inside a module may cross at most this many times the bytes
+      crossing the module's own boundary.
+    use_name_stack: find module instances from the name stack first.
+    unroll_scan: unroll ``scan`` equations whose body has ``>= z`` compute-heavy ops and
+      ``length <= max_unroll`` (a scan over stacked layers), see :func:`unroll_scans`.
+    max_unroll: longest scan to unroll.
+  """
+  z: int = 2
+  criterion: str = "coverage"
+  target_layers: int | None = None
+  layers_per_module: int | None = None
+  max_layers_per_module: int = 3
+  max_boundary_ratio: float = 2.0
+  use_name_stack: bool = True
+  unroll_scan: bool = True
+  max_unroll: int = 512
+
+  def __post_init__(self):
+    if int(self.z) < 1:
+      raise HarpjaxError(f"LayerOptions.z={self.z} must be >= 1")
+    if self.criterion not in ("coverage", "frequency"):
+      raise HarpjaxError(f"LayerOptions.criterion={self.criterion!r}: use 'coverage' or "
+                         "'frequency'")
+    for f in ("target_layers", "layers_per_module"):
+      v = getattr(self, f)
+      if v is not None and int(v) < 1:
+        raise HarpjaxError(f"LayerOptions.{f}={v} must be >= 1 or None")
+    if self.max_layers_per_module < 1 or not self.max_boundary_ratio > 0:
+      raise HarpjaxError("LayerOptions.max_layers_per_module must be >= 1 and "
+                         "max_boundary_ratio > 0")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,13 +164,22 @@ class LayerSequence:
   """A forward program cut into layers.
 
   Attributes:
-    program: the boundary-free forward program (region inputs -> loss, aux).
+    program: the boundary-free forward program (region inputs -> loss, aux) the stages slice.
+      It is ``TracedStep.region`` unless scans were unrolled (``origin`` is set): then use
+      :func:`traced_step_for` to get the matching ``TracedStep``.
     layers: contiguous layers covering every op.
-    summary: a one-line description (``"146 layers: embed 1 · 48 × block[3] · head 1"``).
+    summary: a one-line description (``"146 layers: embed 1 · 48 × block[3] · ln_f 1"``).
+    modules: module instances in order (empty for hand-cut sequences without analysis).
+    input_kinds: per ``program.invars`` entry, the region input kind (``"param"``...).
+    origin: per op, the index of the op of ``TracedStep.region`` it copies (``-1`` for ops of
+      an unrolled scan); ``None`` when ``program`` is the region itself.
   """
   program: Program
   layers: tuple[Layer, ...]
   summary: str = ""
+  modules: tuple[Module, ...] = ()
+  input_kinds: tuple[str, ...] | None = None
+  origin: tuple[int, ...] | None = None
 
   def __post_init__(self):
     pos = 0
@@ -80,8 +201,42 @@ class LayerSequence:
     """Op range ``[start, end)`` of layers ``first..last`` inclusive."""
     return self.layers[first].start, self.layers[last].end
 
+  @property
+  def signatures(self) -> tuple:
+    return tuple(l.signature for l in self.layers)
+
+  def module_kinds(self, repeated_only: bool = True) -> dict[str, int]:
+    """Kind name -> number of instances (repeated kinds only by default)."""
+    counts = collections.Counter(m.name for m in self.modules
+                                 if m.repeated or not repeated_only)
+    return dict(counts)
+
+  def instances(self, name: str) -> list[Module]:
+    """The module instances of kind ``name``."""
+    return [m for m in self.modules if m.name == name]
+
+  def cuts(self) -> tuple[int, ...]:
+    """Op positions of the cuts between layers."""
+    return tuple(l.start for l in self.layers[1:])
+
   def __str__(self) -> str:
     return self.summary or f"{len(self.layers)} layers"
+
+
+# --------------------------------------------------------------------------- program facts
+
+
+class _Aval(NamedTuple):
+  shape: tuple
+  dtype: Any
+
+
+def _lit_aval(v) -> _Aval:
+  return _Aval(tuple(np.shape(v.value)), np.result_type(v.value))
+
+
+def _ref_aval(program: Program, r):
+  return _lit_aval(r) if isinstance(r, Lit) else program.avals[r]
 
 
 def crossing_bytes(program: Program) -> np.ndarray:
@@ -92,51 +247,435 @@ def crossing_bytes(program: Program) -> np.ndarray:
   """
   n = len(program.ops)
   diff = np.zeros(n + 2, dtype=np.int64)
-  defined_at = {}
-  for op in program.ops:
-    for v in op.outvars:
-      if v >= 0:
-        defined_at[v] = op.index
-  last_use = {}
-  for op in program.ops:
-    for v in op.in_ids():
-      if v in defined_at:
-        last_use[v] = op.index
-  for v in program.outvars:
-    if not isinstance(v, Lit) and v in defined_at:
-      last_use[v] = n
+  defined_at, last_use = _def_use(program)
   for v, lu in last_use.items():
-    d = defined_at[v]
-    if lu > d:
+    d = defined_at.get(v)
+    if d is not None and lu > d:
       diff[d + 1] += program.nbytes(v)
       diff[lu + 1] -= program.nbytes(v)
   return np.cumsum(diff)[: n + 1]
 
 
+def _def_use(program: Program) -> tuple[dict, dict]:
+  n = len(program.ops)
+  defined_at, last_use = {}, {}
+  for op in program.ops:
+    for v in op.outvars:
+      if v >= 0:
+        defined_at[v] = op.index
+    for v in op.in_ids():
+      last_use[v] = op.index
+  for v in program.outvars:
+    if not isinstance(v, Lit):
+      last_use[v] = n
+  return defined_at, last_use
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Facts:
+  toks: signature.OpTokens
+  flops: np.ndarray        # [n] forward FLOPs per op
+  heavy: np.ndarray        # [n] compute-heavy ops per op
+  cross: np.ndarray        # [n + 1] crossing bytes
+  last_use: dict
+
+
+def _facts(program: Program, input_kinds) -> _Facts:
+  toks = signature.op_tokens(program, input_kinds)
+  n = len(program.ops)
+  flops = np.zeros(n)
+  heavy = np.zeros(n, dtype=np.int64)
+  for op in program.ops:
+    ins = [_ref_aval(program, r) for r in op.invars]
+    outs = [program.avals[o] if o >= 0 else _Aval((), np.float32) for o in op.outvars]
+    flops[op.index] = primitives.eqn_flops(op.name, op.params, ins, outs)
+    heavy[op.index] = primitives.eqn_heavy_count(op.name, op.params)
+  _, last_use = _def_use(program)
+  return _Facts(toks, flops, heavy, crossing_bytes(program), last_use)
+
+
+def _layer(program: Program, facts: _Facts, index: int, a: int, b: int, **kw) -> Layer:
+  n = len(program.ops)
+  seen, pbytes = set(), 0
+  kind = facts.toks.value_kind
+  for op in program.ops[a:b]:
+    view_of_param = primitives.is_view(op.name) and op.invars and \
+        not isinstance(op.invars[0], Lit) and kind.get(op.invars[0]) == "param"
+    if view_of_param:
+      continue
+    for v in op.in_ids():
+      if kind.get(v) == "param" and v not in seen:
+        seen.add(v)
+        pbytes += program.nbytes(v)
+  sig = signature.slice_signature(program, a, b, facts.toks,
+                                  lambda v: facts.last_use.get(v, -1) >= b)
+  kw.setdefault("name", _common_name(program.ops[a:b]) or f"layer{index}")
+  return Layer(index, a, b, signature=sig, flops=float(facts.flops[a:b].sum()),
+               param_bytes=int(pbytes), boundary_bytes=int(facts.cross[b]) if b < n else 0,
+               heavy_ops=int(facts.heavy[a:b].sum()), **kw)
+
+
+# --------------------------------------------------------------------------- hand-made cuts
+
+
 def layers_from_cuts(program: Program, cuts: Sequence[int], names: Sequence[str] | None = None,
-                     summary: str = "") -> LayerSequence:
-  """Builds a :class:`LayerSequence` cutting ``program`` before each op index in ``cuts``."""
+                     summary: str = "", input_kinds: Sequence[str] | None = None
+                     ) -> LayerSequence:
+  """Builds a :class:`LayerSequence` cutting ``program`` before each op index in ``cuts``.
+
+  Args:
+    program: the forward program.
+    cuts: op positions; out-of-range and repeated positions are ignored.
+    names: optional layer names.
+    summary: optional summary line.
+    input_kinds: per ``program.invars`` entry, the region input kind (``"param"``...), for
+      signatures and parameter bytes.
+  """
   bounds = [0] + sorted(set(int(c) for c in cuts if 0 < c < len(program.ops))) + \
       [len(program.ops)]
-  cross = crossing_bytes(program)
+  facts = _facts(program, input_kinds)
   layers = []
   for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-    name = names[i] if names is not None else _common_name(program.ops[a:b]) or f"layer{i}"
-    layers.append(Layer(i, a, b, name=name,
-                        boundary_bytes=int(cross[b]) if b < len(program.ops) else 0))
-  return LayerSequence(program, tuple(layers), summary or f"{len(layers)} layers")
+    kw = {"name": names[i]} if names is not None else {}
+    layers.append(_layer(program, facts, i, a, b, **kw))
+  kinds = tuple(input_kinds) if input_kinds is not None else None
+  return LayerSequence(program, tuple(layers), summary or f"{len(layers)} layers",
+                       input_kinds=kinds)
 
 
-def layers_from_boundaries(program: Program, cuts: Sequence[int]) -> LayerSequence:
+def layers_from_boundaries(program: Program, cuts: Sequence[int],
+                           input_kinds: Sequence[str] | None = None) -> LayerSequence:
   """Layers cut where the model called :func:`harpjax.mark_layer_boundary`.
 
   Args:
     program: the boundary-free region program (``TracedStep.region``).
     cuts: the marker positions (``TracedStep.boundary_cuts``).
+    input_kinds: optional region input kinds (``[inp.kind for inp in TracedStep.inputs]``).
   """
   n = len([c for c in cuts if 0 < c < len(program.ops)]) + 1
-  return layers_from_cuts(program, cuts,
+  return layers_from_cuts(program, cuts, input_kinds=input_kinds,
                           summary=f"{n} layer{'s' if n != 1 else ''} (marked by hand)")
+
+
+def relayer(seq: LayerSequence, program: Program,
+            input_kinds: Sequence[str] | None = None) -> LayerSequence:
+  """The same cuts and modules over another trace of the same model (e.g. a smaller microbatch).
+
+  Raises:
+    ValueError: the programs differ in length (the model's structure depends on the batch).
+  """
+  if len(program.ops) != len(seq.program.ops):
+    raise ValueError(f"cannot transfer {len(seq)} layers: the program has {len(program.ops)} "
+                     f"ops, the layered one {len(seq.program.ops)}")
+  kinds = input_kinds if input_kinds is not None else seq.input_kinds
+  facts = _facts(program, kinds)
+  layers = tuple(_layer(program, facts, l.index, l.start, l.end, name=l.name, module=l.module,
+                        module_index=l.module_index, position=l.position) for l in seq.layers)
+  return dataclasses.replace(seq, program=program, layers=layers,
+                             input_kinds=tuple(kinds) if kinds is not None else None)
+
+
+# --------------------------------------------------------------------------- construction
+
+
+def construct_layers(program: Program, input_kinds: Sequence[str] | None = None, *,
+                     boundary_cuts: Sequence[int] = (),
+                     options: LayerOptions | None = None,
+                     origin: Sequence[int] | None = None) -> LayerSequence:
+  """Fine-grained layers of a forward program that keep its repeated structure (§5.1).
+
+  Args:
+    program: the boundary-free forward program (``TracedStep.region``, or the result of
+      :func:`unroll_scans`).
+    input_kinds: per ``program.invars`` entry, ``"param"`` / ``"split"`` / ``"whole"`` /
+      ``"static"`` (``[inp.kind for inp in TracedStep.inputs]``).
+    boundary_cuts: hand-placed cuts (``TracedStep.boundary_cuts``); when given they are the
+      layers (manual boundaries win) and only signatures and module kinds are computed.
+    options: the knobs, :class:`LayerOptions`.
+    origin: recorded in the result (see :attr:`LayerSequence.origin`).
+
+  Returns:
+    The :class:`LayerSequence`; ``str()`` summarises it.
+  """
+  opts = options or LayerOptions()
+  t0 = time.perf_counter()
+  n = len(program.ops)
+  kinds = tuple(input_kinds) if input_kinds is not None else None
+  origin = tuple(origin) if origin is not None else None
+  if n == 0:
+    return LayerSequence(program, (), "0 layers", input_kinds=kinds, origin=origin)
+  facts = _facts(program, kinds)
+  cuts = sorted(set(int(c) for c in boundary_cuts if 0 < c < n))
+  if cuts:
+    return _from_manual(program, facts, cuts, kinds, origin)
+  paths = [_op_path(op) for op in program.ops]
+  mods = _find_modules(program, facts, paths, opts)
+  names = _kind_names(mods, paths)
+  plan = _cluster(mods, facts, opts)
+  layers, modules = [], []
+  for mi, (a, b, kind, path) in enumerate(mods):
+    first = len(layers)
+    rel = plan[kind]
+    bounds = [a] + [a + r for r in rel] + [b]
+    for q, (x, y) in enumerate(zip(bounds, bounds[1:])):
+      layers.append(_layer(program, facts, len(layers), x, y, module=names[kind],
+                           module_index=mi, position=q))
+    repeated = sum(1 for m in mods if m[2] == kind) > 1
+    modules.append(Module(mi, kind, names[kind], "/".join(path), a, b, first,
+                          len(layers) - 1, repeated))
+  seq = LayerSequence(program, tuple(layers), _summary(layers, modules), tuple(modules), kinds,
+                      origin)
+  log.info("layer construction: %d ops -> %s (%.2f s)", n, seq.summary,
+           time.perf_counter() - t0)
+  return seq
+
+
+def _from_manual(program, facts, cuts, kinds, origin) -> LayerSequence:
+  bounds = [0] + cuts + [len(program.ops)]
+  layers = [_layer(program, facts, i, a, b) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+  kind_of: dict[str, int] = {}
+  modules = []
+  count = collections.Counter(l.signature for l in layers)
+  for l in layers:
+    k = kind_of.setdefault(l.signature, len(kind_of))
+    modules.append(Module(l.index, k, l.name, l.name, l.start, l.end, l.index, l.index,
+                          count[l.signature] > 1))
+  layers = [dataclasses.replace(l, module=l.name, module_index=l.index) for l in layers]
+  n = len(layers)
+  return LayerSequence(program, tuple(layers),
+                       f"{n} layer{'s' if n != 1 else ''} (marked by hand)", tuple(modules),
+                       kinds, origin)
+
+
+# --------------------------------------------------------------------------- module finding
+
+
+def _op_path(op: Op) -> tuple[str, ...]:
+  """Module path of an op; for call-like ops the common path of their body is appended."""
+  parts = tuple(p for p in op.name_stack.split("/") if p)
+  if op.name in ("scan", "while", "cond"):
+    return parts
+  bodies = primitives.subjaxprs(op.params)
+  if bodies:
+    firsts = {_compat.eqn_name_stack(e).split("/")[0]
+              for _, j in bodies for e in j.eqns if _compat.eqn_name_stack(e)}
+    if len(firsts) == 1:
+      parts = parts + (firsts.pop(),)
+  return parts
+
+
+def _find_modules(program, facts: _Facts, paths, opts: LayerOptions) -> list[tuple]:
+  """``[(start, end, kind, path)]`` covering all ops; repeated kinds have several entries."""
+  n = len(program.ops)
+  tokens, heavy = facts.toks.tokens, facts.heavy
+  free = np.ones(n, dtype=bool)
+  chosen: list[tuple[int, int, int, tuple]] = []
+  kind = 0
+  if opts.use_name_stack:
+    for insts in signature.name_stack_repeats(tokens, heavy, paths, opts.z):
+      for a, b, path in insts:
+        free[a:b] = False
+        chosen.append((a, b, kind, path))
+      kind += 1
+  while True:
+    segs = signature.free_segments(free)
+    rep = signature.most_repeated(tokens, heavy, segs, opts.z, start_cost=facts.cross[:n],
+                                  criterion=opts.criterion)
+    if rep is None:
+      break
+    for s in rep.starts:
+      free[s:s + rep.length] = False
+      chosen.append((s, s + rep.length, kind, signature.common_path(paths[s:s + rep.length])))
+    kind += 1
+  for a, b in signature.free_segments(free):
+    chosen.append((a, b, kind, signature.common_path(paths[a:b])))
+    kind += 1
+  chosen.sort()
+  # Renumber kinds in order of first appearance.
+  order: dict[int, int] = {}
+  return [(a, b, order.setdefault(k, len(order)), p) for a, b, k, p in chosen]
+
+
+_INDEX = re.compile(r"^(.*?)[_.\-]?\d+$")
+
+
+def _strip_index(part: str) -> str:
+  """``block_3`` -> ``block``; a bare index (``h/0``) -> ``""``."""
+  if part.isdigit():
+    return ""
+  m = _INDEX.match(part)
+  return m.group(1) if m and m.group(1) else part
+
+
+def _kind_names(mods, paths) -> dict[int, str]:
+  """A readable, unique name per kind."""
+  by_kind: dict[int, list] = collections.defaultdict(list)
+  for a, b, k, p in mods:
+    by_kind[k].append((a, b, p))
+  named = [p for p in paths if p]
+  root = signature.common_path(named) if named else ()
+  raw = {}
+  for k, insts in by_kind.items():
+    a, b, p = insts[0]
+    if len(insts) > 1 and p:
+      parts = [_strip_index(x) for x in p]
+      name = parts[-1] or (parts[-2] if len(parts) > 1 else "")
+      if not name and len(p) > 1:
+        name = _strip_index(p[-2])
+    else:
+      counts = collections.Counter(
+          pp[len(root)] for pp in paths[a:b] if len(pp) > len(root))
+      name = _strip_index(counts.most_common(1)[0][0]) if counts else ""
+    raw[k] = name or ("module" if len(insts) > 1 else "ops")
+  out, used = {}, collections.Counter(raw.values())
+  seen: collections.Counter = collections.Counter()
+  for k in sorted(raw):
+    name = raw[k]
+    if used[name] > 1:
+      seen[name] += 1
+      name = f"{name}#{seen[name]}"
+    out[k] = name
+  return out
+
+
+# --------------------------------------------------------------------------- clustering
+
+
+def _cluster(mods, facts: _Facts, opts: LayerOptions) -> dict[int, list[int]]:
+  """Relative cut positions per module kind."""
+  by_kind: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+  for a, b, k, _ in mods:
+    by_kind[k].append((a, b))
+  parts = {}
+  for k, insts in by_kind.items():
+    parts[k] = _atoms(insts, facts, opts)
+  ks = {}
+  for k, (atoms, _) in parts.items():
+    usable = len(atoms)
+    if opts.layers_per_module is not None:
+      ks[k] = max(1, min(opts.layers_per_module, usable))
+    elif opts.target_layers is not None:
+      ks[k] = 1
+    else:
+      with_heavy = sum(1 for *_, h in atoms if h > 0)
+      ks[k] = max(1, min(opts.max_layers_per_module, with_heavy, usable))
+  if opts.target_layers is not None:
+    count = {k: len(v) for k, v in by_kind.items()}
+    best = {k: _partition(parts[k][0], 1) for k in parts}
+    total = sum(count.values())
+    while True:
+      cands = [(best[k][1], k) for k in parts
+               if ks[k] < len(parts[k][0]) and total + count[k] <= opts.target_layers]
+      if not cands:
+        break
+      _, k = max(cands)
+      ks[k] += 1
+      total += count[k]
+      best[k] = _partition(parts[k][0], ks[k])
+  plan = {}
+  for k, (atoms, _) in parts.items():
+    cuts, _ = _partition(atoms, ks[k])
+    plan[k] = cuts
+  return plan
+
+
+def _atoms(insts, facts: _Facts, opts: LayerOptions):
+  """Segments of a module kind between admissible cut points (relative offsets).
+
+  Returns:
+    ``([(rel_start, rel_end, flops, heavy)], cut_bytes)`` from the first instance; a cut is
+    admissible where the bytes crossing it (worst instance) are at most
+    ``max_boundary_ratio`` times those crossing the module's own boundary.
+  """
+  a0, b0 = insts[0]
+  length = b0 - a0
+  cross = np.max([facts.cross[a:b + 1] for a, b in insts], axis=0)
+  ends = [x for x in (cross[0], cross[-1]) if x > 0]
+  inner = cross[1:-1]
+  if ends:
+    base = min(ends)
+  elif (inner > 0).any():
+    base = float(np.min(inner[inner > 0]))
+  else:
+    base = 0.0
+  ok = [r for r in range(1, length) if cross[r] <= opts.max_boundary_ratio * base + 0]
+  bounds = [0] + ok + [length]
+  atoms = []
+  for x, y in zip(bounds, bounds[1:]):
+    atoms.append((x, y, float(facts.flops[a0 + x:a0 + y].sum()),
+                  int(facts.heavy[a0 + x:a0 + y].sum())))
+  return atoms, cross
+
+
+def _partition(atoms, k: int) -> tuple[list[int], float]:
+  """Splits atoms into ``k`` contiguous groups of balanced FLOPs (min sum of squares).
+
+  The sum of squared group FLOPs (fixed total) is smallest for equal groups and penalises a
+  near-empty group more than a slightly larger maximum, so glue ops join a heavy neighbour.
+
+  Returns:
+    Relative cut offsets and the largest group's FLOPs.
+  """
+  A = len(atoms)
+  k = max(1, min(k, A))
+  f = np.array([x[2] for x in atoms])
+  scale = max(float(f.max()), 1.0) if A else 1.0
+  f = f / scale
+  cf = np.concatenate([[0.0], np.cumsum(f)])
+  INF = (np.inf, np.inf)
+  best = [[INF] * (A + 1) for _ in range(k + 1)]
+  arg = [[-1] * (A + 1) for _ in range(k + 1)]
+  best[0][0] = (0.0, 0.0)
+  for g in range(1, k + 1):
+    for a in range(g, A + 1):
+      cand, where = INF, -1
+      for p in range(g - 1, a):
+        prev = best[g - 1][p]
+        if prev[0] == np.inf:
+          continue
+        s = cf[a] - cf[p]
+        val = (prev[0] + s * s, max(prev[1], s))
+        if val < cand:
+          cand, where = val, p
+      best[g][a], arg[g][a] = cand, where
+  cuts, a = [], A
+  for g in range(k, 0, -1):
+    p = arg[g][a]
+    if p > 0:
+      cuts.append(atoms[p][0])
+    a = p
+  return sorted(cuts), float(best[k][A][1]) * scale
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _summary(layers, modules) -> str:
+  items = [(m.name, m.repeated, m.num_layers) for m in modules]
+  parts, i = [], 0
+  while i < len(items):
+    best_p, best_reps = 1, 1
+    if items[i][1]:
+      for p in (1, 2, 3, 4):
+        unit = items[i:i + p]
+        if len(unit) < p or not all(u[1] for u in unit):
+          break
+        reps = 1
+        while items[i + reps * p:i + (reps + 1) * p] == unit:
+          reps += 1
+        if reps >= 2 and reps * p > best_reps * best_p:
+          best_p, best_reps = p, reps
+    unit = items[i:i + best_p]
+    if not items[i][1]:
+      parts.append(f"{items[i][0]} {items[i][2]}")
+    elif best_p == 1:
+      parts.append(f"{best_reps} × {unit[0][0]}[{unit[0][2]}]")
+    else:
+      body = " · ".join(f"{u[0]}[{u[2]}]" for u in unit)
+      parts.append(f"{best_reps} × ({body})")
+    i += best_p * best_reps
+  n = len(layers)
+  return f"{n} layer{'s' if n != 1 else ''}: " + " · ".join(parts)
 
 
 def _common_name(ops: Sequence[Op]) -> str:
@@ -151,3 +690,150 @@ def _common_name(ops: Sequence[Op]) -> str:
     else:
       break
   return "/".join(common) or stacks[0].split("/")[0]
+
+
+# --------------------------------------------------------------------------- traced steps
+
+
+def layers_for_step(ts, options: LayerOptions | None = None) -> LayerSequence:
+  """Layers of a traced step (:class:`~harpjax.compiler.trace.TracedStep`).
+
+  Hand-placed boundaries win; otherwise scans over stacked layers are unrolled (then
+  ``LayerSequence.program`` replaces ``ts.region``: run with :func:`traced_step_for`) and
+  layers are constructed automatically.
+  """
+  opts = options or LayerOptions()
+  kinds = [inp.kind for inp in ts.inputs]
+  if ts.boundary_cuts:
+    return construct_layers(ts.region, kinds, boundary_cuts=ts.boundary_cuts, options=opts)
+  program, origin = ts.region, None
+  if opts.unroll_scan:
+    program, origin = unroll_scans(ts.region, z=opts.z, max_length=opts.max_unroll)
+  return construct_layers(program, kinds, options=opts, origin=origin)
+
+
+def traced_step_for(ts, layers: LayerSequence):
+  """``ts`` with ``region`` (and random-op indices) replaced by ``layers.program``."""
+  if layers.origin is None or layers.program is ts.region:
+    return ts
+  regen = {new: ts.regen_ops[old] for new, old in enumerate(layers.origin)
+           if old >= 0 and old in ts.regen_ops}
+  return dataclasses.replace(ts, region=layers.program, regen_ops=regen, boundary_cuts=())
+
+
+def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
+                 ) -> tuple[Program, tuple[int, ...] | None]:
+  """Unrolls ``scan`` equations over stacked layers into straight-line ops.
+
+  A scan is unrolled when its body holds at least ``z`` compute-heavy ops and its length is at
+  most ``max_length``. Iteration ``t`` reads slice ``t`` of every stacked input (the slice ops
+  sit just before their first use, so a layer slices what it needs), threads the carry, and
+  stacked outputs are re-assembled after the last iteration. Value ids of the original program
+  are kept (the scan's results become aliases); new values get new ids. Iteration ``t`` gets
+  the name-stack component ``<name>_<t>`` (``iter_<t>`` for unnamed bodies) so that iterations
+  are module instances.
+
+  Returns:
+    ``(program, origin)``: the new program and, per op, the index of the op it copies (``-1``
+    for unrolled ops); ``(program, None)`` when nothing was unrolled.
+  """
+  todo = {op.index for op in program.ops if op.name == "scan"
+          and int(op.params.get("length", 0)) <= max_length
+          and primitives.jaxpr_heavy_count(op.params["jaxpr"].jaxpr) >= z}
+  if not todo:
+    return program, None
+  avals = list(program.avals)
+  ops: list[Op] = []
+  origin: list[int] = []
+  alias: dict[int, Any] = {}
+  res = lambda r: r if isinstance(r, Lit) else alias.get(r, r)
+
+  def aval(r):
+    return _lit_aval(r) if isinstance(r, Lit) else avals[r]
+
+  def spec(r):
+    a = aval(r)
+    return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
+
+  def splice(sub: Program, consts, in_refs: list, stack: Callable[[str], str],
+             lazy: Callable[[int], Any] | None = None) -> list:
+    env: dict[int, Any] = {v: Lit(c) for v, c in zip(sub.invars[:sub.num_consts], consts)}
+    env.update(zip(sub.invars[sub.num_consts:], in_refs))
+    made: dict[int, Any] = {}
+    for op in sub.ops:
+      ins = []
+      for v in op.invars:
+        r = v if isinstance(v, Lit) else env[v]
+        if isinstance(r, _Lazy):
+          if r.key not in made:
+            made[r.key] = lazy(r.key)
+          r = made[r.key]
+        ins.append(r)
+      outs = []
+      for o in op.outvars:
+        if o >= 0:
+          avals.append(sub.avals[o])
+          env[o] = len(avals) - 1
+        outs.append(env[o] if o >= 0 else -1)
+      ops.append(Op(len(ops), op.primitive, op.params, tuple(ins), tuple(outs),
+                    stack(op.name_stack)))
+      origin.append(-1)
+    return [r if isinstance(r, Lit) else env[r] for r in sub.outvars]
+
+  def slice_at(x, t: int, stack):
+    helper = jax.make_jaxpr(lambda a: jax.lax.index_in_dim(a, t, 0, keepdims=False))(spec(x))
+    return splice(from_closed_jaxpr(helper), helper.consts, [x], stack)[0]
+
+  for op in program.ops:
+    if op.index not in todo:
+      ops.append(dataclasses.replace(op, index=len(ops),
+                                     invars=tuple(res(v) for v in op.invars)))
+      origin.append(op.index)
+      continue
+    p = op.params
+    L, nc, ncar = int(p["length"]), int(p["num_consts"]), int(p["num_carry"])
+    body = p["jaxpr"]
+    sub = from_closed_jaxpr(body)
+    first = signature.common_path([tuple(x for x in o.name_stack.split("/") if x) for o in sub.ops])
+    ins = [res(v) for v in op.invars]
+    consts, carry, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+    ys_steps = []
+    for t in (range(L - 1, -1, -1) if p.get("reverse") else range(L)):
+      stack = functools.partial(_iter_stack, op.name_stack, first[0] if first else "", t)
+      outs = splice(sub, body.consts, consts + carry + [_Lazy(j) for j in range(len(xs))],
+                    stack, lambda j, t=t, stack=stack: slice_at(xs[j], t, stack))
+      carry = outs[:ncar]
+      ys_steps.append((t, outs[ncar:]))
+    ys_steps.sort(key=lambda x: x[0])
+    finals = list(carry)
+    for j in range(len(op.outvars) - ncar):
+      if op.outvars[ncar + j] < 0:
+        finals.append(None)
+        continue
+      parts = [ys[j] for _, ys in ys_steps]
+      helper = jax.make_jaxpr(lambda *a: jnp.stack(a))(*[spec(r) for r in parts])
+      finals.append(splice(from_closed_jaxpr(helper), helper.consts, parts,
+                           lambda s, st=op.name_stack: st)[0])
+    for o, r in zip(op.outvars, finals):
+      if o >= 0 and r is not None:
+        alias[o] = r
+  outvars = tuple(res(v) for v in program.outvars)
+  new = Program(tuple(avals), program.invars, outvars, tuple(ops), program.num_consts)
+  log.info("unrolled %d scan(s): %d -> %d ops", len(todo), len(program.ops), len(ops))
+  return new, tuple(origin)
+
+
+class _Lazy(NamedTuple):
+  key: int
+
+
+def _iter_stack(outer: str, first: str, t: int, inner: str) -> str:
+  """Name stack of an op of iteration ``t``: ``outer/<first>_<t>/...`` or ``outer/iter_<t>/...``."""
+  parts = [p for p in inner.split("/") if p]
+  if first and parts and parts[0] == first:
+    parts = [f"{first}_{t}"] + parts[1:]
+  elif first:
+    parts = [f"{first}_{t}"] + parts
+  else:
+    parts = [f"iter_{t}"] + parts
+  return "/".join(([outer] if outer else []) + parts)
