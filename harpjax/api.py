@@ -16,7 +16,8 @@ from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
 from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
 from harpjax.compiler.plan import Plan, StageSpec
 from harpjax.compiler.trace import TracedStep, trace_step
-from harpjax.errors import HarpjaxError, MicrobatchError, PlanError, ScheduleError
+from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
+                            ScheduleError)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class ParallelOptions:
   runtime: str = "local"
   eps: float = 0.1
   runtime_options: tuple = ()
+  layer_options: Any = None
+  profile_options: Any = None
+  solve_options: Any = None
 
   def __post_init__(self):
     if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -62,7 +66,8 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                   plan: Plan | None = None, schedule: str | None = None,
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
                   runtime: str = "local", eps: float = 0.1,
-                  runtime_options: dict | None = None):
+                  runtime_options: dict | None = None, layer_options=None,
+                  profile_options=None, solve_options=None):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -74,7 +79,11 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
     fun: the train step.
     cluster: a :class:`harpjax.Cluster`, a path to its YAML file, or its dict form.
     num_microbatches: B; the batch arguments' leading axis must divide by it.
-    plan: the pipeline plan (:class:`harpjax.ManualPlan` or a saved plan).
+    plan: the pipeline plan (:class:`harpjax.ManualPlan` or a saved plan); ``None`` (or
+      ``"auto"``) plans automatically on the first call: layers are constructed from the
+      forward program, profiled on the cluster's GPU types
+      (:mod:`harpjax.compiler.profile`) and the exact DP (:func:`harpjax.compiler.planner.
+      solve`) picks stages, submeshes, logical meshes and H-1F1B warm-up counts.
     schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``; default the plan's.
     batch_argnums: positions of the step's batch arguments (split along axis 0).
     loss_reduction: ``"mean"`` if the loss (and scalar aux outputs) average over the batch,
@@ -83,6 +92,10 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
     eps: H-1F1B tolerance of :func:`harpjax.compiler.schedules.warmup_delta`.
     runtime_options: keyword options of the runtime (for ``"ray"``: see
       :class:`harpjax.runtime.ray_runtime.RayRunner`).
+    layer_options: :class:`harpjax.compiler.layers.LayerOptions` of automatic planning.
+    profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: analytic by
+      default, from the GPU types' rates; ``"measured"`` times the local devices).
+    solve_options: :class:`harpjax.compiler.planner.SolveOptions`.
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
@@ -90,7 +103,9 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
   options = ParallelOptions(cluster=cluster, num_microbatches=num_microbatches, plan=plan,
                             schedule=schedule, batch_argnums=tuple(batch_argnums),
                             loss_reduction=loss_reduction, runtime=runtime, eps=eps,
-                            runtime_options=dict(runtime_options or {}))
+                            runtime_options=dict(runtime_options or {}),
+                            layer_options=layer_options, profile_options=profile_options,
+                            solve_options=solve_options)
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -113,6 +128,8 @@ class ParallelStep:
     self._compiled: dict[Any, CompiledStep] = {}
     self._runners: dict[Any, Any] = {}
     self._last: CompiledStep | None = None
+    self._auto_plans: dict[Any, Plan] = {}
+    self.profile = None   # the last ProfileResult of automatic planning
 
   # ------------------------------------------------------------------ public
 
@@ -171,7 +188,7 @@ class ParallelStep:
 
   def _num_microbatches(self) -> int:
     B = self.options.num_microbatches
-    if B is None and self.options.plan is not None:
+    if B is None and isinstance(self.options.plan, Plan):
       B = self.options.plan.num_microbatches
     if B is None:
       raise MicrobatchError("num_microbatches is not set: pass num_microbatches=B to "
@@ -180,11 +197,15 @@ class ParallelStep:
 
   def _compile(self, args) -> CompiledStep:
     plan = self.options.plan
-    if plan is None:
-      raise PlanError("auto_parallel needs plan=ManualPlan([...]) in this version: automatic "
-                      "planning is not available yet")
     cluster = self.cluster
-    ts, layers = self.trace(*args)
+    if plan is None or (isinstance(plan, str) and plan == "auto"):
+      plan, ts, layers = self._plan_automatically(args)
+    elif isinstance(plan, (str, os.PathLike)):
+      from harpjax.compiler.plan import load_plan
+      plan = load_plan(plan)
+      ts, layers = self.trace(*args)
+    else:
+      ts, layers = self.trace(*args)
     B = ts.num_microbatches
     if plan.stages[-1].layers[1] != len(layers) - 1:
       raise PlanError(
@@ -195,7 +216,8 @@ class ParallelStep:
     local = cluster.local_devices()
     stage_devices = [[local[i] for i in idx] for idx in stage_indices]
     schedule_name = self.options.schedule or schedules_lib.schedule_key(plan.schedule)
-    warmups = _warmups(schedule_name, plan, layers, cluster, stage_indices, B, self.options.eps)
+    eps = float(dict(plan.meta).get("eps", self.options.eps))
+    warmups = _warmups(schedule_name, plan, layers, cluster, stage_indices, B, eps)
     schedule = schedules_lib.make_schedule(
         schedule_name, plan.num_stages, B,
         warmups if schedule_name == "h1f1b" else None)
@@ -206,6 +228,47 @@ class ParallelStep:
     log.info("compiling %d stages over %d layers with %s, B=%d", plan.num_stages, len(layers),
              schedule_name, B)
     return compile_step(ts, layers, plan, stage_devices, schedule, self.options.loss_reduction)
+
+
+  def _plan_automatically(self, args) -> tuple[Plan, TracedStep, LayerSequence]:
+    """Layers, profile and DP: the plan for these arguments, plus the matching trace."""
+    from harpjax.compiler.layers import layers_for_step, traced_step_for
+    from harpjax.compiler.planner import SolveOptions, solve
+    from harpjax.compiler.profile import ProfileOptions, profile_step
+
+    B = self._num_microbatches()
+    cluster = self.cluster
+    opts = self.options
+    key = _signature(args)
+    result = profile_step(self._fun, args, cluster, num_microbatches=B,
+                          batch_argnums=opts.batch_argnums, layer_options=opts.layer_options,
+                          options=opts.profile_options or ProfileOptions())
+    self.profile = result
+    log.info("profiled: %s", result.stats.describe())
+    solve_opts = opts.solve_options or SolveOptions(eps=opts.eps)
+    plan = self._auto_plans.get(key)
+    if plan is None:
+      try:
+        plan = solve(result.tables, B, options=solve_opts).plan
+      except InfeasiblePlanError as e:
+        st = result.stats
+        if st.pruned_oom or st.pruned_tasks:
+          raise InfeasiblePlanError(
+              f"{e}. The profiler found {st.pruned_oom + st.pruned_tasks} stage candidates that "
+              f"do not fit device memory (and {st.pruned_imbalance} hopelessly imbalanced "
+              "ones): use more or larger GPUs, fewer or smaller microbatches, or "
+              "ProfileOptions(remat=True)") from None
+        raise
+      remat = bool((opts.profile_options or ProfileOptions()).remat)
+      plan = plan.replace(meta={**dict(plan.meta), "remat": remat})
+      self._auto_plans[key] = plan
+    ts = trace_step(self._fun, args, num_microbatches=B, batch_argnums=opts.batch_argnums)
+    layers = layers_for_step(ts, opts.layer_options)
+    if len(layers) != len(result.layers):
+      raise PlanError(f"layer construction is not deterministic: {len(layers)} layers now, "
+                      f"{len(result.layers)} when profiled")
+    ts = traced_step_for(ts, layers)
+    return plan, ts, layers
 
 
 def resolve_devices(cluster, plan: Plan) -> list[tuple[int, ...]]:

@@ -120,7 +120,8 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
       stages.append(None)
       continue
     mesh = stage_mesh(devs, spec.logical_mesh)
-    stages.append(build_stage_executables(sp, traced, layers, mesh, batch_dependent))
+    stages.append(build_stage_executables(sp, traced, layers, mesh, batch_dependent,
+                                          remat=bool(dict(plan.meta).get("remat", False))))
 
   # Parameters: owner = first stage that reads them.
   num_params = traced.num_params

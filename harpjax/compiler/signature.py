@@ -184,6 +184,10 @@ def op_tokens(program: Program, input_kinds: Sequence[str] | None = None) -> OpT
         lit = v.value
         if out_kind == "param" and op.name == "dynamic_slice":
           desc.append(("idx", _aval_key(_compat.aval_of(lit))))
+        elif op.name in _SALT_PRIMITIVES and np.ndim(lit) == 0:
+          # A per-module salt (Flax folds each module's path hash into its dropout key):
+          # the value changes which random numbers, not the computation or its cost.
+          desc.append(("salt", _aval_key(_compat.aval_of(lit))))
         else:
           desc.append(("lit", canonical(lit) if np.ndim(lit) == 0 else _array_key(lit)))
       else:
@@ -197,6 +201,9 @@ def op_tokens(program: Program, input_kinds: Sequence[str] | None = None) -> OpT
     operands.append(tuple(desc))
     tokens[op.index] = int(digest((core, tuple(desc))), 16) >> 2   # comparable across programs
   return OpTokens(tokens, tuple(cores), tuple(operands), value_kind)
+
+
+_SALT_PRIMITIVES = frozenset({"random_fold_in"})
 
 
 def _offset_free(name: str, params: dict) -> dict:

@@ -177,8 +177,14 @@ class StageExecutables:
 
 
 def build_stage_executables(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
-                            mesh: Mesh, batch_dependent: set[int]) -> StageExecutables:
-  """Jits the forward/backward/zeros functions of one stage on its submesh."""
+                            mesh: Mesh, batch_dependent: set[int],
+                            remat: bool = False) -> StageExecutables:
+  """Jits the forward/backward/zeros functions of one stage on its submesh.
+
+  With ``remat`` the forward keeps only the stage's inputs per in-flight microbatch and the
+  backward recomputes the rest (activation recomputation, ``jax.checkpoint``), the memory model
+  of a profile made with ``ProfileOptions(remat=True)``.
+  """
   prog = layers.program
   dp, tp = mesh.devices.shape
   rep = NamedSharding(mesh, P())
@@ -215,7 +221,8 @@ def build_stage_executables(sp: StageProgram, ts: TracedStep, layers: LayerSeque
     return tuple(env[v] for v in sp.output_ids)
 
   def fwd(params, acts, acts_int, data, mb_index):
-    return jax.vjp(lambda p, a: primal(p, a, acts_int, data, mb_index), params, acts)
+    f = lambda p, a: primal(p, a, acts_int, data, mb_index)
+    return jax.vjp(jax.checkpoint(f) if remat else f, params, acts)
 
   out_avals = [prog.avals[v] for v in sp.output_ids]
 

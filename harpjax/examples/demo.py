@@ -47,6 +47,9 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--cluster", default=DEFAULT_CLUSTER)
   parser.add_argument("--microbatches", type=int, default=4)
+  parser.add_argument("--plan", choices=["auto", "manual"], default="auto",
+                      help="auto: layers, profile and DP planner (default); manual: a fixed "
+                           "3-stage plan")
   args = parser.parse_args(argv)
   if jax.device_count() < 8:
     raise SystemExit("the demo needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_"
@@ -62,12 +65,17 @@ def main(argv=None) -> None:
   cluster = harpjax.Cluster.load(args.cluster)
   print(cluster.summary(), "\n")
 
-  # embed | 4 blocks x (attention | MLP) | head  ->  10 layers, 3 stages of different shapes.
-  plan = harpjax.ManualPlan([
-      ((0, 3), "v100", (1, 4), (2, 2)),   # 4 V100: 2-way data x 2-way tensor parallel
-      ((4, 6), "a100", (1, 2), (2, 1)),   # 2 A100 on one host, data parallel
-      ((7, 9), "a100", (1, 2), (1, 2)),   # 2 A100 on the other host, tensor parallel
-  ])
+  if args.plan == "manual":
+    # embed | 4 blocks x (attention | MLP) | head  ->  10 layers, 3 stages of different shapes.
+    plan = harpjax.ManualPlan([
+        ((0, 3), "v100", (1, 4), (2, 2)),   # 4 V100: 2-way data x 2-way tensor parallel
+        ((4, 6), "a100", (1, 2), (2, 1)),   # 2 A100 on one host, data parallel
+        ((7, 9), "a100", (1, 2), (1, 2)),   # 2 A100 on the other host, tensor parallel
+    ])
+  else:
+    plan = None   # profile the layers analytically for V100/A100 and let the DP decide
+    print("planning automatically: profiling the layers for the cluster's GPU types "
+          "(cached after the first run) ...")
   step = harpjax.auto_parallel(make_step(), cluster=cluster,
                                num_microbatches=args.microbatches, plan=plan, schedule="h1f1b")
   reference = jax.jit(make_step())
@@ -84,7 +92,10 @@ def main(argv=None) -> None:
     times.append(time.perf_counter() - t0)
     ref_state, ref_loss = reference(ref_state, tokens, kd)
     if i == 0:
-      print(f"layers: {step.layers}\n")
+      print(f"layers: {step.layers}")
+      if step.profile is not None:
+        print(f"profile: {step.profile.stats.describe()}")
+      print()
       print(step.plan.table(), "\n")
     print(f"step {i}: loss {loss:.4f}   (jax.jit: {float(ref_loss):.4f})   "
           f"{times[-1] * 1e3:7.1f} ms{'  (compile)' if i == 0 else ''}")

@@ -187,3 +187,13 @@ def test_flax_nnx_model_after_jit_of_same_step():
               "y": jax.random.normal(jax.random.key(9 + i), (8, 3))} for i in range(2)]
   plan = harpjax.ManualPlan([((0, 0), "v100", (1, 2)), ((1, 2), "a100", (1, 2), (1, 2))])
   compare_steps(step, (params, tx.init(params)), batches, plan=plan, num_microbatches=2)
+
+
+def test_activation_recomputation_plan():
+  """A plan made with remat=True recomputes each stage's forward in its backward."""
+  step, state, batches, _ = _gpt_setup()
+  rngs = [(jax.random.key(100 + i),) for i in range(2)]
+  plan = GPT3.replace(meta={"remat": True})
+  pstep = compare_steps(step, state, batches[:2], plan=plan, num_microbatches=2,
+                        extra_args=rngs)
+  assert dict(pstep.plan.meta)["remat"] is True

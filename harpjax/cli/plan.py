@@ -1,0 +1,164 @@
+"""``python -m harpjax plan``: plan a model on a cluster without owning the GPUs.
+
+The model is traced from abstract shapes (nothing is allocated), cut into fine-grained layers,
+costed analytically for the cluster's GPU types (compile-only XLA cost analysis and calibrated
+rates), and planned by the exact DP. Prints the plan table, the predicted iteration time and
+the load-balance score; ``--json`` saves the plan for ``auto_parallel(plan=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+
+import click
+
+from harpjax.errors import HarpjaxError
+
+log = logging.getLogger(__name__)
+
+
+def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
+  from harpjax.models import BUILTIN_MODELS, ModelSpec, make_lm_spec
+  if model in BUILTIN_MODELS:
+    return BUILTIN_MODELS[model](num_microbatches=num_microbatches,
+                                 microbatch_size=microbatch_size)
+  if not os.path.exists(model):
+    raise click.BadParameter(f"{model!r} is neither a built-in model "
+                             f"({', '.join(sorted(BUILTIN_MODELS))}) nor a config file",
+                             param_hint="--model")
+  import yaml
+  from harpjax.models import gpt, moe
+  with open(model) as f:
+    try:
+      cfg = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+      raise click.BadParameter(f"{model}: not valid YAML/JSON: {e}", param_hint="--model")
+  if not isinstance(cfg, dict):
+    raise click.BadParameter(f"{model}: expected a mapping of GPT config fields",
+                             param_hint="--model")
+  cfg = dict(cfg)
+  family = cfg.pop("family", "gpt")
+  mbs = cfg.pop("microbatch_size", microbatch_size or 8)
+  classes = {"gpt": (gpt.GPTConfig, gpt.GPT), "moe": (moe.MoEConfig, moe.MoETransformer)}
+  if family not in classes:
+    raise click.BadParameter(f"{model}: family {family!r}; choose one of {sorted(classes)}",
+                             param_hint="--model")
+  config_cls, model_cls = classes[family]
+  fields = {f.name for f in dataclasses.fields(config_cls)}
+  unknown = sorted(set(cfg) - fields)
+  if unknown:
+    raise click.BadParameter(f"{model}: unknown fields {unknown}; known: {sorted(fields)}",
+                             param_hint="--model")
+  config = config_cls(**cfg)
+  name = os.path.splitext(os.path.basename(model))[0]
+  return make_lm_spec(name, model_cls(config), config, microbatch_size=int(mbs),
+                      num_microbatches=num_microbatches)
+
+
+def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
+  """The cluster with every pair of consecutive subclusters linked at ``gbps``."""
+  if gbps is None:
+    return cluster
+  from harpjax.cluster import Cluster, LinkOverride
+  names = [s.name for s in cluster.subclusters]
+  pairs = {frozenset(p) for p in zip(names, names[1:])}
+  kept = [l for l in cluster.links if frozenset(l.between) not in pairs]
+  lat = None if latency_us is None else latency_us * 1e-6
+  new = [LinkOverride(between=(a, b), gbps=gbps, latency_s=lat) for a, b in zip(names, names[1:])]
+  return Cluster(cluster.subclusters, links=tuple(kept + new), gpus=cluster.gpus,
+                 name=cluster.name)
+
+
+@click.command("plan", help=__doc__.split("\n\n")[0])
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False),
+              help="Cluster YAML file (see docs/cluster.md).")
+@click.option("--model", required=True,
+              help="Built-in model (gpt-39b, gpt-2.6b, gpt-tiny, moe-tiny) or a YAML/JSON file "
+                   "of GPT config fields (family: gpt|moe, hidden, num_blocks, num_heads, "
+                   "seq_len, vocab_size, microbatch_size, ...).")
+@click.option("-B", "--microbatches", "num_microbatches", type=int, default=128, show_default=True,
+              help="Number of microbatches per iteration.")
+@click.option("--microbatch-size", type=int, default=None,
+              help="Sequences per microbatch (default: the model's, 8 for the large GPTs).")
+@click.option("--bandwidth", type=float, default=None,
+              help="Override the links between consecutive subclusters, Gbit/s.")
+@click.option("--latency-us", type=float, default=None, help="Latency of those links, us.")
+@click.option("--source", type=click.Choice(["analytic", "imported"]), default="analytic",
+              show_default=True, help="Cost source (no devices are used).")
+@click.option("--order", type=click.Choice(["memory_to_compute", "given"]),
+              default="memory_to_compute", show_default=True,
+              help="Subcluster order of the pipeline (HARP 5.2.1 heuristic or the file's).")
+@click.option("--z", type=int, default=None, help="Fewest matmuls in a repeated module.")
+@click.option("--target-layers", type=int, default=None, help="Layers wanted in total.")
+@click.option("--eps", type=float, default=0.1, show_default=True,
+              help="H-1F1B tolerance (2c/t_max below it needs no extra warm-up).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Profile database directory (default $HARPJAX_CACHE_DIR or "
+                   "~/.cache/harpjax/profiles).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the plan here (load it with harpjax.load_plan).")
+@click.option("--simulate/--no-simulate", default=True, show_default=True,
+              help="Also simulate the plan under GPipe, 1F1B, Eager-1F1B and H-1F1B.")
+@click.option("--remat/--no-remat", default=True, show_default=True,
+              help="Cost activation recomputation (as HARP and Alpa train large GPTs): only "
+                   "stage inputs are kept per in-flight microbatch; plans carry it to the "
+                   "runtime.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar while profiling (default: when stderr is a terminal).")
+def command(cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
+            source, order, z, target_layers, eps, cache_dir, json_path, simulate, remat,
+            progress):
+  from harpjax.cluster import Cluster
+  from harpjax.compiler.layers import LayerOptions
+  from harpjax.compiler.planner import SolveOptions, evaluate_plan, solve
+  from harpjax.compiler.profile import ProfileOptions, profile_step
+
+  try:
+    cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
+    spec = _model_spec(model, num_microbatches, microbatch_size)
+    layer_kw = {}
+    if z is not None:
+      layer_kw["z"] = z
+    if target_layers is not None:
+      layer_kw["target_layers"] = target_layers
+    profile_kw = dict(source=source, cache_dir=cache_dir, progress=progress, remat=remat,
+                      order=None if order == "given" else order)
+    if source == "imported":
+      profile_kw["imported_model"] = "deepspeedgpt_2.7b"
+    t0 = time.perf_counter()
+    click.echo(f"cluster: {cluster.summary()}", err=True)
+    click.echo(f"model {spec.name}: tracing, building layers and profiling ...", err=True)
+    result = profile_step(spec.step_fn, spec.args, cluster, num_microbatches=num_microbatches,
+                          batch_argnums=spec.batch_argnums,
+                          layer_options=LayerOptions(**layer_kw),
+                          options=ProfileOptions(**profile_kw))
+    t1 = time.perf_counter()
+    click.echo(f"layers: {result.layers.summary}", err=True)
+    click.echo(f"profile: {result.stats.describe()}", err=True)
+    solved = solve(result.tables, num_microbatches, options=SolveOptions(eps=eps))
+    t2 = time.perf_counter()
+  except HarpjaxError as e:
+    raise click.ClickException(str(e)) from None
+  plan = solved.plan.replace(meta={**dict(solved.plan.meta), "model": spec.name,
+                                   "cluster": os.path.abspath(cluster_path),
+                                   "microbatch_size": spec.microbatch_size, "remat": remat})
+  click.echo("")
+  click.echo(plan.table())
+  click.echo(f"\npredicted iteration: {plan.predicted_iteration_s:.3f} s (Eq. 12), "
+             f"t_max {plan.t_max_s * 1e3:.2f} ms, eta {plan.eta * 100:.1f}%; "
+             f"profiling {t1 - t0:.1f} s, search {t2 - t1:.2f} s")
+  if simulate:
+    click.echo("\nschedule      warm-ups              simulated iteration (s)   fits memory")
+    for name in ("gpipe", "1f1b", "eager_1f1b", "h1f1b"):
+      ev = evaluate_plan(result.tables, plan, num_microbatches, schedule=name, eps=eps)
+      warm = ",".join(str(w) for w in ev.warmups)
+      click.echo(f"{name:12s}  {warm[:20]:20s}  {ev.iteration_s:>22.3f}   "
+                 f"{'yes' if ev.mem_ok else 'NO'}")
+  if json_path:
+    plan.save(json_path)
+    click.echo(f"\nwrote {json_path}")

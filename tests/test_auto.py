@@ -1,0 +1,105 @@
+"""Fully automatic planning: auto_parallel with no plan, saved plans, and the plan CLI."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from click.testing import CliRunner
+from flax.training import train_state
+
+import harpjax
+from harpjax.cli import main as cli_main
+from harpjax.compiler.profile import ProfileOptions
+from harpjax.errors import InfeasiblePlanError
+from harpjax.examples.models import GPT, GPTConfig
+from tests.equivalence import CONFIGS, DEMO_CLUSTER, compare_steps
+
+
+def _gpt(tx):
+  cfg = GPTConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=2, num_blocks=2)
+  model = GPT(cfg)
+  params = model.init(jax.random.key(0), jnp.zeros((8, cfg.seq_len), jnp.int32))
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  def step(state, tokens):
+    def loss_fn(p):
+      logits = state.apply_fn(p, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  batches = [jax.random.randint(jax.random.key(i), (8, cfg.seq_len + 1), 0, 64)
+             for i in range(2)]
+  return step, state, batches
+
+
+@pytest.fixture(scope="module")
+def auto_step(tmp_path_factory):
+  """One automatically planned step, shared (profiling costs seconds)."""
+  cache = str(tmp_path_factory.mktemp("profiles"))
+  step, state, batches = _gpt(optax.sgd(0.1))
+  pstep = compare_steps(step, state, batches, plan=None, num_microbatches=4,
+                        profile_options=ProfileOptions(cache_dir=cache, progress=False))
+  return pstep, cache
+
+
+def test_auto_plan_matches_jit_and_describes_itself(auto_step):
+  pstep, _ = auto_step
+  plan = pstep.plan
+  assert plan.predicted_iteration_s > 0 and 0 < plan.eta <= 1 and plan.t_max_s > 0
+  assert plan.num_layers == len(pstep.layers)
+  assert plan.warmups is not None and plan.warmups[-1] == 1
+  assert "predicted iteration" in plan.table() and "eta=" in plan.table()
+  assert pstep.profile.stats.unique_tasks > 0
+
+
+def test_saved_plan_is_reused_without_planning(auto_step, tmp_path):
+  pstep, _ = auto_step
+  path = tmp_path / "plan.json"
+  pstep.plan.save(path)
+  step, state, batches = _gpt(optax.sgd(0.1))
+  again = compare_steps(step, state, batches[:1], plan=str(path), num_microbatches=4)
+  assert again.profile is None
+  assert [s.layers for s in again.plan.stages] == [s.layers for s in pstep.plan.stages]
+  assert again.plan.warmups == pstep.plan.warmups
+
+
+def test_auto_plan_with_adam_keeps_the_loss(auto_step):
+  _, cache = auto_step
+  step, state, batches = _gpt(optax.adamw(1e-2, eps=1e-3))
+  compare_steps(step, state, batches, plan=None, num_microbatches=4,
+                profile_options=ProfileOptions(cache_dir=cache, progress=False))
+
+
+def test_plan_cli(tmp_path):
+  out = tmp_path / "plan.json"
+  res = CliRunner().invoke(cli_main, [
+      "plan", "--cluster", f"{CONFIGS}/case_study.yaml", "--model", "gpt-tiny", "-B", "8",
+      "--cache-dir", str(tmp_path / "db"), "--no-progress", "--json", str(out)])
+  assert res.exit_code == 0, res.output
+  assert "Layer Range" in res.output and "predicted iteration" in res.output
+  plan = harpjax.load_plan(out)
+  assert plan.num_microbatches == 8 and plan.stages[0].layers[0] == 0
+  assert dict(plan.meta)["model"] == "gpt-tiny"
+
+
+def test_plan_cli_bad_model(tmp_path):
+  res = CliRunner().invoke(cli_main, ["plan", "--cluster", f"{CONFIGS}/case_study.yaml",
+                                      "--model", "gpt-1t"])
+  assert res.exit_code != 0 and "neither a built-in model" in res.output
+
+
+def test_model_that_cannot_fit_is_explained(tmp_path):
+  tiny = harpjax.Cluster.from_dict({
+      "gpus": [{"name": "toy", "tflops": 1, "memory_gb": 0.0001, "mem_bandwidth_gbs": 10}],
+      "subclusters": [{"name": "a", "gpu": "toy", "hosts": 1, "devices_per_host": 2,
+                       "nics": [{"name": "e", "kind": "ethernet", "gbps": 10,
+                                 "network": "n"}]}]})
+  step, state, batches = _gpt(optax.sgd(0.1))
+  pstep = harpjax.auto_parallel(step, cluster=tiny, num_microbatches=4,
+                                profile_options=ProfileOptions(cache_dir=str(tmp_path),
+                                                               progress=False))
+  with pytest.raises(InfeasiblePlanError, match="memory"):
+    pstep(state, batches[0])
