@@ -200,12 +200,14 @@ class ParallelStep:
     cluster = self.cluster
     if plan is None or (isinstance(plan, str) and plan == "auto"):
       plan, ts, layers = self._plan_automatically(args)
-    elif isinstance(plan, (str, os.PathLike)):
-      from harpjax.compiler.plan import load_plan
-      plan = load_plan(plan)
-      ts, layers = self.trace(*args)
     else:
-      ts, layers = self.trace(*args)
+      if isinstance(plan, (str, os.PathLike)):
+        from harpjax.compiler.plan import load_plan
+        plan = load_plan(plan)
+      if dict(plan.meta).get("layers") == "auto":   # a saved automatic plan: same layers
+        ts, layers = self._auto_layers(args)
+      else:
+        ts, layers = self.trace(*args)
     B = ts.num_microbatches
     if plan.stages[-1].layers[1] != len(layers) - 1:
       raise PlanError(
@@ -260,15 +262,21 @@ class ParallelStep:
               "ProfileOptions(remat=True)") from None
         raise
       remat = bool((opts.profile_options or ProfileOptions()).remat)
-      plan = plan.replace(meta={**dict(plan.meta), "remat": remat})
+      plan = plan.replace(meta={**dict(plan.meta), "remat": remat, "layers": "auto"})
       self._auto_plans[key] = plan
-    ts = trace_step(self._fun, args, num_microbatches=B, batch_argnums=opts.batch_argnums)
-    layers = layers_for_step(ts, opts.layer_options)
+    ts, layers = self._auto_layers(args)
     if len(layers) != len(result.layers):
       raise PlanError(f"layer construction is not deterministic: {len(layers)} layers now, "
                       f"{len(result.layers)} when profiled")
-    ts = traced_step_for(ts, layers)
     return plan, ts, layers
+
+  def _auto_layers(self, args) -> tuple[TracedStep, LayerSequence]:
+    """The trace and the automatically constructed layers (what automatic plans index)."""
+    from harpjax.compiler.layers import layers_for_step, traced_step_for
+    ts = trace_step(self._fun, args, num_microbatches=self._num_microbatches(),
+                    batch_argnums=self.options.batch_argnums)
+    layers = layers_for_step(ts, self.options.layer_options)
+    return traced_step_for(ts, layers), layers
 
 
 def resolve_devices(cluster, plan: Plan) -> list[tuple[int, ...]]:

@@ -103,3 +103,24 @@ def test_model_that_cannot_fit_is_explained(tmp_path):
                                                                progress=False))
   with pytest.raises(InfeasiblePlanError, match="memory"):
     pstep(state, batches[0])
+
+
+def test_model_without_markers_plans_saves_and_reloads(tmp_path):
+  """Automatic layers (no mark_layer_boundary anywhere): plan, save, reload, same numbers."""
+  from harpjax.models import BUILTIN_MODELS
+  spec = BUILTIN_MODELS["gpt-tiny"](num_microbatches=2, abstract=False)
+  adam_state, batch = spec.args
+  # This GPT has a key bias, whose exact gradient is zero: it starts at 0 and holds only
+  # rounding noise, so its leaves are compared against a floor of 1e-4 (the weights' scale is
+  # 1e-2); SGD keeps that noise from being normalised to O(lr) as Adam would.
+  state = train_state.TrainState.create(apply_fn=adam_state.apply_fn, params=adam_state.params,
+                                        tx=optax.sgd(0.1))
+  opts = ProfileOptions(cache_dir=str(tmp_path / "db"), progress=False)
+  pstep = compare_steps(spec.step_fn, state, [batch], plan=None, num_microbatches=2,
+                        profile_options=opts, floor=1e-4)
+  assert len(pstep.layers) > 4 and "block" in str(pstep.layers)
+  path = tmp_path / "plan.json"
+  pstep.plan.save(path)
+  again = compare_steps(spec.step_fn, state, [batch], plan=str(path), num_microbatches=2,
+                        floor=1e-4)
+  assert again.profile is None and again.plan.stages == pstep.plan.stages
