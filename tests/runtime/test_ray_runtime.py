@@ -220,18 +220,11 @@ class _ScanNet(nn.Module):   # layers as one nn.scan over stacked parameters
     return nn.Dense(3)(x)
 
 
-def test_workers_rebuild_layers_of_an_unrolled_scan(monkeypatch):
-  # When the driver's layers come from the region with its scan unrolled
-  # (compiler.layers.layers_for_step), every worker rebuilds that program, not the region.
-  from harpjax import api
+def test_workers_rebuild_layers_of_an_unrolled_scan():
+  # A plan over automatic layers (meta "layers": "auto") cuts the region with its scan
+  # unrolled (compiler.layers.layers_for_step); every worker must rebuild that program.
   from harpjax.compiler import layers as layers_lib
-  orig = api.ParallelStep.trace
-
-  def trace(self, *args):
-    ts, _ = orig(self, *args)
-    seq = layers_lib.layers_for_step(ts)
-    return layers_lib.traced_step_for(ts, seq), seq
-  monkeypatch.setattr(api.ParallelStep, "trace", trace)
+  from harpjax.compiler.trace import trace_step
   m = _ScanNet()
   x = jax.random.normal(jax.random.key(1), (8, 5))
   state = train_state.TrainState.create(apply_fn=m.apply,
@@ -242,12 +235,14 @@ def test_workers_rebuild_layers_of_an_unrolled_scan(monkeypatch):
         lambda p: jnp.mean((state.apply_fn(p, batch) - 1.0) ** 2))(state.params)
     return state.apply_gradients(grads=g), loss
 
-  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                plan=harpjax.ManualPlan([((0, 1), "v100", (1, 2)),
-                                                         ((2, 3), "a100", (1, 2))]),
+  seq = layers_lib.layers_for_step(trace_step(step, (state, x), num_microbatches=2))
+  assert seq.origin is not None and len(seq) >= 2, seq
+  half = len(seq) // 2
+  plan = harpjax.ManualPlan([((0, half - 1), "v100", (1, 2)),
+                             ((half, len(seq) - 1), "a100", (1, 2))]).replace(
+                                 meta={"layers": "auto"})
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
                                 runtime="ray", runtime_options={"backend": "threads"})
-  ts, seq = pstep.trace(state, x)
-  if seq.origin is None or len(seq) != 4:
-    pytest.skip(f"layer construction gave {len(seq)} layers here; the plan expects 4")
   out = pstep(state, x)
+  assert len(pstep.layers) == len(seq)
   assert max_rel_err(jax.jit(step)(state, x), ray_runtime.gather(out)) <= RTOL
