@@ -74,7 +74,10 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
                  name=cluster.name)
 
 
-@click.command("plan", help=__doc__.split("\n\n")[0])
+@click.command("plan", help="Plan a model on a cluster without owning the GPUs: trace from "
+               "shapes, build fine-grained layers, profile them analytically for the cluster's "
+               "GPU types, solve the DP; print the plan, its predicted iteration time and "
+               "load-balance score.")
 @click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False),
               help="Cluster YAML file (see docs/cluster.md).")
 @click.option("--model", required=True,
