@@ -443,8 +443,17 @@ def _fetch_indices(out_tree, n: int, mode: str) -> frozenset:
 
 
 def _root_cause(errors: dict) -> int:
-  """The stage whose error is not a consequence of another's (a lost peer, an abort)."""
-  secondary = ("lost stage", "aborted while waiting", "failed during", "waited")
+  """The stage whose error is not a consequence of another's (a lost peer, an abort).
+
+  A dead actor comes first; then any error that is not about a peer (a send or receive that
+  broke because the other side went away, an abort, a wait); else the lowest stage.
+  """
+  for s, e in sorted(errors.items()):
+    if "died" in str(e):
+      return s
+  secondary = ("lost stage", "aborted while waiting", "failed during", "waited",
+               "sending to stage", "receiving from stage", "failed earlier",
+               "Connection reset", "Broken pipe", "connection closed")
   for s, e in sorted(errors.items()):
     if not any(p in str(e) for p in secondary):
       return s

@@ -246,3 +246,14 @@ def test_workers_rebuild_layers_of_an_unrolled_scan():
   out = pstep(state, x)
   assert len(pstep.layers) == len(seq)
   assert max_rel_err(jax.jit(step)(state, x), ray_runtime.gather(out)) <= RTOL
+
+
+def test_root_cause_prefers_the_dead_actor_over_its_broken_peers():
+  from harpjax.runtime._runner import _root_cause
+  errors = {0: RuntimeFailure("stage 0: sending to stage 1 failed earlier: [Errno 104] "
+                              "Connection reset by peer"),
+            1: RuntimeFailure("the actor of stage 1 died: The actor died unexpectedly"),
+            2: RuntimeFailure("stage 2: aborted while waiting for the activations of "
+                              "microbatch 0 (step 2) from stage 1")}
+  assert _root_cause(errors) == 1
+  assert _root_cause({0: errors[0], 2: ValueError("bad shape")}) == 2
