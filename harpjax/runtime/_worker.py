@@ -51,6 +51,7 @@ from harpjax.runtime import _codec, transport
 from harpjax.runtime._dataflow import step_dataflow
 from harpjax.runtime.emulation import Emulation
 from harpjax.runtime.local import (_combine, _param_vid, _preferred_shardings, _put_on_mesh,
+                                   microbatch_slice,
                                    _region_output, put)
 
 log = logging.getLogger(__name__)
@@ -405,11 +406,7 @@ class StageWorker:
         inp = self.inputs_by_id[v]
         sh = st.input_sharding[v]
         if inp.kind == "split":
-          x = value[v]
-          size = x.shape[inp.axis] // B
-          idx = [slice(None)] * x.ndim
-          idx[inp.axis] = slice(m * size, (m + 1) * size)
-          out.append(jax.device_put(x[tuple(idx)], sh))
+          out.append(jax.device_put(microbatch_slice(value[v], inp.axis, m, B), sh))
         else:
           if v not in whole_cache:
             whole_cache[v] = put(value[v], sh)

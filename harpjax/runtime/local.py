@@ -22,7 +22,7 @@ from harpjax.compiler.schedules import dry_run
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_step", "put", "run_groups"]
+__all__ = ["run_step", "put", "run_groups", "microbatch_slice"]
 
 
 def put(x, sharding: NamedSharding):
@@ -30,6 +30,14 @@ def put(x, sharding: NamedSharding):
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
   return jax.device_put(x, sharding)
+
+
+def microbatch_slice(x, axis: int, m: int, num_microbatches: int):
+  """Microbatch ``m`` of ``x``: its ``m``-th of ``num_microbatches`` equal parts along ``axis``."""
+  size = x.shape[axis] // num_microbatches
+  idx = [slice(None)] * np.ndim(x)
+  idx[axis] = slice(m * size, (m + 1) * size)
+  return x[tuple(idx)]
 
 
 def _put_on_mesh(x, mesh, preferred: NamedSharding | None = None):
@@ -97,11 +105,7 @@ def _run_region(cs: CompiledStep, env: dict) -> None:
       inp = inputs_by_id[v]
       sh = st.input_sharding[v]
       if inp.kind == "split":
-        x = value[v]
-        size = x.shape[inp.axis] // B
-        idx = [slice(None)] * x.ndim
-        idx[inp.axis] = slice(m * size, (m + 1) * size)
-        out.append(jax.device_put(x[tuple(idx)], sh))
+        out.append(jax.device_put(microbatch_slice(value[v], inp.axis, m, B), sh))
       else:
         key = (s, v)
         if key not in whole_cache:
@@ -204,10 +208,7 @@ def _region_output(cs: CompiledStep, ref, value: dict, acts_m: dict, m: int):
     raise KeyError(ref)
   x = value[ref]
   if inp.kind == "split":
-    size = x.shape[inp.axis] // cs.traced.num_microbatches
-    idx = [slice(None)] * np.ndim(x)
-    idx[inp.axis] = slice(m * size, (m + 1) * size)
-    return x[tuple(idx)]
+    return microbatch_slice(x, inp.axis, m, cs.traced.num_microbatches)
   return x
 
 
