@@ -21,26 +21,35 @@ Automatic construction (:func:`construct_layers`, HARP §5.1; see ``docs/layers.
 
 Manual :func:`harpjax.mark_layer_boundary` calls win where present
 (:func:`layers_from_boundaries`).
+
+The phases live in their own modules, along the data flow: :mod:`harpjax.compiler._unroll`
+(scan unrolling), :mod:`harpjax.compiler._layer_facts` (per-op FLOPs, tokens, crossing bytes),
+:mod:`harpjax.compiler._layer_modules` (step 2) and :mod:`harpjax.compiler._layer_cluster`
+(step 3); this module holds the data types, hand-made cuts, construction and the traced-step
+glue, and re-exports their names.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
-import re
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from harpjax import _compat
 from harpjax.compiler import primitives, signature
-from harpjax.compiler.program import Lit, Op, Program, from_closed_jaxpr
+from harpjax.compiler._layer_cluster import _cluster
+from harpjax.compiler._layer_facts import _Facts, _facts, crossing_bytes
+from harpjax.compiler._layer_modules import _find_modules, _kind_names, _op_path
+from harpjax.compiler._unroll import unroll_scans
+from harpjax.compiler.program import Lit, Op, Program
 from harpjax.errors import HarpjaxError
+
+# Private helpers that moved out of this module, still importable from here.
+from harpjax.compiler._layer_cluster import _atoms, _partition  # noqa: F401
+from harpjax.compiler._layer_facts import _Aval, _def_use, _lit_aval, _ref_aval  # noqa: F401
+from harpjax.compiler._layer_modules import _INDEX, _strip_index  # noqa: F401
+from harpjax.compiler._unroll import _iter_stack, _Lazy  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -223,75 +232,7 @@ class LayerSequence:
     return self.summary or f"{len(self.layers)} layers"
 
 
-# --------------------------------------------------------------------------- program facts
-
-
-class _Aval(NamedTuple):
-  shape: tuple
-  dtype: Any
-
-
-def _lit_aval(v) -> _Aval:
-  return _Aval(tuple(np.shape(v.value)), np.result_type(v.value))
-
-
-def _ref_aval(program: Program, r):
-  return _lit_aval(r) if isinstance(r, Lit) else program.avals[r]
-
-
-def crossing_bytes(program: Program) -> np.ndarray:
-  """``out[c]`` = bytes of values defined before op ``c`` and read at or after it.
-
-  Program inputs are not counted (they are fed to every stage directly); outputs count as read
-  at the end. Shape ``[len(ops) + 1]``.
-  """
-  n = len(program.ops)
-  diff = np.zeros(n + 2, dtype=np.int64)
-  defined_at, last_use = _def_use(program)
-  for v, lu in last_use.items():
-    d = defined_at.get(v)
-    if d is not None and lu > d:
-      diff[d + 1] += program.nbytes(v)
-      diff[lu + 1] -= program.nbytes(v)
-  return np.cumsum(diff)[: n + 1]
-
-
-def _def_use(program: Program) -> tuple[dict, dict]:
-  n = len(program.ops)
-  defined_at, last_use = {}, {}
-  for op in program.ops:
-    for v in op.outvars:
-      if v >= 0:
-        defined_at[v] = op.index
-    for v in op.in_ids():
-      last_use[v] = op.index
-  for v in program.outvars:
-    if not isinstance(v, Lit):
-      last_use[v] = n
-  return defined_at, last_use
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Facts:
-  toks: signature.OpTokens
-  flops: np.ndarray        # [n] forward FLOPs per op
-  heavy: np.ndarray        # [n] compute-heavy ops per op
-  cross: np.ndarray        # [n + 1] crossing bytes
-  last_use: dict
-
-
-def _facts(program: Program, input_kinds) -> _Facts:
-  toks = signature.op_tokens(program, input_kinds)
-  n = len(program.ops)
-  flops = np.zeros(n)
-  heavy = np.zeros(n, dtype=np.int64)
-  for op in program.ops:
-    ins = [_ref_aval(program, r) for r in op.invars]
-    outs = [program.avals[o] if o >= 0 else _Aval((), np.float32) for o in op.outvars]
-    flops[op.index] = primitives.eqn_flops(op.name, op.params, ins, outs)
-    heavy[op.index] = primitives.eqn_heavy_count(op.name, op.params)
-  _, last_use = _def_use(program)
-  return _Facts(toks, flops, heavy, crossing_bytes(program), last_use)
+# --------------------------------------------------------------------------- one layer
 
 
 def _layer(program: Program, facts: _Facts, index: int, a: int, b: int, **kw) -> Layer:
@@ -447,206 +388,6 @@ def _from_manual(program, facts, cuts, kinds, origin) -> LayerSequence:
                        kinds, origin)
 
 
-# --------------------------------------------------------------------------- module finding
-
-
-def _op_path(op: Op) -> tuple[str, ...]:
-  """Module path of an op; for call-like ops the common path of their body is appended."""
-  parts = tuple(p for p in op.name_stack.split("/") if p)
-  if op.name in ("scan", "while", "cond"):
-    return parts
-  bodies = primitives.subjaxprs(op.params)
-  if bodies:
-    firsts = {_compat.eqn_name_stack(e).split("/")[0]
-              for _, j in bodies for e in j.eqns if _compat.eqn_name_stack(e)}
-    if len(firsts) == 1:
-      parts = parts + (firsts.pop(),)
-  return parts
-
-
-def _find_modules(program, facts: _Facts, paths, opts: LayerOptions) -> list[tuple]:
-  """``[(start, end, kind, path)]`` covering all ops; repeated kinds have several entries."""
-  n = len(program.ops)
-  tokens, heavy = facts.toks.tokens, facts.heavy
-  free = np.ones(n, dtype=bool)
-  chosen: list[tuple[int, int, int, tuple]] = []
-  kind = 0
-  if opts.use_name_stack:
-    for insts in signature.name_stack_repeats(tokens, heavy, paths, opts.z):
-      for a, b, path in insts:
-        free[a:b] = False
-        chosen.append((a, b, kind, path))
-      kind += 1
-  while True:
-    segs = signature.free_segments(free)
-    rep = signature.most_repeated(tokens, heavy, segs, opts.z, start_cost=facts.cross[:n],
-                                  criterion=opts.criterion)
-    if rep is None:
-      break
-    for s in rep.starts:
-      free[s:s + rep.length] = False
-      chosen.append((s, s + rep.length, kind, signature.common_path(paths[s:s + rep.length])))
-    kind += 1
-  for a, b in signature.free_segments(free):
-    chosen.append((a, b, kind, signature.common_path(paths[a:b])))
-    kind += 1
-  chosen.sort()
-  # Renumber kinds in order of first appearance.
-  order: dict[int, int] = {}
-  return [(a, b, order.setdefault(k, len(order)), p) for a, b, k, p in chosen]
-
-
-_INDEX = re.compile(r"^(.*?)[_.\-]?\d+$")
-
-
-def _strip_index(part: str) -> str:
-  """``block_3`` -> ``block``; a bare index (``h/0``) -> ``""``."""
-  if part.isdigit():
-    return ""
-  m = _INDEX.match(part)
-  return m.group(1) if m and m.group(1) else part
-
-
-def _kind_names(mods, paths) -> dict[int, str]:
-  """A readable, unique name per kind."""
-  by_kind: dict[int, list] = collections.defaultdict(list)
-  for a, b, k, p in mods:
-    by_kind[k].append((a, b, p))
-  named = [p for p in paths if p]
-  root = signature.common_path(named) if named else ()
-  raw = {}
-  for k, insts in by_kind.items():
-    a, b, p = insts[0]
-    if len(insts) > 1 and p:
-      parts = [_strip_index(x) for x in p]
-      name = parts[-1] or (parts[-2] if len(parts) > 1 else "")
-      if not name and len(p) > 1:
-        name = _strip_index(p[-2])
-    else:
-      counts = collections.Counter(
-          pp[len(root)] for pp in paths[a:b] if len(pp) > len(root))
-      name = _strip_index(counts.most_common(1)[0][0]) if counts else ""
-    raw[k] = name or ("module" if len(insts) > 1 else "ops")
-  out, used = {}, collections.Counter(raw.values())
-  seen: collections.Counter = collections.Counter()
-  for k in sorted(raw):
-    name = raw[k]
-    if used[name] > 1:
-      seen[name] += 1
-      name = f"{name}#{seen[name]}"
-    out[k] = name
-  return out
-
-
-# --------------------------------------------------------------------------- clustering
-
-
-def _cluster(mods, facts: _Facts, opts: LayerOptions) -> dict[int, list[int]]:
-  """Relative cut positions per module kind."""
-  by_kind: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-  for a, b, k, _ in mods:
-    by_kind[k].append((a, b))
-  parts = {}
-  for k, insts in by_kind.items():
-    parts[k] = _atoms(insts, facts, opts)
-  ks = {}
-  for k, (atoms, _) in parts.items():
-    usable = len(atoms)
-    if opts.layers_per_module is not None:
-      ks[k] = max(1, min(opts.layers_per_module, usable))
-    elif opts.target_layers is not None:
-      ks[k] = 1
-    else:
-      with_heavy = sum(1 for *_, h in atoms if h > 0)
-      ks[k] = max(1, min(opts.max_layers_per_module, with_heavy, usable))
-  if opts.target_layers is not None:
-    count = {k: len(v) for k, v in by_kind.items()}
-    best = {k: _partition(parts[k][0], 1) for k in parts}
-    total = sum(count.values())
-    while True:
-      cands = [(best[k][1], k) for k in parts
-               if ks[k] < len(parts[k][0]) and total + count[k] <= opts.target_layers]
-      if not cands:
-        break
-      _, k = max(cands)
-      ks[k] += 1
-      total += count[k]
-      best[k] = _partition(parts[k][0], ks[k])
-  plan = {}
-  for k, (atoms, _) in parts.items():
-    cuts, _ = _partition(atoms, ks[k])
-    plan[k] = cuts
-  return plan
-
-
-def _atoms(insts, facts: _Facts, opts: LayerOptions):
-  """Segments of a module kind between admissible cut points (relative offsets).
-
-  Returns:
-    ``([(rel_start, rel_end, flops, heavy)], cut_bytes)`` from the first instance; a cut is
-    admissible where the bytes crossing it (worst instance) are at most
-    ``max_boundary_ratio`` times those crossing the module's own boundary.
-  """
-  a0, b0 = insts[0]
-  length = b0 - a0
-  cross = np.max([facts.cross[a:b + 1] for a, b in insts], axis=0)
-  ends = [x for x in (cross[0], cross[-1]) if x > 0]
-  inner = cross[1:-1]
-  if ends:
-    base = min(ends)
-  elif (inner > 0).any():
-    base = float(np.min(inner[inner > 0]))
-  else:
-    base = 0.0
-  ok = [r for r in range(1, length) if cross[r] <= opts.max_boundary_ratio * base + 0]
-  bounds = [0] + ok + [length]
-  atoms = []
-  for x, y in zip(bounds, bounds[1:]):
-    atoms.append((x, y, float(facts.flops[a0 + x:a0 + y].sum()),
-                  int(facts.heavy[a0 + x:a0 + y].sum())))
-  return atoms, cross
-
-
-def _partition(atoms, k: int) -> tuple[list[int], float]:
-  """Splits atoms into ``k`` contiguous groups of balanced FLOPs (min sum of squares).
-
-  The sum of squared group FLOPs (fixed total) is smallest for equal groups and penalises a
-  near-empty group more than a slightly larger maximum, so glue ops join a heavy neighbour.
-
-  Returns:
-    Relative cut offsets and the largest group's FLOPs.
-  """
-  A = len(atoms)
-  k = max(1, min(k, A))
-  f = np.array([x[2] for x in atoms])
-  scale = max(float(f.max()), 1.0) if A else 1.0
-  f = f / scale
-  cf = np.concatenate([[0.0], np.cumsum(f)])
-  INF = (np.inf, np.inf)
-  best = [[INF] * (A + 1) for _ in range(k + 1)]
-  arg = [[-1] * (A + 1) for _ in range(k + 1)]
-  best[0][0] = (0.0, 0.0)
-  for g in range(1, k + 1):
-    for a in range(g, A + 1):
-      cand, where = INF, -1
-      for p in range(g - 1, a):
-        prev = best[g - 1][p]
-        if prev[0] == np.inf:
-          continue
-        s = cf[a] - cf[p]
-        val = (prev[0] + s * s, max(prev[1], s))
-        if val < cand:
-          cand, where = val, p
-      best[g][a], arg[g][a] = cand, where
-  cuts, a = [], A
-  for g in range(k, 0, -1):
-    p = arg[g][a]
-    if p > 0:
-      cuts.append(atoms[p][0])
-    a = p
-  return sorted(cuts), float(best[k][A][1]) * scale
-
-
 # --------------------------------------------------------------------------- summary
 
 
@@ -719,121 +460,3 @@ def traced_step_for(ts, layers: LayerSequence):
   regen = {new: ts.regen_ops[old] for new, old in enumerate(layers.origin)
            if old >= 0 and old in ts.regen_ops}
   return dataclasses.replace(ts, region=layers.program, regen_ops=regen, boundary_cuts=())
-
-
-def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
-                 ) -> tuple[Program, tuple[int, ...] | None]:
-  """Unrolls ``scan`` equations over stacked layers into straight-line ops.
-
-  A scan is unrolled when its body holds at least ``z`` compute-heavy ops and its length is at
-  most ``max_length``. Iteration ``t`` reads slice ``t`` of every stacked input (the slice ops
-  sit just before their first use, so a layer slices what it needs), threads the carry, and
-  stacked outputs are re-assembled after the last iteration. Value ids of the original program
-  are kept (the scan's results become aliases); new values get new ids. Iteration ``t`` gets
-  the name-stack component ``<name>_<t>`` (``iter_<t>`` for unnamed bodies) so that iterations
-  are module instances.
-
-  Returns:
-    ``(program, origin)``: the new program and, per op, the index of the op it copies (``-1``
-    for unrolled ops); ``(program, None)`` when nothing was unrolled.
-  """
-  todo = {op.index for op in program.ops if op.name == "scan"
-          and int(op.params.get("length", 0)) <= max_length
-          and primitives.jaxpr_heavy_count(op.params["jaxpr"].jaxpr) >= z}
-  if not todo:
-    return program, None
-  avals = list(program.avals)
-  ops: list[Op] = []
-  origin: list[int] = []
-  alias: dict[int, Any] = {}
-  res = lambda r: r if isinstance(r, Lit) else alias.get(r, r)
-
-  def aval(r):
-    return _lit_aval(r) if isinstance(r, Lit) else avals[r]
-
-  def spec(r):
-    a = aval(r)
-    return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
-
-  def splice(sub: Program, consts, in_refs: list, stack: Callable[[str], str],
-             lazy: Callable[[int], Any] | None = None) -> list:
-    env: dict[int, Any] = {v: Lit(c) for v, c in zip(sub.invars[:sub.num_consts], consts)}
-    env.update(zip(sub.invars[sub.num_consts:], in_refs))
-    made: dict[int, Any] = {}
-    for op in sub.ops:
-      ins = []
-      for v in op.invars:
-        r = v if isinstance(v, Lit) else env[v]
-        if isinstance(r, _Lazy):
-          if r.key not in made:
-            made[r.key] = lazy(r.key)
-          r = made[r.key]
-        ins.append(r)
-      outs = []
-      for o in op.outvars:
-        if o >= 0:
-          avals.append(sub.avals[o])
-          env[o] = len(avals) - 1
-        outs.append(env[o] if o >= 0 else -1)
-      ops.append(Op(len(ops), op.primitive, op.params, tuple(ins), tuple(outs),
-                    stack(op.name_stack)))
-      origin.append(-1)
-    return [r if isinstance(r, Lit) else env[r] for r in sub.outvars]
-
-  def slice_at(x, t: int, stack):
-    helper = jax.make_jaxpr(lambda a: jax.lax.index_in_dim(a, t, 0, keepdims=False))(spec(x))
-    return splice(from_closed_jaxpr(helper), helper.consts, [x], stack)[0]
-
-  for op in program.ops:
-    if op.index not in todo:
-      ops.append(dataclasses.replace(op, index=len(ops),
-                                     invars=tuple(res(v) for v in op.invars)))
-      origin.append(op.index)
-      continue
-    p = op.params
-    L, nc, ncar = int(p["length"]), int(p["num_consts"]), int(p["num_carry"])
-    body = p["jaxpr"]
-    sub = from_closed_jaxpr(body)
-    first = signature.common_path([tuple(x for x in o.name_stack.split("/") if x) for o in sub.ops])
-    ins = [res(v) for v in op.invars]
-    consts, carry, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
-    ys_steps = []
-    for t in (range(L - 1, -1, -1) if p.get("reverse") else range(L)):
-      stack = functools.partial(_iter_stack, op.name_stack, first[0] if first else "", t)
-      outs = splice(sub, body.consts, consts + carry + [_Lazy(j) for j in range(len(xs))],
-                    stack, lambda j, t=t, stack=stack: slice_at(xs[j], t, stack))
-      carry = outs[:ncar]
-      ys_steps.append((t, outs[ncar:]))
-    ys_steps.sort(key=lambda x: x[0])
-    finals = list(carry)
-    for j in range(len(op.outvars) - ncar):
-      if op.outvars[ncar + j] < 0:
-        finals.append(None)
-        continue
-      parts = [ys[j] for _, ys in ys_steps]
-      helper = jax.make_jaxpr(lambda *a: jnp.stack(a))(*[spec(r) for r in parts])
-      finals.append(splice(from_closed_jaxpr(helper), helper.consts, parts,
-                           lambda s, st=op.name_stack: st)[0])
-    for o, r in zip(op.outvars, finals):
-      if o >= 0 and r is not None:
-        alias[o] = r
-  outvars = tuple(res(v) for v in program.outvars)
-  new = Program(tuple(avals), program.invars, outvars, tuple(ops), program.num_consts)
-  log.info("unrolled %d scan(s): %d -> %d ops", len(todo), len(program.ops), len(ops))
-  return new, tuple(origin)
-
-
-class _Lazy(NamedTuple):
-  key: int
-
-
-def _iter_stack(outer: str, first: str, t: int, inner: str) -> str:
-  """Name stack of an op of iteration ``t``: ``outer/<first>_<t>/...`` or ``outer/iter_<t>/...``."""
-  parts = [p for p in inner.split("/") if p]
-  if first and parts and parts[0] == first:
-    parts = [f"{first}_{t}"] + parts[1:]
-  elif first:
-    parts = [f"{first}_{t}"] + parts
-  else:
-    parts = [f"iter_{t}"] + parts
-  return "/".join(([outer] if outer else []) + parts)
