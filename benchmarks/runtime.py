@@ -12,6 +12,7 @@ The emulated workload: per microbatch, stage times (forward + backward, split 1:
 
   python benchmarks/runtime.py                       # schedules x bandwidths table
   python benchmarks/runtime.py --backend threads     # the same workers without Ray
+  python benchmarks/runtime.py --spmd                # A100 stages over two processes each
 
 On a real cluster (``docker/launch.sh`` starts Ray over the hosts)::
 
@@ -101,9 +102,18 @@ BASE_PLAN = harpjax.ManualPlan([
     harpjax.StageSpec((2, 3), "a100", (1, 2), devices=(6, 7)),
 ], num_microbatches=MICROBATCHES)
 
+# --spmd: stages 1 and 2 each span both A100 hosts (one device on each), so each runs as one
+# SPMD program over two processes (runtime option spmd_hosts).
+SPMD_PLAN = harpjax.ManualPlan([
+    harpjax.StageSpec((0, 0), "v100", (1, 2), devices=(0, 1)),
+    harpjax.StageSpec((1, 1), "a100", (2, 1), devices=(4, 6)),
+    harpjax.StageSpec((2, 3), "a100", (2, 1), devices=(5, 7)),
+], num_microbatches=MICROBATCHES)
+
 
 def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: int = 5,
-                  time_scale: float = 0.5, runtime_options: dict | None = None) -> dict:
+                  time_scale: float = 0.5, runtime_options: dict | None = None,
+                  spmd: bool = False) -> dict:
   """Runs ``steps`` emulated steps (after two warm-up steps) and simulates the same numbers.
 
   Returns:
@@ -113,14 +123,17 @@ def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: in
   cluster = make_cluster(gbps)
   state, batch = make_state_and_batch()
   step = make_step()
-  plan = BASE_PLAN.with_stages([dataclasses.replace(s, time_s=t)
-                                for s, t in zip(BASE_PLAN.stages, STAGE_TIMES_S)])
+  base = SPMD_PLAN if spmd else BASE_PLAN
+  plan = base.with_stages([dataclasses.replace(s, time_s=t)
+                           for s, t in zip(base.stages, STAGE_TIMES_S)])
   probe = harpjax.auto_parallel(step, cluster=cluster, plan=plan)
   _, layers = probe.trace(state, batch)
   act = layers[plan.stages[0].layers[1]].boundary_bytes
   emulation = Emulation(time_scale=time_scale, bytes_scale=ACT_BYTES / act)
   plan = annotate_plan(plan, layers, cluster, emulation)
   opts = {"backend": backend, "emulation": emulation}
+  if spmd:
+    opts["spmd_hosts"] = True
   opts.update(runtime_options or {})
   pstep = harpjax.auto_parallel(step, cluster=cluster, plan=plan, schedule=schedule,
                                 runtime="ray", runtime_options=opts)
@@ -144,7 +157,9 @@ def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: in
 def fidelity_main(args) -> None:
   print(f"3 stages (V100 | A100 | A100), B={MICROBATCHES}, t = "
         f"{'/'.join(f'{t * 1e3:.0f}' for t in STAGE_TIMES_S)} ms, {ACT_BYTES / 2**20:.0f} MiB "
-        f"activations, time scale {args.time_scale}; backend {args.backend}; times in ms")
+        f"activations, time scale {args.time_scale}; backend {args.backend}"
+        + ("; stages 1 and 2 each over both A100 hosts (SPMD groups)" if args.spmd else "")
+        + "; times in ms")
   head = (f"{'Gbps':>6} {'schedule':>8} {'warm-ups':>10} {'simulated':>10} {'measured':>9} "
           f"{'err':>6} {'pipeline':>9} {'err':>6}")
   print(head)
@@ -154,7 +169,7 @@ def fidelity_main(args) -> None:
     res = {}
     for schedule in ("1f1b", "h1f1b"):
       r = fidelity_case(schedule, gbps, backend=args.backend, steps=args.steps,
-                        time_scale=args.time_scale)
+                        time_scale=args.time_scale, spmd=args.spmd)
       res[schedule] = r
       err = r["measured"] / r["simulated"] - 1
       perr = r["pipeline"] / r["simulated"] - 1
@@ -232,6 +247,8 @@ def main(argv=None):
     p.add_argument("--time-scale", type=float, default=0.5)
     p.add_argument("--gbps", type=float, nargs="*", default=list(BANDWIDTHS_GBPS))
     p.add_argument("--trace", help="directory for Chrome traces of measured and simulated runs")
+    p.add_argument("--spmd", action="store_true",
+                   help="stages 1 and 2 each span both A100 hosts: one process per host")
   cl = sub.add_parser("cluster", help="a GPT on a real Ray cluster")
   cl.add_argument("--cluster", required=True)
   cl.add_argument("--address", default="auto")

@@ -74,6 +74,10 @@ class RunnerOptions:
     actor_env: extra environment variables of the actors.
     pin_hosts: place each stage's actor on a Ray node advertising the resource
       ``harpjax_host:<host name>``; ``None``: when such resources exist.
+    spmd_hosts: run a stage whose devices are on several hosts as one SPMD program over one
+      process per host (``jax.distributed``, :mod:`harpjax.runtime._spmd`); ``None``: when
+      actors are pinned to hosts or use GPUs (on one machine with fake CPU devices a single
+      process can hold all of the stage's devices instead).
     bind_device: also ``SO_BINDTODEVICE`` TCP sockets to the NIC (root).
     ray_init: extra keyword arguments of ``ray.init``.
   """
@@ -90,6 +94,7 @@ class RunnerOptions:
   num_cpus: int | None = None
   actor_env: Any = None
   pin_hosts: bool | None = None
+  spmd_hosts: bool | None = None
   bind_device: bool = False
   ray_init: Any = None
 
@@ -148,6 +153,7 @@ class PipelineRunner:
     self.cluster = parallel_step.cluster
     self.num_stages = S = cs.num_stages
     self.hosts = transport.stage_hosts(self.cluster, [s.devices for s in cs.plan.stages])
+    self.host_groups = [host_groups(self.cluster, st.devices) for st in cs.plan.stages]
     self.emulation = (None if options.emulation is None else
                       options.emulation.resolve(cs.plan, self.cluster, self.hosts))
     self._backend = backend
@@ -164,6 +170,7 @@ class PipelineRunner:
     abstract = jax.tree_util.tree_map(_abstractify, tuple(example_args))
     popts = parallel_step.options
     wopts = options.worker_options()
+    split = backend.prepare(self)   # stages run by one process per host
     specs = [WorkerSpec(stage=s, step_fn=parallel_step._fun, abstract_args=abstract,
                         num_microbatches=cs.traced.num_microbatches,
                         batch_argnums=tuple(popts.batch_argnums),
@@ -171,7 +178,9 @@ class PipelineRunner:
                         plan=cs.plan, schedule=cs.schedule, loss_reduction=cs.loss_reduction,
                         fingerprint=df.fingerprint, host=self.hosts[s], options=wopts,
                         emulation=self.emulation,
-                        unrolled=getattr(cs.layers, "origin", None) is not None)
+                        unrolled=getattr(cs.layers, "origin", None) is not None,
+                        layout=(group_layout(self.host_groups[s], cs.plan.stages[s].devices)
+                                if s in split else None))
              for s in range(S)]
     out_tree = cs.traced.out_tree
     n_out = out_tree.num_leaves
@@ -412,9 +421,9 @@ class PipelineRunner:
 
   # ------------------------------------------------------------------ lifetime
 
-  def kill_stage(self, stage: int) -> None:
-    """Kills one stage's worker (for testing failure handling)."""
-    self._backend.kill(stage)
+  def kill_stage(self, stage: int, rank: int = 0) -> None:
+    """Kills one stage's worker (member ``rank`` of a group; for testing failure handling)."""
+    self._backend.kill(stage, rank)
 
   def shutdown(self) -> None:
     """Stops the workers; the runner's handles become invalid."""
@@ -429,6 +438,21 @@ class PipelineRunner:
       self._backend.shutdown()
     except Exception:  # pylint: disable=broad-except
       pass
+
+
+def host_groups(cluster, devices) -> list[tuple[str, list[int]]]:
+  """A stage's devices by host: ``[(host, [global device indices])]`` in order of first
+  appearance (the first host's process leads a group)."""
+  out: dict[str, list[int]] = {}
+  for d in devices:
+    out.setdefault(cluster.host_of_device(d).name, []).append(int(d))
+  return list(out.items())
+
+
+def group_layout(groups, devices) -> tuple:
+  """Per device of the stage, in submesh order, ``(rank of its host, index on that host)``."""
+  where = {d: (rank, i) for rank, (_, devs) in enumerate(groups) for i, d in enumerate(devs)}
+  return tuple(where[int(d)] for d in devices)
 
 
 def _fetch_indices(out_tree, n: int, mode: str) -> frozenset:
@@ -481,6 +505,9 @@ class ThreadBackend:
     self.workers: list[StageWorker] = []
     self._pool: cf.ThreadPoolExecutor | None = None
 
+  def prepare(self, runner: PipelineRunner) -> frozenset:
+    return frozenset()   # threads of one process: no stage is split
+
   def start(self, runner: PipelineRunner, specs) -> None:
     self._local = runner.cluster.local_devices()
     self.workers = [StageWorker() for _ in specs]
@@ -517,7 +544,7 @@ class ThreadBackend:
   def object_store_channel(self, dst: int):
     return self.local_channel(dst)
 
-  def kill(self, stage: int) -> None:
+  def kill(self, stage: int, rank: int = 0) -> None:
     raise HarpjaxError("the threads backend cannot kill a stage")
 
   def shutdown(self) -> None:

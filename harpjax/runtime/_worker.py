@@ -37,7 +37,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from harpjax.compiler.compile import compile_step
@@ -47,7 +46,7 @@ from harpjax.compiler.program import Lit
 from harpjax.compiler.schedules import Schedule
 from harpjax.compiler.trace import trace_step
 from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
-from harpjax.runtime import _codec, transport
+from harpjax.runtime import _codec, _spmd, transport
 from harpjax.runtime._dataflow import step_dataflow
 from harpjax.runtime.emulation import Emulation
 from harpjax.runtime.local import (_combine, _param_vid, _preferred_shardings, _put_on_mesh,
@@ -93,6 +92,9 @@ class WorkerSpec:
     host: the cluster host the stage runs on.
     options: :class:`WorkerOptions`.
     emulation: a resolved :class:`~harpjax.runtime.emulation.Emulation`, or ``None``.
+    layout: for a stage run by a group of processes (one per host), per device of the stage
+      in submesh order its ``(rank, local index)``: which member holds it, and where among
+      that member's devices; ``None`` for a stage in one process.
   """
   stage: int
   step_fn: Callable
@@ -108,6 +110,7 @@ class WorkerSpec:
   options: WorkerOptions = WorkerOptions()
   emulation: Emulation | None = None
   unrolled: bool = False
+  layout: tuple | None = None
 
 
 class StageWorker:
@@ -124,6 +127,10 @@ class StageWorker:
     self.senders: dict[int, transport.Sender] = {}
     self.listeners: dict[str, transport.TcpListener] = {}
     self.store: dict[tuple, Any] = {}
+    self.group: _spmd.Group | None = None
+    self._arrived: float | None = None
+    self.devices: list = []
+    self.init_s = 0.0
     if spec is not None:
       self.build(spec, devices)
 
@@ -139,6 +146,8 @@ class StageWorker:
     self.stage = s = spec.stage
     plan = spec.plan
     n = plan.stages[s].num_devices
+    if devices is None and self.group is not None:
+      devices = _spmd.group_devices(spec.layout, s)
     if devices is None:
       avail = jax.devices()
       if len(avail) < n:
@@ -182,6 +191,22 @@ class StageWorker:
 
   # ------------------------------------------------------------------ set-up
 
+  def join_group(self, coordinator: str, size: int, rank: int, timeout_s: float) -> int:
+    """Makes this process member ``rank`` of a stage spanning ``size`` hosts (before
+    :meth:`build`; see :mod:`harpjax.runtime._spmd`)."""
+    self.group = _spmd.join(coordinator, size, rank, timeout_s)
+    self._broadcast = _spmd.Broadcaster(self.group)
+    return os.getpid()
+
+  def free_port(self, address: str) -> int:
+    """A TCP port free on ``address`` (the group leader's coordinator port)."""
+    return _spmd.free_port(address)
+
+  @property
+  def leader(self) -> bool:
+    """Whether this worker talks to other stages (always, but in a group's other members)."""
+    return self.group is None or self.group.leader
+
   def info(self) -> dict:
     """Where this worker runs: process, host name, interfaces, devices, start-up seconds."""
     return {"stage": self.stage, "pid": os.getpid(), "hostname": socket.gethostname(),
@@ -192,7 +217,7 @@ class StageWorker:
     """Opens a TCP listener on each address; returns ``{address: (address, port)}``."""
     self.token = token
     out = {}
-    for addr in addresses:
+    for addr in (addresses if self.leader else ()):
       if addr not in self.listeners:
         self.listeners[addr] = transport.TcpListener(addr, self.mailbox, token)
       out[addr] = tuple(self.listeners[addr].endpoint)
@@ -209,7 +234,7 @@ class StageWorker:
       ``{dst: local socket address}`` of the TCP channels.
     """
     out = {}
-    for dst, ch in sorted(channels.items()):
+    for dst, ch in sorted(channels.items() if self.leader else ()):
       if isinstance(ch, tuple) and ch[0] == "tcp":
         _, src_addr, endpoint, device = ch
         ch = transport.TcpChannel(src_addr, endpoint, self.token, self.stage,
@@ -242,8 +267,12 @@ class StageWorker:
     self.mailbox.fail(reason)
 
   def fetch(self, keys) -> list:
-    """Encoded values of stored outputs (state gathered by the driver)."""
-    return [_codec.encode(self._stored(tuple(k))) for k in keys]
+    """Encoded values of stored outputs (state gathered by the driver). In a group every
+    member must be asked (the values are gathered collectively); the leader answers."""
+    values = dict(enumerate(self._stored(tuple(k)) for k in keys))
+    if self.group is not None:
+      values = _spmd.gather(values)   # one collective for all of them
+    return [_codec.encode(values[i]) for i in range(len(keys))] if self.leader else []
 
   def shutdown(self) -> None:
     for snd in self.senders.values():
@@ -262,15 +291,50 @@ class StageWorker:
           f"outputs of the last {self.options.retain_steps} steps are kept (retain_steps); "
           "gather() state you want to keep") from None
 
+  def _host(self, x):
+    return x if self.group is None else _spmd.to_host(x)
+
+  def _put(self, x, sharding):
+    return put(x, sharding) if self.group is None else _spmd.put(x, sharding)
+
   def _send(self, dst: int, key: tuple, payload: dict) -> None:
+    self._post(dst, key, self._gather(payload))
+
+  def _gather(self, payload: dict) -> dict | None:
+    """In a group (a collective): the payload in host memory on the leader, ``None`` on the
+    other members; otherwise the payload itself."""
+    if self.group is None:
+      return payload
+    payload = _spmd.gather(payload)
+    return payload if self.group.leader else None
+
+  def _post(self, dst: int, key: tuple, payload: dict | None) -> None:
+    """Queues a message for stage ``dst`` (a group's other members send nothing: one
+    message per stage pair, from the leader)."""
+    if payload is None:
+      return
     snd = self.senders.get(dst)
     if snd is None:
       raise RuntimeFailure(f"stage {self.stage} has no channel to stage {dst}")
     snd.submit(self._step, key, payload)
 
   def _recv(self, key: tuple, src: int, what: str) -> dict:
-    return self.mailbox.get((self._step,) + key, src, self.options.recv_timeout_s,
-                            f"{what} (step {self._step})")
+    msg = None
+    if self.leader:
+      msg = self.mailbox.get((self._step,) + key, src, self.options.recv_timeout_s,
+                             f"{what} (step {self._step})")
+    self._arrived = time.time()
+    if self.group is None:
+      return msg
+    kind = (key[0], key[2]) if key[0] in ("act", "ct") else key   # without the microbatch
+    return self._broadcast(msg, kind)
+
+  def _task_start(self) -> float:
+    """When a task may start: now, or in a group when its last message reached the leader
+    (the broadcast to the members counts as part of the task, as the emulated time does)."""
+    if self.group is not None and self._arrived is not None:
+      return self._arrived
+    return time.time()
 
   # ------------------------------------------------------------------ one step
 
@@ -337,7 +401,9 @@ class StageWorker:
     for k, o in enumerate(df.outputs):
       if o[0] == "stage" and o[1] == s:
         if k in fetch:
-          outputs[k] = _codec.encode(env[o[2]])
+          x = self._host(env[o[2]])
+          if self.leader:
+            outputs[k] = _codec.encode(x)
         else:
           self.store[(step, k)] = env[o[2]]
     for key in [k for k in self.store if k[0] <= step - self.options.retain_steps]:
@@ -371,7 +437,12 @@ class StageWorker:
       self._send(r, ("v", v), {v: x})
 
   def _run_group(self, group, fn) -> None:
-    args = [_put_on_mesh(self._need(v), self.mesh, self.preferred.get(v)) for v in group.in_ids]
+    args = []
+    for v in group.in_ids:
+      x, pref = self._need(v), self.preferred.get(v)
+      if self.group is not None and not _spmd.is_global(x):   # this process's value only
+        x = _spmd.put(x, pref if pref is not None else self.cs.stages[self.stage].replicated)
+      args.append(_put_on_mesh(x, self.mesh, pref))
     outs = fn(*args)
     for v, x in zip(group.out_ids, outs):
       self._publish(v, x)
@@ -397,7 +468,7 @@ class StageWorker:
     value = {}
     for k, ref in df.region_inputs[s]:
       value[prog.invars[k]] = ref.value if isinstance(ref, Lit) else self._need(ref)
-    params = tuple(put(value[v], st.param_sharding[v]) for v in sp.param_ids)
+    params = tuple(self._put(value[v], st.param_sharding[v]) for v in sp.param_ids)
     whole_cache: dict[int, Any] = {}
 
     def data_for(m: int):
@@ -406,10 +477,10 @@ class StageWorker:
         inp = self.inputs_by_id[v]
         sh = st.input_sharding[v]
         if inp.kind == "split":
-          out.append(jax.device_put(microbatch_slice(value[v], inp.axis, m, B), sh))
+          out.append(self._put(microbatch_slice(value[v], inp.axis, m, B), sh))
         else:
           if v not in whole_cache:
-            whole_cache[v] = put(value[v], sh)
+            whole_cache[v] = self._put(value[v], sh)
           out.append(whole_cache[v])
       return tuple(out)
 
@@ -427,44 +498,50 @@ class StageWorker:
       m = task.microbatch
       if task.kind == "F":
         acts: dict[int, Any] = {}
+        self._arrived = None
         for p in df.act_sources[s]:
           acts.update(self._recv(("act", m, p), p, f"the activations of microbatch {m}"))
-        start = time.time()
-        a = tuple(put(acts[v], st.input_sharding[v]) for v in sp.act_ids)
-        ai = tuple(put(acts[v], st.input_sharding[v]) for v in sp.act_int_ids)
+        start = self._task_start()
+        a = tuple(self._put(acts[v], st.input_sharding[v]) for v in sp.act_ids)
+        ai = tuple(self._put(acts[v], st.input_sharding[v]) for v in sp.act_int_ids)
         outs, vjp = st.fwd(params, a, ai, data_for(m), mb_index[m])
-        self._pad("F", m, start, outs)
         out_map = dict(zip(sp.output_ids, outs))
-        for t in consumers:
-          self._send(t, ("act", m, s), {v: out_map[v] for v in df.act_routes[(s, t)]})
+        msgs = [(t, self._gather({v: out_map[v] for v in df.act_routes[(s, t)]}))
+                for t in consumers]
+        self._pad("F", m, start, outs)
+        for t, payload in msgs:
+          self._post(t, ("act", m, s), payload)
         for v in sp.output_ids:
           if v in region_outs:
             fwd_outputs[m][v] = out_map[v]
         residuals[m] = vjp
       else:
+        self._arrived = None
         msgs = {t: self._recv(("ct", m, t), t, f"the cotangents of microbatch {m}")
                 for t in ct_from}
-        start = time.time()
+        start = self._task_start()
         present = []
         for v, has in zip(sp.output_ids, sp.ct_present):
           if not has:
             continue
           ct = None
           for t in df.ct_sources[s].get(v, ()):
-            g = put(msgs[t][v], cs.output_sharding(s, v))
+            g = self._put(msgs[t][v], cs.output_sharding(s, v))
             ct = g if ct is None else ct + g
           if v == loss_vid:
-            seed = jax.device_put(jnp.asarray(scale, prog.avals[v].dtype), st.replicated)
+            seed = self._put(np.asarray(scale, prog.avals[v].dtype), st.replicated)
             ct = seed if ct is None else ct + seed
           if ct is None:
             aval = prog.avals[v]
-            ct = jax.device_put(jnp.zeros(aval.shape, aval.dtype), cs.output_sharding(s, v))
+            ct = self._put(np.zeros(aval.shape, aval.dtype), cs.output_sharding(s, v))
           present.append(ct)
         acc, act_cts = st.bwd(residuals.pop(m), tuple(present), acc)
-        self._pad("B", m, start, (acc, act_cts))
         ct_map = dict(zip(sp.act_ids, act_cts))
-        for p in df.ct_targets[s]:
-          self._send(p, ("ct", m, s), {v: ct_map[v] for v in df.ct_routes[(s, p)]})
+        cts = [(p, self._gather({v: ct_map[v] for v in df.ct_routes[(s, p)]}))
+               for p in df.ct_targets[s]]
+        self._pad("B", m, start, (acc, act_cts))
+        for p, payload in cts:
+          self._post(p, ("ct", m, s), payload)
     region_end = time.time()
 
     # Loss and auxiliary outputs computed here.
@@ -492,11 +569,11 @@ class StageWorker:
       for u in cs.param_users[j]:
         g = acc[mine[vid]] if u == s else self._recv(("grad", j, u), u,
                                                      f"the gradient part of parameter {j}")[j]
-        g = put(g, st.param_sharding[vid])
+        g = self._put(g, st.param_sharding[vid])
         total = g if total is None else total + g
       if total is None:   # a parameter no stage reads: zero gradient
         aval = prog.avals[vid]
-        total = jax.device_put(jnp.zeros(aval.shape, aval.dtype), st.replicated)
+        total = self._put(np.zeros(aval.shape, aval.dtype), st.replicated)
       self._publish(out_vid, total)
     return region_end
 

@@ -15,6 +15,11 @@ cluster it asks Ray for the stage's GPUs (``num_gpus``), which become its JAX de
 file's hosts are the machines that run them. Actors are threaded (``max_concurrency``): the step
 runs in one thread while messages (object-store channel), aborts and fetches arrive in others.
 
+A stage spanning several hosts (submesh ``(n, M)``, ``n > 1``) is, with ``spmd_hosts`` (the
+default when actors are pinned to hosts or use GPUs), one actor per host: the members join one
+``jax.distributed`` world and run the stage as one SPMD program; the first member talks to the
+other stages (:mod:`harpjax.runtime._spmd`). Such actors are not reused by later runners.
+
 Usage::
 
     step = harpjax.auto_parallel(train_step, cluster=..., plan=..., runtime="ray",
@@ -138,54 +143,128 @@ _POOL_MAX = 8
 _POOL_LOCK = threading.Lock()
 
 
+class _Call:
+  """One method call on every member of a stage's actor group: done when all answered or one
+  failed; the value is the leader's."""
+
+  def __init__(self, refs: list):
+    self.refs = refs
+    self.values: dict[int, Any] = {}
+
+
 class RayBackend:
-  """Starts and calls one Ray actor per stage (see the module docstring)."""
+  """Starts and calls the stage actors (see the module docstring): one per stage, or, for a
+  stage spanning several hosts with ``spmd_hosts``, one per host, joined into one
+  ``jax.distributed`` group (:mod:`harpjax.runtime._spmd`)."""
 
   def __init__(self, options: RunnerOptions):
     self.options = options
-    self.actors: list = []
-    self.keys: list[tuple] = []
+    self.actors: list[list] = []     # per stage, its members (leader first)
+    self.keys: list[tuple | None] = []
     self.healthy = True
+    self.pin = self.gpu = False
+
+  def prepare(self, runner: PipelineRunner) -> frozenset:
+    """Starts Ray; returns the stages run by one process per host."""
+    opts = self.options
+    init_ray(opts.address, opts.num_cpus or max(2, runner.num_stages + 1),
+             **dict(opts.ray_init or {}))
+    resources = ray.cluster_resources()
+    self.gpu = resources.get("GPU", 0) > 0
+    self.pin = opts.pin_hosts
+    if self.pin is None:
+      self.pin = any(k.startswith(HOST_RESOURCE_PREFIX) for k in resources)
+    spmd = opts.spmd_hosts
+    if spmd is None:
+      spmd = self.pin or self.gpu
+    split = frozenset(s for s, g in enumerate(runner.host_groups) if spmd and len(g) > 1)
+    _check_placement(runner, self.pin, self.gpu, split)
+    return split
 
   def start(self, runner: PipelineRunner, specs) -> None:
     opts = self.options
-    init_ray(opts.address, opts.num_cpus or max(2, len(specs) + 1), **dict(opts.ray_init or {}))
     resources = ray.cluster_resources()
-    gpu = resources.get("GPU", 0) > 0
-    pin = opts.pin_hosts
-    if pin is None:
-      pin = any(k.startswith(HOST_RESOURCE_PREFIX) for k in resources)
-    _check_placement(runner, specs, pin, gpu)
     cls = ray.remote(StageWorker)
     reused = 0
     for spec in specs:
-      n = spec.plan.stages[spec.stage].num_devices
-      env = _actor_env(n, gpu, opts.actor_env)
-      actor_opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=16,
-                                        runtime_env={"env_vars": env})
-      if gpu:
-        actor_opts["num_gpus"] = n
-      if pin:
-        res = HOST_RESOURCE_PREFIX + spec.host
-        if res not in resources:
-          raise HarpjaxError(f"stage {spec.stage} runs on host {spec.host!r}, but no Ray node "
-                             f"advertises the resource {res!r}; start each node with "
-                             f"--resources='{{\"{res}\": 1}}' (docker/launch.sh) or pass "
-                             "pin_hosts=False")
-        actor_opts["resources"] = {res: 0.001}
-      key = (tuple(sorted(env.items())), actor_opts.get("num_gpus", 0),
-             tuple(sorted(actor_opts.get("resources", {}).items())))
-      with _POOL_LOCK:
-        idle = _POOL.get(key)
-        actor = idle.pop() if idle else None
-      if actor is None:
-        actor = cls.options(**actor_opts).remote()
+      if spec.layout is None:
+        members = [(spec.host, spec.plan.stages[spec.stage].num_devices)]
       else:
-        reused += 1
-      self.actors.append(actor)
+        members = [(h, len(devs)) for h, devs in runner.host_groups[spec.stage]]
+      group_env = _group_env(runner, spec.stage) if (spec.layout and self.gpu) else {}
+      actors, key = [], None
+      for host, n in members:
+        env = _actor_env(n, self.gpu, {**group_env, **dict(opts.actor_env or {})})
+        actor_opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=16,
+                                          runtime_env={"env_vars": env})
+        if self.gpu:
+          actor_opts["num_gpus"] = n
+        if self.pin:
+          res = HOST_RESOURCE_PREFIX + host
+          if res not in resources:
+            raise HarpjaxError(f"stage {spec.stage} runs on host {host!r}, but no Ray node "
+                               f"advertises the resource {res!r}; start each node with "
+                               f"--resources='{{\"{res}\": 1}}' (docker/launch.sh) or pass "
+                               "pin_hosts=False")
+          actor_opts["resources"] = {res: 0.001}
+        actor = None
+        if spec.layout is None:   # a group's processes join a jax.distributed world: not reused
+          key = (tuple(sorted(env.items())), actor_opts.get("num_gpus", 0),
+                 tuple(sorted(actor_opts.get("resources", {}).items())))
+          with _POOL_LOCK:
+            idle = _POOL.get(key)
+            actor = idle.pop() if idle else None
+          reused += actor is not None
+        actors.append(actor or cls.options(**actor_opts).remote())
+      self.actors.append(actors)
       self.keys.append(key)
-    log.info("launched %d stage actors (%d reused; %s devices%s)", len(specs), reused,
-             "GPU" if gpu else "CPU", ", pinned to hosts" if pin else "")
+    groups = [s for s, spec in enumerate(specs) if spec.layout is not None]
+    if groups:
+      self._join_groups(runner, groups)
+    log.info("launched %d stage actors (%d reused; %s devices%s%s)",
+             sum(map(len, self.actors)), reused, "GPU" if self.gpu else "CPU",
+             ", pinned to hosts" if self.pin else "",
+             f"; stages {groups} as groups of one process per host" if groups else "")
+
+  def _join_groups(self, runner: PipelineRunner, stages: list[int]) -> None:
+    """Starts each group's ``jax.distributed`` world: the coordinator on the leader, at its
+    address on the NIC the cluster model picks between the group's first two hosts (loopback
+    when all members run on one machine)."""
+    timeout = self.options.start_timeout_s
+    calls = {}
+    for s in stages:
+      members = self.actors[s]
+      infos = self._get([m.info.remote() for m in members], timeout, s, "starting")
+      hosts = [h for h, _ in runner.host_groups[s]]
+      if len({i["hostname"] for i in infos}) == 1:
+        ip = transport.LOOPBACK
+      else:
+        link = runner.cluster.link_between_hosts(hosts[0], hosts[1])
+        addrs = transport.normalize_addresses(self.options.nic_addresses)
+        nic = link.src_nic.name if link.src_nic is not None else None
+        ip = (addrs.get((hosts[0], nic)) or infos[0]["interfaces"].get(nic)
+              or socket.gethostbyname(infos[0]["hostname"]))
+      port = self._get([members[0].free_port.remote(ip)], timeout, s, "starting")[0]
+      coordinator = f"{ip}:{port}"
+      calls[s] = [m.join_group.remote(coordinator, len(members), r, timeout)
+                  for r, m in enumerate(members)]
+      log.info("stage %d: %d processes on %s join the group at %s", s, len(members),
+               ", ".join(hosts), coordinator)
+    for s, refs in calls.items():
+      self._get(refs, timeout + 30, s, "forming its group of processes")
+
+  def _get(self, refs, timeout_s: float, stage: int, what: str) -> list:
+    try:
+      return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+      raise RuntimeFailure(f"stage {stage}: {what} did not finish within {timeout_s:g} s") \
+          from None
+    except ray.exceptions.RayActorError as e:
+      raise RuntimeFailure(f"the actor of stage {stage} died while {what}: "
+                           f"{str(e).strip().splitlines()[0]}") from None
+    except ray.exceptions.RayTaskError as e:
+      cause = getattr(e, "cause", None)
+      raise (cause if isinstance(cause, BaseException) else e) from None
 
   def build_args(self, spec) -> tuple:
     return (spec,)
@@ -198,100 +277,126 @@ class RayBackend:
     return False
 
   def submit(self, stage: int, method: str, *args):
-    return getattr(self.actors[stage], method).remote(*args)
+    return _Call([getattr(a, method).remote(*args) for a in self.actors[stage]])
 
   def wait_any(self, pending: dict, timeout_s: float):
-    refs = {ref: s for s, ref in pending.items()}
-    ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(timeout_s, 0.0))
+    owner = {ref: (s, r) for s, call in pending.items() for r, ref in enumerate(call.refs)
+             if r not in call.values}
+    ready, _ = ray.wait(list(owner), num_returns=1, timeout=max(timeout_s, 0.0))
     if ready:   # collect every other result that is ready too
-      ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-    out = []
+      ready, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0)
+    failed: dict[int, BaseException] = {}
     for ref in ready:
-      s = refs[ref]
-      try:
-        out.append((s, True, ray.get(ref, timeout=_WAIT_GET_S)))
-        continue
-      except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        err = cause if isinstance(cause, BaseException) else e
-      except ray.exceptions.RayActorError as e:
-        err = RuntimeFailure(f"the actor of stage {s} died: {str(e).strip().splitlines()[0]}")
-      except ray.exceptions.GetTimeoutError:
-        err = RuntimeFailure(f"stage {s}: result not retrievable in {_WAIT_GET_S:g} s")
-      except Exception as e:  # pylint: disable=broad-except
-        err = e
-      self.healthy = False
-      out.append((s, False, err))
+      s, r = owner[ref]
+      ok, value = self._result(ref, s, r, len(pending[s].refs))
+      if ok:
+        pending[s].values[r] = value
+      else:
+        failed.setdefault(s, value)
+    out = []
+    for s, call in pending.items():
+      if s in failed:
+        self.healthy = False
+        out.append((s, False, failed[s]))
+      elif len(call.values) == len(call.refs):
+        out.append((s, True, call.values[0]))
     return out
+
+  def _result(self, ref, s: int, rank: int, size: int):
+    who = f"stage {s}" if size == 1 else f"stage {s} (process {rank} of {size})"
+    try:
+      return True, ray.get(ref, timeout=_WAIT_GET_S)
+    except ray.exceptions.RayTaskError as e:
+      cause = getattr(e, "cause", None)
+      return False, cause if isinstance(cause, BaseException) else e
+    except ray.exceptions.RayActorError as e:
+      return False, RuntimeFailure(f"the actor of {who} died: "
+                                   f"{str(e).strip().splitlines()[0]}")
+    except ray.exceptions.GetTimeoutError:
+      return False, RuntimeFailure(f"{who}: result not retrievable in {_WAIT_GET_S:g} s")
+    except Exception as e:  # pylint: disable=broad-except
+      return False, e
 
   def abort(self, stage: int, reason: str) -> None:
     self.healthy = False
-    try:
-      self.actors[stage].abort.remote(reason)
-    except Exception:  # pylint: disable=broad-except  (a dead actor cannot be aborted)
-      pass
+    for a in self.actors[stage]:
+      try:
+        a.abort.remote(reason)
+      except Exception:  # pylint: disable=broad-except  (a dead actor cannot be aborted)
+        pass
 
   def local_channel(self, dst: int):
     raise HarpjaxError("stages on Ray actors never share a process")
 
   def object_store_channel(self, dst: int):
-    return ObjectStoreChannel(self.actors[dst], dst, self.options.recv_timeout_s)
+    return ObjectStoreChannel(self.actors[dst][0], dst, self.options.recv_timeout_s)
 
-  def kill(self, stage: int) -> None:
+  def kill(self, stage: int, rank: int = 0) -> None:
     self.healthy = False
-    ray.kill(self.actors[stage], no_restart=True)
+    ray.kill(self.actors[stage][rank], no_restart=True)
 
   def shutdown(self) -> None:
-    """Returns healthy actors to the pool (reset), kills the others."""
+    """Returns healthy single-process actors to the pool (reset), kills the others."""
     actors, keys, self.actors, self.keys = self.actors, self.keys, [], []
     if not actors or not ray.is_initialized():
       return
     keep = []
     if self.healthy:
-      refs = [a.reset.remote() for a in actors]
+      single = [(m[0], k) for m, k in zip(actors, keys) if k is not None]
       try:
-        ray.get(refs, timeout=10.0)
-        keep = list(zip(actors, keys))
+        ray.get([a.reset.remote() for a, _ in single], timeout=10.0)
+        keep = single
       except Exception:  # pylint: disable=broad-except
         keep = []
+    kept = set()
     with _POOL_LOCK:
       for a, k in keep:
-        idle = _POOL.setdefault(k, [])
         if sum(len(v) for v in _POOL.values()) < _POOL_MAX:
-          idle.append(a)
-          actors = [x for x in actors if x is not a]
-    for a in actors:
+          _POOL.setdefault(k, []).append(a)
+          kept.add(id(a))
+    for a in (a for members in actors for a in members):
+      if id(a) in kept:
+        continue
       try:
         ray.kill(a, no_restart=True)
       except Exception:  # pylint: disable=broad-except
         pass
 
 
-def _check_placement(runner, specs, pin: bool, gpu: bool) -> None:
+def _group_env(runner, stage: int) -> dict[str, str]:
+  """NCCL settings for a group's collectives: the NIC the cluster model picks between the
+  stage's hosts (documented, not exercised here: no GPU)."""
+  hosts = [h for h, _ in runner.host_groups[stage]]
+  return transport.nccl_env(runner.cluster.link_between_hosts(hosts[0], hosts[1]))
+
+
+def _check_placement(runner, pin: bool, gpu: bool, split: frozenset) -> None:
   """Clear errors for plans the actors cannot be placed for, warnings for mismatched nodes."""
   nodes = [n for n in ray.nodes() if n.get("Alive")]
-  for spec in specs:
-    st = spec.plan.stages[spec.stage]
-    if (pin or gpu) and st.submesh[0] > 1:
+  for s, st in enumerate(runner.compiled.plan.stages):
+    groups = runner.host_groups[s]
+    if (pin or gpu) and len(groups) > 1 and s not in split:
       raise UnsupportedError(
-          f"stage {spec.stage} spans {st.submesh[0]} hosts (submesh {st.submesh}); the Ray "
-          "runtime runs each stage in one process, and a stage over several hosts' processes "
-          "(one SPMD program) is not supported yet: use single-host submeshes (1, m) on a "
-          "real cluster (on one machine with fake devices, pin_hosts=False runs it)")
+          f"stage {s} spans {len(groups)} hosts (submesh {st.submesh}) but spmd_hosts=False "
+          "runs each stage in one process: allow spmd_hosts (one process per host, joined "
+          "by jax.distributed), or use single-host submeshes (1, m); on one machine with fake "
+          "devices, pin_hosts=False runs it in one process")
     if gpu:
       most = max((n["Resources"].get("GPU", 0) for n in nodes), default=0)
-      if st.num_devices > most:
-        raise UnsupportedError(f"stage {spec.stage} needs {st.num_devices} GPUs in one "
-                               f"process, but no Ray node has more than {most:g}")
+      need = max(len(d) for _, d in groups) if s in split else st.num_devices
+      if need > most:
+        raise UnsupportedError(f"stage {s} needs {need} GPUs in one process, but no Ray "
+                               f"node has more than {most:g}")
     if pin:
       want = GPU_TYPE_RESOURCE_PREFIX + runner.cluster.subcluster(st.subcluster).gpu.name
-      for n in nodes:
-        res = n["Resources"]
-        if HOST_RESOURCE_PREFIX + spec.host in res:
-          types = [k for k in res if k.startswith(GPU_TYPE_RESOURCE_PREFIX)]
-          if types and want not in types:
-            log.warning("stage %d: host %s advertises %s but the cluster file says %s",
-                        spec.stage, spec.host, types, want)
+      for host, _ in groups:
+        for n in nodes:
+          res = n["Resources"]
+          if HOST_RESOURCE_PREFIX + host in res:
+            types = [k for k in res if k.startswith(GPU_TYPE_RESOURCE_PREFIX)]
+            if types and want not in types:
+              log.warning("stage %d: host %s advertises %s but the cluster file says %s",
+                          s, host, types, want)
 
 
 def release_pool() -> None:

@@ -103,11 +103,7 @@ def test_every_schedule_matches_local_and_jit(schedule):
   runner.shutdown()
 
 
-def test_gpt_tied_embedding_dropout_and_object_store_transport():
-  # The tied embedding is read by the first and last stage (its gradient part travels to the
-  # owner); dropout masks come from the full batch's random bits; a PRNG key comes from the
-  # driver each step; messages take the Ray object store instead of TCP. (Compared with jit
-  # only: the schedule tests cover the local runtime.)
+def _gpt_setup():
   cfg = GPTConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=2, num_blocks=2, dropout=0.1)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len), 0, cfg.vocab_size)
@@ -125,6 +121,15 @@ def test_gpt_tied_embedding_dropout_and_object_store_transport():
   batches = [jax.random.randint(jax.random.key(10 + i), (8, cfg.seq_len + 1), 0,
                                 cfg.vocab_size) for i in range(2)]
   rngs = [(jax.random.key(100 + i),) for i in range(2)]
+  return step, state, batches, rngs
+
+
+def test_gpt_tied_embedding_dropout_and_object_store_transport():
+  # The tied embedding is read by the first and last stage (its gradient part travels to the
+  # owner); dropout masks come from the full batch's random bits; a PRNG key comes from the
+  # driver each step; messages take the Ray object store instead of TCP. (Compared with jit
+  # only: the schedule tests cover the local runtime.)
+  step, state, batches, rngs = _gpt_setup()
   plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2), (2, 1)), ((2, 2), "a100", (1, 2), (1, 2)),
                              ((3, 3), "a100", (1, 2))])   # 2 devices each: pooled actors
   vs_local, vs_jit, pstep = _three_ways(step, state, batches, plan=plan, num_microbatches=4,
@@ -180,20 +185,70 @@ def test_killed_actor_is_a_clear_error_not_a_hang():
   runner.shutdown()
 
 
-def test_stage_over_two_hosts_needs_one_machine():
+def test_stage_over_two_hosts_is_one_spmd_program_over_their_processes():
+  # Stage 1 runs on hosts a100-0 and a100-1: one actor per host, joined by jax.distributed,
+  # running the stage as one SPMD program (data parallel across the hosts).
+  step, state, batches = _mlp_setup()
+  plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (2, 2), (2, 2))])
+  vs_local, vs_jit, pstep = _three_ways(step, state, batches[:2], plan=plan,
+                                        num_microbatches=4, schedule="h1f1b")
+  assert vs_local <= 1e-6, vs_local
+  assert vs_jit <= RTOL, vs_jit
+  runner = pstep.runner(state, batches[0])
+  members = runner._backend.actors[1]
+  assert len(members) == 2 and len(runner._backend.actors[0]) == 1
+  infos = ray.get([m.info.remote() for m in members])
+  assert infos[0]["pid"] != infos[1]["pid"]
+  assert [len(i["devices"]) for i in infos] == [4, 4]   # each sees the group's four devices
+  runner.shutdown()
+
+
+def test_gpt_last_stage_over_two_hosts_tensor_parallel_across_them():
+  # The group's stage holds the tied head (its gradient part is gathered and sent to the
+  # owner), gets the driver's PRNG key, and splits its tensors across the two processes.
+  step, state, batches, rngs = _gpt_setup()
+  plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (2, 2), (1, 4))])
+  vs_local, vs_jit, pstep = _three_ways(step, state, batches[:1], plan=plan,
+                                        num_microbatches=2, schedule="1f1b", extra=rngs[:1],
+                                        local=False)
+  assert vs_jit <= RTOL, vs_jit
+  runner = pstep.runner(state, batches[0], rngs[0][0])
+  assert len(runner._backend.actors[1]) == 2
+  runner.shutdown()
+
+
+def test_stage_over_two_hosts_in_one_process_or_refused():
   step, state, batches = _mlp_setup()
   plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (2, 2))])
   pinned = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
-                                 runtime="ray")
-  with pytest.raises(UnsupportedError, match=r"stage 1 spans 2 hosts"):
+                                 runtime="ray", runtime_options={"spmd_hosts": False})
+  with pytest.raises(UnsupportedError, match=r"stage 1 spans 2 hosts.*spmd_hosts"):
     pinned(state, batches[0])
-  # On one machine the stage's four fake devices live in one actor process.
+  # On one machine the stage's four fake devices can live in one actor process.
   loose = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
                                 runtime="ray", runtime_options={"pin_hosts": False})
   out = loose(state, batches[0])
   ref = jax.jit(step)(state, batches[0])
   assert max_rel_err(ref, ray_runtime.gather(out)) <= RTOL
-  loose.runner(out[0], batches[1]).shutdown()
+  runner = loose.runner(out[0], batches[1])
+  assert len(runner._backend.actors[1]) == 1
+  runner.shutdown()
+
+
+def test_killed_member_of_a_group_is_a_clear_error_not_a_hang():
+  step, state, batches = _mlp_setup()
+  plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (2, 2))])
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
+                                runtime="ray",
+                                runtime_options={"recv_timeout_s": 20, "step_timeout_s": 40})
+  s, _, _ = pstep(state, batches[0])
+  runner = pstep.runner(s, batches[1])
+  runner.kill_stage(1, rank=1)
+  t0 = time.time()
+  with pytest.raises(RuntimeFailure, match=r"stage 1 \(host a100-0\).*process 1 of 2.*died"):
+    pstep(s, batches[1])
+  assert time.time() - t0 < 40
+  runner.shutdown()
 
 
 def test_unknown_runtime_option():
