@@ -59,7 +59,7 @@ def gpt39b_tables(num_microbatches: int = 128, inter_gbps: float = 10.0,
 
 def gpt39b_block_labels(num_blocks: int = 48) -> list[str]:
   """One label per fine layer: embedding and head join the first and last block."""
-  return ([f"block0"] + [f"block{b}" for b in range(num_blocks) for _ in range(3)]
+  return (["block0"] + [f"block{b}" for b in range(num_blocks) for _ in range(3)]
           + [f"block{num_blocks - 1}"])
 
 

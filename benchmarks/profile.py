@@ -76,7 +76,6 @@ def main(argv=None) -> int:
   cold, t_cold = run()
   warm, t_warm = run()
   st = cold.stats
-  L = st.num_layers
   print("\n## Layer construction\n")
   print(f"{cold.layers.summary}")
   print(f"{st.distinct_layers} distinct layer signatures; {st.layers_per_repeat} layers per "

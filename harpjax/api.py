@@ -14,7 +14,7 @@ import numpy as np
 from harpjax.compiler import schedules as schedules_lib
 from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
 from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
-from harpjax.compiler.plan import Plan, StageSpec
+from harpjax.compiler.plan import Plan
 from harpjax.compiler.trace import TracedStep, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             ScheduleError)
@@ -234,7 +234,6 @@ class ParallelStep:
 
   def _plan_automatically(self, args) -> tuple[Plan, TracedStep, LayerSequence]:
     """Layers, profile and DP: the plan for these arguments, plus the matching trace."""
-    from harpjax.compiler.layers import layers_for_step, traced_step_for
     from harpjax.compiler.planner import SolveOptions, solve
     from harpjax.compiler.profile import ProfileOptions, profile_step
 

@@ -8,8 +8,7 @@ import pytest
 from flax.training import train_state
 
 import harpjax
-from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, PlanError, ScheduleError,
-                            TraceError)
+from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, PlanError, TraceError)
 from harpjax.examples.models import MLP
 from tests.equivalence import DEMO_CLUSTER
 

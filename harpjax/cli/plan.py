@@ -9,10 +9,8 @@ the load-balance score; ``--json`` saves the plan for ``auto_parallel(plan=...)`
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import sys
 import time
 
 import click
@@ -23,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
-  from harpjax.models import BUILTIN_MODELS, ModelSpec, make_lm_spec
+  from harpjax.models import BUILTIN_MODELS, make_lm_spec
   if model in BUILTIN_MODELS:
     return BUILTIN_MODELS[model](num_microbatches=num_microbatches,
                                  microbatch_size=microbatch_size)

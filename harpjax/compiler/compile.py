@@ -7,7 +7,6 @@ import logging
 from typing import Collection, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler import placement as placement_lib
@@ -125,7 +124,6 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
 
   # Parameters: owner = first stage that reads them.
   num_params = traced.num_params
-  nc = prog.num_consts
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
   assert len(param_vid) == num_params
   users = [[s for s, sp in enumerate(programs) if v in sp.param_ids] for v in param_vid]

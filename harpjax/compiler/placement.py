@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from harpjax.compiler.program import Lit, Op, Program
+from harpjax.compiler.program import Lit, Program
 
 __all__ = ["Group", "Placement", "place"]
 

@@ -286,7 +286,6 @@ def _dot(op, program, as_view, split, decide, row_ops) -> None:
   wside, w, a = (1, wr, lhs) if wr is not None else (0, wl, rhs)
   a_contract, w_contract = (lc, rc) if wside == 1 else (rc, lc)
   w_free = rfree if wside == 1 else lfree
-  wshape = rshape if wside == 1 else lshape
   a_split = split.get(a) if not isinstance(a, Lit) else None
   if a_split is not None and a_split in a_contract:       # row-parallel
     if decide(w, int(w_contract[list(a_contract).index(a_split)])):

@@ -83,9 +83,17 @@ def test_sharded_block_equals_unsharded(gpt, mesh_shape):
       pieces.abstract_inputs(piece))
   ref_out, ref_grads = _run(piece, (1, 1), args)
   out, grads = _run(piece, mesh_shape, args)
-  for a, b in zip(jax.tree_util.tree_leaves((ref_out, ref_grads)),
-                  jax.tree_util.tree_leaves((out, grads))):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
+  # Relative to each leaf's largest value: sharded reductions sum in another order, and how
+  # far an element near zero moves depends on the CPU's vector width; a wrong split is O(1).
+  # A leaf whose exact gradient is zero (the key bias before the softmax) holds only rounding
+  # noise: its scale is floored at 1% of the largest value of all leaves.
+  ref = [np.asarray(x) for x in jax.tree_util.tree_leaves((ref_out, ref_grads))]
+  got = [np.asarray(x) for x in jax.tree_util.tree_leaves((out, grads))]
+  floor = 0.01 * max(float(np.max(np.abs(a))) for a in ref)
+  for a, b in zip(ref, got):
+    assert a.shape == b.shape
+    err = float(np.max(np.abs(b - a))) / max(float(np.max(np.abs(a))), floor)
+    assert err <= 2e-5, (err, a.shape)
 
 
 def test_one_reduction_per_column_row_pair():

@@ -1,11 +1,9 @@
 """Pipelined steps equal ``jax.jit`` of the undecorated step (params, optimizer state, loss, aux)."""
 
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax.training import train_state
@@ -72,12 +70,14 @@ def test_gpt_with_dropout_matches_jit(tx):
   # Adam divides each gradient by its own magnitude: a gradient element of size ~eps turns
   # summation-order rounding (~1e-7 of the leaf's largest gradient) into a visible change of
   # its update, and a bias leaf starts at zero, so the leaf's scale is the update itself. With
-  # dropout some elements land there; eps=1e-3 keeps the comparison about the gradients. With
-  # SGD (lr=1) the parameters' change is the raw gradient.
+  # dropout some elements land there; eps=1e-3 keeps the comparison about the gradients, and
+  # the bound is 5e-5 rather than 1e-5 (1.8e-5 was seen on one CPU, 1e-5 held on another).
+  # With SGD (lr=1) the parameters' change is the raw gradient, held to 1e-5.
   opt = optax.sgd(1.0) if tx == "sgd" else optax.adamw(1e-2, eps=1e-3)
   step, state, batches, _ = _gpt_setup(dropout=0.1, tx=opt)
   rngs = [(jax.random.key(100 + i),) for i in range(len(batches))]
-  compare_steps(step, state, batches, plan=GPT3, num_microbatches=4, extra_args=rngs)
+  compare_steps(step, state, batches, plan=GPT3, num_microbatches=4, extra_args=rngs,
+                rtol=1e-5 if tx == "sgd" else 5e-5)
 
 
 def _classifier_step(model, tx, reduction="mean", use_grad=False):
