@@ -189,7 +189,33 @@ def main(argv=None) -> int:
   print()
   print(f"wrote {md}, schedules.csv, {os.path.basename(plot)} and timeline_*.png / "
         f"*.trace.json to {args.out} in {time.perf_counter() - t_start:.1f} s")
+  simulator_speed()
   return 0
+
+
+def simulator_speed(stages: int = 64, microbatches: int = 512) -> None:
+  """Seconds to simulate a large H-1F1B pipeline: the Numba kernel, the same kernel
+  interpreted by Python and the discrete-event reference, side by side in one run."""
+  from harpjax.compiler import schedules as sched  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  f, b = rng.uniform(1, 2, stages), rng.uniform(2, 4, stages)
+  c = rng.uniform(0, 3, stages - 1)
+  table = sched.make_schedule("h1f1b", stages, microbatches,
+                              sched.h1f1b_warmups(c, (f + b).max(), 0))
+  simulate(f[:2], b[:2], c[:1], "h1f1b", num_microbatches=4)   # compile / load the kernel
+  times = {}
+  for backend in ("numba", "python", "reference"):
+    t0 = time.perf_counter()
+    r = simulate(f, b, c, table, backend=backend)
+    times[backend] = time.perf_counter() - t0
+    times.setdefault("T", r.iteration_time)
+  t0 = time.perf_counter()
+  simulate(f, b, c, "h1f1b", num_microbatches=microbatches, eps=0)
+  with_table = time.perf_counter() - t0
+  print(f"\nSimulator speed, {stages} stages x {microbatches} microbatches: Numba "
+        f"{times['numba']:.3f} s ({with_table:.3f} s with building the table), Python "
+        f"{times['python']:.2f} s ({times['python'] / times['numba']:.0f}x), reference "
+        f"{times['reference']:.2f} s ({times['reference'] / times['numba']:.0f}x)")
 
 
 def c_of(results, gbps) -> float:

@@ -1,7 +1,6 @@
 """Automatic layer construction: canonical signatures, repeated modules, clustering, scans."""
 
 import functools
-import time
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -188,13 +187,11 @@ def _repeats_share_signatures(seq, name):
 def gpt48():
   spec = BUILTIN_MODELS["gpt-tiny"](num_blocks=48, num_microbatches=2)
   ts = trace_step(spec.step_fn, spec.args, num_microbatches=2, batch_argnums=(1,))
-  t0 = time.perf_counter()
-  seq = L.layers_for_step(ts)
-  return ts, seq, time.perf_counter() - t0
+  return ts, L.layers_for_step(ts)
 
 
 def test_gpt_48_blocks_found_and_share_signatures(gpt48):
-  ts, seq, seconds = gpt48
+  ts, seq = gpt48
   _check_cover(seq)
   assert seq.program is ts.region and seq.origin is None
   assert seq.module_kinds() == {"block": 48}
@@ -208,11 +205,10 @@ def test_gpt_48_blocks_found_and_share_signatures(gpt48):
   for l in seq.layers[1:-1]:
     assert l.heavy_ops >= 1 and l.module == "block"
     assert l.boundary_bytes <= 2 * seq.layers[0].boundary_bytes
-  assert seconds < 10
 
 
 def test_gpt_layer_stats(gpt48):
-  ts, seq, _ = gpt48
+  ts, seq = gpt48
   attn, proj, mlp = seq[1], seq[2], seq[3]
   h, t, b = 32, 16, 2
   # MLP layer: two [h, 4h] matmuls, forward FLOPs 2 * 2 * tokens * h * 4h (+ elementwise)
@@ -458,7 +454,7 @@ def test_most_repeated_finds_periodic_runs():
   assert list(sa) == [3, 1, 4, 2, 0]
 
 
-def test_ten_thousand_ops_in_seconds():
+def test_ten_thousand_ops():
   depth = 1450
 
   def f(ws, x):
@@ -470,7 +466,5 @@ def test_ten_thousand_ops_in_seconds():
   closed = jax.make_jaxpr(f)(ws, jax.ShapeDtypeStruct((4, 16), jnp.float32))
   prog = from_closed_jaxpr(closed)
   assert len(prog.ops) >= 10_000
-  t0 = time.perf_counter()
-  seq = L.construct_layers(prog, ["param"] * depth + ["split"])
-  assert time.perf_counter() - t0 < 20
+  seq = L.construct_layers(prog, ["param"] * depth + ["split"])   # how fast: benchmarks/profile.py
   assert list(seq.module_kinds().values()) == [depth - 1]   # the first reads data, not an act

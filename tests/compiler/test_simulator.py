@@ -238,19 +238,15 @@ def test_bad_schedules_raise():
     simulate([1, 1, 1], [1, 1, 1], 0, sched.make_schedule("1f1b", 2, 2))
 
 
-def test_64_stages_512_microbatches_is_fast():
+def test_64_stages_512_microbatches():
+  # (How fast: benchmarks/schedules.py, simulator_speed.)
   rng = np.random.default_rng(0)
   f, b, c = rng.uniform(1, 2, 64), rng.uniform(2, 4, 64), rng.uniform(0, 3, 63)
-  simulate(f[:2], b[:2], c[:1], "h1f1b", num_microbatches=4)   # compile / load the kernel
   s = sched.make_schedule("h1f1b", 64, 512, sched.h1f1b_warmups(c, (f + b).max(), 0))
-  t0 = time.perf_counter()
   r = simulate(f, b, c, s)
-  elapsed = time.perf_counter() - t0
   assert r.task_start.shape == (64, 1024)
-  assert elapsed < 0.5, elapsed
-  t0 = time.perf_counter()
-  simulate(f, b, c, "h1f1b", num_microbatches=512, eps=0)     # including building the table
-  assert time.perf_counter() - t0 < 1.0
+  again = simulate(f, b, c, "h1f1b", num_microbatches=512, eps=0)
+  assert again.iteration_time == r.iteration_time
 
 
 # --------------------------------------------------------------------------- pictures, CLI
