@@ -158,13 +158,10 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
       seeds[vid] = owner[k - n_fwd_out]
   placed = placement_lib.place(outer, traced.region_op, seeds)
   preferred = _preferred_shardings(traced, prog, stages, owner)
-  group_fns = []
-  for g in placed.before + placed.after:
-    if g.home not in built:
-      group_fns.append(None)
-      continue
-    _propagate_preferred(g, outer, preferred)
-    group_fns.append(_jit_group(g, [preferred.get((g.home, v)) for v in g.out_ids]))
+  groups = placed.before + placed.after
+  _propagate_preferred([g for g in groups if g.home in built], outer, preferred)
+  group_fns = [_jit_group(g, [preferred.get((g.home, v)) for v in g.out_ids])
+               if g.home in built else None for g in groups]
   log.info("compiled %d of %d stages; %d groups before and %d after the pipeline", len(built),
            len(stages), len(placed.before), len(placed.after))
   return CompiledStep(traced, layers, plan, schedule, stages, placed, group_fns, owner, users,
@@ -205,24 +202,29 @@ def _preferred_shardings(traced: TracedStep, prog, stages, owner) -> dict:
   return out
 
 
-def _propagate_preferred(group: placement_lib.Group, outer, preferred: dict) -> None:
-  """Values of ``group`` with a parameter's shape computed from a value with a preferred
-  sharding (an Adam moment from the gradient, the new parameter from the old) prefer it too,
-  and so do the group's inputs read alongside them (the moments' previous values)."""
-  h = group.home
-  for op in group.ops:
-    src = None
-    for v in op.in_ids():
-      sh = preferred.get((h, v))
-      if sh is not None:
-        src = (outer.avals[v].shape, sh)
-        break
-    if src is None:
-      continue
-    shape, sh = src
-    for v in list(op.outvars) + [u for u in op.in_ids() if u in group.in_ids]:
-      if v >= 0 and (h, v) not in preferred and outer.avals[v].shape == shape:
-        preferred[(h, v)] = sh
+def _propagate_preferred(groups: Sequence[placement_lib.Group], outer, preferred: dict) -> None:
+  """Values of the groups with a parameter's shape that an op relates to a value with a
+  preferred sharding on the same stage prefer it too: an Adam moment computed from the
+  gradient, the new parameter from the old, and, backwards, the inputs behind them (the
+  moments' previous values, however many ops and groups away). Repeated to a fixed point over
+  all groups, so that a state leaf arrives in the sharding the previous step left it in and no
+  group compiles twice."""
+  changed = True
+  while changed:
+    changed = False
+    for group in groups:
+      h = group.home
+      for op in group.ops:
+        vals = [v for v in list(op.in_ids()) + list(op.outvars) if v >= 0]
+        src = next(((outer.avals[v].shape, preferred[(h, v)]) for v in vals
+                    if (h, v) in preferred), None)
+        if src is None:
+          continue
+        shape, sh = src
+        for v in vals:
+          if (h, v) not in preferred and outer.avals[v].shape == shape:
+            preferred[(h, v)] = sh
+            changed = True
 
 
 def _batch_dependent(traced: TracedStep, prog) -> set[int]:

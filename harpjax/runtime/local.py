@@ -64,6 +64,8 @@ def run_step(cs: CompiledStep, args: tuple) -> Any:
   ts = cs.traced
   outer = ts.outer
   leaves = jax.tree_util.tree_leaves(args)
+  arg_vids = outer.invars[len(ts.outer_consts):]
+  leaves = [_strongly_typed(x, outer.avals[v]) for x, v in zip(leaves, arg_vids)]
   env: dict[int, Any] = dict(zip(outer.invars, list(ts.outer_consts) + leaves))
   preferred = _preferred_shardings(cs)
   n_before = len(cs.placement.before)
@@ -72,6 +74,16 @@ def run_step(cs: CompiledStep, args: tuple) -> Any:
   run_groups(cs, cs.placement.after, cs.group_fns[n_before:], env, preferred)
   outs = [ref.value if isinstance(ref, Lit) else env[ref] for ref in outer.outvars]
   return jax.tree_util.tree_unflatten(ts.out_tree, outs)
+
+
+def _strongly_typed(x, aval):
+  """A Python scalar or weakly typed argument as the traced program types it (strongly):
+  ``TrainState.step`` starts as the int ``0``, and a weak first step would compile the
+  placement groups once more on the second step."""
+  if isinstance(x, (bool, int, float, complex)) or (
+      getattr(x, "weak_type", False) and not getattr(aval, "weak_type", False)):
+    return jnp.asarray(x, dtype=aval.dtype)
+  return x
 
 
 def _preferred_shardings(cs: CompiledStep) -> dict:

@@ -1,6 +1,8 @@
 """Pipelined steps equal ``jax.jit`` of the undecorated step (params, optimizer state, loss, aux)."""
 
 
+import logging
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ from flax.training import train_state
 
 import harpjax
 from harpjax.examples.models import GPT, GPTConfig, MLP, DropoutMLP
-from tests.equivalence import compare_steps
+from tests.equivalence import DEMO_CLUSTER, compare_steps
 
 SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "h1f1b"]
 
@@ -197,3 +199,18 @@ def test_activation_recomputation_plan():
   pstep = compare_steps(step, state, batches[:2], plan=plan, num_microbatches=2,
                         extra_args=rngs)
   assert dict(pstep.plan.meta)["remat"] is True
+
+
+def test_second_step_compiles_nothing(caplog):
+  # The state the first step returns must come back in the shardings the step was compiled
+  # for: an Adam moment of a tensor-parallel stage keeps its parameter's sharding from the
+  # first step on, and TrainState's Python-int step counter is typed as traced.
+  step, state, batches, _ = _gpt_setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3)
+  out = pstep(state, batches[0], jax.random.key(100))
+  jax.block_until_ready(out)
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    out = pstep(out[0], batches[1], jax.random.key(101))
+    jax.block_until_ready(out)
+  compiled = [r.getMessage()[:120] for r in caplog.records if "Compiling" in r.getMessage()]
+  assert not compiled, compiled
