@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from harpjax.compiler import schedules as schedules_lib
+from harpjax.compiler._precompile import default_workers, precompile
 from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
 from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
 from harpjax.compiler.plan import Plan
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 __all__ = ["auto_parallel", "ParallelStep", "ParallelOptions"]
 
 RUNTIMES = ("local", "ray")
+LOCAL_RUNTIME_OPTIONS = ("compile_workers",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,15 @@ class ParallelOptions:
     object.__setattr__(self, "batch_argnums", tuple(self.batch_argnums))
     if isinstance(self.runtime_options, dict):
       object.__setattr__(self, "runtime_options", tuple(sorted(self.runtime_options.items())))
+    if self.runtime == "local":
+      unknown = sorted(set(dict(self.runtime_options)) - set(LOCAL_RUNTIME_OPTIONS))
+      if unknown:
+        raise PlanError(f"runtime_options {unknown} are not options of the local runtime; it "
+                        f"takes {list(LOCAL_RUNTIME_OPTIONS)} (the others are runtime='ray''s)")
+      workers = dict(self.runtime_options).get("compile_workers")
+      if workers is not None and (int(workers) != workers or workers < 0):
+        raise PlanError(f"runtime_options compile_workers={workers!r}: a count of threads "
+                        ">= 0 (0 compiles lazily, on the first call)")
 
 
 def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int | None = None,
@@ -90,8 +101,10 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       ``"sum"`` if they add up.
     runtime: ``"local"`` (one process, the default) or ``"ray"`` (one Ray actor per stage).
     eps: H-1F1B tolerance of :func:`harpjax.compiler.schedules.warmup_delta`.
-    runtime_options: keyword options of the runtime (for ``"ray"``: see
-      :class:`harpjax.runtime.ray_runtime.RayRunner`).
+    runtime_options: keyword options of the runtime. ``"local"`` takes ``compile_workers``:
+      threads compiling the stages' executables ahead of the first call (default one per
+      stage, at most one per CPU; ``0`` compiles lazily, executable by executable, on the
+      first call). For ``"ray"``: see :class:`harpjax.runtime.ray_runtime.RayRunner`.
     layer_options: :class:`harpjax.compiler.layers.LayerOptions` of automatic planning.
     profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: analytic by
       default, from the GPU types' rates; ``"measured"`` times the local devices).
@@ -229,7 +242,16 @@ class ParallelStep:
                         num_layers=len(layers))
     log.info("compiling %d stages over %d layers with %s, B=%d", plan.num_stages, len(layers),
              schedule_name, B)
-    return compile_step(ts, layers, plan, stage_devices, schedule, self.options.loss_reduction)
+    cs = compile_step(ts, layers, plan, stage_devices, schedule, self.options.loss_reduction)
+    if self.options.runtime == "local":
+      workers = dict(self.options.runtime_options).get("compile_workers")
+      if workers is None:
+        workers = default_workers(plan.num_stages)
+      if workers:
+        seconds = precompile(cs, workers)
+        log.info("compiled the executables of %d stages in %.1f s (%d threads)",
+                 plan.num_stages, seconds, workers)
+    return cs
 
 
   def _plan_automatically(self, args) -> tuple[Plan, TracedStep, LayerSequence]:

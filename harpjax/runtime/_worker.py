@@ -39,6 +39,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from harpjax.compiler._precompile import precompile
 from harpjax.compiler.compile import compile_step
 from harpjax.compiler.layers import layers_from_cuts
 from harpjax.compiler.plan import Plan
@@ -171,6 +172,9 @@ class StageWorker:
     st = self.cs.stages[s]
     self.mesh = st.mesh
     self.preferred = {v: sh for (h, v), sh in _preferred_shardings(self.cs).items() if h == s}
+    # Compile now, in every process at once, rather than during the first step, where each
+    # stage would start compiling only when its predecessor's first activations arrive.
+    self.compile_s = precompile(self.cs, workers=1)
     prog = self.cs.layers.program
     self.inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
     self.options = spec.options

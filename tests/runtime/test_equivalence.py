@@ -11,6 +11,7 @@ import pytest
 from flax.training import train_state
 
 import harpjax
+from harpjax.errors import PlanError
 from harpjax.examples.models import GPT, GPTConfig, MLP, DropoutMLP
 from tests.equivalence import DEMO_CLUSTER, compare_steps
 
@@ -201,16 +202,38 @@ def test_activation_recomputation_plan():
   assert dict(pstep.plan.meta)["remat"] is True
 
 
-def test_second_step_compiles_nothing(caplog):
-  # The state the first step returns must come back in the shardings the step was compiled
-  # for: an Adam moment of a tensor-parallel stage keeps its parameter's sharding from the
-  # first step on, and TrainState's Python-int step counter is typed as traced.
-  step, state, batches, _ = _gpt_setup()
-  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3)
-  out = pstep(state, batches[0], jax.random.key(100))
-  jax.block_until_ready(out)
+def _compiled_during(caplog, fn):
+  caplog.clear()
   with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-    out = pstep(out[0], batches[1], jax.random.key(101))
-    jax.block_until_ready(out)
-  compiled = [r.getMessage()[:120] for r in caplog.records if "Compiling" in r.getMessage()]
-  assert not compiled, compiled
+    jax.block_until_ready(fn())
+  return [r.getMessage()[:100] for r in caplog.records if "Compiling" in r.getMessage()]
+
+
+def test_executables_compile_ahead_and_the_second_step_compiles_nothing(caplog):
+  # compile() builds every stage's forward, backward and zeros executables and the placement
+  # groups (in threads) with the shardings the runtime passes, so the first call compiles none
+  # of them (only JAX's own eager slicing ops). The state the first step returns comes back in
+  # the shardings the step was compiled for: an Adam moment of a tensor-parallel stage keeps
+  # its parameter's sharding, and TrainState's Python-int step counter is typed as traced.
+  step, state, batches, _ = _gpt_setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3,
+                                runtime_options={"compile_workers": 2})
+  pstep.compile(state, batches[0], jax.random.key(100))
+  first = _compiled_during(caplog, lambda: pstep(state, batches[0], jax.random.key(100)))
+  ours = [m for m in first if any(f"jit({n})" in m for n in ("fwd", "bwd", "zeros", "fn"))]
+  assert not ours, ours
+  out = pstep(state, batches[0], jax.random.key(100))
+  second = _compiled_during(caplog, lambda: pstep(out[0], batches[1], jax.random.key(101)))
+  assert not second, second
+
+
+def test_lazy_compilation_and_bad_compile_workers():
+  step, state, batches, _ = _gpt_setup()
+  rngs = [(jax.random.key(100 + i),) for i in range(2)]
+  compare_steps(step, state, batches[:2], plan=GPT3, num_microbatches=4, extra_args=rngs,
+                runtime_options={"compile_workers": 0})
+  for bad, match in [({"compile_workers": -1}, "compile_workers"),
+                     ({"transport": "tcp"}, "not options of the local runtime")]:
+    with pytest.raises(PlanError, match=match):
+      harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3,
+                            runtime_options=bad)
