@@ -243,6 +243,7 @@ class ParallelStep:
     log.info("compiling %d stages over %d layers with %s, B=%d", plan.num_stages, len(layers),
              schedule_name, B)
     cs = compile_step(ts, layers, plan, stage_devices, schedule, self.options.loss_reduction)
+    _warn_shared_parameters(cs, args)
     if self.options.runtime == "local":
       workers = dict(self.options.runtime_options).get("compile_workers")
       if workers is None:
@@ -298,6 +299,46 @@ class ParallelStep:
                     batch_argnums=self.options.batch_argnums)
     layers = layers_for_step(ts, self.options.layer_options)
     return traced_step_for(ts, layers), layers
+
+
+SHARED_PARAMETER_WARNING = 0.25
+
+
+def _warn_shared_parameters(cs: CompiledStep, args) -> None:
+  """Warns when copies of parameters read by several stages (sent every step, their gradients
+  sent back) exceed ``SHARED_PARAMETER_WARNING`` of the model's parameter bytes: the case of
+  an ``nn.scan`` over layers, whose stacked parameters every stage running a layer reads."""
+  shared = cs.shared_parameters()
+  if not shared:
+    return
+  prog = cs.layers.program
+  total = sum(int(np.prod(prog.avals[prog.invars[k]].shape, dtype=np.int64))
+              * np.dtype(prog.avals[prog.invars[k]].dtype).itemsize
+              for k, inp in enumerate(cs.traced.inputs) if inp.kind == "param")
+  copies = sum(nbytes * (len(users) - 1) for _, nbytes, users in shared)
+  if copies <= SHARED_PARAMETER_WARNING * total:
+    log.info("%d parameters are read by several stages; %s of copies per step", len(shared),
+             _size(copies))
+    return
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+  worst = sorted(shared, key=lambda x: -x[1] * (len(x[2]) - 1))[:3]
+  names = "; ".join(f"{'args' + paths[i] if i >= 0 else 'a computed parameter'} "
+                    f"({_size(n)}, stages {', '.join(map(str, u))})" for i, n, u in worst)
+  log.warning(
+      "%d parameters are read by several stages, and their copies are %.0f%% of the model's "
+      "parameter bytes: %s. The first stage reading each sends it to the others every step, "
+      "sums the gradients they send back, and alone holds its optimizer state. The planner's "
+      "costs assume every stage holds only its own layers' parameters. Stacked parameters of "
+      "an nn.scan over layers are read so; a Python loop over the blocks gives each stage "
+      "its own.", len(shared), 100 * copies / total, names)
+
+
+def _size(nbytes: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if nbytes < 1024 or unit == "GiB":
+      return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+    nbytes /= 1024
+  return ""
 
 
 def resolve_devices(cluster, plan: Plan) -> list[tuple[int, ...]]:

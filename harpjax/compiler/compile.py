@@ -7,6 +7,7 @@ import logging
 from typing import Collection, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler import placement as placement_lib
@@ -73,6 +74,23 @@ class CompiledStep:
   @property
   def num_stages(self) -> int:
     return len(self.stages)
+
+  def shared_parameters(self) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Parameters read by several stages: ``(step argument leaf index, bytes, readers)``.
+
+    The owner (the first reader) sends each to the other readers every step and sums the
+    gradient parts they send back; it alone holds the optimizer state. A leaf index is
+    ``-1`` for a parameter that is not a step argument."""
+    ts, prog = self.traced, self.layers.program
+    leaf_of = {v: i for i, v in enumerate(ts.outer.invars[len(ts.outer_consts):])}
+    out = []
+    for k, inp in enumerate(ts.inputs):
+      users = self.param_users[inp.param_index] if inp.kind == "param" else ()
+      if len(users) > 1:
+        aval = prog.avals[prog.invars[k]]
+        nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+        out.append((leaf_of.get(inp.outer_ref, -1), nbytes, tuple(users)))
+    return out
 
   def output_sharding(self, stage: int, vid: int) -> NamedSharding:
     """Sharding of a stage output (cotangents sent to it use the same)."""

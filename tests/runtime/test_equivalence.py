@@ -237,3 +237,45 @@ def test_lazy_compilation_and_bad_compile_workers():
     with pytest.raises(PlanError, match=match):
       harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3,
                             runtime_options=bad)
+
+
+class _ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.Dense(x.shape[-1])(nn.tanh(nn.Dense(32)(x))), None
+
+
+class _ScanNet(nn.Module):   # blocks as one nn.scan over stacked parameters
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16)(x)
+    stack = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=4)
+    x, _ = stack(name="blocks")(x, None)
+    return nn.Dense(3)(x)
+
+
+def test_scan_over_blocks_across_stages_matches_jit_and_warns(caplog):
+  # Each stage runs some iterations of the unrolled scan, but reads the whole stacked
+  # parameter: numbers are right, and the user is told what it costs and what to change.
+  from harpjax.compiler import layers as layers_lib
+  from harpjax.compiler.trace import trace_step
+  m = _ScanNet()
+  xs = [jax.random.normal(jax.random.key(i), (8, 5)) for i in range(2)]
+  state = train_state.TrainState.create(apply_fn=m.apply, params=m.init(jax.random.key(0), xs[0]),
+                                        tx=optax.adam(1e-2))
+
+  def step(state, batch):
+    loss, g = harpjax.value_and_grad(
+        lambda p: jnp.mean((state.apply_fn(p, batch) - 1.0) ** 2))(state.params)
+    return state.apply_gradients(grads=g), loss
+
+  seq = layers_lib.layers_for_step(trace_step(step, (state, xs[0]), num_microbatches=2))
+  half = len(seq) // 2
+  plan = harpjax.ManualPlan([((0, half - 1), "v100", (1, 2)),
+                             ((half, len(seq) - 1), "a100", (1, 2))]).replace(
+                                 meta={"layers": "auto"})
+  with caplog.at_level(logging.WARNING, logger="harpjax.api"):
+    compare_steps(step, state, xs, plan=plan, num_microbatches=2, rtol=5e-5)
+  warned = [r.getMessage() for r in caplog.records if "read by several stages" in r.getMessage()]
+  assert len(warned) == 1 and "['blocks']" in warned[0] and "stages 0, 1" in warned[0], warned
