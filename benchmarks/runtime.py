@@ -112,7 +112,7 @@ SPMD_PLAN = harpjax.ManualPlan([
 
 
 def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: int = 5,
-                  time_scale: float = 0.5, runtime_options: dict | None = None,
+                  time_scale: float = 1.0, runtime_options: dict | None = None,
                   spmd: bool = False) -> dict:
   """Runs ``steps`` emulated steps (after two warm-up steps) and simulates the same numbers.
 
@@ -244,7 +244,8 @@ def main(argv=None):
   for p in (ap, fid):
     p.add_argument("--backend", default="ray", choices=("ray", "threads"))
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--time-scale", type=float, default=0.5)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="emulated times x this (below 1, fixed Python and Ray overheads weigh more)")
     p.add_argument("--gbps", type=float, nargs="*", default=list(BANDWIDTHS_GBPS))
     p.add_argument("--trace", help="directory for Chrome traces of measured and simulated runs")
     p.add_argument("--spmd", action="store_true",
