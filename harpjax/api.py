@@ -66,9 +66,10 @@ class ParallelOptions:
       unknown = sorted(set(dict(self.runtime_options)) - set(LOCAL_RUNTIME_OPTIONS))
       if unknown:
         raise PlanError(f"runtime_options {unknown} are not options of the local runtime; it "
-                        f"takes {list(LOCAL_RUNTIME_OPTIONS)} (the others are runtime='ray''s)")
+                        f"takes {list(LOCAL_RUNTIME_OPTIONS)}; the others belong to runtime='ray'")
       workers = dict(self.runtime_options).get("compile_workers")
-      if workers is not None and (int(workers) != workers or workers < 0):
+      if workers is not None and (isinstance(workers, bool) or not isinstance(
+          workers, (int, np.integer)) or workers < 0):
         raise PlanError(f"runtime_options compile_workers={workers!r}: a count of threads "
                         ">= 0 (0 compiles lazily, on the first call)")
 
