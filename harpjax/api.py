@@ -16,6 +16,7 @@ from harpjax.compiler._precompile import default_workers, precompile
 from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
 from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
 from harpjax.compiler.plan import Plan
+from harpjax.compiler.primitives import aval_nbytes
 from harpjax.compiler.trace import TracedStep, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             ScheduleError)
@@ -313,8 +314,7 @@ def _warn_shared_parameters(cs: CompiledStep, args) -> None:
   if not shared:
     return
   prog = cs.layers.program
-  total = sum(int(np.prod(prog.avals[prog.invars[k]].shape, dtype=np.int64))
-              * np.dtype(prog.avals[prog.invars[k]].dtype).itemsize
+  total = sum(aval_nbytes(prog.avals[prog.invars[k]])
               for k, inp in enumerate(cs.traced.inputs) if inp.kind == "param")
   copies = sum(nbytes * (len(users) - 1) for _, nbytes, users in shared)
   if copies <= SHARED_PARAMETER_WARNING * total:

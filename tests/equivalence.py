@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -49,3 +50,22 @@ def compare_steps(step, state, batches, *, plan, num_microbatches, schedule=None
     assert err <= rtol, f"step {i}: max relative error {err:.3g} > {rtol}"
     s_ref, s_par = out_ref[0], out_par[0]
   return pstep
+
+
+class ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.Dense(x.shape[-1])(nn.tanh(nn.Dense(32)(x))), None
+
+
+class ScanNet(nn.Module):
+  """Blocks as one ``nn.scan`` over stacked parameters (named ``blocks``), between two Denses."""
+  length: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16)(x)
+    stack = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=self.length)
+    x, _ = stack(name="blocks")(x, None)
+    return nn.Dense(3)(x)

@@ -7,13 +7,13 @@ import logging
 from typing import Collection, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler import placement as placement_lib
 from harpjax.compiler import sharding as sharding_lib
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.plan import Plan
+from harpjax.compiler.primitives import aval_nbytes
 from harpjax.compiler.program import Lit, eval_ops
 from harpjax.compiler.schedules import Schedule
 from harpjax.compiler.stages import (StageExecutables, build_stage_executables, slice_stages,
@@ -87,9 +87,8 @@ class CompiledStep:
     for k, inp in enumerate(ts.inputs):
       users = self.param_users[inp.param_index] if inp.kind == "param" else ()
       if len(users) > 1:
-        aval = prog.avals[prog.invars[k]]
-        nbytes = int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-        out.append((leaf_of.get(inp.outer_ref, -1), nbytes, tuple(users)))
+        out.append((leaf_of.get(inp.outer_ref, -1), aval_nbytes(prog.avals[prog.invars[k]]),
+                    tuple(users)))
     return out
 
   def output_sharding(self, stage: int, vid: int) -> NamedSharding:

@@ -13,7 +13,7 @@ from flax.training import train_state
 import harpjax
 from harpjax.errors import PlanError
 from harpjax.examples.models import GPT, GPTConfig, MLP, DropoutMLP
-from tests.equivalence import DEMO_CLUSTER, compare_steps
+from tests.equivalence import DEMO_CLUSTER, ScanNet, compare_steps
 
 SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "h1f1b"]
 
@@ -239,28 +239,12 @@ def test_lazy_compilation_and_bad_compile_workers():
                             runtime_options=bad)
 
 
-class _ScanBlock(nn.Module):
-  @nn.compact
-  def __call__(self, x, _):
-    return x + nn.Dense(x.shape[-1])(nn.tanh(nn.Dense(32)(x))), None
-
-
-class _ScanNet(nn.Module):   # blocks as one nn.scan over stacked parameters
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(16)(x)
-    stack = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                    length=4)
-    x, _ = stack(name="blocks")(x, None)
-    return nn.Dense(3)(x)
-
-
 def test_scan_over_blocks_across_stages_matches_jit_and_warns(caplog):
   # Each stage runs some iterations of the unrolled scan, but reads the whole stacked
   # parameter: numbers are right, and the user is told what it costs and what to change.
   from harpjax.compiler import layers as layers_lib
   from harpjax.compiler.trace import trace_step
-  m = _ScanNet()
+  m = ScanNet(length=4)
   xs = [jax.random.normal(jax.random.key(i), (8, 5)) for i in range(2)]
   state = train_state.TrainState.create(apply_fn=m.apply, params=m.init(jax.random.key(0), xs[0]),
                                         tx=optax.adam(1e-2))

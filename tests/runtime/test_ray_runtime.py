@@ -6,7 +6,6 @@ One local Ray instance serves the module (start-up is slow); runners reuse its a
 
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +16,7 @@ from flax.training import train_state
 import harpjax
 from harpjax.errors import PlanError, RuntimeFailure, UnsupportedError
 from harpjax.examples.models import GPT, GPTConfig, MLP
-from tests.equivalence import DEMO_CLUSTER, max_rel_err
+from tests.equivalence import DEMO_CLUSTER, ScanNet, max_rel_err
 
 ray = pytest.importorskip("ray")
 from harpjax.runtime import ray_runtime  # noqa: E402  (after the importorskip)
@@ -259,28 +258,12 @@ def test_unknown_runtime_option():
     pstep(state, batches[0])
 
 
-class _ScanBlock(nn.Module):
-  @nn.compact
-  def __call__(self, x, _):
-    return x + nn.Dense(x.shape[-1])(nn.tanh(nn.Dense(32)(x))), None
-
-
-class _ScanNet(nn.Module):   # layers as one nn.scan over stacked parameters
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(16)(x)
-    stack = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                    length=2)
-    x, _ = stack(name="layers")(x, None)
-    return nn.Dense(3)(x)
-
-
 def test_workers_rebuild_layers_of_an_unrolled_scan():
   # A plan over automatic layers (meta "layers": "auto") cuts the region with its scan
   # unrolled (compiler.layers.layers_for_step); every worker must rebuild that program.
   from harpjax.compiler import layers as layers_lib
   from harpjax.compiler.trace import trace_step
-  m = _ScanNet()
+  m = ScanNet(length=2)
   x = jax.random.normal(jax.random.key(1), (8, 5))
   state = train_state.TrainState.create(apply_fn=m.apply,
                                         params=m.init(jax.random.key(0), x), tx=optax.sgd(0.1))
