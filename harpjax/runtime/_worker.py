@@ -184,7 +184,8 @@ class StageWorker:
     self._step = -1
     self._tasks: list[tuple] = []
     self.init_s = time.time() - t0
-    log.info("stage %d ready on %s in %.2f s", s, self.devices, self.init_s)
+    log.info("stage %d ready on %s in %.2f s (%.2f s compiling)", s, self.devices, self.init_s,
+             self.compile_s)
     return self.init_s
 
   def reset(self) -> None:
