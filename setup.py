@@ -1,6 +1,12 @@
 """harpjax: automatic pipeline-parallel training of JAX/Flax models on heterogeneous GPU clusters."""
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "([^"]+)"',
+                    (Path(__file__).parent / "harpjax" / "_version.py").read_text()).group(1)
 
 # Versions tested together on CPU (fake devices); see README "Tested versions".
 INSTALL_REQUIRES = [
@@ -19,7 +25,7 @@ INSTALL_REQUIRES = [
 
 setup(
     name="harpjax",
-    version="0.1.0",
+    version=VERSION,
     description=__doc__,
     packages=find_packages(include=["harpjax", "harpjax.*"]),
     python_requires=">=3.10",

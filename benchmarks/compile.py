@@ -32,7 +32,7 @@ def child(workers: int, hidden: int) -> dict:
 
   import harpjax
   from harpjax.examples.demo import DEFAULT_CLUSTER, counting_batch, make_step
-  from harpjax.examples.models import GPT, GPTConfig
+  from harpjax.models import GPT, GPTConfig
 
   cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=hidden, num_heads=4, num_blocks=4,
                   cut_blocks_in=2)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import harpjax
 from harpjax.examples.demo import DEFAULT_CLUSTER, counting_batch, make_step
-from harpjax.examples.models import GPT, GPTConfig
+from harpjax.models import GPT, GPTConfig
 
 
 def _time(fn, n):

@@ -2,7 +2,7 @@
 
 Prints four tables:
 
-1. Search time of :func:`harpjax.compiler.planner.solve` for a GPT-39B-like model (146 layers:
+1. Search time of :func:`harpjax.compiler.plan.solve` for a GPT-39B-like model (146 layers:
    embedding, 48 blocks x 3, head; hidden 8192, seq 1024, microbatch 8, fp16, recomputation)
    on 32 V100-32G + 32 A100-40G (4 hosts x 8 each, 10 Gbps between the subclusters),
    ``B = 128``: the Numba kernel on every backend, without the extra lower-bound pruning, and
@@ -34,9 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from harpjax.compiler import baselines, planner  # noqa: E402
-from harpjax.compiler.cost_tables import (CostTables, LayerProfile, LinkSpec,  # noqa: E402
-                                          SubclusterSpec, synthetic_gpt_profile)
+from harpjax.cluster import Link  # noqa: E402
+from harpjax.compiler import plan as planner  # noqa: E402
+from harpjax.compiler.plan import baselines  # noqa: E402
+from harpjax.compiler.profile import (CostTables, LayerProfile, SubclusterSpec,  # noqa: E402
+                                      synthetic_gpt_profile)
 
 GiB = 2.0 ** 30
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
@@ -52,7 +54,7 @@ def gpt39b_tables(num_microbatches: int = 128, inter_gbps: float = 10.0,
   a100 = SubclusterSpec("a100", hosts, 8, 40 * GiB, 200 * GBPS, peak_flops=312e12,
                         efficiency=0.5, latency_s=5e-6, host_bandwidth_bytes_per_s=300e9,
                         host_latency_s=2e-6)
-  return CostTables.from_layer_costs(prof, [a100, v100], LinkSpec(inter_gbps * GBPS, 1e-4),
+  return CostTables.from_layer_costs(prof, [a100, v100], Link(inter_gbps * GBPS, 1e-4),
                                      grad_sync_microbatches=num_microbatches,
                                      order="memory_to_compute")
 
@@ -82,7 +84,7 @@ def case_study_tables(num_layers: int = 128, inter_gbps: float = 5.0,
                         host_bandwidth_bytes_per_s=32e9)
   v100 = SubclusterSpec("v100", 1, 2, 32 * GiB, 200 * GBPS, peak_flops=125e12, efficiency=0.5,
                         host_bandwidth_bytes_per_s=32e9)
-  return CostTables.from_layer_costs(prof, [a100, v100], LinkSpec(inter_gbps * GBPS, 1e-4),
+  return CostTables.from_layer_costs(prof, [a100, v100], Link(inter_gbps * GBPS, 1e-4),
                                      grad_sync_microbatches=num_microbatches,
                                      order="memory_to_compute")
 

@@ -25,9 +25,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harpjax.cluster import Cluster  # noqa: E402
-from harpjax.compiler import _profile_calibration as calib  # noqa: E402
 from harpjax.compiler import profile as profile_lib  # noqa: E402
+from harpjax.compiler.profile import calibration as calib  # noqa: E402
 from harpjax.models import BUILTIN_MODELS  # noqa: E402
+from tools import calibration as calibration_tool  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -36,8 +37,8 @@ def layer_speed(depth: int = 1450) -> None:
   """Seconds to cut a straight-line program of over 10,000 ops into layers."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from harpjax.compiler import layers as layers_lib  # pylint: disable=import-outside-toplevel
-  from harpjax.compiler.program import from_closed_jaxpr  # pylint: disable=import-outside-toplevel
+  from harpjax.compiler import layers as layers_lib
+  from harpjax.compiler.trace import from_closed_jaxpr
 
   def f(ws, x):
     for w in ws:
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
 
   print("\n## Analytic model against published per-layer measurements (Zorse, fp16)\n")
   if args.calibrate:
-    rep = calib.calibrate(args.data_dir, cache_dir=cache)
+    rep = calibration_tool.calibrate(args.data_dir, cache_dir=cache)
     print(rep.table())
     print("\n" + rep.as_python())
   else:
@@ -140,9 +141,9 @@ def main(argv=None) -> int:
     print("\n(stored constants; --calibrate refits them)")
 
   if not args.no_plan:
-    from harpjax.compiler import planner
+    from harpjax.compiler.plan import solve
     t0 = time.perf_counter()
-    result = planner.solve(cold.tables, args.microbatches)
+    result = solve(cold.tables, args.microbatches)
     print(f"\n## Plan (B={args.microbatches}, {time.perf_counter() - t0:.1f} s search)\n")
     print(result.table())
   if tmp is not None:

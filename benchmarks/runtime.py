@@ -61,7 +61,7 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import harpjax  # noqa: E402
-from harpjax.examples.models import GPT, MLP, GPTConfig  # noqa: E402
+from harpjax.models import GPT, MLP, GPTConfig
 from harpjax.runtime.emulation import Emulation, annotate_plan  # noqa: E402
 
 STAGE_TIMES_S = (0.060, 0.054, 0.060)     # forward + backward per microbatch, emulated GPUs
@@ -177,7 +177,7 @@ def fidelity_main(args) -> None:
             f"{r['measured'] * 1e3:9.1f} {err * 100:+5.1f}% {r['pipeline'] * 1e3:9.1f} "
             f"{perr * 100:+5.1f}%" + (f"  ({r['overruns']} overruns)" if r["overruns"] else ""))
       if args.trace:
-        from harpjax import timeline  # pylint: disable=import-outside-toplevel
+        from harpjax.compiler.schedule import timeline
         os.makedirs(args.trace, exist_ok=True)
         for kind, obj in (("measured", r["last"]), ("simulated", r["sim"])):
           timeline.save_chrome_trace(obj, os.path.join(

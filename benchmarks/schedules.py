@@ -26,8 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from harpjax import timeline  # noqa: E402
-from harpjax.compiler.simulator import simulate  # noqa: E402
+from harpjax.compiler.schedule import timeline
+from harpjax.compiler.schedule import simulate  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "h1f1b", "h1f1b_eps0")
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "eager_1f1b": "Eager-1F1B", "h1f1b": "H-1F1B",
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
 def simulator_speed(stages: int = 64, microbatches: int = 512) -> None:
   """Seconds to simulate a large H-1F1B pipeline: the Numba kernel, the same kernel
   interpreted by Python and the discrete-event reference, side by side in one run."""
-  from harpjax.compiler import schedules as sched  # pylint: disable=import-outside-toplevel
+  from harpjax.compiler import schedule as sched
   rng = np.random.default_rng(0)
   f, b = rng.uniform(1, 2, stages), rng.uniform(2, 4, stages)
   c = rng.uniform(0, 3, stages - 1)

@@ -11,12 +11,13 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from harpjax.compiler import schedules as schedules_lib
-from harpjax.compiler._precompile import default_workers, precompile
-from harpjax.compiler.compile import LOSS_REDUCTIONS, CompiledStep, compile_step
+from harpjax import runtime  # noqa: F401 - registers the planner's Ray pool
+from harpjax.compiler import schedule as schedules_lib
+from harpjax.compiler.stages import default_workers, precompile
+from harpjax.compiler.stages import LOSS_REDUCTIONS, CompiledStep, compile_step
 from harpjax.compiler.layers import LayerSequence, layers_from_boundaries
 from harpjax.compiler.plan import Plan
-from harpjax.compiler.primitives import aval_nbytes
+from harpjax.compiler.trace import aval_nbytes
 from harpjax.compiler.trace import TracedStep, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             ScheduleError)
@@ -259,7 +260,7 @@ class ParallelStep:
 
   def _plan_automatically(self, args) -> tuple[Plan, TracedStep, LayerSequence]:
     """Layers, profile and DP: the plan for these arguments, plus the matching trace."""
-    from harpjax.compiler.planner import SolveOptions, solve
+    from harpjax.compiler.plan import SolveOptions, solve
     from harpjax.compiler.profile import ProfileOptions, profile_step
 
     B = self._num_microbatches()

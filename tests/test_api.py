@@ -9,7 +9,7 @@ from flax.training import train_state
 
 import harpjax
 from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, PlanError, TraceError)
-from harpjax.examples.models import MLP
+from harpjax.models import MLP
 from tests.equivalence import DEMO_CLUSTER
 
 

@@ -12,7 +12,7 @@ import harpjax
 from harpjax.cli import main as cli_main
 from harpjax.compiler.profile import ProfileOptions
 from harpjax.errors import InfeasiblePlanError
-from harpjax.examples.models import GPT, GPTConfig
+from harpjax.models import GPT, GPTConfig
 from tests.equivalence import CONFIGS, compare_steps
 
 

@@ -116,7 +116,7 @@ def command(cluster_path, model, num_microbatches, microbatch_size, bandwidth, l
             progress):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.planner import SolveOptions, evaluate_plan, solve
+  from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
   from harpjax.compiler.profile import ProfileOptions, profile_step
 
   try:

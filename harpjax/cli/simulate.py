@@ -95,9 +95,9 @@ def command(plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatche
             warmups, table_file, eps, end_cost, act_bytes, out_dir, no_png, as_json):
   """Simulate one iteration of a pipeline plan (or of given stage/link times)."""
   # pylint: disable=import-outside-toplevel
-  from harpjax.compiler import schedules as sched
+  from harpjax.compiler import schedule as sched
   from harpjax.compiler.plan import load_plan
-  from harpjax.compiler.simulator import simulate
+  from harpjax.compiler.schedule import simulate
   try:
     plan = load_plan(plan_file) if plan_file else None
     fwd_l, bwd_l = parse_times(fwd, "--fwd"), parse_times(bwd, "--bwd")
@@ -165,7 +165,7 @@ def command(plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatche
 
 
 def _schedule_names(schedules: str | None, plan, table) -> list[str]:
-  from harpjax.compiler import schedules as sched  # pylint: disable=import-outside-toplevel
+  from harpjax.compiler import schedule as sched
   if schedules is None:
     if table is not None:
       return ["custom"]
@@ -206,7 +206,7 @@ def _report(results, as_json: bool) -> None:
 
 
 def _write(results, out_dir: str, no_png: bool) -> None:
-  from harpjax import timeline  # pylint: disable=import-outside-toplevel
+  from harpjax.compiler.schedule import timeline
   os.makedirs(out_dir, exist_ok=True)
   for r in results:
     path = timeline.save_chrome_trace(r, os.path.join(out_dir, f"{r.schedule.name}.trace.json"))

@@ -17,7 +17,7 @@ import optax
 from flax.training import train_state
 
 import harpjax
-from harpjax.examples.models import GPT, GPTConfig
+from harpjax.models import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CLUSTER = os.path.join(HERE, "demo_cluster.yaml")

@@ -1,4 +1,4 @@
-"""Built-in model configurations for planning and benchmarks.
+"""Built-in models: the GPT of the examples and of the paper, MLPs, LLaMA and MoE blocks.
 
 :data:`BUILTIN_MODELS` maps a name (``"gpt-39b"``, ``"gpt-2.6b"``, ``"gpt-tiny"``,
 ``"moe-tiny"``) to a factory ``factory(*, microbatch_size=None, num_microbatches=1,
@@ -23,8 +23,11 @@ import optax
 from flax.training import train_state
 
 from harpjax.models import gpt, moe
+from harpjax.models.gpt import GPT, GPTConfig
+from harpjax.models.mlp import MLP, DropoutMLP
 
-__all__ = ["ModelSpec", "BUILTIN_MODELS", "make_lm_spec"]
+__all__ = ["ModelSpec", "BUILTIN_MODELS", "make_lm_spec", "GPT", "GPTConfig", "MLP",
+           "DropoutMLP"]
 
 
 class ModelSpec(NamedTuple):

@@ -28,7 +28,8 @@ class MoEConfig(GPTConfig):
 
 
 MOE_TINY = MoEConfig(vocab_size=256, seq_len=16, hidden=32, num_heads=4, num_blocks=8,
-                     dtype="float32", param_dtype="float32", num_experts=4)
+                     dtype="float32", param_dtype="float32", key_bias=True,
+                     softmax_dtype="float32", layer_marks=0, num_experts=4)
 
 
 class DenseBlock(nn.Module):

@@ -1,7 +1,7 @@
 """Emulated heterogeneous hardware: fake CPU devices that take as long as the plan's GPUs.
 
 This machine has no GPU. To compare a measured run with the simulator
-(:mod:`harpjax.compiler.simulator`), the stage workers make their fake devices and links behave
+(:mod:`harpjax.compiler.schedule.simulator`), the stage workers make their fake devices and links behave
 like the plan's:
 
 * **compute**: each forward or backward task runs for real, waits for its results
@@ -31,39 +31,13 @@ import logging
 import math
 from typing import Any, Mapping, Sequence
 
-from harpjax.cluster import Cluster
+from harpjax.cluster import Cluster, Link
+from harpjax.compiler.schedule import simulate as simulate_schedule
 from harpjax.errors import ClusterSpecError, PlanError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LinkModel", "Emulation", "annotate_plan"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkModel:
-  """An emulated link direction.
-
-  Attributes:
-    bandwidth_bytes_per_s: bytes/s (``inf``: only latency).
-    latency_s: seconds per message.
-  """
-  bandwidth_bytes_per_s: float
-  latency_s: float = 0.0
-
-  def __post_init__(self):
-    if not self.bandwidth_bytes_per_s > 0:
-      raise ClusterSpecError(f"LinkModel.bandwidth_bytes_per_s={self.bandwidth_bytes_per_s}: "
-                             "must be > 0")
-    if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-      raise ClusterSpecError(f"LinkModel.latency_s={self.latency_s}: must be >= 0")
-
-  @classmethod
-  def gbps(cls, gbps: float, latency_us: float = 0.0) -> "LinkModel":
-    """From Gbit/s and microseconds."""
-    return cls(gbps * 1e9 / 8, latency_us * 1e-6)
-
-  def transfer_time_s(self, nbytes: float) -> float:
-    return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+__all__ = ["Emulation", "annotate_plan"]
 
 
 def _times(name: str, x) -> tuple[float, ...] | None:
@@ -84,7 +58,7 @@ class Emulation:
     fwd_s: per stage, seconds of one microbatch's forward on the emulated GPUs; ``None``:
       ``fwd_fraction`` of the plan's ``StageSpec.time_s``.
     bwd_s: per stage, backward seconds; ``None``: the rest of ``time_s``.
-    links: ``{(src_stage, dst_stage): LinkModel}`` overriding the cluster's links (pairs not
+    links: ``{(src_stage, dst_stage): Link}`` overriding the cluster's links (pairs not
       listed use the link between the two stages' hosts).
     time_scale: multiplies every emulated duration.
     bytes_scale: multiplies the bytes of every message before the bandwidth applies.
@@ -111,8 +85,8 @@ class Emulation:
       fixed = []
       for key, model in items:
         a, b = (int(x) for x in key)
-        if not isinstance(model, LinkModel):
-          raise PlanError(f"Emulation.links[{key}] must be a LinkModel, got {model!r}")
+        if not isinstance(model, Link):
+          raise PlanError(f"Emulation.links[{key}] must be a Link, got {model!r}")
         fixed.append(((a, b), model))
       object.__setattr__(self, "links", tuple(sorted(fixed)))
     for name in ("time_scale", "bytes_scale"):
@@ -131,7 +105,7 @@ class Emulation:
   # ------------------------------------------------------------------ resolution
 
   @property
-  def link_map(self) -> dict[tuple[int, int], LinkModel]:
+  def link_map(self) -> dict[tuple[int, int], Link]:
     return dict(self.links or ())
 
   def replace(self, **changes) -> "Emulation":
@@ -171,7 +145,7 @@ class Emulation:
             link = cluster.link_between_hosts(hosts[a], hosts[b])
           except ClusterSpecError:
             continue   # the stages cannot talk; a message between them will fail anyway
-          links[(a, b)] = LinkModel(link.bandwidth_bytes_per_s, link.latency_s)
+          links[(a, b)] = link
     return dataclasses.replace(self, fwd_s=tuple(fwd), bwd_s=tuple(bwd), links=links)
 
   # ------------------------------------------------------------------ durations
@@ -206,17 +180,16 @@ class Emulation:
     """The simulator's prediction for these emulated numbers.
 
     Args:
-      schedule: the :class:`~harpjax.compiler.schedules.Schedule` the runtime runs.
+      schedule: the :class:`~harpjax.compiler.schedule.Schedule` the runtime runs.
       act_bytes: ``[S - 1]`` bytes of the activation message from stage ``i`` to ``i + 1``
         per microbatch.
       ct_bytes: ``[S - 1]`` bytes of the cotangent message from ``i + 1`` to ``i``; default
         ``act_bytes``.
-      kwargs: passed to :func:`harpjax.compiler.simulator.simulate`.
+      kwargs: passed to :func:`harpjax.compiler.schedule.simulate`.
 
     Returns:
-      The :class:`~harpjax.compiler.simulator.SimResult` (times scaled like the runtime's).
+      The :class:`~harpjax.compiler.schedule.SimResult` (times scaled like the runtime's).
     """
-    from harpjax.compiler import simulator  # pylint: disable=import-outside-toplevel
     if self.fwd_s is None:
       raise PlanError("resolve() the emulation against the plan before simulating")
     S = schedule.num_stages
@@ -226,8 +199,8 @@ class Emulation:
     cf = [self.transfer_s(i, i + 1, act_bytes[i]) for i in range(S - 1)]
     cb = [self.transfer_s(i + 1, i, ct_bytes[i]) for i in range(S - 1)]
     end = [self.end_time_s(s) or 0.0 for s in range(S)]
-    return simulator.simulate(fwd, bwd, schedule=schedule, comm_fwd=cf if S > 1 else 0.0,
-                              comm_bwd=cb if S > 1 else 0.0, end_cost=end, **kwargs)
+    return simulate_schedule(fwd, bwd, schedule=schedule, comm_fwd=cf if S > 1 else 0.0,
+                             comm_bwd=cb if S > 1 else 0.0, end_cost=end, **kwargs)
 
 
 def annotate_plan(plan, layers, cluster: Cluster, emulation: Emulation | None = None):

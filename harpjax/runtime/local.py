@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from harpjax.compiler.compile import CompiledStep
-from harpjax.compiler.program import Lit
-from harpjax.compiler.schedules import dry_run
+from harpjax.compiler.stages import CompiledStep
+from harpjax.compiler.trace import Lit
+from harpjax.compiler.schedule import dry_run
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,10 @@ import ray
 
 from harpjax.errors import HarpjaxError, RuntimeFailure, UnsupportedError
 from harpjax.runtime import transport
-from harpjax.runtime._handles import RemoteArray, gather, load_tree, save_tree
-from harpjax.runtime._measure import MeasuredStep
-from harpjax.runtime._runner import PipelineRunner, RunnerOptions, ThreadBackend
-from harpjax.runtime._worker import StageWorker
+from harpjax.runtime.handles import RemoteArray, gather, load_tree, save_tree
+from harpjax.runtime.measure import MeasuredStep
+from harpjax.runtime.runner import PipelineRunner, RunnerOptions, ThreadBackend
+from harpjax.runtime.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

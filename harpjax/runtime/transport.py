@@ -41,12 +41,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from harpjax.cluster import Cluster, Link
 from harpjax.errors import ClusterSpecError
-from harpjax.runtime._channels import Channel as Channel
-from harpjax.runtime._channels import LocalChannel as LocalChannel
-from harpjax.runtime._channels import Mailbox as Mailbox
-from harpjax.runtime._channels import Sender as Sender
-from harpjax.runtime._channels import TcpChannel as TcpChannel
-from harpjax.runtime._channels import TcpListener as TcpListener
+from harpjax.runtime.channels import Channel
+from harpjax.runtime.channels import LocalChannel
+from harpjax.runtime.channels import Mailbox
+from harpjax.runtime.channels import Sender
+from harpjax.runtime.channels import TcpChannel
+from harpjax.runtime.channels import TcpListener
 
 log = logging.getLogger(__name__)
 

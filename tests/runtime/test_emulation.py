@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import harpjax
-from harpjax.compiler import schedules, simulator
+from harpjax.cluster import Link
+from harpjax.compiler import schedule as schedules
 from harpjax.errors import PlanError
-from harpjax.runtime.emulation import Emulation, LinkModel, annotate_plan
+from harpjax.runtime.emulation import Emulation, annotate_plan
 from benchmarks import runtime as bench
 
 PLAN = harpjax.ManualPlan([
@@ -26,13 +27,13 @@ def test_times_from_the_plan_and_links_from_the_cluster():
   assert emu.compute_s(0, "B") == pytest.approx(0.02)          # scaled
   eth = cluster.link_between_hosts("v100-0", "a100-0")
   ib = cluster.link_between_hosts("a100-0", "a100-1")
-  assert emu.link_map[(0, 1)] == LinkModel(eth.bandwidth_bytes_per_s, eth.latency_s)
-  assert emu.link_map[(2, 1)] == LinkModel(ib.bandwidth_bytes_per_s, ib.latency_s)
+  assert emu.link_map[(0, 1)] == eth
+  assert emu.link_map[(2, 1)] == ib
   nbytes = 1e6
   assert emu.transfer_s(0, 1, nbytes) == pytest.approx(
       0.5 * (eth.latency_s + 10 * nbytes / eth.bandwidth_bytes_per_s))
   # An explicit link replaces the cluster's for that direction only.
-  emu2 = Emulation(fwd_s=(1, 1, 1), bwd_s=(2, 2, 2), links={(0, 1): LinkModel.gbps(1, 100)})
+  emu2 = Emulation(fwd_s=(1, 1, 1), bwd_s=(2, 2, 2), links={(0, 1): Link.from_gbps(1, 100)})
   emu2 = emu2.resolve(PLAN, cluster, hosts)
   assert emu2.transfer_s(0, 1, 125e6) == pytest.approx(1.0001)
   assert emu2.link_map[(1, 0)].bandwidth_bytes_per_s == eth.bandwidth_bytes_per_s
@@ -52,11 +53,11 @@ def test_bad_emulations():
 
 def test_simulate_gets_the_emulated_numbers():
   emu = Emulation(fwd_s=(0.01, 0.02, 0.01), bwd_s=(0.02, 0.04, 0.02), time_scale=2.0,
-                  links={(0, 1): LinkModel(1e6, 0.001), (1, 0): LinkModel(2e6, 0.0),
-                         (1, 2): LinkModel(1e9), (2, 1): LinkModel(1e9)}).resolve(PLAN)
+                  links={(0, 1): Link(1e6, 0.001), (1, 0): Link(2e6, 0.0),
+                         (1, 2): Link(1e9), (2, 1): Link(1e9)}).resolve(PLAN)
   sch = schedules.make_schedule("h1f1b", 3, 6, (4, 2, 1))
   got = emu.simulate(sch, act_bytes=[10_000, 20_000], ct_bytes=[10_000, 20_000])
-  want = simulator.simulate([0.02, 0.04, 0.02], [0.04, 0.08, 0.04], schedule=sch,
+  want = schedules.simulate([0.02, 0.04, 0.02], [0.04, 0.08, 0.04], schedule=sch,
                             comm_fwd=[2 * 0.011, 2 * 20_000 / 1e9],
                             comm_bwd=[2 * 0.005, 2 * 20_000 / 1e9])
   assert got.iteration_time == pytest.approx(want.iteration_time)

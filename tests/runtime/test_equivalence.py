@@ -12,7 +12,7 @@ from flax.training import train_state
 
 import harpjax
 from harpjax.errors import PlanError
-from harpjax.examples.models import GPT, GPTConfig, MLP, DropoutMLP
+from harpjax.models import GPT, DropoutMLP, GPTConfig, MLP
 from tests.equivalence import DEMO_CLUSTER, ScanNet, compare_steps
 
 SCHEDULES = ["gpipe", "1f1b", "eager_1f1b", "h1f1b"]

@@ -15,7 +15,7 @@ from flax.training import train_state
 
 import harpjax
 from harpjax.errors import PlanError, RuntimeFailure, UnsupportedError
-from harpjax.examples.models import GPT, GPTConfig, MLP
+from harpjax.models import GPT, MLP, GPTConfig
 from tests.equivalence import DEMO_CLUSTER, ScanNet, max_rel_err
 
 ray = pytest.importorskip("ray")
@@ -287,7 +287,7 @@ def test_workers_rebuild_layers_of_an_unrolled_scan():
 
 
 def test_root_cause_prefers_the_dead_actor_over_its_broken_peers():
-  from harpjax.runtime._runner import _root_cause
+  from harpjax.runtime.runner import _root_cause
   errors = {0: RuntimeFailure("stage 0: sending to stage 1 failed earlier: [Errno 104] "
                               "Connection reset by peer"),
             1: RuntimeFailure("the actor of stage 1 died: The actor died unexpectedly"),

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 import harpjax
-from harpjax.runtime import _spmd
-from harpjax.runtime._runner import group_layout, host_groups
+from harpjax.runtime import spmd as _spmd
+from harpjax.runtime.runner import group_layout, host_groups
 from tests.equivalence import DEMO_CLUSTER
 
 

@@ -18,9 +18,9 @@ from flax.training import train_state
 import harpjax
 from harpjax.cluster import NIC, Cluster, LinkOverride, SubCluster
 from harpjax.errors import ClusterSpecError, RuntimeFailure
-from harpjax.examples.models import MLP
+from harpjax.models import MLP
 from harpjax.runtime import transport
-from harpjax.runtime._runner import PipelineRunner, RunnerOptions, ThreadBackend
+from harpjax.runtime.runner import PipelineRunner, RunnerOptions, ThreadBackend
 from harpjax.runtime.transport import (LocalChannel, Mailbox, Sender, TcpChannel, TcpListener,
                                        nccl_env, plan_routes)
 from tests.equivalence import max_rel_err

@@ -1,0 +1,381 @@
+"""Scoring a given plan on cost tables, and saying why no plan fits.
+
+:func:`evaluate_plan` takes any plan (a :class:`~harpjax.compiler.plan.Plan`, its
+:class:`~harpjax.compiler.plan.StageSpec` list, :class:`PlannedStage` list or
+``(first_layer, last_layer, subcluster, submesh index)`` tuples) under H-1F1B, 1F1B,
+Eager-1F1B or GPipe and returns a :class:`PlanEvaluation` (Eq. 12, steady period, memory,
+links, packing). The planner assembles its result with it and the baselines score plans with
+it.
+
+When :func:`~harpjax.compiler.plan.solve` finds no plan, :func:`infeasible_error` names the
+constraint that rules every plan out (``"layers"``, ``"memory"``, ``"communication"`` or
+``"devices"``) and by how much: the smallest footprint and its shortfall, the best plan
+ignoring ``C(j) <= t_max`` and how many times its cut is too slow, or the smallest uniform
+memory scale at which a plan fits (a bisection over scaled sparse indexes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+
+from harpjax.cluster import pack_submeshes
+from harpjax.compiler.plan.index import SparseIndex
+from harpjax.compiler.plan.spec import Plan, StageSpec
+from harpjax.compiler.profile import CostTables
+from harpjax.compiler.schedule import make_schedule, simulate, warmup_delta
+from harpjax.errors import InfeasiblePlanError, PlanError
+
+__all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStage:
+  """One stage of a planned pipeline, with the numbers behind it.
+
+  Attributes:
+    layers: inclusive ``(first, last)`` layer indices.
+    subcluster: index ``k`` in the tables' order; ``subcluster_name`` its name.
+    submesh_index: ``s``; ``submesh`` its shape ``(n, m)``; ``logical_mesh`` ``(dp, tp)``.
+    device_offset: first device of the stage in the DP's numbering (subcluster by subcluster).
+    hosts: ``((host, first_device, num_devices), ...)`` inside the subcluster: a packing of
+      the subcluster's stages onto its hosts.
+    time_s: forward+backward seconds per microbatch ``t_i``.
+    comm_s: seconds of the cut after the stage ``c_i`` (0 for the last stage).
+    warmup: H-1F1B warm-up count ``N_i``; ``inflight = min(N_i, B)``.
+    param_bytes, act_bytes: per device; ``peak_mem_bytes = param + inflight * act``.
+    device_memory_bytes: the device's memory.
+  """
+  layers: tuple[int, int]
+  subcluster: int
+  subcluster_name: str
+  submesh_index: int
+  submesh: tuple[int, int]
+  logical_mesh: tuple[int, int]
+  device_offset: int
+  hosts: tuple[tuple[int, int, int], ...]
+  time_s: float
+  comm_s: float
+  warmup: int
+  inflight: int
+  param_bytes: float
+  act_bytes: float
+  peak_mem_bytes: float
+  device_memory_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEvaluation:
+  """A plan scored on cost tables (:func:`evaluate_plan`).
+
+  Attributes:
+    schedule: the schedule evaluated.
+    num_microbatches: ``B``.
+    stages: :class:`PlannedStage` per stage (warm-ups of ``schedule``).
+    warmups: warm-up counts ``N_i`` of ``schedule``.
+    t_max_s: bottleneck stage time.
+    eq12_s: Eq. 12, ``sum (t_i + 2 c_i) + (B - 1) t_max`` (the DP's objective; exact for
+      H-1F1B when every cut's communication is hidden).
+    steady_period_s: seconds per microbatch in the steady phase:
+      ``max(t_max, max_i c_i, max_i (t_i + t_{i+1} + 2 c_i) / (delta_i + 1))`` with
+      ``delta_i = min(N_i, B) - min(N_{i+1}, B)`` (the K-block bound of Eq. 7-9 per cut, and
+      each link direction carrying one microbatch at a time).
+    iteration_s: predicted seconds per iteration: the simulator's when available, else
+      ``sum (t_i + 2 c_i) + (B - 1) steady_period_s``.
+    model: ``"simulator"`` or ``"analytic"``.
+    eta: load-balance score of Eq. 20.
+    mem_ok: every stage fits ``mem_p + min(N_i, B) mem_a <= mem_device``.
+    comm_ok: every ``c_i <= t_max`` (H-1F1B's condition for Eq. 12).
+    devices_ok: no subcluster is over-subscribed and its stages pack onto its hosts.
+    uses_all_devices: every device of every subcluster is in some stage.
+    violations: human-readable list of what fails.
+  """
+  schedule: str
+  num_microbatches: int
+  stages: tuple[PlannedStage, ...]
+  warmups: tuple[int, ...]
+  t_max_s: float
+  eq12_s: float
+  steady_period_s: float
+  iteration_s: float
+  model: str
+  eta: float
+  mem_ok: bool
+  comm_ok: bool
+  devices_ok: bool
+  uses_all_devices: bool
+  violations: tuple[str, ...]
+
+  @property
+  def feasible(self) -> bool:
+    """Runs without running out of memory on the devices it claims."""
+    return self.mem_ok and self.devices_ok
+
+
+def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int]]:
+  if isinstance(stages, Plan):
+    stages = stages.stages
+  out = []
+  for st in stages:
+    if isinstance(st, StageSpec):
+      k = tables.subcluster_index(st.subcluster)
+      out.append((st.layers[0], st.layers[1], k, tables.submesh_index(k, st.submesh)))
+    elif isinstance(st, PlannedStage):
+      out.append((st.layers[0], st.layers[1], st.subcluster, st.submesh_index))
+    else:
+      i, j, k, s = st
+      k = tables.subcluster_index(k)
+      if not 0 <= int(s) < len(tables.submeshes[k]):
+        raise PlanError(f"stage {st}: submesh index {s} out of range")
+      out.append((int(i), int(j), k, int(s)))
+  if not out:
+    raise PlanError("a plan needs at least one stage")
+  if out[0][0] != 0 or out[-1][1] != tables.num_layers - 1 or any(
+      b[0] != a[1] + 1 for a, b in zip(out, out[1:])) or any(i > j for i, j, _, _ in out):
+    raise PlanError(f"stage layer ranges {[(i, j) for i, j, _, _ in out]} must cover layers "
+                    f"0..{tables.num_layers - 1} contiguously")
+  for a, b in zip(out, out[1:]):
+    if b[2] not in (a[2], a[2] + 1):
+      raise PlanError(f"stage on layers {b[:2]} is on subcluster {b[2]} right after one on "
+                      f"subcluster {a[2]}: stages follow the tables' subcluster order "
+                      "without skipping (only links between consecutive subclusters are known)")
+  return out
+
+
+def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: str = "h1f1b",
+                  *, eps: float = 0.1, simulator: bool = True,
+                  fwd_fraction: float = 1.0 / 3.0) -> PlanEvaluation:
+  """Scores a plan on cost tables: Eq. 12, steady period, memory, links, packing.
+
+  Args:
+    tables: the cost tables.
+    stages: a :class:`~harpjax.compiler.plan.Plan`, its :class:`StageSpec` list, a
+      :class:`PlannedStage` list, or tuples ``(first_layer, last_layer, subcluster, submesh
+      index)`` (subcluster by index or name).
+    num_microbatches: ``B``.
+    schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``.
+    eps: H-1F1B tolerance.
+    simulator: use :func:`harpjax.compiler.schedule.simulate` for ``iteration_s`` (else the
+      analytic steady-period model).
+    fwd_fraction: share of a stage's time spent in the forward pass (for the simulator).
+
+  Returns:
+    The :class:`PlanEvaluation`.
+
+  Raises:
+    PlanError: the stages do not cover the layers contiguously or skip a subcluster.
+  """
+  B = int(num_microbatches)
+  quads = _resolve_stages(tables, stages)
+  S = len(quads)
+  key = schedule.lower().replace("-", "_")
+  t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
+  c = []
+  for a, b in zip(quads, quads[1:]):
+    c.append(float(tables.intra_comm_s[a[2], a[1]] if b[2] == a[2]
+                   else tables.inter_comm_s[a[2], a[1]]))
+  c.append(0.0)
+  t_max = max(t)
+  violations = []
+  if not math.isfinite(t_max):
+    bad = [q for q, x in zip(quads, t) if not math.isfinite(x)]
+    violations.append(f"stages {bad} have no finite time in the tables")
+  if key == "h1f1b":
+    # h1f1b_warmups's counts, without its warning for links slower than t_max (reported here).
+    warm = [1]
+    for x in reversed(c[:-1]):
+      warm.append(warm[-1] + (warmup_delta(x, t_max, eps) if math.isfinite(t_max) else 1))
+    warm = tuple(reversed(warm))
+  elif key == "1f1b":
+    warm = tuple(S - x for x in range(S))
+  elif key == "eager_1f1b":
+    warm = tuple(2 * (S - 1 - x) + 1 for x in range(S))
+  elif key == "gpipe":
+    warm = (B,) * S
+  else:
+    raise PlanError(f"unknown schedule {schedule!r}")
+  inflight = [min(w, B) for w in warm]
+  # Devices: over-subscription and packing per subcluster.
+  devices_ok, uses_all = True, True
+  hosts: dict[int, tuple] = {}
+  for k in range(tables.num_subclusters):
+    mine = [x for x, q in enumerate(quads) if q[2] == k]
+    shapes = [tables.submeshes[k][quads[x][3]] for x in mine]
+    used = sum(n * m for n, m in shapes)
+    uses_all &= used == tables.subcluster_devices[k]
+    packed = pack_submeshes(tables.num_hosts[k], tables.devices_per_host[k], shapes)
+    if packed is None:
+      devices_ok = False
+      violations.append(f"subcluster {tables.subcluster_names[k]!r}: submeshes {shapes} "
+                        f"({used} devices) do not pack onto {tables.num_hosts[k]} hosts of "
+                        f"{tables.devices_per_host[k]}")
+    else:
+      hosts.update(zip(mine, packed))
+  mem_ok = True
+  planned, offset = [], 0
+  for x, (i, j, k, s) in enumerate(quads):
+    p = float(tables.param_mem_bytes[k][i, j, s])
+    a = float(tables.act_mem_bytes[k][i, j, s])
+    peak = p + inflight[x] * a
+    dev_mem = tables.device_memory_bytes[k]
+    if not peak <= dev_mem:
+      mem_ok = False
+      violations.append(
+          f"stage {x} (layers {i}..{j}, {tables.subcluster_names[k]} {tables.submeshes[k][s]}) "
+          f"needs {peak / 2**30:.3f} GiB ({p / 2**30:.3f} GiB parameters + {inflight[x]} x "
+          f"{a / 2**30:.3f} GiB activations) > {dev_mem / 2**30:.3f} GiB device memory")
+    n, m = tables.submeshes[k][s]
+    offset = max(offset, int(tables.device_offsets[k]))
+    planned.append(PlannedStage(
+        layers=(i, j), subcluster=k, subcluster_name=tables.subcluster_names[k],
+        submesh_index=s, submesh=(n, m), logical_mesh=tables.logical_mesh_of(k, i, j, s),
+        device_offset=offset, hosts=hosts.get(x, ()), time_s=t[x], comm_s=c[x],
+        warmup=int(warm[x]), inflight=int(inflight[x]), param_bytes=p, act_bytes=a,
+        peak_mem_bytes=peak, device_memory_bytes=dev_mem))
+    offset += n * m
+  comm_ok = all(x <= t_max for x in c)
+  if not comm_ok:
+    worst = int(np.argmax(c))
+    violations.append(f"cut after stage {worst} takes {c[worst]:.6g} s > t_max {t_max:.6g} s")
+  head = sum(x + 2.0 * y for x, y in zip(t, c))
+  eq12 = head + (B - 1) * t_max
+  period = max(t_max, max(c))  # a link sends one microbatch per direction at a time
+  for x in range(S - 1):
+    delta = inflight[x] - inflight[x + 1]
+    if delta >= 1:
+      period = max(period, (t[x] + t[x + 1] + 2.0 * c[x]) / (delta + 1))
+  iteration, model = head + (B - 1) * period, "analytic"
+  if simulator and math.isfinite(t_max):
+    iteration, model = _simulate(t, c, key, B, warm, fwd_fraction), "simulator"
+  return PlanEvaluation(schedule=key, num_microbatches=B, stages=tuple(planned),
+                        warmups=tuple(int(w) for w in warm), t_max_s=t_max, eq12_s=eq12,
+                        steady_period_s=period, iteration_s=iteration, model=model,
+                        eta=_eta(tables, planned, t_max), mem_ok=mem_ok, comm_ok=comm_ok,
+                        devices_ok=devices_ok, uses_all_devices=uses_all,
+                        violations=tuple(violations))
+
+
+def _eta(tables: CostTables, stages: Sequence[PlannedStage], t_max: float) -> float:
+  """Eq. 20: ``1 - sum_d (t_max - t_d) F_d / (t_max sum_d F_d)`` over devices ``d``."""
+  if not (math.isfinite(t_max) and t_max > 0):
+    return 0.0
+  num = den = 0.0
+  for s in stages:
+    flops = tables.peak_flops[s.subcluster] if tables.peak_flops else 1.0
+    devs = s.submesh[0] * s.submesh[1]
+    num += devs * (t_max - s.time_s) * flops
+    den += devs * t_max * flops
+  return 1.0 - num / den
+
+
+def _simulate(t, c, schedule, B, warmups, fwd_fraction: float) -> float:
+  """The simulator's iteration time of the plan under ``schedule``."""
+  fwd = [x * fwd_fraction for x in t]
+  bwd = [x - f for x, f in zip(t, fwd)]
+  sched = make_schedule(schedule, len(t), B, warmups if schedule == "h1f1b" else None)
+  return float(simulate(fwd, bwd, list(c[:-1]), sched).iteration_time)
+
+
+# --------------------------------------------------------------------------- infeasibility
+
+
+def infeasible_error(tables: CostTables, B: int, eps: float) -> InfeasiblePlanError:
+  """Says which constraint makes every plan infeasible, and by how much."""
+  constraint, msg = _diagnose(tables, B, eps)
+  err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B}: {msg}")
+  err.constraint = constraint
+  return err
+
+
+def _diagnose(tables: CostTables, B: int, eps: float) -> tuple[str, str]:
+  L, K = tables.num_layers, tables.num_subclusters
+  gib = 2.0 ** 30
+  if L < K:
+    return "layers", (f"every subcluster needs at least one stage (all devices are used), but "
+                      f"there are {L} layers for {K} subclusters")
+  index = SparseIndex.build(tables)
+  for k in range(K):
+    if not (index.ent_k == k).any():
+      best = (math.inf, None)
+      for s in range(len(tables.submeshes[k])):
+        fp = tables.param_mem_bytes[k][:, :, s] + tables.act_mem_bytes[k][:, :, s]
+        fp = np.where(np.isfinite(tables.stage_time_s[k][:, :, s]), fp, np.inf)
+        i, j = np.unravel_index(np.argmin(fp), fp.shape)
+        if fp[i, j] < best[0]:
+          best = (float(fp[i, j]), (int(i), int(j), tables.submeshes[k][s]))
+      mem = tables.device_memory_bytes[k]
+      if best[1] is None:
+        return "devices", f"subcluster {tables.subcluster_names[k]!r} has no finite stage time"
+      return "memory", (
+          f"subcluster {tables.subcluster_names[k]!r} cannot hold any stage: the smallest, "
+          f"layers {best[1][0]}..{best[1][1]} on {best[1][2]}, needs {best[0] / gib:.3f} GiB "
+          f"per device with one microbatch in flight, {(best[0] - mem) / gib:.3f} GiB more "
+          f"than the {mem / gib:.3f} GiB device")
+  free = SparseIndex.build(tables, mem_scale=math.inf)
+  top = float(free.candidates[-1])
+  if not math.isfinite(free.run(top, B, eps, require_hit=False)[0]):
+    value, path = free.run(top, B, eps, require_hit=False, check_comm=False)
+    if not math.isfinite(value):
+      return "devices", (f"the {L} layers cannot be cut into stages that use all "
+                         f"{tables.total_devices} devices in subcluster order "
+                         f"{list(tables.subcluster_names)} with finite stage times")
+    quads = [(int(free.ent_i[e]), int(free.ent_j[e]), int(free.ent_k[e]), int(free.ent_s[e]))
+             for e in path]
+    ev = evaluate_plan(tables, quads, B, eps=eps, simulator=False)
+    x = int(np.argmax([s.comm_s for s in ev.stages]))
+    st = ev.stages[x]
+    return "communication", (
+        f"every plan has a cut slower than its bottleneck stage (H-1F1B needs C(j) <= t_max). "
+        f"The best plan without that rule cuts after layer {st.layers[1]} "
+        f"({tables.boundary_bytes[st.layers[1]]:.4g} bytes) in {st.comm_s:.6g} s while its "
+        f"t_max is {ev.t_max_s:.6g} s: {st.comm_s / ev.t_max_s:.3f}x too slow")
+  def fits(scale):
+    idx = SparseIndex.build(tables, mem_scale=scale)
+    if idx.num_entries == 0:
+      return None
+    value, path = idx.run(float(idx.candidates[-1]), B, eps, require_hit=False)
+    return (idx, path) if math.isfinite(value) else None
+  if fits(1.0) is not None:
+    msg = ("plans exist whose stages all stay within some t_max, but none stays valid when "
+           "t_max is its own bottleneck (more warm-ups: memory; smaller t_max: C(j) <= t_max)")
+    top = float(index.candidates[-1])
+    worst_link = max(range(K - 1), key=lambda k: tables.inter_comm_s[k, :L - 1].min(),
+                     default=None)
+    if worst_link is None:
+      return "memory", msg
+    j = int(np.argmin(tables.inter_comm_s[worst_link, :L - 1]))
+    c = float(tables.inter_comm_s[worst_link, j])
+    msg += (f". Every plan crosses from {tables.subcluster_names[worst_link]!r} to "
+            f"{tables.subcluster_names[worst_link + 1]!r} once; the cheapest such cut (after "
+            f"layer {j}) takes {c:.6g} s, so t_max >= {c:.6g} s, while the slowest stage that "
+            f"fits takes {top:.6g} s")
+    return ("communication" if c > 0.5 * top else "memory"), msg
+  lo, hi = 1.0, 2.0
+  while fits(hi) is None and hi < 2.0 ** 30:
+    lo, hi = hi, hi * 2
+  for _ in range(40):
+    mid = 0.5 * (lo + hi)
+    if fits(mid) is None:
+      lo = mid
+    else:
+      hi = mid
+    if hi / lo < 1 + 1e-4:
+      break
+  idx, path = fits(hi)
+  quads = [(int(idx.ent_i[e]), int(idx.ent_j[e]), int(idx.ent_k[e]), int(idx.ent_s[e]))
+           for e in path]
+  ev = evaluate_plan(tables, quads, B, eps=eps, simulator=False)
+  worst = max(ev.stages, key=lambda s: s.peak_mem_bytes / s.device_memory_bytes)
+  return "memory", (
+      f"no plan fits device memory with the H-1F1B warm-ups of its own bottleneck; the plans "
+      f"that come closest need {hi:.4f}x the device memory: e.g. layers "
+      f"{worst.layers[0]}..{worst.layers[1]} on {worst.subcluster_name} {worst.submesh} with "
+      f"{worst.inflight} microbatches in flight need {worst.peak_mem_bytes / gib:.3f} GiB, "
+      f"{(worst.peak_mem_bytes - worst.device_memory_bytes) / gib:.3f} GiB more than the "
+      f"{worst.device_memory_bytes / gib:.3f} GiB device")

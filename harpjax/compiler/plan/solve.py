@@ -1,0 +1,397 @@
+"""HARP's inter-op planner: the DP of Eq. 13-19 over every candidate ``t_max`` (§5.2).
+
+:func:`solve` takes :class:`~harpjax.compiler.profile.CostTables` and the number of
+microbatches ``B`` and returns the plan minimising Eq. 12,
+``sum_i (t_i + 2 c_i) + (B - 1) max_i t_i``, over plans that place stages in subcluster order,
+use every device, keep each stage's submesh inside one subcluster (packed onto its hosts,
+:func:`~harpjax.compiler.plan.index.device_states`), satisfy ``C(j) <= t_max``
+and fit memory with the H-1F1B warm-up counts their own bottleneck implies
+(``mem_p + min(N_i, B) mem_a <= mem_device``). The DP for one candidate lives in
+:mod:`harpjax.compiler.plan.dp_kernel` (state and exactness argument there).
+
+The search over ``t_max`` (§5.2.4):
+
+1. *Sparse index*: the (range, submesh) entries that fit a device with one microbatch in
+   flight, grouped by (subcluster, first layer) and sorted by time; at candidate ``tau`` the
+   active entries are a prefix of each group.
+2. *Candidates*: the sorted unique stage times. *Binary search* for the smallest ``t_S`` at
+   which some plan has every stage within it (feasibility is monotone in ``tau``).
+3. *Incumbent*: the exact DP (bottleneck exactly ``tau``) from ``t_S`` up until a plan is
+   found, objective ``T``. *Drop* every ``tau > T / B`` (the bottleneck stage alone then
+   costs ``B tau > T``). Further (exact) pruning: with ``G(tau)``, the cheapest
+   ``sum (t_i + 2 c_i)`` of any plan with stages ``<= tau``, non-increasing in ``tau``, a
+   candidate needs ``(B - 1) tau + max(G(tau_E), tau) <= T``.
+4. *Batched parallel evaluation* of the rest: batches balanced by their number of active
+   entries, run sequentially, in local worker processes, or by a registered backend (Ray
+   actors: ``backend="ray"``, registered by :mod:`harpjax.runtime`); every backend returns the
+   identical plan (ties broken by the smaller ``t_max``).
+
+The pieces, along the data flow: :mod:`~harpjax.compiler.plan.spec` (the plan types),
+:mod:`~harpjax.compiler.plan.index` (device states and the kernels' input),
+:mod:`~harpjax.compiler.plan.dp_kernel` (the DP), :mod:`~harpjax.compiler.plan.evaluate`
+(:func:`~harpjax.compiler.plan.evaluate_plan` scores any plan, :func:`solve` builds its result
+with it; why no plan fits) and this module (options, results, the search and its parallel
+backends).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import multiprocessing
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
+from harpjax.compiler.plan.evaluate import (PlanEvaluation, PlannedStage, evaluate_plan,
+                                            infeasible_error)
+from harpjax.compiler.plan.index import SparseIndex
+from harpjax.compiler.plan.spec import Plan, StageSpec
+from harpjax.compiler.profile import CostTables
+from harpjax.errors import PlanError, RuntimeFailure
+
+__all__ = ["SolveOptions", "SearchStats", "PlanResult", "solve", "evaluate_candidates",
+           "register_parallel_backend", "BACKENDS"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sequential", "process", "thread")
+"""Built-in ways of evaluating the candidates; more are registered by other packages
+(:func:`register_parallel_backend`: the runtime registers ``"ray"``)."""
+
+BatchRunner = Callable[..., list[tuple[list[tuple[int, float, np.ndarray]], int]]]
+_PARALLEL_BACKENDS: dict[str, BatchRunner] = {}
+
+
+def register_parallel_backend(name: str, run_batches: BatchRunner) -> None:
+  """Makes ``SolveOptions(backend=name)`` evaluate candidate batches with ``run_batches``.
+
+  Args:
+    name: the backend's name.
+    run_batches: ``run_batches(index, batches, args, workers, timeout_s)`` returns, per batch,
+      what ``evaluate_candidates(index, batch, *args)`` returns (in any process that has the
+      :class:`SparseIndex`).
+  """
+  _PARALLEL_BACKENDS[name] = run_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveOptions:
+  """Options of :func:`solve`.
+
+  Attributes:
+    eps: H-1F1B tolerance of :func:`~harpjax.compiler.schedule.warmup_delta` (the runtime
+      must use the same value; it is recorded in the plan's ``meta``).
+    backend: ``"auto"`` (sequential for small searches, else ``"process"``), ``"sequential"``,
+      ``"process"`` (local worker processes), ``"thread"`` (threads; the Numba kernel releases
+      the GIL) or a registered one (``"ray"``: Ray actors, :mod:`harpjax.runtime`).
+    workers: parallel workers (default: CPUs available).
+    kernel: ``"numba"`` or ``"numpy"`` (the twin; slow, for cross-checks).
+    bound_pruning: apply the exact lower-bound pruning beyond the paper's ``T(t_S) / B``.
+    parallel_min_work: ``"auto"`` goes parallel when the candidates left hold at least this
+      many active entries in total.
+    timeout_s: limit on waiting for a worker or actor, seconds.
+    start_method: multiprocessing start method of ``"process"``; default ``"fork"`` when no
+      other Python thread runs, else ``"forkserver"`` (a script then needs the usual
+      ``if __name__ == "__main__":`` guard).
+  """
+  eps: float = 0.1
+  backend: str = "auto"
+  workers: int | None = None
+  kernel: str = "numba"
+  bound_pruning: bool = True
+  parallel_min_work: int = 3_000_000
+  timeout_s: float = 3600.0
+  start_method: str | None = None
+
+  def __post_init__(self):
+    if not (self.eps >= 0 and math.isfinite(self.eps)):
+      raise PlanError(f"SolveOptions.eps={self.eps} must be finite and >= 0")
+    known = BACKENDS + tuple(_PARALLEL_BACKENDS)
+    if self.backend not in known:
+      raise PlanError(f"SolveOptions.backend={self.backend!r}; choose one of {known}")
+    if self.kernel not in ("numba", "numpy"):
+      raise PlanError(f"SolveOptions.kernel={self.kernel!r}; choose 'numba' or 'numpy'")
+    if self.workers is not None and int(self.workers) < 1:
+      raise PlanError(f"SolveOptions.workers={self.workers} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchStats:
+  """What the search did (for logs and benchmarks).
+
+  Attributes:
+    num_entries: feasible (range, submesh) entries in the sparse index.
+    num_candidates: distinct ``t_max`` candidates.
+    t_s, t_e: smallest feasible candidate and the paper's upper cut ``T(t_S) / B``.
+    num_window: candidates between the incumbent and ``t_E``.
+    num_pruned_by_bound: of those, dropped by the lower bound ``(B-1) tau + G(t_E)``.
+    num_evaluated: exact DP runs (incumbent search and window).
+    num_feasibility_runs: DP runs of the binary search and the lower bound.
+    backend, workers: how the window was evaluated.
+    seconds: wall time of :func:`solve`.
+  """
+  num_entries: int
+  num_candidates: int
+  t_s: float
+  t_e: float
+  num_window: int
+  num_pruned_by_bound: int
+  num_evaluated: int
+  num_feasibility_runs: int
+  backend: str
+  workers: int
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanResult:
+  """What :func:`solve` returns.
+
+  Attributes:
+    plan: the :class:`~harpjax.compiler.plan.Plan` (H-1F1B, warm-ups, ``t_max``, Eq. 12 time).
+    objective_s: Eq. 12, ``sum (t_i + 2 c_i) + (B - 1) t_max``, seconds per iteration.
+    t_max_s: the plan's bottleneck stage time.
+    stages: the :class:`PlannedStage` list.
+    warmups: H-1F1B warm-up counts ``N_i`` (from ``t_max_s`` and ``eps``).
+    num_microbatches: ``B``.
+    eps: the H-1F1B tolerance used.
+    stats: :class:`SearchStats`.
+  """
+  plan: Plan
+  objective_s: float
+  t_max_s: float
+  stages: tuple[PlannedStage, ...]
+  warmups: tuple[int, ...]
+  num_microbatches: int
+  eps: float
+  stats: SearchStats
+
+  def table(self) -> str:
+    return self.plan.table()
+
+
+# --------------------------------------------------------------------------- batch evaluation
+
+
+def evaluate_candidates(index: SparseIndex, taus: Sequence[int], num_microbatches: int,
+                        eps: float, kernel: str, bound: float, sigma_lb: float
+                        ) -> tuple[list[tuple[int, float, np.ndarray]], int]:
+  """Exact DP at candidates ``taus`` (ascending indices), tightening ``bound`` as it goes.
+
+  Returns:
+    ``(candidate index, objective, path)`` for every candidate with a plan within the bound,
+    and the number of DP runs.
+  """
+  B = num_microbatches
+  n_cap = index.n_cap(B)
+  out, runs = [], 0
+  for idx in sorted(taus):
+    tau = float(index.candidates[idx])
+    if (B - 1) * tau + max(sigma_lb, tau) > bound * (1.0 + BOUND_SLACK):
+      continue
+    runs += 1
+    log.debug("planner: DP at t_max=%.6g s (%d active entries), bound %.6g s", tau,
+              index.active_entries(tau), bound)
+    value, path = index.run(tau, B, eps, require_hit=True, bound=bound, kernel=kernel,
+                            n_cap=n_cap)
+    if math.isfinite(value):
+      obj = value + (B - 1) * tau
+      out.append((idx, obj, path))
+      bound = min(bound, obj)
+  return out, runs
+
+
+_WORKER_INDEX: dict[str, SparseIndex] = {}  # per worker process: the index it was started with
+
+
+def _worker_init(index: SparseIndex) -> None:
+  _WORKER_INDEX["index"] = index
+
+
+def _worker_batch(args) -> tuple[list[tuple[int, float, np.ndarray]], int]:
+  return evaluate_candidates(_WORKER_INDEX["index"], *args)
+
+
+def _balanced_batches(index: SparseIndex, cand: Sequence[int], num_batches: int
+                      ) -> list[list[int]]:
+  """Longest-processing-time split of candidates by their number of active entries."""
+  work = [(index.active_entries(index.candidates[c]), c) for c in cand]
+  work.sort(key=lambda x: (-x[0], x[1]))
+  batches = [[] for _ in range(max(1, min(num_batches, len(work))))]
+  load = [0] * len(batches)
+  for w, c in work:
+    b = int(np.argmin(load))
+    batches[b].append(c)
+    load[b] += w
+  return [sorted(b) for b in batches if b]
+
+
+def _default_start_method() -> str:
+  """``fork`` (children inherit the compiled kernel, no ``__main__`` guard needed) unless
+  other Python threads run (Ray, user code), then ``forkserver``. Native library threads
+  (BLAS, XLA) do not matter: the children only run the kernel on NumPy arrays."""
+  methods = multiprocessing.get_all_start_methods()
+  if "fork" in methods and threading.active_count() == 1:
+    return "fork"
+  return "forkserver" if "forkserver" in methods else "spawn"
+
+
+def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, backend: str,
+                  workers: int, timeout_s: float, start_method: str | None
+                  ) -> tuple[list[tuple[int, float, np.ndarray]], int]:
+  outs = []
+  if backend in ("thread", "process"):
+    if backend == "thread":
+      ex = concurrent.futures.ThreadPoolExecutor(workers)
+      futs = [ex.submit(evaluate_candidates, index, b, *args) for b in batches]
+    else:
+      ctx = multiprocessing.get_context(start_method or _default_start_method())
+      ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx,
+                                                  initializer=_worker_init, initargs=(index,))
+      futs = [ex.submit(_worker_batch, (b, *args)) for b in batches]
+    for n, f in enumerate(futs):
+      try:
+        outs.append(f.result(timeout=timeout_s))
+      except concurrent.futures.TimeoutError:
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise RuntimeFailure(f"planner {backend} worker on batch {n} of {len(batches)} timed "
+                             f"out after {timeout_s} s") from None
+    ex.shutdown(wait=True)
+  else:
+    outs = _PARALLEL_BACKENDS[backend](index, batches, args, workers, timeout_s)
+  return [r for o in outs for r in o[0]], sum(o[1] for o in outs)
+
+
+# --------------------------------------------------------------------------- solve
+
+
+def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | None = None,
+          **overrides: Any) -> PlanResult:
+  """Finds the plan minimising Eq. 12 (HARP §5.2).
+
+  Args:
+    tables: the cost tables (subclusters in pipeline order).
+    num_microbatches: ``B``.
+    options: :class:`SolveOptions`; keyword arguments override its fields
+      (``solve(t, 128, backend="ray")``).
+
+  Returns:
+    The :class:`PlanResult`: stages (layer range, subcluster, submesh, logical mesh), H-1F1B
+    warm-up counts, ``t_max``, the objective and search statistics.
+
+  Raises:
+    InfeasiblePlanError: no plan fits; the message names the constraint and by how much
+      (its ``constraint`` attribute is ``"memory"``, ``"communication"``, ``"devices"`` or
+      ``"layers"``).
+  """
+  if not isinstance(tables, CostTables):
+    raise PlanError(f"solve needs CostTables, got {type(tables).__name__}")
+  opts = dataclasses.replace(options or SolveOptions(), **overrides)
+  B = int(num_microbatches)
+  if B != num_microbatches or B < 1:
+    raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
+  start = time.perf_counter()
+  index = SparseIndex.build(tables)
+  cand = index.candidates
+  M = cand.size
+  eps, kernel = opts.eps, opts.kernel
+  log.info("planner: %d layers, %d devices, %d feasible entries, %d t_max candidates",
+           tables.num_layers, tables.total_devices, index.num_entries, M)
+
+  n_g = [0]
+
+  def g(idx):  # G-feasibility: any plan with every stage <= tau (monotone in tau)
+    n_g[0] += 1
+    return index.run(float(cand[idx]), B, eps, require_hit=False, kernel=kernel)
+
+  if M == 0 or not math.isfinite(g(M - 1)[0]):
+    raise infeasible_error(tables, B, eps)
+  lo, hi = 0, M - 1
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if math.isfinite(g(mid)[0]):
+      hi = mid
+    else:
+      lo = mid + 1
+  t_s_idx = lo
+  best = None
+  for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own bottleneck
+    tau = float(cand[idx])
+    value, path = index.run(tau, B, eps, require_hit=True, kernel=kernel)
+    if math.isfinite(value):
+      best = (value + (B - 1) * tau, idx, path)
+      break
+  if best is None:  # every plan within t_max fails at its own bottleneck
+    raise infeasible_error(tables, B, eps)
+  n_incumbent = best[1] - t_s_idx + 1
+  bound = best[0]
+  slack = 1.0 + BOUND_SLACK
+  window = [c for c in range(best[1] + 1, M) if B * cand[c] <= bound * slack]
+  t_e = float(cand[window[-1]]) if window else float(cand[best[1]])
+  sigma_lb = 0.0
+  num_window = len(window)
+  if opts.bound_pruning and window:
+    sigma_lb = g(window[-1])[0]
+    window = [c for c in window
+              if (B - 1) * cand[c] + max(sigma_lb, cand[c]) <= bound * slack]
+  log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g s, %d candidates up to "
+           "t_E=%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
+           num_window, t_e, len(window))
+  workers = opts.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1)
+  backend = opts.backend
+  work = sum(index.active_entries(cand[c]) for c in window)
+  if backend == "auto":
+    backend = "process" if (workers > 1 and len(window) > 1
+                            and work >= opts.parallel_min_work) else "sequential"
+  args = (B, eps, kernel, bound, sigma_lb)
+  if backend == "sequential" or not window:
+    results, runs = evaluate_candidates(index, window, *args)
+    workers_used = 1
+  else:
+    batches = _balanced_batches(index, window, workers)
+    results, runs = _run_parallel(index, batches, args, backend, workers, opts.timeout_s,
+                                  opts.start_method)
+    workers_used = min(workers, len(batches))
+  for obj, idx, path in [(o, i, p) for i, o, p in results]:
+    if (obj, idx) < (best[0], best[1]):
+      best = (obj, idx, path)
+  objective, idx, path = best
+  stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[t_s_idx]),
+                      t_e=t_e, num_window=num_window,
+                      num_pruned_by_bound=num_window - len(window),
+                      num_evaluated=runs + n_incumbent, num_feasibility_runs=n_g[0],
+                      backend=backend, workers=workers_used,
+                      seconds=time.perf_counter() - start)
+  result = _assemble(tables, index, path, B, eps, float(cand[idx]), objective, stats)
+  log.info("planner: %d stages, t_max=%.6g s, objective %.6g s, %.2f s search (%s)",
+           len(result.stages), result.t_max_s, objective, stats.seconds, backend)
+  return result
+
+
+def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int, eps: float,
+              tau: float, objective: float, stats: SearchStats) -> PlanResult:
+  e = np.asarray(path, dtype=np.int64)
+  quads = [(int(index.ent_i[x]), int(index.ent_j[x]), int(index.ent_k[x]), int(index.ent_s[x]))
+           for x in e]
+  ev = evaluate_plan(tables, quads, B, "h1f1b", eps=eps, simulator=False)
+  # The DP's own bookkeeping and the evaluator must agree (an internal invariant).
+  assert ev.t_max_s == tau, (ev.t_max_s, tau)
+  assert ev.feasible and ev.comm_ok and ev.uses_all_devices, ev.violations
+  assert math.isclose(ev.eq12_s, objective, rel_tol=1e-9), (ev.eq12_s, objective)
+  stages = ev.stages
+  specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
+                          logical_mesh=s.logical_mesh, warmup=s.warmup, time_s=s.time_s,
+                          comm_s=s.comm_s) for s in stages)
+  plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
+              t_max_s=tau, predicted_iteration_s=objective, eta=ev.eta,
+              meta={"planner": "harpjax.dp", "eps": eps, "cost_model": "eq12"})
+  return PlanResult(plan=plan, objective_s=objective, t_max_s=tau, stages=stages,
+                    warmups=ev.warmups, num_microbatches=B, eps=eps, stats=stats)

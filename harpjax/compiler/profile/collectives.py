@@ -1,0 +1,48 @@
+"""Collective communication times on one link (ring algorithms).
+
+The one cost model of collectives in harpjax: the profiler's per-layer tensor-parallel
+collectives and gradient all-reduce, and :meth:`CostTables.from_layer_costs
+<harpjax.compiler.profile.CostTables.from_layer_costs>`'s per-range ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harpjax.cluster import Link
+
+__all__ = ["allreduce_time_s", "collective_time_s"]
+
+
+def allreduce_time_s(nbytes, p: int, link: Link):
+  """Ring all-reduce of ``nbytes`` over ``p`` devices:
+  ``2 (p - 1) / p * bytes / bandwidth + 2 (p - 1) * latency``; ``0`` when ``p <= 1`` or there
+  is nothing to reduce.
+
+  Args:
+    nbytes: bytes each device holds (a scalar, or an array: then so is the result).
+    p: devices.
+    link: the link between them.
+  """
+  t = 2.0 * (p - 1) / p * np.asarray(nbytes, dtype=np.float64) / link.bandwidth_bytes_per_s \
+      + 2.0 * (p - 1) * link.latency_s
+  t = np.where((np.asarray(nbytes) > 0) & (p > 1), t, 0.0)
+  return float(t) if t.ndim == 0 else t
+
+
+def collective_time_s(colls: dict, p: int, link: Link) -> float:
+  """Seconds of the collectives ``{kind: [bytes, count]}`` over ``p`` devices (ring model)."""
+  if p <= 1:
+    return 0.0
+  bw, lat = link.bandwidth_bytes_per_s, link.latency_s
+  total = 0.0
+  for kind, (nbytes, count) in colls.items():
+    if kind == "all-reduce":
+      total += 2.0 * (p - 1) / p * nbytes / bw + 2.0 * (p - 1) * lat * count
+    elif kind == "reduce-scatter":     # result is 1/p of what each device sends
+      total += (p - 1) * nbytes / bw + (p - 1) * lat * count
+    elif kind == "collective-permute":
+      total += nbytes / bw + lat * count
+    else:                              # all-gather, all-to-all
+      total += (p - 1) / p * nbytes / bw + (p - 1) * lat * count
+  return total

@@ -1,0 +1,308 @@
+"""Layer pieces: a layer range as a standalone forward+backward function, and what XLA says.
+
+A :class:`Piece` is layers ``first..last`` of a :class:`~harpjax.compiler.layers.LayerSequence`
+cut out of the program: its inputs are parameters (slices of a stacked parameter count as the
+slice), float activations from earlier layers (differentiated), and other inputs (data,
+integer activations); its outputs are the float values read later. ``fwd_bwd`` runs the
+forward under ``jax.vjp`` and the backward with given cotangents: one microbatch of the
+stage's work. :func:`xla_stats` compiles it (from ``jax.ShapeDtypeStruct`` s: nothing is
+allocated) on ``tp`` devices and reads XLA's cost and memory analysis and the collectives of
+the partitioned HLO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from harpjax import _compat
+from harpjax.compiler.layers import LayerSequence, sharding
+from harpjax.compiler.trace import Lit, Program, eval_ops, primitives
+
+__all__ = ["Piece", "build_piece", "batch_dependent", "XlaStats", "xla_stats",
+           "parse_collectives", "make_functions", "abstract_inputs", "shardings"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Piece:
+  """A layer range as a function.
+
+  Attributes:
+    program: the program the ops index.
+    ops: the range's ops, views of parameters removed (their results are parameter inputs).
+    param_ids: parameter inputs (whole parameters or slices of stacked ones).
+    act_ids: float activations read from earlier layers (differentiated).
+    aux_ids: other inputs (data, integer activations, constants), not differentiated.
+    out_ids: float values produced here and read later (they receive cotangents).
+    batch_ids: inputs and outputs whose axis 0 is the batch.
+    param_bytes: bytes of ``param_ids``.
+    num_params: elements of ``param_ids``.
+  """
+  program: Program
+  ops: tuple
+  param_ids: tuple
+  act_ids: tuple
+  aux_ids: tuple
+  out_ids: tuple
+  batch_ids: frozenset
+  param_bytes: int
+  num_params: int
+
+
+def batch_dependent(program: Program, input_kinds: Sequence[str] | None) -> frozenset:
+  """Value ids that depend on a batch-split input (``"split"``)."""
+  if input_kinds is None:
+    return frozenset()
+  dep = {v for v, k in zip(program.invars, input_kinds) if k == "split"}
+  for op in program.ops:
+    if any(v in dep for v in op.in_ids()):
+      dep.update(v for v in op.outvars if v >= 0)
+  return frozenset(dep)
+
+
+def build_piece(seq: LayerSequence, first: int, last: int, batch_dep: frozenset) -> Piece:
+  """Cuts layers ``first..last`` (inclusive) out of ``seq.program``."""
+  prog = seq.program
+  a, b = seq.op_range(first, last)
+  kinds = seq.input_kinds or ("whole",) * len(prog.invars)
+  params = {v for v, k in zip(prog.invars, kinds) if k == "param"}
+  param_like = set(params)
+  ops = []
+  defined = set()
+  for op in prog.ops[a:b]:
+    src = op.invars[0] if op.invars else None
+    if (primitives.is_view(op.name) and src is not None and not isinstance(src, Lit)
+        and src in param_like and all(isinstance(v, Lit) for v in op.invars[1:])):
+      param_like.update(o for o in op.outvars if o >= 0)
+      continue
+    ops.append(op)
+    defined.update(o for o in op.outvars if o >= 0)
+  reads: list[int] = []
+  seen = set()
+  for op in ops:
+    for v in op.in_ids():
+      if v not in defined and v not in seen:
+        seen.add(v)
+        reads.append(v)
+  invars = set(prog.invars)
+  p_ids = tuple(v for v in reads if v in param_like)
+  acts = tuple(v for v in reads if v not in param_like and v not in invars
+               and primitives.is_float(prog.avals[v]))
+  aux = tuple(v for v in reads if v not in p_ids and v not in acts)
+  last_use: dict[int, int] = {}
+  for op in prog.ops[b:]:
+    for v in op.in_ids():
+      last_use[v] = op.index
+  outset = {v for v in prog.outvars if not isinstance(v, Lit)}
+  outs = tuple(sorted(v for v in defined if (v in last_use or v in outset)
+                      and primitives.is_float(prog.avals[v])))
+  if not outs:   # a dead-end range still costs its forward; give it one output
+    floats = [o for op in ops for o in op.outvars if o >= 0 and primitives.is_float(prog.avals[o])]
+    outs = tuple(floats[-1:])
+  pbytes = sum(prog.nbytes(v) for v in p_ids)
+  nparams = sum(primitives.aval_size(prog.avals[v]) for v in p_ids)
+  batch = frozenset(v for v in acts + aux + outs if v in batch_dep)
+  return Piece(prog, tuple(ops), p_ids, acts, aux, outs, batch, int(pbytes), int(nparams))
+
+
+def make_functions(piece: Piece, remat: bool = False):
+  """``(fwd_bwd, fwd_residuals)`` of a piece.
+
+  ``fwd_bwd(params, acts, aux, cts) -> (param_grads, act_grads)``;
+  ``fwd_residuals(params, acts, aux) -> (outputs, residual leaves)``. With ``remat`` the
+  forward is rematerialised in the backward (``jax.checkpoint``): only the inputs are kept.
+  """
+  def primal(params, acts, aux):
+    env = dict(zip(piece.param_ids, params))
+    env.update(zip(piece.act_ids, acts))
+    env.update(zip(piece.aux_ids, aux))
+    eval_ops(piece.ops, env)
+    return tuple(env[v] for v in piece.out_ids)
+
+  if remat:
+    primal = jax.checkpoint(primal)
+
+  def fwd_bwd(params, acts, aux, cts):
+    _, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
+    return vjp(cts)
+
+  def fwd_residuals(params, acts, aux):
+    outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
+    return outs, jax.tree_util.tree_leaves(vjp)
+
+  return fwd_bwd, fwd_residuals
+
+
+def abstract_inputs(piece: Piece) -> tuple:
+  """``(params, acts, aux, cts)`` as ``jax.ShapeDtypeStruct`` s."""
+  sds = lambda v: jax.ShapeDtypeStruct(tuple(piece.program.avals[v].shape),
+                                       piece.program.avals[v].dtype)
+  return (tuple(sds(v) for v in piece.param_ids), tuple(sds(v) for v in piece.act_ids),
+          tuple(sds(v) for v in piece.aux_ids), tuple(sds(v) for v in piece.out_ids))
+
+
+def shardings(piece: Piece, mesh: Mesh) -> tuple:
+  """In-shardings ``(params, acts, aux, cts)`` of a piece on a ``(dp, tp)`` mesh."""
+  dp, tp = mesh.devices.shape
+  specs = sharding.param_specs(piece.program, piece.ops, piece.param_ids, tp)
+  ns = lambda spec: NamedSharding(mesh, spec)
+  data = lambda v: ns(sharding.batch_spec(piece.program.avals[v].shape, 0, dp)
+                      if v in piece.batch_ids else P())
+  return (tuple(ns(specs[v]) for v in piece.param_ids), tuple(data(v) for v in piece.act_ids),
+          tuple(data(v) for v in piece.aux_ids), tuple(data(v) for v in piece.out_ids)), specs
+
+
+# --------------------------------------------------------------------------- XLA analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaStats:
+  """Per-device facts about a piece's compiled forward+backward (one microbatch).
+
+  Attributes:
+    flops: FLOPs (XLA cost analysis).
+    bytes_accessed: bytes read and written (XLA cost analysis).
+    transcendentals: transcendental ops.
+    collective_bytes: ``{kind: [bytes, count]}`` of all-reduce, all-gather,
+      reduce-scatter, all-to-all and collective-permute results in the partitioned HLO.
+    temp_bytes: XLA's temporary buffer (workspace) size.
+    residual_bytes: bytes of the forward's residuals kept for the backward (inputs that are
+      merely forwarded excluded): activation memory per in-flight microbatch.
+    param_bytes: bytes of this device's shard of the parameters.
+    num_params: elements of this device's shard of the parameters.
+    compile_s: seconds spent compiling.
+  """
+  flops: float
+  bytes_accessed: float
+  transcendentals: float
+  collective_bytes: dict
+  temp_bytes: float
+  residual_bytes: float
+  param_bytes: float
+  num_params: float
+  compile_s: float = 0.0
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "XlaStats":
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<type>.*?)\s(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute)(?P<start>-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def parse_collectives(hlo_text: str) -> dict[str, list]:
+  """``{kind: [bytes, count]}`` of the collectives in an HLO module's text (result sizes)."""
+  out: dict[str, list] = {}
+  for line in hlo_text.splitlines():
+    m = _COLLECTIVE.search(line)
+    if not m or "-done" in line.split("=")[0]:
+      continue
+    sizes = []
+    for dt, dims in _SHAPE.findall(m.group("type")):
+      if dt not in _DTYPE_BYTES:
+        continue
+      n = int(np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64)) if dims else 1
+      sizes.append(n * _DTYPE_BYTES[dt])
+    if not sizes:
+      continue
+    nbytes = max(sizes) if m.group("start") else sum(sizes)
+    acc = out.setdefault(m.group("kind"), [0.0, 0])
+    acc[0] += float(nbytes)
+    acc[1] += 1
+  return out
+
+
+def _cost(compiled) -> dict:
+  ca = compiled.cost_analysis()
+  if isinstance(ca, (list, tuple)):
+    ca = ca[0] if ca else {}
+  return dict(ca or {})
+
+
+def xla_stats(piece: Piece, devices: Sequence[Any],
+              mesh_shape: tuple[int, int] | None = None, compiled=None,
+              remat: bool = False) -> XlaStats:
+  """Compiles a piece's forward+backward on ``devices`` and reads what XLA says.
+
+  Args:
+    piece: the piece, at the microbatch size to cost (for the analytic profiler: the local
+      batch of one data-parallel replica).
+    devices: the devices (any platform: only compilation happens).
+    mesh_shape: ``(dp, tp)``; default ``(1, len(devices))``.
+    compiled: the piece's forward+backward already compiled with :func:`shardings` on this
+      mesh (saves a compilation).
+    remat: rematerialise the forward in the backward (:func:`make_functions`).
+
+  Returns:
+    Per-device :class:`XlaStats`.
+  """
+  t0 = time.perf_counter()
+  mesh = sharding.make_mesh(devices, mesh_shape)
+  tp = mesh.devices.shape[1]
+  n_dev = mesh.devices.size
+  fwd_bwd, fwd_res = make_functions(piece, remat)
+  args = abstract_inputs(piece)
+  in_sh, specs = shardings(piece, mesh)
+  if compiled is None:
+    compiled = jax.jit(fwd_bwd, in_shardings=in_sh).lower(*args).compile()
+  cost = _cost(compiled)
+  mem = compiled.memory_analysis()
+  colls = parse_collectives(compiled.as_text()) if n_dev > 1 else {}
+  # Residuals: the forward's vjp leaves, per device. Parameters are held anyway; activation
+  # inputs kept for the backward count (the stage holds them until then).
+  closed = jax.make_jaxpr(fwd_res)(*args[:3])
+  n_params = len(piece.param_ids)
+  inpos = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+  n_out = len(piece.out_ids)
+  keep, seen, kept_inputs = [], set(), 0.0
+  dp = mesh.devices.shape[0]
+  for i, v in enumerate(closed.jaxpr.outvars[n_out:]):
+    if _compat.is_literal(v) or v in seen:
+      continue
+    seen.add(v)
+    if v in inpos:
+      if inpos[v] >= n_params:
+        vid = (piece.act_ids + piece.aux_ids)[inpos[v] - n_params]
+        kept_inputs += primitives.aval_nbytes(v.aval) / (dp if vid in piece.batch_ids else 1)
+      continue
+    keep.append(i)
+  res_vars = [closed.jaxpr.outvars[n_out + i] for i in keep]
+  if keep and n_dev == 1:   # one device: the residuals' own sizes
+    residual = float(sum(primitives.aval_nbytes(v.aval) for v in res_vars))
+  elif keep:                # sharded: what XLA keeps per device
+    sel = jax.jit(lambda *a: [fwd_res(*a)[1][i] for i in keep], in_shardings=in_sh[:3])
+    res_mem = sel.lower(*args[:3]).compile().memory_analysis()
+    residual = float(getattr(res_mem, "output_size_in_bytes", 0))
+  else:
+    residual = 0.0
+  residual += kept_inputs
+  local_bytes, local_n = 0.0, 0.0
+  for v in piece.param_ids:
+    aval = piece.program.avals[v]
+    div = tp if specs[v] != P() else 1
+    local_bytes += primitives.aval_nbytes(aval) / div
+    local_n += primitives.aval_size(aval) / div
+  return XlaStats(flops=float(cost.get("flops", 0.0)),
+                  bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                  transcendentals=float(cost.get("transcendentals", 0.0)),
+                  collective_bytes=colls,
+                  temp_bytes=float(getattr(mem, "temp_size_in_bytes", 0.0)),
+                  residual_bytes=residual, param_bytes=local_bytes, num_params=local_n,
+                  compile_s=time.perf_counter() - t0)
+

@@ -1,0 +1,607 @@
+"""The zero-redundant profiler (HARP §5.1): cost tables from a layer sequence and a cluster.
+
+Candidates are (layer range, subcluster, submesh, logical mesh). A stage's cost is composed
+from its layers' costs, so what is profiled is one *layer* per (subcluster, submesh, logical
+mesh), and layers with equal signatures (every repeat of a block) are costed once: the unique
+tasks are the distinct layer signatures times the mesh configurations, a small multiple of
+one block's layers instead of ``L (L + 1) / 2`` stages per submesh. Candidates that cannot fit
+(the parameters alone exceed the device) are skipped before costing; stage ranges that do not
+fit one microbatch, or whose share of the work is hopelessly out of proportion to the
+submesh's share of compute, are marked infeasible in the tables.
+
+Three cost sources sit behind one interface (:mod:`~harpjax.compiler.profile.sources`):
+``"measured"`` (run on the submesh's devices), ``"analytic"`` (compile only, from
+``jax.ShapeDtypeStruct`` s, XLA's cost/memory analysis and collectives + calibrated GPU rates;
+costs a 39B-parameter model on a laptop) and ``"imported"`` (published per-layer
+measurements). Results are cached on disk by signature, GPU type, submesh, logical mesh,
+microbatch size and library version (:mod:`~harpjax.compiler.profile.cache`); profiling shows
+a progress bar and logs its phases.
+
+:func:`profile_layers` reads as its three steps: :func:`enumerate_tasks` (pure),
+:func:`cost_tasks` (cache, compilation, measurement) and :func:`tables_from_layer_costs`.
+
+Typical use::
+
+    result = profile_step(step_fn, (state, batch), cluster, num_microbatches=8)
+    plan_input = result.tables          # CostTables for the planner
+    print(result.stats.describe())
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
+from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_step, relayer,
+                                     sharding, unroll_scans)
+from harpjax.compiler.profile import cache, calibration, pieces, sources
+from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
+from harpjax.compiler.trace import trace_step
+from harpjax.errors import HarpjaxError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "ProfileTasks",
+           "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
+           "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size"]
+
+SOURCES = ("analytic", "measured", "imported")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileOptions:
+  """Options of the profiler.
+
+  Attributes:
+    source: ``"analytic"``, ``"measured"`` or ``"imported"``.
+    cache_dir: profile database directory; ``None``: ``$HARPJAX_CACHE_DIR`` or
+      ``~/.cache/harpjax/profiles``.
+    use_cache: read and write the database.
+    progress: show a progress bar; ``None``: when stderr is a terminal.
+    state_bytes_per_param: weights + gradients + optimizer state per parameter (16: fp16
+      weights and gradients, fp32 master weights and two Adam moments; or fp32 Adam).
+    max_tp: largest tensor-parallel degree (default: the hosts' device count).
+    imbalance: a multi-layer stage whose share of the model's FLOPs exceeds this many times
+      its submesh's share of the cluster's peak FLOP/s is pruned (``inf`` disables).
+    order: subcluster pipeline order: ``None`` (the cluster's), ``"memory_to_compute"``
+      (§5.2.1) or a sequence of names.
+    repeats: timed runs per measured task (median).
+    efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency` overriding the
+      calibrated factors (analytic and imported sources).
+    imported_model: Zorse model whose per-layer measurements stand for the repeated block
+      (``"deepspeedgpt_2.7b"``), for ``source="imported"``.
+    imported_module: module kind name of that block (default: the most repeated kind).
+    imported_data_dir: directory of ``zorse_model_latencies.json``.
+    workers: threads compiling analytic tasks in parallel.
+    remat: cost layers whose forward is rematerialised in the backward (activation
+      recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
+      in-flight microbatch. The runtime must then rematerialise too.
+  """
+  source: str = "analytic"
+  cache_dir: str | None = None
+  use_cache: bool = True
+  progress: bool | None = None
+  state_bytes_per_param: float = 16.0
+  max_tp: int | None = None
+  imbalance: float = 4.0
+  order: Any = None
+  repeats: int = 5
+  efficiencies: Any = None
+  imported_model: str | None = None
+  imported_module: str | None = None
+  imported_data_dir: str | None = None
+  workers: int = 1
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.source not in SOURCES:
+      raise HarpjaxError(f"ProfileOptions.source={self.source!r}; choose one of "
+                         f"{', '.join(SOURCES)}")
+    if self.source == "imported" and not self.imported_model:
+      raise HarpjaxError("source='imported' needs imported_model (a Zorse model name such "
+                         "as 'deepspeedgpt_2.7b')")
+    if not self.imbalance > 0 or self.state_bytes_per_param <= 0 or self.workers < 1:
+      raise HarpjaxError("ProfileOptions: imbalance and state_bytes_per_param must be > 0 and "
+                         "workers >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileStats:
+  """What the profiler did.
+
+  Attributes:
+    num_layers: ``L``.
+    distinct_layers: distinct layer signatures.
+    layers_per_repeat: layers of one instance of the most repeated module (0 if none).
+    configs: (subcluster, submesh, logical mesh) configurations enumerated.
+    candidates: (layer, configuration) pairs enumerated.
+    unique_tasks: distinct pieces costed (signature x GPU type x submesh x logical mesh x
+      microbatch size): the profiling tasks.
+    unique_compiles: distinct compilations behind them (signature at the local batch x
+      ``tp``) for the analytic source.
+    computed: tasks costed in this call (the rest came from the cache).
+    cache_hits: database hits.
+    pruned_tasks: candidates skipped before costing (parameters alone exceed the device).
+    pruned_oom: table entries infeasible by memory.
+    pruned_imbalance: table entries pruned as hopelessly imbalanced.
+    naive_stage_submesh: ``L (L + 1) / 2`` stages x submeshes (what per-stage profiling
+      enumerates).
+    naive_stage_mesh: the same x logical meshes.
+    seconds: wall time.
+    dp_approximated: some data-parallel costs were scaled from the full microbatch (no trace
+      at the local batch was given).
+  """
+  num_layers: int
+  distinct_layers: int
+  layers_per_repeat: int
+  configs: int
+  candidates: int
+  unique_tasks: int
+  unique_compiles: int
+  computed: int
+  cache_hits: int
+  pruned_tasks: int
+  pruned_oom: int
+  pruned_imbalance: int
+  naive_stage_submesh: int
+  naive_stage_mesh: int
+  seconds: float
+  dp_approximated: bool = False
+
+  @property
+  def reduction(self) -> float:
+    """Naive stage x submesh enumeration over unique tasks."""
+    return self.naive_stage_submesh / max(self.unique_tasks, 1)
+
+  def describe(self) -> str:
+    return (f"{self.num_layers} layers ({self.distinct_layers} distinct, "
+            f"{self.layers_per_repeat} per repeat); {self.configs} mesh configurations; "
+            f"{self.unique_tasks} unique tasks ({self.unique_compiles} compilations, "
+            f"{self.computed} computed, {self.cache_hits} cached) vs "
+            f"{self.naive_stage_submesh} stage x submesh candidates "
+            f"({self.reduction:.0f}x fewer); pruned {self.pruned_tasks} tasks, "
+            f"{self.pruned_oom} OOM and {self.pruned_imbalance} imbalanced entries; "
+            f"{self.seconds:.1f} s")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProfileResult:
+  """Tables, the layers they index, and per-layer costs.
+
+  Attributes:
+    tables: the planner's input.
+    layers: the layer sequence (full microbatch).
+    stats: :class:`ProfileStats`.
+    costs: ``{(subcluster, submesh, (dp, tp)): {"time_s", "comm_s", "param_mem_bytes",
+      "act_mem_bytes", "temp_bytes", "flops": [L] arrays}}`` (``inf`` time: pruned).
+  """
+  tables: CostTables
+  layers: LayerSequence
+  stats: ProfileStats
+  costs: dict
+
+
+def microbatch_size(layers: LayerSequence) -> int | None:
+  """Leading size of the batch-split inputs (``None`` without any)."""
+  if layers.input_kinds is None:
+    return None
+  for v, k in zip(layers.program.invars, layers.input_kinds):
+    shape = layers.program.avals[v].shape
+    if k == "split" and shape:
+      return int(shape[0])
+  return None
+
+
+def _ordered(cluster, order) -> list:
+  subs = list(cluster.subclusters)
+  if order is None:
+    return subs
+  if order == "memory_to_compute":
+    return list(cluster.ordered_by_memory_to_compute().subclusters)
+  names = [str(x) for x in order]
+  if sorted(names) != sorted(s.name for s in subs):
+    raise HarpjaxError(f"order={names} must list each subcluster "
+                       f"{[s.name for s in subs]} once")
+  return [cluster.subcluster(n) for n in names]
+
+
+def _make_source(opts: ProfileOptions, db):
+  analytic = sources.AnalyticSource(db, opts.efficiencies, opts.state_bytes_per_param,
+                                    remat=opts.remat)
+  if opts.source == "analytic":
+    return analytic
+  if opts.source == "measured":
+    return sources.MeasuredSource(db, opts.repeats,
+                                  state_bytes_per_param=opts.state_bytes_per_param,
+                                  remat=opts.remat)
+  return sources.ImportedSource(analytic, opts.imported_model,
+                                calibration.load_zorse(opts.imported_data_dir),
+                                opts.imported_module)
+
+
+def _progress(total: int, enabled: bool | None, desc: str):
+  from tqdm.auto import tqdm
+  if enabled is None:
+    enabled = sys.stderr.isatty()
+  return tqdm(total=total, disable=not enabled, desc=desc, unit="task", leave=False)
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """One (subcluster, submesh, logical mesh) configuration a layer is costed on.
+
+  Attributes:
+    subcluster: index ``k`` in pipeline order.
+    submesh_index: ``s``; submesh: its shape ``(n, m)``.
+    mesh: the logical mesh ``(dp, tp)``.
+  """
+  subcluster: int
+  submesh_index: int
+  submesh: tuple[int, int]
+  mesh: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProfileTasks:
+  """What :func:`enumerate_tasks` found to cost (no cost computed yet).
+
+  Attributes:
+    configs: every :class:`MeshConfig`.
+    tasks: unique task id -> :class:`~harpjax.compiler.profile.sources.LayerTask`.
+    keys: task id -> its cache key.
+    assign: per configuration, per layer, the task id costing it (``None``: pruned, the
+      parameters alone do not fit the device).
+    pruned: number of pruned (configuration, layer) pairs.
+  """
+  configs: tuple[MeshConfig, ...]
+  tasks: dict
+  keys: dict
+  assign: tuple[tuple[str | None, ...], ...]
+  pruned: int
+
+
+class _Pieces:
+  """The piece of each distinct layer of a layer sequence, built once."""
+
+  def __init__(self):
+    self._deps: dict = {}
+    self._pieces: dict = {}
+
+  def __call__(self, seq: LayerSequence, i: int):
+    key = (seq, seq[i].signature)
+    if key not in self._pieces:
+      if seq not in self._deps:
+        self._deps[seq] = pieces.batch_dependent(seq.program, seq.input_kinds)
+      self._pieces[key] = pieces.build_piece(seq, i, i, self._deps[seq])
+    return self._pieces[key]
+
+
+def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, source_name: str,
+                    extra: dict, local_layers) -> ProfileTasks:
+  """The unique profiling tasks: every layer on every configuration, deduplicated by key.
+
+  Pure bookkeeping: nothing is traced, compiled or read from disk (a task's local-batch piece
+  is resolved only when it is costed).
+
+  Args:
+    layers: the layers at the full microbatch.
+    cluster: the cluster (links, devices).
+    subs: its subclusters in pipeline order.
+    opts: the options.
+    source_name, extra: the cost source's name and extra key (part of each cache key).
+    local_layers: ``dp -> layers at microbatch / dp`` or ``None``, and whether a local trace
+      exists for ``dp`` (see :func:`profile_layers`).
+  """
+  L = len(layers)
+  b = microbatch_size(layers) or 1
+  local_seq, has_local = local_layers
+  measured = opts.source == "measured"
+  piece = _Pieces()
+  devices_of = _measured_devices(cluster) if measured else None
+  configs = tuple(MeshConfig(k, s, tuple(nm), mesh)
+                  for k, sub in enumerate(subs)
+                  for s, nm in enumerate(sub.submesh_shapes())
+                  for mesh in sharding.submesh_logical_meshes(nm, microbatch_size=b,
+                                                              max_tp=opts.max_tp))
+  tasks: dict[str, sources.LayerTask] = {}
+  keys: dict[str, dict] = {}
+  assign = []
+  pruned = 0
+  for cfg in configs:
+    sub = subs[cfg.subcluster]
+    dp, tp = cfg.mesh
+    host = Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
+    nl = cluster.intra_subcluster_link(sub.name)
+    node = Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+    scaled = not measured and not has_local(dp)
+    row = []
+    for i in range(L):
+      full = piece(layers, i)
+      if full.num_params / tp * opts.state_bytes_per_param > sub.memory_bytes:
+        row.append(None)
+        pruned += 1
+        continue
+
+      def resolve(dp=dp, i=i):
+        seq = None if measured else local_seq(dp)
+        seq = layers if seq is None else seq
+        return seq, piece(seq, i)
+      task = sources.LayerTask(
+          layer=i, signature=layers[i].signature, local=resolve, full_piece=full,
+          gpu=sub.gpu, submesh=cfg.submesh, mesh=cfg.mesh, microbatch=b,
+          local_batch=b if (measured or scaled) else b // dp, host_link=host, node_link=node,
+          devices=devices_of(sub, cfg.submesh) if devices_of else None, dp_scaled=scaled)
+      key = task.key(source_name, extra)
+      kid = json.dumps(key, sort_keys=True, default=str)
+      if kid not in tasks:
+        tasks[kid], keys[kid] = task, key
+      row.append(kid)
+    assign.append(tuple(row))
+  return ProfileTasks(configs, tasks, keys, tuple(assign), pruned)
+
+
+def _measured_devices(cluster):
+  """``(subcluster, (n, m)) -> its local JAX devices`` for the measured source."""
+  try:
+    local_devs = cluster.local_devices()
+  except HarpjaxError as e:
+    raise HarpjaxError(f"measured profiling runs on the cluster's devices: {e}") from None
+
+  def devices_of(sub, nm):
+    base = cluster.devices_of(sub.name).start
+    n, m = nm
+    return tuple(local_devs[base + h * sub.devices_per_host + d]
+                 for h in range(n) for d in range(m))
+  return devices_of
+
+
+# --------------------------------------------------------------------------- costing
+
+
+def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: LayerSequence
+               ) -> tuple[dict, list[str], bool]:
+  """Costs the unique tasks: from the cache, else with the source (analytic compilations in
+  ``opts.workers`` threads), writing what it computed to the cache. A task whose trace at the
+  local batch failed is replaced in ``found`` by its full-microbatch approximation.
+
+  Returns:
+    ``(results, computed, dp_approximated)``: task id -> :class:`LayerCost`, the ids computed
+    in this call, and whether some data-parallel cost was scaled from the full microbatch.
+  """
+  b = microbatch_size(layers) or 1
+  results: dict[str, sources.LayerCost] = {}
+  todo = []
+  for kid, key in found.keys.items():
+    hit = db.get(key)
+    if hit is not None:
+      try:
+        results[kid] = sources.LayerCost.from_json(hit)
+        continue
+      except (KeyError, TypeError, ValueError):
+        pass
+    todo.append(kid)
+  log.info("profiling: %d layers, %d configurations, %d unique tasks (%d cached)", len(layers),
+           len(found.configs), len(found.tasks), len(found.tasks) - len(todo))
+  dp_approx = False
+  tasks, keys = found.tasks, found.keys
+  for kid in todo:   # a local trace that failed falls back to scaling the full microbatch
+    t = tasks[kid]
+    if not t.dp_scaled and t.mesh[0] > 1 and opts.source != "measured" and t.seq is layers:
+      tasks[kid] = t = dataclasses.replace(t, dp_scaled=True, local_batch=b)
+      keys[kid] = t.key(source.name, source.cache_extra())
+    dp_approx |= t.dp_scaled
+  analytic = getattr(source, "base", source)
+  compile_keys = {}
+  if isinstance(analytic, sources.AnalyticSource):
+    for kid in todo:
+      t = tasks[kid]
+      compile_keys.setdefault((t.signature, t.mesh[1], t.local_batch, t.dp_scaled), t)
+  with _progress(len(compile_keys) + len(todo), opts.progress, "profiling") as bar:
+    if compile_keys:
+      if opts.workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(opts.workers) as ex:
+          for _ in ex.map(analytic.stats, compile_keys.values()):
+            bar.update(1)
+      else:
+        for t in compile_keys.values():
+          analytic.stats(t)
+          bar.update(1)
+    for kid in todo:
+      cost = source.cost(tasks[kid])
+      db.put(keys[kid], cost.to_json())
+      results[kid] = cost
+      bar.update(1)
+  return results, todo, dp_approx
+
+
+# --------------------------------------------------------------------------- tables
+
+
+COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops")
+
+
+def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
+  """Per configuration, ``{field: [L] array}`` of :data:`COST_FIELDS` (``inf`` time: pruned)."""
+  out = []
+  for row in found.assign:
+    arr = {f: np.zeros(num_layers) for f in COST_FIELDS}
+    for i, kid in enumerate(row):
+      if kid is None:
+        arr["time_s"][i] = np.inf
+        continue
+      c = results[kid]
+      for f in COST_FIELDS:
+        arr[f][i] = getattr(c, f)
+    out.append(arr)
+  return out
+
+
+def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
+                            imbalance: float) -> tuple[CostTables, dict]:
+  """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
+  times and residuals, and the sum of their parameter state plus the largest XLA workspace
+  among them (:func:`~harpjax.compiler.profile.tables.assemble_tables` picks the logical
+  mesh)."""
+  by_submesh: dict[tuple[int, int], list] = {}
+  for cfg, arr in zip(configs, costs):
+    by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
+
+  def mesh_costs(k: int, s: int):
+    for mesh, arr in by_submesh.get((k, s), []):
+      yield (mesh, range_sums(arr["time_s"]),
+             range_sums(arr["param_mem_bytes"]) + range_max(arr["temp_bytes"]),
+             range_sums(arr["act_mem_bytes"]))
+
+  intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
+  inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]
+  return assemble_tables(
+      names=[sub.name for sub in subs], num_hosts=[sub.num_hosts for sub in subs],
+      devices_per_host=[sub.devices_per_host for sub in subs],
+      memory_bytes=[float(sub.memory_bytes) for sub in subs],
+      submeshes=[tuple(sub.submesh_shapes()) for sub in subs], mesh_costs=mesh_costs,
+      boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
+      peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
+      imbalance=imbalance, layer_names=[l.name for l in layers])
+
+
+# --------------------------------------------------------------------------- the profiler
+
+
+def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | None = None,
+                   local_layers: Mapping[int, LayerSequence] | None = None) -> ProfileResult:
+  """Profiles a layer sequence on a cluster and builds its :class:`CostTables`.
+
+  Three steps: :func:`enumerate_tasks` (the unique tasks), :func:`cost_tasks` (cache, then the
+  cost source) and :func:`tables_from_layer_costs`.
+
+  Args:
+    layers: the layers at the full microbatch (from :func:`~harpjax.compiler.layers.
+      layers_for_step`; its ``input_kinds`` say which inputs are parameters and batch).
+    cluster: a :class:`harpjax.Cluster`.
+    options: :class:`ProfileOptions`.
+    local_layers: ``{dp: layers}`` traced at microbatch ``/ dp`` (same cuts, e.g. from
+      :func:`~harpjax.compiler.layers.relayer`), or a function ``dp -> layers | None``
+      called only when a task misses the cache; the analytic source costs one data-parallel
+      replica from them. Missing ones are approximated by scaling the full microbatch's
+      batch-proportional costs by ``1 / dp`` (:func:`profile_step` traces them lazily).
+
+  Returns:
+    The :class:`ProfileResult`.
+  """
+  opts = options or ProfileOptions()
+  t0 = time.perf_counter()
+  L = len(layers)
+  if L == 0:
+    raise HarpjaxError("cannot profile an empty layer sequence")
+  subs = _ordered(cluster, opts.order)
+  root = (opts.cache_dir if opts.cache_dir is not None else cache.default_cache_dir()) \
+      if opts.use_cache else None
+  db = cache.ProfileDB(root)
+  source = _make_source(opts, db)
+  found = enumerate_tasks(layers, cluster, subs, opts, source.name, source.cache_extra(),
+                          _local_layers(layers, local_layers))
+  results, computed, dp_approx = cost_tasks(found, source, db, opts, layers)
+  costs = layer_costs(found, results, L)
+  tables, counts = tables_from_layer_costs(layers, cluster, subs, found.configs, costs,
+                                           opts.imbalance)
+  naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
+  stats = ProfileStats(
+      num_layers=L, distinct_layers=len(set(layers.signatures)),
+      layers_per_repeat=_layers_per_repeat(layers), configs=len(found.configs),
+      candidates=len(found.configs) * L, unique_tasks=len(found.tasks),
+      unique_compiles=len({(t.signature, t.mesh[1], t.local_batch)
+                           for t in found.tasks.values()}),
+      computed=len(computed), cache_hits=len(found.tasks) - len(computed),
+      pruned_tasks=found.pruned, pruned_oom=counts["oom"], pruned_imbalance=counts["imbalance"],
+      naive_stage_submesh=naive_ss, naive_stage_mesh=L * (L + 1) // 2 * len(found.configs),
+      seconds=time.perf_counter() - t0, dp_approximated=dp_approx)
+  log.info("profiling done: %s", stats.describe())
+  by_config = {(subs[c.subcluster].name, c.submesh, c.mesh): arr
+               for c, arr in zip(found.configs, costs)}
+  return ProfileResult(tables, layers, stats, by_config)
+
+
+def _local_layers(layers: LayerSequence, local_layers):
+  """``(dp -> layers at microbatch / dp or None, dp -> whether one may exist)``, memoised."""
+  given = local_layers if callable(local_layers) else dict(local_layers or {}).get
+  memo: dict = {1: layers}
+
+  def local_seq(dp):
+    if dp not in memo:
+      memo[dp] = given(dp)
+    return memo[dp]
+
+  if callable(local_layers):
+    return local_seq, (lambda dp: True)
+  return local_seq, (lambda dp: dp == 1 or dp in (local_layers or {}))
+
+
+def _layers_per_repeat(layers: LayerSequence) -> int:
+  kinds = layers.module_kinds()
+  if not kinds:
+    return 0
+  name = max(kinds, key=kinds.get)
+  inst = layers.instances(name)
+  return inst[0].num_layers if inst else 0
+
+
+def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: int,
+                 batch_argnums: Sequence[int] = (1,), layer_options: LayerOptions | None = None,
+                 options: ProfileOptions | None = None) -> ProfileResult:
+  """Traces a train step, constructs its layers and profiles them on ``cluster``.
+
+  The step is traced once more per data-parallel degree at the local microbatch size, so the
+  analytic source costs exactly what one replica runs.
+
+  Args:
+    step_fn: the train step (uses :func:`harpjax.value_and_grad`).
+    args: example arguments; ``jax.ShapeDtypeStruct`` s are enough.
+    cluster: the :class:`harpjax.Cluster`.
+    num_microbatches: B.
+    batch_argnums: positions of the batch arguments.
+    layer_options: :class:`~harpjax.compiler.layers.LayerOptions`.
+    options: :class:`ProfileOptions`.
+  """
+  opts = options or ProfileOptions()
+  t0 = time.perf_counter()
+  ts = trace_step(step_fn, args, num_microbatches=num_microbatches,
+                  batch_argnums=batch_argnums)
+  layers = layers_for_step(ts, layer_options)
+  log.info("traced and cut the step in %.1f s: %s", time.perf_counter() - t0, layers.summary)
+  b = microbatch_size(layers)
+  if b is None:
+    log.warning("no input of the step is split into microbatches (num_microbatches=%d), so "
+                "data parallelism cannot be costed; trace with num_microbatches >= 2",
+                num_microbatches)
+    b = 1
+  lopts = layer_options or LayerOptions()
+
+  def local(dp: int):
+    """The layers traced at microbatch ``b / dp`` (only on a cache miss)."""
+    try:
+      t1 = time.perf_counter()
+      ts_dp = trace_step(step_fn, args, num_microbatches=num_microbatches * dp,
+                         batch_argnums=batch_argnums)
+      program = ts_dp.region
+      if layers.origin is not None:
+        program, _ = unroll_scans(program, z=lopts.z, max_length=lopts.max_unroll)
+      seq = relayer(layers, program, [inp.kind for inp in ts_dp.inputs])
+      log.info("traced the step at microbatch %d / %d in %.1f s", b, dp,
+               time.perf_counter() - t1)
+      return seq
+    except (HarpjaxError, ValueError) as e:
+      log.info("no trace at microbatch %d / %d (%s); scaling instead", b, dp, e)
+      return None
+
+  return profile_layers(layers, cluster, options=opts, local_layers=local)

@@ -1,0 +1,380 @@
+"""Cost sources behind one interface: measured, analytic, imported.
+
+A source turns a :class:`LayerTask` (one layer's piece on one submesh with one logical mesh of
+one GPU type) into a :class:`LayerCost` (forward+backward seconds of one microbatch including
+its collectives and the data-parallel gradient all-reduce, and per-device memory).
+
+* :class:`MeasuredSource` compiles the piece on the submesh's devices and times it (median).
+* :class:`AnalyticSource` compiles the piece of one data-parallel replica (local batch) on
+  ``tp`` devices from ``jax.ShapeDtypeStruct`` s, and applies the GPU type's calibrated rates
+  (:mod:`~harpjax.compiler.profile.calibration`) to XLA's FLOPs and bytes, its collectives to the host link,
+  and a ring all-reduce of the gradients to the link between the replicas.
+* :class:`ImportedSource` scales the analytic compute of the layers of the model's repeated
+  block so that one block takes what a published measurement says (the Zorse per-layer data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import statistics
+import time
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harpjax.cluster import Link
+from harpjax.compiler.layers import sharding
+from harpjax.compiler.profile import calibration as calib
+from harpjax.compiler.profile import pieces as pieces_lib
+from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
+from harpjax.errors import HarpjaxError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LayerTask", "LayerCost", "CostSource", "AnalyticSource", "MeasuredSource",
+           "ImportedSource"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerTask:
+  """One layer to cost on one submesh / logical mesh of one GPU type.
+
+  Attributes:
+    layer: layer index.
+    signature: the layer's signature at the full microbatch; with ``local_batch`` it
+      identifies the piece one replica runs (what deduplicates).
+    local: ``() -> (layer sequence at the local batch, piece of the layer)``, called only
+      when the task is actually costed (a trace at the local batch may be needed).
+    full_piece: the layer at the full microbatch (what a measurement runs).
+    gpu: the subcluster's :class:`~harpjax.cluster.GPUType`.
+    submesh: ``(n, m)``.
+    mesh: ``(dp, tp)``.
+    microbatch: the full microbatch size.
+    local_batch: ``microbatch / dp``.
+    host_link: the link inside a host (tensor-parallel collectives; data parallelism when
+      ``n == 1``).
+    node_link: the link between hosts of the subcluster.
+    devices: the submesh's JAX devices (measured source only).
+    dp_scaled: the piece is at the full microbatch although ``dp > 1`` (no local trace):
+      scale batch-proportional costs by ``1 / dp``.
+  """
+  layer: int
+  signature: str
+  local: Any
+  full_piece: Any
+  gpu: Any
+  submesh: tuple
+  mesh: tuple
+  microbatch: int
+  local_batch: int
+  host_link: Link
+  node_link: Link
+  devices: tuple | None = None
+  dp_scaled: bool = False
+
+  @functools.cached_property
+  def _resolved(self):
+    return self.local()
+
+  @property
+  def seq(self):
+    """The layer sequence at the local batch."""
+    return self._resolved[0]
+
+  @property
+  def piece(self):
+    """The layer at the local batch (one data-parallel replica's share)."""
+    return self._resolved[1]
+
+  def key(self, source: str, extra: dict | None = None) -> dict:
+    """The cache key: signature, GPU type, submesh, logical mesh, microbatch size, source."""
+    g = self.gpu
+    k = {"source": source, "signature": self.signature, "gpu": g.name,
+         "gpu_rates": [g.peak_flops, g.mem_bandwidth_bytes_per_s, g.memory_bytes],
+         "submesh": list(self.submesh), "mesh": list(self.mesh),
+         "microbatch": self.local_batch, "dp_scaled": self.dp_scaled,
+         "links": [self.host_link.bandwidth_bytes_per_s, self.host_link.latency_s,
+                   self.node_link.bandwidth_bytes_per_s, self.node_link.latency_s]}
+    k.update(extra or {})
+    return k
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+  """Per-microbatch costs of one layer on one device of a submesh.
+
+  Attributes:
+    time_s: forward+backward seconds, collectives and gradient all-reduce included.
+    comm_s: the part of ``time_s`` spent in collectives (analytic sources).
+    param_mem_bytes: weights + gradients + optimizer state of this device's shard.
+    act_mem_bytes: residuals kept per in-flight microbatch.
+    temp_bytes: XLA's workspace.
+    flops: FLOPs per device.
+  """
+  time_s: float
+  comm_s: float
+  param_mem_bytes: float
+  act_mem_bytes: float
+  temp_bytes: float
+  flops: float
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "LayerCost":
+    return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls)})
+
+
+class CostSource(Protocol):
+  """What a cost source provides."""
+  name: str
+
+  def cache_extra(self) -> dict:
+    """Anything beyond the task that the result depends on (part of the cache key)."""
+
+  def cost(self, task: LayerTask) -> LayerCost:
+    """Costs one task."""
+
+
+class AnalyticSource:
+  """XLA cost/memory analysis at the local batch + calibrated GPU rates (no arrays).
+
+  Args:
+    db: the :class:`~harpjax.compiler.profile.cache.ProfileDB` (for the compile-level statistics).
+    efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency`; default the
+      calibrated table.
+    state_bytes_per_param: weights + gradients + optimizer state per parameter.
+    devices: devices to compile on (default ``jax.devices()``); ``tp`` must not exceed them.
+  """
+  name = "analytic"
+
+  def __init__(self, db, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
+               devices=None, remat: bool = False):
+    self.db = db
+    self.remat = bool(remat)
+    self.efficiencies = efficiencies
+    self.state_bytes_per_param = float(state_bytes_per_param)
+    self.devices = list(devices) if devices is not None else None
+    self._memo: dict = {}
+    self.compiles = 0
+
+  def cache_extra(self) -> dict:
+    table = self.efficiencies if self.efficiencies is not None else calib.CALIBRATION
+    e = {k: list(dataclasses.astuple(v)[:3]) for k, v in sorted(table.items())}
+    return {"state_bytes_per_param": self.state_bytes_per_param, "efficiencies": e,
+            "remat": self.remat}
+
+  def stats(self, task: LayerTask) -> pieces_lib.XlaStats:
+    """XLA statistics of the task's piece on ``tp`` devices (cached by signature)."""
+    tp = task.mesh[1]
+    key = {"what": "xla-stats", "signature": task.signature, "tp": tp,
+           "microbatch": task.local_batch, "remat": self.remat}
+    k = (task.signature, tp, task.local_batch, self.remat)
+    got = self._memo.get(k)
+    if got is not None:
+      return got
+    cached = self.db.get(key)
+    if cached is not None:
+      try:
+        got = pieces_lib.XlaStats.from_json(cached)
+      except (KeyError, TypeError):
+        got = None
+    if got is None:
+      devices = self.devices if self.devices is not None else jax.devices()
+      if tp > len(devices):
+        raise HarpjaxError(
+            f"the analytic profiler compiles a tp={tp} layer on {tp} local devices but only "
+            f"{len(devices)} exist; set XLA_FLAGS=--xla_force_host_platform_device_count={tp} "
+            "before JAX is imported, or pass max_tp")
+      got = pieces_lib.xla_stats(task.piece, devices[:tp], remat=self.remat)
+      self.compiles += 1
+      self.db.put(key, got.to_json())
+    self._memo[k] = got
+    return got
+
+  def compute_time_s(self, task: LayerTask, st: pieces_lib.XlaStats) -> float:
+    g = task.gpu
+    eff = calib.efficiency_for(g.name, self.efficiencies)
+    scale = task.mesh[0] if task.dp_scaled else 1
+    return float(calib.predict_layer_time_s(st.flops / scale, st.bytes_accessed / scale,
+                                            g.peak_flops, g.mem_bandwidth_bytes_per_s, eff))
+
+  def cost(self, task: LayerTask) -> LayerCost:
+    st = self.stats(task)
+    dp, tp = task.mesh
+    n = task.submesh[0]
+    scale = dp if task.dp_scaled else 1
+    t_comp = self.compute_time_s(task, st)
+    t_coll = collective_time_s({k: [b / scale, c] for k, (b, c) in st.collective_bytes.items()},
+                               tp, task.host_link)
+    t_sync = allreduce_time_s(st.param_bytes, dp, task.host_link if n == 1 else task.node_link)
+    return LayerCost(time_s=t_comp + t_coll + t_sync, comm_s=t_coll + t_sync,
+                     param_mem_bytes=st.num_params * self.state_bytes_per_param,
+                     act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
+                     flops=st.flops / scale)
+
+
+class MeasuredSource:
+  """Compiles each piece on the submesh's devices and times it (median of ``repeats``).
+
+  Memory comes from XLA's memory analysis of the same sharded program.
+  """
+  name = "measured"
+
+  def __init__(self, db, repeats: int = 5, warmup: int = 1, state_bytes_per_param: float = 16.0,
+               seed: int = 0, remat: bool = False):
+    self.db = db
+    self.remat = bool(remat)
+    self.repeats = max(1, int(repeats))
+    self.warmup = max(0, int(warmup))
+    self.state_bytes_per_param = float(state_bytes_per_param)
+    self.seed = seed
+
+  def cache_extra(self) -> dict:
+    return {"repeats": self.repeats, "state_bytes_per_param": self.state_bytes_per_param,
+            "platform": jax.devices()[0].platform, "remat": self.remat}
+
+  def cost(self, task: LayerTask) -> LayerCost:
+    if task.devices is None:
+      raise HarpjaxError("the measured profiler needs the submesh's devices; the cluster "
+                         "must map onto local JAX devices (Cluster.local_devices)")
+    piece = task.full_piece
+    mesh = sharding.make_mesh(task.devices, task.mesh)
+    in_sh, _ = pieces_lib.shardings(piece, mesh)
+    fwd_bwd, _ = pieces_lib.make_functions(piece, self.remat)
+    abstract = pieces_lib.abstract_inputs(piece)
+    rng = np.random.default_rng(self.seed)
+    args = jax.tree_util.tree_map(lambda s, sh: jax.device_put(_random(s, rng), sh),
+                                  abstract, in_sh)
+    fn = jax.jit(fwd_bwd, in_shardings=in_sh).lower(*args).compile()
+    for _ in range(self.warmup):
+      jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(self.repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t0)
+    st = pieces_lib.xla_stats(piece, task.devices, task.mesh, compiled=fn, remat=self.remat)
+    return LayerCost(time_s=float(statistics.median(times)), comm_s=0.0,
+                     param_mem_bytes=st.num_params * self.state_bytes_per_param,
+                     act_mem_bytes=st.residual_bytes, temp_bytes=st.temp_bytes, flops=st.flops)
+
+
+def _random(s, rng):
+  """A random array of ``s``'s shape and dtype (zeros for integers: valid indices)."""
+  if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+    keys = jax.random.split(jax.random.key(0), max(1, int(np.prod(s.shape))))
+    return keys[0] if s.shape == () else keys.reshape(s.shape)
+  if jnp.issubdtype(s.dtype, jnp.floating):
+    return jnp.asarray(rng.standard_normal(s.shape) * 0.1, dtype=s.dtype)
+  return jnp.zeros(s.shape, s.dtype)
+
+
+class ImportedSource:
+  """Published per-layer measurements (Zorse) for the repeated block, analytic elsewhere.
+
+  The layers of the model's most repeated module kind (or ``module``) are one transformer
+  block; their analytic compute times on the GPU type at the local batch are scaled so that
+  they add up to the published forward+backward time of one layer of ``model`` at that
+  microbatch size (at the published sequence length nearest the model's, with the microbatch
+  scaled by the ratio of sequence lengths). Collectives, the gradient all-reduce and memory
+  stay analytic; GPU types without data fall back to the analytic estimate.
+
+  Args:
+    base: the :class:`AnalyticSource`.
+    model: Zorse model name (``"deepspeedgpt_2.7b"``).
+    data: parsed Zorse latencies (default: :func:`~harpjax.compiler.profile.calibration.load_zorse`).
+    module: module kind name of the block (default: the most repeated kind).
+  """
+  name = "imported"
+
+  def __init__(self, base: AnalyticSource, model: str, data: dict | None = None,
+               module: str | None = None):
+    self.base = base
+    self.model = model
+    self.data = data if data is not None else calib.load_zorse()
+    if model not in self.data:
+      raise HarpjaxError(f"no published measurements for model {model!r}; known: "
+                         f"{', '.join(sorted(self.data))}")
+    self.module = module
+    self._ratio: dict = {}
+
+  def cache_extra(self) -> dict:
+    return {"imported_model": self.model, "module": self.module, **self.base.cache_extra()}
+
+  def _block(self, seq) -> list[int]:
+    kinds = seq.module_kinds()
+    if not kinds:
+      return []
+    name = self.module or max(kinds, key=kinds.get)
+    inst = seq.instances(name)
+    return list(range(inst[0].first_layer, inst[0].last_layer + 1)) if inst else []
+
+  def _measured_s(self, gpu_name: str, seq_len: int, mbs: int) -> float | None:
+    for key in calib.ZORSE_GPU_KEYS.get(gpu_name, ()):
+      by_seq = self.data[self.model].get(key)
+      if not by_seq:
+        continue
+      seqs = [int(s) for s, d in by_seq.items() if "float16" in d]
+      if not seqs:
+        continue
+      s = min(seqs, key=lambda x: abs(np.log(x / seq_len)))
+      entry = by_seq[str(s)]["float16"]
+      eff_mbs = mbs * seq_len / s
+      ms = calib.zorse_fit_ms(entry, eff_mbs)
+      if ms is None:
+        table = calib.zorse_layer_ms(entry)
+        if table:
+          xs = sorted(table)
+          ms = float(np.interp(eff_mbs, xs, [table[x] for x in xs]))
+      if ms is not None and ms > 0:
+        return ms * 1e-3
+    return None
+
+  def cost(self, task: LayerTask) -> LayerCost:
+    c = self.base.cost(task)
+    block = self._block(task.seq)
+    if not block:
+      return c
+    lay = task.seq[task.layer]
+    first = task.seq[block[0]]
+    if lay.module != first.module:
+      return c
+    key = (task.gpu.name, task.local_batch)
+    if key not in self._ratio:
+      seq_len = _seq_len(task.piece)
+      measured = self._measured_s(task.gpu.name, seq_len, task.local_batch)
+      if measured is None:
+        log.info("no published %s measurement for %s; using the analytic estimate", self.model,
+                 task.gpu.name)
+        self._ratio[key] = 1.0
+      else:
+        total = 0.0
+        for i in block:
+          t1 = dataclasses.replace(task, layer=i, signature=task.seq[i].signature,
+                                   local=lambda i=i: (task.seq, _piece(task, i)),
+                                   mesh=(1, 1))
+          total += self.base.compute_time_s(t1, self.base.stats(t1))
+        self._ratio[key] = measured / total
+    r = self._ratio[key]
+    st = self.base.stats(task)
+    t_comp = self.base.compute_time_s(task, st)
+    return dataclasses.replace(c, time_s=c.time_s + t_comp * (r - 1.0))
+
+
+def _piece(task: LayerTask, i: int):
+  dep = pieces_lib.batch_dependent(task.seq.program, task.seq.input_kinds)
+  return pieces_lib.build_piece(task.seq, i, i, dep)
+
+
+def _seq_len(piece) -> int:
+  for v in piece.act_ids + piece.aux_ids:
+    shape = piece.program.avals[v].shape
+    if len(shape) >= 2:
+      return int(shape[1])
+  return 1

@@ -1,0 +1,815 @@
+"""Cost tables: the planner's only input, as plain arrays, and the one builder of them.
+
+A :class:`CostTables` says, for every subcluster ``k`` (in pipeline order), every layer range
+``i..j`` (inclusive, 0-indexed) and every submesh choice ``s`` of that subcluster, how long one
+microbatch's forward+backward takes (``stage_time_s[k][i, j, s]``, best logical mesh already
+chosen), how many bytes per device the stage's parameters/optimizer state take
+(``param_mem_bytes``) and how many bytes one in-flight microbatch's activations take
+(``act_mem_bytes``). ``boundary_bytes[j]`` is what crosses a cut after layer ``j`` per
+microbatch; a cut costs ``C(j) = latency + boundary_bytes[j] / bandwidth`` on its link: the
+subcluster's own link for a cut inside it, the link between consecutive subclusters ``k`` and
+``k + 1`` for the cut where subcluster ``k``'s devices are exhausted.
+
+Tables can be written by hand (tests, other systems' profiles); both ways of building them from
+per-layer costs go through :func:`assemble_tables`, which turns per-(submesh, logical mesh)
+range costs into the arrays and chooses the logical mesh of each entry: the profiler
+(:mod:`harpjax.compiler.profile.profiler`, per-layer costs measured or analysed per mesh) and
+:meth:`CostTables.from_layer_costs` (one single-device time per layer, a
+:class:`LayerProfile`, and a simple cluster description, :class:`SubclusterSpec`).
+
+Submesh shapes follow the paper (:func:`harpjax.cluster.paper_submeshes`): ``(1, 1), (1, 2),
+(1, 4), ..., (1, M)`` then ``(2, M), ..., (N, M)``. Any single-host ``(1, m)`` with ``m <= M``
+and whole-host ``(n, M)`` are accepted. The planner makes sure the stages of a subcluster pack
+onto its hosts: when the single-host widths divide each other and ``M`` (powers of two with
+``M`` a power of two), any mix adding up to ``N * M`` devices packs and the DP just counts
+devices; otherwise (three ``(1, 4)`` add up to two hosts of 6 but do not fit them) it tracks
+the shapes used so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from harpjax.cluster import Link, paper_submeshes
+from harpjax.compiler.profile.collectives import allreduce_time_s
+from harpjax.errors import CostTablesError
+
+__all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
+           "memory_to_compute_order", "synthetic_gpt_profile", "assemble_tables", "range_sums",
+           "range_max"]
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def check_submeshes(name: str, num_hosts: int, devices_per_host: int,
+                    shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+  """Validates one subcluster's submesh shapes.
+
+  Raises:
+    CostTablesError: a shape is not ``(1, m)`` with ``1 <= m <= M`` or ``(n, M)`` with
+      ``2 <= n <= N``, or shapes repeat.
+  """
+  out = []
+  for shape in shapes:
+    try:
+      n, m = (int(x) for x in shape)
+    except (TypeError, ValueError):
+      raise CostTablesError(f"subcluster {name!r}: submesh {shape!r} is not (hosts, devices)")
+    if not ((n == 1 and 1 <= m <= devices_per_host)
+            or (2 <= n <= num_hosts and m == devices_per_host)):
+      raise CostTablesError(
+          f"subcluster {name!r} ({num_hosts} hosts x {devices_per_host} devices): submesh "
+          f"{(n, m)} must be (1, m) with 1 <= m <= {devices_per_host} (inside one host) or "
+          f"(n, {devices_per_host}) with 2 <= n <= {num_hosts} (whole hosts)")
+    out.append((n, m))
+  if not out:
+    raise CostTablesError(f"subcluster {name!r} has no submesh shapes")
+  if len(set(out)) != len(out):
+    raise CostTablesError(f"subcluster {name!r}: submesh shapes {out} repeat")
+  return tuple(out)
+
+
+def _int(v, where: str) -> int:
+  try:
+    iv = int(v)
+  except (TypeError, ValueError):
+    raise CostTablesError(f"{where}={v!r} is not an integer") from None
+  if iv != v:
+    raise CostTablesError(f"{where}={v!r} is not an integer")
+  return iv
+
+
+def _seq(v, where: str, n: int) -> tuple:
+  try:
+    t = tuple(v)
+  except TypeError:
+    raise CostTablesError(f"{where} must be a sequence of {n} entries, got {v!r}") from None
+  if len(t) != n:
+    raise CostTablesError(f"{where} has {len(t)} entries, expected {n} (one per "
+                          f"{'subcluster' if n else 'link'})")
+  return t
+
+
+def _positive(v, where: str, n: int) -> tuple[float, ...]:
+  t = tuple(float(x) for x in _seq(v, where, n))
+  if any(not (x > 0 and np.isfinite(x)) for x in t):
+    raise CostTablesError(f"{where}={t}: every entry must be finite and > 0")
+  return t
+
+
+def _nonneg(v, where: str, n: int) -> tuple[float, ...]:
+  t = tuple(float(x) for x in _seq(v, where, n))
+  if any(not (x >= 0 and np.isfinite(x)) for x in t):
+    raise CostTablesError(f"{where}={t}: every entry must be finite and >= 0")
+  return t
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CostTables:
+  """Per-stage costs of every (layer range, subcluster, submesh) candidate.
+
+  ``K`` subclusters in pipeline order, ``L`` layers, ``S_k`` submesh choices of subcluster
+  ``k``. Arrays are copied to read-only float64.
+
+  Attributes:
+    num_layers: ``L``.
+    subcluster_names: ``[K]`` names.
+    num_hosts: ``[K]`` ``N_k``.
+    devices_per_host: ``[K]`` ``M_k``.
+    device_memory_bytes: ``[K]`` memory of one device, bytes.
+    submeshes: ``[K]`` tuples of ``S_k`` shapes ``(n, m)``.
+    stage_time_s: ``[K]`` arrays ``[L, L, S_k]``: forward+backward seconds of one microbatch
+      of layers ``i..j`` on submesh ``s``; ``inf`` where infeasible or ``i > j``.
+    param_mem_bytes: ``[K]`` arrays ``[L, L, S_k]``: parameter, gradient and optimizer-state
+      bytes per device.
+    act_mem_bytes: ``[K]`` arrays ``[L, L, S_k]``: activation bytes per device per in-flight
+      microbatch.
+    boundary_bytes: ``[L]`` bytes crossing a cut after layer ``j`` per microbatch (each
+      direction: activations forward, gradients backward).
+    intra_bandwidth_bytes_per_s: ``[K]`` bandwidth of the link inside each subcluster.
+    intra_latency_s: ``[K]`` its latency.
+    inter_bandwidth_bytes_per_s: ``[K - 1]`` bandwidth between subclusters ``k`` and ``k+1``.
+    inter_latency_s: ``[K - 1]`` its latency.
+    logical_mesh: optional ``[K]`` int arrays ``[L, L, S_k, 2]`` of the chosen ``(dp, tp)``;
+      ``None`` means ``(n * m, 1)`` everywhere.
+    peak_flops: optional ``[K]`` peak FLOP/s of one device (for the load-balance score).
+    layer_names: optional ``[L]`` names.
+  """
+  num_layers: int
+  subcluster_names: tuple[str, ...]
+  num_hosts: tuple[int, ...]
+  devices_per_host: tuple[int, ...]
+  device_memory_bytes: tuple[float, ...]
+  submeshes: tuple[tuple[tuple[int, int], ...], ...]
+  stage_time_s: tuple[np.ndarray, ...]
+  param_mem_bytes: tuple[np.ndarray, ...]
+  act_mem_bytes: tuple[np.ndarray, ...]
+  boundary_bytes: np.ndarray
+  intra_bandwidth_bytes_per_s: tuple[float, ...]
+  intra_latency_s: tuple[float, ...]
+  inter_bandwidth_bytes_per_s: tuple[float, ...] = ()
+  inter_latency_s: tuple[float, ...] = ()
+  logical_mesh: tuple[np.ndarray, ...] | None = None
+  peak_flops: tuple[float, ...] | None = None
+  layer_names: tuple[str, ...] | None = None
+
+  def __post_init__(self):
+    L = _int(self.num_layers, "num_layers")
+    if L < 1:
+      raise CostTablesError(f"num_layers={self.num_layers} must be >= 1")
+    names = tuple(str(n) for n in self.subcluster_names)
+    K = len(names)
+    if K < 1:
+      raise CostTablesError("cost tables need at least one subcluster")
+    if len(set(names)) != K:
+      raise CostTablesError(f"subcluster names {names} repeat")
+    set_ = functools.partial(object.__setattr__, self)
+    set_("num_layers", L)
+    set_("subcluster_names", names)
+    for field in ("num_hosts", "devices_per_host"):
+      vals = tuple(_int(v, f"{field}[{k}]") for k, v in enumerate(_seq(getattr(self, field),
+                                                                         field, K)))
+      if min(vals) < 1:
+        raise CostTablesError(f"{field}={vals}: every entry must be >= 1")
+      set_(field, vals)
+    set_("device_memory_bytes", _positive(self.device_memory_bytes, "device_memory_bytes", K))
+    set_("intra_bandwidth_bytes_per_s",
+         _positive(self.intra_bandwidth_bytes_per_s, "intra_bandwidth_bytes_per_s", K))
+    set_("intra_latency_s", _nonneg(self.intra_latency_s, "intra_latency_s", K))
+    set_("inter_bandwidth_bytes_per_s",
+         _positive(self.inter_bandwidth_bytes_per_s, "inter_bandwidth_bytes_per_s", K - 1))
+    set_("inter_latency_s", _nonneg(self.inter_latency_s, "inter_latency_s", K - 1))
+    if self.peak_flops is not None:
+      set_("peak_flops", _positive(self.peak_flops, "peak_flops", K))
+    shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
+                                   s) for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
+    set_("submeshes", shapes)
+    for field in ("stage_time_s", "param_mem_bytes", "act_mem_bytes"):
+      arrs = []
+      for k, a in enumerate(_seq(getattr(self, field), field, K)):
+        a = np.array(a, dtype=np.float64)
+        want = (L, L, len(shapes[k]))
+        if a.shape != want:
+          raise CostTablesError(f"{field}[{k}] ({names[k]!r}) has shape {a.shape}, expected "
+                                f"[num_layers, num_layers, num_submeshes] = {list(want)}")
+        if np.isnan(a).any():
+          raise CostTablesError(f"{field}[{k}] ({names[k]!r}) contains NaN")
+        if field == "stage_time_s":
+          bad = np.argwhere(a <= 0)
+          if bad.size:
+            raise CostTablesError(f"stage_time_s[{k}][{tuple(int(x) for x in bad[0])}] = "
+                                  f"{a[tuple(bad[0])]}: stage times must be > 0 (inf if "
+                                  "infeasible)")
+        else:
+          bad = np.argwhere((a < 0) | np.isinf(a))
+          if bad.size:
+            raise CostTablesError(f"{field}[{k}][{tuple(int(x) for x in bad[0])}] = "
+                                  f"{a[tuple(bad[0])]}: bytes must be finite and >= 0")
+        a.setflags(write=False)
+        arrs.append(a)
+      set_(field, tuple(arrs))
+    b = np.array(self.boundary_bytes, dtype=np.float64).reshape(-1)
+    if b.shape != (L,) or not np.isfinite(b).all() or (b < 0).any():
+      raise CostTablesError(f"boundary_bytes must be [num_layers={L}] finite values >= 0, got "
+                            f"shape {b.shape}")
+    b.setflags(write=False)
+    set_("boundary_bytes", b)
+    if self.logical_mesh is not None:
+      meshes = []
+      for k, a in enumerate(_seq(self.logical_mesh, "logical_mesh", K)):
+        a = np.array(a, dtype=np.int64)
+        if a.shape != (L, L, len(shapes[k]), 2):
+          raise CostTablesError(f"logical_mesh[{k}] has shape {a.shape}, expected "
+                                f"{[L, L, len(shapes[k]), 2]}")
+        sizes = np.array([n * m for n, m in shapes[k]])
+        ok = (a[..., 0] * a[..., 1] == sizes) | ~np.isfinite(self.stage_time_s[k])
+        if not ok.all():
+          i, j, s = (int(x) for x in np.argwhere(~ok)[0])
+          raise CostTablesError(f"logical_mesh[{k}][{i}, {j}, {s}] = {tuple(a[i, j, s])}: "
+                                f"dp * tp must be {sizes[s]} devices of submesh {shapes[k][s]}")
+        a.setflags(write=False)
+        meshes.append(a)
+      set_("logical_mesh", tuple(meshes))
+    if self.layer_names is not None:
+      if len(self.layer_names) != L:
+        raise CostTablesError(f"layer_names has {len(self.layer_names)} names for {L} layers")
+      set_("layer_names", tuple(str(n) for n in self.layer_names))
+
+  # ------------------------------------------------------------------ derived quantities
+
+  @property
+  def num_subclusters(self) -> int:
+    return len(self.subcluster_names)
+
+  @property
+  def subcluster_devices(self) -> tuple[int, ...]:
+    """``[K]`` devices ``N_k * M_k`` of each subcluster."""
+    return tuple(n * m for n, m in zip(self.num_hosts, self.devices_per_host))
+
+  @property
+  def device_offsets(self) -> np.ndarray:
+    """``[K + 1]`` GPU offsets ``O_k`` (``O_0 = 0``, ``O_K`` = all devices)."""
+    return np.concatenate([[0], np.cumsum(self.subcluster_devices)]).astype(np.int64)
+
+  @property
+  def total_devices(self) -> int:
+    return int(sum(self.subcluster_devices))
+
+  @functools.cached_property
+  def intra_comm_s(self) -> np.ndarray:
+    """``[K, L]`` seconds of a cut after layer ``j`` inside subcluster ``k``: ``C(j)``."""
+    lat = np.asarray(self.intra_latency_s)[:, None]
+    bw = np.asarray(self.intra_bandwidth_bytes_per_s)[:, None]
+    out = lat + self.boundary_bytes[None, :] / bw
+    out.setflags(write=False)
+    return out
+
+  @functools.cached_property
+  def inter_comm_s(self) -> np.ndarray:
+    """``[K, L]`` seconds of a cut after layer ``j`` from subcluster ``k`` to ``k + 1``.
+
+    Row ``K - 1`` (no next subcluster) is ``inf``.
+    """
+    K, L = self.num_subclusters, self.num_layers
+    out = np.full((K, L), np.inf)
+    if K > 1:
+      lat = np.asarray(self.inter_latency_s)[:, None]
+      bw = np.asarray(self.inter_bandwidth_bytes_per_s)[:, None]
+      out[:K - 1] = lat + self.boundary_bytes[None, :] / bw
+    out.setflags(write=False)
+    return out
+
+  def submesh_index(self, k: int, shape: Sequence[int]) -> int:
+    """Index ``s`` of submesh ``shape`` in subcluster ``k``."""
+    shape = tuple(int(x) for x in shape)
+    try:
+      return self.submeshes[k].index(shape)
+    except ValueError:
+      raise CostTablesError(f"subcluster {self.subcluster_names[k]!r} has no submesh {shape}; "
+                            f"its submeshes are {list(self.submeshes[k])}") from None
+
+  def subcluster_index(self, name: str | int) -> int:
+    if isinstance(name, (int, np.integer)):
+      if not 0 <= int(name) < self.num_subclusters:
+        raise CostTablesError(f"subcluster index {name} out of range")
+      return int(name)
+    try:
+      return self.subcluster_names.index(name)
+    except ValueError:
+      raise CostTablesError(f"unknown subcluster {name!r}; the tables have "
+                            f"{list(self.subcluster_names)}") from None
+
+  def logical_mesh_of(self, k: int, i: int, j: int, s: int) -> tuple[int, int]:
+    """``(dp, tp)`` chosen for layers ``i..j`` on submesh ``s`` of subcluster ``k``."""
+    if self.logical_mesh is None:
+      n, m = self.submeshes[k][s]
+      return (n * m, 1)
+    dp, tp = self.logical_mesh[k][i, j, s]
+    return (int(dp), int(tp))
+
+  # ------------------------------------------------------------------ transformations
+
+  def replace(self, **changes) -> "CostTables":
+    return dataclasses.replace(self, **changes)
+
+  def without_communication(self) -> "CostTables":
+    """The same tables with free links (``C(j) = 0``): the communication-unaware view."""
+    K = self.num_subclusters
+    return self.replace(boundary_bytes=np.zeros(self.num_layers), intra_latency_s=(0.0,) * K,
+                        inter_latency_s=(0.0,) * (K - 1))
+
+  def coarsen(self, last_layers: Sequence[int]) -> "CostTables":
+    """Tables over coarse layers made of consecutive fine layers.
+
+    Args:
+      last_layers: increasing fine indices where the coarse layers end; the last is ``L - 1``.
+        Coarse layer ``I`` is fine layers ``last_layers[I-1] + 1 .. last_layers[I]``.
+
+    Returns:
+      Tables whose entries are the fine entries of the corresponding ranges, so a coarse plan
+      costs exactly what the same fine plan costs.
+    """
+    ends = np.asarray([int(x) for x in last_layers], dtype=np.int64)
+    if ends.size == 0 or ends[-1] != self.num_layers - 1 or (np.diff(ends) <= 0).any() \
+        or ends[0] < 0:
+      raise CostTablesError(f"last_layers={list(ends)} must increase and end at "
+                            f"{self.num_layers - 1}")
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    ix = np.ix_(starts, ends)
+    pick = lambda arrs: tuple(a[ix] for a in arrs)
+    names = None
+    if self.layer_names is not None:
+      names = tuple(f"{self.layer_names[a]}..{self.layer_names[b]}" if a != b
+                    else self.layer_names[a] for a, b in zip(starts, ends))
+    return self.replace(
+        num_layers=len(ends), stage_time_s=pick(self.stage_time_s),
+        param_mem_bytes=pick(self.param_mem_bytes), act_mem_bytes=pick(self.act_mem_bytes),
+        boundary_bytes=self.boundary_bytes[ends],
+        logical_mesh=None if self.logical_mesh is None else pick(self.logical_mesh),
+        layer_names=names)
+
+  def describe(self) -> str:
+    """A short human-readable summary."""
+    parts = [f"{self.num_layers} layers"]
+    for k, name in enumerate(self.subcluster_names):
+      parts.append(f"{name}: {self.num_hosts[k]}x{self.devices_per_host[k]}, "
+                   f"{self.device_memory_bytes[k] / 2**30:.1f} GiB, "
+                   f"{len(self.submeshes[k])} submeshes")
+    return "; ".join(parts)
+
+  # ------------------------------------------------------------------ builders
+
+  @classmethod
+  def from_layer_costs(cls, layers: "LayerProfile", subclusters: Sequence["SubclusterSpec"],
+                       inter_links: "Link | Sequence[Link] | Mapping" = (), *,
+                       layer_time_s: Sequence[Sequence[float]] | None = None,
+                       grad_sync_microbatches: int = 1, max_tp: int | None = None,
+                       order: str | Sequence[str] | None = None) -> "CostTables":
+    """Builds tables from per-layer costs and a simple cluster description.
+
+    For each range ``i..j``, submesh ``(n, m)`` of ``g = n * m`` devices and logical mesh
+    ``(dp, tp)`` (``tp`` divides ``m``, so tensor parallelism stays inside a host):
+
+    * time = ``sum(layer_time) / g`` + all-reduce of ``sum(tp_comm_bytes) / dp`` over ``tp``
+      devices on the host link + all-reduce of the gradients ``sum(param_bytes) / tp`` over
+      ``dp`` devices (host link if ``n == 1``, else the subcluster link), divided by
+      ``grad_sync_microbatches`` (the gradient sync runs once per iteration);
+    * parameter memory per device = ``sum(param_mem_bytes) / tp`` (data parallelism
+      replicates it); activation memory = ``sum(act_bytes) / dp``.
+
+    The logical mesh is chosen by :func:`assemble_tables`. Range sums add layers left to
+    right, so ranges of identical layers get bit-identical costs (fewer distinct ``t_max``
+    candidates).
+
+    Args:
+      layers: the per-layer profile (``L`` layers).
+      subclusters: the subclusters, :class:`SubclusterSpec`.
+      inter_links: the links between subclusters (:class:`harpjax.cluster.Link`): one for
+        every pair, a sequence of ``K - 1`` for consecutive pairs in the given order, or a
+        mapping from ``(name_a, name_b)`` (either order) to a link.
+      layer_time_s: optional per-subcluster ``[L]`` forward+backward seconds of each layer on
+        one device (a sequence in the given order or a mapping by name); default
+        ``flops / (peak_flops * efficiency)``.
+      grad_sync_microbatches: microbatches per iteration over which the gradient all-reduce
+        is amortised (``B``; 1 charges it to every microbatch).
+      max_tp: largest tensor-parallel degree considered (default ``M``).
+      order: ``None`` (as given), ``"memory_to_compute"`` (HARP §5.2.1) or a sequence of
+        names: the pipeline order of the subclusters.
+
+    Returns:
+      The :class:`CostTables`.
+    """
+    return _from_layer_profile(layers, subclusters, inter_links, layer_time_s,
+                               grad_sync_microbatches, max_tp, order)
+
+
+# --------------------------------------------------------------------------- per-layer costs
+
+
+@dataclasses.dataclass(frozen=True)
+class SubclusterSpec:
+  """One homogeneous subcluster, as plain numbers (no dependence on ``harpjax.cluster``).
+
+  Attributes:
+    name: subcluster name (``"a100"``).
+    num_hosts: ``N``.
+    devices_per_host: ``M``.
+    memory_bytes: memory of one device.
+    peak_flops: peak FLOP/s of one device (used with ``efficiency`` to turn FLOPs into seconds).
+    efficiency: achieved fraction of ``peak_flops``.
+    bandwidth_bytes_per_s: link between hosts of this subcluster (pipeline cuts inside it and
+      collectives that span hosts).
+    latency_s: latency of that link.
+    host_bandwidth_bytes_per_s: link inside one host (NVLink/PCIe) for collectives of a
+      single-host submesh; defaults to ``bandwidth_bytes_per_s``.
+    host_latency_s: its latency.
+    submeshes: shapes; default :func:`paper_submeshes`.
+  """
+  name: str
+  num_hosts: int
+  devices_per_host: int
+  memory_bytes: float
+  bandwidth_bytes_per_s: float
+  peak_flops: float | None = None
+  efficiency: float = 0.5
+  latency_s: float = 0.0
+  host_bandwidth_bytes_per_s: float | None = None
+  host_latency_s: float = 0.0
+  submeshes: tuple[tuple[int, int], ...] | None = None
+
+  def __post_init__(self):
+    where = f"subcluster {self.name!r}"
+    if _int(self.num_hosts, f"{where}: num_hosts") < 1 or \
+        _int(self.devices_per_host, f"{where}: devices_per_host") < 1:
+      raise CostTablesError(f"{where}: num_hosts and devices_per_host must be >= 1")
+    for f in ("memory_bytes", "bandwidth_bytes_per_s"):
+      if not float(getattr(self, f)) > 0:
+        raise CostTablesError(f"{where}: {f}={getattr(self, f)} must be > 0")
+    if self.peak_flops is not None and not float(self.peak_flops) > 0:
+      raise CostTablesError(f"{where}: peak_flops={self.peak_flops} must be > 0")
+    if not 0 < float(self.efficiency) <= 1:
+      raise CostTablesError(f"{where}: efficiency={self.efficiency} must be in (0, 1]")
+    if self.host_bandwidth_bytes_per_s is not None and not self.host_bandwidth_bytes_per_s > 0:
+      raise CostTablesError(f"{where}: host_bandwidth_bytes_per_s must be > 0")
+    if self.latency_s < 0 or self.host_latency_s < 0:
+      raise CostTablesError(f"{where}: latencies must be >= 0")
+    shapes = self.submeshes or paper_submeshes(self.num_hosts, self.devices_per_host)
+    object.__setattr__(self, "submeshes", check_submeshes(self.name, self.num_hosts,
+                                                          self.devices_per_host, shapes))
+
+  @property
+  def num_devices(self) -> int:
+    return self.num_hosts * self.devices_per_host
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerProfile:
+  """Per-layer costs of one microbatch, for :meth:`CostTables.from_layer_costs`.
+
+  All arrays are ``[L]``.
+
+  Attributes:
+    flops: forward+backward FLOPs (including any recomputation).
+    param_bytes: bytes of the layer's weights (what the data-parallel gradient all-reduce
+      moves, fp16 gradients of the same size).
+    param_mem_bytes: bytes of weights + gradients + optimizer state for one model replica.
+    act_bytes: activation bytes kept per in-flight microbatch.
+    boundary_bytes: bytes of the layer's output per microbatch (what a cut after it sends).
+    tp_comm_bytes: bytes all-reduced per microbatch (forward+backward) under tensor
+      parallelism.
+    names: optional layer names.
+  """
+  flops: np.ndarray
+  param_bytes: np.ndarray
+  param_mem_bytes: np.ndarray
+  act_bytes: np.ndarray
+  boundary_bytes: np.ndarray
+  tp_comm_bytes: np.ndarray | None = None
+  names: tuple[str, ...] | None = None
+
+  def __post_init__(self):
+    n = None
+    for f in ("flops", "param_bytes", "param_mem_bytes", "act_bytes", "boundary_bytes",
+              "tp_comm_bytes"):
+      v = getattr(self, f)
+      if v is None:
+        continue
+      a = np.array(v, dtype=np.float64).reshape(-1)
+      if n is None:
+        n = a.size
+      if a.size != n or not np.isfinite(a).all() or (a < 0).any():
+        raise CostTablesError(f"layer profile {f}: expected {n} finite values >= 0")
+      a.setflags(write=False)
+      object.__setattr__(self, f, a)
+    if not n:
+      raise CostTablesError("a layer profile needs at least one layer")
+    if self.tp_comm_bytes is None:
+      z = np.zeros(n)
+      z.setflags(write=False)
+      object.__setattr__(self, "tp_comm_bytes", z)
+    if self.names is not None and len(self.names) != n:
+      raise CostTablesError(f"layer profile names: {len(self.names)} names for {n} layers")
+
+  @property
+  def num_layers(self) -> int:
+    return int(self.flops.size)
+
+
+def memory_to_compute_order(subclusters: Sequence[SubclusterSpec]) -> tuple[str, ...]:
+  """Subcluster names, higher memory-to-compute ratio first (HARP §5.2.1).
+
+  Early pipeline stages hold the most in-flight microbatches, so the subcluster with the most
+  memory per FLOP/s goes first. Ties keep the given order.
+  """
+  def ratio(s):
+    if s.peak_flops is None:
+      raise CostTablesError(f"subcluster {s.name!r}: peak_flops is needed to order by "
+                            "memory-to-compute ratio")
+    return s.memory_bytes / (s.peak_flops * s.efficiency)
+  return tuple(s.name for s in sorted(subclusters, key=lambda s: -ratio(s)))
+
+
+# --------------------------------------------------------------------------- the builder
+
+
+def range_sums(x: np.ndarray) -> np.ndarray:
+  """``[L, L]`` sums of ``x[i..j]`` added left to right (``inf`` below the diagonal, and where
+  any term is not finite): ranges of identical layers get bit-identical sums."""
+  x = np.asarray(x, dtype=np.float64)
+  L = x.size
+  out = np.full((L, L), np.inf)
+  for i in range(L):
+    out[i, i:] = np.cumsum(x[i:])   # an inf term makes every later sum inf
+  return out
+
+
+def range_max(x: np.ndarray) -> np.ndarray:
+  """``[L, L]`` maxima of ``x[i..j]``."""
+  x = np.asarray(x, dtype=np.float64)
+  L = x.size
+  out = np.zeros((L, L))
+  for i in range(L):
+    out[i, i:] = np.maximum.accumulate(x[i:])
+  return out
+
+
+MeshCosts = tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray]
+"""``((dp, tp), time_s [L, L], param_mem_bytes [L, L], act_mem_bytes [L, L])`` of every layer
+range on one submesh under one logical mesh."""
+
+
+def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
+                    devices_per_host: Sequence[int], memory_bytes: Sequence[float],
+                    submeshes: Sequence[Sequence[tuple[int, int]]],
+                    mesh_costs: Callable[[int, int], Iterable[MeshCosts]],
+                    boundary_bytes: Sequence[float], intra_links: Sequence[Link],
+                    inter_links: Sequence[Link], peak_flops: Sequence[float] | None = None,
+                    layer_flops: Sequence[float] | None = None, imbalance: float = np.inf,
+                    layer_names: Sequence[str] | None = None) -> tuple[CostTables, dict]:
+  """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
+
+  For each entry (layer range, submesh) the logical mesh kept is the fastest of those whose
+  parameters plus one in-flight microbatch fit the device; if none fits, the one with the
+  smallest footprint (its time is kept: the planner drops the entry by its memory check).
+  A multi-layer range whose share of the model's FLOPs exceeds ``imbalance`` times its
+  submesh's share of the cluster's peak FLOP/s is hopelessly imbalanced (§5.1) and marked
+  infeasible (``inf``).
+
+  Args:
+    names, num_hosts, devices_per_host, memory_bytes: ``[K]`` per subcluster, in pipeline
+      order.
+    submeshes: ``[K]`` tuples of ``(n, m)``.
+    mesh_costs: ``mesh_costs(k, s)`` yields :data:`MeshCosts` of submesh ``s`` of subcluster
+      ``k`` (an ``inf`` time marks a range that cannot run).
+    boundary_bytes: ``[L]``.
+    intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
+      consecutive ones.
+    peak_flops: optional ``[K]`` peak FLOP/s of one device (the imbalance rule and the
+      load-balance score).
+    layer_flops: ``[L]`` forward FLOPs per layer, for the imbalance rule.
+    imbalance: the pruning factor (``inf`` disables it).
+    layer_names: optional ``[L]``.
+
+  Returns:
+    ``(tables, counts)``, counts of entries that fit no logical mesh (``"oom"``) and of entries
+    pruned as imbalanced (``"imbalance"``).
+  """
+  K, L = len(names), len(boundary_bytes)
+  iu = np.triu_indices(L)
+  hopeless_share = None
+  if np.isfinite(imbalance):
+    flops = np.asarray(layer_flops, dtype=np.float64)
+    share_f = range_sums(flops) / max(flops.sum(), 1e-30)
+    total_peak = sum(peak_flops[k] * num_hosts[k] * devices_per_host[k] for k in range(K))
+    multi = np.zeros((L, L), dtype=bool)
+    multi[iu] = iu[0] < iu[1]
+    hopeless_share = lambda k, g: multi & (share_f > imbalance * peak_flops[k] * g / total_peak)
+  counts = {"oom": 0, "imbalance": 0}
+  stage_t, param_m, act_m, logical = [], [], [], []
+  for k in range(K):
+    S = len(submeshes[k])
+    t_k = np.full((L, L, S), np.inf)
+    p_k, a_k = np.zeros((L, L, S)), np.zeros((L, L, S))
+    lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
+    for s, (n, m) in enumerate(submeshes[k]):
+      g = n * m
+      lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
+      best = None   # [fits, time, param, act, dp, tp, footprint]
+      for (dp, tp), t, pm, am in mesh_costs(k, s):
+        foot = pm + am
+        fits = np.isfinite(t) & (foot <= memory_bytes[k])
+        if best is None:
+          best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot]
+          continue
+        better = (fits & ~best[0]) | (fits & best[0] & (t < best[1])) | \
+            (~fits & ~best[0] & (foot < best[6]))
+        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot)):
+          best[idx] = np.where(better, new, best[idx])
+      if best is None:
+        continue
+      fits, t, pm, am, dps, tps, _ = best
+      keep = np.isfinite(t)
+      counts["oom"] += int(np.sum(~fits[iu]))
+      if hopeless_share is not None:
+        hopeless = hopeless_share(k, g)
+        counts["imbalance"] += int(np.sum((hopeless & fits)[iu]))
+        keep &= ~hopeless
+      t_k[iu[0], iu[1], s] = np.where(keep, t, np.inf)[iu]
+      p_k[iu[0], iu[1], s] = np.where(np.isfinite(pm), pm, 0.0)[iu]
+      a_k[iu[0], iu[1], s] = np.where(np.isfinite(am), am, 0.0)[iu]
+      lm_k[..., s, 0] = np.where(keep, dps, g)
+      lm_k[..., s, 1] = np.where(keep, tps, 1)
+    stage_t.append(t_k)
+    param_m.append(p_k)
+    act_m.append(a_k)
+    logical.append(lm_k)
+  tables = CostTables(
+      num_layers=L, subcluster_names=tuple(names), num_hosts=tuple(num_hosts),
+      devices_per_host=tuple(devices_per_host), device_memory_bytes=tuple(memory_bytes),
+      submeshes=tuple(tuple(s) for s in submeshes), stage_time_s=tuple(stage_t),
+      param_mem_bytes=tuple(param_m), act_mem_bytes=tuple(act_m),
+      boundary_bytes=np.asarray(boundary_bytes, dtype=np.float64),
+      intra_bandwidth_bytes_per_s=tuple(l.bandwidth_bytes_per_s for l in intra_links),
+      intra_latency_s=tuple(l.latency_s for l in intra_links),
+      inter_bandwidth_bytes_per_s=tuple(l.bandwidth_bytes_per_s for l in inter_links),
+      inter_latency_s=tuple(l.latency_s for l in inter_links),
+      logical_mesh=tuple(logical),
+      peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
+      layer_names=tuple(layer_names) if layer_names is not None else None)
+  return tables, counts
+
+
+def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_time_s,
+                        grad_sync_microbatches, max_tp, order) -> CostTables:
+  """The body of :meth:`CostTables.from_layer_costs` (see there for the equations)."""
+  specs = list(subclusters)
+  if not specs or not all(isinstance(s, SubclusterSpec) for s in specs):
+    raise CostTablesError("subclusters must be a non-empty sequence of SubclusterSpec")
+  names = [s.name for s in specs]
+  if len(set(names)) != len(names):
+    raise CostTablesError(f"subcluster names {names} repeat")
+  if _int(grad_sync_microbatches, "grad_sync_microbatches") < 1:
+    raise CostTablesError("grad_sync_microbatches must be >= 1")
+  L = layers.num_layers
+  # Per-layer single-device seconds, keyed by name.
+  times: dict[str, np.ndarray] = {}
+  if layer_time_s is None:
+    for s in specs:
+      if s.peak_flops is None:
+        raise CostTablesError(f"subcluster {s.name!r}: give peak_flops or layer_time_s")
+      times[s.name] = layers.flops / (s.peak_flops * s.efficiency)
+  else:
+    items = (layer_time_s.items() if isinstance(layer_time_s, Mapping)
+             else zip(names, _seq(layer_time_s, "layer_time_s", len(specs))))
+    for name, v in items:
+      a = np.array(v, dtype=np.float64).reshape(-1)
+      if a.shape != (L,) or not np.isfinite(a).all() or (a <= 0).any():
+        raise CostTablesError(f"layer_time_s[{name!r}] must be {L} finite values > 0")
+      times[str(name)] = a
+    if set(times) != set(names):
+      raise CostTablesError(f"layer_time_s names {sorted(times)} != subclusters {sorted(names)}")
+  # Pipeline order.
+  if order is None:
+    ordered = names
+  elif isinstance(order, str):
+    if order != "memory_to_compute":
+      raise CostTablesError(f"order={order!r}: use None, 'memory_to_compute' or a list of names")
+    ordered = list(memory_to_compute_order(specs))
+  else:
+    ordered = [str(x) for x in order]
+    if sorted(ordered) != sorted(names):
+      raise CostTablesError(f"order={ordered} must list each subcluster {names} once")
+  by_name = {s.name: s for s in specs}
+  specs = [by_name[n] for n in ordered]
+  # Links between consecutive subclusters.
+  links = []
+  for a, b in zip(ordered, ordered[1:]):
+    if isinstance(inter_links, Link):
+      links.append(inter_links)
+    elif isinstance(inter_links, Mapping):
+      link = inter_links.get((a, b), inter_links.get((b, a)))
+      if link is None:
+        raise CostTablesError(f"inter_links has no link between {a!r} and {b!r}")
+      links.append(link)
+    else:
+      seq = list(inter_links)
+      if len(seq) != len(names) - 1 or ordered != names:
+        raise CostTablesError("inter_links as a sequence needs K - 1 links in the given order; "
+                              "use a mapping {(a, b): Link} when reordering")
+      links.append(seq[len(links)])
+  for link in links:
+    if not isinstance(link, Link):
+      raise CostTablesError(f"inter_links: expected harpjax.cluster.Link, got {link!r}")
+  sums = {f: range_sums(getattr(layers, f))
+          for f in ("param_bytes", "param_mem_bytes", "act_bytes", "tp_comm_bytes")}
+
+  def mesh_costs(k: int, si: int):
+    s = specs[k]
+    n, m = s.submeshes[si]
+    g = n * m
+    host = Link(s.host_bandwidth_bytes_per_s or s.bandwidth_bytes_per_s,
+                s.host_latency_s if s.host_bandwidth_bytes_per_s else s.latency_s)
+    node = Link(s.bandwidth_bytes_per_s, s.latency_s)
+    tsum = range_sums(times[s.name])
+    for tp in range(1, m + 1):
+      if m % tp or (max_tp is not None and tp > max_tp):
+        continue
+      dp = g // tp
+      t = tsum / g
+      if tp > 1:
+        t = t + allreduce_time_s(sums["tp_comm_bytes"] / dp, tp, host)
+      if dp > 1:
+        t = t + allreduce_time_s(sums["param_bytes"] / tp, dp,
+                                 host if n == 1 else node) / grad_sync_microbatches
+      yield (dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp
+
+  peak = None
+  if all(s.peak_flops is not None for s in specs):
+    peak = tuple(float(s.peak_flops) for s in specs)
+  tables, _ = assemble_tables(
+      names=ordered, num_hosts=[s.num_hosts for s in specs],
+      devices_per_host=[s.devices_per_host for s in specs],
+      memory_bytes=[float(s.memory_bytes) for s in specs],
+      submeshes=[s.submeshes for s in specs], mesh_costs=mesh_costs,
+      boundary_bytes=layers.boundary_bytes,
+      intra_links=[Link(float(s.bandwidth_bytes_per_s), float(s.latency_s)) for s in specs],
+      inter_links=links, peak_flops=peak, layer_names=layers.names)
+  log.debug("cost tables: %d layers x %d subclusters built from layer costs", L, len(specs))
+  return tables
+
+
+# --------------------------------------------------------------------------- synthetic profiles
+
+
+def synthetic_gpt_profile(num_blocks: int = 48, hidden: int = 8192, seq_len: int = 1024,
+                          microbatch: int = 8, vocab: int = 51200, dtype_bytes: int = 2,
+                          state_bytes_per_param: int = 16) -> LayerProfile:
+  """An analytic GPT profile: embedding, ``3`` layers per block, head (``3 * blocks + 2``).
+
+  The three layers of a block are ``attn`` (LayerNorm, QKV projection, attention core),
+  ``proj`` (output projection, residual) and ``mlp`` (LayerNorm, two matmuls, residual). With
+  activation recomputation at layer boundaries, forward+backward costs ``4x`` the forward
+  FLOPs and a layer keeps only its input per in-flight microbatch. The cut after ``attn``
+  carries the attention output and the residual stream (twice the ``(tokens, hidden)``
+  tensor); the other cuts carry one. Under tensor parallelism a block all-reduces the
+  ``(tokens, hidden)`` tensor six times (two forward, two recomputed, two backward).
+
+  Args:
+    num_blocks: transformer blocks (48 for GPT-39B).
+    hidden: hidden size (8192).
+    seq_len: tokens per sequence (1024).
+    microbatch: sequences per microbatch (8).
+    vocab: vocabulary size.
+    dtype_bytes: bytes of one activation/weight element (2 for fp16).
+    state_bytes_per_param: bytes of weights + gradients + optimizer state per parameter
+      (16 for mixed-precision Adam).
+
+  Returns:
+    The :class:`LayerProfile`.
+  """
+  h, tok = float(hidden), float(microbatch * seq_len)
+  x = tok * h * dtype_bytes
+  rows = [("embed", 2 * h, (vocab + seq_len) * h, x, x, 0.0)]
+  for b in range(num_blocks):
+    rows += [(f"block{b}.attn", 6 * h * h + 4 * seq_len * h, 3 * h * h + 5 * h, x, 2 * x, x),
+             (f"block{b}.proj", 2 * h * h, h * h + h, 2 * x, x, 2 * x),
+             (f"block{b}.mlp", 16 * h * h, 8 * h * h + 7 * h, x, x, 3 * x)]
+  rows.append(("head", 2 * h * vocab, h * vocab + 2 * h, x, 0.0, 0.0))
+  names, fwd_per_token, params, act, boundary, tpc = zip(*rows)
+  params = np.array(params)
+  return LayerProfile(flops=4 * tok * np.array(fwd_per_token), param_bytes=params * dtype_bytes,
+                      param_mem_bytes=params * state_bytes_per_param, act_bytes=np.array(act),
+                      boundary_bytes=np.array(boundary), tp_comm_bytes=np.array(tpc),
+                      names=tuple(names))
+

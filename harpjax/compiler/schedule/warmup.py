@@ -1,0 +1,110 @@
+"""Warm-up counts: how many forwards each stage launches before its first backward.
+
+Every 1F1B-style schedule is its per-stage warm-up counts ``N_i`` (see
+:mod:`harpjax.compiler.schedule.tasks`). H-1F1B's (HARP Eq. 1-2) grow by :func:`warmup_delta`
+per cut, with the communication cost of the cut relative to ``t_max``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+from harpjax.errors import ScheduleError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["warmup_delta", "h1f1b_warmups", "one_f_one_b_warmups", "eager_1f1b_warmups",
+           "gpipe_warmups", "check_positive"]
+
+
+def warmup_delta(comm_cost_s: float, t_max_s: float, eps: float = 0.0) -> int:
+  """Extra forward launches of stage ``i`` over stage ``i+1`` (HARP Eq. 10/17).
+
+  The one definition of the increment: the schedules, the planner's DP kernel (which compiles
+  this function with Numba) and its NumPy twin all call it, so the plan's memory check and the
+  runtime's schedule agree to the last floating-point step. Plain arithmetic only; the caller
+  checks its inputs (:func:`h1f1b_warmups` does).
+
+  ``delta = ceil(2 c / t_max - eps) + 1``, at least 1. With ``eps = 0`` this is the bound of
+  Eq. 10, ``ceil(1 + 2c / t_max)``, which makes the steady phase bubble-free whenever
+  ``c <= t_max``. ``eps`` is a tolerance on ``2 c / t_max``: communication below
+  ``eps * t_max / 2`` is not worth an extra in-flight microbatch (Eq. 2 uses the threshold
+  ``c <= eps * t_max`` for the same purpose; ours is Eq. 17's form, used by the planner too, so
+  that the plan's memory check and the runtime's schedule agree).
+
+  Args:
+    comm_cost_s: per-microbatch transfer time between the two stages, seconds.
+    t_max_s: the bottleneck stage's forward+backward time per microbatch, seconds.
+    eps: tolerance, dimensionless, ``>= 0``.
+
+  Returns:
+    The integer ``delta_i >= 1``.
+  """
+  if comm_cost_s <= 0.0:
+    return 1
+  # Guard against 2c/t_max landing a hair above an integer through rounding.
+  delta = int(math.ceil((2.0 * comm_cost_s / t_max_s - eps) - 1e-12)) + 1
+  return delta if delta > 1 else 1
+
+
+def h1f1b_warmups(comm_costs: Sequence[float], t_max: float, eps: float = 0.1) -> tuple[int, ...]:
+  """H-1F1B warm-up counts (HARP Eq. 1 with the delta of :func:`warmup_delta`).
+
+  Args:
+    comm_costs: ``[num_stages - 1]`` seconds, ``c_i`` between stage ``i`` and ``i + 1``.
+    t_max: bottleneck per-microbatch compute time (forward + backward), seconds.
+    eps: tolerance of :func:`warmup_delta`; ``0`` gives the exact bubble-free bound.
+
+  Returns:
+    ``[num_stages]`` warm-up counts, the last one 1.
+
+  Raises:
+    ScheduleError: if a cost is negative or not finite, or ``t_max`` is not positive.
+
+  With different costs per direction (activations ``c_f``, gradients ``c_b``), pass
+  ``(c_f + c_b) / 2``: the round trip a warm-up must cover is ``2 t + c_f + c_b``.
+  """
+  comm = [float(c) for c in comm_costs]
+  for i, c in enumerate(comm):
+    if not math.isfinite(c) or c < 0:
+      raise ScheduleError(f"comm_costs[{i}]={c}: a transfer time is a finite number of "
+                          "seconds >= 0")
+  if not (math.isfinite(float(t_max)) and t_max > 0):
+    raise ScheduleError(f"t_max must be a finite number of seconds > 0, got t_max={t_max}")
+  if not eps >= 0:
+    raise ScheduleError(f"eps must be >= 0, got eps={eps}")
+  over = [i for i, c in enumerate(comm) if c > t_max * (1 + 1e-9)]
+  if over:
+    log.warning("links %s carry more than t_max=%.4g s per microbatch; no warm-up count hides "
+                "them (HARP Eq. 4), the pipeline will be link-bound", over, t_max)
+  counts = [1]
+  for c in reversed(comm):
+    counts.append(counts[-1] + warmup_delta(c, float(t_max), eps))
+  return tuple(reversed(counts))
+
+
+def one_f_one_b_warmups(num_stages: int) -> tuple[int, ...]:
+  """1F1B: stage ``i`` (0-indexed) launches ``S - i`` forwards before its first backward."""
+  check_positive("num_stages", num_stages)
+  return tuple(num_stages - i for i in range(num_stages))
+
+
+def eager_1f1b_warmups(num_stages: int) -> tuple[int, ...]:
+  """Eager-1F1B: stage ``i`` (0-indexed) launches ``2 (S - 1 - i) + 1`` forwards."""
+  check_positive("num_stages", num_stages)
+  return tuple(2 * (num_stages - 1 - i) + 1 for i in range(num_stages))
+
+
+def gpipe_warmups(num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+  """GPipe: every stage runs all forwards before any backward."""
+  check_positive("num_stages", num_stages)
+  check_positive("num_microbatches", num_microbatches)
+  return (num_microbatches,) * num_stages
+
+
+def check_positive(name: str, value: int) -> None:
+  """Raises :class:`ScheduleError` unless ``value`` is a positive integer."""
+  if int(value) != value or value < 1:
+    raise ScheduleError(f"{name} must be a positive integer, got {name}={value!r}")

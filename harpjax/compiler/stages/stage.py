@@ -1,0 +1,267 @@
+"""Per-stage executables: forward (returning what its backward needs), backward, accumulators.
+
+A stage owns a contiguous op range of the forward program. Its inputs are parameters, region
+data (split per microbatch, or whole), and activations produced by earlier stages (possibly
+several stages back: skip connections are forwarded directly). Its outputs are the values later
+stages read, plus any loss/auxiliary output it computes.
+
+* ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, vjp)``: the outputs and the
+  ``jax.vjp`` closure, a pytree whose leaves are the residuals kept on the stage's devices.
+* ``bwd(vjp, cotangents, grad_acc) -> (grad_acc + grads, activation_cotangents)``.
+
+Cheap constant ops (iota, broadcasts of literals) read by several stages are recomputed in each
+instead of being sent. Ops that create a batch dimension from batch-independent inputs (random
+bits, iota over the batch) compute the full batch's value and take the microbatch's slice, so
+that random numbers match ``jax.jit`` of the whole step exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from harpjax import _compat
+from harpjax.compiler.layers import sharding as sharding_lib
+from harpjax.compiler.layers import LayerSequence
+from harpjax.compiler.trace import Lit, Op, Program, TracedStep, eval_ops, primitives
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StageProgram", "StageExecutables", "slice_stages", "build_stage_executables"]
+
+_NEVER_CLONE = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
+                          "random_wrap", "rng_bit_generator", "rng_uniform"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageProgram:
+  """The slice of the forward program one stage runs.
+
+  Attributes:
+    index: stage number.
+    ops: cloned constant ops, then the stage's own ops, in execution order.
+    own_range: ``[start, end)`` of the stage's own ops in the program.
+    param_ids: region value ids of the parameters read (order of the executables' ``params``).
+    data_ids: region value ids of the non-parameter region inputs read.
+    act_ids: floating activations from earlier stages (differentiated).
+    act_int_ids: non-floating activations from earlier stages (not differentiated).
+    output_ids: values produced here and read later or returned by the region.
+    ct_present: per output, whether a cotangent flows back into it.
+  """
+  index: int
+  ops: tuple
+  own_range: tuple[int, int]
+  param_ids: tuple
+  data_ids: tuple
+  act_ids: tuple
+  act_int_ids: tuple
+  output_ids: tuple
+  ct_present: tuple
+
+
+def slice_stages(layers: LayerSequence, ranges: Sequence[tuple[int, int]],
+                 ts: TracedStep) -> list[StageProgram]:
+  """Cuts the forward program into stages covering layer ranges (inclusive)."""
+  prog = layers.program
+  producer = prog.producers()
+  invar_pos = {v: k for k, v in enumerate(prog.invars)}
+  param_set = {prog.invars[k] for k, inp in enumerate(ts.inputs) if inp.kind == "param"}
+  static_ops = _static_ops(prog, ts)
+  op_ranges = [layers.op_range(a, b) for a, b in ranges]
+  stage_of_op = np.empty(len(prog.ops), dtype=np.int64)
+  for s, (a, b) in enumerate(op_ranges):
+    stage_of_op[a:b] = s
+
+  reads_per_stage = []
+  clones_per_stage = []
+  for s, (a, b) in enumerate(op_ranges):
+    own = prog.ops[a:b]
+    reads = set()
+    for op in own:
+      reads.update(op.in_ids())
+    if s == len(op_ranges) - 1:
+      reads.update(v for v in prog.outvars if not isinstance(v, Lit))
+    clones: dict[int, Op] = {}
+    stack = [v for v in reads if v in producer and not a <= producer[v] < b]
+    while stack:
+      v = stack.pop()
+      p = producer[v]
+      if p in static_ops and p not in clones and not a <= p < b:
+        clones[p] = prog.ops[p]
+        stack.extend(u for u in prog.ops[p].in_ids() if u in producer)
+    clone_reads = set()
+    for op in clones.values():
+      clone_reads.update(op.in_ids())
+    reads |= clone_reads
+    reads_per_stage.append(reads)
+    clones_per_stage.append(clones)
+
+  own_outs, ext_acts = [], []
+  for s, (a, b) in enumerate(op_ranges):
+    cloned_out = {v for op in clones_per_stage[s].values() for v in op.outvars}
+    own_out = {v for op in prog.ops[a:b] for v in op.outvars if v >= 0}
+    ext = [v for v in reads_per_stage[s] if v not in own_out and v not in cloned_out]
+    own_outs.append(own_out)
+    ext_acts.append(ext)
+  region_outs = {v for v in prog.outvars if not isinstance(v, Lit)}
+  loss = prog.outvars[0]
+  stages = []
+  for s, (a, b) in enumerate(op_ranges):
+    ext = ext_acts[s]
+    params = sorted(v for v in ext if v in param_set)
+    data = sorted(v for v in ext if v in invar_pos and v not in param_set)
+    acts = sorted(v for v in ext if v in producer)
+    assert all(stage_of_op[producer[v]] < s for v in acts), "activation from a later stage"
+    act_f = tuple(v for v in acts if primitives.is_float(prog.avals[v]))
+    act_i = tuple(v for v in acts if not primitives.is_float(prog.avals[v]))
+    later = set()
+    for t in range(s + 1, len(op_ranges)):
+      later.update(ext_acts[t])
+    outputs = tuple(sorted(v for v in own_outs[s] if v in later or v in region_outs))
+    ct_present = tuple(
+        primitives.is_float(prog.avals[v]) and (v == loss or v in later) for v in outputs)
+    ops = tuple(sorted(clones_per_stage[s].values(), key=lambda o: o.index)) + \
+        tuple(prog.ops[a:b])
+    stages.append(StageProgram(s, ops, (a, b), tuple(params), tuple(data), act_f, act_i,
+                               outputs, ct_present))
+  return stages
+
+
+def _static_ops(prog: Program, ts: TracedStep) -> set[int]:
+  """Ops computing a constant from literals only: cheap to recompute in any stage."""
+  static_vals: set[int] = set()
+  out = set()
+  for op in prog.ops:
+    if op.name in _NEVER_CLONE or op.index in ts.regen_ops or op.params.get("jaxpr") is not None:
+      continue
+    if all(isinstance(v, Lit) or v in static_vals for v in op.invars):
+      out.add(op.index)
+      static_vals.update(v for v in op.outvars if v >= 0)
+  return out
+
+
+@dataclasses.dataclass(eq=False)
+class StageExecutables:
+  """The compiled functions and shardings of one stage."""
+  program: StageProgram
+  mesh: Mesh
+  fwd: object
+  bwd: object
+  zeros: object
+  param_sharding: dict      # value id -> NamedSharding
+  input_sharding: dict      # value id (data or activation) -> NamedSharding
+  replicated: NamedSharding
+
+
+def build_stage_executables(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
+                            mesh: Mesh, batch_dependent: set[int],
+                            remat: bool = False) -> StageExecutables:
+  """Jits the forward/backward/zeros functions of one stage on its submesh.
+
+  With ``remat`` the forward keeps only the stage's inputs per in-flight microbatch and the
+  backward recomputes the rest (activation recomputation, ``jax.checkpoint``), the memory model
+  of a profile made with ``ProfileOptions(remat=True)``.
+  """
+  prog = layers.program
+  dp, tp = mesh.devices.shape
+  rep = NamedSharding(mesh, P())
+  own_ops = prog.ops[sp.own_range[0]:sp.own_range[1]]
+  pspecs = sharding_lib.param_specs(prog, own_ops, sp.param_ids, tp)
+  param_sh = {v: NamedSharding(mesh, pspecs[v]) for v in sp.param_ids}
+  inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
+  input_sh = {}
+  static_env = {}
+  dyn_data = []
+  for v in sp.data_ids:
+    inp = inputs_by_id[v]
+    if inp.kind == "static":
+      static_env[v] = inp.static_value
+      continue
+    dyn_data.append(v)
+    if inp.kind == "split":
+      input_sh[v] = NamedSharding(mesh, sharding_lib.batch_spec(prog.avals[v].shape, inp.axis, dp))
+    else:
+      input_sh[v] = rep
+  for v in sp.act_ids + sp.act_int_ids:
+    spec = sharding_lib.batch_spec(prog.avals[v].shape, 0, dp) if v in batch_dependent else P()
+    input_sh[v] = NamedSharding(mesh, spec)
+  dyn_data = tuple(dyn_data)
+  hook = _make_hook(ts)
+
+  def primal(params, acts, acts_int, data, mb_index):
+    env = dict(static_env)
+    env.update(zip(sp.param_ids, params))
+    env.update(zip(sp.act_ids, acts))
+    env.update(zip(sp.act_int_ids, acts_int))
+    env.update(zip(dyn_data, data))
+    eval_ops(sp.ops, env, hook=(lambda op, xs: hook(op, xs, mb_index)) if hook else None)
+    return tuple(env[v] for v in sp.output_ids)
+
+  def fwd(params, acts, acts_int, data, mb_index):
+    f = lambda p, a: primal(p, a, acts_int, data, mb_index)
+    return jax.vjp(jax.checkpoint(f) if remat else f, params, acts)
+
+  out_avals = [prog.avals[v] for v in sp.output_ids]
+
+  def bwd(vjp_fn, cts_present, acc):
+    it = iter(cts_present)
+    cts = []
+    for aval, present in zip(out_avals, sp.ct_present):
+      if not primitives.is_float(aval):
+        cts.append(_compat.make_float0_zeros(aval.shape))
+      elif present:
+        cts.append(next(it))
+      else:
+        cts.append(jnp.zeros(aval.shape, aval.dtype))
+    g_params, g_acts = vjp_fn(tuple(cts))
+    return tuple(a + g for a, g in zip(acc, g_params)), g_acts
+
+  param_avals = [prog.avals[v] for v in sp.param_ids]
+
+  def zeros():
+    return tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals)
+
+  in_sh = (tuple(param_sh[v] for v in sp.param_ids),
+           tuple(input_sh[v] for v in sp.act_ids),
+           tuple(input_sh[v] for v in sp.act_int_ids),
+           tuple(input_sh[v] for v in dyn_data),
+           rep)
+  fwd_jit = jax.jit(fwd, in_shardings=in_sh)
+  bwd_jit = jax.jit(bwd, donate_argnums=(2,))
+  zeros_jit = jax.jit(zeros, out_shardings=tuple(param_sh[v] for v in sp.param_ids))
+  sp_dyn = dataclasses.replace(sp, data_ids=dyn_data)
+  return StageExecutables(sp_dyn, mesh, fwd_jit, bwd_jit, zeros_jit, param_sh, input_sh, rep)
+
+
+def _make_hook(ts: TracedStep):
+  if ts.regen_ops:
+    regen = ts.regen_ops
+    avals = ts.region.avals
+
+    def hook(op, invals, mb_index):
+      r = regen.get(op.index)
+      if r is None:
+        return None
+      axis, full_params = r
+      full = _compat.bind_eqn(op.primitive, full_params, invals)
+      size = avals[op.outvars[0]].shape[axis]
+      return [lax.dynamic_slice_in_dim(x, mb_index * size, size, axis) for x in full]
+    return hook
+  if not ts.rng_exact:
+    log.warning("random numbers cannot be aligned with the full-batch step; microbatch m draws "
+                "from fold_in(key, m) instead")
+
+    def hook(op, invals, mb_index):
+      if op.name not in ("random_bits", "random_split"):
+        return None
+      key = jax.random.fold_in(invals[0], mb_index)
+      return _compat.bind_eqn(op.primitive, op.params, [key] + list(invals[1:]))
+    return hook
+  return None

@@ -1,0 +1,284 @@
+"""Per-primitive facts: FLOPs, bytes touched, compute-heavy flag, view-ness.
+
+One table keyed by primitive name (:data:`PRIMITIVES`), as JAX keeps its rules in tables keyed
+by primitive. Layer construction reads the compute-heavy flag (the paper's "compute-intensive
+operators", §5.1) and FLOPs; the profiler and sharding read the view flag (ops that only
+re-address their operand: a slice of a stacked parameter is still "the parameter").
+
+Equations that hold sub-jaxprs (``pjit``, ``remat2``/``checkpoint``, ``custom_jvp_call``,
+``custom_vjp_call``, ``cond``, ``while``, ``scan``) are costed from their bodies: a ``scan``
+costs ``length`` bodies, a ``cond`` its most expensive branch, a ``while`` one trip (the trip
+count is unknown statically). A primitive missing from the table is costed as elementwise (one
+FLOP per output element) and named once in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from harpjax import _compat
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PrimitiveInfo", "PRIMITIVES", "info", "is_compute_heavy", "is_view", "eqn_flops",
+           "eqn_heavy_count", "eqn_bytes", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
+           "aval_nbytes", "aval_size", "is_float"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveInfo:
+  """What harpjax knows about one primitive.
+
+  Attributes:
+    flops: ``flops(params, in_avals, out_avals) -> float`` forward FLOPs of one application;
+      ``None`` means zero (pure data movement).
+    heavy: compute-intensive (matmul, convolution): counts towards the ``z`` threshold of
+      repeated-module detection and anchors tensor-parallel sharding.
+    view: only re-addresses its first operand (slice, squeeze, reshape...); a view of a
+      parameter is treated as that parameter by the profiler and by sharding.
+    free: moves no bytes in a fused program (reshape, squeeze, bitcast).
+  """
+  flops: Callable[[dict, Sequence[Any], Sequence[Any]], float] | None = None
+  heavy: bool = False
+  view: bool = False
+  free: bool = False
+
+
+def aval_size(aval) -> int:
+  """Number of elements of an abstract value (1 for scalars)."""
+  shape = getattr(aval, "shape", ())
+  return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def aval_nbytes(aval) -> int:
+  """Bytes of an abstract value; extended dtypes (PRNG keys) count 8 bytes per element."""
+  try:
+    item = np.dtype(aval.dtype).itemsize
+  except TypeError:
+    item = 8
+  return aval_size(aval) * item
+
+
+def is_float(aval) -> bool:
+  """Whether an abstract value is floating point (differentiable); ``False`` for PRNG keys."""
+  try:
+    return bool(jnp.issubdtype(aval.dtype, jnp.inexact))
+  except TypeError:   # extended dtypes (PRNG keys)
+    return False
+
+
+def _out_elems(params, ins, outs) -> float:
+  return float(sum(aval_size(a) for a in outs))
+
+
+def _in_elems(params, ins, outs) -> float:
+  return float(aval_size(ins[0])) if ins else 0.0
+
+
+def _dot_flops(params, ins, outs) -> float:
+  (lhs_c, _), _ = params["dimension_numbers"]
+  k = 1
+  for d in lhs_c:
+    k *= int(ins[0].shape[d])
+  return 2.0 * aval_size(outs[0]) * k
+
+
+def _conv_flops(params, ins, outs) -> float:
+  rhs = ins[1]
+  dn = params.get("dimension_numbers")
+  out_feat_dim = dn.rhs_spec[0] if dn is not None and hasattr(dn, "rhs_spec") else 0
+  per_out = aval_size(rhs) / max(int(rhs.shape[out_feat_dim]), 1)
+  return 2.0 * aval_size(outs[0]) * per_out
+
+
+def _sort_flops(params, ins, outs) -> float:
+  n = aval_size(ins[0])
+  dim = params.get("dimension", -1)
+  m = int(ins[0].shape[dim]) if ins[0].shape else 1
+  return float(n * max(math.log2(max(m, 2)), 1.0))
+
+
+def _reduce_window_flops(params, ins, outs) -> float:
+  win = params.get("window_dimensions", ())
+  return float(aval_size(outs[0]) * int(np.prod(win or (1,))))
+
+
+PRIMITIVES: dict[str, PrimitiveInfo] = {}
+"""Primitive name -> :class:`PrimitiveInfo`."""
+
+
+def _register(names: Iterable[str], **kw) -> None:
+  for n in names:
+    PRIMITIVES[n] = PrimitiveInfo(**kw)
+
+
+_register(["dot_general", "ragged_dot", "ragged_dot_general"], flops=_dot_flops, heavy=True)
+_register(["conv_general_dilated"], flops=_conv_flops, heavy=True)
+_register([  # elementwise arithmetic: one FLOP per output element
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor", "ceil",
+    "round", "is_finite", "abs", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+    "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "sqrt", "rsqrt", "cbrt", "square", "integer_pow", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e", "nextafter",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "select_n", "clamp",
+    "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
+    "add_any", "add_jaxvals", "conj", "real", "imag", "complex", "reduce_precision",
+    "random_bits", "random_split", "random_fold_in", "threefry2x32", "rng_uniform",
+    "rng_bit_generator", "polygamma", "zeta", "regularized_incomplete_beta", "random_gamma",
+], flops=_out_elems)
+_register([  # reductions and scans over an axis: one FLOP per input element
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "reduce", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "reduce_and", "top_k", "approx_top_k",
+], flops=_in_elems)
+_register(["sort"], flops=_sort_flops)
+_register(["reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+           "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"],
+          flops=_reduce_window_flops)
+_register(["scatter_add", "scatter_mul", "scatter_min", "scatter_max"],
+          flops=lambda p, i, o: float(aval_size(i[2])) if len(i) > 2 else 0.0)
+_register(["slice", "dynamic_slice", "squeeze", "reshape"], view=True, free=True)
+_register(["bitcast_convert_type", "stop_gradient", "optimization_barrier", "name",
+           "sharding_constraint", "device_put", "copy", "copy_p", "random_wrap", "random_unwrap",
+           "harpjax_layer_boundary"], free=True)
+_register([  # data movement: no FLOPs, bytes moved
+    "broadcast_in_dim", "transpose", "concatenate", "pad", "gather", "scatter",
+    "dynamic_update_slice", "iota", "rev", "convert_element_type", "select_and_scatter_add",
+    "split", "stack", "random_seed", "empty", "tie_in", "axis_index", "create_token",
+    "after_all",
+])
+# Collectives inside the forward (rare outside shard_map); costed as data movement.
+_register(["psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter",
+           "psum_scatter", "ragged_all_to_all"])
+
+_warned: set[str] = set()
+
+
+def info(name: str) -> PrimitiveInfo:
+  """The table entry of primitive ``name``; elementwise (with one log line) when unknown."""
+  got = PRIMITIVES.get(name)
+  if got is None:
+    if name not in _warned:
+      _warned.add(name)
+      log.info("primitive %r is not in harpjax's primitive table; costing it as elementwise",
+               name)
+    return _UNKNOWN
+  return got
+
+
+_UNKNOWN = PrimitiveInfo(flops=_out_elems)
+
+
+def is_compute_heavy(name: str) -> bool:
+  """Whether primitive ``name`` is compute-intensive (matmul, convolution)."""
+  e = PRIMITIVES.get(name)
+  return bool(e and e.heavy)
+
+
+def is_view(name: str) -> bool:
+  """Whether primitive ``name`` only re-addresses its first operand."""
+  e = PRIMITIVES.get(name)
+  return bool(e and e.view)
+
+
+# --------------------------------------------------------------------------- sub-jaxprs
+
+
+def subjaxprs(params: dict) -> list[tuple[str, Any]]:
+  """``(param name, Jaxpr)`` pairs of the bodies an equation holds (closed ones unwrapped)."""
+  out = []
+  for k, v in params.items():
+    for item in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(item, _compat.ClosedJaxpr):
+        out.append((k, item.jaxpr))
+      elif isinstance(item, _compat.Jaxpr):
+        out.append((k, item))
+  return out
+
+
+def _combine(name: str, params: dict, per_body: Callable[[Any], float]) -> float | None:
+  """Cost of a sub-jaxpr equation from its bodies, or ``None`` if it has none."""
+  bodies = subjaxprs(params)
+  if not bodies:
+    return None
+  if name == "scan":
+    return float(params.get("length", 1)) * sum(per_body(j) for k, j in bodies if k == "jaxpr")
+  if name == "cond":
+    return max((per_body(j) for k, j in bodies if k == "branches"), default=0.0)
+  if name == "while":
+    return sum(per_body(j) for k, j in bodies if k in ("body_jaxpr", "cond_jaxpr"))
+  # Call-like (pjit, remat2, checkpoint, custom_jvp_call, custom_vjp_call, closed_call...):
+  # the primal body only (``jvp_jaxpr_fun``/``fwd_jaxpr_thunk``/``bwd`` are not jaxprs here).
+  keys = [k for k, _ in bodies]
+  main = "call_jaxpr" if "call_jaxpr" in keys else ("jaxpr" if "jaxpr" in keys else keys[0])
+  return sum(per_body(j) for k, j in bodies if k == main)
+
+
+_flops_memo: dict[int, tuple[Any, float]] = {}
+_heavy_memo: dict[int, tuple[Any, int]] = {}
+
+
+def jaxpr_flops(jaxpr) -> float:
+  """Forward FLOPs of a ``Jaxpr`` (memoised by identity)."""
+  hit = _flops_memo.get(id(jaxpr))
+  if hit is not None and hit[0] is jaxpr:
+    return hit[1]
+  total = 0.0
+  for e in jaxpr.eqns:
+    total += eqn_flops(e.primitive.name, e.params, [v.aval for v in e.invars],
+                       [v.aval for v in e.outvars])
+  _flops_memo[id(jaxpr)] = (jaxpr, total)
+  return total
+
+
+def jaxpr_heavy_count(jaxpr) -> int:
+  """Number of compute-heavy equations in a ``Jaxpr``, bodies included (scan: times length)."""
+  hit = _heavy_memo.get(id(jaxpr))
+  if hit is not None and hit[0] is jaxpr:
+    return hit[1]
+  total = sum(eqn_heavy_count(e.primitive.name, e.params) for e in jaxpr.eqns)
+  _heavy_memo[id(jaxpr)] = (jaxpr, total)
+  return total
+
+
+def eqn_flops(name: str, params: dict, in_avals: Sequence[Any], out_avals: Sequence[Any]
+              ) -> float:
+  """Forward FLOPs of one equation.
+
+  Args:
+    name: primitive name.
+    params: the equation's parameters.
+    in_avals: operand abstract values (literals included).
+    out_avals: result abstract values.
+  """
+  nested = _combine(name, params, jaxpr_flops)
+  if nested is not None:
+    return nested
+  e = info(name)
+  if e.flops is None:
+    return 0.0
+  try:
+    return float(e.flops(params, in_avals, out_avals))
+  except (KeyError, IndexError, AttributeError, TypeError, ValueError):
+    return _out_elems(params, in_avals, out_avals)
+
+
+def eqn_heavy_count(name: str, params: dict) -> int:
+  """Compute-heavy equations in one equation (1 or 0, or its bodies' count)."""
+  nested = _combine(name, params, jaxpr_heavy_count)
+  if nested is not None:
+    return int(nested)
+  return 1 if is_compute_heavy(name) else 0
+
+
+def eqn_bytes(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> float:
+  """Bytes an unfused equation reads and writes (0 for free views)."""
+  if info(name).free:
+    return 0.0
+  return float(sum(aval_nbytes(a) for a in in_avals) + sum(aval_nbytes(a) for a in out_avals))

@@ -1,0 +1,439 @@
+"""Tracing a train step into its pipelined region and the rest.
+
+Inside :func:`harpjax.auto_parallel`, :func:`value_and_grad` and :func:`grad` do not
+differentiate: they record the loss function's forward jaxpr and stand in the step's jaxpr as a
+single ``harpjax_pipeline_region`` equation whose results are the loss, the auxiliary outputs
+and the gradients. Everything before that equation prepares the region's inputs; everything
+after it is the apply-gradient computation (the optimizer update, whatever the user wrote).
+
+The step is traced twice: once with the full batch (the reference semantics of the parts around
+the region) and once with one microbatch (the forward program the stages run). Comparing the
+two tells which region inputs are split into microbatches and along which axis, which auxiliary
+outputs are per-example (concatenated) or per-batch (averaged), and which random-number
+equations must draw the microbatch's slice of the full batch's random bits so that dropout
+matches ``jax.jit`` of the undecorated step exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harpjax import _compat
+from harpjax.compiler.trace.program import Lit, Program, from_closed_jaxpr, strip_markers
+from harpjax.errors import MicrobatchError, TraceError
+
+__all__ = ["value_and_grad", "grad", "mark_layer_boundary", "TracedStep", "trace_step",
+           "RegionInput", "REGION_PRIMITIVE_NAME", "BOUNDARY_PRIMITIVE_NAME"]
+
+REGION_PRIMITIVE_NAME = "harpjax_pipeline_region"
+BOUNDARY_PRIMITIVE_NAME = "harpjax_layer_boundary"
+
+_state = threading.local()
+
+boundary_p = _compat.register_identity_primitive(BOUNDARY_PRIMITIVE_NAME)
+
+region_p = _compat.Primitive(REGION_PRIMITIVE_NAME)
+region_p.multiple_results = True
+region_p.def_abstract_eval(lambda *avals, region_id, out_avals: list(out_avals))
+
+
+def _region_impl(*args, region_id, out_avals):
+  raise TraceError("the pipelined region can only run through harpjax.auto_parallel")
+
+
+region_p.def_impl(_region_impl)
+
+
+@dataclasses.dataclass
+class _RegionRecord:
+  closed: Any                 # ClosedJaxpr of the flat forward: (consts, diff, other) -> (loss, aux)
+  num_consts: int
+  num_diff: int
+  num_other: int
+  aux_tree: Any
+  has_aux: bool
+
+
+class _Capture:
+  def __init__(self):
+    self.regions: list[_RegionRecord] = []
+
+
+def _current() -> _Capture | None:
+  return getattr(_state, "capture", None)
+
+
+@contextlib.contextmanager
+def _capturing():
+  prev = _current()
+  _state.capture = _Capture()
+  try:
+    yield _state.capture
+  finally:
+    _state.capture = prev
+
+
+# --------------------------------------------------------------------------- public markers
+
+
+def mark_layer_boundary(x):
+  """Marks a layer cut after ``x`` (any pytree of arrays) and returns ``x``.
+
+  Outside :func:`harpjax.auto_parallel` this is the identity and leaves no trace in the jaxpr;
+  inside it, the equations before the marker belong to one layer and those after to the next.
+  """
+  if _current() is None:
+    return x
+  leaves, tree = jax.tree_util.tree_flatten(x)
+  if not leaves:
+    return x
+  return jax.tree_util.tree_unflatten(tree, boundary_p.bind(*leaves))
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                   **kwargs) -> Callable:
+  """``jax.value_and_grad`` that marks the pipelined region under ``auto_parallel``.
+
+  Outside :func:`harpjax.auto_parallel` it is exactly ``jax.value_and_grad(fun, argnums,
+  has_aux, **kwargs)``.
+  """
+  jax_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+
+  @functools.wraps(fun)
+  def wrapper(*args, **kw):
+    cap = _current()
+    if cap is None:
+      return jax_fn(*args, **kw)
+    (loss, aux), grads = _capture_region(cap, fun, argnums, has_aux, args, kw)
+    return ((loss, aux) if has_aux else loss), grads
+  return wrapper
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+         **kwargs) -> Callable:
+  """``jax.grad`` that marks the pipelined region under ``auto_parallel``."""
+  jax_fn = jax.grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
+
+  @functools.wraps(fun)
+  def wrapper(*args, **kw):
+    cap = _current()
+    if cap is None:
+      return jax_fn(*args, **kw)
+    (_, aux), grads = _capture_region(cap, fun, argnums, has_aux, args, kw)
+    return (grads, aux) if has_aux else grads
+  return wrapper
+
+
+def _capture_region(cap: _Capture, fun, argnums, has_aux, args, kwargs):
+  if cap.regions:
+    raise TraceError("the train step calls harpjax.value_and_grad/grad more than once; "
+                     "harpjax pipelines exactly one gradient computation per step")
+  single = isinstance(argnums, int)
+  argnums_t = (argnums,) if single else tuple(argnums)
+  for a in argnums_t:
+    if not -len(args) <= a < len(args):
+      raise TraceError(f"argnums={argnums} but the loss function got {len(args)} arguments")
+  argnums_t = tuple(a % len(args) for a in argnums_t)
+  diff_args = tuple(args[a] for a in argnums_t)
+  other_args = (tuple(a for i, a in enumerate(args) if i not in argnums_t), kwargs)
+  diff_leaves, diff_tree = jax.tree_util.tree_flatten(diff_args)
+  other_leaves, other_tree = jax.tree_util.tree_flatten(other_args)
+  for leaf in diff_leaves:
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise TraceError("harpjax.value_and_grad differentiates only floating-point parameters; "
+                       f"got a leaf of dtype {jnp.result_type(leaf)}")
+  nd = len(diff_leaves)
+  aux_tree_box = []
+
+  def flat_fun(*leaves):
+    d = jax.tree_util.tree_unflatten(diff_tree, leaves[:nd])
+    pos, kw = jax.tree_util.tree_unflatten(other_tree, leaves[nd:])
+    full, di, pi = [], iter(d), iter(pos)
+    for i in range(len(args)):
+      full.append(next(di) if i in argnums_t else next(pi))
+    out = fun(*full, **kw)
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TraceError("has_aux=True but the loss function did not return (loss, aux)")
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    loss = jnp.asarray(loss)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.inexact):
+      raise TraceError(f"the loss must be a floating-point scalar, got {loss.dtype}{loss.shape}")
+    aux_leaves, aux_tree = jax.tree_util.tree_flatten(aux)
+    aux_tree_box.append(aux_tree)
+    return [loss] + list(aux_leaves)
+
+  closed = jax.make_jaxpr(flat_fun)(*diff_leaves, *other_leaves)
+  record = _RegionRecord(closed=closed, num_consts=len(closed.consts), num_diff=nd,
+                         num_other=len(other_leaves), aux_tree=aux_tree_box[-1], has_aux=has_aux)
+  region_id = len(cap.regions)
+  cap.regions.append(record)
+  out_avals = tuple(closed.out_avals) + tuple(_compat.aval_of(x) for x in diff_leaves)
+  outs = region_p.bind(*closed.consts, *diff_leaves, *other_leaves, region_id=region_id,
+                       out_avals=out_avals)
+  n_out = len(closed.out_avals)
+  loss = outs[0]
+  aux = jax.tree_util.tree_unflatten(record.aux_tree, outs[1:n_out])
+  grads = jax.tree_util.tree_unflatten(diff_tree, outs[n_out:])
+  grads = grads[0] if single else grads
+  return (loss, aux), grads
+
+
+# --------------------------------------------------------------------------- traced step
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInput:
+  """How one input of the pipelined region is fed to the stages.
+
+  Attributes:
+    kind: ``"param"`` (differentiated; ``param_index`` into the gradient list), ``"split"``
+      (sliced per microbatch along ``axis``), ``"whole"`` (the same value for every
+      microbatch, computed by the step) or ``"static"`` (a constant known at trace time).
+    outer_ref: where the value lives in the outer program (id or literal).
+    axis: split axis for ``"split"``.
+    static_value: the constant for ``"static"``.
+  """
+  kind: str
+  outer_ref: Any
+  param_index: int = -1
+  axis: int = -1
+  static_value: Any = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedStep:
+  """The two traces of a train step and what their comparison says.
+
+  Attributes:
+    outer: the full-batch step program; op ``region_op`` is the pipelined region.
+    outer_consts: values of ``outer``'s leading constant inputs.
+    in_tree / out_tree: pytree structures of the step's arguments and results.
+    region_op: index of the region op in ``outer.ops``.
+    region: the region's forward program at microbatch size, layer-boundary markers removed
+      (their positions are ``boundary_cuts``); inputs are, in order, the
+      region's constants, differentiated leaves and other leaves; outputs are the loss then the
+      auxiliary leaves.
+    region_full: the same program traced at full batch size (for comparison).
+    inputs: one :class:`RegionInput` per ``region.invars``.
+    num_params: number of differentiated leaves.
+    aux_concat_axes: per auxiliary output, the axis to concatenate microbatches along, or
+      ``None`` to average (or sum, per ``loss_reduction``) them.
+    regen_ops: op index in ``region`` -> ``(axis, full_shape_params)`` for ops that create a
+      batch dimension (random bits, iota); they compute the full-batch value and slice it.
+    num_microbatches, microbatch_size: B and the batch leaves' leading size divided by B.
+  """
+  outer: Program
+  outer_consts: tuple
+  in_tree: Any
+  out_tree: Any
+  region_op: int
+  region: Program
+  region_full: Program
+  inputs: tuple
+  num_params: int
+  has_aux: bool
+  aux_concat_axes: tuple
+  regen_ops: dict
+  num_microbatches: int
+  rng_exact: bool
+  boundary_cuts: tuple = ()
+
+
+_REGEN_PRIMITIVES = frozenset({"random_bits", "random_split", "iota", "rng_bit_generator",
+                               "rng_uniform"})
+
+
+def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
+               batch_argnums: Sequence[int] = (1,)) -> TracedStep:
+  """Traces ``step_fn(*args)`` at full batch and at microbatch size.
+
+  Args:
+    step_fn: the user's train step.
+    args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+    num_microbatches: B.
+    batch_argnums: which arguments hold the batch; their array leaves are split along axis 0.
+
+  Raises:
+    MicrobatchError: a batch leaf does not split into ``num_microbatches`` parts.
+    TraceError: the step has no (or more than one) pipelined region, or behaves differently at
+      microbatch size in a way harpjax cannot reconcile.
+  """
+  if int(num_microbatches) != num_microbatches or num_microbatches < 1:
+    raise MicrobatchError(f"num_microbatches must be a positive integer, got {num_microbatches}")
+  B = int(num_microbatches)
+  for a in batch_argnums:
+    if not 0 <= a < len(args):
+      raise TraceError(f"batch_argnums={tuple(batch_argnums)} but the step got {len(args)} "
+                       "arguments")
+  abstract = jax.tree_util.tree_map(abstractify, args)
+  mb_args = list(abstract)
+  for a in batch_argnums:
+    mb_args[a] = _split_batch(abstract[a], B, a)
+
+  full_closed, full_cap, out_shape = _trace(step_fn, abstract)
+  mb_closed, mb_cap, _ = _trace(step_fn, tuple(mb_args))
+  in_tree = jax.tree_util.tree_structure(args)
+  out_tree = jax.tree_util.tree_structure(out_shape)
+
+  outer = from_closed_jaxpr(full_closed)
+  outer_mb = from_closed_jaxpr(mb_closed)
+  region_ops = [op.index for op in outer.ops if op.name == REGION_PRIMITIVE_NAME]
+  region_ops_mb = [op.index for op in outer_mb.ops if op.name == REGION_PRIMITIVE_NAME]
+  if not region_ops:
+    raise TraceError(
+        "the train step never calls harpjax.value_and_grad or harpjax.grad, so there is nothing "
+        "to pipeline; compute the gradients with harpjax.value_and_grad(loss_fn)(params)")
+  if len(region_ops_mb) != 1 or len(mb_cap.regions) != 1:
+    raise TraceError("the train step traced with one microbatch did not produce exactly one "
+                     "pipelined region; its control flow must not depend on the batch size")
+  rec_full, rec_mb = full_cap.regions[0], mb_cap.regions[0]
+  region_full, _ = strip_markers(from_closed_jaxpr(rec_full.closed), BOUNDARY_PRIMITIVE_NAME)
+  region, cuts = strip_markers(from_closed_jaxpr(rec_mb.closed), BOUNDARY_PRIMITIVE_NAME)
+  if len(region.invars) != len(region_full.invars) or \
+      (rec_full.num_consts, rec_full.num_diff) != (rec_mb.num_consts, rec_mb.num_diff):
+    raise TraceError("the loss function captures different values when traced with one "
+                     "microbatch than with the whole batch; pass batch-dependent values as "
+                     "arguments of the loss function or through its closure consistently")
+
+  region_eqn = outer.ops[region_ops[0]]
+  region_eqn_mb = outer_mb.ops[region_ops_mb[0]]
+  step_arg_ids = set(outer.invars[outer.num_consts:])
+  dynamic = _dependents(outer, step_arg_ids)
+  mb_consts = {vid: val for vid, val in zip(outer_mb.invars[:outer_mb.num_consts],
+                                            mb_closed.consts)}
+  nc, nd = rec_mb.num_consts, rec_mb.num_diff
+  inputs = []
+  for k, (ref, ref_mb) in enumerate(zip(region_eqn.invars, region_eqn_mb.invars)):
+    full_aval = region_full.avals[region_full.invars[k]]
+    mb_aval = region.avals[region.invars[k]]
+    if nc <= k < nc + nd:
+      inputs.append(RegionInput("param", ref, param_index=k - nc))
+      continue
+    if not isinstance(ref, Lit) and ref in dynamic:
+      if full_aval.shape == mb_aval.shape:
+        inputs.append(RegionInput("whole", ref))
+      else:
+        axis = _split_axis(full_aval.shape, mb_aval.shape, B)
+        if axis is None:
+          raise TraceError(
+              f"region input {k} has shape {full_aval.shape} for the batch but {mb_aval.shape} "
+              f"for a microbatch; harpjax splits inputs along one axis by {B}")
+        inputs.append(RegionInput("split", ref, axis=axis))
+      continue
+    value = ref_mb.value if isinstance(ref_mb, Lit) else mb_consts.get(ref_mb)
+    if value is None and not isinstance(ref_mb, Lit):
+      raise TraceError(f"region input {k} is a constant that could not be recovered")
+    inputs.append(RegionInput("static", ref, static_value=value))
+
+  aux_axes = []
+  for k in range(1, len(region.outvars)):
+    fa = _aval_of(region_full, region_full.outvars[k])
+    ma = _aval_of(region, region.outvars[k])
+    if fa.shape == ma.shape:
+      aux_axes.append(None)
+    else:
+      axis = _split_axis(fa.shape, ma.shape, B)
+      if axis is None:
+        raise TraceError(f"auxiliary output {k - 1} has shape {fa.shape} for the batch but "
+                         f"{ma.shape} for a microbatch; it cannot be reassembled")
+      aux_axes.append(axis)
+
+  regen, rng_exact = _regen_ops(region_full, region, B)
+  return TracedStep(outer=outer, outer_consts=tuple(full_closed.consts), in_tree=in_tree,
+                    out_tree=out_tree, region_op=region_ops[0], region=region,
+                    region_full=region_full, inputs=tuple(inputs), num_params=nd,
+                    has_aux=rec_mb.has_aux, aux_concat_axes=tuple(aux_axes), regen_ops=regen,
+                    num_microbatches=B, rng_exact=rng_exact, boundary_cuts=tuple(cuts))
+
+
+def _trace(step_fn, args):
+  # A fresh function object each time: JAX caches traces by function identity (a jax.jit of
+  # the same step traced earlier would otherwise be reused without running our markers).
+  def fresh(*a):
+    return step_fn(*a)
+  with _capturing() as cap:
+    closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
+  return closed, cap, out_shape
+
+
+def abstractify(x):
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+  arr = np.asarray(x)
+  return jax.ShapeDtypeStruct(arr.shape, jnp.result_type(x))
+
+
+def _split_batch(tree, B: int, argnum: int):
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  out = []
+  for path, leaf in leaves:
+    shape = tuple(leaf.shape)
+    if len(shape) == 0:
+      out.append(leaf)
+      continue
+    if shape[0] % B != 0:
+      where = jax.tree_util.keystr(path) or "<leaf>"
+      raise MicrobatchError(
+          f"argument {argnum}{where} has {shape[0]} rows, which do not split into "
+          f"num_microbatches={B} equal microbatches; choose a batch size divisible by {B}")
+    out.append(jax.ShapeDtypeStruct((shape[0] // B,) + shape[1:], leaf.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _split_axis(full, mb, B):
+  if len(full) != len(mb):
+    return None
+  diff = [i for i, (a, b) in enumerate(zip(full, mb)) if a != b]
+  if len(diff) == 1 and full[diff[0]] == B * mb[diff[0]]:
+    return diff[0]
+  return None
+
+
+def _aval_of(program: Program, ref):
+  if isinstance(ref, Lit):
+    return _compat.aval_of(ref.value)
+  return program.avals[ref]
+
+
+def _dependents(program: Program, roots: set) -> set:
+  """Ids that depend (transitively) on ``roots``."""
+  dep = set(roots)
+  for op in program.ops:
+    if any(v in dep for v in op.in_ids()):
+      dep.update(v for v in op.outvars if v >= 0)
+  return dep
+
+
+def _regen_ops(full: Program, mb: Program, B: int) -> tuple[dict, bool]:
+  """Ops of ``mb`` that create a batch-sized value from batch-independent inputs."""
+  if len(full.ops) != len(mb.ops) or any(
+      a.name != b.name for a, b in zip(full.ops, mb.ops)):
+    has_rng = any(op.name in ("random_bits", "random_split") for op in mb.ops)
+    return {}, not has_rng
+  regen = {}
+  for fo, mo in zip(full.ops, mb.ops):
+    if mo.name not in _REGEN_PRIMITIVES:
+      continue
+    same_in = all(_aval_of(full, a).shape == _aval_of(mb, b).shape
+                  for a, b in zip(fo.invars, mo.invars))
+    fa, ma = full.avals[fo.outvars[0]], mb.avals[mo.outvars[0]]
+    if same_in and fa.shape != ma.shape:
+      axis = _split_axis(fa.shape, ma.shape, B)
+      if axis is None:
+        raise TraceError(f"{mo.name} produces {fa.shape} for the batch but {ma.shape} for a "
+                         "microbatch; harpjax cannot slice it")
+      regen[mo.index] = (axis, dict(fo.params))
+  return regen, True

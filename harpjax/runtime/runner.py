@@ -1,0 +1,556 @@
+"""The driver side of the distributed runtime, independent of how workers are started.
+
+:class:`PipelineRunner` starts one :class:`~harpjax.runtime._worker.StageWorker` per stage
+through a *backend* (Ray actors in :mod:`harpjax.runtime.ray_runtime`; threads of this process
+in :class:`ThreadBackend`, for debugging), wires their channels on the links the cluster model
+chooses (:mod:`harpjax.runtime.transport`), and runs steps: one call per worker per step, every
+wait bounded, a failure anywhere reported as a :class:`~harpjax.errors.RuntimeFailure` naming
+the stage.
+
+State stays on the workers. A step's outputs come back as :class:`RemoteArray` handles (which
+stage holds which leaf), except those the runner fetches (by default the metrics: every output
+after the first of a tuple-returning step). Passing handles back into the next step moves
+nothing; :meth:`PipelineRunner.gather` fetches real arrays, :meth:`PipelineRunner.save` writes
+them to an ``.npz`` file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harpjax.compiler.stages import CompiledStep
+from harpjax.compiler.trace import abstractify
+from harpjax.errors import HarpjaxError, PlanError, RuntimeFailure
+from harpjax.runtime import codec as _codec, transport
+from harpjax.runtime.dataflow import step_dataflow
+from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner, save_tree,
+                                     unregister_runner)
+from harpjax.runtime.measure import MeasuredStep, measured_step
+from harpjax.runtime.worker import StageWorker, WorkerOptions, WorkerSpec
+from harpjax.runtime.emulation import Emulation
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunnerOptions", "PipelineRunner", "ThreadBackend", "FETCH_MODES"]
+
+FETCH_MODES = ("metrics", "all", "none")
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+  """Options of :class:`~harpjax.runtime.ray_runtime.RayRunner` (``runtime_options``).
+
+  Attributes:
+    address: Ray cluster address (``"auto"``, ``"ray://host:10001"``...); ``None`` starts a
+      local Ray instance (or joins the one already initialised in this process).
+    backend: ``"ray"`` (one actor per stage) or ``"threads"`` (the same workers in threads of
+      this process, without Ray: for debugging).
+    transport: ``"auto"``, ``"tcp"`` or ``"object_store"`` (see
+      :func:`harpjax.runtime.transport.plan_routes`).
+    nic_addresses: ``{host: {nic: ip}}`` addresses of the cluster's NICs (default: each host's
+      interface of the NIC's name; loopback when everything runs on this machine).
+    emulation: an :class:`~harpjax.runtime.emulation.Emulation`, or ``None`` to run at the
+      speed of the actual devices.
+    fetch: which step outputs come back as arrays: ``"metrics"`` (all but the first element of
+      a tuple, i.e. everything except the new state), ``"all"`` or ``"none"``.
+    recv_timeout_s: longest wait of a worker for one message.
+    step_timeout_s: longest wait of the driver for one step (first step: with compilation).
+    start_timeout_s: longest wait for the workers to start and compile.
+    retain_steps: steps whose outputs the workers keep.
+    num_cpus: CPUs of a local Ray instance (default: ``max(2, stages + 1)``).
+    actor_env: extra environment variables of the actors.
+    pin_hosts: place each stage's actor on a Ray node advertising the resource
+      ``harpjax_host:<host name>``; ``None``: when such resources exist.
+    spmd_hosts: run a stage whose devices are on several hosts as one SPMD program over one
+      process per host (``jax.distributed``, :mod:`harpjax.runtime._spmd`); ``None``: when
+      actors are pinned to hosts or use GPUs (on one machine with fake CPU devices a single
+      process can hold all of the stage's devices instead).
+    bind_device: also ``SO_BINDTODEVICE`` TCP sockets to the NIC (root).
+    ray_init: extra keyword arguments of ``ray.init``.
+  """
+  address: str | None = None
+  backend: str = "ray"
+  transport: str = "auto"
+  nic_addresses: Any = None
+  emulation: Emulation | None = None
+  fetch: str = "metrics"
+  recv_timeout_s: float = 300.0
+  step_timeout_s: float = 900.0
+  start_timeout_s: float = 600.0
+  retain_steps: int = 2
+  num_cpus: int | None = None
+  actor_env: Any = None
+  pin_hosts: bool | None = None
+  spmd_hosts: bool | None = None
+  bind_device: bool = False
+  ray_init: Any = None
+
+  def __post_init__(self):
+    if self.backend not in ("ray", "threads"):
+      raise PlanError(f"runtime_options backend={self.backend!r}; choose 'ray' or 'threads'")
+    if self.transport not in transport.TRANSPORTS:
+      raise PlanError(f"runtime_options transport={self.transport!r}; choose one of "
+                      f"{transport.TRANSPORTS}")
+    if self.fetch not in FETCH_MODES:
+      raise PlanError(f"runtime_options fetch={self.fetch!r}; choose one of {FETCH_MODES}")
+    if self.emulation is not None and not isinstance(self.emulation, Emulation):
+      raise PlanError("runtime_options emulation must be a harpjax.runtime.emulation.Emulation")
+    for name in ("recv_timeout_s", "step_timeout_s", "start_timeout_s"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and v > 0):
+        raise PlanError(f"runtime_options {name}={v!r}: must be a positive number of seconds")
+    if int(self.retain_steps) < 1:
+      raise PlanError(f"runtime_options retain_steps={self.retain_steps}: must be >= 1")
+
+  @classmethod
+  def from_kwargs(cls, kwargs: dict) -> "RunnerOptions":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+      raise PlanError(f"unknown runtime_options {unknown}; known: {sorted(known)}")
+    return cls(**kwargs)
+
+  def worker_options(self) -> WorkerOptions:
+    return WorkerOptions(recv_timeout_s=float(self.recv_timeout_s),
+                         retain_steps=int(self.retain_steps), bind_device=self.bind_device)
+
+
+# --------------------------------------------------------------------------- runner
+
+
+class PipelineRunner:
+  """Runs a compiled step on one worker per stage. See the module docstring.
+
+  Args:
+    parallel_step: the :class:`harpjax.ParallelStep` (its function, options, cluster).
+    compiled: the driver's :class:`~harpjax.compiler.compile.CompiledStep` for these argument
+      shapes (resolved plan, schedule, layers).
+    example_args: arguments of this structure (arrays, ``ShapeDtypeStruct`` or handles).
+    backend: starts and calls the workers.
+    options: :class:`RunnerOptions`.
+  """
+
+  def __init__(self, parallel_step, compiled: CompiledStep, example_args, backend,
+               options: RunnerOptions):
+    t0 = time.time()
+    self.id = new_runner_id()
+    self.options = options
+    self.compiled = cs = compiled
+    self.dataflow = df = step_dataflow(cs)
+    self.cluster = parallel_step.cluster
+    self.num_stages = S = cs.num_stages
+    self.hosts = transport.stage_hosts(self.cluster, [s.devices for s in cs.plan.stages])
+    self.host_groups = [host_groups(self.cluster, st.devices) for st in cs.plan.stages]
+    self.emulation = (None if options.emulation is None else
+                      options.emulation.resolve(cs.plan, self.cluster, self.hosts))
+    self._backend = backend
+    self._step = 0
+    self._failed: str | None = None
+    self._lock = threading.Lock()
+    self.last: MeasuredStep | None = None
+    self.history: list[MeasuredStep] = []
+    self._last_outputs = None
+    leaves = jax.tree_util.tree_leaves(example_args)
+    if len(leaves) != len(df.leaf_vids):
+      raise PlanError(f"the step was compiled for {len(df.leaf_vids)} argument leaves, got "
+                      f"{len(leaves)}")
+    abstract = jax.tree_util.tree_map(abstractify, tuple(example_args))
+    popts = parallel_step.options
+    wopts = options.worker_options()
+    split = backend.prepare(self)   # stages run by one process per host
+    specs = [WorkerSpec(stage=s, step_fn=parallel_step._fun, abstract_args=abstract,
+                        num_microbatches=cs.traced.num_microbatches,
+                        batch_argnums=tuple(popts.batch_argnums),
+                        layer_starts=tuple(layer.start for layer in cs.layers),
+                        plan=cs.plan, schedule=cs.schedule, loss_reduction=cs.loss_reduction,
+                        fingerprint=df.fingerprint, host=self.hosts[s], options=wopts,
+                        emulation=self.emulation,
+                        unrolled=getattr(cs.layers, "origin", None) is not None,
+                        layout=(group_layout(self.host_groups[s], cs.plan.stages[s].devices)
+                                if s in split else None))
+             for s in range(S)]
+    out_tree = cs.traced.out_tree
+    n_out = out_tree.num_leaves
+    self._fetch = _fetch_indices(out_tree, n_out, options.fetch)
+    self._consts = dict(zip(df.const_vids, cs.traced.outer_consts))
+    register_runner(self.id, self)
+    try:
+      backend.start(self, specs)
+      self._call_all("build", [backend.build_args(spec) for spec in specs],
+                     options.start_timeout_s, "starting the stage workers")
+      self.infos = self._call_all("info", [()] * S, options.start_timeout_s, "starting")
+      self.routes = self._connect()
+    except BaseException:
+      self.shutdown()
+      raise
+    log.info("runner %d: %d stage workers ready in %.1f s; routes:\n  %s", self.id, S,
+             time.time() - t0, "\n  ".join(r.describe() for r in self.routes.values()))
+
+  # ------------------------------------------------------------------ wiring
+
+  def _connect(self) -> dict:
+    S, df, be = self.num_stages, self.dataflow, self._backend
+    single = be.single_machine(self.infos)
+    addresses = {}
+    if not single:
+      for s, info in enumerate(self.infos):
+        host = self.cluster.host(self.hosts[s])
+        for nic in host.nics:
+          ip = info["interfaces"].get(nic.name)
+          if ip:
+            addresses[(host.name, nic.name)] = ip
+    addresses.update(transport.normalize_addresses(self.options.nic_addresses))
+    machine = [info["hostname"] for info in self.infos]
+    routes = transport.plan_routes(self.cluster, self.hosts, df.pairs(), addresses=addresses,
+                                   same_process=be.same_process,
+                                   same_machine=lambda a, b: machine[a] == machine[b],
+                                   single_machine=single, transport=self.options.transport)
+    token = transport.new_token()
+    listen = [sorted({r.dst_address for r in routes.values()
+                      if r.transport == "tcp" and r.dst == s}) for s in range(S)]
+    endpoints = self._call_all("listen", [(listen[s], token) for s in range(S)],
+                               self.options.start_timeout_s, "opening listeners")
+    channels = [dict() for _ in range(S)]
+    for (a, b), r in routes.items():
+      if r.transport == "tcp":
+        device = r.src_nic if r.src_address != transport.LOOPBACK else None
+        channels[a][b] = ("tcp", r.src_address, endpoints[b][r.dst_address], device)
+      elif r.transport == "local":
+        channels[a][b] = be.local_channel(b)
+      else:
+        channels[a][b] = be.object_store_channel(b)
+    self._call_all("connect", [(channels[s],) for s in range(S)],
+                   self.options.start_timeout_s, "connecting channels")
+    return routes
+
+  # ------------------------------------------------------------------ steps
+
+  def __call__(self, args):
+    with self._lock:
+      return self._run(tuple(args))
+
+  def _run(self, args):
+    if self._failed is not None:
+      raise RuntimeFailure(f"this runner failed earlier ({self._failed}); build a new "
+                           "auto_parallel step to start over")
+    t0 = time.time()
+    df, S = self.dataflow, self.num_stages
+    leaves = jax.tree_util.tree_leaves(args)
+    manifest, encoded = [], {}
+    for i, x in enumerate(leaves):
+      if isinstance(x, RemoteArray) and x.runner_id == self.id:
+        manifest.append((x.stage, x.key))
+        continue
+      if isinstance(x, RemoteArray):
+        x = x.gather()
+      manifest.append(None)
+      if df.leaf_readers[i]:
+        encoded[i] = _codec.encode(x if isinstance(x, (jax.Array, np.ndarray))
+                                   else np.asarray(x))
+    self._step += 1
+    step = self._step
+    per_stage = []
+    for s in range(S):
+      inputs = {i: e for i, e in encoded.items() if s in df.leaf_readers[i]}
+      fetch = [k for k in self._fetch if df.outputs[k][0] == "stage" and df.outputs[k][1] == s]
+      per_stage.append((step, manifest, inputs, fetch))
+    results = self._call_all("run_step", per_stage, self.options.step_timeout_s, f"step {step}",
+                             fail_runner=True)
+    outs = []
+    for k, o in enumerate(df.outputs):
+      if o[0] == "lit":
+        outs.append(o[1])
+      elif o[0] == "const":
+        outs.append(self._consts[o[1]])
+      elif o[0] == "leaf":
+        outs.append(leaves[o[1]])
+      else:
+        _, h, vid = o
+        if k in self._fetch:
+          x = _codec.decode(results[h]["outputs"][k])
+          outs.append(x if isinstance(x, jax.Array) else jnp.asarray(x))
+        else:
+          aval = self.compiled.traced.outer.avals[vid]
+          outs.append(RemoteArray(self.id, h, (step, k), aval.shape, aval.dtype))
+    out = jax.tree_util.tree_unflatten(self.compiled.traced.out_tree, outs)
+    self.last = measured_step(step, time.time() - t0, results, self.compiled.schedule)
+    self.history.append(self.last)
+    if len(self.history) > 64:
+      del self.history[:-64]
+    over = sum(self.last.overruns)
+    if over and self.emulation is not None and step > 1:   # step 1 compiles
+      log.warning("step %d: %d tasks took longer than their emulated time; increase "
+                  "Emulation.time_scale for a faithful emulation", step, over)
+    self._last_outputs = out
+    return out
+
+  def _call_all(self, method: str, args_per_stage, timeout_s: float, what: str,
+                fail_runner: bool = False) -> list:
+    be = self._backend
+    handles = {s: be.submit(s, method, *a) for s, a in enumerate(args_per_stage)}
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    deadline = time.monotonic() + timeout_s
+    grace_until = None
+    pending = dict(handles)
+    while pending:
+      now = time.monotonic()
+      limit = deadline if grace_until is None else min(deadline, grace_until)
+      if now >= limit:
+        break
+      for s, ok, value in be.wait_any(pending, limit - now):
+        del pending[s]
+        if ok:
+          results[s] = value
+        else:
+          errors[s] = value
+          if grace_until is None:   # let the others report why they stopped
+            grace_until = time.monotonic() + 3.0
+            for t in pending:
+              be.abort(t, f"stage {s} failed during {what}")
+    if not errors and not pending:
+      return [results[s] for s in range(len(args_per_stage))]
+    if pending and not errors:
+      for t in pending:
+        be.abort(t, f"{what} timed out")
+      msg = (f"{what}: stage(s) {sorted(pending)} ("
+             + ", ".join(self.hosts[t] for t in sorted(pending))
+             + f") did not finish within {timeout_s:g} s")
+    else:
+      root = _root_cause(errors)
+      msg = (f"{what} failed on stage {root} (host {self.hosts[root]}): "
+             f"{_describe(errors[root])}")
+      others = [f"stage {t}: {_describe(e)}" for t, e in sorted(errors.items()) if t != root]
+      if others:
+        msg += "\n  then " + "\n  then ".join(others)
+    if fail_runner:
+      self._failed = msg.splitlines()[0]
+    raise RuntimeFailure(msg)
+
+  # ------------------------------------------------------------------ state
+
+  def _fetch_handles(self, handles: Sequence[RemoteArray]) -> list:
+    by_stage: dict[int, list[int]] = {}
+    for i, h in enumerate(handles):
+      by_stage.setdefault(h.stage, []).append(i)
+    out: list = [None] * len(handles)
+    stages = sorted(by_stage)
+    be = self._backend
+    subs = {s: be.submit(s, "fetch", [handles[i].key for i in by_stage[s]]) for s in stages}
+    pending = dict(subs)
+    deadline = time.monotonic() + self.options.step_timeout_s
+    while pending:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise RuntimeFailure(f"gather: stage(s) {sorted(pending)} did not answer within "
+                             f"{self.options.step_timeout_s:g} s")
+      for s, ok, value in be.wait_any(pending, left):
+        del pending[s]
+        if not ok:
+          raise RuntimeFailure(f"gather failed on stage {s} (host {self.hosts[s]}): "
+                               f"{_describe(value)}")
+        for i, e in zip(by_stage[s], value):
+          x = _codec.decode(e)
+          out[i] = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    return out
+
+  def gather(self, tree=None):
+    """The arrays behind the handles in ``tree`` (default: the last step's outputs)."""
+    return gather(self._last_outputs if tree is None else tree)
+
+  def save(self, path: str | os.PathLike, tree=None) -> None:
+    """Gathers ``tree`` (default: the state, i.e. the first output of the last step) and
+    writes it with :func:`save_tree`."""
+    if tree is None:
+      out = self._last_outputs
+      if out is None:
+        raise HarpjaxError("save(): no step has run yet; pass the tree to save")
+      tree = out[0] if isinstance(out, (tuple, list)) else out
+    save_tree(path, tree)
+
+  # ------------------------------------------------------------------ emulation
+
+  def set_emulation(self, emulation: Emulation | None) -> None:
+    """Switches the emulated hardware of every worker (between steps)."""
+    resolved = None if emulation is None else emulation.resolve(self.compiled.plan,
+                                                                 self.cluster, self.hosts)
+    self._call_all("set_emulation", [(resolved,)] * self.num_stages,
+                   self.options.start_timeout_s, "set_emulation")
+    self.emulation = resolved
+
+  def message_bytes(self) -> tuple[list[int], list[int]]:
+    """``([S-1] activation bytes i -> i+1, [S-1] cotangent bytes i+1 -> i)`` per microbatch."""
+    prog = self.compiled.layers.program
+    df = self.dataflow
+    S = self.num_stages
+    act = [sum(prog.nbytes(v) for v in df.act_routes.get((i, i + 1), ())) for i in range(S - 1)]
+    ct = [sum(prog.nbytes(v) for v in df.ct_routes.get((i + 1, i), ())) for i in range(S - 1)]
+    return act, ct
+
+  def simulate(self, emulation: Emulation | None = None, **kwargs):
+    """The simulator's prediction of an iteration with the emulated numbers the workers use.
+
+    Raises:
+      HarpjaxError: no emulation.
+    """
+    emu = emulation.resolve(self.compiled.plan, self.cluster, self.hosts) if emulation \
+        else self.emulation
+    if emu is None:
+      raise HarpjaxError("simulate() needs an emulation: pass runtime_options="
+                         "{'emulation': Emulation(...)} or an Emulation here")
+    df = self.dataflow
+    skips = [k for k in list(df.act_routes) + list(df.ct_routes) if abs(k[0] - k[1]) != 1]
+    if skips:
+      log.warning("messages between non-neighbouring stages %s are not in the simulator's "
+                  "model", skips)
+    act, ct = self.message_bytes()
+    return emu.simulate(self.compiled.schedule, act, ct, **kwargs)
+
+  # ------------------------------------------------------------------ lifetime
+
+  def kill_stage(self, stage: int, rank: int = 0) -> None:
+    """Kills one stage's worker (member ``rank`` of a group; for testing failure handling)."""
+    self._backend.kill(stage, rank)
+
+  def shutdown(self) -> None:
+    """Stops the workers; the runner's handles become invalid."""
+    unregister_runner(self.id)
+    try:
+      self._backend.shutdown()
+    finally:
+      self._failed = self._failed or "shut down"
+
+  def __del__(self):
+    try:
+      self._backend.shutdown()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+
+def host_groups(cluster, devices) -> list[tuple[str, list[int]]]:
+  """A stage's devices by host: ``[(host, [global device indices])]`` in order of first
+  appearance (the first host's process leads a group)."""
+  out: dict[str, list[int]] = {}
+  for d in devices:
+    out.setdefault(cluster.host_of_device(d).name, []).append(int(d))
+  return list(out.items())
+
+
+def group_layout(groups, devices) -> tuple:
+  """Per device of the stage, in submesh order, ``(rank of its host, index on that host)``."""
+  where = {d: (rank, i) for rank, (_, devs) in enumerate(groups) for i, d in enumerate(devs)}
+  return tuple(where[int(d)] for d in devices)
+
+
+def _fetch_indices(out_tree, n: int, mode: str) -> frozenset:
+  if mode == "all":
+    return frozenset(range(n))
+  if mode == "none":
+    return frozenset()
+  pos = jax.tree_util.tree_unflatten(out_tree, list(range(n)))
+  if isinstance(pos, (tuple, list)) and len(pos) > 1:
+    return frozenset(jax.tree_util.tree_leaves(list(pos[1:])))
+  return frozenset()
+
+
+def _root_cause(errors: dict) -> int:
+  """The stage whose error is not a consequence of another's (a lost peer, an abort).
+
+  A dead actor comes first; then any error that is not about a peer (a send or receive that
+  broke because the other side went away, an abort, a wait); else the lowest stage.
+  """
+  for s, e in sorted(errors.items()):
+    if "died" in str(e):
+      return s
+  secondary = ("lost stage", "aborted while waiting", "failed during", "waited",
+               "sending to stage", "receiving from stage", "failed earlier",
+               "Connection reset", "Broken pipe", "connection closed")
+  for s, e in sorted(errors.items()):
+    if not any(p in str(e) for p in secondary):
+      return s
+  return min(errors)
+
+
+def _describe(e: BaseException) -> str:
+  text = str(e).strip()
+  first = text.splitlines()[0] if text else ""
+  return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+# --------------------------------------------------------------------------- threads
+
+
+class ThreadBackend:
+  """Workers in threads of this process (no Ray): the same protocol, for debugging and tests.
+
+  Stages talk through :class:`~harpjax.runtime.transport.LocalChannel` (``device_put``), or
+  over loopback TCP with ``transport="tcp"``.
+  """
+
+  def __init__(self, options: RunnerOptions):
+    self.options = options
+    self.workers: list[StageWorker] = []
+    self._pool: cf.ThreadPoolExecutor | None = None
+
+  def prepare(self, runner: PipelineRunner) -> frozenset:
+    return frozenset()   # threads of one process: no stage is split
+
+  def start(self, runner: PipelineRunner, specs) -> None:
+    self._local = runner.cluster.local_devices()
+    self.workers = [StageWorker() for _ in specs]
+    self._pool = cf.ThreadPoolExecutor(max_workers=2 * len(specs) + 2,
+                                       thread_name_prefix="harpjax-stage")
+
+  def build_args(self, spec) -> tuple:
+    return (spec, [self._local[i] for i in spec.plan.stages[spec.stage].devices])
+
+  def single_machine(self, infos) -> bool:
+    return True
+
+  def same_process(self, a: int, b: int) -> bool:
+    return self.options.transport != "tcp"
+
+  def submit(self, stage: int, method: str, *args):
+    return self._pool.submit(getattr(self.workers[stage], method), *args)
+
+  def wait_any(self, pending: dict, timeout_s: float):
+    inv = {f: s for s, f in pending.items()}
+    done, _ = cf.wait(list(inv), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+    out = []
+    for f in done:
+      e = f.exception()
+      out.append((inv[f], e is None, f.result() if e is None else e))
+    return out
+
+  def abort(self, stage: int, reason: str) -> None:
+    self.workers[stage].abort(reason)
+
+  def local_channel(self, dst: int):
+    return transport.LocalChannel(self.workers[dst].mailbox)
+
+  def object_store_channel(self, dst: int):
+    return self.local_channel(dst)
+
+  def kill(self, stage: int, rank: int = 0) -> None:
+    raise HarpjaxError("the threads backend cannot kill a stage")
+
+  def shutdown(self) -> None:
+    for w in self.workers:
+      w.shutdown()
+    self.workers = []
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+      self._pool = None

@@ -1,0 +1,479 @@
+"""The planner: exactness against brute force and the NumPy twin, the memory model, search
+pruning, backends, infeasibility explanations and the Eq. 12 evaluator."""
+
+import itertools
+import math
+import re
+
+import numpy as np
+import pytest
+
+from harpjax.cluster import Link, pack_submeshes
+from harpjax.compiler import plan as planner
+from harpjax.compiler.plan import baselines, dp_kernel
+from harpjax.compiler.plan.index import device_states
+from harpjax.compiler.plan import Plan, StageSpec
+from harpjax.compiler.profile import CostTables, SubclusterSpec, synthetic_gpt_profile
+from harpjax.compiler.schedule import h1f1b_warmups, warmup_delta
+from harpjax.errors import InfeasiblePlanError, PlanError
+
+GiB = 2.0 ** 30
+
+
+def _solve_or_inf(tables, B, **kw):
+  try:
+    return planner.solve(tables, B, backend="sequential", **kw)
+  except InfeasiblePlanError:
+    return None
+
+
+def _obj(res):
+  return math.inf if res is None else res.objective_s
+
+
+def _close(a, b):
+  return a == b or math.isclose(a, b, rel_tol=1e-9)
+
+
+def _tables(L, shapes, times, params, acts, mem, boundary, intra_bw=1.0, inter_bw=1.0,
+            hosts=None, dph=None):
+  """Hand-made tables: ``times[k]`` maps ``(i, j, s)`` to seconds (others ``inf``)."""
+  K = len(shapes)
+  st, pm, am = [], [], []
+  for k in range(K):
+    S = len(shapes[k])
+    t, p, a = np.full((L, L, S), np.inf), np.zeros((L, L, S)), np.zeros((L, L, S))
+    for key, v in times[k].items():
+      t[key] = v
+      p[key] = params[k].get(key, 0.0)
+      a[key] = acts[k].get(key, 0.0)
+    st.append(t)
+    pm.append(p)
+    am.append(a)
+  hosts = hosts or [1] * K
+  dph = dph or [max(m for _, m in sh) for sh in shapes]
+  return CostTables(num_layers=L, subcluster_names=tuple(f"c{k}" for k in range(K)),
+                    num_hosts=tuple(hosts), devices_per_host=tuple(dph),
+                    device_memory_bytes=tuple(mem), submeshes=tuple(shapes),
+                    stage_time_s=tuple(st), param_mem_bytes=tuple(pm), act_mem_bytes=tuple(am),
+                    boundary_bytes=np.asarray(boundary, float),
+                    intra_bandwidth_bytes_per_s=(intra_bw,) * K, intra_latency_s=(0.0,) * K,
+                    inter_bandwidth_bytes_per_s=(inter_bw,) * (K - 1),
+                    inter_latency_s=(0.0,) * (K - 1))
+
+
+# --------------------------------------------------------------------------- warm-up twin
+
+
+def test_compiled_warmup_delta_matches_the_schedules_one():
+  """The DP kernel compiles the schedules' warmup_delta with Numba: same integer everywhere."""
+  for c, tau, eps in itertools.product([0.0, 1e-9, 0.01, 0.05, 0.25, 0.5, 0.4999999, 1.0, 2.5],
+                                       [0.1, 0.5, 1.0, 3.0], [0.0, 0.1, 0.3]):
+    assert dp_kernel._warmup_delta(c, tau, eps) == warmup_delta(c, tau, eps)
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("chunk", range(6))
+def test_dp_twin_and_brute_force_agree_on_random_instances(chunk):
+  """Numba kernel, NumPy twin and brute force: same optimum; the plan obeys its own model."""
+  rng = np.random.default_rng(1000 + chunk)
+  for _ in range(50):
+    tables = baselines.random_tables(rng)
+    B = int(rng.choice([1, 2, 4, 8, 32]))
+    eps = float(rng.choice([0.0, 0.1]))
+    bf = baselines.brute_force(tables, B, eps=eps)
+    res = _solve_or_inf(tables, B, eps=eps)
+    twin = _solve_or_inf(tables, B, eps=eps, kernel="numpy")
+    assert _close(_obj(res), bf.objective_s), (bf, res)
+    assert _close(_obj(twin), bf.objective_s)
+    if res is None:
+      continue
+    _check_plan_model(tables, res, B, eps)
+
+
+def _check_plan_model(tables, res, B, eps):
+  ev = planner.evaluate_plan(tables, res.plan, B, eps=eps, simulator=False)
+  assert ev.mem_ok and ev.comm_ok and ev.devices_ok and ev.uses_all_devices, ev.violations
+  assert ev.t_max_s == res.t_max_s == res.plan.t_max_s
+  assert _close(ev.eq12_s, res.objective_s)
+  comm = [s.comm_s for s in res.stages[:-1]]
+  assert res.warmups == h1f1b_warmups(comm, res.t_max_s, eps) == res.plan.warmups
+  for s in res.stages:
+    assert s.peak_mem_bytes == s.param_bytes + min(s.warmup, B) * s.act_bytes
+    assert s.peak_mem_bytes <= s.device_memory_bytes
+    assert s.comm_s <= res.t_max_s
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_dp_matches_brute_force_when_submeshes_may_not_pack(chunk):
+  """Hosts of 3 devices: (1, 2) stages add up but may not pack; the DP tracks the shapes."""
+  rng = np.random.default_rng(2000 + chunk)
+  for _ in range(40):
+    tables = baselines.random_tables(rng, num_layers=int(rng.integers(2, 7)), odd_hosts=True)
+    B = int(rng.choice([2, 8]))
+    bf = baselines.brute_force(tables, B)
+    res = _solve_or_inf(tables, B)
+    assert _close(_obj(res), bf.objective_s), (bf, res)
+    assert _close(_obj(_solve_or_inf(tables, B, kernel="numpy")), bf.objective_s)
+    if res is not None:
+      _check_plan_model(tables, res, B, 0.1)
+
+
+def test_three_quarter_hosts_do_not_pack():
+  """Two hosts of 6: the cheapest split into three (1, 4) stages adds up but does not fit."""
+  shapes = [(1, 2), (1, 4), (1, 6), (2, 6)]
+  times = {(0, 0, 1): 1.0, (1, 1, 1): 1.0, (2, 2, 1): 1.0,               # 3 x (1, 4)
+           (0, 0, 0): 1.6, (1, 1, 0): 1.6, (0, 1, 2): 1.7, (2, 2, 2): 1.7}
+  tables = _tables(L=3, shapes=[shapes], times=[times], params=[{}], acts=[{}], mem=[1.0],
+                   boundary=[0.0, 0.0, 0.0], hosts=[2], dph=[6])
+  st_sub, st_next, st_exh = device_states(tables)
+  assert st_sub.size > 1 and (st_next[:, 1] >= 0).sum() >= 2
+  bf = baselines.brute_force(tables, 4)
+  res = planner.solve(tables, 4)
+  assert _close(res.objective_s, bf.objective_s) and res.t_max_s == 1.7
+  assert sorted(s.submesh for s in res.stages) == [(1, 6), (1, 6)]
+  assert not baselines.packable(2, 6, [(1, 4)] * 3)
+
+
+def test_random_instances_exercise_binding_memory_and_the_bottleneck_trap():
+  """The corpus above is not trivial: memory binds often, and a DP that evaluates the warm-ups
+  at the candidate t_max instead of the plan's own bottleneck would be wrong on some."""
+  rng = np.random.default_rng(7)
+  binds = trap = infeasible = 0
+  for _ in range(150):
+    tables = baselines.random_tables(rng)
+    B = int(rng.choice([2, 8, 32]))
+    bf = baselines.brute_force(tables, B)
+    if not math.isfinite(bf.objective_s):
+      infeasible += 1
+      continue
+    roomy = tables.replace(device_memory_bytes=(1e12,) * tables.num_subclusters)
+    binds += baselines.brute_force(roomy, B).objective_s < bf.objective_s * (1 - 1e-9)
+    index = planner.SparseIndex.build(tables)
+    naive = min(index.run(float(t), B, 0.1, require_hit=False)[0] + (B - 1) * float(t)
+                for t in index.candidates)
+    trap += not _close(naive, bf.objective_s)
+  assert binds >= 20 and trap >= 3 and 10 <= infeasible <= 60, (binds, trap, infeasible)
+
+
+def test_bottleneck_trap_instance_is_infeasible():
+  """Two 1-device subclusters, one plan: stage times 1.0 and 1.0, cut 0.6 s.
+
+  At its own t_max = 1.0 the first stage needs N = 1 + (ceil(1.2 - 0.1) + 1) = 4 warm-ups,
+  which do not fit; at the candidate t_max = 2.0 (another entry's time) it would need only 3.
+  """
+  one = [(1, 1)]
+  tables = _tables(
+      L=2, shapes=[one, one],
+      times=[{(0, 0, 0): 1.0, (0, 1, 0): 2.0}, {(1, 1, 0): 1.0}],
+      params=[{(0, 0, 0): 1.0, (0, 1, 0): 1.0}, {}], acts=[{(0, 0, 0): 1.0}, {}],
+      mem=[4.5, 10.0], boundary=[0.6, 0.0])
+  index = planner.SparseIndex.build(tables)
+  assert math.isfinite(index.run(2.0, 8, 0.1, require_hit=False)[0])  # the trap
+  assert not math.isfinite(baselines.brute_force(tables, 8).objective_s)
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(tables, 8)
+  assert e.value.constraint in ("memory", "communication")
+  # With one more byte of memory per stage the plan is valid, with N = (4, 1).
+  roomy = tables.replace(device_memory_bytes=(5.0, 10.0))
+  res = planner.solve(roomy, 8)
+  assert res.warmups == (4, 1) and res.t_max_s == 1.0
+
+
+def _paper_dp(tables, B, eps):
+  """Eq. 13-19 as written: N tracked along the cheapest suffix (Eq. 17), no bottleneck flag."""
+  L, K = tables.num_layers, tables.num_subclusters
+  offs = [int(x) for x in tables.device_offsets]
+  D = offs[-1]
+  best = math.inf
+  index = planner.SparseIndex.build(tables)
+  for tau in index.candidates:
+    F = {(L, D): (0.0, 0)}
+    for i in range(L - 1, -1, -1):
+      for d in range(D):
+        k = max(x for x in range(K) if offs[x] <= d)
+        cur = None
+        for j in range(i, L):
+          for s, (n, m) in enumerate(tables.submeshes[k]):
+            t = tables.stage_time_s[k][i, j, s]
+            d2 = d + n * m
+            if t > tau or d2 > offs[k + 1] or (j + 1, d2) not in F:
+              continue
+            if j == L - 1:
+              c, nn = 0.0, 1
+            else:
+              c = (tables.inter_comm_s[k, j] if d2 == offs[k + 1] else tables.intra_comm_s[k, j])
+              if c > tau:
+                continue
+              nn = F[(j + 1, d2)][1] + warmup_delta(c, tau, eps)
+            if tables.param_mem_bytes[k][i, j, s] + min(nn, B) * tables.act_mem_bytes[k][i, j, s] \
+                > tables.device_memory_bytes[k]:
+              continue
+            v = F[(j + 1, d2)][0] + t + 2 * c
+            if cur is None or v < cur[0]:
+              cur = (v, nn)
+        if cur is not None:
+          F[(i, d)] = cur
+    if (0, 0) in F:
+      best = min(best, F[(0, 0)][0] + (B - 1) * tau)
+  return best
+
+
+def test_warmups_in_the_state_beat_eq17_tracking():
+  """The cheapest suffix (two fast stages on c1) needs one more warm-up on c0 than the slower
+  one-stage suffix; only the latter fits c0's memory. Eq. 17 keeps the former and finds no plan.
+  """
+  tables = _tables(
+      L=3, shapes=[[(1, 1)], [(1, 1), (1, 2)]],
+      times=[{(0, 0, 0): 1.0}, {(1, 1, 0): 0.3, (2, 2, 0): 0.3, (1, 2, 1): 0.8}],
+      params=[{(0, 0, 0): 1.0}, {}], acts=[{(0, 0, 0): 1.0}, {}],
+      mem=[4.5, 10.0], boundary=[0.2, 0.01, 0.0], dph=[1, 2])
+  bf = baselines.brute_force(tables, 8)
+  res = planner.solve(tables, 8)
+  assert _close(res.objective_s, bf.objective_s)
+  assert [s.layers for s in res.stages] == [(0, 0), (1, 2)] and res.warmups == (3, 1)
+  assert _paper_dp(tables, 8, 0.1) == math.inf
+
+
+def _dp_with_stage_count(tables, B, eps):
+  """The paper's state with the stage count s kept (plus exact n and the bottleneck flag)."""
+  L, K = tables.num_layers, tables.num_subclusters
+  offs = [int(x) for x in tables.device_offsets]
+  D = offs[-1]
+  index = planner.SparseIndex.build(tables)
+  best = math.inf
+  for tau in index.candidates:
+    # F[s][(i, d, n, h)] = cheapest suffix of s stages
+    F = [dict() for _ in range(min(L, D) + 1)]
+    F[0][(L, D, 0, 0)] = 0.0
+    for s in range(1, min(L, D) + 1):
+      for (j1, d2, n2, h2), v2 in F[s - 1].items():
+        for i in range(j1 - 1, -1, -1):
+          j = j1 - 1
+          for d in range(D):
+            k = max(x for x in range(K) if offs[x] <= d)
+            for si, (n, m) in enumerate(tables.submeshes[k]):
+              t = tables.stage_time_s[k][i, j, si]
+              if d + n * m != d2 or d2 > offs[k + 1] or t > tau:
+                continue
+              if s == 1:
+                c, nn = 0.0, 1
+              else:
+                c = tables.inter_comm_s[k, j] if d2 == offs[k + 1] else tables.intra_comm_s[k, j]
+                if c > tau:
+                  continue
+                nn = min(n2 + warmup_delta(c, tau, eps), B)
+              if tables.param_mem_bytes[k][i, j, si] + nn * tables.act_mem_bytes[k][i, j, si] \
+                  > tables.device_memory_bytes[k]:
+                continue
+              key = (i, d, nn, h2 or t == tau)
+              F[s][key] = min(F[s].get(key, math.inf), v2 + t + 2 * c)
+    for s in range(1, len(F)):
+      for (i, d, n, h), v in F[s].items():
+        if i == 0 and d == 0 and h:
+          best = min(best, v + (B - 1) * tau)
+  return best
+
+
+def test_dropping_the_stage_count_keeps_the_optimum():
+  rng = np.random.default_rng(11)
+  for _ in range(40):
+    tables = baselines.random_tables(rng, num_layers=int(rng.integers(2, 6)))
+    B = int(rng.choice([2, 8]))
+    assert _close(_obj(_solve_or_inf(tables, B)), _dp_with_stage_count(tables, B, 0.1))
+
+
+def test_gpt_like_kernel_and_twin_agree():
+  prof = synthetic_gpt_profile(num_blocks=4, hidden=4096, seq_len=1024, microbatch=4)
+  a = SubclusterSpec("a100", 2, 4, 40 * GiB, 25e9, peak_flops=312e12,
+                     host_bandwidth_bytes_per_s=300e9)
+  v = SubclusterSpec("v100", 1, 4, 32 * GiB, 25e9, peak_flops=125e12,
+                     host_bandwidth_bytes_per_s=150e9)
+  tables = CostTables.from_layer_costs(prof, [a, v], Link(0.625e9, 1e-4),
+                                       grad_sync_microbatches=32, order="memory_to_compute")
+  res = planner.solve(tables, 32)
+  twin = planner.solve(tables, 32, kernel="numpy")
+  loose = planner.solve(tables, 32, bound_pruning=False)
+  assert _close(res.objective_s, twin.objective_s)
+  assert res.plan.stages == loose.plan.stages and res.objective_s == loose.objective_s
+  _check_plan_model(tables, res, 32, 0.1)
+  assert res.plan.stages[0].subcluster == "v100"  # memory-to-compute order puts V100 first
+
+
+# --------------------------------------------------------------------------- search & backends
+
+
+def _medium_tables():
+  prof = synthetic_gpt_profile(num_blocks=6, hidden=4096, seq_len=1024, microbatch=4)
+  a = SubclusterSpec("a100", 2, 4, 40 * GiB, 25e9, peak_flops=312e12)
+  v = SubclusterSpec("v100", 2, 4, 32 * GiB, 25e9, peak_flops=125e12)
+  return CostTables.from_layer_costs(prof, [v, a], Link(1.25e9), grad_sync_microbatches=64)
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_parallel_backends_return_the_identical_plan(backend):
+  tables = _medium_tables()
+  seq = planner.solve(tables, 64, backend="sequential", bound_pruning=False)
+  par = planner.solve(tables, 64, backend=backend, workers=2, parallel_min_work=0,
+                      bound_pruning=False)
+  assert par.stats.backend == backend and par.stats.workers == 2
+  assert par.plan == seq.plan and par.objective_s == seq.objective_s
+
+
+def test_ray_backend_returns_the_identical_plan():  # ~12 s on 2 cores, mostly Ray start-up
+  pytest.importorskip("ray")
+  tables = _medium_tables()
+  seq = planner.solve(tables, 64, backend="sequential", bound_pruning=False)
+  par = planner.solve(tables, 64, backend="ray", workers=2, parallel_min_work=0,
+                      bound_pruning=False)
+  assert par.stats.backend == "ray"
+  assert par.plan.stages == seq.plan.stages and par.objective_s == seq.objective_s
+
+
+def test_search_statistics_and_pruning():
+  tables = _medium_tables()
+  res = planner.solve(tables, 64)
+  st = res.stats
+  assert st.num_candidates == planner.SparseIndex.build(tables).candidates.size
+  assert st.t_s <= res.t_max_s <= st.t_e
+  assert 0 <= st.num_pruned_by_bound <= st.num_window
+  assert st.num_evaluated >= 1 and st.seconds > 0
+
+
+def test_sparse_index_groups_sorted_by_time():
+  tables = _medium_tables()
+  ix = planner.SparseIndex.build(tables)
+  K, L = tables.num_subclusters, tables.num_layers
+  assert ix.ptr.shape == (K, L + 1) and ix.ptr[-1, -1] == ix.num_entries
+  for k, i in itertools.product(range(K), range(L)):
+    sl = slice(ix.ptr[k, i], ix.ptr[k, i + 1])
+    assert (ix.ent_k[sl] == k).all() and (ix.ent_i[sl] == i).all()
+    assert (np.diff(ix.ent_t[sl]) >= 0).all()
+  fits = ix.ent_p + ix.ent_a <= ix.mem[ix.ent_k]
+  assert fits.all()
+  assert ix.active_entries(ix.candidates[0]) >= 1
+  assert ix.active_entries(ix.candidates[-1]) == ix.num_entries
+
+
+def test_result_plan_is_a_complete_plan():
+  tables = _medium_tables()
+  res = planner.solve(tables, 64)
+  plan = res.plan
+  assert isinstance(plan, Plan) and plan.num_layers == tables.num_layers
+  assert plan.num_microbatches == 64 and plan.schedule == "h1f1b"
+  assert dict(plan.meta)["eps"] == 0.1
+  assert Plan.from_json(plan.to_json()) == plan
+  assert "Layer Range" in res.table()
+  for s, spec in zip(res.stages, plan.stages):
+    n, m = s.submesh
+    assert spec.logical_mesh[0] * spec.logical_mesh[1] == n * m
+    assert sum(x[2] for x in s.hosts) == n * m
+  assert 0 < plan.eta <= 1
+
+
+def test_solve_rejects_bad_arguments():
+  tables = _medium_tables()
+  with pytest.raises(PlanError):
+    planner.solve(tables, 0)
+  with pytest.raises(PlanError):
+    planner.solve(tables, 8, backend="mpi")
+  with pytest.raises(PlanError):
+    planner.solve(tables, 8, kernel="cuda")
+
+
+# --------------------------------------------------------------------------- infeasibility
+
+
+def test_infeasible_memory_is_explained_with_the_shortfall():
+  tables = _medium_tables()
+  tiny = tables.replace(device_memory_bytes=(2 * GiB, 2 * GiB))
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(tiny, 64)
+  assert e.value.constraint == "memory" and "GiB" in str(e.value)
+
+
+def test_infeasible_memory_with_warmups_reports_the_scale_needed():
+  one = [(1, 1)]
+  tables = _tables(L=2, shapes=[one, one], times=[{(0, 0, 0): 1.0}, {(1, 1, 0): 1.0}],
+                   params=[{(0, 0, 0): 1.0}, {}], acts=[{(0, 0, 0): 1.0}, {}],
+                   mem=[3.0, 10.0], boundary=[0.6, 0.0])
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(tables, 8)
+  assert e.value.constraint == "memory"
+  scale = float(re.search(r"need ([0-9.]+)x the device memory", str(e.value)).group(1))
+  assert abs(scale - 5.0 / 3.0) < 1e-3  # 1 + 4 warm-ups x 1 bytes on a 3-byte device
+
+
+def test_infeasible_layers_and_communication():
+  one = [(1, 1)]
+  t1 = _tables(L=1, shapes=[one, one], times=[{(0, 0, 0): 1.0}, {(0, 0, 0): 1.0}],
+               params=[{}, {}], acts=[{}, {}], mem=[1.0, 1.0], boundary=[0.0])
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(t1, 4)
+  assert e.value.constraint == "layers"
+  t2 = _tables(L=2, shapes=[one, one], times=[{(0, 0, 0): 1.0}, {(1, 1, 0): 1.0}],
+               params=[{}, {}], acts=[{}, {}], mem=[1.0, 1.0], boundary=[5.0, 0.0])
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(t2, 4)
+  assert e.value.constraint == "communication" and "5.000x too slow" in str(e.value)
+
+
+def test_infeasible_device_geometry():
+  tables = _tables(L=2, shapes=[[(1, 1), (1, 2)]], times=[{(0, 0, 1): 1.0, (1, 1, 1): 1.0}],
+                   params=[{}], acts=[{}], mem=[1.0], boundary=[0.0, 0.0])
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(tables, 4)
+  assert e.value.constraint == "devices"
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _two_stage():
+  one = [(1, 1)]
+  return _tables(L=3, shapes=[one, [(1, 1), (1, 2)]],
+                 times=[{(0, 0, 0): 1.0, (0, 1, 0): 2.0},
+                        {(1, 2, 1): 1.5, (2, 2, 1): 0.5, (1, 1, 0): 0.7, (2, 2, 0): 0.6}],
+                 params=[{(0, 0, 0): 1.0}, {}], acts=[{(0, 0, 0): 0.5}, {}],
+                 mem=[10.0, 10.0], boundary=[0.25, 0.1, 0.0], intra_bw=1.0, inter_bw=0.5,
+                 dph=[1, 2])
+
+
+def test_evaluate_plan_eq12_and_schedules():
+  tables = _two_stage()
+  quads = [(0, 0, 0, 0), (1, 1, 1, 0), (2, 2, 1, 0)]
+  B = 10
+  ev = planner.evaluate_plan(tables, quads, B, simulator=False)
+  t, c = [1.0, 0.7, 0.6], [0.5, 0.1, 0.0]
+  assert ev.t_max_s == 1.0 and [s.comm_s for s in ev.stages] == c
+  assert _close(ev.eq12_s, sum(a + 2 * b for a, b in zip(t, c)) + (B - 1) * 1.0)
+  assert ev.warmups == h1f1b_warmups(c[:2], 1.0, 0.1) == (5, 3, 1)
+  assert ev.iteration_s >= ev.eq12_s and ev.model == "analytic"
+  assert planner.evaluate_plan(tables, quads, B, "1f1b", simulator=False).warmups == (3, 2, 1)
+  eager = planner.evaluate_plan(tables, quads, B, "eager_1f1b", simulator=False)
+  assert eager.warmups == (5, 3, 1)
+  assert eager.stages[0].peak_mem_bytes == 1.0 + 5 * 0.5
+  # 1F1B cannot hide the 0.5 s cut: its steady period is (1 + 0.7 + 2 x 0.5) / 2 per microbatch.
+  one = planner.evaluate_plan(tables, quads, B, "1f1b", simulator=False)
+  assert _close(one.steady_period_s, 1.35)
+
+
+def test_evaluate_plan_accepts_plans_and_rejects_bad_ones():
+  tables = _two_stage()
+  spec = [StageSpec((0, 0), "c0", (1, 1)), StageSpec((1, 2), "c1", (1, 2))]
+  ev = planner.evaluate_plan(tables, Plan(tuple(spec)), 4, simulator=False)
+  assert ev.t_max_s == 1.5 and ev.uses_all_devices
+  with pytest.raises(PlanError):
+    planner.evaluate_plan(tables, [(0, 0, 0, 0), (2, 2, 1, 1)], 4)  # gap
+  over = planner.evaluate_plan(tables, [(0, 0, 0, 0), (1, 1, 1, 1), (2, 2, 1, 1)], 4,
+                               simulator=False)
+  assert not over.devices_ok and not over.feasible
+
+
+def test_pack_submeshes():
+  assert pack_submeshes(2, 8, [(1, 4), (2, 8)]) is None
+  got = pack_submeshes(3, 8, [(1, 4), (2, 8), (1, 2), (1, 2)])
+  assert got[1] == ((0, 0, 8), (1, 0, 8)) and got[0] == ((2, 0, 4),)
+  assert sorted(x[0][1] for x in (got[2], got[3])) == [4, 6]
