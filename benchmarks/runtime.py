@@ -127,7 +127,7 @@ def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: in
   plan = base.with_stages([dataclasses.replace(s, time_s=t)
                            for s, t in zip(base.stages, STAGE_TIMES_S)])
   probe = harpjax.auto_parallel(step, cluster=cluster, plan=plan)
-  _, layers = probe.trace(state, batch)
+  layers = probe.trace(state, batch).layers
   act = layers[plan.stages[0].layers[1]].boundary_bytes
   emulation = Emulation(time_scale=time_scale, bytes_scale=ACT_BYTES / act)
   plan = annotate_plan(plan, layers, cluster, emulation)
@@ -148,7 +148,7 @@ def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: in
       overruns += sum(runner.last.overruns)
   sim = runner.simulate()
   out = {"measured": statistics.median(walls), "pipeline": statistics.median(spans),
-         "simulated": sim.iteration_time, "warmups": list(pstep.plan.warmups or ()),
+         "simulated": sim.iteration_time, "warmups": list(pstep.plan(state, batch).warmups or ()),
          "overruns": overruns, "last": runner.last, "sim": sim}
   runner.shutdown()
   return out
@@ -231,7 +231,7 @@ def cluster_main(args) -> None:
     s, loss = pstep(s, tokens)
     print(f"step {i}: loss {float(loss):.4f}, {time.perf_counter() - t:.3f} s", flush=True)
   runner = pstep.runner(s, tokens)
-  print(pstep.plan)
+  print(pstep.plan(s, tokens))
   for r in runner.routes.values():
     print(" ", r.describe(), "-", r.reason)
 

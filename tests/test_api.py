@@ -54,10 +54,11 @@ def test_step_returns_same_structure_and_plan_table():
   out = pstep(state, batch)
   ref = jax.jit(step)(state, batch)
   assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(ref)
-  table = str(pstep.plan)
+  plan = pstep.plan(state, batch)
+  table = str(plan)
   assert "Layer Range" in table and "[0, 1]" in table and "a100" in table
-  assert pstep.plan.num_layers == 4 and pstep.plan.warmups == (3, 1)
-  assert [len(s.devices) for s in pstep.plan.stages] == [2, 2]
+  assert plan.num_layers == 4 and plan.warmups == (3, 1)
+  assert [len(s.devices) for s in plan.stages] == [2, 2]
 
 
 def test_batch_not_divisible_into_microbatches():

@@ -41,32 +41,33 @@ def auto_step(tmp_path_factory):
   step, state, batches = _gpt(optax.sgd(0.1))
   pstep = compare_steps(step, state, batches, plan=None, num_microbatches=4,
                         profile_options=ProfileOptions(cache_dir=cache, progress=False))
-  return pstep, cache
+  return pstep, cache, (state, batches[0])
 
 
 def test_auto_plan_matches_jit_and_describes_itself(auto_step):
-  pstep, _ = auto_step
-  plan = pstep.plan
+  pstep, _, args = auto_step
+  plan = pstep.plan(*args)
   assert plan.predicted_iteration_s > 0 and 0 < plan.eta <= 1 and plan.t_max_s > 0
-  assert plan.num_layers == len(pstep.layers)
+  assert plan.num_layers == len(pstep.trace(*args).layers)
   assert plan.warmups is not None and plan.warmups[-1] == 1
   assert "predicted iteration" in plan.table() and "eta=" in plan.table()
-  assert pstep.profile.stats.unique_tasks > 0
+  assert pstep.profile(*args).stats.unique_tasks > 0
 
 
 def test_saved_plan_is_reused_without_planning(auto_step, tmp_path):
-  pstep, _ = auto_step
+  pstep, _, args = auto_step
   path = tmp_path / "plan.json"
-  pstep.plan.save(path)
+  pstep.plan(*args).save(path)
   step, state, batches = _gpt(optax.sgd(0.1))
   again = compare_steps(step, state, batches[:1], plan=str(path), num_microbatches=4)
-  assert again.profile is None
-  assert [s.layers for s in again.plan.stages] == [s.layers for s in pstep.plan.stages]
-  assert again.plan.warmups == pstep.plan.warmups
+  assert again.profile(*args) is None
+  assert [s.layers for s in again.plan(*args).stages] == [
+      s.layers for s in pstep.plan(*args).stages]
+  assert again.plan(*args).warmups == pstep.plan(*args).warmups
 
 
 def test_auto_plan_with_adam_keeps_the_loss(auto_step):
-  _, cache = auto_step
+  _, cache, _ = auto_step
   # Adam divides by the root of the second moment, which turns the summation-order rounding
   # of small gradients into larger parameter differences than SGD's: 1.2e-5 was seen on one
   # CPU, so the bound is a little wider than the 1e-5 of the other comparisons.
@@ -120,9 +121,11 @@ def test_model_without_markers_plans_saves_and_reloads(tmp_path):
   opts = ProfileOptions(cache_dir=str(tmp_path / "db"), progress=False)
   pstep = compare_steps(spec.step_fn, state, [batch], plan=None, num_microbatches=2,
                         profile_options=opts, floor=1e-4)
-  assert len(pstep.layers) > 4 and "block" in str(pstep.layers)
+  layers = pstep.trace(state, batch).layers
+  assert len(layers) > 4 and "block" in str(layers)
   path = tmp_path / "plan.json"
-  pstep.plan.save(path)
+  pstep.plan(state, batch).save(path)
   again = compare_steps(spec.step_fn, state, [batch], plan=str(path), num_microbatches=2,
                         floor=1e-4)
-  assert again.profile is None and again.plan.stages == pstep.plan.stages
+  assert again.profile(state, batch) is None
+  assert again.plan(state, batch).stages == pstep.plan(state, batch).stages

@@ -12,5 +12,5 @@ def test_readme_example_runs(monkeypatch):
   monkeypatch.chdir(ROOT)
   scope = {}
   exec(compile(code, "README.md", "exec"), scope)
-  assert scope["train_step"].plan.warmups == (4, 2, 1)
+  assert scope["plan"].warmups == (4, 2, 1)
   assert float(scope["loss"]) > 0

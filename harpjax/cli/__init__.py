@@ -11,6 +11,8 @@ import logging
 
 import click
 
+__all__ = ["main"]
+
 _SUBCOMMANDS = ("simulate", "plan")
 
 

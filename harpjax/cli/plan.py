@@ -30,7 +30,7 @@ def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
                              f"({', '.join(sorted(BUILTIN_MODELS))}) nor a config file",
                              param_hint="--model")
   import yaml
-  from harpjax.models import gpt, moe
+  from harpjax.models import GPT, GPT_39B, MoEConfig, MoETransformer
   with open(model) as f:
     try:
       cfg = yaml.safe_load(f) or {}
@@ -42,17 +42,19 @@ def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
   cfg = dict(cfg)
   family = cfg.pop("family", "gpt")
   mbs = cfg.pop("microbatch_size", microbatch_size or 8)
-  classes = {"gpt": (gpt.GPTConfig, gpt.GPT), "moe": (moe.MoEConfig, moe.MoETransformer)}
+  # Fields not given are GPT-39B's (the paper's model: fp16, automatic layers).
+  classes = {"gpt": (GPT_39B, GPT),
+             "moe": (MoEConfig(**dataclasses.asdict(GPT_39B)), MoETransformer)}
   if family not in classes:
     raise click.BadParameter(f"{model}: family {family!r}; choose one of {sorted(classes)}",
                              param_hint="--model")
-  config_cls, model_cls = classes[family]
-  fields = {f.name for f in dataclasses.fields(config_cls)}
+  base, model_cls = classes[family]
+  fields = {f.name for f in dataclasses.fields(base)}
   unknown = sorted(set(cfg) - fields)
   if unknown:
     raise click.BadParameter(f"{model}: unknown fields {unknown}; known: {sorted(fields)}",
                              param_hint="--model")
-  config = config_cls(**cfg)
+  config = dataclasses.replace(base, **cfg)
   name = os.path.splitext(os.path.basename(model))[0]
   return make_lm_spec(name, model_cls(config), config, microbatch_size=int(mbs),
                       num_microbatches=num_microbatches)

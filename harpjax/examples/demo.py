@@ -52,16 +52,18 @@ def train(step, state, args, cfg, batch: int, title: str) -> None:
     key, kb, kd = jax.random.split(key, 3)
     tokens = counting_batch(kb, batch, cfg.seq_len, cfg.vocab_size)
     t0 = time.perf_counter()
-    state, loss = step(state, tokens, kd)
+    step_args = (state, tokens, kd)
+    state, loss = step(*step_args)
     loss = float(loss)
     times.append(time.perf_counter() - t0)
     ref_state, ref_loss = reference(ref_state, tokens, kd)
     if i == 0:
-      print(f"layers: {step.layers}")
-      if step.profile is not None:
-        print(f"profile: {step.profile.stats.describe()}")
+      print(f"layers: {step.trace(*step_args).layers}")
+      profile = step.profile(*step_args)
+      if profile is not None:
+        print(f"profile: {profile.stats.describe()}")
       print()
-      print(step.plan.table(), "\n")
+      print(step.plan(*step_args).table(), "\n")
     print(f"step {i}: loss {loss:.4f}   (jax.jit: {float(ref_loss):.4f})   "
           f"{times[-1] * 1e3:7.1f} ms{'  (trace, plan, compile)' if i == 0 else ''}")
   pairs = list(zip(jax.tree_util.tree_leaves(ref_state.params),

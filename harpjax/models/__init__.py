@@ -23,11 +23,12 @@ import optax
 from flax.training import train_state
 
 from harpjax.models import gpt, moe
-from harpjax.models.gpt import GPT, GPTConfig
+from harpjax.models.gpt import GPT, GPT_2_6B, GPT_39B, GPT_TINY, GPTConfig
 from harpjax.models.mlp import MLP, DropoutMLP
+from harpjax.models.moe import MOE_TINY, MoEConfig, MoETransformer
 
-__all__ = ["ModelSpec", "BUILTIN_MODELS", "make_lm_spec", "GPT", "GPTConfig", "MLP",
-           "DropoutMLP"]
+__all__ = ["ModelSpec", "BUILTIN_MODELS", "make_lm_spec", "GPT", "GPTConfig", "GPT_39B",
+           "GPT_2_6B", "GPT_TINY", "MLP", "DropoutMLP", "MoEConfig", "MoETransformer", "MOE_TINY"]
 
 
 class ModelSpec(NamedTuple):

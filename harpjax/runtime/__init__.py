@@ -1,8 +1,27 @@
-"""The runtimes: one process (:mod:`~harpjax.runtime.local`) or one Ray actor per stage
-(:mod:`~harpjax.runtime.ray_runtime`), both running the schedule with one interpreter
-(:mod:`~harpjax.runtime.interpreter`). This is the only package that imports Ray, and only
-``harpjax.api`` imports it. Importing it registers the planner's Ray pool
-(:mod:`~harpjax.runtime.planner_pool`).
+"""The runtimes: one process (:func:`run_step`) or one Ray actor per stage
+(:func:`ray_runner`), both running the schedule with one interpreter
+(:mod:`~harpjax.runtime.interpreter`). This is the only package that imports Ray (only when a
+Ray runner or the planner's Ray pool starts), and only ``harpjax.api`` imports it. Importing it
+registers the planner's Ray pool (:mod:`~harpjax.runtime.planner_pool`).
+
+Modules: :mod:`~harpjax.runtime.interpreter` (a stage's part of the region, and the message
+keys), :mod:`~harpjax.runtime.local` (every stage in this process),
+:mod:`~harpjax.runtime.worker` (one stage in its own process) and
+:mod:`~harpjax.runtime.runner` (the driver of the workers), :mod:`~harpjax.runtime.ray_runtime`
+(workers as Ray actors), :mod:`~harpjax.runtime.transport` and
+:mod:`~harpjax.runtime.channels` (routes over the fastest NIC, TCP channels, sender threads),
+:mod:`~harpjax.runtime.codec` (values on the wire), :mod:`~harpjax.runtime.spmd` (a stage over
+several hosts), :mod:`~harpjax.runtime.emulation` (fake devices that behave like the plan's
+GPUs and links), :mod:`~harpjax.runtime.handles` and :mod:`~harpjax.runtime.measure`.
 """
 
 from harpjax.runtime import planner_pool as planner_pool
+from harpjax.runtime.local import run_step as run_step
+
+__all__ = ["planner_pool", "ray_runner", "run_step"]
+
+
+def ray_runner(program, cluster, example_args, **options):
+  """A :class:`~harpjax.runtime.ray_runtime.RayRunner` (Ray is imported here, not before)."""
+  from harpjax.runtime.ray_runtime import RayRunner  # noqa: PLC0415 - Ray only when asked
+  return RayRunner(program, cluster, example_args, **options)

@@ -1,7 +1,6 @@
 """Channels between stage workers: mailboxes, in-process and TCP channels, sender threads.
 
-:mod:`harpjax.runtime.transport` chooses which channel each pair of stages uses and re-exports
-these classes; the Ray object-store channel lives in :mod:`harpjax.runtime.ray_runtime`.
+:mod:`harpjax.runtime.transport` chooses which channel each pair of stages uses; the Ray object-store channel lives in :mod:`harpjax.runtime.ray_runtime`.
 """
 
 from __future__ import annotations
@@ -14,11 +13,12 @@ import time
 from typing import Any, Callable
 
 from harpjax.errors import RuntimeFailure
-from harpjax.runtime import codec as _codec
+from harpjax.runtime import codec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Mailbox", "Channel", "LocalChannel", "TcpChannel", "TcpListener", "Sender"]
+__all__ = ["Mailbox", "Channel", "LocalChannel", "TcpChannel", "TcpListener", "Sender",
+           "sleep_until"]
 
 
 # --------------------------------------------------------------------------- mailbox
@@ -27,7 +27,7 @@ __all__ = ["Mailbox", "Channel", "LocalChannel", "TcpChannel", "TcpListener", "S
 class Mailbox:
   """Messages a stage has received, by key; the compute thread waits on them with a timeout.
 
-  Keys are tuples starting with the step number. :meth:`fail` wakes every waiter with an
+  Keys are ``(step, key)`` with a :class:`~harpjax.runtime.interpreter.MessageKey`. :meth:`fail` wakes every waiter with an
   error (the runner aborts a step); :meth:`peer_lost` fails the waits on one sender.
   """
 
@@ -115,7 +115,7 @@ class LocalChannel(Channel):
     self.mailbox = mailbox
 
   def send(self, step, key, src, payload):
-    self.mailbox.put((step,) + tuple(key), payload)
+    self.mailbox.put((step, key), payload)
 
 
 class TcpChannel(Channel):
@@ -148,15 +148,15 @@ class TcpChannel(Channel):
                            f"{self.dst[0]}:{self.dst[1]}: {e}") from None
     # Sends keep the timeout: a receiver that stops reading fails the send instead of
     # blocking the sender thread forever.
-    _codec.send_frames(sock, _codec.dumps(("hello", token, src_stage)))
+    codec.send_frames(sock, codec.dumps(("hello", token, src_stage)))
     self.sock = sock
     self.local = sock.getsockname()
     self._lock = threading.Lock()
 
   def send(self, step, key, src, payload):
-    frames = _codec.dumps((step, tuple(key), src, payload))
+    frames = codec.dumps((step, key, src, payload))
     with self._lock:
-      _codec.send_frames(self.sock, frames)
+      codec.send_frames(self.sock, frames)
 
   def close(self):
     try:
@@ -177,7 +177,7 @@ class TcpListener:
   """
 
   def __init__(self, address: str, mailbox: Mailbox, token: str,
-               decode: Callable[[Any], Any] = _codec.decode):
+               decode: Callable[[Any], Any] = codec.decode):
     self.mailbox, self.token, self.decode = mailbox, token, decode
     self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -208,7 +208,7 @@ class TcpListener:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     src = None
     try:
-      hello = _codec.recv_message(conn)
+      hello = codec.recv_message(conn)
       if not (isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello"
               and hello[1] == self.token):
         log.warning("refused a connection from %s:%s without the runner's token", *addr)
@@ -217,12 +217,12 @@ class TcpListener:
       src = int(hello[2])
       self.peers[src] = (addr, conn)
       while True:
-        msg = _codec.recv_message(conn)
+        msg = codec.recv_message(conn)
         if msg is None:
           break
         step, key, sender, payload = msg
-        self.bytes_received += sum(_codec.encoded_nbytes(e) for e in payload.values())
-        self.mailbox.put((step,) + tuple(key), {k: self.decode(e) for k, e in payload.items()})
+        self.bytes_received += sum(codec.encoded_nbytes(e) for e in payload.values())
+        self.mailbox.put((step, key), {k: self.decode(e) for k, e in payload.items()})
     except OSError as e:
       if not self._closing:
         log.debug("connection from %s:%s failed: %s", *addr, e)
@@ -279,7 +279,7 @@ class Sender:
                            f"{self.error}")
     with self._cond:
       self._pending += 1
-    self._q.put((step, tuple(key), payload, time.time()))
+    self._q.put((step, key, payload, time.time()))
 
   def _run(self):
     free_at = 0.0
@@ -291,12 +291,12 @@ class Sender:
       try:
         if self.error is None:
           start = max(submitted, free_at) if self.delay_s is not None else time.time()
-          nbytes = sum(_codec.nbytes_of(x) for x in payload.values())
-          wire = ({k: _codec.encode(x) for k, x in payload.items()} if self.channel.remote
+          nbytes = sum(codec.nbytes_of(x) for x in payload.values())
+          wire = ({k: codec.encode(x) for k, x in payload.items()} if self.channel.remote
                   else payload)
           if self.delay_s is not None:
             free_at = start + self.delay_s(nbytes)
-            _sleep_until(free_at)
+            sleep_until(free_at)
           self.channel.send(step, key, self.src, wire)
           self.events.append((step, key, start, time.time(), nbytes))
       except BaseException as e:  # reported to the compute thread at the next submit/flush
@@ -330,7 +330,8 @@ class Sender:
     self.channel.close()
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
+  """Sleeps until ``time.time()`` reaches ``deadline`` (returns at once if it has)."""
   left = deadline - time.time()
   if left > 0:
     time.sleep(left)

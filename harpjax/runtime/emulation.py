@@ -10,7 +10,7 @@ like the plan's:
   ``fwd_fraction : 1 - fwd_fraction``), or given explicitly;
 * **links**: each message from stage ``i`` to stage ``j`` holds its direction for
   ``latency + bytes / bandwidth`` of the link between their hosts (from the cluster model, or
-  given), full duplex, FIFO per direction (:class:`harpjax.runtime.transport.Sender`).
+  given), full duplex, FIFO per direction (:class:`harpjax.runtime.channels.Sender`).
 
 These are the simulator's semantics, and :meth:`Emulation.simulate` feeds the simulator exactly
 these numbers. ``time_scale`` multiplies every emulated duration (compute and transfers alike,

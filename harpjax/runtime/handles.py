@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from harpjax.errors import HarpjaxError, RuntimeFailure
-from harpjax.runtime import codec as _codec
+from harpjax.runtime import codec
 
 __all__ = ["RemoteArray", "gather", "save_tree", "load_tree", "register_runner",
            "unregister_runner", "new_runner_id"]
@@ -92,7 +92,7 @@ def save_tree(path: str | os.PathLike, tree) -> None:
   arrays = {}
   for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     name = jax.tree_util.keystr(kp) or "<root>"
-    e = _codec.encode(jnp.asarray(x) if not isinstance(x, (np.ndarray, jax.Array)) else x)
+    e = codec.encode(jnp.asarray(x) if not isinstance(x, (np.ndarray, jax.Array)) else x)
     if e[0] == "k":
       arrays[f"{name}#key:{e[1]}"] = e[2]
     else:

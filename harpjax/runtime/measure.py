@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from harpjax.compiler.schedule import TimelineEvent
+from harpjax.runtime.interpreter import ACT, CT
 
 __all__ = ["MeasuredStep", "measured_step"]
 
@@ -23,8 +24,8 @@ class MeasuredStep:
     tasks: per stage, ``(kind, microbatch, start, end)`` relative to stage 0's first task.
     sends: per stage, ``(dst, key, start, end, nbytes)`` relative likewise.
     overruns: per stage, tasks whose real duration exceeded the emulated one.
-    schedule: the schedule that ran (so that :mod:`harpjax.timeline` draws this like a
-      :class:`~harpjax.compiler.simulator.SimResult`).
+    schedule: the schedule that ran (so that :mod:`harpjax.compiler.schedule.timeline` draws this like a
+      :class:`~harpjax.compiler.schedule.SimResult`).
   """
   step: int
   wall_s: float
@@ -41,18 +42,18 @@ class MeasuredStep:
 
   def events(self) -> list[TimelineEvent]:
     """Tasks and activation/gradient transfers between neighbouring stages, in the
-    simulator's :class:`~harpjax.compiler.simulator.TimelineEvent` form
-    (:mod:`harpjax.timeline` draws them)."""
+    simulator's :class:`~harpjax.compiler.schedule.TimelineEvent` form
+    (:mod:`harpjax.compiler.schedule.timeline` draws them)."""
     out = []
     for s, tasks in enumerate(self.tasks):
       for kind, m, a, b in tasks:
         out.append(TimelineEvent("stage", s, "", kind, m, a, b))
     for s, sends in enumerate(self.sends):
       for dst, key, a, b, _ in sends:
-        if key[0] == "act" and dst == s + 1:
-          out.append(TimelineEvent("link", s, "fwd", "A", key[1], a, b))
-        elif key[0] == "ct" and dst == s - 1:
-          out.append(TimelineEvent("link", dst, "bwd", "G", key[1], a, b))
+        if key.kind == ACT and dst == s + 1:
+          out.append(TimelineEvent("link", s, "fwd", "A", key.index, a, b))
+        elif key.kind == CT and dst == s - 1:
+          out.append(TimelineEvent("link", dst, "bwd", "G", key.index, a, b))
     return out
 
 

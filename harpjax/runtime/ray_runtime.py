@@ -1,9 +1,9 @@
 """The Ray runtime: one Ray actor per pipeline stage (``auto_parallel(..., runtime="ray")``).
 
-This is the only module of harpjax that imports Ray. The stage worker
-(:class:`~harpjax.runtime._worker.StageWorker`) is a plain class, made an actor here at launch;
+With :mod:`~harpjax.runtime.planner_pool`, the only modules of harpjax that import Ray. The stage
+worker (:class:`~harpjax.runtime.worker.StageWorker`) is a plain class, made an actor here at launch;
 the driver logic (steps, state handles, gather/save, emulation, simulator comparison) is
-:class:`~harpjax.runtime._runner.PipelineRunner`. Every ``ray.get`` has a timeout, and a failed
+:class:`~harpjax.runtime.runner.PipelineRunner`. Every ``ray.get`` has a timeout, and a failed
 or killed actor surfaces as a :class:`~harpjax.errors.RuntimeFailure` naming its stage.
 
 Actors. Each actor gets the environment its stage needs: on a CPU-only Ray cluster (this
@@ -18,7 +18,7 @@ runs in one thread while messages (object-store channel), aborts and fetches arr
 A stage spanning several hosts (submesh ``(n, M)``, ``n > 1``) is, with ``spmd_hosts`` (the
 default when actors are pinned to hosts or use GPUs), one actor per host: the members join one
 ``jax.distributed`` world and run the stage as one SPMD program; the first member talks to the
-other stages (:mod:`harpjax.runtime._spmd`). Such actors are not reused by later runners.
+other stages (:mod:`harpjax.runtime.spmd`). Such actors are not reused by later runners.
 
 Usage::
 
@@ -42,6 +42,7 @@ import ray
 
 from harpjax.errors import HarpjaxError, RuntimeFailure, UnsupportedError
 from harpjax.runtime import transport
+from harpjax.runtime.channels import Channel
 from harpjax.runtime.handles import RemoteArray, gather, load_tree, save_tree
 from harpjax.runtime.measure import MeasuredStep
 from harpjax.runtime.runner import PipelineRunner, RunnerOptions, ThreadBackend
@@ -66,24 +67,25 @@ class RayRunner(PipelineRunner):
 
   Built by :meth:`harpjax.ParallelStep.runner` (``runtime="ray"``); the keyword options are
   ``auto_parallel``'s ``runtime_options``, see
-  :class:`~harpjax.runtime._runner.RunnerOptions` (``address``, ``emulation``, ``transport``,
+  :class:`~harpjax.runtime.runner.RunnerOptions` (``address``, ``emulation``, ``transport``,
   ``nic_addresses``, ``fetch``, timeouts, ...).
 
   Args:
-    parallel_step: the :class:`harpjax.ParallelStep`.
-    compiled: its :class:`~harpjax.compiler.compile.CompiledStep` for these argument shapes.
+    program: the step laid out on its resolved plan
+      (:class:`~harpjax.compiler.stages.StepProgram`).
+    cluster: the :class:`~harpjax.cluster.Cluster`.
     example_args: the step's arguments (arrays, ``ShapeDtypeStruct`` or handles).
-    **options: :class:`~harpjax.runtime._runner.RunnerOptions` fields.
+    **options: :class:`~harpjax.runtime.runner.RunnerOptions` fields.
 
   Raises:
     PlanError: an unknown or invalid option.
     RuntimeFailure: an actor could not start, compile or connect in ``start_timeout_s``.
   """
 
-  def __init__(self, parallel_step, compiled, example_args, **options):
+  def __init__(self, program, cluster, example_args, **options):
     opts = RunnerOptions.from_kwargs(options)
     backend = ThreadBackend(opts) if opts.backend == "threads" else RayBackend(opts)
-    super().__init__(parallel_step, compiled, example_args, backend, opts)
+    super().__init__(program, cluster, example_args, backend, opts)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) -> None:
@@ -101,7 +103,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) 
     log.info("connected to the Ray cluster at %s", address)
 
 
-class ObjectStoreChannel(transport.Channel):
+class ObjectStoreChannel(Channel):
   """The fallback channel: the sender thread hands the message to the receiving actor's
   ``deliver`` method through the Ray object store, waiting (bounded) for it to be filed."""
   remote = True
@@ -155,7 +157,7 @@ class _Call:
 class RayBackend:
   """Starts and calls the stage actors (see the module docstring): one per stage, or, for a
   stage spanning several hosts with ``spmd_hosts``, one per host, joined into one
-  ``jax.distributed`` group (:mod:`harpjax.runtime._spmd`)."""
+  ``jax.distributed`` group (:mod:`harpjax.runtime.spmd`)."""
 
   def __init__(self, options: RunnerOptions):
     self.options = options
@@ -163,6 +165,7 @@ class RayBackend:
     self.keys: list[tuple | None] = []
     self.healthy = True
     self.pin = self.gpu = False
+    self.platform = "cpu"   # what the stages are lowered for (set by prepare)
 
   def prepare(self, runner: PipelineRunner) -> frozenset:
     """Starts Ray; returns the stages run by one process per host."""
@@ -171,6 +174,7 @@ class RayBackend:
              **dict(opts.ray_init or {}))
     resources = ray.cluster_resources()
     self.gpu = resources.get("GPU", 0) > 0
+    self.platform = "cuda" if self.gpu else "cpu"   # (GPU: untested here, see docs/runtime.md)
     self.pin = opts.pin_hosts
     if self.pin is None:
       self.pin = any(k.startswith(HOST_RESOURCE_PREFIX) for k in resources)
@@ -187,11 +191,11 @@ class RayBackend:
     cls = ray.remote(StageWorker)
     reused = 0
     for spec in specs:
-      if spec.layout is None:
-        members = [(spec.host, spec.plan.stages[spec.stage].num_devices)]
+      if spec.device_layout is None:
+        members = [(spec.host, spec.lowered.plan.stages[spec.stage].num_devices)]
       else:
         members = [(h, len(devs)) for h, devs in runner.host_groups[spec.stage]]
-      group_env = _group_env(runner, spec.stage) if (spec.layout and self.gpu) else {}
+      group_env = _group_env(runner, spec.stage) if (spec.device_layout and self.gpu) else {}
       actors, key = [], None
       for host, n in members:
         env = _actor_env(n, self.gpu, {**group_env, **dict(opts.actor_env or {})})
@@ -208,7 +212,7 @@ class RayBackend:
                                "pin_hosts=False")
           actor_opts["resources"] = {res: 0.001}
         actor = None
-        if spec.layout is None:   # a group's processes join a jax.distributed world: not reused
+        if spec.device_layout is None:   # a group's processes join a jax.distributed world: not reused
           key = (tuple(sorted(env.items())), actor_opts.get("num_gpus", 0),
                  tuple(sorted(actor_opts.get("resources", {}).items())))
           with _POOL_LOCK:
@@ -218,7 +222,7 @@ class RayBackend:
         actors.append(actor or cls.options(**actor_opts).remote())
       self.actors.append(actors)
       self.keys.append(key)
-    groups = [s for s, spec in enumerate(specs) if spec.layout is not None]
+    groups = [s for s, spec in enumerate(specs) if spec.device_layout is not None]
     if groups:
       self._join_groups(runner, groups)
     log.info("launched %d stage actors (%d reused; %s devices%s%s)",
@@ -373,7 +377,7 @@ def _group_env(runner, stage: int) -> dict[str, str]:
 def _check_placement(runner, pin: bool, gpu: bool, split: frozenset) -> None:
   """Clear errors for plans the actors cannot be placed for, warnings for mismatched nodes."""
   nodes = [n for n in ray.nodes() if n.get("Alive")]
-  for s, st in enumerate(runner.compiled.plan.stages):
+  for s, st in enumerate(runner.program.plan.stages):
     groups = runner.host_groups[s]
     if (pin or gpu) and len(groups) > 1 and s not in split:
       raise UnsupportedError(

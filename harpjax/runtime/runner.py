@@ -28,16 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harpjax.compiler.stages import CompiledStep
-from harpjax.compiler.trace import abstractify
+from harpjax.compiler.stages import StepProgram, lower_step
+from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import HarpjaxError, PlanError, RuntimeFailure
-from harpjax.runtime import codec as _codec, transport
-from harpjax.runtime.dataflow import step_dataflow
-from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner, save_tree,
-                                     unregister_runner)
+from harpjax.runtime import codec, transport
+from harpjax.runtime.channels import LocalChannel
+from harpjax.runtime.emulation import Emulation
+from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner,
+                                     save_tree, unregister_runner)
 from harpjax.runtime.measure import MeasuredStep, measured_step
 from harpjax.runtime.worker import StageWorker, WorkerOptions, WorkerSpec
-from harpjax.runtime.emulation import Emulation
 
 log = logging.getLogger(__name__)
 
@@ -135,27 +135,28 @@ class PipelineRunner:
   """Runs a compiled step on one worker per stage. See the module docstring.
 
   Args:
-    parallel_step: the :class:`harpjax.ParallelStep` (its function, options, cluster).
-    compiled: the driver's :class:`~harpjax.compiler.compile.CompiledStep` for these argument
-      shapes (resolved plan, schedule, layers).
+    program: the step laid out on the resolved plan
+      (:class:`~harpjax.compiler.stages.StepProgram`); each worker receives its stage of it
+      lowered (:func:`~harpjax.compiler.stages.lower_step`).
+    cluster: the :class:`~harpjax.cluster.Cluster`.
     example_args: arguments of this structure (arrays, ``ShapeDtypeStruct`` or handles).
     backend: starts and calls the workers.
     options: :class:`RunnerOptions`.
   """
 
-  def __init__(self, parallel_step, compiled: CompiledStep, example_args, backend,
+  def __init__(self, program: StepProgram, cluster, example_args, backend,
                options: RunnerOptions):
     t0 = time.time()
     self.id = new_runner_id()
     self.options = options
-    self.compiled = cs = compiled
-    self.dataflow = df = step_dataflow(cs)
-    self.cluster = parallel_step.cluster
-    self.num_stages = S = cs.num_stages
-    self.hosts = transport.stage_hosts(self.cluster, [s.devices for s in cs.plan.stages])
-    self.host_groups = [host_groups(self.cluster, st.devices) for st in cs.plan.stages]
+    self.program = program
+    self.layout = lay = program.layout
+    self.cluster = cluster
+    self.num_stages = S = program.num_stages
+    self.hosts = transport.stage_hosts(self.cluster, [s.devices for s in program.plan.stages])
+    self.host_groups = [host_groups(self.cluster, st.devices) for st in program.plan.stages]
     self.emulation = (None if options.emulation is None else
-                      options.emulation.resolve(cs.plan, self.cluster, self.hosts))
+                      options.emulation.resolve(program.plan, self.cluster, self.hosts))
     self._backend = backend
     self._step = 0
     self._failed: str | None = None
@@ -164,28 +165,22 @@ class PipelineRunner:
     self.history: list[MeasuredStep] = []
     self._last_outputs = None
     leaves = jax.tree_util.tree_leaves(example_args)
-    if len(leaves) != len(df.leaf_vids):
-      raise PlanError(f"the step was compiled for {len(df.leaf_vids)} argument leaves, got "
+    if len(leaves) != len(lay.leaf_vids):
+      raise PlanError(f"the step was compiled for {len(lay.leaf_vids)} argument leaves, got "
                       f"{len(leaves)}")
-    abstract = jax.tree_util.tree_map(abstractify, tuple(example_args))
-    popts = parallel_step.options
     wopts = options.worker_options()
     split = backend.prepare(self)   # stages run by one process per host
-    specs = [WorkerSpec(stage=s, step_fn=parallel_step._fun, abstract_args=abstract,
-                        num_microbatches=cs.traced.num_microbatches,
-                        batch_argnums=tuple(popts.batch_argnums),
-                        layer_starts=tuple(layer.start for layer in cs.layers),
-                        plan=cs.plan, schedule=cs.schedule, loss_reduction=cs.loss_reduction,
-                        fingerprint=df.fingerprint, host=self.hosts[s], options=wopts,
-                        emulation=self.emulation,
-                        unrolled=getattr(cs.layers, "origin", None) is not None,
-                        layout=(group_layout(self.host_groups[s], cs.plan.stages[s].devices)
-                                if s in split else None))
+    lowered = lower_step(program, platform=backend.platform)
+    consts = tuple(codec.encode(x) for x in program.traced.outer_consts)
+    specs = [WorkerSpec(stage=s, lowered=lowered.for_stage(s), consts=consts, host=self.hosts[s],
+                        options=wopts, emulation=self.emulation,
+                        device_layout=(group_layout(self.host_groups[s],
+                                                    program.plan.stages[s].devices)
+                                       if s in split else None))
              for s in range(S)]
-    out_tree = cs.traced.out_tree
-    n_out = out_tree.num_leaves
-    self._fetch = _fetch_indices(out_tree, n_out, options.fetch)
-    self._consts = dict(zip(df.const_vids, cs.traced.outer_consts))
+    out_tree = program.traced.out_tree
+    self._fetch = _fetch_indices(out_tree, out_tree.num_leaves, options.fetch)
+    self._consts = dict(zip(lay.const_vids, program.traced.outer_consts))
     register_runner(self.id, self)
     try:
       backend.start(self, specs)
@@ -202,7 +197,7 @@ class PipelineRunner:
   # ------------------------------------------------------------------ wiring
 
   def _connect(self) -> dict:
-    S, df, be = self.num_stages, self.dataflow, self._backend
+    S, lay, be = self.num_stages, self.layout, self._backend
     single = be.single_machine(self.infos)
     addresses = {}
     if not single:
@@ -214,7 +209,7 @@ class PipelineRunner:
             addresses[(host.name, nic.name)] = ip
     addresses.update(transport.normalize_addresses(self.options.nic_addresses))
     machine = [info["hostname"] for info in self.infos]
-    routes = transport.plan_routes(self.cluster, self.hosts, df.pairs(), addresses=addresses,
+    routes = transport.plan_routes(self.cluster, self.hosts, lay.pairs(), addresses=addresses,
                                    same_process=be.same_process,
                                    same_machine=lambda a, b: machine[a] == machine[b],
                                    single_machine=single, transport=self.options.transport)
@@ -247,7 +242,7 @@ class PipelineRunner:
       raise RuntimeFailure(f"this runner failed earlier ({self._failed}); build a new "
                            "auto_parallel step to start over")
     t0 = time.time()
-    df, S = self.dataflow, self.num_stages
+    lay, S = self.layout, self.num_stages
     leaves = jax.tree_util.tree_leaves(args)
     manifest, encoded = [], {}
     for i, x in enumerate(leaves):
@@ -257,20 +252,20 @@ class PipelineRunner:
       if isinstance(x, RemoteArray):
         x = x.gather()
       manifest.append(None)
-      if df.leaf_readers[i]:
-        encoded[i] = _codec.encode(x if isinstance(x, (jax.Array, np.ndarray))
+      if lay.leaf_readers[i]:
+        encoded[i] = codec.encode(x if isinstance(x, (jax.Array, np.ndarray))
                                    else np.asarray(x))
     self._step += 1
     step = self._step
     per_stage = []
     for s in range(S):
-      inputs = {i: e for i, e in encoded.items() if s in df.leaf_readers[i]}
-      fetch = [k for k in self._fetch if df.outputs[k][0] == "stage" and df.outputs[k][1] == s]
+      inputs = {i: e for i, e in encoded.items() if s in lay.leaf_readers[i]}
+      fetch = [k for k in self._fetch if lay.outputs[k][0] == "stage" and lay.outputs[k][1] == s]
       per_stage.append((step, manifest, inputs, fetch))
     results = self._call_all("run_step", per_stage, self.options.step_timeout_s, f"step {step}",
                              fail_runner=True)
     outs = []
-    for k, o in enumerate(df.outputs):
+    for k, o in enumerate(lay.outputs):
       if o[0] == "lit":
         outs.append(o[1])
       elif o[0] == "const":
@@ -280,13 +275,13 @@ class PipelineRunner:
       else:
         _, h, vid = o
         if k in self._fetch:
-          x = _codec.decode(results[h]["outputs"][k])
+          x = codec.decode(results[h]["outputs"][k])
           outs.append(x if isinstance(x, jax.Array) else jnp.asarray(x))
         else:
-          aval = self.compiled.traced.outer.avals[vid]
+          aval = lay.outer_avals[vid]
           outs.append(RemoteArray(self.id, h, (step, k), aval.shape, aval.dtype))
-    out = jax.tree_util.tree_unflatten(self.compiled.traced.out_tree, outs)
-    self.last = measured_step(step, time.time() - t0, results, self.compiled.schedule)
+    out = jax.tree_util.tree_unflatten(self.program.traced.out_tree, outs)
+    self.last = measured_step(step, time.time() - t0, results, self.program.schedule)
     self.history.append(self.last)
     if len(self.history) > 64:
       del self.history[:-64]
@@ -363,7 +358,7 @@ class PipelineRunner:
           raise RuntimeFailure(f"gather failed on stage {s} (host {self.hosts[s]}): "
                                f"{_describe(value)}")
         for i, e in zip(by_stage[s], value):
-          x = _codec.decode(e)
+          x = codec.decode(e)
           out[i] = x if isinstance(x, jax.Array) else jnp.asarray(x)
     return out
 
@@ -385,7 +380,7 @@ class PipelineRunner:
 
   def set_emulation(self, emulation: Emulation | None) -> None:
     """Switches the emulated hardware of every worker (between steps)."""
-    resolved = None if emulation is None else emulation.resolve(self.compiled.plan,
+    resolved = None if emulation is None else emulation.resolve(self.program.plan,
                                                                  self.cluster, self.hosts)
     self._call_all("set_emulation", [(resolved,)] * self.num_stages,
                    self.options.start_timeout_s, "set_emulation")
@@ -393,11 +388,10 @@ class PipelineRunner:
 
   def message_bytes(self) -> tuple[list[int], list[int]]:
     """``([S-1] activation bytes i -> i+1, [S-1] cotangent bytes i+1 -> i)`` per microbatch."""
-    prog = self.compiled.layers.program
-    df = self.dataflow
-    S = self.num_stages
-    act = [sum(prog.nbytes(v) for v in df.act_routes.get((i, i + 1), ())) for i in range(S - 1)]
-    ct = [sum(prog.nbytes(v) for v in df.ct_routes.get((i + 1, i), ())) for i in range(S - 1)]
+    lay, S = self.layout, self.num_stages
+    nbytes = lambda i, ids: sum(aval_nbytes(lay.stages[i].avals[v]) for v in ids)
+    act = [nbytes(i + 1, lay.act_routes.get((i, i + 1), ())) for i in range(S - 1)]
+    ct = [nbytes(i + 1, lay.ct_routes.get((i + 1, i), ())) for i in range(S - 1)]
     return act, ct
 
   def simulate(self, emulation: Emulation | None = None, **kwargs):
@@ -406,18 +400,18 @@ class PipelineRunner:
     Raises:
       HarpjaxError: no emulation.
     """
-    emu = emulation.resolve(self.compiled.plan, self.cluster, self.hosts) if emulation \
+    emu = emulation.resolve(self.program.plan, self.cluster, self.hosts) if emulation \
         else self.emulation
     if emu is None:
       raise HarpjaxError("simulate() needs an emulation: pass runtime_options="
                          "{'emulation': Emulation(...)} or an Emulation here")
-    df = self.dataflow
-    skips = [k for k in list(df.act_routes) + list(df.ct_routes) if abs(k[0] - k[1]) != 1]
+    lay = self.layout
+    skips = [k for k in list(lay.act_routes) + list(lay.ct_routes) if abs(k[0] - k[1]) != 1]
     if skips:
       log.warning("messages between non-neighbouring stages %s are not in the simulator's "
                   "model", skips)
     act, ct = self.message_bytes()
-    return emu.simulate(self.compiled.schedule, act, ct, **kwargs)
+    return emu.simulate(self.program.schedule, act, ct, **kwargs)
 
   # ------------------------------------------------------------------ lifetime
 
@@ -496,7 +490,7 @@ def _describe(e: BaseException) -> str:
 class ThreadBackend:
   """Workers in threads of this process (no Ray): the same protocol, for debugging and tests.
 
-  Stages talk through :class:`~harpjax.runtime.transport.LocalChannel` (``device_put``), or
+  Stages talk through :class:`~harpjax.runtime.channels.LocalChannel` (``device_put``), or
   over loopback TCP with ``transport="tcp"``.
   """
 
@@ -504,6 +498,7 @@ class ThreadBackend:
     self.options = options
     self.workers: list[StageWorker] = []
     self._pool: cf.ThreadPoolExecutor | None = None
+    self.platform = jax.default_backend()
 
   def prepare(self, runner: PipelineRunner) -> frozenset:
     return frozenset()   # threads of one process: no stage is split
@@ -515,7 +510,7 @@ class ThreadBackend:
                                        thread_name_prefix="harpjax-stage")
 
   def build_args(self, spec) -> tuple:
-    return (spec, [self._local[i] for i in spec.plan.stages[spec.stage].devices])
+    return (spec, [self._local[i] for i in spec.lowered.plan.stages[spec.stage].devices])
 
   def single_machine(self, infos) -> bool:
     return True
@@ -539,7 +534,7 @@ class ThreadBackend:
     self.workers[stage].abort(reason)
 
   def local_channel(self, dst: int):
-    return transport.LocalChannel(self.workers[dst].mailbox)
+    return LocalChannel(self.workers[dst].mailbox)
 
   def object_store_channel(self, dst: int):
     return self.local_channel(dst)

@@ -7,10 +7,10 @@ host, the intra-host link. :func:`plan_routes` turns that into a :class:`Route` 
 pair of stages, with the transport that realises it:
 
 * ``"local"``: both stages in one process; values move with ``jax.device_put``
-  (:class:`LocalChannel`);
+  (:class:`~harpjax.runtime.channels.LocalChannel`);
 * ``"tcp"``: a TCP connection whose socket is bound to the chosen NIC's address on the sender
-  and which connects to the chosen NIC's address on the receiver (:class:`TcpChannel`,
-  :class:`TcpListener`), so the bytes leave and enter through that interface;
+  and which connects to the chosen NIC's address on the receiver (:class:`~.channels.TcpChannel`,
+  :class:`~.channels.TcpListener`), so the bytes leave and enter through that interface;
 * ``"object_store"``: the Ray object store (the fallback when a NIC has no known address, or
   when asked for); implemented in :mod:`harpjax.runtime.ray_runtime`, Ray staying there.
 
@@ -19,7 +19,7 @@ address on a host comes from, in order: the ``nic_addresses`` option (``{host: {
 the interface of that name on the host itself (each worker reports its interfaces,
 :func:`interface_addresses`), or, when every worker runs on this machine, the loopback address.
 
-Every sender runs in its own thread (:class:`Sender`), one per destination stage: a FIFO queue
+Every sender runs in its own thread (:class:`~harpjax.runtime.channels.Sender`), one per destination stage: a FIFO queue
 per link direction, so that the compute thread never blocks on a send and the two directions of
 a link are independent (full duplex). An emulated link (:mod:`harpjax.runtime.emulation`) makes
 the sender thread hold each message for ``latency + bytes / bandwidth``.
@@ -41,18 +41,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from harpjax.cluster import Cluster, Link
 from harpjax.errors import ClusterSpecError
-from harpjax.runtime.channels import Channel
-from harpjax.runtime.channels import LocalChannel
-from harpjax.runtime.channels import Mailbox
-from harpjax.runtime.channels import Sender
-from harpjax.runtime.channels import TcpChannel
-from harpjax.runtime.channels import TcpListener
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Route", "TRANSPORTS", "plan_routes", "stage_hosts", "normalize_addresses",
-           "interface_addresses", "nccl_env", "Mailbox", "Channel", "LocalChannel",
-           "TcpChannel", "TcpListener", "Sender", "new_token"]
+__all__ = ["Route", "TRANSPORTS", "LOOPBACK", "plan_routes", "stage_hosts",
+           "normalize_addresses", "interface_addresses", "nccl_env", "new_token"]
 
 TRANSPORTS = ("auto", "tcp", "object_store")
 LOOPBACK = "127.0.0.1"

@@ -1,30 +1,28 @@
 """The stage worker: one pipeline stage's part of every training step, in its own process.
 
 A :class:`StageWorker` is a plain class; :mod:`harpjax.runtime.ray_runtime` makes it a Ray actor
-at launch (or runs it in a thread of the driver for debugging). Jitted functions do not pickle,
-so each worker traces the user's step itself (:func:`harpjax.compiler.trace.trace_step` on the
-abstract arguments, the driver's layer cuts) and builds only its own stage's executables and
-placement groups on its own devices; a fingerprint of the traced programs, checked against the
-driver's, makes sure every process derived the same routes
-(:mod:`harpjax.runtime._dataflow`).
+at launch (or runs it in a thread of the driver for debugging). It never traces the user's
+step: it receives its stage's :class:`~harpjax.compiler.stages.LoweredStep` (the step's
+layout, the schedule and its own executables serialised by ``jax.export``) and loads the
+executables onto its devices.
 
 Per step the worker's compute thread (the caller of :meth:`StageWorker.run_step`):
 
 1. takes its share of the step's arguments: from the driver, from its own store (state it
    computed last step), or from the stage holding them;
 2. runs its placement groups before the pipeline, sending results other stages read;
-3. runs its row of the schedule's task table: ``F`` waits for the activations of its
-   microbatch, runs the forward executable and queues the outputs to the consuming stages;
-   ``B`` waits for the cotangents, runs the backward executable, queues the activation
-   cotangents back;
+3. runs its row of the schedule's task table with the one schedule interpreter
+   (:class:`~harpjax.runtime.interpreter.StageRun`), the worker being its
+   :class:`~harpjax.runtime.interpreter.Messenger`: activations and cotangents go to and come
+   from the other workers;
 4. combines the loss and auxiliary outputs it computes, collects the gradient parts of the
    parameters it owns;
 5. runs its placement groups after the pipeline (the optimizer update next to the weights);
 6. keeps the step's outputs it computed (the new state stays here) and returns the others.
 
-Sends go through one :class:`~harpjax.runtime.transport.Sender` thread per destination, so
+Sends go through one :class:`~harpjax.runtime.channels.Sender` thread per destination, so
 computing never waits on the network; receives land in a
-:class:`~harpjax.runtime.transport.Mailbox`, every wait bounded by ``recv_timeout_s``.
+:class:`~harpjax.runtime.channels.Mailbox`, every wait bounded by ``recv_timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,25 +32,18 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import numpy as np
+from jax.sharding import NamedSharding
 
-from harpjax.compiler.stages import precompile
-from harpjax.compiler.stages import compile_step
-from harpjax.compiler.layers import layers_from_cuts
-from harpjax.compiler.plan import Plan
+from harpjax.compiler.stages import LoweredStep, precompile
 from harpjax.compiler.trace import Lit
-from harpjax.compiler.schedule import Schedule
-from harpjax.compiler.trace import trace_step
 from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
-from harpjax.runtime import codec as _codec, spmd as _spmd, transport
-from harpjax.runtime.dataflow import step_dataflow
+from harpjax.runtime import codec, spmd, transport
+from harpjax.runtime.channels import Mailbox, Sender, TcpChannel, TcpListener, sleep_until
 from harpjax.runtime.emulation import Emulation
-from harpjax.runtime.local import (_combine, _param_vid, _preferred_shardings, _put_on_mesh,
-                                   microbatch_slice,
-                                   _region_output, put)
+from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_mesh, put
 
 log = logging.getLogger(__name__)
 
@@ -81,37 +72,23 @@ class WorkerSpec:
 
   Attributes:
     stage: the stage index.
-    step_fn: the user's train step (Ray pickles it with cloudpickle).
-    abstract_args: the step's arguments as ``jax.ShapeDtypeStruct`` leaves.
-    num_microbatches, batch_argnums, loss_reduction: as given to ``auto_parallel``.
-    layer_starts: first op index of every layer (the driver's cuts, so that layers match).
-    unrolled: whether the driver's layer program is the region with scans unrolled
-      (``LayerSequence.origin`` set) rather than the region itself.
-    plan: the resolved plan (devices and warm-ups filled in).
-    schedule: the task tables.
-    fingerprint: the driver's :func:`harpjax.runtime._dataflow.fingerprint`.
+    lowered: the step lowered for the workers, holding this stage's executables
+      (:meth:`~harpjax.compiler.stages.LoweredStep.for_stage`).
+    consts: the step program's constants, encoded (:func:`harpjax.runtime.codec.encode`).
     host: the cluster host the stage runs on.
     options: :class:`WorkerOptions`.
     emulation: a resolved :class:`~harpjax.runtime.emulation.Emulation`, or ``None``.
-    layout: for a stage run by a group of processes (one per host), per device of the stage
-      in submesh order its ``(rank, local index)``: which member holds it, and where among
-      that member's devices; ``None`` for a stage in one process.
+    device_layout: for a stage run by a group of processes (one per host), per device of the
+      stage in submesh order its ``(rank, local index)``: which member holds it, and where
+      among that member's devices; ``None`` for a stage in one process.
   """
   stage: int
-  step_fn: Callable
-  abstract_args: tuple
-  num_microbatches: int
-  batch_argnums: tuple
-  layer_starts: tuple
-  plan: Plan
-  schedule: Schedule
-  loss_reduction: str
-  fingerprint: str
+  lowered: LoweredStep
+  consts: tuple
   host: str
   options: WorkerOptions = WorkerOptions()
   emulation: Emulation | None = None
-  unrolled: bool = False
-  layout: tuple | None = None
+  device_layout: tuple | None = None
 
 
 class StageWorker:
@@ -125,18 +102,19 @@ class StageWorker:
 
   def __init__(self, spec: WorkerSpec | None = None, devices=None):
     self.stage = -1
-    self.senders: dict[int, transport.Sender] = {}
-    self.listeners: dict[str, transport.TcpListener] = {}
+    self.senders: dict[int, Sender] = {}
+    self.listeners: dict[str, TcpListener] = {}
     self.store: dict[tuple, Any] = {}
-    self.group: _spmd.Group | None = None
+    self.group: spmd.Group | None = None
     self._arrived: float | None = None
     self.devices: list = []
     self.init_s = 0.0
+    self.lay = None
     if spec is not None:
       self.build(spec, devices)
 
   def build(self, spec: WorkerSpec, devices=None) -> float:
-    """Traces the step and builds this stage's executables; returns the seconds it took.
+    """Loads this stage's executables and compiles them; returns the seconds it took.
 
     A worker process can be rebuilt for another step (after :meth:`reset`): the runtime
     reuses its processes.
@@ -145,10 +123,10 @@ class StageWorker:
     self.reset()
     self.spec = spec
     self.stage = s = spec.stage
-    plan = spec.plan
-    n = plan.stages[s].num_devices
+    lowered = spec.lowered
+    n = lowered.plan.stages[s].num_devices
     if devices is None and self.group is not None:
-      devices = _spmd.group_devices(spec.layout, s)
+      devices = spmd.group_devices(spec.device_layout, s)
     if devices is None:
       avail = jax.devices()
       if len(avail) < n:
@@ -156,30 +134,19 @@ class StageWorker:
             f"stage {s} needs {n} devices but its process has {len(avail)} ({avail[0].platform})")
       devices = avail[:n]
     self.devices = list(devices)
-    ts = trace_step(spec.step_fn, spec.abstract_args, num_microbatches=spec.num_microbatches,
-                    batch_argnums=spec.batch_argnums)
-    ts, layers = _layers(ts, spec)
-    stage_devices: list = [None] * plan.num_stages
-    stage_devices[s] = self.devices
-    self.cs = compile_step(ts, layers, plan, stage_devices, spec.schedule, spec.loss_reduction,
-                           build_stages={s})
-    self.df = step_dataflow(self.cs)
-    if self.df.fingerprint != spec.fingerprint:
-      raise RuntimeFailure(
-          f"stage {s} traced the step differently from the driver (fingerprint "
-          f"{self.df.fingerprint} != {spec.fingerprint}); the step must trace the same way in "
-          "every process: same jax/flax/optax versions, no randomness or globals in tracing")
-    st = self.cs.stages[s]
-    self.mesh = st.mesh
-    self.preferred = {v: sh for (h, v), sh in _preferred_shardings(self.cs).items() if h == s}
+    self.lay = lay = lowered.layout
+    self.schedule = lowered.schedule
+    self.exe, self.group_fns = lowered.load(s, self.devices)
+    self.mesh = self.exe.mesh
+    self.preferred = {v: NamedSharding(self.mesh, p) for (h, v), p in lay.preferred.items()
+                      if h == s}
+    self.consts = dict(zip(lay.const_vids, (codec.decode(e) for e in spec.consts)))
     # Compile now, in every process at once, rather than during the first step, where each
     # stage would start compiling only when its predecessor's first activations arrive.
-    self.compile_s = precompile(self.cs, workers=1)
-    prog = self.cs.layers.program
-    self.inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
+    self.compile_s = precompile(lay, {s: self.exe}, self.group_fns, workers=1)
     self.options = spec.options
     self.emulation = spec.emulation
-    self.mailbox = transport.Mailbox(s)
+    self.mailbox = Mailbox(s)
     self.token: str | None = None
     self._step = -1
     self._tasks: list[tuple] = []
@@ -192,20 +159,20 @@ class StageWorker:
     """Closes channels and drops state, leaving the process ready for :meth:`build`."""
     self.shutdown()
     self.store.clear()
-    self.cs = self.df = None
+    self.lay = self.exe = self.group_fns = None
 
   # ------------------------------------------------------------------ set-up
 
   def join_group(self, coordinator: str, size: int, rank: int, timeout_s: float) -> int:
     """Makes this process member ``rank`` of a stage spanning ``size`` hosts (before
-    :meth:`build`; see :mod:`harpjax.runtime._spmd`)."""
-    self.group = _spmd.join(coordinator, size, rank, timeout_s)
-    self._broadcast = _spmd.Broadcaster(self.group)
+    :meth:`build`; see :mod:`harpjax.runtime.spmd`)."""
+    self.group = spmd.join(coordinator, size, rank, timeout_s)
+    self._broadcast = spmd.Broadcaster(self.group)
     return os.getpid()
 
   def free_port(self, address: str) -> int:
     """A TCP port free on ``address`` (the group leader's coordinator port)."""
-    return _spmd.free_port(address)
+    return spmd.free_port(address)
 
   @property
   def leader(self) -> bool:
@@ -224,7 +191,7 @@ class StageWorker:
     out = {}
     for addr in (addresses if self.leader else ()):
       if addr not in self.listeners:
-        self.listeners[addr] = transport.TcpListener(addr, self.mailbox, token)
+        self.listeners[addr] = TcpListener(addr, self.mailbox, token)
       out[addr] = tuple(self.listeners[addr].endpoint)
     return out
 
@@ -232,7 +199,7 @@ class StageWorker:
     """Starts a sender thread per destination stage.
 
     Args:
-      channels: ``{dst: channel}``: a :class:`~harpjax.runtime.transport.Channel`, or
+      channels: ``{dst: channel}``: a :class:`~harpjax.runtime.channels.Channel`, or
         ``("tcp", src_address, (dst_address, port), device)``.
 
     Returns:
@@ -242,14 +209,14 @@ class StageWorker:
     for dst, ch in sorted(channels.items() if self.leader else ()):
       if isinstance(ch, tuple) and ch[0] == "tcp":
         _, src_addr, endpoint, device = ch
-        ch = transport.TcpChannel(src_addr, endpoint, self.token, self.stage,
+        ch = TcpChannel(src_addr, endpoint, self.token, self.stage,
                                   device=device if self.options.bind_device else None,
                                   timeout_s=self.options.recv_timeout_s)
         out[dst] = ch.local
       old = self.senders.pop(dst, None)
       if old is not None:
         old.close()
-      self.senders[dst] = transport.Sender(ch, self.stage, dst, self._delay_fn(dst))
+      self.senders[dst] = Sender(ch, self.stage, dst, self._delay_fn(dst))
     return out
 
   def set_emulation(self, emulation: Emulation | None) -> None:
@@ -263,9 +230,9 @@ class StageWorker:
 
   # ------------------------------------------------------------------ messages
 
-  def deliver(self, step: int, key: tuple, src: int, payload: dict) -> None:
+  def deliver(self, step: int, key: MessageKey, src: int, payload: dict) -> None:
     """Receiving end of a channel that calls the worker (the Ray object store)."""
-    self.mailbox.put((step,) + tuple(key), {k: _codec.decode(e) for k, e in payload.items()})
+    self.mailbox.put((step, key), {k: codec.decode(e) for k, e in payload.items()})
 
   def abort(self, reason: str) -> None:
     """Fails every wait of the current step (another stage failed)."""
@@ -276,8 +243,8 @@ class StageWorker:
     member must be asked (the values are gathered collectively); the leader answers."""
     values = dict(enumerate(self._stored(tuple(k)) for k in keys))
     if self.group is not None:
-      values = _spmd.gather(values)   # one collective for all of them
-    return [_codec.encode(values[i]) for i in range(len(keys))] if self.leader else []
+      values = spmd.gather(values)   # one collective for all of them
+    return [codec.encode(values[i]) for i in range(len(keys))] if self.leader else []
 
   def shutdown(self) -> None:
     for snd in self.senders.values():
@@ -296,24 +263,23 @@ class StageWorker:
           f"outputs of the last {self.options.retain_steps} steps are kept (retain_steps); "
           "gather() state you want to keep") from None
 
+  # ------------------------------------------------------------------ the Messenger
+
   def _host(self, x):
-    return x if self.group is None else _spmd.to_host(x)
+    return x if self.group is None else spmd.to_host(x)
 
-  def _put(self, x, sharding):
-    return put(x, sharding) if self.group is None else _spmd.put(x, sharding)
+  def put(self, x, sharding):
+    return put(x, sharding) if self.group is None else spmd.put(x, sharding)
 
-  def _send(self, dst: int, key: tuple, payload: dict) -> None:
-    self._post(dst, key, self._gather(payload))
-
-  def _gather(self, payload: dict) -> dict | None:
+  def gather(self, payload: dict) -> dict | None:
     """In a group (a collective): the payload in host memory on the leader, ``None`` on the
     other members; otherwise the payload itself."""
     if self.group is None:
       return payload
-    payload = _spmd.gather(payload)
+    payload = spmd.gather(payload)
     return payload if self.group.leader else None
 
-  def _post(self, dst: int, key: tuple, payload: dict | None) -> None:
+  def post(self, dst: int, key: MessageKey, payload: dict | None) -> None:
     """Queues a message for stage ``dst`` (a group's other members send nothing: one
     message per stage pair, from the leader)."""
     if payload is None:
@@ -323,23 +289,39 @@ class StageWorker:
       raise RuntimeFailure(f"stage {self.stage} has no channel to stage {dst}")
     snd.submit(self._step, key, payload)
 
-  def _recv(self, key: tuple, src: int, what: str) -> dict:
+  def recv(self, key: MessageKey, what: str) -> dict:
     msg = None
     if self.leader:
-      msg = self.mailbox.get((self._step,) + key, src, self.options.recv_timeout_s,
+      msg = self.mailbox.get((self._step, key), key.src, self.options.recv_timeout_s,
                              f"{what} (step {self._step})")
     self._arrived = time.time()
     if self.group is None:
       return msg
-    kind = (key[0], key[2]) if key[0] in ("act", "ct") else key   # without the microbatch
-    return self._broadcast(msg, kind)
+    return self._broadcast(msg, key.kind_key)
 
-  def _task_start(self) -> float:
+  def begin_task(self) -> None:
+    self._arrived = None
+
+  def task_started(self) -> float:
     """When a task may start: now, or in a group when its last message reached the leader
     (the broadcast to the members counts as part of the task, as the emulated time does)."""
     if self.group is not None and self._arrived is not None:
       return self._arrived
     return time.time()
+
+  def task_finished(self, kind: str, m: int, start: float, outs) -> None:
+    """Records the task; with emulation, first waits until its emulated duration passed."""
+    emu = self.emulation
+    if emu is not None:
+      jax.block_until_ready(outs)
+      target = start + emu.compute_s(self.stage, kind)
+      if time.time() > target:
+        self._overruns += 1
+      sleep_until(target)
+    self._tasks.append((kind, m, start, time.time()))
+
+  def _send_value(self, dst: int, vid: int, x) -> None:
+    self.post(dst, MessageKey(VALUE, vid), self.gather({vid: x}))
 
   # ------------------------------------------------------------------ one step
 
@@ -358,19 +340,19 @@ class StageWorker:
       [(dst, key, start, end, bytes)], "begin": t, "end": t, "overruns": n, "phases":
       {phase: seconds since begin}}`` (times from ``time.time()``).
     """
-    s, df, cs = self.stage, self.df, self.cs
+    s, lay = self.stage, self.lay
     begin = time.time()
     self._step = step
     self._tasks = []
     self._overruns = 0
     self.mailbox.drop_before(step)
-    env: dict[int, Any] = dict(zip(df.const_vids, cs.traced.outer_consts))
+    env: dict[int, Any] = dict(self.consts)
     pending: dict[int, int] = {}
     for i, entry in enumerate(manifest):
-      vid, readers = df.leaf_vids[i], df.leaf_readers[i]
+      vid, readers = lay.leaf_vids[i], lay.leaf_readers[i]
       if entry is None:
         if s in readers:
-          env[vid] = _codec.decode(inputs[i])
+          env[vid] = codec.decode(inputs[i])
         continue
       holder, key = entry
       if holder == s:
@@ -378,37 +360,36 @@ class StageWorker:
         if s in readers:
           env[vid] = x
         for r in sorted(readers - {s}):
-          self._send(r, ("v", vid), {vid: x})
+          self._send_value(r, vid, x)
       elif s in readers:
         pending[vid] = holder
-    for v, rs in df.readers.items():
-      h = df.home.get(v)
+    for v, rs in lay.readers.items():
+      h = lay.home.get(v)
       if h is not None and h != s and s in rs:
         pending[v] = h
     self._env, self._pending = env, pending
 
-    n_before = len(cs.placement.before)
     phases = {"inputs": time.time() - begin}
-    for gi in df.before[s]:
-      self._run_group(cs.placement.before[gi], cs.group_fns[gi])
+    for gi in lay.before[s]:
+      self._run_group(gi)
     phases["before"] = time.time() - begin
-    region_end = self._run_region(step)
+    region_end = self._run_region()
     phases["region"] = time.time() - begin
-    for gi in df.after[s]:
-      self._run_group(cs.placement.after[gi], cs.group_fns[n_before + gi])
+    for gi in lay.after[s]:
+      self._run_group(lay.num_before + gi)
     phases["after"] = time.time() - begin
     if self.emulation is not None and self.emulation.end_s is not None:
       jax.block_until_ready([env[v] for v in env if isinstance(env[v], jax.Array)])
-      _sleep_until(region_end + self.emulation.end_time_s(s))
+      sleep_until(region_end + self.emulation.end_time_s(s))
 
     fetch = set(fetch)
     outputs = {}
-    for k, o in enumerate(df.outputs):
+    for k, o in enumerate(lay.outputs):
       if o[0] == "stage" and o[1] == s:
         if k in fetch:
           x = self._host(env[o[2]])
           if self.leader:
-            outputs[k] = _codec.encode(x)
+            outputs[k] = codec.encode(x)
         else:
           self.store[(step, k)] = env[o[2]]
     for key in [k for k in self.store if k[0] <= step - self.options.retain_steps]:
@@ -433,170 +414,36 @@ class StageWorker:
     src = self._pending.get(v)
     if src is None:
       raise RuntimeFailure(f"stage {self.stage}: internal error, value {v} has no source")
-    env[v] = self._recv(("v", v), src, f"value %{v}")[v]
+    env[v] = self.recv(MessageKey(VALUE, v), f"value %{v}")[v]
     return env[v]
 
   def _publish(self, v: int, x) -> None:
     self._env[v] = x
-    for r in sorted(self.df.readers.get(v, frozenset()) - {self.stage}):
-      self._send(r, ("v", v), {v: x})
+    for r in sorted(self.lay.readers.get(v, frozenset()) - {self.stage}):
+      self._send_value(r, v, x)
 
-  def _run_group(self, group, fn) -> None:
+  def _run_group(self, gi: int) -> None:
+    g = self.lay.groups[gi]
     args = []
-    for v in group.in_ids:
+    for v in g.in_ids:
       x, pref = self._need(v), self.preferred.get(v)
-      if self.group is not None and not _spmd.is_global(x):   # this process's value only
-        x = _spmd.put(x, pref if pref is not None else self.cs.stages[self.stage].replicated)
-      args.append(_put_on_mesh(x, self.mesh, pref))
-    outs = fn(*args)
-    for v, x in zip(group.out_ids, outs):
+      if self.group is not None and not spmd.is_global(x):   # this process's value only
+        x = spmd.put(x, pref if pref is not None else self.exe.replicated)
+      args.append(place_on_mesh(x, self.mesh, pref))
+    for v, x in zip(g.out_ids, self.group_fns[gi](*args)):
       self._publish(v, x)
 
-  def _pad(self, kind: str, m: int, start: float, outs) -> None:
-    emu = self.emulation
-    if emu is not None:
-      jax.block_until_ready(outs)
-      target = start + emu.compute_s(self.stage, kind)
-      if time.time() > target:
-        self._overruns += 1
-      _sleep_until(target)
-    self._tasks.append((kind, m, start, time.time()))
-
-  def _run_region(self, step: int) -> float:
-    s, cs, df = self.stage, self.cs, self.df
-    st = cs.stages[s]
-    sp = st.program
-    ts = cs.traced
-    prog = cs.layers.program
-    region_eqn = ts.outer.ops[ts.region_op]
-    B = ts.num_microbatches
-    value = {}
-    for k, ref in df.region_inputs[s]:
-      value[prog.invars[k]] = ref.value if isinstance(ref, Lit) else self._need(ref)
-    params = tuple(self._put(value[v], st.param_sharding[v]) for v in sp.param_ids)
-    whole_cache: dict[int, Any] = {}
-
-    def data_for(m: int):
-      out = []
-      for v in sp.data_ids:
-        inp = self.inputs_by_id[v]
-        sh = st.input_sharding[v]
-        if inp.kind == "split":
-          out.append(self._put(microbatch_slice(value[v], inp.axis, m, B), sh))
-        else:
-          if v not in whole_cache:
-            whole_cache[v] = self._put(value[v], sh)
-          out.append(whole_cache[v])
-      return tuple(out)
-
-    consumers = sorted(t for (p, t) in df.act_routes if p == s)
-    ct_from = sorted(t for (t, p) in df.ct_routes if p == s)
-    fwd_outputs: list[dict[int, Any]] = [dict() for _ in range(B)]
-    residuals: dict[int, Any] = {}
-    acc = st.zeros()
-    loss_vid = prog.outvars[0]
-    region_outs = {v for v in prog.outvars if not isinstance(v, Lit)}
-    scale = 1.0 / B if cs.loss_reduction == "mean" else 1.0
-    mb_index = [np.int32(m) for m in range(B)]
-
-    for task in cs.schedule.tables[s]:
-      m = task.microbatch
-      if task.kind == "F":
-        acts: dict[int, Any] = {}
-        self._arrived = None
-        for p in df.act_sources[s]:
-          acts.update(self._recv(("act", m, p), p, f"the activations of microbatch {m}"))
-        start = self._task_start()
-        a = tuple(self._put(acts[v], st.input_sharding[v]) for v in sp.act_ids)
-        ai = tuple(self._put(acts[v], st.input_sharding[v]) for v in sp.act_int_ids)
-        outs, vjp = st.fwd(params, a, ai, data_for(m), mb_index[m])
-        out_map = dict(zip(sp.output_ids, outs))
-        msgs = [(t, self._gather({v: out_map[v] for v in df.act_routes[(s, t)]}))
-                for t in consumers]
-        self._pad("F", m, start, outs)
-        for t, payload in msgs:
-          self._post(t, ("act", m, s), payload)
-        for v in sp.output_ids:
-          if v in region_outs:
-            fwd_outputs[m][v] = out_map[v]
-        residuals[m] = vjp
-      else:
-        self._arrived = None
-        msgs = {t: self._recv(("ct", m, t), t, f"the cotangents of microbatch {m}")
-                for t in ct_from}
-        start = self._task_start()
-        present = []
-        for v, has in zip(sp.output_ids, sp.ct_present):
-          if not has:
-            continue
-          ct = None
-          for t in df.ct_sources[s].get(v, ()):
-            g = self._put(msgs[t][v], cs.output_sharding(s, v))
-            ct = g if ct is None else ct + g
-          if v == loss_vid:
-            seed = self._put(np.asarray(scale, prog.avals[v].dtype), st.replicated)
-            ct = seed if ct is None else ct + seed
-          if ct is None:
-            aval = prog.avals[v]
-            ct = self._put(np.zeros(aval.shape, aval.dtype), cs.output_sharding(s, v))
-          present.append(ct)
-        acc, act_cts = st.bwd(residuals.pop(m), tuple(present), acc)
-        ct_map = dict(zip(sp.act_ids, act_cts))
-        cts = [(p, self._gather({v: ct_map[v] for v in df.ct_routes[(s, p)]}))
-               for p in df.ct_targets[s]]
-        self._pad("B", m, start, (acc, act_cts))
-        for p, payload in cts:
-          self._post(p, ("ct", m, s), payload)
+  def _run_region(self) -> float:
+    """This stage's part of the region; returns when its last task ended."""
+    lay, s = self.lay, self.stage
+    inputs = {lay.region_invars[k]: ref.value if isinstance(ref, Lit) else self._need(ref)
+              for k, ref in lay.region_inputs[s]}
+    run = StageRun(lay, self.exe, self, inputs)
+    run.run(self.schedule.tables[s])
     region_end = time.time()
-
-    # Loss and auxiliary outputs computed here.
-    n_fwd = len(prog.outvars)
-    for k, ref in enumerate(prog.outvars):
-      vid = region_eqn.outvars[k]
-      if df.region_out_home[k] != s or vid < 0:
-        continue
-      per_mb = [_region_output(cs, ref, value, fwd_outputs[m], m) for m in range(B)]
-      axis = None if k == 0 else ts.aux_concat_axes[k - 1]
-      self._publish(vid, _combine(per_mb, axis, cs.loss_reduction))
-
-    # Gradients: parts go to the owner, which sums them in stage order.
-    mine = {v: i for i, v in enumerate(sp.param_ids)}
-    for j in range(ts.num_params):
-      owner, vid = df.param_owner[j], _param_vid(cs, j)
-      if region_eqn.outvars[n_fwd + j] >= 0 and owner != s and s in df.grad_users[j]:
-        self._send(owner, ("grad", j, s), {j: acc[mine[vid]]})
-    for j in range(ts.num_params):
-      out_vid = region_eqn.outvars[n_fwd + j]
-      if df.param_owner[j] != s or out_vid < 0:
-        continue
-      vid = _param_vid(cs, j)
-      total = None
-      for u in cs.param_users[j]:
-        g = acc[mine[vid]] if u == s else self._recv(("grad", j, u), u,
-                                                     f"the gradient part of parameter {j}")[j]
-        g = self._put(g, st.param_sharding[vid])
-        total = g if total is None else total + g
-      if total is None:   # a parameter no stage reads: zero gradient
-        aval = prog.avals[vid]
-        total = self._put(np.zeros(aval.shape, aval.dtype), st.replicated)
-      self._publish(out_vid, total)
+    for vid, x in run.combine().items():
+      self._publish(vid, x)
+    run.send_gradient_parts()
+    for vid, x in run.reduce().items():
+      self._publish(vid, x)
     return region_end
-
-
-def _layers(ts, spec: WorkerSpec):
-  """The driver's layers: its cut positions on the region, or on the region with scans unrolled
-  the way :func:`harpjax.compiler.layers.layers_for_step` does (then ``ts`` is replaced by the
-  matching traced step)."""
-  if not spec.unrolled:
-    return ts, layers_from_cuts(ts.region, spec.layer_starts[1:])
-  from harpjax.compiler import layers as layers_lib
-  seq = layers_lib.layers_for_step(ts)
-  layers = dataclasses.replace(layers_from_cuts(seq.program, spec.layer_starts[1:]),
-                               origin=seq.origin)
-  return layers_lib.traced_step_for(ts, layers), layers
-
-
-def _sleep_until(deadline: float) -> None:
-  left = deadline - time.time()
-  if left > 0:
-    time.sleep(left)

@@ -69,7 +69,7 @@ def test_annotated_plan_gives_h1f1b_the_emulated_link():
   state, batch = bench.make_state_and_batch()
   probe = harpjax.auto_parallel(bench.make_step(), cluster=cluster, plan=PLAN,
                                 num_microbatches=8)
-  _, layers = probe.trace(state, batch)
+  layers = probe.trace(state, batch).layers
   act = layers[0].boundary_bytes
   emu = Emulation(bytes_scale=2**20 / act)               # 1 MiB per microbatch
   plan = annotate_plan(PLAN, layers, cluster, emu)
@@ -80,8 +80,7 @@ def test_annotated_plan_gives_h1f1b_the_emulated_link():
   warm = schedules.h1f1b_warmups([s.comm_s for s in plan.stages[:-1]], t_max, 0.1)
   step = harpjax.auto_parallel(bench.make_step(), cluster=cluster, plan=plan, schedule="h1f1b",
                                num_microbatches=8)
-  step.compile(state, batch)
-  assert step.plan.warmups == warm and warm[0] > 3     # the slow link earns extra warm-ups
+  assert step.plan(state, batch).warmups == warm and warm[0] > 3     # the slow link earns extra warm-ups
 
 
 def test_emulated_threads_run_tracks_the_simulator():

@@ -21,8 +21,9 @@ from harpjax.errors import ClusterSpecError, RuntimeFailure
 from harpjax.models import MLP
 from harpjax.runtime import transport
 from harpjax.runtime.runner import PipelineRunner, RunnerOptions, ThreadBackend
-from harpjax.runtime.transport import (LocalChannel, Mailbox, Sender, TcpChannel, TcpListener,
-                                       nccl_env, plan_routes)
+from harpjax.runtime.channels import LocalChannel, Mailbox, Sender, TcpChannel, TcpListener
+from harpjax.runtime.interpreter import MessageKey
+from harpjax.runtime.transport import nccl_env, plan_routes
 from tests.equivalence import max_rel_err
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -106,29 +107,30 @@ def test_tcp_channel_round_trip_and_token():
   big = np.arange(300_000, dtype=np.float32).reshape(600, 500)
   key = jax.random.key(7)
   snd = Sender(ch, 0, 1)
-  snd.submit(3, ("act", 0, 0), {5: jnp.asarray(big), 6: key, 7: np.int32(4)})
-  snd.submit(3, ("act", 1, 0), {5: jnp.ones(3)})
+  snd.submit(3, MessageKey("act", 0, 0), {5: jnp.asarray(big), 6: key, 7: np.int32(4)})
+  snd.submit(3, MessageKey("act", 1, 0), {5: jnp.ones(3)})
   snd.flush(10)
-  got = box.get((3, "act", 0, 0), 0, 10, "activations")
+  got = box.get((3, MessageKey("act", 0, 0)), 0, 10, "activations")
   np.testing.assert_array_equal(got[5], big)
   assert jax.random.key_impl(got[6]) == jax.random.key_impl(key)
   np.testing.assert_array_equal(jax.random.key_data(got[6]), jax.random.key_data(key))
   assert int(got[7]) == 4
-  np.testing.assert_array_equal(box.get((3, "act", 1, 0), 0, 10, "x")[5], np.ones(3))
+  np.testing.assert_array_equal(box.get((3, MessageKey("act", 1, 0)), 0, 10, "x")[5],
+                                np.ones(3))
   assert listener.bytes_received >= big.nbytes
   # A connection without the token is refused; messages do not arrive.
   bad = TcpChannel("127.0.0.1", listener.endpoint, "wrong", src_stage=2)
   try:
-    bad.send(3, ("v", 1), 2, {1: ("a", np.ones(2))})
+    bad.send(3, MessageKey("value", 1), 2, {1: ("a", np.ones(2))})
   except OSError:
     pass
   with pytest.raises(RuntimeFailure, match="stage 1: .* value from stage 2"):
-    box.get((3, "v", 1), 2, 0.5, "value")
+    box.get((3, MessageKey("value", 1)), 2, 0.5, "value")
   # Closing the connection fails waits on that sender at once, naming it.
   snd.close()
   t0 = time.time()
   with pytest.raises(RuntimeFailure, match="lost stage 0"):
-    box.get((4, "act", 0, 0), 0, 10, "activations")
+    box.get((4, MessageKey("act", 0, 0)), 0, 10, "activations")
   assert time.time() - t0 < 5
   listener.close()
 
@@ -138,11 +140,11 @@ def test_mailbox_timeout_and_abort_name_the_stages():
   t0 = time.time()
   with pytest.raises(RuntimeFailure, match=r"stage 2: waited 0.3 s for the cotangents .* "
                                            r"from stage 3"):
-    box.get((1, "ct", 0, 3), 3, 0.3, "the cotangents of microbatch 0")
+    box.get((1, MessageKey("ct", 0, 3)), 3, 0.3, "the cotangents of microbatch 0")
   assert time.time() - t0 < 2
   threading.Timer(0.2, box.fail, args=("stage 0 failed",)).start()
   with pytest.raises(RuntimeFailure, match="aborted .* stage 0 failed"):
-    box.get((1, "act", 0, 1), 1, 30, "the activations")
+    box.get((1, MessageKey("act", 0, 1)), 1, 30, "the activations")
 
 
 def test_sender_is_fifo_per_direction_and_full_duplex():
@@ -151,13 +153,13 @@ def test_sender_is_fifo_per_direction_and_full_duplex():
   ab, ba = Sender(LocalChannel(b), 0, 1, delay), Sender(LocalChannel(a), 1, 0, delay)
   t0 = time.time()
   for m in range(3):
-    ab.submit(0, ("act", m, 0), {1: np.zeros(2500, np.float32)})   # 10 kB: 60 ms each
-    ba.submit(0, ("ct", m, 1), {1: np.zeros(2500, np.float32)})
+    ab.submit(0, MessageKey("act", m, 0), {1: np.zeros(2500, np.float32)})   # 10 kB: 60 ms
+    ba.submit(0, MessageKey("ct", m, 1), {1: np.zeros(2500, np.float32)})
   arrivals = []
   for m in range(3):
-    b.get((0, "act", m, 0), 0, 5, "act")
+    b.get((0, MessageKey("act", m, 0)), 0, 5, "act")
     arrivals.append(time.time() - t0)
-    a.get((0, "ct", m, 1), 1, 5, "ct")
+    a.get((0, MessageKey("ct", m, 1)), 1, 5, "ct")
   ab.flush(5)
   ba.flush(5)
   # One at a time per direction: 60, 120, 180 ms; both directions at once (not 360 ms).
@@ -205,11 +207,12 @@ def netns():
 
 RECEIVER = textwrap.dedent("""
     import sys, time
-    from harpjax.runtime.transport import Mailbox, TcpListener
+    from harpjax.runtime.channels import Mailbox, TcpListener
+    from harpjax.runtime.interpreter import MessageKey
     box = Mailbox(1)
     lst = TcpListener(sys.argv[1], box, token="t")
     print(lst.endpoint[1], flush=True)
-    x = box.get((0, "act", 0, 0), 0, 60, "activations")[1]
+    x = box.get((0, MessageKey("act", 0, 0)), 0, 60, "activations")[1]
     print(int(x.sum()), flush=True)
 """)
 
@@ -247,7 +250,7 @@ def test_bytes_go_over_the_chosen_interface(netns, fabric_shared):
     before = {k: _tx_bytes(dev) for k, dev in netns.items()}
     payload = np.ones(1_000_000, np.float32)              # 4 MB
     ch = TcpChannel(route.src_address, (route.dst_address, port), "t", src_stage=0)
-    ch.send(0, ("act", 0, 0), 0, {1: ("a", payload)})
+    ch.send(0, MessageKey("act", 0, 0), 0, {1: ("a", payload)})
     assert int(proc.stdout.readline()) == 1_000_000
     ch.close()
     after = {k: _tx_bytes(dev) for k, dev in netns.items()}
@@ -289,9 +292,9 @@ def test_runner_finds_nic_addresses_by_interface_name():
     return state.apply_gradients(grads=grads), loss
 
   pstep = harpjax.auto_parallel(step, cluster=cluster, plan=plan, num_microbatches=2)
-  cs = pstep.compile(state, batch)
+  program = pstep.layout(state, batch)
   opts = RunnerOptions(backend="threads", fetch="all")
-  runner = PipelineRunner(pstep, cs, (state, batch), SeveralMachines(opts), opts)
+  runner = PipelineRunner(program, pstep.cluster, (state, batch), SeveralMachines(opts), opts)
   try:
     r = runner.routes
     assert (r[(0, 1)].transport, r[(0, 1)].src_nic, r[(0, 1)].src_address) == \

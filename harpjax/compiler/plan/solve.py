@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
-from harpjax.compiler.plan.evaluate import (PlanEvaluation, PlannedStage, evaluate_plan,
+from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
                                             infeasible_error)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

@@ -558,7 +558,8 @@ def _layers_per_repeat(layers: LayerSequence) -> int:
 
 def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: int,
                  batch_argnums: Sequence[int] = (1,), layer_options: LayerOptions | None = None,
-                 options: ProfileOptions | None = None) -> ProfileResult:
+                 options: ProfileOptions | None = None,
+                 layers: LayerSequence | None = None) -> ProfileResult:
   """Traces a train step, constructs its layers and profiles them on ``cluster``.
 
   The step is traced once more per data-parallel degree at the local microbatch size, so the
@@ -572,13 +573,16 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
     batch_argnums: positions of the batch arguments.
     layer_options: :class:`~harpjax.compiler.layers.LayerOptions`.
     options: :class:`ProfileOptions`.
+    layers: the step's layers (:func:`~harpjax.compiler.layers.layers_for_step` of its trace
+      at ``num_microbatches``), if the caller has them; else the step is traced here.
   """
   opts = options or ProfileOptions()
-  t0 = time.perf_counter()
-  ts = trace_step(step_fn, args, num_microbatches=num_microbatches,
-                  batch_argnums=batch_argnums)
-  layers = layers_for_step(ts, layer_options)
-  log.info("traced and cut the step in %.1f s: %s", time.perf_counter() - t0, layers.summary)
+  if layers is None:
+    t0 = time.perf_counter()
+    ts = trace_step(step_fn, args, num_microbatches=num_microbatches,
+                    batch_argnums=batch_argnums)
+    layers = layers_for_step(ts, layer_options)
+    log.info("traced and cut the step in %.1f s: %s", time.perf_counter() - t0, layers.summary)
   b = microbatch_size(layers)
   if b is None:
     log.warning("no input of the step is split into microbatches (num_microbatches=%d), so "

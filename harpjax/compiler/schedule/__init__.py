@@ -33,11 +33,12 @@ from harpjax.compiler.schedule.warmup import eager_1f1b_warmups as eager_1f1b_wa
 from harpjax.compiler.schedule.warmup import gpipe_warmups as gpipe_warmups
 from harpjax.compiler.schedule.warmup import h1f1b_warmups as h1f1b_warmups
 from harpjax.compiler.schedule.warmup import one_f_one_b_warmups as one_f_one_b_warmups
+from harpjax.compiler.schedule.warmup import plan_warmups as plan_warmups
 from harpjax.compiler.schedule.warmup import warmup_delta as warmup_delta
 
 __all__ = [
     "dry_run", "eager_1f1b_warmups", "format_tables", "gpipe_warmups", "h1f1b_warmups",
-    "make_schedule", "one_f_one_b_warmups", "parse_tables", "peak_inflight", "Schedule",
+    "make_schedule", "one_f_one_b_warmups", "plan_warmups", "parse_tables", "peak_inflight", "Schedule",
     "schedule_key", "SCHEDULE_NAMES", "SimResult", "simulate", "table_from_warmups",
     "table_warmups", "tables_to_arrays", "as_task", "Task", "timeline", "TimelineEvent", "validate_tables", "warmup_delta",
 ]

@@ -29,14 +29,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import re
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from harpjax.compiler.schedule.warmup import (check_positive, eager_1f1b_warmups, gpipe_warmups,
-                                              h1f1b_warmups, one_f_one_b_warmups)
+                                              one_f_one_b_warmups)
 from harpjax.errors import ScheduleError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from harpjax.errors import ScheduleError
 log = logging.getLogger(__name__)
 
 __all__ = ["warmup_delta", "h1f1b_warmups", "one_f_one_b_warmups", "eager_1f1b_warmups",
-           "gpipe_warmups", "check_positive"]
+           "gpipe_warmups", "plan_warmups", "check_positive"]
 
 
 def warmup_delta(comm_cost_s: float, t_max_s: float, eps: float = 0.0) -> int:
@@ -108,3 +108,26 @@ def check_positive(name: str, value: int) -> None:
   """Raises :class:`ScheduleError` unless ``value`` is a positive integer."""
   if int(value) != value or value < 1:
     raise ScheduleError(f"{name} must be a positive integer, got {name}={value!r}")
+
+
+def plan_warmups(times_s: Sequence[float | None], comms_s: Sequence[float | None],
+                 subclusters: Sequence[str], eps: float) -> tuple[int, ...]:
+  """H-1F1B warm-up counts of a plan's stages.
+
+  From the stages' times and cut costs when the plan has them all (:func:`h1f1b_warmups` at
+  the plan's own ``t_max``); otherwise from its links alone: a cut between two subclusters
+  (a slow link) needs one extra in-flight microbatch (``delta = 2``, Eq. 2's middle case), a
+  cut inside one none.
+
+  Args:
+    times_s: ``[S]`` forward+backward seconds per microbatch of each stage, or ``None``.
+    comms_s: ``[S - 1]`` seconds of each cut, or ``None``.
+    subclusters: ``[S]`` the subcluster of each stage.
+    eps: the tolerance of :func:`warmup_delta`.
+  """
+  if all(t is not None for t in times_s) and all(c is not None for c in comms_s):
+    return h1f1b_warmups(comms_s, max(times_s), eps)
+  counts = [1]
+  for i in range(len(subclusters) - 2, -1, -1):
+    counts.append(counts[-1] + (2 if subclusters[i] != subclusters[i + 1] else 1))
+  return tuple(reversed(counts))

@@ -1,21 +1,40 @@
 """Phase 6, stages: from a traced step, its layers and a resolved plan to what the runtimes
-execute: per-stage forward/backward executables on their submeshes, the placement of the rest
-of the step (the optimizer update next to its weights), device resolution and compilation
-ahead of the first call.
+execute, after JAX's ``Traced -> Lowered -> Compiled``.
 
-Modules: :mod:`~harpjax.compiler.stages.devices` (which devices each stage runs on),
-:mod:`~harpjax.compiler.stages.stage` (slicing the program into stages and jitting them),
-:mod:`~harpjax.compiler.stages.placement` (the ops around the pipeline, placed by data flow),
-:mod:`~harpjax.compiler.stages.compile` (:func:`compile_step`: :class:`CompiledStep`) and
-:mod:`~harpjax.compiler.stages.aot` (compiling every executable ahead, in threads).
+Modules: :mod:`~harpjax.compiler.stages.devices` (which devices each stage runs on, the
+resolved plan and its schedule), :mod:`~harpjax.compiler.stages.stage` (slicing the program
+into stages; their functions and executables), :mod:`~harpjax.compiler.stages.placement` (the
+ops around the pipeline, placed by data flow), :mod:`~harpjax.compiler.stages.layout` (what
+goes where: the picklable :class:`StepLayout` every runtime routes by),
+:mod:`~harpjax.compiler.stages.compile` (:func:`layout_step` -> :class:`StepProgram`;
+:func:`compile_step` -> :class:`CompiledStep`, jitted in process),
+:mod:`~harpjax.compiler.stages.lower` (:func:`lower_step` -> :class:`LoweredStep`: serialised
+executables for a Ray worker) and :mod:`~harpjax.compiler.stages.aot` (compiling every
+executable ahead of the first call).
 """
 
 from harpjax.compiler.stages.aot import default_workers as default_workers
 from harpjax.compiler.stages.aot import precompile as precompile
 from harpjax.compiler.stages.compile import LOSS_REDUCTIONS as LOSS_REDUCTIONS
+from harpjax.compiler.stages.compile import SHARED_PARAMETER_WARNING as SHARED_PARAMETER_WARNING
 from harpjax.compiler.stages.compile import CompiledStep as CompiledStep
+from harpjax.compiler.stages.compile import StepProgram as StepProgram
 from harpjax.compiler.stages.compile import compile_step as compile_step
+from harpjax.compiler.stages.compile import layout_step as layout_step
+from harpjax.compiler.stages.compile import warn_shared_parameters as warn_shared_parameters
+from harpjax.compiler.stages.devices import resolve_devices as resolve_devices
+from harpjax.compiler.stages.devices import resolve_plan as resolve_plan
+from harpjax.compiler.stages.layout import GroupLayout as GroupLayout
+from harpjax.compiler.stages.layout import StageLayout as StageLayout
+from harpjax.compiler.stages.layout import StepLayout as StepLayout
+from harpjax.compiler.stages.lower import LoweredStage as LoweredStage
+from harpjax.compiler.stages.lower import LoweredStep as LoweredStep
+from harpjax.compiler.stages.lower import lower_step as lower_step
+from harpjax.compiler.stages.stage import StageExecutables as StageExecutables
 
 __all__ = [
-    "compile_step", "CompiledStep", "default_workers", "LOSS_REDUCTIONS", "precompile",
+    "CompiledStep", "compile_step", "default_workers", "GroupLayout", "layout_step",
+    "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "precompile",
+    "resolve_devices", "resolve_plan", "SHARED_PARAMETER_WARNING", "StageExecutables",
+    "StageLayout", "StepLayout", "StepProgram", "warn_shared_parameters",
 ]

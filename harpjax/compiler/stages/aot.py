@@ -3,26 +3,30 @@
 ``jax.jit`` compiles on first call, one executable after another. A pipelined step has a
 forward, a backward and a zeros executable per stage plus the placement groups around the
 region; :func:`precompile` lowers and compiles them ahead of the first call, one stage per
-thread (XLA compiles outside the GIL), with the argument shardings the local runtime will pass,
+thread (XLA compiles outside the GIL), with the argument shardings the runtimes will pass,
 so that the calls hit JAX's compilation cache. The chain within a stage is sequential: the
 backward takes the forward's residuals in the shardings XLA chose for them, and the gradient
 accumulator in the shardings the backward returns.
 
 A signature that differs from what the runtime passes is not an error, nor is a failure here
-(logged): the call compiles lazily as before. ``tests/runtime/test_equivalence.py`` checks that the first step of a
-precompiled step compiles nothing.
+(logged): the call compiles lazily as before. ``tests/runtime/test_equivalence.py`` checks
+that the first step of a precompiled step compiles nothing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import logging
+import os
 import time
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from harpjax.compiler.stages.layout import StepLayout
+from harpjax.compiler.stages.stage import StageExecutables
 
 __all__ = ["precompile", "default_workers"]
 
@@ -34,21 +38,25 @@ def default_workers(num_stages: int) -> int:
   return max(1, min(num_stages, os.cpu_count() or 1))
 
 
-def precompile(cs, workers: int | None = None) -> float:
-  """Compiles the built stages' executables and placement groups of ``cs``; returns seconds.
+def precompile(layout: StepLayout, stages: Mapping[int, StageExecutables],
+               group_fns: Mapping[int, Callable], workers: int | None = None) -> float:
+  """Compiles stages' executables and placement groups ahead of their first call.
 
   Args:
-    cs: a :class:`~harpjax.compiler.compile.CompiledStep`.
+    layout: the step's :class:`~harpjax.compiler.stages.layout.StepLayout`.
+    stages: stage index -> its executables (a worker has one, the local runtime all).
+    group_fns: placement group index -> its jitted function (the groups of those stages).
     workers: threads (default :func:`default_workers`).
+
+  Returns:
+    Seconds taken.
   """
   t0 = time.perf_counter()
-  built = [s for s, st in enumerate(cs.stages) if st is not None]
-  groups = [(g, fn) for g, fn in zip(cs.placement.before + cs.placement.after, cs.group_fns)
-            if fn is not None]
-  jobs = [(f"stage {s}", lambda s=s: _stage(cs, s)) for s in built]
-  jobs += [(f"a placement group of stage {g.home}", lambda g=g, fn=fn: _group(cs, g, fn))
-           for g, fn in groups]
-  workers = workers or default_workers(len(built))
+  jobs = [(f"stage {s}", lambda st=st: _stage(st)) for s, st in stages.items()]
+  jobs += [(f"a placement group of stage {layout.groups[gi].home}",
+            lambda gi=gi, fn=fn: _group(layout, gi, fn, stages[layout.groups[gi].home].mesh))
+           for gi, fn in group_fns.items()]
+  workers = workers or default_workers(len(stages))
   if workers <= 1:
     for what, job in jobs:
       _attempt(what, job)
@@ -75,8 +83,7 @@ def _spec(aval, sharding) -> jax.ShapeDtypeStruct:
 
 def _outputs(fn, args, lowered):
   """``fn``'s outputs as specs in the compiled shardings, weak types kept (``out_info`` drops
-  them, and a weakly typed residual is part of the backward's signature), in the tree
-  structure of ``lowered`` (whose ``jax.vjp`` closure is the one the calls return)."""
+  them, and a weakly typed residual is part of the backward's signature)."""
   shardings = jax.tree_util.tree_leaves(lowered.compile().output_shardings)
   weak = [getattr(x, "weak_type", False)
           for x in jax.tree_util.tree_leaves(jax.eval_shape(fn, *args))]
@@ -86,20 +93,17 @@ def _outputs(fn, args, lowered):
       for i, sh, w in zip(info, shardings, weak, strict=True)])
 
 
-def _stage(cs, s: int) -> None:
-  """Forward, zeros and backward of stage ``s``, in the runtime's argument shardings."""
-  st = cs.stages[s]
-  sp, avals = st.program, cs.layers.program.avals
-  params = tuple(_spec(avals[v], st.param_sharding[v]) for v in sp.param_ids)
-  acts = tuple(_spec(avals[v], st.input_sharding[v]) for v in sp.act_ids)
-  acts_int = tuple(_spec(avals[v], st.input_sharding[v]) for v in sp.act_int_ids)
-  data = tuple(_spec(avals[v], st.input_sharding[v]) for v in sp.data_ids)
-  mb_index = jax.ShapeDtypeStruct((), jnp.int32)   # the runtime passes an uncommitted np.int32
-  args = (params, acts, acts_int, data, mb_index)
+def _stage(st: StageExecutables) -> None:
+  """Forward, zeros and backward of one stage, in the runtime's argument shardings."""
+  lay = st.layout
+  spec = lambda v: _spec(lay.avals[v], st.sharding(v))
+  params = tuple(spec(v) for v in lay.param_ids)
+  args = (params, tuple(spec(v) for v in lay.act_ids), tuple(spec(v) for v in lay.act_int_ids),
+          tuple(spec(v) for v in lay.data_ids),
+          jax.ShapeDtypeStruct((), jnp.int32))   # the runtime passes an uncommitted np.int32
   residuals = _outputs(st.fwd, args, st.fwd.lower(*args))[1]
   st.zeros.lower().compile()
-  cts = tuple(_spec(avals[v], cs.output_sharding(s, v))
-              for v, has in zip(sp.output_ids, sp.ct_present) if has)
+  cts = tuple(spec(v) for v, has in zip(lay.output_ids, lay.ct_present) if has)
   acc = params   # the zeros executable returns the parameters' shardings
   for _ in range(3):   # the accumulator comes back in the backward's output shardings
     args = (residuals, cts, acc)
@@ -109,10 +113,10 @@ def _stage(cs, s: int) -> None:
     acc = out
 
 
-def _group(cs, group, fn) -> None:
-  """A placement group, its inputs in the shardings ``run_groups`` puts them in."""
-  mesh = cs.stages[group.home].mesh
-  avals = cs.traced.outer.avals
-  args = [_spec(avals[v], cs.preferred.get((group.home, v)) or NamedSharding(mesh, P()))
-          for v in group.in_ids]
+def _group(layout: StepLayout, gi: int, fn, mesh) -> None:
+  """A placement group, its inputs in the shardings the runtimes put them in."""
+  g = layout.groups[gi]
+  args = [_spec(layout.outer_avals[v],
+                NamedSharding(mesh, layout.preferred.get((g.home, v), P())))
+          for v in g.in_ids]
   fn.lower(*args).compile()

@@ -1,77 +1,69 @@
-"""From a traced step, a layer sequence and a plan to everything the runtimes execute."""
+"""From a traced step, its layers and a resolved plan to what the runtimes execute.
+
+Two phases, after JAX's ``Traced -> Lowered -> Compiled``: :func:`layout_step` cuts the step
+into stages and places the rest (a :class:`StepProgram`: programs, pure functions and the
+picklable :class:`~harpjax.compiler.stages.layout.StepLayout`, no devices);
+:func:`compile_step` jits it on devices (a :class:`CompiledStep`, what the local runtime runs).
+For other processes, :func:`~harpjax.compiler.stages.lower.lower_step` turns a
+:class:`StepProgram` into serialised executables instead.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Collection, Sequence
+from typing import Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
-from harpjax.compiler.stages.stage import (StageExecutables, build_stage_executables,
-                                           slice_stages)
+from harpjax.compiler.stages.layout import StepLayout, stage_layout, step_layout
+from harpjax.compiler.stages.stage import (jit_stage, slice_stages, stage_functions)
 from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, eval_ops
 from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompiledStep", "compile_step", "LOSS_REDUCTIONS"]
+__all__ = ["StepProgram", "CompiledStep", "layout_step", "compile_step", "group_function",
+           "warn_shared_parameters", "LOSS_REDUCTIONS", "SHARED_PARAMETER_WARNING"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
-@dataclasses.dataclass(eq=False)
-class CompiledStep:
-  """Everything needed to run one pipelined train step.
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepProgram:
+  """A step cut into stages, its other ops placed on them: programs and pure functions.
 
   Attributes:
     traced: the traced step.
     layers: the layer sequence of the region.
-    plan: the plan (with warm-up counts filled in).
+    plan: the resolved plan (devices and warm-up counts filled in).
     schedule: the task tables.
-    stages: per-stage executables.
+    programs: per stage, its :class:`~harpjax.compiler.stages.stage.StageProgram`.
+    functions: per stage, its :class:`~harpjax.compiler.stages.stage.StageFunctions`.
     placement: where the ops around the region run.
-    group_fns: jitted function per placement group (same order as ``placement.before +
-      placement.after``).
-    param_owner: per parameter index, the stage that owns it (first reader).
-    param_users: per parameter index, the stages reading it.
-    output_stage: per region output (loss, aux...), the stage computing it, or ``-1`` when the
-      output is a region input or a literal.
-    batch_dependent: region value ids whose leading axis carries the batch.
-    loss_reduction: ``"mean"`` or ``"sum"``.
-    programs: per stage, its :class:`~harpjax.compiler.stages.StageProgram` (for every stage,
-      built or not).
-    built: indices of the stages whose executables (and placement groups) were built; the
-      entries of ``stages`` and ``group_fns`` of the others are ``None``.
-    preferred: ``(stage, outer value id) -> NamedSharding``: parameters, their gradients and
-      the optimizer values computed elementwise from them, as the stage shards them. Placement
-      groups take and produce these shardings so that nothing is resharded between steps.
+    group_functions: per placement group (``placement.before + placement.after``), the pure
+      function of its ops: ``fn(*values of in_ids) -> values of out_ids``.
+    layout: the :class:`~harpjax.compiler.stages.layout.StepLayout` (what the runtimes route).
   """
   traced: TracedStep
   layers: LayerSequence
   plan: Plan
   schedule: Schedule
-  stages: list
+  programs: tuple
+  functions: tuple
   placement: placement_lib.Placement
-  group_fns: list
-  param_owner: list
-  param_users: list
-  output_stage: list
-  batch_dependent: set
-  loss_reduction: str
-  programs: list = dataclasses.field(default_factory=list)
-  built: frozenset = frozenset()
-  preferred: dict = dataclasses.field(default_factory=dict)
+  group_functions: tuple
+  layout: StepLayout
 
   @property
   def num_stages(self) -> int:
-    return len(self.stages)
+    return len(self.programs)
 
   def shared_parameters(self) -> list[tuple[int, int, tuple[int, ...]]]:
     """Parameters read by several stages: ``(step argument leaf index, bytes, readers)``.
@@ -79,42 +71,30 @@ class CompiledStep:
     The owner (the first reader) sends each to the other readers every step and sums the
     gradient parts they send back; it alone holds the optimizer state. A leaf index is
     ``-1`` for a parameter that is not a step argument."""
-    ts, prog = self.traced, self.layers.program
+    ts, prog, lay = self.traced, self.layers.program, self.layout
     leaf_of = {v: i for i, v in enumerate(ts.outer.invars[len(ts.outer_consts):])}
     out = []
     for k, inp in enumerate(ts.inputs):
-      users = self.param_users[inp.param_index] if inp.kind == "param" else ()
+      users = lay.param_users[inp.param_index] if inp.kind == "param" else ()
       if len(users) > 1:
         out.append((leaf_of.get(inp.outer_ref, -1), aval_nbytes(prog.avals[prog.invars[k]]),
                     tuple(users)))
     return out
 
-  def output_sharding(self, stage: int, vid: int) -> NamedSharding:
-    """Sharding of a stage output (cotangents sent to it use the same)."""
-    st = self.stages[stage]
-    dp = st.mesh.devices.shape[0]
-    shape = self.layers.program.avals[vid].shape
-    spec = sharding_lib.batch_spec(shape, 0, dp) if vid in self.batch_dependent else P()
-    return NamedSharding(st.mesh, spec)
 
-
-def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
-                 stage_devices: Sequence[Sequence | None], schedule: Schedule,
-                 loss_reduction: str = "mean",
-                 build_stages: Collection[int] | None = None) -> CompiledStep:
-  """Builds stage executables and the placement of the rest of the step.
+def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule: Schedule,
+                loss_reduction: str = "mean") -> StepProgram:
+  """Cuts the step into the plan's stages, lays them out and places the rest of the step.
 
   Args:
     traced: from :func:`harpjax.compiler.trace.trace_step`.
     layers: the region's layers; the plan's ranges index them.
     plan: stages with logical meshes.
-    stage_devices: per stage, its JAX devices in submesh order (``None`` for a stage that is
-      not built).
     schedule: the task tables (one row per stage).
     loss_reduction: how microbatch losses combine into the step's loss.
-    build_stages: stages whose executables and placement groups to build; ``None`` builds
-      all. A stage worker of the distributed runtime builds only its own; the slicing, the
-      parameter owners and the placement are computed for every stage either way.
+
+  Raises:
+    PlanError: the plan does not cover the layers, or disagrees with the schedule.
   """
   if loss_reduction not in LOSS_REDUCTIONS:
     raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
@@ -124,66 +104,50 @@ def compile_step(traced: TracedStep, layers: LayerSequence, plan: Plan,
   if schedule.num_stages != plan.num_stages:
     raise PlanError(f"schedule has {schedule.num_stages} stages, plan {plan.num_stages}")
   prog = layers.program
-  ranges = [s.layers for s in plan.stages]
-  programs = slice_stages(layers, ranges, traced)
+  programs = slice_stages(layers, [s.layers for s in plan.stages], traced)
   batch_dependent = _batch_dependent(traced, prog)
-  built = frozenset(range(plan.num_stages) if build_stages is None else build_stages)
-  stages: list[StageExecutables | None] = []
-  for s, (spec, sp, devs) in enumerate(zip(plan.stages, programs, stage_devices)):
-    if s not in built:
-      stages.append(None)
-      continue
-    mesh = sharding_lib.make_mesh(devs, spec.logical_mesh)
-    stages.append(build_stage_executables(sp, traced, layers, mesh, batch_dependent,
-                                          remat=bool(dict(plan.meta).get("remat", False))))
+  remat = bool(dict(plan.meta).get("remat", False))
+  layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh)
+             for sp, spec in zip(programs, plan.stages)]
+  functions = [stage_functions(sp, traced, layers, remat) for sp in programs]
 
   # Parameters: owner = first stage that reads them.
-  num_params = traced.num_params
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
-  assert len(param_vid) == num_params
   users = [[s for s, sp in enumerate(programs) if v in sp.param_ids] for v in param_vid]
   owner = [u[0] if u else 0 for u in users]
-
   producer = prog.producers()
   own_stage = {}
   for s, sp in enumerate(programs):
     for i in range(*sp.own_range):
       own_stage[i] = s
-  output_stage = []
-  for ref in prog.outvars:
-    if isinstance(ref, Lit) or ref not in producer:
-      output_stage.append(-1)
-    else:
-      output_stage.append(own_stage[producer[ref]])
+  output_stage = [-1 if isinstance(ref, Lit) or ref not in producer
+                  else own_stage[producer[ref]] for ref in prog.outvars]
 
   # Placement of the rest of the step.
   outer = traced.outer
   region_eqn = outer.ops[traced.region_op]
   seeds = {}
-  for k, inp in enumerate(traced.inputs):
+  for inp in traced.inputs:
     if inp.kind == "param" and not isinstance(inp.outer_ref, Lit):
       seeds.setdefault(inp.outer_ref, owner[inp.param_index])
   n_fwd_out = len(prog.outvars)
   for k, vid in enumerate(region_eqn.outvars):
-    if vid < 0:
-      continue
-    if k < n_fwd_out:
-      seeds[vid] = max(output_stage[k], 0)
-    else:
-      seeds[vid] = owner[k - n_fwd_out]
+    if vid >= 0:
+      seeds[vid] = max(output_stage[k], 0) if k < n_fwd_out else owner[k - n_fwd_out]
   placed = placement_lib.place(outer, traced.region_op, seeds)
-  preferred = _preferred_shardings(traced, prog, stages, owner)
   groups = placed.before + placed.after
-  _propagate_preferred([g for g in groups if g.home in built], outer, preferred)
-  group_fns = [_jit_group(g, [preferred.get((g.home, v)) for v in g.out_ids])
-               if g.home in built else None for g in groups]
-  log.info("compiled %d of %d stages; %d groups before and %d after the pipeline", len(built),
-           len(stages), len(placed.before), len(placed.after))
-  return CompiledStep(traced, layers, plan, schedule, stages, placed, group_fns, owner, users,
-                      output_stage, batch_dependent, loss_reduction, programs, built, preferred)
+  preferred = _preferred_specs(traced, prog, layouts, owner)
+  _propagate_preferred(groups, outer, preferred)
+  layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
+                       preferred, loss_reduction)
+  log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
+           len(placed.before), len(placed.after))
+  return StepProgram(traced, layers, plan, schedule, tuple(programs), tuple(functions), placed,
+                     tuple(group_function(g) for g in groups), layout)
 
 
-def _jit_group(group: placement_lib.Group, out_shardings: Sequence):
+def group_function(group: placement_lib.Group) -> Callable:
+  """The pure function of a placement group's ops: ``fn(*in values) -> out values``."""
   ops, in_ids, out_ids = group.ops, group.in_ids, group.out_ids
 
   def fn(*inputs):
@@ -191,11 +155,74 @@ def _jit_group(group: placement_lib.Group, out_shardings: Sequence):
     eval_ops(ops, env)
     return tuple(env[v] for v in out_ids)
 
-  return jax.jit(fn, out_shardings=tuple(out_shardings))
+  return fn
 
 
-def _preferred_shardings(traced: TracedStep, prog, stages, owner) -> dict:
-  """(stage, outer value id) -> sharding for parameters and gradients on their owner."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledStep:
+  """A laid-out step jitted on devices: what the local runtime runs.
+
+  Attributes:
+    program: the :class:`StepProgram`.
+    stages: per stage, its :class:`~harpjax.compiler.stages.stage.StageExecutables`.
+    group_fns: per placement group, its jitted function (inputs and outputs in the stage's
+      preferred shardings, see :attr:`StepLayout.preferred`).
+  """
+  program: StepProgram
+  stages: tuple
+  group_fns: tuple
+
+  @property
+  def traced(self) -> TracedStep:
+    return self.program.traced
+
+  @property
+  def layers(self) -> LayerSequence:
+    return self.program.layers
+
+  @property
+  def plan(self) -> Plan:
+    return self.program.plan
+
+  @property
+  def schedule(self) -> Schedule:
+    return self.program.schedule
+
+  @property
+  def layout(self) -> StepLayout:
+    return self.program.layout
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def shared_parameters(self) -> list[tuple[int, int, tuple[int, ...]]]:
+    """See :meth:`StepProgram.shared_parameters`."""
+    return self.program.shared_parameters()
+
+
+def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> CompiledStep:
+  """Jits every stage's functions on its devices, and the placement groups on their stages.
+
+  Args:
+    program: from :func:`layout_step`.
+    stage_devices: per stage, its JAX devices in submesh order.
+  """
+  stages = tuple(jit_stage(lay, fn, sharding_lib.make_mesh(devs, lay.logical_mesh))
+                 for lay, fn, devs in zip(program.layout.stages, program.functions,
+                                          stage_devices))
+  lay = program.layout
+  group_fns = tuple(
+      jax.jit(fn, out_shardings=tuple(
+          None if (g.home, v) not in lay.preferred
+          else NamedSharding(stages[g.home].mesh, lay.preferred[(g.home, v)])
+          for v in g.out_ids))
+      for g, fn in zip(lay.groups, program.group_functions))
+  return CompiledStep(program, stages, group_fns)
+
+
+def _preferred_specs(traced: TracedStep, prog, layouts, owner) -> dict:
+  """(stage, outer value id) -> spec for parameters and gradients on their owner."""
   out = {}
   region_eqn = traced.outer.ops[traced.region_op]
   n_fwd = len(prog.outvars)
@@ -204,22 +231,20 @@ def _preferred_shardings(traced: TracedStep, prog, stages, owner) -> dict:
       continue
     j = inp.param_index
     s = owner[j]
-    if stages[s] is None:   # a stage worker builds only its own stage
-      continue
-    sh = stages[s].param_sharding.get(prog.invars[k])
-    if sh is None:
+    spec = layouts[s].specs.get(prog.invars[k])
+    if spec is None:
       continue
     if not isinstance(inp.outer_ref, Lit):
-      out[(s, inp.outer_ref)] = sh
+      out[(s, inp.outer_ref)] = spec
     g = region_eqn.outvars[n_fwd + j]
     if g >= 0:
-      out[(s, g)] = sh
+      out[(s, g)] = spec
   return out
 
 
 def _propagate_preferred(groups: Sequence[placement_lib.Group], outer, preferred: dict) -> None:
   """Values of the groups with a parameter's shape that an op relates to a value with a
-  preferred sharding on the same stage prefer it too: an Adam moment computed from the
+  preferred ``PartitionSpec`` on the same stage prefer it too: an Adam moment computed from the
   gradient, the new parameter from the old, and, backwards, the inputs behind them (the
   moments' previous values, however many ops and groups away). Repeated to a fixed point over
   all groups, so that a state leaf arrives in the sharding the previous step left it in and no
@@ -249,3 +274,48 @@ def _batch_dependent(traced: TracedStep, prog) -> set[int]:
     if op.index in traced.regen_ops or any(v in dep for v in op.in_ids()):
       dep.update(v for v in op.outvars if v >= 0)
   return dep
+
+
+SHARED_PARAMETER_WARNING = 0.25
+"""Share of the model's parameter bytes above which copies of shared parameters warn."""
+
+
+def warn_shared_parameters(program: StepProgram, arg_paths: Sequence[str]) -> None:
+  """Warns when copies of parameters read by several stages (sent every step, their gradients
+  sent back) exceed :data:`SHARED_PARAMETER_WARNING` of the model's parameter bytes: the case
+  of an ``nn.scan`` over layers, whose stacked parameters every stage running a layer reads.
+
+  Args:
+    program: the laid-out step.
+    arg_paths: per step-argument leaf, its path (``jax.tree_util.keystr``), for the message.
+  """
+  shared = program.shared_parameters()
+  if not shared:
+    return
+  prog = program.layers.program
+  total = sum(aval_nbytes(prog.avals[prog.invars[k]])
+              for k, inp in enumerate(program.traced.inputs) if inp.kind == "param")
+  copies = sum(nbytes * (len(users) - 1) for _, nbytes, users in shared)
+  if copies <= SHARED_PARAMETER_WARNING * total:
+    log.info("%d parameters are read by several stages; %s of copies per step", len(shared),
+             _size(copies))
+    return
+  paths = list(arg_paths)
+  worst = sorted(shared, key=lambda x: -x[1] * (len(x[2]) - 1))[:3]
+  names = "; ".join(f"{'args' + paths[i] if i >= 0 else 'a computed parameter'} "
+                    f"({_size(n)}, stages {', '.join(map(str, u))})" for i, n, u in worst)
+  log.warning(
+      "%d parameters are read by several stages, and their copies are %.0f%% of the model's "
+      "parameter bytes: %s. The first stage reading each sends it to the others every step, "
+      "sums the gradients they send back, and alone holds its optimizer state. The planner's "
+      "costs assume every stage holds only its own layers' parameters. Stacked parameters of "
+      "an nn.scan over layers are read so; a Python loop over the blocks gives each stage "
+      "its own.", len(shared), 100 * copies / total, names)
+
+
+def _size(nbytes: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if nbytes < 1024 or unit == "GiB":
+      return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+    nbytes /= 1024
+  return ""

@@ -5,9 +5,14 @@ data (split per microbatch, or whole), and activations produced by earlier stage
 several stages back: skip connections are forwarded directly). Its outputs are the values later
 stages read, plus any loss/auxiliary output it computes.
 
-* ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, vjp)``: the outputs and the
-  ``jax.vjp`` closure, a pytree whose leaves are the residuals kept on the stage's devices.
-* ``bwd(vjp, cotangents, grad_acc) -> (grad_acc + grads, activation_cotangents)``.
+* ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, residuals)``: the outputs and the
+  leaves of the ``jax.vjp`` closure, kept on the stage's devices;
+* ``bwd(residuals, cotangents, grad_acc) -> (grad_acc + grads, activation_cotangents)``.
+
+Sections, in order: the slice of the program a stage runs (:class:`StageProgram`), its
+:class:`StageFunctions` and, jitted on a submesh, its :class:`StageExecutables`. What the stage
+reads and writes and how it is sharded is its
+:class:`~harpjax.compiler.stages.layout.StageLayout`.
 
 Cheap constant ops (iota, broadcasts of literals) read by several stages are recomputed in each
 instead of being sent. Ops that create a batch dimension from batch-independent inputs (random
@@ -18,8 +23,9 @@ that random numbers match ``jax.jit`` of the whole step exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +34,14 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax import _compat
-from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.layers import LayerSequence
+from harpjax.compiler.stages.layout import StageLayout
 from harpjax.compiler.trace import Lit, Op, Program, TracedStep, eval_ops, primitives
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageProgram", "StageExecutables", "slice_stages", "build_stage_executables"]
+__all__ = ["StageProgram", "StageLayout", "StageFunctions", "StageExecutables", "slice_stages",
+           "stage_layout", "stage_functions", "fwd_in_specs", "jit_stage"]
 
 _NEVER_CLONE = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
                           "random_wrap", "rng_bit_generator", "rng_uniform"})
@@ -147,53 +154,43 @@ def _static_ops(prog: Program, ts: TracedStep) -> set[int]:
   return out
 
 
-@dataclasses.dataclass(eq=False)
-class StageExecutables:
-  """The compiled functions and shardings of one stage."""
-  program: StageProgram
-  mesh: Mesh
-  fwd: object
-  bwd: object
-  zeros: object
-  param_sharding: dict      # value id -> NamedSharding
-  input_sharding: dict      # value id (data or activation) -> NamedSharding
-  replicated: NamedSharding
+# --------------------------------------------------------------------------- functions
 
 
-def build_stage_executables(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
-                            mesh: Mesh, batch_dependent: set[int],
-                            remat: bool = False) -> StageExecutables:
-  """Jits the forward/backward/zeros functions of one stage on its submesh.
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageFunctions:
+  """The stage's work as pure functions (jitted in process, or exported for another).
+
+  * ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, residuals)``: the outputs and
+    the leaves of the ``jax.vjp`` closure (what the backward needs, kept on the stage's
+    devices);
+  * ``bwd(residuals, cotangents, grad_acc) -> (grad_acc + grads, activation_cotangents)``,
+    ``cotangents`` for the outputs whose ``ct_present`` is true;
+  * ``zeros() -> grad_acc`` of zeros.
+
+  ``bwd`` rebuilds the closure from the residuals with the tree structure ``fwd`` recorded
+  when it was traced: trace ``fwd`` first (every runtime runs a forward before its backward).
+  """
+  fwd: Callable
+  bwd: Callable
+  zeros: Callable
+
+
+def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
+                    remat: bool = False) -> StageFunctions:
+  """The forward, backward and zeros functions of one stage.
 
   With ``remat`` the forward keeps only the stage's inputs per in-flight microbatch and the
   backward recomputes the rest (activation recomputation, ``jax.checkpoint``), the memory model
   of a profile made with ``ProfileOptions(remat=True)``.
   """
   prog = layers.program
-  dp, tp = mesh.devices.shape
-  rep = NamedSharding(mesh, P())
-  own_ops = prog.ops[sp.own_range[0]:sp.own_range[1]]
-  pspecs = sharding_lib.param_specs(prog, own_ops, sp.param_ids, tp)
-  param_sh = {v: NamedSharding(mesh, pspecs[v]) for v in sp.param_ids}
   inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
-  input_sh = {}
-  static_env = {}
-  dyn_data = []
-  for v in sp.data_ids:
-    inp = inputs_by_id[v]
-    if inp.kind == "static":
-      static_env[v] = inp.static_value
-      continue
-    dyn_data.append(v)
-    if inp.kind == "split":
-      input_sh[v] = NamedSharding(mesh, sharding_lib.batch_spec(prog.avals[v].shape, inp.axis, dp))
-    else:
-      input_sh[v] = rep
-  for v in sp.act_ids + sp.act_int_ids:
-    spec = sharding_lib.batch_spec(prog.avals[v].shape, 0, dp) if v in batch_dependent else P()
-    input_sh[v] = NamedSharding(mesh, spec)
-  dyn_data = tuple(dyn_data)
+  static_env = {v: inputs_by_id[v].static_value for v in sp.data_ids
+                if inputs_by_id[v].kind == "static"}
+  dyn_data = tuple(v for v in sp.data_ids if v not in static_env)
   hook = _make_hook(ts)
+  residual_tree = []   # the vjp closure's tree structure, recorded by fwd
 
   def primal(params, acts, acts_int, data, mb_index):
     env = dict(static_env)
@@ -206,11 +203,17 @@ def build_stage_executables(sp: StageProgram, ts: TracedStep, layers: LayerSeque
 
   def fwd(params, acts, acts_int, data, mb_index):
     f = lambda p, a: primal(p, a, acts_int, data, mb_index)
-    return jax.vjp(jax.checkpoint(f) if remat else f, params, acts)
+    outs, vjp = jax.vjp(jax.checkpoint(f) if remat else f, params, acts)
+    leaves, tree = jax.tree_util.tree_flatten(vjp)
+    residual_tree[:] = [tree]
+    return outs, tuple(leaves)
 
   out_avals = [prog.avals[v] for v in sp.output_ids]
 
-  def bwd(vjp_fn, cts_present, acc):
+  def bwd(residuals, cts_present, acc):
+    if not residual_tree:
+      raise AssertionError(f"stage {sp.index}: the backward was traced before the forward")
+    vjp_fn = jax.tree_util.tree_unflatten(residual_tree[0], residuals)
     it = iter(cts_present)
     cts = []
     for aval, present in zip(out_avals, sp.ct_present):
@@ -228,16 +231,56 @@ def build_stage_executables(sp: StageProgram, ts: TracedStep, layers: LayerSeque
   def zeros():
     return tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals)
 
-  in_sh = (tuple(param_sh[v] for v in sp.param_ids),
-           tuple(input_sh[v] for v in sp.act_ids),
-           tuple(input_sh[v] for v in sp.act_int_ids),
-           tuple(input_sh[v] for v in dyn_data),
-           rep)
-  fwd_jit = jax.jit(fwd, in_shardings=in_sh)
-  bwd_jit = jax.jit(bwd, donate_argnums=(2,))
-  zeros_jit = jax.jit(zeros, out_shardings=tuple(param_sh[v] for v in sp.param_ids))
-  sp_dyn = dataclasses.replace(sp, data_ids=dyn_data)
-  return StageExecutables(sp_dyn, mesh, fwd_jit, bwd_jit, zeros_jit, param_sh, input_sh, rep)
+  return StageFunctions(fwd, bwd, zeros)
+
+
+def fwd_in_specs(layout: StageLayout) -> tuple:
+  """``PartitionSpec`` s of the forward's arguments ``(params, acts, acts_int, data, mb)``."""
+  return (tuple(layout.specs[v] for v in layout.param_ids),
+          tuple(layout.specs[v] for v in layout.act_ids),
+          tuple(layout.specs[v] for v in layout.act_int_ids),
+          tuple(layout.specs[v] for v in layout.data_ids), P())
+
+
+# --------------------------------------------------------------------------- executables
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageExecutables:
+  """One stage on its submesh: its layout, mesh and executables (``fwd``, ``bwd``, ``zeros``
+  with the signatures of :class:`StageFunctions`).
+
+  Built in process from the stage's functions (:func:`jit_stage`) or on a worker from the
+  stage's lowered form (:meth:`harpjax.compiler.stages.LoweredStage.load`).
+  """
+  layout: StageLayout
+  mesh: Mesh
+  fwd: Callable
+  bwd: Callable
+  zeros: Callable
+
+  @functools.cached_property
+  def _shardings(self) -> dict:
+    return {v: NamedSharding(self.mesh, spec) for v, spec in self.layout.specs.items()}
+
+  def sharding(self, vid: int) -> NamedSharding:
+    """The sharding of a value the stage reads or writes (a cotangent: its output's)."""
+    return self._shardings[vid]
+
+  @functools.cached_property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+
+def jit_stage(layout: StageLayout, functions: StageFunctions, mesh: Mesh) -> StageExecutables:
+  """Jits a stage's functions on its submesh (the forward with its inputs' shardings, the
+  zeros with the parameters', the backward donating the gradient accumulator)."""
+  in_sh = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), fwd_in_specs(layout),
+                                 is_leaf=lambda x: isinstance(x, P))
+  fwd = jax.jit(functions.fwd, in_shardings=in_sh)
+  bwd = jax.jit(functions.bwd, donate_argnums=(2,))
+  zeros = jax.jit(functions.zeros, out_shardings=in_sh[0])
+  return StageExecutables(layout, mesh, fwd, bwd, zeros)
 
 
 def _make_hook(ts: TracedStep):

@@ -23,7 +23,6 @@ Finding *repeated* runs of tokens is layer construction's business
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import hashlib

@@ -2,7 +2,6 @@
 breakdown bookkeeping, timeline files and the CLI."""
 
 import json
-import time
 
 import numpy as np
 import pytest

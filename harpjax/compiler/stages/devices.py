@@ -1,0 +1,98 @@
+"""Resolving a plan on a cluster: each stage's devices, its warm-up count and the schedule.
+
+A plan names each stage's subcluster and submesh shape; :func:`resolve_devices` gives the
+concrete global devices (the plan's own where it lists them, else packed onto the hosts by
+:meth:`harpjax.cluster.Cluster.allocate_submeshes`), and :func:`resolve_plan` fills in the
+rest of what runs: the warm-up counts of the schedule and the task tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harpjax.cluster import Cluster
+from harpjax.compiler.plan import Plan
+from harpjax.compiler.schedule import Schedule, make_schedule, plan_warmups, schedule_key
+from harpjax.errors import PlanError
+
+__all__ = ["resolve_devices", "resolve_plan"]
+
+
+def resolve_devices(cluster: Cluster, plan: Plan) -> list[tuple[int, ...]]:
+  """Global device indices of every stage: explicit ones checked, the others allocated.
+
+  Raises:
+    PlanError: a stage names an unknown subcluster or a device outside it, two stages share a
+      device, or the submeshes do not fit.
+  """
+  names = [sc.name for sc in cluster.subclusters]
+  for i, s in enumerate(plan.stages):
+    if s.subcluster not in names:
+      raise PlanError(f"stage {i} (layers {list(s.layers)}) uses subcluster {s.subcluster!r}, "
+                      f"which the cluster does not have (it has {', '.join(names)})")
+  total = sum(s.num_devices for s in plan.stages)
+  if total > cluster.num_devices:
+    raise PlanError(f"the plan uses {total} devices but the cluster has {cluster.num_devices}")
+  explicit = {i: s.devices for i, s in enumerate(plan.stages) if s.devices is not None}
+  taken: dict[int, int] = {}
+  for i, devs in explicit.items():
+    allowed = set(cluster.devices_of(plan.stages[i].subcluster))
+    for d in devs:
+      if d not in allowed:
+        raise PlanError(f"stage {i} lists device {d}, which is not in subcluster "
+                        f"{plan.stages[i].subcluster!r} (devices {min(allowed)}..{max(allowed)})")
+      if d in taken:
+        raise PlanError(f"stages {taken[d]} and {i} both use device {d}; stages need disjoint "
+                        "devices")
+      taken[d] = i
+  todo = [i for i in range(plan.num_stages) if i not in explicit]
+  result: dict[int, tuple[int, ...]] = dict(explicit)
+  if todo:
+    allocated = cluster.allocate_submeshes(
+        [(plan.stages[i].subcluster, plan.stages[i].submesh) for i in todo])
+    for i, devs in zip(todo, allocated):
+      clash = sorted(set(devs) & set(taken))
+      if clash:
+        raise PlanError(
+            f"stage {i} was allocated devices {list(devs)}, but stage {taken[clash[0]]} lists "
+            f"device {clash[0]} explicitly; give explicit devices for every stage or for none")
+      result[i] = tuple(devs)
+  return [result[i] for i in range(plan.num_stages)]
+
+
+def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches: int,
+                 schedule: str | None = None, eps: float = 0.1) -> tuple[Plan, Schedule]:
+  """The plan as it runs: devices, warm-up counts and schedule filled in, and its tables.
+
+  Args:
+    plan: a plan (manual, solved or loaded).
+    cluster: the cluster it runs on.
+    num_layers: layers of the model (the plan's stages must cover them).
+    num_microbatches: ``B``.
+    schedule: the schedule's name; default the plan's.
+    eps: H-1F1B tolerance when the plan's ``meta`` does not record one.
+
+  Returns:
+    ``(resolved plan, schedule)``.
+
+  Raises:
+    PlanError: the plan does not cover the layers, or its devices do not resolve.
+  """
+  if plan.stages[-1].layers[1] != num_layers - 1:
+    raise PlanError(
+        f"the plan's stages cover layers 0..{plan.stages[-1].layers[1]} but the model has "
+        f"{num_layers} layers (0..{num_layers - 1}). Adjust the layer ranges or the "
+        "mark_layer_boundary calls")
+  devices = resolve_devices(cluster, plan)
+  name = schedule or schedule_key(plan.schedule)
+  warmups = None
+  if name == "h1f1b":
+    eps = float(dict(plan.meta).get("eps", eps))
+    warmups = plan.warmups or plan_warmups([s.time_s for s in plan.stages],
+                                           [s.comm_s for s in plan.stages[:-1]],
+                                           [s.subcluster for s in plan.stages], eps)
+  sched = make_schedule(name, plan.num_stages, num_microbatches, warmups)
+  stages = tuple(dataclasses.replace(s, devices=tuple(idx), warmup=w)
+                 for s, idx, w in zip(plan.stages, devices, sched.warmups))
+  return plan.replace(stages=stages, num_microbatches=num_microbatches, schedule=name,
+                      num_layers=num_layers), sched

@@ -1,0 +1,161 @@
+"""Lowering a laid-out step for another process: serialised executables and the layout.
+
+A Ray worker does not trace the user's step. The driver lowers each stage's functions and
+placement groups to StableHLO with ``jax.export`` (on an abstract ``(dp, tp)`` mesh: no device
+is needed, only the target platform), and sends the worker a :class:`LoweredStep`: the
+picklable :class:`~harpjax.compiler.stages.layout.StepLayout`, the schedule, the plan, and its
+stage's serialised executables. The worker loads them onto its own devices
+(:meth:`LoweredStep.load`) and gets the same :class:`~harpjax.compiler.stages.stage.
+StageExecutables` the local runtime jits in process: the same computation, bit for bit.
+
+The forward returns the leaves of its ``jax.vjp`` closure (the residuals); the backward
+rebuilds the closure from them with the tree structure recorded while the forward was lowered,
+so both cross the process boundary as flat arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import export
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+from harpjax.compiler.layers import sharding as sharding_lib
+from harpjax.compiler.plan import Plan
+from harpjax.compiler.schedule import Schedule
+from harpjax.compiler.stages.compile import StepProgram
+from harpjax.compiler.stages.layout import StepLayout
+from harpjax.compiler.stages.stage import StageExecutables, fwd_in_specs
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LoweredStage", "LoweredStep", "lower_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredStage:
+  """One stage's executables, serialised (``jax.export``).
+
+  Attributes:
+    index: the stage.
+    fwd, bwd, zeros: the serialised forward, backward and zeros functions.
+    groups: placement group index (into :attr:`StepLayout.groups`) -> serialised function,
+      for the groups this stage runs.
+  """
+  index: int
+  fwd: bytes
+  bwd: bytes
+  zeros: bytes
+  groups: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredStep:
+  """A step ready to be compiled in another process: plain data and serialised StableHLO.
+
+  Attributes:
+    layout: what goes where (:class:`~harpjax.compiler.stages.layout.StepLayout`).
+    plan: the resolved plan.
+    schedule: the task tables.
+    platform: the platform the executables were lowered for (``"cpu"``, ``"cuda"``...).
+    stages: per stage, its :class:`LoweredStage`, or ``None`` where not included
+      (:meth:`for_stage` keeps one).
+  """
+  layout: StepLayout
+  plan: Plan
+  schedule: Schedule
+  platform: str
+  stages: tuple
+
+  def for_stage(self, stage: int) -> "LoweredStep":
+    """A copy holding only ``stage``'s executables (what that stage's worker receives)."""
+    return dataclasses.replace(self, stages=tuple(
+        st if s == stage else None for s, st in enumerate(self.stages)))
+
+  def load(self, stage: int, devices: Sequence) -> tuple[StageExecutables, dict]:
+    """Compiles-to-be ``stage``'s executables on ``devices`` (its submesh, in order).
+
+    Returns:
+      ``(stage executables, {group index: jitted function})``; both compile on first call
+      (or ahead, :func:`~harpjax.compiler.stages.precompile`).
+    """
+    lowered = self.stages[stage]
+    if lowered is None:
+      raise ValueError(f"this lowered step does not hold stage {stage}'s executables")
+    lay = self.layout.stages[stage]
+    mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
+    call = lambda blob: export.deserialize(blob).call
+    param_sh = tuple(NamedSharding(mesh, lay.specs[v]) for v in lay.param_ids)
+    executables = StageExecutables(
+        lay, mesh, jax.jit(call(lowered.fwd)), jax.jit(call(lowered.bwd), donate_argnums=(2,)),
+        jax.jit(call(lowered.zeros), out_shardings=param_sh))
+    groups = {}
+    for gi, blob in lowered.groups.items():
+      g = self.layout.groups[gi]
+      out_sh = tuple(None if (stage, v) not in self.layout.preferred
+                     else NamedSharding(mesh, self.layout.preferred[(stage, v)])
+                     for v in g.out_ids)
+      groups[gi] = jax.jit(call(blob), out_shardings=out_sh)
+    return executables, groups
+
+
+def lower_step(program: StepProgram, platform: str | None = None,
+               stages: Sequence[int] | None = None) -> LoweredStep:
+  """Lowers and serialises the stages' executables and placement groups of ``program``.
+
+  Args:
+    program: from :func:`~harpjax.compiler.stages.layout_step`.
+    platform: the platform the workers run on; default JAX's default backend here.
+    stages: the stages to lower (default all).
+
+  Raises:
+    UnsupportedError: ``jax.export`` cannot serialise a stage (a host callback, say); the
+      message names the stage.
+  """
+  t0 = time.perf_counter()
+  platform = platform or jax.default_backend()
+  lay = program.layout
+  todo = range(lay.num_stages) if stages is None else stages
+  out: list[LoweredStage | None] = [None] * lay.num_stages
+  for s in todo:
+    out[s] = _lower_stage(program, s, platform)
+  log.info("lowered %d stages for %s in %.1f s", len(todo), platform, time.perf_counter() - t0)
+  return LoweredStep(lay, program.plan, program.schedule, platform, tuple(out))
+
+
+def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
+  lay = program.layout.stages[s]
+  fns = program.functions[s]
+  mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+  sharded = lambda spec: NamedSharding(mesh, spec)
+  in_specs = fwd_in_specs(lay)
+  in_sh = jax.tree_util.tree_map(sharded, in_specs, is_leaf=lambda x: isinstance(x, P))
+  avals = lambda ids: tuple(lay.avals[v] for v in ids)
+  args = (avals(lay.param_ids), avals(lay.act_ids), avals(lay.act_int_ids),
+          avals(lay.data_ids), jax.ShapeDtypeStruct((), jnp.int32))
+  exp = lambda fn, **kw: export.export(jax.jit(fn, **kw), platforms=(platform,))
+  fwd = exp(fns.fwd, in_shardings=in_sh)(*args)
+  residuals = tuple(fwd.out_avals[len(lay.output_ids):])
+  cts = tuple(lay.avals[v] for v, has in zip(lay.output_ids, lay.ct_present) if has)
+  ct_sh = tuple(sharded(lay.specs[v]) for v, has in zip(lay.output_ids, lay.ct_present) if has)
+  bwd = exp(fns.bwd, in_shardings=(None, ct_sh, in_sh[0]))(
+      tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in residuals),
+      cts, args[0])
+  zeros = exp(fns.zeros, out_shardings=in_sh[0])()
+  step_lay = program.layout
+  groups = {}
+  for gi, (g, fn) in enumerate(zip(step_lay.groups, program.group_functions)):
+    if g.home != s:
+      continue
+    pref = lambda v: sharded(step_lay.preferred.get((s, v), P()))
+    in_args = tuple(step_lay.outer_avals[v] for v in g.in_ids)
+    out_sh = tuple(sharded(step_lay.preferred[(s, v)]) if (s, v) in step_lay.preferred
+                   else None for v in g.out_ids)
+    groups[gi] = exp(fn, in_shardings=tuple(pref(v) for v in g.in_ids),
+                     out_shardings=out_sh)(*in_args).serialize()
+  return LoweredStage(s, fwd.serialize(), bwd.serialize(), zeros.serialize(), groups)

@@ -1,0 +1,339 @@
+"""The one schedule interpreter: a stage's part of the pipelined region, whoever runs it.
+
+Both runtimes run the region through :class:`StageRun`, one per stage; they differ only in the
+:class:`Messenger` that moves values between stages: the local runtime's keeps every message
+in this process (:class:`LocalMessenger`) and runs the stages' tasks in a dependency-valid
+order (:func:`harpjax.compiler.schedule.dry_run`); a Ray worker's sends them over the network
+and runs its own stage's row of the task table. A stage's part of one step:
+
+1. :meth:`StageRun.forward` for each ``F`` task: receive the microbatch's activations from the
+   producing stages, run the forward executable, send the outputs to the consuming stages;
+2. :meth:`StageRun.backward` for each ``B`` task: receive the cotangents of its outputs (summed
+   in decreasing consumer order, the loss seeded with ``1/B`` or ``1``), run the backward
+   executable, send the activations' cotangents back;
+3. :meth:`StageRun.combine`: the loss and auxiliary outputs it computes, over microbatches;
+4. :meth:`StageRun.send_gradient_parts` and :meth:`StageRun.reduce`: the gradient parts of
+   parameters other stages own go to their owner, which sums them in increasing stage order.
+
+Routes and shapes come from the :class:`~harpjax.compiler.stages.StepLayout`; messages are
+keyed by :class:`MessageKey`. The order of every sum is fixed by the layout, so both runtimes
+compute the same numbers bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from harpjax.compiler.stages import StageExecutables, StepLayout
+from harpjax.compiler.trace import Lit
+
+__all__ = ["MessageKey", "ACT", "CT", "GRAD", "VALUE", "Messenger", "LocalMessenger", "StageRun",
+           "put", "place_on_mesh", "microbatch_slice", "combine_microbatches"]
+
+ACT, CT, GRAD, VALUE = "act", "ct", "grad", "value"
+
+
+class MessageKey(NamedTuple):
+  """What a message between two stages carries.
+
+  Attributes:
+    kind: :data:`ACT` (activations), :data:`CT` (cotangents), :data:`GRAD` (a parameter's
+      gradient part) or :data:`VALUE` (an outer value: a step argument, a placement group's
+      result, a region output).
+    index: the microbatch (activations, cotangents), the parameter (gradients) or the outer
+      value id (values).
+    src: the sending stage (``-1`` for values: each has one home).
+  """
+  kind: str
+  index: int
+  src: int = -1
+
+  @property
+  def kind_key(self) -> tuple:
+    """The key without the microbatch: messages with equal ``kind_key`` have equal
+    structure (a group broadcasts it once)."""
+    return (self.kind, self.src) if self.kind in (ACT, CT) else tuple(self)
+
+
+# --------------------------------------------------------------------------- values
+
+
+def put(x, sharding: NamedSharding):
+  """``x`` on ``sharding``, unless it is already there."""
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  return jax.device_put(x, sharding)
+
+
+def place_on_mesh(x, mesh, preferred: NamedSharding | None = None):
+  """``x`` on ``mesh``: kept as is when already on exactly its devices, else put in the
+  ``preferred`` sharding (replicated when there is none)."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    if x.sharding.device_set == set(mesh.devices.flat):
+      return x
+  return jax.device_put(x, preferred if preferred is not None else NamedSharding(mesh, P()))
+
+
+def microbatch_slice(x, axis: int, m: int, num_microbatches: int):
+  """Microbatch ``m`` of ``x``: its ``m``-th of ``num_microbatches`` equal parts along ``axis``."""
+  size = x.shape[axis] // num_microbatches
+  idx = [slice(None)] * np.ndim(x)
+  idx[axis] = slice(m * size, (m + 1) * size)
+  return x[tuple(idx)]
+
+
+@jax.jit
+def _mean(xs):
+  return jnp.mean(jnp.stack(xs), axis=0).astype(xs[0].dtype)
+
+
+@jax.jit
+def _sum(xs):
+  return jnp.sum(jnp.stack(xs), axis=0).astype(xs[0].dtype)
+
+
+def combine_microbatches(per_mb: list, axis, reduction: str):
+  """One region output from its per-microbatch values: concatenated along ``axis`` (per-example
+  values), else averaged (``"mean"``) or summed; integer values are summed (or kept when every
+  microbatch has the same one)."""
+  if axis is not None:
+    return jnp.concatenate(per_mb, axis=axis)
+  dev = per_mb[0]
+  if isinstance(dev, jax.Array):
+    per_mb = [put(x, dev.sharding) if isinstance(x, jax.Array) else x for x in per_mb]
+  xs = tuple(per_mb)
+  if not jnp.issubdtype(jnp.result_type(xs[0]), jnp.inexact):
+    return xs[0] if all(x is xs[0] for x in xs) else _sum(xs)
+  return _mean(xs) if reduction == "mean" else _sum(xs)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class Messenger(Protocol):
+  """How one stage exchanges messages with the others (the runtime provides it).
+
+  A send is two calls, so that a stage spanning several processes can make its collective
+  first: :meth:`gather` (the payload in one place; ``None`` on the members that do not send)
+  and :meth:`post`. Task hooks let a runtime time (and emulate) each task.
+  """
+
+  def gather(self, payload: dict) -> dict | None: ...
+
+  def post(self, dst: int, key: MessageKey, payload: dict | None) -> None: ...
+
+  def recv(self, key: MessageKey, what: str) -> dict: ...
+
+  def put(self, x, sharding: NamedSharding): ...
+
+  def begin_task(self) -> None: ...
+
+  def task_started(self) -> float: ...
+
+  def task_finished(self, kind: str, microbatch: int, start: float, outputs) -> None: ...
+
+
+class LocalMessenger:
+  """Messages between stages of one process: one in-memory inbox per stage.
+
+  Args:
+    stage: the stage this messenger serves.
+    inboxes: per stage, ``{MessageKey: payload}`` (shared by the stages of the process).
+  """
+
+  def __init__(self, stage: int, inboxes: list[dict]):
+    self.stage, self.inboxes = stage, inboxes
+
+  def gather(self, payload: dict) -> dict:
+    return payload
+
+  def post(self, dst: int, key: MessageKey, payload: dict | None) -> None:
+    self.inboxes[dst][key] = payload
+
+  def recv(self, key: MessageKey, what: str) -> dict:
+    try:
+      return self.inboxes[self.stage].pop(key)
+    except KeyError:
+      raise AssertionError(f"stage {self.stage}: {what} ({key}) was not sent before it was "
+                           "needed; the task order is not dependency-valid") from None
+
+  def put(self, x, sharding: NamedSharding):
+    return put(x, sharding)
+
+  def begin_task(self) -> None:
+    pass
+
+  def task_started(self) -> float:
+    return 0.0
+
+  def task_finished(self, kind: str, microbatch: int, start: float, outputs) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- a stage
+
+
+class StageRun:
+  """Stage ``stage.layout.index``'s part of the region of one step (see the module docstring).
+
+  Args:
+    layout: the step's layout.
+    stage: the stage's executables.
+    io: its :class:`Messenger`.
+    inputs: region value id -> value of the region inputs the stage reads (parameters, data,
+      and inputs passed through to a region output it computes), as the step computed them.
+  """
+
+  def __init__(self, layout: StepLayout, stage: StageExecutables, io: Messenger,
+               inputs: dict[int, Any]):
+    self.layout, self.stage, self.io = layout, stage, io
+    self.s = s = stage.layout.index
+    sl = stage.layout
+    self.B = layout.num_microbatches
+    self.inputs = inputs
+    self.params = tuple(io.put(inputs[v], stage.sharding(v)) for v in sl.param_ids)
+    self._whole: dict[int, Any] = {}
+    self.consumers = sorted(t for (p, t) in layout.act_routes if p == s)
+    self.ct_from = sorted(t for (t, p) in layout.ct_routes if p == s)
+    self.region_outs = {v for v in layout.region_outvars if not isinstance(v, Lit)}
+    self.fwd_outputs: list[dict[int, Any]] = [dict() for _ in range(self.B)]
+    self.residuals: dict[int, Any] = {}
+    self.acc = stage.zeros()
+    self.scale = 1.0 / self.B if layout.loss_reduction == "mean" else 1.0
+    self.mb_index = [np.int32(m) for m in range(self.B)]
+
+  # ------------------------------------------------------------------ tasks
+
+  def data(self, m: int) -> tuple:
+    """The region data of microbatch ``m`` the stage reads, on its submesh."""
+    out = []
+    for v in self.stage.layout.data_ids:
+      kind, axis = self.layout.input_kinds[v]
+      sh = self.stage.sharding(v)
+      if kind == "split":
+        out.append(self.io.put(microbatch_slice(self.inputs[v], axis, m, self.B), sh))
+      else:
+        if v not in self._whole:
+          self._whole[v] = self.io.put(self.inputs[v], sh)
+        out.append(self._whole[v])
+    return tuple(out)
+
+  def forward(self, m: int) -> None:
+    """Task ``F m``: activations in, forward, outputs out."""
+    lay, st, sl, io, s = self.layout, self.stage, self.stage.layout, self.io, self.s
+    io.begin_task()
+    acts: dict[int, Any] = {}
+    for p in lay.act_sources[s]:
+      acts.update(io.recv(MessageKey(ACT, m, p), f"the activations of microbatch {m}"))
+    start = io.task_started()
+    a = tuple(io.put(acts[v], st.sharding(v)) for v in sl.act_ids)
+    ai = tuple(io.put(acts[v], st.sharding(v)) for v in sl.act_int_ids)
+    outs, residuals = st.fwd(self.params, a, ai, self.data(m), self.mb_index[m])
+    out_map = dict(zip(sl.output_ids, outs))
+    msgs = [(t, io.gather({v: out_map[v] for v in lay.act_routes[(s, t)]}))
+            for t in self.consumers]
+    io.task_finished("F", m, start, outs)
+    for t, payload in msgs:
+      io.post(t, MessageKey(ACT, m, s), payload)
+    for v in sl.output_ids:
+      if v in self.region_outs:
+        self.fwd_outputs[m][v] = out_map[v]
+    self.residuals[m] = residuals
+
+  def backward(self, m: int) -> None:
+    """Task ``B m``: output cotangents in, backward, activation cotangents out."""
+    lay, st, sl, io, s = self.layout, self.stage, self.stage.layout, self.io, self.s
+    io.begin_task()
+    msgs = {t: io.recv(MessageKey(CT, m, t), f"the cotangents of microbatch {m}")
+            for t in self.ct_from}
+    start = io.task_started()
+    present = []
+    for v, has in zip(sl.output_ids, sl.ct_present):
+      if not has:
+        continue
+      ct = None
+      for t in lay.ct_sources[s].get(v, ()):
+        g = io.put(msgs[t][v], st.sharding(v))
+        ct = g if ct is None else ct + g
+      if v == lay.loss_vid:
+        seed = io.put(np.asarray(self.scale, sl.avals[v].dtype), st.replicated)
+        ct = seed if ct is None else ct + seed
+      if ct is None:
+        aval = sl.avals[v]
+        ct = io.put(np.zeros(aval.shape, aval.dtype), st.sharding(v))
+      present.append(ct)
+    self.acc, act_cts = st.bwd(self.residuals.pop(m), tuple(present), self.acc)
+    ct_map = dict(zip(sl.act_ids, act_cts))
+    cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}))
+           for p in lay.ct_targets[s]]
+    io.task_finished("B", m, start, (self.acc, act_cts))
+    for p, payload in cts:
+      io.post(p, MessageKey(CT, m, s), payload)
+
+  def run(self, tasks) -> None:
+    """Runs a row of the task table in order."""
+    for task in tasks:
+      (self.forward if task.kind == "F" else self.backward)(task.microbatch)
+
+  # ------------------------------------------------------------------ after the pipeline
+
+  def _region_output(self, ref, m: int):
+    if isinstance(ref, Lit):
+      return jnp.asarray(ref.value)
+    if ref in self.fwd_outputs[m]:
+      return self.fwd_outputs[m][ref]
+    kind, axis = self.layout.input_kinds[ref]
+    x = self.inputs[ref]
+    return microbatch_slice(x, axis, m, self.B) if kind == "split" else x
+
+  def combine(self) -> dict[int, Any]:
+    """The loss and auxiliary outputs this stage computes: outer value id -> value."""
+    lay, out = self.layout, {}
+    for k, ref in enumerate(lay.region_outvars):
+      vid = lay.region_results[k]
+      if lay.region_out_home[k] != self.s or vid < 0:
+        continue
+      per_mb = [self._region_output(ref, m) for m in range(self.B)]
+      axis = None if k == 0 else lay.aux_concat_axes[k - 1]
+      out[vid] = combine_microbatches(per_mb, axis, lay.loss_reduction)
+    return out
+
+  def send_gradient_parts(self) -> None:
+    """Sends the gradients of the parameters other stages own to their owners."""
+    lay, s = self.layout, self.s
+    mine = {v: i for i, v in enumerate(self.stage.layout.param_ids)}
+    n_fwd = len(lay.region_outvars)
+    for j in range(lay.num_params):
+      owner = lay.param_owner[j]
+      if lay.region_results[n_fwd + j] >= 0 and owner != s and s in lay.grad_users[j]:
+        payload = self.io.gather({j: self.acc[mine[lay.param_vids[j]]]})
+        self.io.post(owner, MessageKey(GRAD, j, s), payload)
+
+  def reduce(self) -> dict[int, Any]:
+    """The gradients of the parameters this stage owns, every reader's part summed in stage
+    order: outer value id -> value."""
+    lay, st, s, io = self.layout, self.stage, self.s, self.io
+    mine = {v: i for i, v in enumerate(st.layout.param_ids)}
+    n_fwd = len(lay.region_outvars)
+    out = {}
+    for j in range(lay.num_params):
+      out_vid = lay.region_results[n_fwd + j]
+      if lay.param_owner[j] != s or out_vid < 0:
+        continue
+      vid = lay.param_vids[j]
+      total = None
+      for u in lay.param_users[j]:
+        g = (self.acc[mine[vid]] if u == s else
+             io.recv(MessageKey(GRAD, j, u), f"the gradient part of parameter {j}")[j])
+        g = io.put(g, st.sharding(vid))
+        total = g if total is None else total + g
+      if total is None:   # a parameter no stage reads: zero gradient
+        aval = lay.param_avals[j]
+        total = io.put(np.zeros(aval.shape, aval.dtype), st.replicated)
+      out[out_vid] = total
+    return out
