@@ -21,6 +21,7 @@ INSTALL_REQUIRES = [
     "matplotlib==3.11.2",
     "tqdm==4.70.1",
     "click==8.5.1",
+    "flatbuffers==25.12.19",   # jax.export serialisation (the Ray workers' lowered steps)
 ]
 
 setup(

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from harpjax.cluster import Link  # noqa: E402
 from harpjax.compiler import plan as planner  # noqa: E402
-from harpjax.compiler.plan import baselines  # noqa: E402
+from tools import baselines  # noqa: E402
 from harpjax.compiler.profile import (CostTables, LayerProfile, SubclusterSpec,  # noqa: E402
                                       synthetic_gpt_profile)
 

@@ -6,23 +6,22 @@ from harpjax.api import auto_parallel as auto_parallel
 from harpjax.cluster import Cluster as Cluster
 from harpjax.cluster import GPU_CATALOG as GPU_CATALOG
 from harpjax.cluster import GPUType as GPUType
-from harpjax.compiler.profile import CostTables
-from harpjax.compiler.layers import LayerOptions
-from harpjax.compiler.layers import LayerSequence
-from harpjax.compiler.plan import ManualPlan
-from harpjax.compiler.plan import Plan
-from harpjax.compiler.plan import StageSpec
-from harpjax.compiler.plan import load_plan
-from harpjax.compiler.plan import SolveOptions
-from harpjax.compiler.plan import solve
-from harpjax.compiler.profile import ProfileOptions
-from harpjax.compiler.schedule import Schedule
-from harpjax.compiler.schedule import make_schedule
-from harpjax.compiler.trace import grad
-from harpjax.compiler.trace import mark_layer_boundary
-from harpjax.compiler.trace import value_and_grad
+from harpjax.compiler.layers import LayerOptions as LayerOptions
+from harpjax.compiler.layers import LayerSequence as LayerSequence
+from harpjax.compiler.plan import ManualPlan as ManualPlan
+from harpjax.compiler.plan import Plan as Plan
+from harpjax.compiler.plan import SolveOptions as SolveOptions
+from harpjax.compiler.plan import StageSpec as StageSpec
+from harpjax.compiler.plan import load_plan as load_plan
+from harpjax.compiler.plan import solve as solve
+from harpjax.compiler.profile import CostTables as CostTables
+from harpjax.compiler.profile import ProfileOptions as ProfileOptions
+from harpjax.compiler.schedule import Schedule as Schedule
+from harpjax.compiler.schedule import make_schedule as make_schedule
+from harpjax.compiler.trace import grad as grad
+from harpjax.compiler.trace import mark_layer_boundary as mark_layer_boundary
+from harpjax.compiler.trace import value_and_grad as value_and_grad
 from harpjax.errors import HarpjaxError as HarpjaxError
-
 
 __all__ = [
     "Cluster", "CostTables", "GPU_CATALOG", "GPUType", "HarpjaxError", "LayerOptions",

@@ -1,19 +1,11 @@
 """The ``@auto_parallel`` decorator and the step object it returns: the driver of the flow.
 
 A :class:`ParallelStep` runs harpjax's phases for the structure of its arguments (shapes,
-dtypes, pytree), each returning a frozen object and each cached like ``jax.jit``'s cache:
-
-=====================  =========================================  ===========================
-``step.trace(*args)``  :class:`Traced`: the step's jaxpr and the  ``compiler.trace``,
-                       layers the plan indexes                    ``compiler.layers``
-``step.plan(*args)``   the resolved :class:`~harpjax.Plan`        ``compiler.profile``,
-                       (profiled and solved when none was given;  ``compiler.plan``,
-                       devices, warm-ups and schedule filled in)  ``compiler.stages.devices``
-``step.compile(...)``  :class:`~harpjax.compiler.stages.          ``compiler.stages``
-                       CompiledStep`: stages laid out and jitted
-``step(*args)``        the step's outputs                         ``runtime``
-=====================  =========================================  ===========================
-
+dtypes, pytree), each returning a frozen object cached like ``jax.jit``'s: ``trace``
+(:class:`Traced`: the step's programs and layers; ``compiler.trace``, ``compiler.layers``),
+``plan`` (the resolved :class:`~harpjax.Plan`, profiled and solved when none was given;
+``compiler.profile``, ``compiler.plan``, ``compiler.stages.devices``), ``layout`` and
+``compile`` / ``lower`` (``compiler.stages``), then the call itself (``runtime``).
 :meth:`ParallelStep._phases` is the whole flow in order, each phase logged with its time.
 """
 

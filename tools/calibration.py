@@ -30,7 +30,8 @@ from harpjax.compiler.profile import calibration as calib
 from harpjax.compiler.profile import cache as cache_lib
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.trace import from_closed_jaxpr
-from harpjax.models import gpt, llama
+from harpjax.models import gpt
+from tools import llama
 
 log = logging.getLogger(__name__)
 

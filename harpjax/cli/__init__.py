@@ -1,19 +1,18 @@
 """Command line: ``python -m harpjax <command>``.
 
-Each sub-command lives in its own module of this package and exposes a ``click`` command named
-``command``; the group below registers the ones that exist.
+Each sub-command lives in its own module of this package as a ``click`` command named
+``command``.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import click
 
-__all__ = ["main"]
+from harpjax.cli import plan, simulate
 
-_SUBCOMMANDS = ("simulate", "plan")
+__all__ = ["main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,11 +23,5 @@ def main(verbose: int) -> None:
   logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
-for _name in _SUBCOMMANDS:
-  try:
-    _module = importlib.import_module(f"harpjax.cli.{_name}")
-  except ModuleNotFoundError as _e:  # sub-command not built in this version
-    if _e.name != f"harpjax.cli.{_name}":
-      raise
-    continue
-  main.add_command(_module.command, _name)
+main.add_command(simulate.command, "simulate")
+main.add_command(plan.command, "plan")

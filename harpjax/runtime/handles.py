@@ -80,7 +80,7 @@ def gather(tree):
       by_runner.setdefault(x.runner_id, []).append(i)
   for rid, idx in by_runner.items():
     runner = _runner_of(leaves[idx[0]])
-    for i, v in zip(idx, runner._fetch_handles([leaves[i] for i in idx])):
+    for i, v in zip(idx, runner.fetch_handles([leaves[i] for i in idx])):
       leaves[i] = v
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -128,7 +128,7 @@ def new_runner_id() -> int:
 
 
 def register_runner(runner_id: int, runner) -> None:
-  """Makes ``runner`` answer :func:`gather` for its handles (``runner._fetch_handles``)."""
+  """Makes ``runner`` answer :func:`gather` for its handles (``runner.fetch_handles``)."""
   _RUNNERS[runner_id] = runner
 
 

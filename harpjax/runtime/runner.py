@@ -1,6 +1,6 @@
 """The driver side of the distributed runtime, independent of how workers are started.
 
-:class:`PipelineRunner` starts one :class:`~harpjax.runtime._worker.StageWorker` per stage
+:class:`PipelineRunner` starts one :class:`~harpjax.runtime.worker.StageWorker` per stage
 through a *backend* (Ray actors in :mod:`harpjax.runtime.ray_runtime`; threads of this process
 in :class:`ThreadBackend`, for debugging), wires their channels on the links the cluster model
 chooses (:mod:`harpjax.runtime.transport`), and runs steps: one call per worker per step, every
@@ -75,7 +75,7 @@ class RunnerOptions:
     pin_hosts: place each stage's actor on a Ray node advertising the resource
       ``harpjax_host:<host name>``; ``None``: when such resources exist.
     spmd_hosts: run a stage whose devices are on several hosts as one SPMD program over one
-      process per host (``jax.distributed``, :mod:`harpjax.runtime._spmd`); ``None``: when
+      process per host (``jax.distributed``, :mod:`harpjax.runtime.spmd`); ``None``: when
       actors are pinned to hosts or use GPUs (on one machine with fake CPU devices a single
       process can hold all of the stage's devices instead).
     bind_device: also ``SO_BINDTODEVICE`` TCP sockets to the NIC (root).
@@ -294,8 +294,17 @@ class PipelineRunner:
 
   def _call_all(self, method: str, args_per_stage, timeout_s: float, what: str,
                 fail_runner: bool = False) -> list:
+    """``method(*args)`` on every stage's worker; their results in stage order."""
+    out = self._call(method, dict(enumerate(args_per_stage)), timeout_s, what, fail_runner)
+    return [out[s] for s in range(len(args_per_stage))]
+
+  def _call(self, method: str, args: dict, timeout_s: float, what: str,
+            fail_runner: bool = False, abort_others: bool = True) -> dict:
+    """``method(*args[s])`` on the workers of the stages in ``args``, every wait bounded; a
+    failure anywhere (the others aborted, unless not ``abort_others``) or a timeout raises a
+    :class:`RuntimeFailure` naming the stage that caused it."""
     be = self._backend
-    handles = {s: be.submit(s, method, *a) for s, a in enumerate(args_per_stage)}
+    handles = {s: be.submit(s, method, *a) for s, a in args.items()}
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
     deadline = time.monotonic() + timeout_s
@@ -314,10 +323,10 @@ class PipelineRunner:
           errors[s] = value
           if grace_until is None:   # let the others report why they stopped
             grace_until = time.monotonic() + 3.0
-            for t in pending:
+            for t in pending if abort_others else ():
               be.abort(t, f"stage {s} failed during {what}")
     if not errors and not pending:
-      return [results[s] for s in range(len(args_per_stage))]
+      return results
     if pending and not errors:
       for t in pending:
         be.abort(t, f"{what} timed out")
@@ -337,29 +346,17 @@ class PipelineRunner:
 
   # ------------------------------------------------------------------ state
 
-  def _fetch_handles(self, handles: Sequence[RemoteArray]) -> list:
+  def fetch_handles(self, handles: Sequence[RemoteArray]) -> list:
     by_stage: dict[int, list[int]] = {}
     for i, h in enumerate(handles):
       by_stage.setdefault(h.stage, []).append(i)
+    got = self._call("fetch", {s: ([handles[i].key for i in idx],) for s, idx in by_stage.items()},
+                     self.options.step_timeout_s, "gather", abort_others=False)
     out: list = [None] * len(handles)
-    stages = sorted(by_stage)
-    be = self._backend
-    subs = {s: be.submit(s, "fetch", [handles[i].key for i in by_stage[s]]) for s in stages}
-    pending = dict(subs)
-    deadline = time.monotonic() + self.options.step_timeout_s
-    while pending:
-      left = deadline - time.monotonic()
-      if left <= 0:
-        raise RuntimeFailure(f"gather: stage(s) {sorted(pending)} did not answer within "
-                             f"{self.options.step_timeout_s:g} s")
-      for s, ok, value in be.wait_any(pending, left):
-        del pending[s]
-        if not ok:
-          raise RuntimeFailure(f"gather failed on stage {s} (host {self.hosts[s]}): "
-                               f"{_describe(value)}")
-        for i, e in zip(by_stage[s], value):
-          x = codec.decode(e)
-          out[i] = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    for s, idx in by_stage.items():
+      for i, e in zip(idx, got[s]):
+        x = codec.decode(e)
+        out[i] = x if isinstance(x, jax.Array) else jnp.asarray(x)
     return out
 
   def gather(self, tree=None):

@@ -2,23 +2,13 @@
 
 A :class:`StageWorker` is a plain class; :mod:`harpjax.runtime.ray_runtime` makes it a Ray actor
 at launch (or runs it in a thread of the driver for debugging). It never traces the user's
-step: it receives its stage's :class:`~harpjax.compiler.stages.LoweredStep` (the step's
-layout, the schedule and its own executables serialised by ``jax.export``) and loads the
-executables onto its devices.
-
-Per step the worker's compute thread (the caller of :meth:`StageWorker.run_step`):
-
-1. takes its share of the step's arguments: from the driver, from its own store (state it
-   computed last step), or from the stage holding them;
-2. runs its placement groups before the pipeline, sending results other stages read;
-3. runs its row of the schedule's task table with the one schedule interpreter
-   (:class:`~harpjax.runtime.interpreter.StageRun`), the worker being its
-   :class:`~harpjax.runtime.interpreter.Messenger`: activations and cotangents go to and come
-   from the other workers;
-4. combines the loss and auxiliary outputs it computes, collects the gradient parts of the
-   parameters it owns;
-5. runs its placement groups after the pipeline (the optimizer update next to the weights);
-6. keeps the step's outputs it computed (the new state stays here) and returns the others.
+step: it receives its stage of the :class:`~harpjax.compiler.stages.LoweredStep` (the layout,
+the schedule and its executables serialised by ``jax.export``) and loads the executables onto
+its devices. Per step (:meth:`StageWorker.run_step`) it takes its share of the arguments (from
+the driver, its own store or the stage holding them), runs its placement groups before the
+pipeline, its row of the task table with the one interpreter
+(:class:`~harpjax.runtime.interpreter.StageRun`, the worker being its ``Messenger``), its
+groups after the pipeline, and keeps the outputs it computed (the new state stays here).
 
 Sends go through one :class:`~harpjax.runtime.channels.Sender` thread per destination, so
 computing never waits on the network; receives land in a

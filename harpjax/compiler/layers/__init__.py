@@ -11,19 +11,13 @@ Modules, along the data flow: :mod:`~harpjax.compiler.layers.types` (:class:`Lay
 rules, read by the profiler and the stages).
 """
 
-from harpjax.compiler.layers import sharding as sharding
-from harpjax.compiler.layers.construct import construct_layers as construct_layers
-from harpjax.compiler.layers.construct import layers_for_step as layers_for_step
-from harpjax.compiler.layers.construct import layers_from_boundaries as layers_from_boundaries
-from harpjax.compiler.layers.construct import layers_from_cuts as layers_from_cuts
-from harpjax.compiler.layers.construct import relayer as relayer
-from harpjax.compiler.layers.construct import traced_step_for as traced_step_for
-from harpjax.compiler.layers.facts import crossing_bytes as crossing_bytes
-from harpjax.compiler.layers.types import Layer as Layer
-from harpjax.compiler.layers.types import LayerOptions as LayerOptions
-from harpjax.compiler.layers.types import LayerSequence as LayerSequence
-from harpjax.compiler.layers.types import Module as Module
-from harpjax.compiler.layers.unroll import unroll_scans as unroll_scans
+from harpjax.compiler.layers import sharding
+from harpjax.compiler.layers.construct import (construct_layers, layers_for_step,
+                                               layers_from_boundaries, layers_from_cuts, relayer,
+                                               traced_step_for)
+from harpjax.compiler.layers.facts import crossing_bytes
+from harpjax.compiler.layers.types import Layer, LayerOptions, LayerSequence, Module
+from harpjax.compiler.layers.unroll import unroll_scans
 
 __all__ = [
     "construct_layers", "crossing_bytes", "Layer", "LayerOptions", "layers_for_step",

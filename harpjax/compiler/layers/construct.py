@@ -437,14 +437,7 @@ def _common_name(ops: Sequence[Op]) -> str:
   stacks = [op.name_stack for op in ops if op.name_stack]
   if not stacks:
     return ""
-  parts = [s.split("/") for s in stacks]
-  common = []
-  for level in zip(*parts):
-    if all(p == level[0] for p in level):
-      common.append(level[0])
-    else:
-      break
-  return "/".join(common) or stacks[0].split("/")[0]
+  return "/".join(repeats.common_path([s.split("/") for s in stacks])) or stacks[0].split("/")[0]
 
 
 # --------------------------------------------------------------------------- traced steps

@@ -1,11 +1,9 @@
 """Per-op facts of a forward program that layer construction reads.
 
 :func:`crossing_bytes` (bytes of the values live across each cut point) and :class:`Facts`
-(op tokens from :mod:`harpjax.compiler.signature`, forward FLOPs and compute-heavy counts
-from :mod:`harpjax.compiler.primitives`, crossing bytes, last uses), computed once per program
-by :func:`_facts`. Used by :mod:`harpjax.compiler.layers` and its phases
-(:mod:`~harpjax.compiler._layer_modules`, :mod:`~harpjax.compiler._layer_cluster`,
-:mod:`~harpjax.compiler._unroll`); :func:`crossing_bytes` is re-exported there.
+(op tokens from :func:`harpjax.compiler.trace.op_tokens`, forward FLOPs and compute-heavy
+counts from :mod:`harpjax.compiler.trace.primitives`, crossing bytes, last uses), computed once
+per program by :func:`op_facts`.
 """
 
 from __future__ import annotations

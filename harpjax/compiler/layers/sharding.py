@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from harpjax.compiler.trace import Lit, Op, Program
 
 __all__ = ["DP", "TP", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
-           "batch_spec", "TPPlan", "tp_plan", "input_specs"]
+           "batch_spec", "TPPlan", "tp_plan"]
 
 DP, TP = "dp", "tp"
 
@@ -111,23 +111,6 @@ def param_specs(program: Program, ops: Iterable[Op], param_ids: Sequence[int],
   for pid, d in plan.param_dims.items():
     specs[pid] = P(*([None] * d + [TP]))
   return specs
-
-
-def input_specs(program: Program, ops: Sequence[Op], param_ids: Sequence[int],
-                batch_ids: Iterable[int], other_ids: Iterable[int],
-                mesh_shape: tuple[int, int]) -> dict[int, P]:
-  """Specs of every input of a run of ops on a ``(dp, tp)`` mesh.
-
-  Parameters follow :func:`param_specs`; batch-carrying inputs are split on ``dp`` along
-  axis 0; the rest is replicated.
-  """
-  dp, tp = mesh_shape
-  out = dict(param_specs(program, ops, param_ids, tp))
-  for v in batch_ids:
-    out[v] = batch_spec(program.avals[v].shape, 0, dp)
-  for v in other_ids:
-    out.setdefault(v, P())
-  return out
 
 
 # --------------------------------------------------------------------------- propagation

@@ -88,7 +88,7 @@ class LayerOptions:
   Attributes:
     z: fewest compute-heavy ops (matmul, convolution) in a repeated module (paper's ``z``).
     criterion: ``"coverage"`` (occurrences x size) or ``"frequency"`` (the paper's literal
-      "most frequent"), see :func:`harpjax.compiler.signature.most_repeated`.
+      "most frequent"), see :func:`harpjax.compiler.layers.repeats.most_repeated`.
     target_layers: total layers wanted; modules get more layers where their layers are the
       heaviest until the total would exceed it. ``None``: ``layers_per_module``.
     layers_per_module: layers per module; ``None``: one per low-crossing segment holding

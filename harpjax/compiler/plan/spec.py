@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Any, Iterable, Sequence
 
@@ -266,9 +265,3 @@ def _stage_from_any(s: Any) -> StageSpec:
     return StageSpec(*s)
   raise PlanError(f"cannot read stage {s!r}: give a StageSpec, a dict, or "
                   "(layers, subcluster, submesh[, logical_mesh])")
-
-
-def stage_comm_costs(plan: Plan) -> list[float]:
-  """``c_i`` per cut (``[num_stages - 1]``), zeros where unknown."""
-  return [0.0 if s.comm_s is None or math.isnan(s.comm_s) else float(s.comm_s)
-          for s in plan.stages[:-1]]

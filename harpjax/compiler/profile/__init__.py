@@ -12,22 +12,12 @@ A new cost source implements :class:`~harpjax.compiler.profile.sources.CostSourc
 chosen in ``profiler._make_source``.
 """
 
-from harpjax.compiler.profile.cache import CACHE_DIR_ENV as CACHE_DIR_ENV
-from harpjax.compiler.profile.cache import ProfileDB as ProfileDB
-from harpjax.compiler.profile.cache import default_cache_dir as default_cache_dir
-from harpjax.compiler.profile.profiler import ProfileOptions as ProfileOptions
-from harpjax.compiler.profile.profiler import ProfileResult as ProfileResult
-from harpjax.compiler.profile.profiler import ProfileStats as ProfileStats
-from harpjax.compiler.profile.profiler import SOURCES as SOURCES
-from harpjax.compiler.profile.profiler import microbatch_size as microbatch_size
-from harpjax.compiler.profile.profiler import profile_layers as profile_layers
-from harpjax.compiler.profile.profiler import profile_step as profile_step
-from harpjax.compiler.profile.tables import CostTables as CostTables
-from harpjax.compiler.profile.tables import LayerProfile as LayerProfile
-from harpjax.compiler.profile.tables import SubclusterSpec as SubclusterSpec
-from harpjax.compiler.profile.tables import assemble_tables as assemble_tables
-from harpjax.compiler.profile.tables import memory_to_compute_order as memory_to_compute_order
-from harpjax.compiler.profile.tables import synthetic_gpt_profile as synthetic_gpt_profile
+from harpjax.compiler.profile.cache import CACHE_DIR_ENV, default_cache_dir, ProfileDB
+from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, profile_step,
+                                               ProfileOptions, ProfileResult, ProfileStats, SOURCES)
+from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
+                                             memory_to_compute_order, SubclusterSpec,
+                                             synthetic_gpt_profile)
 
 __all__ = [
     "assemble_tables", "CACHE_DIR_ENV", "CostTables", "default_cache_dir", "LayerProfile",

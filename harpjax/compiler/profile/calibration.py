@@ -85,12 +85,6 @@ CALIBRATION: dict[str, Efficiency] = {
             'zorse v100x16 fp16, 55 measurements of deepspeedgpt_2.7b, '
             'deepspeedgpt_6.7b, deepspeedllama_13b, deepspeedllama_33b, '
             'deepspeedllama_7b')),
-    'V100-32G': Efficiency(
-        compute=0.5721, memory=1.6122, overhead_s=2.5e-03, mape=0.0531, cv_mape=0.0544,
-        samples=55, source=(
-            'zorse v100x16 fp16, 55 measurements of deepspeedgpt_2.7b, '
-            'deepspeedgpt_6.7b, deepspeedllama_13b, deepspeedllama_33b, '
-            'deepspeedllama_7b')),
     'A10G': Efficiency(
         compute=0.7009, memory=2.4887, overhead_s=2.5e-03, mape=0.0641, cv_mape=0.099,
         samples=102, source=(
@@ -104,6 +98,8 @@ CALIBRATION: dict[str, Efficiency] = {
             'deepspeedllama_13b, deepspeedllama_33b, deepspeedllama_3b, '
             'deepspeedllama_7b, deepspeedllama_tiny')),
 }
+
+CALIBRATION["V100-32G"] = CALIBRATION["V100-16G"]   # the same chip and HBM2 (see above)
 
 DEFAULT_EFFICIENCY = Efficiency(compute=0.45, memory=0.6, overhead_s=3e-5,
                                 source="default for GPU types without published data")

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence, sharding
-from harpjax.compiler.trace import Lit, Program, eval_ops, primitives
+from harpjax.compiler.trace import Lit, Program, ops_function, primitives
 
 __all__ = ["Piece", "build_piece", "batch_dependent", "XlaStats", "xla_stats",
            "parse_collectives", "make_functions", "abstract_inputs", "shardings"]
@@ -59,11 +59,8 @@ def batch_dependent(program: Program, input_kinds: Sequence[str] | None) -> froz
   """Value ids that depend on a batch-split input (``"split"``)."""
   if input_kinds is None:
     return frozenset()
-  dep = {v for v, k in zip(program.invars, input_kinds) if k == "split"}
-  for op in program.ops:
-    if any(v in dep for v in op.in_ids()):
-      dep.update(v for v in op.outvars if v >= 0)
-  return frozenset(dep)
+  return frozenset(program.dependents(
+      v for v, k in zip(program.invars, input_kinds) if k == "split"))
 
 
 def build_piece(seq: LayerSequence, first: int, last: int, batch_dep: frozenset) -> Piece:
@@ -118,12 +115,8 @@ def make_functions(piece: Piece, remat: bool = False):
   ``fwd_residuals(params, acts, aux) -> (outputs, residual leaves)``. With ``remat`` the
   forward is rematerialised in the backward (``jax.checkpoint``): only the inputs are kept.
   """
-  def primal(params, acts, aux):
-    env = dict(zip(piece.param_ids, params))
-    env.update(zip(piece.act_ids, acts))
-    env.update(zip(piece.aux_ids, aux))
-    eval_ops(piece.ops, env)
-    return tuple(env[v] for v in piece.out_ids)
+  run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
+  primal = lambda params, acts, aux: run(*params, *acts, *aux)
 
   if remat:
     primal = jax.checkpoint(primal)

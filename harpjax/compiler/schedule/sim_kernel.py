@@ -289,7 +289,7 @@ def analyze(kinds, start, end, msg_start, msg_end, ends) -> dict:
     ends: ``[S]`` end-of-iteration seconds, run after each stage's last task.
 
   Returns:
-    A dict of the :class:`~harpjax.compiler.simulator.SimResult` fields ``iteration_time``,
+    A dict of the :class:`~harpjax.compiler.schedule.SimResult` fields ``iteration_time``,
     ``phase_time``, ``compute_time``, ``comm_time``, ``idle_time`` (``[S, 3]``: warm-up,
     steady, cool-down), ``update_time``, ``bubble``, ``link_busy``, ``link_hidden``,
     ``stage_comm``, ``stage_comm_hidden`` and ``peak_held``.

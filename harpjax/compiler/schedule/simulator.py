@@ -77,7 +77,7 @@ class SimResult:
   """One simulated iteration. Times in seconds; ``S`` stages, ``B`` microbatches, ``L = S - 1``.
 
   Attributes:
-    schedule: the simulated :class:`~harpjax.compiler.schedules.Schedule`.
+    schedule: the simulated :class:`~harpjax.compiler.schedule.Schedule`.
     fwd_s: ``[S, B]`` forward time of each (stage, microbatch).
     bwd_s: ``[S, B]`` backward time.
     comm_fwd_s: ``[L, B]`` activation transfer time over link ``i`` (stage ``i`` to ``i+1``).
@@ -198,12 +198,6 @@ class SimResult:
     return self._by_mb(self.task_end, 1)
 
   @property
-  def wait(self) -> np.ndarray:
-    """``[S, 2B]`` time each table entry waited after the previous one on its stage ended."""
-    prev = np.concatenate([np.zeros((self.num_stages, 1)), self.task_end[:, :-1]], axis=1)
-    return self.task_start - prev
-
-  @property
   def phase_bounds(self) -> np.ndarray:
     """``[S, 4]``: 0, end of warm-up, end of steady phase, end of iteration (seconds)."""
     kinds, _ = self.schedule.arrays
@@ -213,12 +207,6 @@ class SimResult:
       w = self.task_start[s, first_b]
       out[s] = (0.0, w, max(w, self.task_end[s, last_f]), self.iteration_time)
     return out
-
-  def is_bubble_free(self, stage: int, atol: float | None = None) -> bool:
-    """Whether ``stage`` never waits inside its steady phase (to ``atol`` seconds)."""
-    if atol is None:
-      atol = 1e-9 * max(self.iteration_time, 1e-300)
-    return bool(self.bubble[stage] <= atol)
 
   # ---------------------------------------------------------------- derived metrics
 
@@ -267,11 +255,6 @@ class SimResult:
                                    float(self.msg_start[d, link, m]),
                                    float(self.msg_end[d, link, m])))
     return out
-
-  @property
-  def timeline(self) -> list[TimelineEvent]:
-    """Same as :meth:`events`."""
-    return self.events()
 
   def summary(self) -> dict[str, Any]:
     """Plain-JSON breakdown (no per-task timeline); NaN becomes ``None``."""
@@ -325,7 +308,6 @@ class SimResult:
     return "\n".join(lines)
 
 
-
 def _jsonable(x):
   if isinstance(x, np.ndarray):
     return [_jsonable(v) for v in x.tolist()] if x.ndim else _jsonable(x.item())
@@ -350,9 +332,9 @@ def simulate(fwd, bwd, comm=0.0, schedule: Any = "h1f1b", *,
     bwd: backward seconds, same forms.
     comm: transfer seconds per microbatch for both directions: a scalar, ``[S - 1]`` per link
       (link ``i`` joins stage ``i`` and ``i + 1``), or ``[S - 1, B]``.
-    schedule: a :class:`~harpjax.compiler.schedules.Schedule`; per-stage task tables (tuples of
-      :class:`~harpjax.compiler.schedules.Task`, ``"F3"`` strings or ``(kind, m)`` pairs); the
-      text of :func:`~harpjax.compiler.schedules.format_tables`; or a schedule name, in which
+    schedule: a :class:`~harpjax.compiler.schedule.Schedule`; per-stage task tables (tuples of
+      :class:`~harpjax.compiler.schedule.Task`, ``"F3"`` strings or ``(kind, m)`` pairs); the
+      text of :func:`~harpjax.compiler.schedule.format_tables`; or a schedule name, in which
       case ``num_microbatches`` is required and H-1F1B gets
       ``h1f1b_warmups((c_f + c_b) / 2, t_max, eps)``.
     num_microbatches: ``B`` when ``schedule`` is a name.

@@ -8,8 +8,8 @@ and 9:
   https://ui.perfetto.dev or ``chrome://tracing``.
 * :func:`save_gantt`: a PNG Gantt chart drawn with matplotlib (imported lazily, Agg backend).
 
-Both take a :class:`~harpjax.compiler.simulator.SimResult` or anything with an ``events()``
-method returning :class:`~harpjax.compiler.simulator.TimelineEvent` records.
+Both take a :class:`~harpjax.compiler.schedule.SimResult` or anything with an ``events()``
+method returning :class:`~harpjax.compiler.schedule.TimelineEvent` records.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def chrome_trace(result, name: str | None = None) -> dict[str, Any]:
   """The timeline as a Chrome trace-event dict (times in microseconds).
 
   Args:
-    result: a :class:`~harpjax.compiler.simulator.SimResult` (or an iterable of
-      :class:`~harpjax.compiler.simulator.TimelineEvent`).
+    result: a :class:`~harpjax.compiler.schedule.SimResult` (or an iterable of
+      :class:`~harpjax.compiler.schedule.TimelineEvent`).
     name: process name shown in the viewer; defaults to the schedule's name.
 
   Returns:
@@ -107,7 +107,7 @@ def save_gantt(result, path: str | os.PathLike, title: str | None = None,
   """Draws the timeline as a PNG Gantt chart, one row per stage and per link direction.
 
   Args:
-    result: a :class:`~harpjax.compiler.simulator.SimResult` (or iterable of events).
+    result: a :class:`~harpjax.compiler.schedule.SimResult` (or iterable of events).
     path: output ``.png`` path.
     title: figure title; defaults to the schedule name and iteration time.
     time_unit: ``"s"``, ``"ms"`` or ``"us"`` for the x axis.

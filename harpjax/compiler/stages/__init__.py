@@ -13,24 +13,14 @@ executables for a Ray worker) and :mod:`~harpjax.compiler.stages.aot` (compiling
 executable ahead of the first call).
 """
 
-from harpjax.compiler.stages.aot import default_workers as default_workers
-from harpjax.compiler.stages.aot import precompile as precompile
-from harpjax.compiler.stages.compile import LOSS_REDUCTIONS as LOSS_REDUCTIONS
-from harpjax.compiler.stages.compile import SHARED_PARAMETER_WARNING as SHARED_PARAMETER_WARNING
-from harpjax.compiler.stages.compile import CompiledStep as CompiledStep
-from harpjax.compiler.stages.compile import StepProgram as StepProgram
-from harpjax.compiler.stages.compile import compile_step as compile_step
-from harpjax.compiler.stages.compile import layout_step as layout_step
-from harpjax.compiler.stages.compile import warn_shared_parameters as warn_shared_parameters
-from harpjax.compiler.stages.devices import resolve_devices as resolve_devices
-from harpjax.compiler.stages.devices import resolve_plan as resolve_plan
-from harpjax.compiler.stages.layout import GroupLayout as GroupLayout
-from harpjax.compiler.stages.layout import StageLayout as StageLayout
-from harpjax.compiler.stages.layout import StepLayout as StepLayout
-from harpjax.compiler.stages.lower import LoweredStage as LoweredStage
-from harpjax.compiler.stages.lower import LoweredStep as LoweredStep
-from harpjax.compiler.stages.lower import lower_step as lower_step
-from harpjax.compiler.stages.stage import StageExecutables as StageExecutables
+from harpjax.compiler.stages.aot import default_workers, precompile
+from harpjax.compiler.stages.compile import (compile_step, CompiledStep, layout_step,
+                                             LOSS_REDUCTIONS, SHARED_PARAMETER_WARNING, StepProgram,
+                                             warn_shared_parameters)
+from harpjax.compiler.stages.devices import resolve_devices, resolve_plan
+from harpjax.compiler.stages.layout import GroupLayout, StageLayout, StepLayout
+from harpjax.compiler.stages.lower import lower_step, LoweredStage, LoweredStep
+from harpjax.compiler.stages.stage import StageExecutables
 
 __all__ = [
     "CompiledStep", "compile_step", "default_workers", "GroupLayout", "layout_step",

@@ -24,7 +24,7 @@ from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
 from harpjax.compiler.stages.layout import StepLayout, stage_layout, step_layout
 from harpjax.compiler.stages.stage import (jit_stage, slice_stages, stage_functions)
-from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, eval_ops
+from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function
 from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,9 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     raise PlanError(f"schedule has {schedule.num_stages} stages, plan {plan.num_stages}")
   prog = layers.program
   programs = slice_stages(layers, [s.layers for s in plan.stages], traced)
-  batch_dependent = _batch_dependent(traced, prog)
+  batch_dependent = prog.dependents(  # the batch axis flows from split inputs and regen ops
+      (prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "split"),
+      traced.regen_ops)
   remat = bool(dict(plan.meta).get("remat", False))
   layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh)
              for sp, spec in zip(programs, plan.stages)]
@@ -148,14 +150,8 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
 
 def group_function(group: placement_lib.Group) -> Callable:
   """The pure function of a placement group's ops: ``fn(*in values) -> out values``."""
-  ops, in_ids, out_ids = group.ops, group.in_ids, group.out_ids
-
-  def fn(*inputs):
-    env = dict(zip(in_ids, inputs))
-    eval_ops(ops, env)
-    return tuple(env[v] for v in out_ids)
-
-  return fn
+  run = ops_function(group.ops, group.in_ids, group.out_ids)
+  return lambda *inputs: run(*inputs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -265,15 +261,6 @@ def _propagate_preferred(groups: Sequence[placement_lib.Group], outer, preferred
           if (h, v) not in preferred and outer.avals[v].shape == shape:
             preferred[(h, v)] = sh
             changed = True
-
-
-def _batch_dependent(traced: TracedStep, prog) -> set[int]:
-  roots = {prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "split"}
-  dep = set(roots)
-  for op in prog.ops:
-    if op.index in traced.regen_ops or any(v in dep for v in op.in_ids()):
-      dep.update(v for v in op.outvars if v >= 0)
-  return dep
 
 
 SHARED_PARAMETER_WARNING = 0.25

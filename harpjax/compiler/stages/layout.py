@@ -1,21 +1,15 @@
 """What goes where: the picklable layout of a compiled step, for every runtime.
 
 A stage's :class:`StageLayout` says which values it reads and writes, their shapes and how its
-submesh shards them. The step's :class:`StepLayout` adds who computes what and who sends what
-to whom. It is derived once on the driver from the traced programs and the placement, and it is
-all a runtime needs besides the executables: the local runtime reads it to route values between
-stages in one process, and a Ray worker receives it (with its stage's lowered executables,
+submesh shards them; the step's :class:`StepLayout` adds who computes what and who sends what
+to whom. Derived once on the driver from the traced programs and the placement, it is all a
+runtime needs besides the executables: the local runtime routes values between its stages by
+it, and a Ray worker receives it (with its stage's lowered executables,
 :class:`~harpjax.compiler.stages.LoweredStep`) and never sees a program. Every send has exactly
-one matching receive:
-
-* *outer values* (the step's arguments, the placement groups' results, the region's loss,
-  auxiliary outputs and gradients) live on their home stage and go to each other stage that
-  reads them (a placement group there, or that stage's part of the region);
-* *activations* of microbatch ``m`` go, after ``F(s, m)``, in one message per consuming stage;
-* *cotangents* go back after ``B(t, m)``, one message per producing stage, and are summed by
-  the producer in decreasing consumer order;
-* *gradient parts* of a parameter read by several stages go to its owner after the pipeline,
-  which sums them in increasing stage order.
+one matching receive: outer values (step arguments, placement groups' results, the region's
+results) go from their home stage to each stage reading them; activations of a microbatch go,
+after its forward, one message per consuming stage; cotangents come back the same way; gradient
+parts of a parameter read by several stages go to its owner.
 """
 
 from __future__ import annotations

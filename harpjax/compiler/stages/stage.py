@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.stages.layout import StageLayout
-from harpjax.compiler.trace import Lit, Op, Program, TracedStep, eval_ops, primitives
+from harpjax.compiler.trace import Lit, Op, Program, TracedStep, ops_function, primitives
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +192,12 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
   hook = _make_hook(ts)
   residual_tree = []   # the vjp closure's tree structure, recorded by fwd
 
+  run = ops_function(sp.ops, sp.param_ids + sp.act_ids + sp.act_int_ids + dyn_data,
+                     sp.output_ids, static_env)
+
   def primal(params, acts, acts_int, data, mb_index):
-    env = dict(static_env)
-    env.update(zip(sp.param_ids, params))
-    env.update(zip(sp.act_ids, acts))
-    env.update(zip(sp.act_int_ids, acts_int))
-    env.update(zip(dyn_data, data))
-    eval_ops(sp.ops, env, hook=(lambda op, xs: hook(op, xs, mb_index)) if hook else None)
-    return tuple(env[v] for v in sp.output_ids)
+    return run(*params, *acts, *acts_int, *data,
+               hook=(lambda op, xs: hook(op, xs, mb_index)) if hook else None)
 
   def fwd(params, acts, acts_int, data, mb_index):
     f = lambda p, a: primal(p, a, acts_int, data, mb_index)
@@ -251,7 +249,7 @@ class StageExecutables:
   with the signatures of :class:`StageFunctions`).
 
   Built in process from the stage's functions (:func:`jit_stage`) or on a worker from the
-  stage's lowered form (:meth:`harpjax.compiler.stages.LoweredStage.load`).
+  stage's lowered form (:meth:`harpjax.compiler.stages.LoweredStep.load`).
   """
   layout: StageLayout
   mesh: Mesh

@@ -8,32 +8,19 @@ Modules: :mod:`~harpjax.compiler.trace.program` (the flat program and its interp
 :func:`trace_step`, which traces the step at full batch and at one microbatch).
 """
 
-from harpjax.compiler.trace import primitives as primitives
-from harpjax.compiler.trace import signature as signature
-from harpjax.compiler.trace.primitives import aval_nbytes as aval_nbytes
-from harpjax.compiler.trace.primitives import aval_size as aval_size
-from harpjax.compiler.trace.program import Lit as Lit
-from harpjax.compiler.trace.program import Op as Op
-from harpjax.compiler.trace.program import Program as Program
-from harpjax.compiler.trace.program import eval_ops as eval_ops
-from harpjax.compiler.trace.program import from_closed_jaxpr as from_closed_jaxpr
-from harpjax.compiler.trace.program import strip_markers as strip_markers
-from harpjax.compiler.trace.signature import OpTokens as OpTokens
-from harpjax.compiler.trace.signature import op_tokens as op_tokens
-from harpjax.compiler.trace.signature import slice_signature as slice_signature
-from harpjax.compiler.trace.step import BOUNDARY_PRIMITIVE_NAME as BOUNDARY_PRIMITIVE_NAME
-from harpjax.compiler.trace.step import REGION_PRIMITIVE_NAME as REGION_PRIMITIVE_NAME
-from harpjax.compiler.trace.step import RegionInput as RegionInput
-from harpjax.compiler.trace.step import TracedStep as TracedStep
-from harpjax.compiler.trace.step import abstractify as abstractify
-from harpjax.compiler.trace.step import grad as grad
-from harpjax.compiler.trace.step import mark_layer_boundary as mark_layer_boundary
-from harpjax.compiler.trace.step import trace_step as trace_step
-from harpjax.compiler.trace.step import value_and_grad as value_and_grad
+from harpjax.compiler.trace import primitives, signature
+from harpjax.compiler.trace.primitives import aval_nbytes, aval_size
+from harpjax.compiler.trace.program import (eval_ops, from_closed_jaxpr, Lit, Op, ops_function,
+                                            Program, strip_markers)
+from harpjax.compiler.trace.signature import op_tokens, OpTokens, slice_signature
+from harpjax.compiler.trace.step import (abstractify, BOUNDARY_PRIMITIVE_NAME, grad,
+                                         mark_layer_boundary, REGION_PRIMITIVE_NAME, RegionInput,
+                                         trace_step, TracedStep, value_and_grad)
 
 __all__ = [
     "abstractify", "aval_nbytes", "aval_size", "BOUNDARY_PRIMITIVE_NAME", "eval_ops",
     "from_closed_jaxpr", "grad", "Lit", "mark_layer_boundary", "Op", "op_tokens", "OpTokens",
+    "ops_function",
     "primitives", "Program", "REGION_PRIMITIVE_NAME", "RegionInput", "signature",
     "slice_signature", "strip_markers", "trace_step", "TracedStep", "value_and_grad",
 ]

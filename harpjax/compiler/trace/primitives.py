@@ -1,4 +1,4 @@
-"""Per-primitive facts: FLOPs, bytes touched, compute-heavy flag, view-ness.
+"""Per-primitive facts: FLOPs, compute-heavy flag, view-ness.
 
 One table keyed by primitive name (:data:`PRIMITIVES`), as JAX keeps its rules in tables keyed
 by primitive. Layer construction reads the compute-heavy flag (the paper's "compute-intensive
@@ -27,7 +27,7 @@ from harpjax import _compat
 log = logging.getLogger(__name__)
 
 __all__ = ["PrimitiveInfo", "PRIMITIVES", "info", "is_compute_heavy", "is_view", "eqn_flops",
-           "eqn_heavy_count", "eqn_bytes", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
+           "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
            "aval_nbytes", "aval_size", "is_float"]
 
 
@@ -42,12 +42,10 @@ class PrimitiveInfo:
       repeated-module detection and anchors tensor-parallel sharding.
     view: only re-addresses its first operand (slice, squeeze, reshape...); a view of a
       parameter is treated as that parameter by the profiler and by sharding.
-    free: moves no bytes in a fused program (reshape, squeeze, bitcast).
   """
   flops: Callable[[dict, Sequence[Any], Sequence[Any]], float] | None = None
   heavy: bool = False
   view: bool = False
-  free: bool = False
 
 
 def aval_size(aval) -> int:
@@ -143,10 +141,10 @@ _register(["reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_wi
           flops=_reduce_window_flops)
 _register(["scatter_add", "scatter_mul", "scatter_min", "scatter_max"],
           flops=lambda p, i, o: float(aval_size(i[2])) if len(i) > 2 else 0.0)
-_register(["slice", "dynamic_slice", "squeeze", "reshape"], view=True, free=True)
+_register(["slice", "dynamic_slice", "squeeze", "reshape"], view=True)
 _register(["bitcast_convert_type", "stop_gradient", "optimization_barrier", "name",
            "sharding_constraint", "device_put", "copy", "copy_p", "random_wrap", "random_unwrap",
-           "harpjax_layer_boundary"], free=True)
+           "harpjax_layer_boundary"])
 _register([  # data movement: no FLOPs, bytes moved
     "broadcast_in_dim", "transpose", "concatenate", "pad", "gather", "scatter",
     "dynamic_update_slice", "iota", "rev", "convert_element_type", "select_and_scatter_add",
@@ -275,10 +273,3 @@ def eqn_heavy_count(name: str, params: dict) -> int:
   if nested is not None:
     return int(nested)
   return 1 if is_compute_heavy(name) else 0
-
-
-def eqn_bytes(name: str, in_avals: Sequence[Any], out_avals: Sequence[Any]) -> float:
-  """Bytes an unfused equation reads and writes (0 for free views)."""
-  if info(name).free:
-    return 0.0
-  return float(sum(aval_nbytes(a) for a in in_avals) + sum(aval_nbytes(a) for a in out_avals))

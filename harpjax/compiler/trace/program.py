@@ -17,7 +17,8 @@ import numpy as np
 
 from harpjax import _compat
 
-__all__ = ["Lit", "Op", "Program", "from_closed_jaxpr", "eval_ops", "strip_markers", "Ref"]
+__all__ = ["Lit", "Op", "Program", "from_closed_jaxpr", "eval_ops", "ops_function",
+           "strip_markers", "Ref"]
 
 
 class Lit(NamedTuple):
@@ -88,6 +89,15 @@ class Program:
       for v in op.in_ids():
         out.setdefault(v, []).append(op.index)
     return out
+
+  def dependents(self, roots, sources=()) -> set[int]:
+    """Ids that depend, transitively, on ``roots``; the results of the ops whose index is in
+    ``sources`` count as roots too."""
+    dep = set(roots)
+    for op in self.ops:
+      if op.index in sources or any(v in dep for v in op.in_ids()):
+        dep.update(v for v in op.outvars if v >= 0)
+    return dep
 
   def nbytes(self, vid: int) -> int:
     aval = self.avals[vid]
@@ -182,6 +192,18 @@ def eval_ops(ops: Sequence[Op], env: dict, hook: Callable[[Op, list], list | Non
       if vid >= 0:
         env[vid] = val
   return env
+
+
+def ops_function(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int],
+                 constants: dict | None = None) -> Callable:
+  """``ops`` as a function: ``fn(*values of in_ids, hook=None) -> values of out_ids`` (see
+  :func:`eval_ops` for ``hook``); ``constants`` are further inputs known in advance."""
+  def fn(*inputs, hook=None):
+    env = dict(constants or {})
+    env.update(zip(in_ids, inputs))
+    eval_ops(ops, env, hook)
+    return tuple(env[v] for v in out_ids)
+  return fn
 
 
 def strip_markers(program: Program, marker: str) -> tuple[Program, list[int]]:

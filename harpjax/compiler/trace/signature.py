@@ -4,7 +4,7 @@ Two pieces of a program are *the same computation* when their equations agree in
 parameters, operand/result shapes and dtypes and in how values flow between them, whatever the
 variables are called. This module hashes that canonical form:
 
-* :func:`op_tokens` gives every op of a :class:`~harpjax.compiler.program.Program` a small
+* :func:`op_tokens` gives every op of a :class:`~harpjax.compiler.trace.Program` a small
   integer token from its primitive, canonical parameters, operand descriptors (literal value,
   or shape/dtype and whether it is a parameter, a region input or an activation) and result
   shapes. Equal tokens in equal order are what repeated-module detection compares.

@@ -309,7 +309,7 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
   region_eqn = outer.ops[region_ops[0]]
   region_eqn_mb = outer_mb.ops[region_ops_mb[0]]
   step_arg_ids = set(outer.invars[outer.num_consts:])
-  dynamic = _dependents(outer, step_arg_ids)
+  dynamic = outer.dependents(step_arg_ids)
   mb_consts = {vid: val for vid, val in zip(outer_mb.invars[:outer_mb.num_consts],
                                             mb_closed.consts)}
   nc, nd = rec_mb.num_consts, rec_mb.num_diff
@@ -406,15 +406,6 @@ def _aval_of(program: Program, ref):
   if isinstance(ref, Lit):
     return _compat.aval_of(ref.value)
   return program.avals[ref]
-
-
-def _dependents(program: Program, roots: set) -> set:
-  """Ids that depend (transitively) on ``roots``."""
-  dep = set(roots)
-  for op in program.ops:
-    if any(v in dep for v in op.in_ids()):
-      dep.update(v for v in op.outvars if v >= 0)
-  return dep
 
 
 def _regen_ops(full: Program, mb: Program, B: int) -> tuple[dict, bool]:

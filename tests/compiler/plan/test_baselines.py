@@ -7,7 +7,8 @@ import os
 import numpy as np
 
 from harpjax.compiler import plan as planner
-from harpjax.compiler.plan import baselines
+from tools import baselines
+from tests.compiler.plan import oracle
 
 _BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "planner.py")
 
@@ -20,18 +21,18 @@ def _bench():
 
 
 def test_packable_is_exact():
-  assert not baselines.packable(2, 6, [(1, 4)] * 3)
-  assert baselines.packable(2, 6, [(1, 4), (1, 2), (1, 4), (1, 2)])
-  assert baselines.packable(3, 8, [(2, 8), (1, 4), (1, 4)])
-  assert not baselines.packable(3, 8, [(2, 8), (1, 8), (1, 1)])
-  assert baselines.packable(1, 6, [(1, 3), (1, 3)]) and not baselines.packable(1, 6, [(1, 4)] * 2)
+  assert not oracle.packable(2, 6, [(1, 4)] * 3)
+  assert oracle.packable(2, 6, [(1, 4), (1, 2), (1, 4), (1, 2)])
+  assert oracle.packable(3, 8, [(2, 8), (1, 4), (1, 4)])
+  assert not oracle.packable(3, 8, [(2, 8), (1, 8), (1, 1)])
+  assert oracle.packable(1, 6, [(1, 3), (1, 3)]) and not oracle.packable(1, 6, [(1, 4)] * 2)
 
 
 def test_brute_force_counts_and_agrees_with_the_packer():
   rng = np.random.default_rng(3)
   for _ in range(30):
-    t = baselines.random_tables(rng)
-    bf = baselines.brute_force(t, 8)
+    t = oracle.random_tables(rng)
+    bf = oracle.brute_force(t, 8)
     assert bf.num_plans >= bf.num_valid
     if bf.stages:
       ev = planner.evaluate_plan(t, bf.stages, 8, simulator=False)

@@ -10,7 +10,8 @@ import pytest
 
 from harpjax.cluster import Link, pack_submeshes
 from harpjax.compiler import plan as planner
-from harpjax.compiler.plan import baselines, dp_kernel
+from harpjax.compiler.plan import dp_kernel
+from tests.compiler.plan import oracle
 from harpjax.compiler.plan.index import device_states
 from harpjax.compiler.plan import Plan, StageSpec
 from harpjax.compiler.profile import CostTables, SubclusterSpec, synthetic_gpt_profile
@@ -80,10 +81,10 @@ def test_dp_twin_and_brute_force_agree_on_random_instances(chunk):
   """Numba kernel, NumPy twin and brute force: same optimum; the plan obeys its own model."""
   rng = np.random.default_rng(1000 + chunk)
   for _ in range(50):
-    tables = baselines.random_tables(rng)
+    tables = oracle.random_tables(rng)
     B = int(rng.choice([1, 2, 4, 8, 32]))
     eps = float(rng.choice([0.0, 0.1]))
-    bf = baselines.brute_force(tables, B, eps=eps)
+    bf = oracle.brute_force(tables, B, eps=eps)
     res = _solve_or_inf(tables, B, eps=eps)
     twin = _solve_or_inf(tables, B, eps=eps, kernel="numpy")
     assert _close(_obj(res), bf.objective_s), (bf, res)
@@ -111,9 +112,9 @@ def test_dp_matches_brute_force_when_submeshes_may_not_pack(chunk):
   """Hosts of 3 devices: (1, 2) stages add up but may not pack; the DP tracks the shapes."""
   rng = np.random.default_rng(2000 + chunk)
   for _ in range(40):
-    tables = baselines.random_tables(rng, num_layers=int(rng.integers(2, 7)), odd_hosts=True)
+    tables = oracle.random_tables(rng, num_layers=int(rng.integers(2, 7)), odd_hosts=True)
     B = int(rng.choice([2, 8]))
-    bf = baselines.brute_force(tables, B)
+    bf = oracle.brute_force(tables, B)
     res = _solve_or_inf(tables, B)
     assert _close(_obj(res), bf.objective_s), (bf, res)
     assert _close(_obj(_solve_or_inf(tables, B, kernel="numpy")), bf.objective_s)
@@ -130,11 +131,11 @@ def test_three_quarter_hosts_do_not_pack():
                    boundary=[0.0, 0.0, 0.0], hosts=[2], dph=[6])
   st_sub, st_next, st_exh = device_states(tables)
   assert st_sub.size > 1 and (st_next[:, 1] >= 0).sum() >= 2
-  bf = baselines.brute_force(tables, 4)
+  bf = oracle.brute_force(tables, 4)
   res = planner.solve(tables, 4)
   assert _close(res.objective_s, bf.objective_s) and res.t_max_s == 1.7
   assert sorted(s.submesh for s in res.stages) == [(1, 6), (1, 6)]
-  assert not baselines.packable(2, 6, [(1, 4)] * 3)
+  assert not oracle.packable(2, 6, [(1, 4)] * 3)
 
 
 def test_random_instances_exercise_binding_memory_and_the_bottleneck_trap():
@@ -143,14 +144,14 @@ def test_random_instances_exercise_binding_memory_and_the_bottleneck_trap():
   rng = np.random.default_rng(7)
   binds = trap = infeasible = 0
   for _ in range(150):
-    tables = baselines.random_tables(rng)
+    tables = oracle.random_tables(rng)
     B = int(rng.choice([2, 8, 32]))
-    bf = baselines.brute_force(tables, B)
+    bf = oracle.brute_force(tables, B)
     if not math.isfinite(bf.objective_s):
       infeasible += 1
       continue
     roomy = tables.replace(device_memory_bytes=(1e12,) * tables.num_subclusters)
-    binds += baselines.brute_force(roomy, B).objective_s < bf.objective_s * (1 - 1e-9)
+    binds += oracle.brute_force(roomy, B).objective_s < bf.objective_s * (1 - 1e-9)
     index = planner.SparseIndex.build(tables)
     naive = min(index.run(float(t), B, 0.1, require_hit=False)[0] + (B - 1) * float(t)
                 for t in index.candidates)
@@ -172,7 +173,7 @@ def test_bottleneck_trap_instance_is_infeasible():
       mem=[4.5, 10.0], boundary=[0.6, 0.0])
   index = planner.SparseIndex.build(tables)
   assert math.isfinite(index.run(2.0, 8, 0.1, require_hit=False)[0])  # the trap
-  assert not math.isfinite(baselines.brute_force(tables, 8).objective_s)
+  assert not math.isfinite(oracle.brute_force(tables, 8).objective_s)
   with pytest.raises(InfeasiblePlanError) as e:
     planner.solve(tables, 8)
   assert e.value.constraint in ("memory", "communication")
@@ -230,7 +231,7 @@ def test_warmups_in_the_state_beat_eq17_tracking():
       times=[{(0, 0, 0): 1.0}, {(1, 1, 0): 0.3, (2, 2, 0): 0.3, (1, 2, 1): 0.8}],
       params=[{(0, 0, 0): 1.0}, {}], acts=[{(0, 0, 0): 1.0}, {}],
       mem=[4.5, 10.0], boundary=[0.2, 0.01, 0.0], dph=[1, 2])
-  bf = baselines.brute_force(tables, 8)
+  bf = oracle.brute_force(tables, 8)
   res = planner.solve(tables, 8)
   assert _close(res.objective_s, bf.objective_s)
   assert [s.layers for s in res.stages] == [(0, 0), (1, 2)] and res.warmups == (3, 1)
@@ -280,7 +281,7 @@ def _dp_with_stage_count(tables, B, eps):
 def test_dropping_the_stage_count_keeps_the_optimum():
   rng = np.random.default_rng(11)
   for _ in range(40):
-    tables = baselines.random_tables(rng, num_layers=int(rng.integers(2, 6)))
+    tables = oracle.random_tables(rng, num_layers=int(rng.integers(2, 6)))
     B = int(rng.choice([2, 8]))
     assert _close(_obj(_solve_or_inf(tables, B)), _dp_with_stage_count(tables, B, 0.1))
 

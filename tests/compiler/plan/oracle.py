@@ -1,0 +1,188 @@
+"""The planner's independent reference: every plan of a small instance, scored by the rules.
+
+:func:`brute_force` enumerates every plan of a small instance and scores it by its own rules
+(warm-ups from the plan's own bottleneck via :func:`~harpjax.compiler.schedule.h1f1b_warmups`,
+exact bin-packing of submeshes onto hosts with its own packer, :func:`packable`):
+the reference the DP is proved against on :func:`random_tables` instances. It shares nothing
+with the planner but the cost tables and the warm-up formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from harpjax.cluster import paper_submeshes
+from harpjax.compiler.profile import CostTables
+from harpjax.compiler.schedule import h1f1b_warmups
+from harpjax.errors import PlanError
+
+Quad = tuple[int, int, int, int]  # (first layer, last layer, subcluster, submesh index)
+
+
+@dataclasses.dataclass(frozen=True)
+class BruteForceResult:
+  """The optimum over every plan (``objective_s = inf`` and no stages when none is valid)."""
+  objective_s: float
+  t_max_s: float
+  stages: tuple[Quad, ...]
+  warmups: tuple[int, ...]
+  num_plans: int
+  num_valid: int
+
+
+def packable(num_hosts: int, devices_per_host: int, shapes: Sequence[tuple[int, int]]) -> bool:
+  """Exact test: can these submeshes be placed on the hosts (no chain assumption)?
+
+  The brute force's own packer, written independently of :func:`harpjax.cluster.bin_pack`
+  (which the planner and the device allocator share) so that the cross-check is independent.
+  """
+  whole = sum(n for n, m in shapes if n > 1 or m == devices_per_host)
+  if whole > num_hosts:
+    return False
+  items = sorted((m for n, m in shapes if n == 1 and m < devices_per_host), reverse=True)
+  bins = [devices_per_host] * (num_hosts - whole)
+
+  def place(x):
+    if x == len(items):
+      return True
+    seen = set()
+    for b in range(len(bins)):
+      if bins[b] >= items[x] and bins[b] not in seen:
+        seen.add(bins[b])
+        bins[b] -= items[x]
+        if place(x + 1):
+          return True
+        bins[b] += items[x]
+    return False
+  return place(0)
+
+
+def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
+                max_plans: int = 2_000_000) -> BruteForceResult:
+  """Enumerates every plan: stages in subcluster order using all devices.
+
+  A plan is valid when its stage times are finite, every cut ``c_i <= t_max`` (its own
+  bottleneck), every stage fits ``mem_p + min(N_i, B) mem_a <= mem`` with ``N_i`` from
+  :func:`~harpjax.compiler.schedules.h1f1b_warmups` at that ``t_max``, and each subcluster's
+  submeshes pack onto its hosts. Objective: Eq. 12.
+
+  Raises:
+    PlanError: more than ``max_plans`` plans (the instance is too large for brute force).
+  """
+  B, L, K = int(num_microbatches), tables.num_layers, tables.num_subclusters
+  offs = [int(x) for x in tables.device_offsets]
+  D = offs[-1]
+  sizes = [[n * m for n, m in tables.submeshes[k]] for k in range(K)]
+  best = [math.inf, math.inf, (), ()]
+  counts = [0, 0]
+  stack: list[Quad] = []
+
+  def score():
+    counts[0] += 1
+    if counts[0] > max_plans:
+      raise PlanError(f"brute force: more than {max_plans} plans")
+    t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in stack]
+    if not all(math.isfinite(x) for x in t):
+      return
+    c = []
+    for a, b in zip(stack, stack[1:]):
+      c.append(float(tables.intra_comm_s[a[2], a[1]] if a[2] == b[2]
+                     else tables.inter_comm_s[a[2], a[1]]))
+    t_max = max(t)
+    if any(x > t_max for x in c):
+      return
+    warm = h1f1b_warmups(c, t_max, eps)
+    for (i, j, k, s), w in zip(stack, warm):
+      p = float(tables.param_mem_bytes[k][i, j, s])
+      a = float(tables.act_mem_bytes[k][i, j, s])
+      if not p + min(w, B) * a <= tables.device_memory_bytes[k]:
+        return
+    for k in range(K):
+      shapes = [tables.submeshes[k][q[3]] for q in stack if q[2] == k]
+      if not packable(tables.num_hosts[k], tables.devices_per_host[k], shapes):
+        return
+    counts[1] += 1
+    obj = sum(x + 2.0 * y for x, y in zip(t, c + [0.0])) + (B - 1) * t_max
+    if obj < best[0]:
+      best[:] = [obj, t_max, tuple(stack), warm]
+
+  def rec(i, d):
+    k = max(x for x in range(K) if offs[x] <= d)
+    for j in range(i, L):
+      for s, m in enumerate(sizes[k]):
+        d2 = d + m
+        if d2 > offs[k + 1]:
+          continue
+        if (j == L - 1) != (d2 == D):
+          continue
+        stack.append((i, j, k, s))
+        if j == L - 1:
+          score()
+        else:
+          rec(j + 1, d2)
+        stack.pop()
+
+  rec(0, 0)
+  return BruteForceResult(objective_s=best[0], t_max_s=best[1], stages=best[2],
+                          warmups=tuple(best[3]), num_plans=counts[0], num_valid=counts[1])
+
+
+def random_tables(rng: np.random.Generator, num_layers: int | None = None,
+                  num_subclusters: int | None = None, max_devices: int = 4,
+                  odd_hosts: bool = False) -> CostTables:
+  """A small random heterogeneous instance for cross-checks against :func:`brute_force`.
+
+  2-3 subclusters of 1-2 hosts x 1, 2 or 4 devices (at most ``max_devices`` each), different
+  speeds and memories, sub-linear scaling with the submesh size, parameters sometimes sharded
+  (tensor parallel) and sometimes replicated, ~8% of entries missing (``inf``), fast and slow
+  links. About a fifth of the instances are infeasible and a third have binding memory. With
+  ``odd_hosts`` some subclusters are 2 hosts x 3 devices, whose ``(1, 2)`` stages do not always
+  pack (three of them add up to 6 devices but do not fit).
+  """
+  K = num_subclusters or int(rng.integers(2, 4))
+  L = num_layers or int(rng.integers(K, 9))
+  hosts, dph, shapes = [], [], []
+  for _ in range(K):
+    n, m = int(rng.integers(1, 3)), int(rng.choice([1, 2, 2, 4]))
+    if odd_hosts and rng.random() < 0.5:
+      n, m = 2, 3
+    elif n * m > max_devices:
+      n = 1
+    hosts.append(n)
+    dph.append(m)
+    shapes.append(paper_submeshes(n, m))
+  work = rng.uniform(0.5, 2.0, L)
+  speed = rng.uniform(0.5, 3.0, K)
+  pw, aw = rng.uniform(0.5, 2.0, L), rng.uniform(0.1, 1.0, L)
+  st, pm, am = [], [], []
+  for k in range(K):
+    S = len(shapes[k])
+    t, p, a = np.full((L, L, S), np.inf), np.zeros((L, L, S)), np.zeros((L, L, S))
+    for i in range(L):
+      for j in range(i, L):
+        for s, (n, m) in enumerate(shapes[k]):
+          g = n * m
+          if rng.random() < 0.08:
+            continue
+          scale = g ** rng.uniform(0.6, 1.0) / rng.uniform(0.9, 1.1)
+          t[i, j, s] = round(work[i:j + 1].sum() / speed[k] / scale, 3) + 0.001
+          p[i, j, s] = pw[i:j + 1].sum() / (int(rng.choice([1, g])) if g > 1 else 1)
+          a[i, j, s] = aw[i:j + 1].sum() / g
+    st.append(t)
+    pm.append(p)
+    am.append(a)
+  return CostTables(
+      num_layers=L, subcluster_names=tuple(f"c{k}" for k in range(K)), num_hosts=tuple(hosts),
+      devices_per_host=tuple(dph),
+      device_memory_bytes=tuple(float(rng.uniform(1.5, 9.0)) for _ in range(K)),
+      submeshes=tuple(shapes), stage_time_s=tuple(st), param_mem_bytes=tuple(pm),
+      act_mem_bytes=tuple(am), boundary_bytes=rng.uniform(0, 1.0, L),
+      intra_bandwidth_bytes_per_s=tuple(float(rng.choice([2.0, 20.0])) for _ in range(K)),
+      intra_latency_s=(0.01,) * K,
+      inter_bandwidth_bytes_per_s=tuple(float(rng.choice([0.5, 2.0, 10.0]))
+                                        for _ in range(K - 1)),
+      inter_latency_s=(0.05,) * (K - 1))
