@@ -39,6 +39,7 @@ import numpy as np
 
 from harpjax.compiler.schedule import sim_kernel as _sim_kernel
 from harpjax.compiler.schedule import tasks as sched
+from harpjax.compiler.schedule.warmup import h1f1b_warmups
 from harpjax.errors import CostTablesError, ScheduleError
 
 __all__ = ["simulate", "SimResult", "TimelineEvent", "PHASES", "BACKENDS"]
@@ -196,6 +197,12 @@ class SimResult:
   @property
   def b_end(self) -> np.ndarray:
     return self._by_mb(self.task_end, 1)
+
+  @property
+  def wait(self) -> np.ndarray:
+    """``[S, 2B]`` time each table entry waited after the previous one on its stage ended."""
+    prev = np.concatenate([np.zeros((self.num_stages, 1)), self.task_end[:, :-1]], axis=1)
+    return self.task_start - prev
 
   @property
   def phase_bounds(self) -> np.ndarray:
@@ -442,7 +449,7 @@ def _named_schedule(key, S, B, f, b, cf, cb, eps) -> sched.Schedule:
   if key == "h1f1b":
     t_max = float((f + b).max(axis=1).max())
     c = (cf.max(axis=1) + cb.max(axis=1)) / 2 if S > 1 else []
-    warmups = sched.h1f1b_warmups(c, t_max, eps) if t_max > 0 else None
+    warmups = h1f1b_warmups(c, t_max, eps) if t_max > 0 else None
   return sched.make_schedule(key, S, B, warmups)
 
 
