@@ -35,7 +35,7 @@ def child(workers: int, hidden: int) -> dict:
   from harpjax.models import GPT, GPTConfig
 
   cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=hidden, num_heads=4, num_blocks=4,
-                  cut_blocks_in=2)
+                  layer_marks=2)
   model = GPT(cfg)
   params = model.init(jax.random.key(0), jnp.zeros((16, cfg.seq_len), jnp.int32))
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,

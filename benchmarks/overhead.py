@@ -45,7 +45,7 @@ def main(argv=None):
   ap.add_argument("--hidden", type=int, default=64)
   args = ap.parse_args(argv)
   cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=args.hidden, num_heads=4, num_blocks=4,
-                  cut_blocks_in=2)
+                  layer_marks=2)
   model = GPT(cfg)
   batch = 16
   params = model.init(jax.random.key(0), jnp.zeros((batch, cfg.seq_len), jnp.int32))

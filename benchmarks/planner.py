@@ -13,8 +13,8 @@ Prints four tables:
    (c) communication-unaware, each scored on the same tables.
 4. (d) HARP's plan under 1F1B, Eager-1F1B and H-1F1B.
 
-Iteration times come from the simulator (``harpjax.compiler.simulator``) when it is importable,
-else from the analytic steady-period model; Eq. 12 (the DP's objective) is shown beside them.
+Iteration times come from the simulator (:func:`harpjax.compiler.schedule.simulate`); Eq. 12
+(the DP's objective) is shown beside them.
 
 Usage::
 

@@ -19,8 +19,9 @@ On a real cluster (``docker/launch.sh`` starts Ray over the hosts)::
   python benchmarks/runtime.py cluster --cluster my_cluster.yaml --address auto [--plan p.json]
 
 trains a GPT with ``runtime="ray"`` on the cluster file's hosts (one stage per host unless a
-plan is given) and prints the step times; the driver itself needs no GPU (it traces on fake CPU
-devices, the actors compile and run on their hosts' GPUs).
+plan is given) and prints the step times; the driver itself needs no GPU (it traces and lowers
+each stage for the workers' platform with ``jax.export``; the actors compile and run them on
+their hosts' GPUs).
 
 "measured" is the driver's wall time per step (median over ``--steps`` after two warm-up
 steps), "pipeline" the workers' own span from the first forward to the last backward, which is
@@ -245,7 +246,8 @@ def main(argv=None):
     p.add_argument("--backend", default="ray", choices=("ray", "threads"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="emulated times x this (below 1, fixed Python and Ray overheads weigh more)")
+                   help="emulated times x this (below 1, fixed Python and Ray overheads weigh "
+                        "more)")
     p.add_argument("--gbps", type=float, nargs="*", default=list(BANDWIDTHS_GBPS))
     p.add_argument("--trace", help="directory for Chrome traces of measured and simulated runs")
     p.add_argument("--spmd", action="store_true",

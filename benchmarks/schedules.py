@@ -4,7 +4,7 @@ The case study of HARP §2.2.2/§2.3.2 (Table 1, fine-grained plan, Fig. 3): a 3
 pipeline, stage 1 on V100(1,2), stages 2-3 on A100(1,2) submeshes, 5 Gbps Ethernet between the
 V100 and A100 subclusters and 200 Gbps InfiniBand inside the A100 one
 (``benchmarks/configs/case_study.yaml``). Every schedule is run through the simulator
-(:mod:`harpjax.compiler.simulator`) at the paper's 5 Gbps and over a sweep of the
+(:mod:`harpjax.compiler.schedule.simulator`) at the paper's 5 Gbps and over a sweep of the
 cross-subcluster bandwidth; the script prints a table, writes it as Markdown and CSV, plots
 iteration time and activation memory against bandwidth, and draws the 5 Gbps timelines like
 the paper's Fig. 3.
@@ -125,8 +125,9 @@ def main(argv=None) -> int:
     row["speedup_vs_1f1b"] = base / row["iteration_s"]
     row["act_mem_vs_eager"] = row["act_mem"] / eager
 
-  head = ["Gbps", "c_1 (ms)", "c_1/t_max", "schedule", "iter (s)", "vs 1F1B", "warm-ups", "peak in-flight",
-          "act mem vs Eager", "bottleneck bubble (s)", "link-1 overlap", "Eq.12 (s)"]
+  head = ["Gbps", "c_1 (ms)", "c_1/t_max", "schedule", "iter (s)", "vs 1F1B", "warm-ups",
+          "peak in-flight", "act mem vs Eager", "bottleneck bubble (s)", "link-1 overlap",
+          "Eq.12 (s)"]
   table = []
   for row in rows:
     table.append([f"{row['gbps']:g}", f"{row['c1_ms']:.1f}", f"{row['c1_over_tmax']:.2f}",

@@ -127,7 +127,7 @@ def test_other_phases_are_reached_through_their_public_surface():
     parent, _, leaf = i.target.rpartition(".")
     if i.names == ("<module>",) and (i.target == dst or (parent == dst and
                                                           leaf in _exports(dst))):
-      continue   # the phase's package, or a submodule it exports (``from ...trace import primitives``)
+      continue   # the package, or a submodule it exports (``from ...trace import primitives``)
     if i.target != dst:
       bad.append(f"{_where(i)}: imports {i.target}, a module inside {dst}; import from {dst}")
       continue

@@ -26,8 +26,7 @@ from harpjax.compiler.plan import (PlanEvaluation, PlanResult, SolveOptions, eva
 from harpjax.compiler.profile import CostTables
 from harpjax.errors import InfeasiblePlanError, PlanError
 
-__all__ = ["BruteForceResult", "brute_force", "packable", "random_tables", "BaselineResult",
-           "homogeneous_plan", "coarse_plan", "equal_work_cuts", "group_cuts",
+__all__ = ["BaselineResult", "homogeneous_plan", "coarse_plan", "equal_work_cuts", "group_cuts",
            "comm_unaware_plan", "schedule_variants"]
 
 Quad = tuple[int, int, int, int]  # (first layer, last layer, subcluster, submesh index)

@@ -398,9 +398,9 @@ class Cluster:
     """Assigns concrete, non-overlapping global devices to pipeline-stage submeshes.
 
     A ``(1, m)`` submesh with ``m < M`` takes ``m`` devices of one host; an ``(n, M)`` submesh
-    takes ``n`` whole hosts. Larger requests are packed first (first-fit decreasing, which
-    keeps partly used hosts full), with an exact search as fallback; hosts are then handed out
-    in pipeline order so that devices ascend with the stages where possible.
+    takes ``n`` whole hosts. The single-host ones are packed exactly
+    (:func:`~harpjax.cluster.packing.bin_pack`, the packer the planner asks too); hosts are
+    then handed out in pipeline order so that devices ascend with the stages where possible.
 
     Args:
       requests: ``(subcluster name, (n, m))`` per stage, in pipeline order.

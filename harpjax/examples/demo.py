@@ -90,7 +90,7 @@ def main(argv=None) -> None:
                      "device_count=8 before starting Python (make demo does)")
 
   cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=64, num_heads=4, num_blocks=4,
-                  dropout=0.1, cut_blocks_in=2)
+                  dropout=0.1, layer_marks=2)
   model = GPT(cfg)
   batch = 16
   params = model.init(jax.random.key(0), jnp.zeros((batch, cfg.seq_len), jnp.int32))

@@ -1,4 +1,4 @@
-"""Built-in models: the GPT of the examples and of the paper, MLPs, LLaMA and MoE blocks.
+"""Built-in models: the GPT of the examples and of the paper, MLPs and MoE blocks.
 
 :data:`BUILTIN_MODELS` maps a name (``"gpt-39b"``, ``"gpt-2.6b"``, ``"gpt-tiny"``,
 ``"moe-tiny"``) to a factory ``factory(*, microbatch_size=None, num_microbatches=1,

@@ -1,6 +1,7 @@
 """Channels between stage workers: mailboxes, in-process and TCP channels, sender threads.
 
-:mod:`harpjax.runtime.transport` chooses which channel each pair of stages uses; the Ray object-store channel lives in :mod:`harpjax.runtime.ray_runtime`.
+:mod:`harpjax.runtime.transport` chooses which channel each pair of stages uses; the Ray
+object-store channel lives in :mod:`harpjax.runtime.ray_runtime`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ __all__ = ["Mailbox", "Channel", "LocalChannel", "TcpChannel", "TcpListener", "S
 class Mailbox:
   """Messages a stage has received, by key; the compute thread waits on them with a timeout.
 
-  Keys are ``(step, key)`` with a :class:`~harpjax.runtime.interpreter.MessageKey`. :meth:`fail` wakes every waiter with an
-  error (the runner aborts a step); :meth:`peer_lost` fails the waits on one sender.
+  Keys are ``(step, key)`` with a :class:`~harpjax.runtime.interpreter.MessageKey`.
+  :meth:`fail` wakes every waiter with an error (the runner aborts a step); :meth:`peer_lost`
+  fails the waits on one sender.
   """
 
   def __init__(self, stage: int):

@@ -1,8 +1,8 @@
 """Emulated heterogeneous hardware: fake CPU devices that take as long as the plan's GPUs.
 
 This machine has no GPU. To compare a measured run with the simulator
-(:mod:`harpjax.compiler.schedule.simulator`), the stage workers make their fake devices and links behave
-like the plan's:
+(:mod:`harpjax.compiler.schedule.simulator`), the stage workers make their fake devices and
+links behave like the plan's:
 
 * **compute**: each forward or backward task runs for real, waits for its results
   (``block_until_ready``), then sleeps until ``start + fwd_s[stage]`` (or ``bwd_s``) has passed;
@@ -216,7 +216,7 @@ def annotate_plan(plan, layers, cluster: Cluster, emulation: Emulation | None = 
   Args:
     plan: a plan whose stages list their devices explicitly.
     layers: the model's :class:`~harpjax.compiler.layers.LayerSequence`
-      (``ParallelStep.trace(...)[1]``).
+      (``ParallelStep.trace(...).layers``).
     cluster: the cluster model.
     emulation: the emulated times and link overrides; ``None`` keeps the plan's times and
       uses the cluster's links.

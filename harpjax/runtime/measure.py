@@ -24,8 +24,8 @@ class MeasuredStep:
     tasks: per stage, ``(kind, microbatch, start, end)`` relative to stage 0's first task.
     sends: per stage, ``(dst, key, start, end, nbytes)`` relative likewise.
     overruns: per stage, tasks whose real duration exceeded the emulated one.
-    schedule: the schedule that ran (so that :mod:`harpjax.compiler.schedule.timeline` draws this like a
-      :class:`~harpjax.compiler.schedule.SimResult`).
+    schedule: the schedule that ran (so that :mod:`harpjax.compiler.schedule.timeline` draws
+      this like a :class:`~harpjax.compiler.schedule.SimResult`).
   """
   step: int
   wall_s: float

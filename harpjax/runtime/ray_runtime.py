@@ -1,8 +1,8 @@
 """The Ray runtime: one Ray actor per pipeline stage (``auto_parallel(..., runtime="ray")``).
 
 With :mod:`~harpjax.runtime.planner_pool`, the only modules of harpjax that import Ray. The stage
-worker (:class:`~harpjax.runtime.worker.StageWorker`) is a plain class, made an actor here at launch;
-the driver logic (steps, state handles, gather/save, emulation, simulator comparison) is
+worker (:class:`~harpjax.runtime.worker.StageWorker`) is a plain class, made an actor here at
+launch; the driver logic (steps, state handles, gather/save, emulation, simulator comparison) is
 :class:`~harpjax.runtime.runner.PipelineRunner`. Every ``ray.get`` has a timeout, and a failed
 or killed actor surfaces as a :class:`~harpjax.errors.RuntimeFailure` naming its stage.
 
@@ -212,7 +212,8 @@ class RayBackend:
                                "pin_hosts=False")
           actor_opts["resources"] = {res: 0.001}
         actor = None
-        if spec.device_layout is None:   # a group's processes join a jax.distributed world: not reused
+        # A group's processes join a jax.distributed world: they are not reused.
+        if spec.device_layout is None:
           key = (tuple(sorted(env.items())), actor_opts.get("num_gpus", 0),
                  tuple(sorted(actor_opts.get("resources", {}).items())))
           with _POOL_LOCK:

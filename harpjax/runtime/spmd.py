@@ -5,8 +5,8 @@ starts one worker per host for that stage (a *group*); the group's processes for
 ``jax.distributed`` world (the first member, the *leader*, hosts the coordinator), so that
 ``jax.devices()`` in each of them is the stage's whole submesh and the stage's executables are
 one SPMD program with a :class:`~jax.sharding.NamedSharding` over all of its devices. Every
-member traces, compiles and runs the same task list in the same order; XLA's collectives inside
-the stage run over the group (NCCL on GPUs; Gloo on CPUs).
+member loads the same lowered stage, compiles it and runs the same task list in the same order;
+XLA's collectives inside the stage run over the group (NCCL on GPUs; Gloo on CPUs).
 
 Messages to and from other stages stay one per stage pair, as the simulator and the network
 model count them: before a send, the members gather the message's values to host memory

@@ -19,10 +19,11 @@ address on a host comes from, in order: the ``nic_addresses`` option (``{host: {
 the interface of that name on the host itself (each worker reports its interfaces,
 :func:`interface_addresses`), or, when every worker runs on this machine, the loopback address.
 
-Every sender runs in its own thread (:class:`~harpjax.runtime.channels.Sender`), one per destination stage: a FIFO queue
-per link direction, so that the compute thread never blocks on a send and the two directions of
-a link are independent (full duplex). An emulated link (:mod:`harpjax.runtime.emulation`) makes
-the sender thread hold each message for ``latency + bytes / bandwidth``.
+Every sender runs in its own thread (:class:`~harpjax.runtime.channels.Sender`), one per
+destination stage: a FIFO queue per link direction, so that the compute thread never blocks on
+a send and the two directions of a link are independent (full duplex). An emulated link
+(:mod:`harpjax.runtime.emulation`) makes the sender thread hold each message for
+``latency + bytes / bandwidth``.
 
 NCCL. The stage executables' own collectives (inside one stage's submesh) are XLA's; on GPUs XLA
 runs them with NCCL, which picks its network from environment variables, not from this module.

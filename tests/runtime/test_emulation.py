@@ -80,7 +80,8 @@ def test_annotated_plan_gives_h1f1b_the_emulated_link():
   warm = schedules.h1f1b_warmups([s.comm_s for s in plan.stages[:-1]], t_max, 0.1)
   step = harpjax.auto_parallel(bench.make_step(), cluster=cluster, plan=plan, schedule="h1f1b",
                                num_microbatches=8)
-  assert step.plan(state, batch).warmups == warm and warm[0] > 3     # the slow link earns extra warm-ups
+  # The slow link earns extra warm-ups.
+  assert step.plan(state, batch).warmups == warm and warm[0] > 3
 
 
 def test_emulated_threads_run_tracks_the_simulator():

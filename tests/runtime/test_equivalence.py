@@ -1,4 +1,5 @@
-"""Pipelined steps equal ``jax.jit`` of the undecorated step (params, optimizer state, loss, aux)."""
+"""Pipelined steps equal ``jax.jit`` of the undecorated step (params, optimizer state, loss,
+aux)."""
 
 
 import logging

@@ -202,7 +202,7 @@ def _from_manual(program, facts, cuts, kinds, origin) -> LayerSequence:
                        kinds, origin)
 
 
-# --------------------------------------------------------------------------- step 2: repeated modules
+# ----------------------------------------------------------------- step 2: repeated modules
 
 
 def _op_path(op: Op) -> tuple[str, ...]:
@@ -293,7 +293,7 @@ def _kind_names(mods, paths) -> dict[int, str]:
   return out
 
 
-# --------------------------------------------------------------------------- step 3: clustering into layers
+# ----------------------------------------------------------- step 3: clustering into layers
 
 
 def _cluster(mods, facts: Facts, opts: LayerOptions) -> dict[int, list[int]]:

@@ -1,8 +1,9 @@
 """The planner's DP for one candidate ``t_max``: a Numba kernel and its pure-NumPy twin.
 
 Both take one :class:`DPArrays` (plain arrays: the sparse index of
-:mod:`harpjax.compiler.plan.index`) and return the same thing: the smallest ``sum_i (t_i + 2 c_i)`` over the plans whose bottleneck is the
-candidate ``tau`` (or at most ``tau``, see ``require_hit``), and the plan as entry indices.
+:mod:`harpjax.compiler.plan.index`) and return the same thing: the smallest
+``sum_i (t_i + 2 c_i)`` over the plans whose bottleneck is the candidate ``tau`` (or at most
+``tau``, see ``require_hit``), and the plan as entry indices.
 
 State. ``F(i, d, n, h)`` is the cheapest way to run layers ``i..L-1`` when the stages before
 them leave the devices in *device state* ``d``, such that the first stage of this suffix has

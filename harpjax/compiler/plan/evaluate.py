@@ -325,8 +325,7 @@ def _diagnose(tables: CostTables, B: int, eps: float) -> tuple[str, str]:
       return "devices", (f"the {L} layers cannot be cut into stages that use all "
                          f"{tables.total_devices} devices in subcluster order "
                          f"{list(tables.subcluster_names)} with finite stage times")
-    quads = [(int(free.ent_i[e]), int(free.ent_j[e]), int(free.ent_k[e]), int(free.ent_s[e]))
-             for e in path]
+    quads = [free.entry(e) for e in path]
     ev = evaluate_plan(tables, quads, B, eps=eps, simulator=False)
     x = int(np.argmax([s.comm_s for s in ev.stages]))
     st = ev.stages[x]
@@ -368,8 +367,7 @@ def _diagnose(tables: CostTables, B: int, eps: float) -> tuple[str, str]:
     if hi / lo < 1 + 1e-4:
       break
   idx, path = fits(hi)
-  quads = [(int(idx.ent_i[e]), int(idx.ent_j[e]), int(idx.ent_k[e]), int(idx.ent_s[e]))
-           for e in path]
+  quads = [idx.entry(e) for e in path]
   ev = evaluate_plan(tables, quads, B, eps=eps, simulator=False)
   worst = max(ev.stages, key=lambda s: s.peak_mem_bytes / s.device_memory_bytes)
   return "memory", (

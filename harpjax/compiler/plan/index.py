@@ -34,33 +34,20 @@ class SparseIndex:
   Attributes:
     num_layers: ``L``.
     offsets: ``[K + 1]`` device offsets.
-    st_sub, st_next, st_exh: the device states (:func:`device_states`).
-    ptr: ``[K, L + 1]``.
-    ent_k, ent_i, ent_j, ent_s, ent_m: ``[E]`` subcluster, first/last layer, submesh index,
-      devices.
-    ent_t, ent_p, ent_a: ``[E]`` seconds, parameter bytes, activation bytes per microbatch.
-    mem: ``[K]`` device memory, bytes.
-    c_intra, c_inter: ``[K, L]`` cut costs, seconds.
+    arrays: what the kernels read (:class:`~harpjax.compiler.plan.dp_kernel.DPArrays`): the
+      device states (:func:`device_states`), ``ent_ptr`` ``[K, L + 1]``, per entry its last
+      layer, submesh, seconds, parameter and activation bytes, the device memory and the cut
+      costs.
+    ent_k, ent_i, ent_m: ``[E]`` subcluster, first layer and devices of each entry.
     candidates: sorted unique ``ent_t``: the ``t_max`` candidates.
     sorted_t: sorted ``ent_t`` (active-entry counts per candidate).
   """
   num_layers: int
   offsets: np.ndarray
-  st_sub: np.ndarray
-  st_next: np.ndarray
-  st_exh: np.ndarray
-  ptr: np.ndarray
+  arrays: dp_kernel.DPArrays
   ent_k: np.ndarray
   ent_i: np.ndarray
-  ent_j: np.ndarray
-  ent_s: np.ndarray
   ent_m: np.ndarray
-  ent_t: np.ndarray
-  ent_p: np.ndarray
-  ent_a: np.ndarray
-  mem: np.ndarray
-  c_intra: np.ndarray
-  c_inter: np.ndarray
   candidates: np.ndarray
   sorted_t: np.ndarray
 
@@ -88,25 +75,22 @@ class SparseIndex:
     bounds = np.arange(K)[:, None] * (L + 1) + np.arange(L + 1)[None, :]
     ptr = np.searchsorted(keys, bounds, side="left").astype(np.int64)
     st_sub, st_next, st_exh = device_states(tables)
-    return cls(num_layers=L, offsets=tables.device_offsets, st_sub=st_sub, st_next=st_next,
-               st_exh=st_exh, ptr=np.ascontiguousarray(ptr),
-               ent_k=c["k"], ent_i=c["i"], ent_j=c["j"], ent_s=c["s"], ent_m=c["m"],
-               ent_t=c["t"].astype(np.float64), ent_p=c["p"].astype(np.float64),
-               ent_a=c["a"].astype(np.float64), mem=mem,
-               c_intra=np.ascontiguousarray(tables.intra_comm_s),
-               c_inter=np.ascontiguousarray(tables.inter_comm_s),
-               candidates=np.unique(c["t"]), sorted_t=np.sort(c["t"]))
-
-  @functools.cached_property
-  def arrays(self) -> dp_kernel.DPArrays:
-    """The kernels' view of the index."""
-    return dp_kernel.DPArrays(self.st_sub, self.st_next, self.st_exh, self.ptr, self.ent_j,
-                              self.ent_s, self.ent_t, self.ent_p, self.ent_a, self.mem,
-                              self.c_intra, self.c_inter)
+    arrays = dp_kernel.DPArrays(
+        st_sub, st_next, st_exh, np.ascontiguousarray(ptr), c["j"], c["s"],
+        c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
+        np.ascontiguousarray(tables.intra_comm_s), np.ascontiguousarray(tables.inter_comm_s))
+    return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, ent_k=c["k"],
+               ent_i=c["i"], ent_m=c["m"], candidates=np.unique(c["t"]),
+               sorted_t=np.sort(c["t"]))
 
   @property
   def num_entries(self) -> int:
-    return int(self.ent_t.size)
+    return int(self.ent_k.size)
+
+  def entry(self, e: int) -> tuple[int, int, int, int]:
+    """Entry ``e`` as a plan stage: ``(first layer, last layer, subcluster, submesh)``."""
+    return (int(self.ent_i[e]), int(self.arrays.ent_j[e]), int(self.ent_k[e]),
+            int(self.arrays.ent_s[e]))
 
   def active_entries(self, tau: float) -> int:
     return int(np.searchsorted(self.sorted_t, tau, side="right"))
@@ -117,8 +101,8 @@ class SparseIndex:
     D = int(self.offsets[-1])
     n = B if not check_comm else min(B, 1 + 3 * (min(self.num_layers, D) - 1))
     if self.num_entries:
-      a = self.ent_a
-      room = self.mem[self.ent_k] - self.ent_p
+      a = self.arrays.ent_a
+      room = self.arrays.mem[self.ent_k] - self.arrays.ent_p
       with np.errstate(divide="ignore", invalid="ignore"):
         per = np.where(a > 0, np.floor(room / np.where(a > 0, a, 1.0)) + 1, B)
       n = min(n, int(min(B, per.max())))

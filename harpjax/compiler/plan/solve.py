@@ -379,8 +379,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
 def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int, eps: float,
               tau: float, objective: float, stats: SearchStats) -> PlanResult:
   e = np.asarray(path, dtype=np.int64)
-  quads = [(int(index.ent_i[x]), int(index.ent_j[x]), int(index.ent_k[x]), int(index.ent_s[x]))
-           for x in e]
+  quads = [index.entry(x) for x in e]
   ev = evaluate_plan(tables, quads, B, "h1f1b", eps=eps, simulator=False)
   # The DP's own bookkeeping and the evaluator must agree (an internal invariant).
   assert ev.t_max_s == tau, (ev.t_max_s, tau)

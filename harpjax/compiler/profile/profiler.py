@@ -74,8 +74,8 @@ class ProfileOptions:
     order: subcluster pipeline order: ``None`` (the cluster's), ``"memory_to_compute"``
       (§5.2.1) or a sequence of names.
     repeats: timed runs per measured task (median).
-    efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency` overriding the
-      calibrated factors (analytic and imported sources).
+    efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency`
+      overriding the calibrated factors (analytic and imported sources).
     imported_model: Zorse model whose per-layer measurements stand for the repeated block
       (``"deepspeedgpt_2.7b"``), for ``source="imported"``.
     imported_module: module kind name of that block (default: the most repeated kind).

@@ -7,8 +7,8 @@ its collectives and the data-parallel gradient all-reduce, and per-device memory
 * :class:`MeasuredSource` compiles the piece on the submesh's devices and times it (median).
 * :class:`AnalyticSource` compiles the piece of one data-parallel replica (local batch) on
   ``tp`` devices from ``jax.ShapeDtypeStruct`` s, and applies the GPU type's calibrated rates
-  (:mod:`~harpjax.compiler.profile.calibration`) to XLA's FLOPs and bytes, its collectives to the host link,
-  and a ring all-reduce of the gradients to the link between the replicas.
+  (:mod:`~harpjax.compiler.profile.calibration`) to XLA's FLOPs and bytes, its collectives to
+  the host link, and a ring all-reduce of the gradients to the link between the replicas.
 * :class:`ImportedSource` scales the analytic compute of the layers of the model's repeated
   block so that one block takes what a published measurement says (the Zorse per-layer data).
 """
@@ -288,7 +288,8 @@ class ImportedSource:
   Args:
     base: the :class:`AnalyticSource`.
     model: Zorse model name (``"deepspeedgpt_2.7b"``).
-    data: parsed Zorse latencies (default: :func:`~harpjax.compiler.profile.calibration.load_zorse`).
+    data: parsed Zorse latencies (default:
+      :func:`~harpjax.compiler.profile.calibration.load_zorse`).
     module: module kind name of the block (default: the most repeated kind).
   """
   name = "imported"

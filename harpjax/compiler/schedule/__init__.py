@@ -21,8 +21,9 @@ from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups,
                                               one_f_one_b_warmups, plan_warmups, warmup_delta)
 
 __all__ = [
-    "dry_run", "eager_1f1b_warmups", "format_tables", "gpipe_warmups", "h1f1b_warmups",
-    "make_schedule", "one_f_one_b_warmups", "plan_warmups", "parse_tables", "peak_inflight", "Schedule",
-    "schedule_key", "SCHEDULE_NAMES", "SimResult", "simulate", "table_from_warmups",
-    "table_warmups", "tables_to_arrays", "as_task", "Task", "timeline", "TimelineEvent", "validate_tables", "warmup_delta",
+    "as_task", "dry_run", "eager_1f1b_warmups", "format_tables", "gpipe_warmups", "h1f1b_warmups",
+    "make_schedule", "one_f_one_b_warmups", "parse_tables", "peak_inflight", "plan_warmups",
+    "Schedule", "schedule_key", "SCHEDULE_NAMES", "SimResult", "simulate", "table_from_warmups",
+    "table_warmups", "tables_to_arrays", "Task", "timeline", "TimelineEvent", "validate_tables",
+    "warmup_delta",
 ]

@@ -19,7 +19,7 @@ the remaining backward passes. The schedules differ only in the counts (stages 0
 
 The counts are computed in :mod:`harpjax.compiler.schedule.warmup`. What they buy is proven on
 the simulator (:mod:`harpjax.compiler.schedule.simulator`) in
-``tests/compiler/test_h1f1b_theory.py`` and explained in ``docs/schedules.md``: with
+``tests/compiler/schedule/test_h1f1b_theory.py`` and explained in ``docs/schedules.md``: with
 ``eps = 0`` and every ``c_i <= t_max``, H-1F1B keeps every bottleneck stage busy from its first
 backward to its last forward.
 """

@@ -31,6 +31,7 @@ from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages.compile import StepProgram
 from harpjax.compiler.stages.layout import StepLayout
 from harpjax.compiler.stages.stage import StageExecutables, fwd_in_specs
+from harpjax.errors import UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,13 @@ def lower_step(program: StepProgram, platform: str | None = None,
   todo = range(lay.num_stages) if stages is None else stages
   out: list[LoweredStage | None] = [None] * lay.num_stages
   for s in todo:
-    out[s] = _lower_stage(program, s, platform)
+    try:
+      out[s] = _lower_stage(program, s, platform)
+    except NotImplementedError as e:   # jax.export: host callbacks and the like
+      raise UnsupportedError(
+          f"stage {s} cannot be lowered for another process: {e}. Host callbacks "
+          "(jax.debug.print, jax.debug.callback, io_callback) run only in this process: remove "
+          "them from the step or use runtime='local'") from e
   log.info("lowered %d stages for %s in %.1f s", len(todo), platform, time.perf_counter() - t0)
   return LoweredStep(lay, program.plan, program.schedule, platform, tuple(out))
 

@@ -40,8 +40,8 @@ from harpjax.compiler.trace import Lit, Op, Program, TracedStep, ops_function, p
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageProgram", "StageLayout", "StageFunctions", "StageExecutables", "slice_stages",
-           "stage_layout", "stage_functions", "fwd_in_specs", "jit_stage"]
+__all__ = ["StageProgram", "StageFunctions", "StageExecutables", "slice_stages",
+           "stage_functions", "fwd_in_specs", "jit_stage"]
 
 _NEVER_CLONE = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
                           "random_wrap", "rng_bit_generator", "rng_uniform"})

@@ -54,7 +54,7 @@ region_p.def_impl(_region_impl)
 
 @dataclasses.dataclass
 class _RegionRecord:
-  closed: Any                 # ClosedJaxpr of the flat forward: (consts, diff, other) -> (loss, aux)
+  closed: Any   # ClosedJaxpr of the flat forward: (consts, diff, other) -> (loss, aux)
   num_consts: int
   num_diff: int
   num_other: int

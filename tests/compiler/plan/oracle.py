@@ -67,7 +67,7 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
 
   A plan is valid when its stage times are finite, every cut ``c_i <= t_max`` (its own
   bottleneck), every stage fits ``mem_p + min(N_i, B) mem_a <= mem`` with ``N_i`` from
-  :func:`~harpjax.compiler.schedules.h1f1b_warmups` at that ``t_max``, and each subcluster's
+  :func:`~harpjax.compiler.schedule.h1f1b_warmups` at that ``t_max``, and each subcluster's
   submeshes pack onto its hosts. Objective: Eq. 12.
 
   Raises:

@@ -346,13 +346,14 @@ def test_search_statistics_and_pruning():
 def test_sparse_index_groups_sorted_by_time():
   tables = _medium_tables()
   ix = planner.SparseIndex.build(tables)
+  a = ix.arrays
   K, L = tables.num_subclusters, tables.num_layers
-  assert ix.ptr.shape == (K, L + 1) and ix.ptr[-1, -1] == ix.num_entries
+  assert a.ent_ptr.shape == (K, L + 1) and a.ent_ptr[-1, -1] == ix.num_entries
   for k, i in itertools.product(range(K), range(L)):
-    sl = slice(ix.ptr[k, i], ix.ptr[k, i + 1])
+    sl = slice(a.ent_ptr[k, i], a.ent_ptr[k, i + 1])
     assert (ix.ent_k[sl] == k).all() and (ix.ent_i[sl] == i).all()
-    assert (np.diff(ix.ent_t[sl]) >= 0).all()
-  fits = ix.ent_p + ix.ent_a <= ix.mem[ix.ent_k]
+    assert (np.diff(a.ent_t[sl]) >= 0).all()
+  fits = a.ent_p + a.ent_a <= a.mem[ix.ent_k]
   assert fits.all()
   assert ix.active_entries(ix.candidates[0]) >= 1
   assert ix.active_entries(ix.candidates[-1]) == ix.num_entries
