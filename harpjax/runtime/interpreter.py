@@ -275,10 +275,14 @@ class StageRun:
     for p, payload in cts:
       io.post(p, MessageKey(CT, m, s), payload)
 
+  def task(self, task) -> None:
+    """Runs one task of the table (``F m`` or ``B m``)."""
+    (self.forward if task.kind == "F" else self.backward)(task.microbatch)
+
   def run(self, tasks) -> None:
     """Runs a row of the task table in order."""
     for task in tasks:
-      (self.forward if task.kind == "F" else self.backward)(task.microbatch)
+      self.task(task)
 
   # ------------------------------------------------------------------ after the pipeline
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from harpjax.compiler.schedule import dry_run
 from harpjax.compiler.stages import CompiledStep
@@ -58,13 +57,9 @@ def _run_groups(cs: CompiledStep, indices, env: dict) -> None:
   for gi in indices:
     g = lay.groups[gi]
     mesh = cs.stages[g.home].mesh
-    args = [place_on_mesh(env[v], mesh, _preferred(cs, g.home, v)) for v in g.in_ids]
+    args = [place_on_mesh(env[v], mesh, lay.preferred_sharding(g.home, v, mesh))
+            for v in g.in_ids]
     env.update(zip(g.out_ids, cs.group_fns[gi](*args)))
-
-
-def _preferred(cs: CompiledStep, stage: int, vid: int) -> NamedSharding | None:
-  spec = cs.layout.preferred.get((stage, vid))
-  return None if spec is None else NamedSharding(cs.stages[stage].mesh, spec)
 
 
 def run_region(cs: CompiledStep, env: dict) -> None:
@@ -78,7 +73,7 @@ def run_region(cs: CompiledStep, env: dict) -> None:
               for k, ref in lay.region_inputs[s]}
     runs.append(StageRun(lay, st, LocalMessenger(s, inboxes), inputs))
   for s, task in dry_run(cs.schedule.tables):
-    (runs[s].forward if task.kind == "F" else runs[s].backward)(task.microbatch)
+    runs[s].task(task)
   for run in runs:
     env.update(run.combine())
   for run in runs:

@@ -15,7 +15,6 @@ import logging
 from typing import Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
@@ -209,11 +208,8 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
                                           stage_devices))
   lay = program.layout
   group_fns = tuple(
-      jax.jit(fn, out_shardings=tuple(
-          None if (g.home, v) not in lay.preferred
-          else NamedSharding(stages[g.home].mesh, lay.preferred[(g.home, v)])
-          for v in g.out_ids))
-      for g, fn in zip(lay.groups, program.group_functions))
+      jax.jit(fn, out_shardings=lay.group_out_shardings(gi, stages[g.home].mesh))
+      for gi, (g, fn) in enumerate(zip(lay.groups, program.group_functions)))
   return CompiledStep(program, stages, group_fns)
 
 

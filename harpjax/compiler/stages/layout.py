@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
@@ -197,6 +197,16 @@ class StepLayout:
   @property
   def loss_vid(self):
     return self.region_outvars[0]
+
+  def preferred_sharding(self, stage: int, vid: int, mesh) -> NamedSharding | None:
+    """Value ``vid``'s preferred sharding on ``stage``'s ``mesh`` (``None``: no preference)."""
+    spec = self.preferred.get((stage, vid))
+    return None if spec is None else NamedSharding(mesh, spec)
+
+  def group_out_shardings(self, gi: int, mesh) -> tuple:
+    """The output shardings of placement group ``gi`` on its home stage's ``mesh``."""
+    g = self.groups[gi]
+    return tuple(self.preferred_sharding(g.home, v, mesh) for v in g.out_ids)
 
   def producer(self, vid: int) -> int:
     """The stage computing region value ``vid``."""

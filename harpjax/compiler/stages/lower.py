@@ -97,11 +97,7 @@ class LoweredStep:
         jax.jit(call(lowered.zeros), out_shardings=param_sh))
     groups = {}
     for gi, blob in lowered.groups.items():
-      g = self.layout.groups[gi]
-      out_sh = tuple(None if (stage, v) not in self.layout.preferred
-                     else NamedSharding(mesh, self.layout.preferred[(stage, v)])
-                     for v in g.out_ids)
-      groups[gi] = jax.jit(call(blob), out_shardings=out_sh)
+      groups[gi] = jax.jit(call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
     return executables, groups
 
 
@@ -161,8 +157,6 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
       continue
     pref = lambda v: sharded(step_lay.preferred.get((s, v), P()))
     in_args = tuple(step_lay.outer_avals[v] for v in g.in_ids)
-    out_sh = tuple(sharded(step_lay.preferred[(s, v)]) if (s, v) in step_lay.preferred
-                   else None for v in g.out_ids)
     groups[gi] = exp(fn, in_shardings=tuple(pref(v) for v in g.in_ids),
-                     out_shardings=out_sh)(*in_args).serialize()
+                     out_shardings=step_lay.group_out_shardings(gi, mesh))(*in_args).serialize()
   return LoweredStage(s, fwd.serialize(), bwd.serialize(), zeros.serialize(), groups)
