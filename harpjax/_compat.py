@@ -16,6 +16,7 @@ import numpy as np
 __all__ = [
     "JAX_VERSION", "Primitive", "Literal", "Var", "DropVar", "ClosedJaxpr", "Jaxpr",
     "is_literal", "is_dropvar", "literal_value", "bind_eqn", "eqn_name_stack", "CALL_PRIMITIVES",
+    "REMAT_PRIMITIVES",
     "subjaxpr_of_call", "float0", "aval_of", "make_float0_zeros", "register_identity_primitive",
 ]
 
@@ -29,7 +30,10 @@ ClosedJaxpr = jex.core.ClosedJaxpr
 Jaxpr = jex.core.Jaxpr
 
 # Call-like primitives whose body can be inlined without changing semantics.
-CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint"})
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "remat2",
+                             "checkpoint"})
+# Of those, the rematerialising ones (``jax.checkpoint``): inlined, their ops keep the scope.
+REMAT_PRIMITIVES = frozenset({"remat", "remat2", "checkpoint"})
 
 float0 = jax.dtypes.float0
 

@@ -38,7 +38,7 @@ from harpjax.compiler.layers import repeats
 from harpjax.compiler.layers.facts import Facts, op_facts
 from harpjax.compiler.layers.types import Layer, LayerOptions, LayerSequence, Module
 from harpjax.compiler.layers.unroll import unroll_scans
-from harpjax.compiler.trace import Lit, Op, Program, primitives, signature
+from harpjax.compiler.trace import Lit, Op, Program, primitives, regen_sites, signature
 
 log = logging.getLogger(__name__)
 
@@ -461,9 +461,17 @@ def layers_for_step(ts, options: LayerOptions | None = None) -> LayerSequence:
 
 
 def traced_step_for(ts, layers: LayerSequence):
-  """``ts`` with ``region`` (and random-op indices) replaced by ``layers.program``."""
+  """``ts`` with ``region`` replaced by ``layers.program`` (scans unrolled).
+
+  The full batch's region is unrolled the same way and the draws to redraw per microbatch are
+  found again on the unrolled pair, so that dropout inside an unrolled scan body slices the
+  full batch's random numbers as at the top level.
+  """
   if layers.origin is None or layers.program is ts.region:
     return ts
-  regen = {new: ts.regen_ops[old] for new, old in enumerate(layers.origin)
-           if old >= 0 and old in ts.regen_ops}
-  return dataclasses.replace(ts, region=layers.program, regen_ops=regen, boundary_cuts=())
+  kept = {old for old in layers.origin if old >= 0}
+  unrolled = frozenset(i for i in range(len(ts.region.ops)) if i not in kept)
+  full, _ = unroll_scans(ts.region_full, only=unrolled)
+  regen, exact = regen_sites(full, layers.program, ts.num_microbatches)
+  return dataclasses.replace(ts, region=layers.program, region_full=full, regen_ops=regen,
+                             rng_exact=exact, boundary_cuts=())

@@ -26,8 +26,8 @@ __all__ = ["unroll_scans"]
 log = logging.getLogger(__name__)
 
 
-def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
-                 ) -> tuple[Program, tuple[int, ...] | None]:
+def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512,
+                 only: frozenset | None = None) -> tuple[Program, tuple[int, ...] | None]:
   """Unrolls ``scan`` equations over stacked layers into straight-line ops.
 
   A scan is unrolled when its body holds at least ``z`` compute-heavy ops and its length is at
@@ -38,13 +38,19 @@ def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
   the name-stack component ``<name>_<t>`` (``iter_<t>`` for unnamed bodies) so that iterations
   are module instances.
 
+  ``only`` (op indices) unrolls exactly those scans instead: the same unrolling of another trace
+  of the program (the full batch's, see :func:`~harpjax.compiler.layers.traced_step_for`).
+
   Returns:
     ``(program, origin)``: the new program and, per op, the index of the op it copies (``-1``
     for unrolled ops); ``(program, None)`` when nothing was unrolled.
   """
-  todo = {op.index for op in program.ops if op.name == "scan"
-          and int(op.params.get("length", 0)) <= max_length
-          and primitives.jaxpr_heavy_count(op.params["jaxpr"].jaxpr) >= z}
+  if only is not None:
+    todo = set(only)
+  else:
+    todo = {op.index for op in program.ops if op.name == "scan"
+            and int(op.params.get("length", 0)) <= max_length
+            and primitives.jaxpr_heavy_count(op.params["jaxpr"].jaxpr) >= z}
   if not todo:
     return program, None
   avals = list(program.avals)
@@ -61,10 +67,11 @@ def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
     return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
 
   def splice(sub: Program, consts, in_refs: list, stack: Callable[[str], str],
-             lazy: Callable[[int], Any] | None = None) -> list:
+             lazy: Callable[[int], Any] | None = None, outer_remat: tuple = ()) -> list:
     env: dict[int, Any] = {v: Lit(c) for v, c in zip(sub.invars[:sub.num_consts], consts)}
     env.update(zip(sub.invars[sub.num_consts:], in_refs))
     made: dict[int, Any] = {}
+    scopes: dict[int, Any] = {}   # the body's remat scopes, renumbered for this copy
     for op in sub.ops:
       ins = []
       for v in op.invars:
@@ -80,14 +87,16 @@ def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
           avals.append(sub.avals[o])
           env[o] = len(avals) - 1
         outs.append(env[o] if o >= 0 else -1)
+      remat = tuple(scopes.setdefault(sc.id, sc.renumbered()) for sc in op.remat)
       ops.append(Op(len(ops), op.primitive, op.params, tuple(ins), tuple(outs),
-                    stack(op.name_stack)))
+                    stack(op.name_stack), outer_remat + remat))
       origin.append(-1)
     return [r if isinstance(r, Lit) else env[r] for r in sub.outvars]
 
-  def slice_at(x, t: int, stack):
+  def slice_at(x, t: int, stack, outer_remat):
     helper = jax.make_jaxpr(lambda a: jax.lax.index_in_dim(a, t, 0, keepdims=False))(spec(x))
-    return splice(from_closed_jaxpr(helper), helper.consts, [x], stack)[0]
+    return splice(from_closed_jaxpr(helper), helper.consts, [x], stack,
+                  outer_remat=outer_remat)[0]
 
   for op in program.ops:
     if op.index not in todo:
@@ -106,7 +115,8 @@ def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
     for t in (range(L - 1, -1, -1) if p.get("reverse") else range(L)):
       stack = functools.partial(_iter_stack, op.name_stack, first[0] if first else "", t)
       outs = splice(sub, body.consts, consts + carry + [_Lazy(j) for j in range(len(xs))],
-                    stack, lambda j, t=t, stack=stack: slice_at(xs[j], t, stack))
+                    stack, lambda j, t=t, stack=stack: slice_at(xs[j], t, stack, op.remat),
+                    outer_remat=op.remat)
       carry = outs[:ncar]
       ys_steps.append((t, outs[ncar:]))
     ys_steps.sort(key=lambda x: x[0])
@@ -118,7 +128,7 @@ def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512
       parts = [ys[j] for _, ys in ys_steps]
       helper = jax.make_jaxpr(lambda *a: jnp.stack(a))(*[spec(r) for r in parts])
       finals.append(splice(from_closed_jaxpr(helper), helper.consts, parts,
-                           lambda s, st=op.name_stack: st)[0])
+                           lambda s, st=op.name_stack: st, outer_remat=op.remat)[0])
     for o, r in zip(op.outvars, finals):
       if o >= 0 and r is not None:
         alias[o] = r

@@ -30,13 +30,13 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.stages.layout import StageLayout
-from harpjax.compiler.trace import Lit, Op, Program, TracedStep, ops_function, primitives
+from harpjax.compiler.trace import (Lit, Op, Program, TracedStep, apply_site, ops_function,
+                                   primitives)
 
 log = logging.getLogger(__name__)
 
@@ -287,17 +287,15 @@ def _make_hook(ts: TracedStep):
     avals = ts.region.avals
 
     def hook(op, invals, mb_index):
-      r = regen.get(op.index)
-      if r is None:
+      site = regen.get(op.index)
+      if site is None:
         return None
-      axis, full_params = r
-      full = _compat.bind_eqn(op.primitive, full_params, invals)
-      size = avals[op.outvars[0]].shape[axis]
-      return [lax.dynamic_slice_in_dim(x, mb_index * size, size, axis) for x in full]
+      return apply_site(op.primitive, op.params, invals, site, mb_index,
+                        [avals[o] if o >= 0 else None for o in op.outvars])
     return hook
   if not ts.rng_exact:
-    log.warning("random numbers cannot be aligned with the full-batch step; microbatch m draws "
-                "from fold_in(key, m) instead")
+    log.warning("random numbers cannot be aligned with the full-batch step (its structure "
+                "depends on the batch size); microbatch m draws from fold_in(key, m) instead")
 
     def hook(op, invals, mb_index):
       if op.name not in ("random_bits", "random_split"):

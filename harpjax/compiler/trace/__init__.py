@@ -5,20 +5,23 @@ Modules: :mod:`~harpjax.compiler.trace.program` (the flat program and its interp
 :mod:`~harpjax.compiler.trace.primitives` (one table of per-primitive facts),
 :mod:`~harpjax.compiler.trace.signature` (canonical hashes of ops, layers and jaxprs) and
 :mod:`~harpjax.compiler.trace.step` (``value_and_grad``/``grad`` markers and
-:func:`trace_step`, which traces the step at full batch and at one microbatch).
+:func:`trace_step`, which traces the step at full batch and at one microbatch) and
+:mod:`~harpjax.compiler.trace.regen` (random draws per microbatch that slice the full batch's).
 """
 
-from harpjax.compiler.trace import primitives, signature
+from harpjax.compiler.trace import primitives, regen, signature
 from harpjax.compiler.trace.primitives import aval_nbytes, aval_size
 from harpjax.compiler.trace.program import (eval_ops, from_closed_jaxpr, Lit, Op, ops_function,
-                                            Program, strip_markers)
+                                            Program, RematScope, strip_markers)
+from harpjax.compiler.trace.regen import apply_site, regen_sites
 from harpjax.compiler.trace.signature import op_tokens, OpTokens, slice_signature
 from harpjax.compiler.trace.step import (abstractify, BOUNDARY_PRIMITIVE_NAME, grad,
                                          mark_layer_boundary, REGION_PRIMITIVE_NAME, RegionInput,
                                          trace_step, TracedStep, value_and_grad)
 
 __all__ = [
-    "abstractify", "aval_nbytes", "aval_size", "BOUNDARY_PRIMITIVE_NAME", "eval_ops",
+    "abstractify", "apply_site", "aval_nbytes", "aval_size", "BOUNDARY_PRIMITIVE_NAME",
+    "eval_ops", "regen", "regen_sites", "RematScope",
     "from_closed_jaxpr", "grad", "Lit", "mark_layer_boundary", "Op", "op_tokens", "OpTokens",
     "ops_function",
     "primitives", "Program", "REGION_PRIMITIVE_NAME", "RegionInput", "signature",

@@ -3,22 +3,27 @@
 JAX's jaxprs are nested (``jit`` inside ``jit``) and addressed by ``Var`` objects whose
 constructor changes between releases. harpjax works on a :class:`Program` instead: a flat tuple
 of :class:`Op` (call primitives such as ``jit`` inlined), values addressed by small integers,
-literals kept as :class:`Lit`. Slicing a program into stages, placing the optimizer update on
-stages and evaluating any slice are then plain list manipulations, and only
-:func:`harpjax._compat.bind_eqn` touches JAX internals.
+literals kept as :class:`Lit`. Rematerialised bodies (``jax.checkpoint``, ``nn.remat``) are
+inlined too, each op remembering the :class:`RematScope` s around it, and :func:`eval_ops`
+wraps the ops of one scope in ``jax.checkpoint`` again: layer construction and random-number
+alignment see every op, and the memory behaviour the user asked for is kept. Slicing a program
+into stages, placing the optimizer update on stages and evaluating any slice are then plain
+list manipulations, and only :func:`harpjax._compat.bind_eqn` touches JAX internals.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
+import jax
 import numpy as np
 
 from harpjax import _compat
 
 __all__ = ["Lit", "Op", "Program", "from_closed_jaxpr", "eval_ops", "ops_function",
-           "strip_markers", "Ref"]
+           "strip_markers", "Ref", "RematScope"]
 
 
 class Lit(NamedTuple):
@@ -27,6 +32,25 @@ class Lit(NamedTuple):
 
 
 Ref = "int | Lit"
+
+_scope_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class RematScope:
+  """One inlined ``jax.checkpoint`` equation: ops with the same scope ran inside it.
+
+  Attributes:
+    id: distinct per inlined equation (per unrolled iteration, too).
+    prevent_cse / policy: the equation's parameters, re-applied by :func:`eval_ops`.
+  """
+  id: int
+  prevent_cse: bool = True
+  policy: Any = None
+
+  def renumbered(self) -> "RematScope":
+    """The same scope under a new id (one per copy of its body, e.g. per unrolled step)."""
+    return dataclasses.replace(self, id=next(_scope_ids))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,6 +64,7 @@ class Op:
     invars: operand ids or :class:`Lit` literals.
     outvars: result ids; ``-1`` for results nobody reads (JAX's ``_``).
     name_stack: module path from the jaxpr's name stack (``"block_3/attn"``), may be ``""``.
+    remat: the :class:`RematScope` s the op sat in, outermost first (``()``: none).
   """
   index: int
   primitive: Any
@@ -47,6 +72,7 @@ class Op:
   invars: tuple
   outvars: tuple
   name_stack: str = ""
+  remat: tuple = ()
 
   @property
   def name(self) -> str:
@@ -113,13 +139,14 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
   Args:
     closed: the closed jaxpr; its constants become the leading inputs.
     inline: predicate on an equation deciding whether to inline a call primitive's body;
-      default inlines ``jit``/``pjit``/``closed_call``/``core_call`` but keeps ``remat`` opaque.
+      default inlines ``jit``/``pjit``/``closed_call``/``core_call`` and ``checkpoint``
+      (``remat``) bodies, the latter's ops tagged with a :class:`RematScope`.
 
   Returns:
     The program. Value ids ``0 .. len(invars)-1`` are the inputs.
   """
   if inline is None:
-    inline = lambda eqn: eqn.primitive.name in ("jit", "pjit", "closed_call", "core_call")
+    inline = lambda eqn: eqn.primitive.name in _compat.CALL_PRIMITIVES
   avals: list = []
   ops: list[Op] = []
 
@@ -132,7 +159,7 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
       return Lit(_compat.literal_value(v))
     return env[v]
 
-  def walk(jaxpr, env, stack: str):
+  def walk(jaxpr, env, stack: str, scopes: tuple):
     for eqn in jaxpr.eqns:
       eqn_stack = _join(stack, _compat.eqn_name_stack(eqn))
       body = _compat.subjaxpr_of_call(eqn) if inline(eqn) else None
@@ -142,7 +169,12 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
           inner[cv] = Lit(c)
         for iv, ov in zip(body.jaxpr.invars, eqn.invars):
           inner[iv] = read(env, ov)
-        walk(body.jaxpr, inner, eqn_stack)
+        inner_scopes = scopes
+        if eqn.primitive.name in _compat.REMAT_PRIMITIVES:
+          inner_scopes = scopes + (RematScope(next(_scope_ids),
+                                              bool(eqn.params.get("prevent_cse", True)),
+                                              eqn.params.get("policy")),)
+        walk(body.jaxpr, inner, eqn_stack, inner_scopes)
         for ov, bv in zip(eqn.outvars, body.jaxpr.outvars):
           if not _compat.is_dropvar(ov):
             env[ov] = read(inner, bv)
@@ -156,7 +188,8 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
           vid = new_id(v.aval)
           env[v] = vid
           outs.append(vid)
-      ops.append(Op(len(ops), eqn.primitive, dict(eqn.params), ins, tuple(outs), eqn_stack))
+      ops.append(Op(len(ops), eqn.primitive, dict(eqn.params), ins, tuple(outs), eqn_stack,
+                    scopes))
 
   env: dict = {}
   invars = []
@@ -164,44 +197,102 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
     vid = new_id(v.aval)
     env[v] = vid
     invars.append(vid)
-  walk(closed.jaxpr, env, "")
+  walk(closed.jaxpr, env, "", ())
   outvars = tuple(read(env, v) for v in closed.jaxpr.outvars)
   return Program(tuple(avals), tuple(invars), outvars, tuple(ops),
                  num_consts=len(closed.jaxpr.constvars))
 
 
-def eval_ops(ops: Sequence[Op], env: dict, hook: Callable[[Op, list], list | None] | None = None
-             ) -> dict:
+def eval_ops(ops: Sequence[Op], env: dict, hook: Callable[[Op, list], list | None] | None = None,
+             live: Iterable[int] | None = None) -> dict:
   """Evaluates ``ops`` in order, reading and writing ``env`` (value id -> array or tracer).
+
+  Consecutive ops of one :class:`RematScope` run inside ``jax.checkpoint`` with the scope's
+  policy, as the traced program did.
 
   Args:
     ops: the equations to run.
     env: values of every id the ops read that they do not define; updated in place.
     hook: optional ``hook(op, invals)`` returning replacement outputs for an op, or ``None`` to
       bind it normally (used to rewrite random-bit generation per microbatch).
+    live: the ids the caller reads afterwards (``None``: any); a rematerialised scope returns
+      only those of its values and the ones later ops read, so that the rest is recomputed.
 
   Returns:
     ``env``.
   """
-  for op in ops:
-    invals = [v.value if isinstance(v, Lit) else env[v] for v in op.invars]
-    outs = hook(op, invals) if hook is not None else None
-    if outs is None:
-      outs = _compat.bind_eqn(op.primitive, op.params, invals)
-    for vid, val in zip(op.outvars, outs):
-      if vid >= 0:
-        env[vid] = val
+  ops = list(ops)
+  if not any(op.remat for op in ops):
+    for op in ops:
+      _eval_op(op, env, hook)
+    return env
+  segments = []   # [start, end, outermost scope or None]
+  for i, op in enumerate(ops):
+    scope = op.remat[0] if op.remat else None
+    if segments and segments[-1][2] == scope:
+      segments[-1][1] = i + 1
+    else:
+      segments.append([i, i + 1, scope])
+  needed_after = []   # per segment: ids read by later segments (or live)
+  later = set(live) if live is not None else None
+  for a, b, _ in reversed(segments):
+    needed_after.append(None if later is None else set(later))
+    if later is not None:
+      for op in ops[a:b]:
+        later.update(op.in_ids())
+  needed_after.reverse()
+  for (a, b, scope), after in zip(segments, needed_after):
+    if scope is None:
+      for op in ops[a:b]:
+        _eval_op(op, env, hook)
+      continue
+    _eval_remat(ops[a:b], scope, env, hook, after)
   return env
+
+
+def _eval_op(op: Op, env: dict, hook) -> None:
+  invals = [v.value if isinstance(v, Lit) else env[v] for v in op.invars]
+  outs = hook(op, invals) if hook is not None else None
+  if outs is None:
+    outs = _compat.bind_eqn(op.primitive, op.params, invals)
+  for vid, val in zip(op.outvars, outs):
+    if vid >= 0:
+      env[vid] = val
+
+
+def _eval_remat(ops: list, scope: RematScope, env: dict, hook, after: set | None) -> None:
+  """Runs the ops of one rematerialised scope inside ``jax.checkpoint``."""
+  defined, inputs, seen = set(), [], set()
+  for op in ops:
+    for v in op.in_ids():
+      if v not in defined and v not in seen:
+        seen.add(v)
+        inputs.append(v)
+    defined.update(v for v in op.outvars if v >= 0)
+  outputs = [v for op in ops for v in op.outvars
+             if v >= 0 and (after is None or v in after)]
+  inner = [dataclasses.replace(op, remat=op.remat[1:]) for op in ops]
+
+  def body(*values):
+    local = dict(zip(inputs, values))
+    eval_ops(inner, local, hook, live=outputs)
+    return tuple(local[v] for v in outputs)
+
+  results = jax.checkpoint(body, prevent_cse=scope.prevent_cse, policy=scope.policy)(
+      *[env[v] for v in inputs])
+  env.update(zip(outputs, results))
 
 
 def ops_function(ops: Sequence[Op], in_ids: Sequence[int], out_ids: Sequence[int],
                  constants: dict | None = None) -> Callable:
   """``ops`` as a function: ``fn(*values of in_ids, hook=None) -> values of out_ids`` (see
   :func:`eval_ops` for ``hook``); ``constants`` are further inputs known in advance."""
+  out_ids = tuple(out_ids)
+
   def fn(*inputs, hook=None):
     env = dict(constants or {})
     env.update(zip(in_ids, inputs))
-    eval_ops(ops, env, hook)
+    eval_ops(ops, env, hook, live=out_ids)
     return tuple(env[v] for v in out_ids)
   return fn
 

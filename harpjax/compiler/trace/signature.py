@@ -14,8 +14,9 @@ variables are called. This module hashes that canonical form:
 * :func:`jaxpr_digest` does the same for sub-jaxprs held in parameters (``pjit``, ``remat2``,
   ``custom_jvp_call``, ``scan``...), so equal bodies hash equal.
 
-Offsets of slices taken from a parameter are not part of the hash: slice ``i`` of a stacked
-parameter (an unrolled ``scan`` over layers) costs what slice ``j`` costs.
+Offsets of slices are not part of the hash: slice ``i`` of a stacked parameter (an unrolled
+``scan`` over layers), of the per-layer PRNG keys or of a per-layer head mask costs what slice
+``j`` costs, and repeats differing only by such a constant stay repeats.
 
 Finding *repeated* runs of tokens is layer construction's business
 (:mod:`harpjax.compiler.layers.repeats`).
@@ -166,16 +167,21 @@ def op_tokens(program: Program, input_kinds: Sequence[str] | None = None) -> OpT
   for op in program.ops:
     in_kinds = [None if isinstance(v, Lit) else value_kind.get(v, "act") for v in op.invars]
     params = op.params
-    if in_kinds and in_kinds[0] == "param" and primitives.is_view(op.name):
+    view = primitives.is_view(op.name)
+    if view:
       params = _offset_free(op.name, params)
-      out_kind = "param"
-    else:
-      out_kind = "act"
+    out_kind = "param" if in_kinds and in_kinds[0] == "param" and view else "act"
     desc = []
     for v, k in zip(op.invars, in_kinds):
+      aval = _compat.aval_of(v.value) if isinstance(v, Lit) else program.avals[v]
+      if _is_int_scalar(aval):
+        # A counter, an index or a salt: a constant in one repeat and computed in the next
+        # (an RNG counter, a layer index) changes values, not the computation or its cost.
+        desc.append(("int", _aval_key(aval)))
+        continue
       if isinstance(v, Lit):
         lit = v.value
-        if out_kind == "param" and op.name == "dynamic_slice":
+        if view and op.name == "dynamic_slice":
           desc.append(("idx", _aval_key(_compat.aval_of(lit))))
         elif op.name in _SALT_PRIMITIVES and np.ndim(lit) == 0:
           # A per-module salt (Flax folds each module's path hash into its dropout key):
@@ -199,8 +205,17 @@ def op_tokens(program: Program, input_kinds: Sequence[str] | None = None) -> OpT
 _SALT_PRIMITIVES = frozenset({"random_fold_in"})
 
 
+def _is_int_scalar(aval) -> bool:
+  if tuple(getattr(aval, "shape", ())) != ():
+    return False
+  try:
+    return np.dtype(aval.dtype).kind in "iu"
+  except TypeError:   # PRNG keys
+    return False
+
+
 def _offset_free(name: str, params: dict) -> dict:
-  """Parameters of a view of a parameter without the offsets (slice i costs what j does)."""
+  """Parameters of a view without the offsets (slice i costs what j does)."""
   if name == "slice":
     start, limit = params["start_indices"], params["limit_indices"]
     return {"sizes": tuple(int(b) - int(a) for a, b in zip(start, limit)),

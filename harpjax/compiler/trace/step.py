@@ -28,6 +28,7 @@ import numpy as np
 
 from harpjax import _compat
 from harpjax.compiler.trace.program import Lit, Program, from_closed_jaxpr, strip_markers
+from harpjax.compiler.trace.regen import regen_sites
 from harpjax.errors import MicrobatchError, TraceError
 
 __all__ = ["value_and_grad", "grad", "mark_layer_boundary", "TracedStep", "trace_step",
@@ -229,8 +230,11 @@ class TracedStep:
     num_params: number of differentiated leaves.
     aux_concat_axes: per auxiliary output, the axis to concatenate microbatches along, or
       ``None`` to average (or sum, per ``loss_reduction``) them.
-    regen_ops: op index in ``region`` -> ``(axis, full_shape_params)`` for ops that create a
-      batch dimension (random bits, iota); they compute the full-batch value and slice it.
+    regen_ops: op index in ``region`` -> :class:`~harpjax.compiler.trace.regen.Redraw` for ops
+      that create a batch dimension (random bits, iota; they compute the full-batch value and
+      slice it) or :class:`~harpjax.compiler.trace.regen.Inside` for ops whose bodies do.
+    rng_exact: false when the two traces do not correspond op for op and the region draws
+      random numbers (microbatch ``m`` then draws from ``fold_in(key, m)``).
     num_microbatches, microbatch_size: B and the batch leaves' leading size divided by B.
   """
   outer: Program
@@ -248,10 +252,6 @@ class TracedStep:
   num_microbatches: int
   rng_exact: bool
   boundary_cuts: tuple = ()
-
-
-_REGEN_PRIMITIVES = frozenset({"random_bits", "random_split", "iota", "rng_bit_generator",
-                               "rng_uniform"})
 
 
 def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
@@ -349,7 +349,7 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
                          f"{ma.shape} for a microbatch; it cannot be reassembled")
       aux_axes.append(axis)
 
-  regen, rng_exact = _regen_ops(region_full, region, B)
+  regen, rng_exact = regen_sites(region_full, region, B)
   return TracedStep(outer=outer, outer_consts=tuple(full_closed.consts), in_tree=in_tree,
                     out_tree=out_tree, region_op=region_ops[0], region=region,
                     region_full=region_full, inputs=tuple(inputs), num_params=nd,
@@ -406,25 +406,3 @@ def _aval_of(program: Program, ref):
   if isinstance(ref, Lit):
     return _compat.aval_of(ref.value)
   return program.avals[ref]
-
-
-def _regen_ops(full: Program, mb: Program, B: int) -> tuple[dict, bool]:
-  """Ops of ``mb`` that create a batch-sized value from batch-independent inputs."""
-  if len(full.ops) != len(mb.ops) or any(
-      a.name != b.name for a, b in zip(full.ops, mb.ops)):
-    has_rng = any(op.name in ("random_bits", "random_split") for op in mb.ops)
-    return {}, not has_rng
-  regen = {}
-  for fo, mo in zip(full.ops, mb.ops):
-    if mo.name not in _REGEN_PRIMITIVES:
-      continue
-    same_in = all(_aval_of(full, a).shape == _aval_of(mb, b).shape
-                  for a, b in zip(fo.invars, mo.invars))
-    fa, ma = full.avals[fo.outvars[0]], mb.avals[mo.outvars[0]]
-    if same_in and fa.shape != ma.shape:
-      axis = _split_axis(fa.shape, ma.shape, B)
-      if axis is None:
-        raise TraceError(f"{mo.name} produces {fa.shape} for the batch but {ma.shape} for a "
-                         "microbatch; harpjax cannot slice it")
-      regen[mo.index] = (axis, dict(fo.params))
-  return regen, True

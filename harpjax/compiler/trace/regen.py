@@ -1,0 +1,276 @@
+"""Random draws per microbatch that are exactly the slice of the full batch's draws.
+
+A microbatch traced on its own draws random bits of the microbatch's shape, which are not the
+rows ``jax.jit`` of the whole step gives it (threefry numbers depend on the shape drawn). Every
+equation that creates a batch-sized value from batch-independent inputs (random bits, an iota
+over the batch) is therefore found by comparing the full-batch trace with the microbatch trace
+equation by equation, and replaced when a stage runs: it draws the full batch's value and takes
+the microbatch's slice (:class:`Redraw`).
+
+Draws inside sub-jaxprs are found the same way, recursively (:class:`Inside`): a ``scan``,
+``while`` or ``cond`` body, a ``jit`` or ``jax.checkpoint`` body that was not inlined. Such an
+equation is re-issued through the public API (``lax.scan``, ``lax.while_loop``,
+``lax.switch``, ``jax.checkpoint``, an inlined ``jit``) with bodies that redraw, so its
+semantics, rematerialisation included, stay those of the traced program.
+
+The bodies of ``custom_jvp``/``custom_vjp`` functions cannot be re-issued without their rules:
+a batch-sized draw inside one is reported with a warning naming the op and module, and the
+typed PRNG keys entering it are folded with the microbatch index, so microbatches draw
+independent (not ``jax.jit``'s) numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+from jax import lax
+
+from harpjax import _compat
+from harpjax.compiler.trace import primitives
+from harpjax.compiler.trace.program import Lit, Program
+from harpjax.errors import TraceError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Redraw", "Inside", "regen_sites", "apply_site", "REGEN_PRIMITIVES",
+           "RANDOM_PRIMITIVES"]
+
+REGEN_PRIMITIVES = frozenset({"random_bits", "random_split", "iota", "rng_bit_generator",
+                              "rng_uniform"})
+"""Primitives that can create a batch-sized value from batch-independent inputs."""
+
+RANDOM_PRIMITIVES = frozenset({"random_bits", "random_split", "rng_bit_generator",
+                               "rng_uniform"})
+
+_REISSUED = frozenset({"scan", "while", "cond", "jit", "pjit", "closed_call", "core_call"}) \
+    | _compat.REMAT_PRIMITIVES
+
+
+@dataclasses.dataclass(frozen=True)
+class Redraw:
+  """Draw at the full batch's shape (``full_params``), then slice along ``axis``."""
+  axis: int
+  full_params: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Inside:
+  """A higher-order equation whose bodies hold draws to redraw.
+
+  Attributes:
+    bodies: ``{(param name, position): {equation index: site}}`` per sub-jaxpr.
+    where: the equation's primitive and module path, for messages.
+  """
+  bodies: dict
+  where: str = ""
+
+
+def regen_sites(full: Program, mb: Program, num_microbatches: int) -> tuple[dict, bool]:
+  """The equations of ``mb`` to redraw, from its comparison with ``full``.
+
+  Args:
+    full: the region traced at full batch.
+    mb: the same region traced at microbatch size (op for op the same, unless the step's
+      structure depends on the batch size).
+    num_microbatches: B.
+
+  Returns:
+    ``({op index: Redraw | Inside}, exact)``; ``exact`` is false when the two programs do not
+    correspond op for op and the program draws random numbers (the draws then cannot be
+    aligned; see :func:`harpjax.compiler.stages.stage_functions` for the fallback).
+  """
+  if len(full.ops) != len(mb.ops) or any(a.name != b.name for a, b in zip(full.ops, mb.ops)):
+    return {}, not any(_draws(op.name, op.params) for op in mb.ops)
+  sites = {}
+  for fo, mo in zip(full.ops, mb.ops):
+    site = _site(mo.name, fo.params, mo.params,
+                 [_aval(full, a) for a in fo.invars], [_aval(mb, b) for b in mo.invars],
+                 [full.avals[o] if o >= 0 else None for o in fo.outvars],
+                 [mb.avals[o] if o >= 0 else None for o in mo.outvars],
+                 num_microbatches, f"{mo.name} in {mo.name_stack or 'the top level'}")
+    if site is not None:
+      sites[mo.index] = site
+  return sites, True
+
+
+def _aval(program: Program, ref):
+  if isinstance(ref, Lit):
+    return _compat.aval_of(ref.value)
+  return program.avals[ref]
+
+
+def _draws(name: str, params: dict) -> bool:
+  """Whether an equation draws random numbers, in its bodies included."""
+  if name in RANDOM_PRIMITIVES:
+    return True
+  return any(_draws(e.primitive.name, e.params)
+             for _, body in primitives.subjaxprs(params) for e in body.eqns)
+
+
+def _site(name, fparams, mparams, fin, min_, fout, mout, B, where):
+  if name in REGEN_PRIMITIVES:
+    same_in = all(a.shape == b.shape for a, b in zip(fin, min_))
+    fa, ma = fout[0], mout[0]
+    if fa is None or ma is None or not same_in or fa.shape == ma.shape:
+      return None
+    axis = _split_axis(fa.shape, ma.shape, B)
+    if axis is None:
+      raise TraceError(f"{where} produces {fa.shape} for the batch but {ma.shape} for a "
+                       "microbatch; harpjax cannot slice it")
+    return Redraw(axis, dict(fparams))
+  fbodies = _bodies(fparams)
+  if not fbodies:
+    return None
+  mbodies = _bodies(mparams)
+  if list(fbodies) != list(mbodies):
+    if _draws(name, mparams):
+      log.warning("%s has different bodies for the batch and for a microbatch; its random "
+                  "numbers are not aligned with jax.jit's", where)
+    return None
+  inside = {}
+  for key, fb in fbodies.items():
+    sub = _body_sites(fb, mbodies[key], B, where)
+    if sub:
+      inside[key] = sub
+  return Inside(inside, where) if inside else None
+
+
+def _bodies(params: dict) -> dict:
+  out, count = {}, {}
+  for k, body in primitives.subjaxprs(params):
+    i = count.get(k, 0)
+    count[k] = i + 1
+    out[(k, i)] = body
+  return out
+
+
+def _body_sites(full_jaxpr, mb_jaxpr, B, where) -> dict:
+  fe, me = full_jaxpr.eqns, mb_jaxpr.eqns
+  if len(fe) != len(me) or any(a.primitive is not b.primitive for a, b in zip(fe, me)):
+    if any(_draws(e.primitive.name, e.params) for e in me):
+      log.warning("the body of %s differs between the batch and a microbatch; its random "
+                  "numbers are not aligned with jax.jit's", where)
+    return {}
+  out = {}
+  for i, (f, m) in enumerate(zip(fe, me)):
+    stack = _compat.eqn_name_stack(m)
+    site = _site(m.primitive.name, f.params, m.params, [v.aval for v in f.invars],
+                 [v.aval for v in m.invars],
+                 [None if _compat.is_dropvar(v) else v.aval for v in f.outvars],
+                 [None if _compat.is_dropvar(v) else v.aval for v in m.outvars], B,
+                 f"{m.primitive.name} in {stack or where}")
+    if site is not None:
+      out[i] = site
+  return out
+
+
+def _split_axis(full, mb, B):
+  if len(full) != len(mb):
+    return None
+  diff = [i for i, (a, b) in enumerate(zip(full, mb)) if a != b]
+  if len(diff) == 1 and full[diff[0]] == B * mb[diff[0]]:
+    return diff[0]
+  return None
+
+
+# --------------------------------------------------------------------------- running
+
+
+_warned: set[str] = set()
+
+
+def apply_site(primitive, params: dict, invals: list, site, mb_index, out_avals) -> list:
+  """Runs one equation with its draws redrawn for microbatch ``mb_index``.
+
+  Args:
+    primitive / params / invals: the equation (microbatch parameters) and its operands.
+    site: its :class:`Redraw` or :class:`Inside`.
+    mb_index: the microbatch's index (a traced integer).
+    out_avals: the equation's result avals at microbatch size (for :class:`Redraw`).
+  """
+  if isinstance(site, Redraw):
+    full = _compat.bind_eqn(primitive, site.full_params, invals)
+    out = []
+    for x, aval in zip(full, out_avals):
+      size = aval.shape[site.axis]
+      out.append(lax.dynamic_slice_in_dim(x, mb_index * size, size, site.axis))
+    return out
+  name = primitive.name
+  if name not in _REISSUED:
+    if site.where not in _warned:
+      _warned.add(site.where)
+      log.warning("random numbers drawn inside %s (a custom differentiation rule) cannot be "
+                  "aligned with jax.jit's: each microbatch draws its own, from the PRNG keys "
+                  "entering it folded with the microbatch index", site.where)
+    return _compat.bind_eqn(primitive, params, [_fold_key(x, mb_index) for x in invals])
+  bodies = site.bodies
+  run = lambda key, jaxpr, consts, args: eval_jaxpr(jaxpr, consts, args,
+                                                      bodies.get(key, {}), mb_index)
+  if name == "scan":
+    closed = params["jaxpr"]
+    nc, ncar = int(params["num_consts"]), int(params["num_carry"])
+    consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+    def step(carry, x):
+      outs = run(("jaxpr", 0), closed.jaxpr, closed.consts, consts + list(carry) + list(x))
+      return outs[:ncar], outs[ncar:]
+    carry, ys = lax.scan(step, list(init), list(xs), length=int(params["length"]),
+                         reverse=bool(params["reverse"]), unroll=params.get("unroll", 1))
+    return list(carry) + list(ys)
+  if name == "while":
+    cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
+    cn, bn = int(params["cond_nconsts"]), int(params["body_nconsts"])
+    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    cond = lambda c: run(("cond_jaxpr", 0), cj.jaxpr, cj.consts, cconsts + list(c))[0]
+    body = lambda c: run(("body_jaxpr", 0), bj.jaxpr, bj.consts, bconsts + list(c))
+    return list(lax.while_loop(cond, body, list(init)))
+  if name == "cond":
+    branches = [
+        (lambda *ops, i=i, b=b: run(("branches", i), b.jaxpr, b.consts, list(ops)))
+        for i, b in enumerate(params["branches"])]
+    return list(lax.switch(invals[0], branches, *invals[1:]))
+  # jax.checkpoint, jit / pjit / closed_call / core_call: one body.
+  (key, inner), = _bodies(params).items()
+  value = params[key[0]]
+  consts = value.consts if isinstance(value, _compat.ClosedJaxpr) else ()
+  fn = lambda *a: run(key, inner, consts, list(a))
+  if name in _compat.REMAT_PRIMITIVES:
+    return list(jax.checkpoint(fn, prevent_cse=bool(params.get("prevent_cse", True)),
+                               policy=params.get("policy"))(*invals))
+  return fn(*invals)
+
+
+def eval_jaxpr(jaxpr, consts, args, sites: dict, mb_index) -> list:
+  """Evaluates a ``Jaxpr`` with the equations in ``sites`` redrawn (as ``jax.core.eval_jaxpr``
+  otherwise)."""
+  env: dict = {}
+
+  def read(v):
+    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for i, eqn in enumerate(jaxpr.eqns):
+    invals = [read(v) for v in eqn.invars]
+    site = sites.get(i)
+    if site is None:
+      outs = _compat.bind_eqn(eqn.primitive, eqn.params, invals)
+    else:
+      outs = apply_site(eqn.primitive, eqn.params, invals, site, mb_index,
+                        [v.aval for v in eqn.outvars])
+    for v, x in zip(eqn.outvars, outs):
+      if not _compat.is_dropvar(v):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _fold_key(x, mb_index):
+  try:
+    typed = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  except (AttributeError, TypeError):
+    typed = False
+  return jax.random.fold_in(x, mb_index) if typed else x
