@@ -24,6 +24,8 @@ def max_rel_err(a, b, floor: float = 0.0) -> float:
   la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
   assert len(la) == len(lb), (len(la), len(lb))
   for x, y in zip(la, lb):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)   # typed keys: their bits
     x, y = np.asarray(x), np.asarray(y)
     assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, y.shape, x.dtype, y.dtype)
     if not np.issubdtype(x.dtype, np.inexact):
