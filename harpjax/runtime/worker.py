@@ -91,15 +91,25 @@ class StageWorker:
   """
 
   def __init__(self, spec: WorkerSpec | None = None, devices=None):
+    # Everything a call may touch exists from here on: an abort or a message reaching a
+    # worker whose build has not finished (or failed) finds an empty mailbox, not a missing one.
     self.stage = -1
+    self.spec: WorkerSpec | None = None
     self.senders: dict[int, Sender] = {}
     self.listeners: dict[str, TcpListener] = {}
     self.store: dict[tuple, Any] = {}
     self.group: spmd.Group | None = None
     self._arrived: float | None = None
     self.devices: list = []
-    self.init_s = 0.0
-    self.lay = None
+    self.init_s = self.compile_s = 0.0
+    self.lay = self.exe = self.group_fns = None
+    self.options = WorkerOptions()
+    self.emulation: Emulation | None = None
+    self.mailbox = Mailbox(-1)
+    self.token: str | None = None
+    self._step = -1
+    self._tasks: list[tuple] = []
+    self._overruns = 0
     if spec is not None:
       self.build(spec, devices)
 
@@ -113,6 +123,12 @@ class StageWorker:
     self.reset()
     self.spec = spec
     self.stage = s = spec.stage
+    self.options = spec.options
+    self.emulation = spec.emulation
+    self.mailbox = Mailbox(s)
+    self.token = None
+    self._step = -1
+    self._tasks = []
     lowered = spec.lowered
     n = lowered.plan.stages[s].num_devices
     if devices is None and self.group is not None:
@@ -134,12 +150,6 @@ class StageWorker:
     # Compile now, in every process at once, rather than during the first step, where each
     # stage would start compiling only when its predecessor's first activations arrive.
     self.compile_s = precompile(lay, {s: self.exe}, self.group_fns, workers=1)
-    self.options = spec.options
-    self.emulation = spec.emulation
-    self.mailbox = Mailbox(s)
-    self.token: str | None = None
-    self._step = -1
-    self._tasks: list[tuple] = []
     self.init_s = time.time() - t0
     log.info("stage %d ready on %s in %.2f s (%.2f s compiling)", s, self.devices, self.init_s,
              self.compile_s)
