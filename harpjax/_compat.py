@@ -7,7 +7,8 @@ version pinned in ``setup.py``.
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, Iterable
 
 import jax
 import jax.extend as jex
@@ -18,6 +19,8 @@ __all__ = [
     "is_literal", "is_dropvar", "literal_value", "bind_eqn", "eqn_name_stack", "CALL_PRIMITIVES",
     "REMAT_PRIMITIVES",
     "subjaxpr_of_call", "float0", "aval_of", "make_float0_zeros", "register_identity_primitive",
+    "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
+    "setting_env_var",
 ]
 
 JAX_VERSION = jax.__version_info__
@@ -110,3 +113,59 @@ def register_identity_primitive(name: str) -> Primitive:
   batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), list(dims))
   mlir.register_lowering(prim, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
   return prim
+
+
+JAX_SETTINGS = (
+    "jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+    "jax_threefry_partitionable", "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
+    "jax_softmax_custom_jvp", "jax_dynamic_shapes", "jax_legacy_prng_key",
+    "jax_use_shardy_partitioner",
+)
+"""The JAX settings that change how a step traces, lowers or computes (dtypes, precision,
+random bits, promotion rules, partitioner). Another process running part of a step (a Ray
+worker) runs under the driver's values. Names this JAX version does not know are skipped."""
+
+
+def jax_settings() -> dict[str, Any]:
+  """The values of :data:`JAX_SETTINGS` in effect here (in this thread, context managers such
+  as ``jax.enable_x64`` included), as plain picklable values (enums by their value)."""
+  values = jax.config.values
+  return {name: _plain(values[name]) for name in JAX_SETTINGS if name in values}
+
+
+def differing_jax_settings(settings: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+  """The settings of ``settings`` (from :func:`jax_settings`, maybe in another process) whose
+  value here differs: ``{name: (value in settings, value here or None if unknown here)}``."""
+  here = jax.config.values
+  return {name: (value, _plain(here.get(name))) for name, value in settings.items()
+          if name not in here or _plain(here[name]) != value}
+
+
+def apply_jax_settings(settings: dict[str, Any], keep: Iterable[str] = ()) -> dict[str, str]:
+  """Sets ``settings`` (from :func:`jax_settings` in another process) globally in this one,
+  except the names in ``keep`` (left as this process has them).
+
+  Returns:
+    ``{name: error}`` of the settings ``jax.config.update`` refused (a name this JAX does not
+    know, a value it does not accept); see :func:`differing_jax_settings` for what remains.
+  """
+  keep = frozenset(keep)
+  failed = {}
+  for name, value in settings.items():
+    current = jax.config.values
+    if name in keep or (name in current and _plain(current[name]) == value):
+      continue
+    try:
+      jax.config.update(name, value)
+    except Exception as e:  # pylint: disable=broad-except  (unknown name, bad value)
+      failed[name] = f"{type(e).__name__}: {e}"
+  return failed
+
+
+def setting_env_var(name: str) -> str:
+  """The environment variable JAX reads a setting from at import (``JAX_ENABLE_X64``)."""
+  return name.upper()
+
+
+def _plain(value: Any) -> Any:
+  return value.value if isinstance(value, enum.Enum) else value

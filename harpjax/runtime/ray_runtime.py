@@ -157,7 +157,9 @@ class _Call:
 class RayBackend:
   """Starts and calls the stage actors (see the module docstring): one per stage, or, for a
   stage spanning several hosts with ``spmd_hosts``, one per host, joined into one
-  ``jax.distributed`` group (:mod:`harpjax.runtime.spmd`)."""
+  ``jax.distributed`` group (:mod:`harpjax.runtime.spmd`). Actors are processes of their
+  own: each takes the driver's JAX settings when it builds its stage."""
+  own_processes = True
 
   def __init__(self, options: RunnerOptions):
     self.options = options

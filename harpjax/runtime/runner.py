@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harpjax import _compat
 from harpjax.compiler.stages import StepProgram, lower_step
 from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import HarpjaxError, PlanError, RuntimeFailure
@@ -71,7 +72,10 @@ class RunnerOptions:
     start_timeout_s: longest wait for the workers to start and compile.
     retain_steps: steps whose outputs the workers keep.
     num_cpus: CPUs of a local Ray instance (default: ``max(2, stages + 1)``).
-    actor_env: extra environment variables of the actors.
+    actor_env: extra environment variables of the actors. The actors take the driver's JAX
+      settings (``jax_enable_x64``...: :data:`harpjax._compat.JAX_SETTINGS`) without being
+      told; one set here (``JAX_ENABLE_X64``) is left as given, and is an error at start if
+      it differs from the driver's.
     pin_hosts: place each stage's actor on a Ray node advertising the resource
       ``harpjax_host:<host name>``; ``None``: when such resources exist.
     spmd_hosts: run a stage whose devices are on several hosts as one SPMD program over one
@@ -172,11 +176,16 @@ class PipelineRunner:
     split = backend.prepare(self)   # stages run by one process per host
     lowered = lower_step(program, platform=backend.platform)
     consts = tuple(codec.encode(x) for x in program.traced.outer_consts)
+    # Workers in processes of their own take the JAX settings the stages were lowered under
+    # (but those the actors' environment sets on purpose, which are checked).
+    env = {str(k) for k in dict(options.actor_env or {})}
+    kept = frozenset(n for n, _ in lowered.jax_settings if _compat.setting_env_var(n) in env)
     specs = [WorkerSpec(stage=s, lowered=lowered.for_stage(s), consts=consts, host=self.hosts[s],
                         options=wopts, emulation=self.emulation,
                         device_layout=(group_layout(self.host_groups[s],
                                                     program.plan.stages[s].devices)
-                                       if s in split else None))
+                                       if s in split else None),
+                        take_settings=backend.own_processes, env_settings=kept)
              for s in range(S)]
     out_tree = program.traced.out_tree
     self._fetch = _fetch_indices(out_tree, out_tree.num_leaves, options.fetch)
@@ -488,8 +497,9 @@ class ThreadBackend:
   """Workers in threads of this process (no Ray): the same protocol, for debugging and tests.
 
   Stages talk through :class:`~harpjax.runtime.channels.LocalChannel` (``device_put``), or
-  over loopback TCP with ``transport="tcp"``.
+  over loopback TCP with ``transport="tcp"``. The workers share the driver's JAX settings.
   """
+  own_processes = False
 
   def __init__(self, options: RunnerOptions):
     self.options = options

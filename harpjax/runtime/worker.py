@@ -27,6 +27,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from harpjax import _compat
 from harpjax.compiler.stages import LoweredStep, precompile
 from harpjax.compiler.trace import Lit
 from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
@@ -37,7 +38,7 @@ from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_me
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerOptions", "WorkerSpec", "StageWorker"]
+__all__ = ["WorkerOptions", "WorkerSpec", "StageWorker", "apply_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,11 @@ class WorkerSpec:
     device_layout: for a stage run by a group of processes (one per host), per device of the
       stage in submesh order its ``(rank, local index)``: which member holds it, and where
       among that member's devices; ``None`` for a stage in one process.
+    take_settings: the worker's process is not the driver's: before loading anything it takes
+      the JAX settings the step was lowered under
+      (:attr:`~harpjax.compiler.stages.LoweredStep.jax_settings`; :func:`apply_settings`).
+    env_settings: names among those settings that the worker's environment sets on purpose
+      (``runtime_options`` ``actor_env``): left as they are, an error if they differ.
   """
   stage: int
   lowered: LoweredStep
@@ -79,6 +85,38 @@ class WorkerSpec:
   options: WorkerOptions = WorkerOptions()
   emulation: Emulation | None = None
   device_layout: tuple | None = None
+  take_settings: bool = False
+  env_settings: frozenset = frozenset()
+
+
+def apply_settings(spec: WorkerSpec) -> None:
+  """Puts this process under the JAX settings ``spec``'s step was lowered under (the
+  driver's), all but those its environment sets on purpose; nothing unless
+  ``spec.take_settings``.
+
+  Raises:
+    RuntimeFailure: a setting still differs from the driver's (``actor_env`` sets it
+      otherwise, or this process's JAX refuses it); the message names each with both values.
+  """
+  if not spec.take_settings:
+    return
+  settings = dict(spec.lowered.jax_settings)
+  refused = _compat.apply_jax_settings(settings, keep=spec.env_settings)
+  differ = _compat.differing_jax_settings(settings)
+  if not differ:
+    return
+  parts = []
+  for name, (driver, here) in sorted(differ.items()):
+    var = _compat.setting_env_var(name)
+    if name in spec.env_settings:
+      fix = (f"runtime_options actor_env sets {var}={os.environ.get(var)!r}: remove it or give "
+             "it the driver's value")
+    else:
+      fix = (f"it could not be set here ({refused.get(name, 'the value did not take')}): run "
+             "the workers with the driver's JAX version")
+    parts.append(f"{name} is {driver!r} in the driver but {here!r} here; {fix}")
+  raise RuntimeFailure(f"stage {spec.stage}: its process runs under JAX settings other than "
+                       f"the driver's, which the stage was lowered under: {'; '.join(parts)}")
 
 
 class StageWorker:
@@ -91,15 +129,25 @@ class StageWorker:
   """
 
   def __init__(self, spec: WorkerSpec | None = None, devices=None):
+    # Everything a call may touch exists from here on: an abort or a message reaching a
+    # worker whose build has not finished (or failed) finds an empty mailbox, not a missing one.
     self.stage = -1
+    self.spec: WorkerSpec | None = None
     self.senders: dict[int, Sender] = {}
     self.listeners: dict[str, TcpListener] = {}
     self.store: dict[tuple, Any] = {}
     self.group: spmd.Group | None = None
     self._arrived: float | None = None
     self.devices: list = []
-    self.init_s = 0.0
-    self.lay = None
+    self.init_s = self.compile_s = 0.0
+    self.lay = self.exe = self.group_fns = None
+    self.options = WorkerOptions()
+    self.emulation: Emulation | None = None
+    self.mailbox = Mailbox(-1)
+    self.token: str | None = None
+    self._step = -1
+    self._tasks: list[tuple] = []
+    self._overruns = 0
     if spec is not None:
       self.build(spec, devices)
 
@@ -113,6 +161,13 @@ class StageWorker:
     self.reset()
     self.spec = spec
     self.stage = s = spec.stage
+    self.options = spec.options
+    self.emulation = spec.emulation
+    self.mailbox = Mailbox(s)
+    self.token = None
+    self._step = -1
+    self._tasks = []
+    apply_settings(spec)   # before anything is loaded or put on a device
     lowered = spec.lowered
     n = lowered.plan.stages[s].num_devices
     if devices is None and self.group is not None:
@@ -134,12 +189,6 @@ class StageWorker:
     # Compile now, in every process at once, rather than during the first step, where each
     # stage would start compiling only when its predecessor's first activations arrive.
     self.compile_s = precompile(lay, {s: self.exe}, self.group_fns, workers=1)
-    self.options = spec.options
-    self.emulation = spec.emulation
-    self.mailbox = Mailbox(s)
-    self.token: str | None = None
-    self._step = -1
-    self._tasks: list[tuple] = []
     self.init_s = time.time() - t0
     log.info("stage %d ready on %s in %.2f s (%.2f s compiling)", s, self.devices, self.init_s,
              self.compile_s)

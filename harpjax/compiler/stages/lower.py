@@ -8,6 +8,10 @@ stage's serialised executables. The worker loads them onto its own devices
 (:meth:`LoweredStep.load`) and gets the same :class:`~harpjax.compiler.stages.stage.
 StageExecutables` the local runtime jits in process: the same computation, bit for bit.
 
+The lowered step records the JAX settings it was lowered under (``jax_enable_x64``, the
+default matmul precision...: ``harpjax._compat.JAX_SETTINGS``); a process loading it must have
+the same (a Ray worker takes them first), or :meth:`LoweredStep.load` names those that differ.
+
 The forward returns the leaves of its ``jax.vjp`` closure (the residuals); the backward
 rebuilds the closure from them with the tree structure recorded while the forward was lowered,
 so both cross the process boundary as flat arrays.
@@ -25,13 +29,14 @@ import jax.numpy as jnp
 from jax import export
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+from harpjax import _compat
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages.compile import StepProgram
 from harpjax.compiler.stages.layout import StepLayout
 from harpjax.compiler.stages.stage import StageExecutables, fwd_in_specs
-from harpjax.errors import UnsupportedError
+from harpjax.errors import RuntimeFailure, UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +71,15 @@ class LoweredStep:
     platform: the platform the executables were lowered for (``"cpu"``, ``"cuda"``...).
     stages: per stage, its :class:`LoweredStage`, or ``None`` where not included
       (:meth:`for_stage` keeps one).
+    jax_settings: ``((name, value), ...)``: the JAX settings the step was lowered under
+      (``harpjax._compat.jax_settings``); a process loading it needs the same.
   """
   layout: StepLayout
   plan: Plan
   schedule: Schedule
   platform: str
   stages: tuple
+  jax_settings: tuple = ()
 
   def for_stage(self, stage: int) -> "LoweredStep":
     """A copy holding only ``stage``'s executables (what that stage's worker receives)."""
@@ -84,10 +92,22 @@ class LoweredStep:
     Returns:
       ``(stage executables, {group index: jitted function})``; both compile on first call
       (or ahead, :func:`~harpjax.compiler.stages.precompile`).
+
+    Raises:
+      RuntimeFailure: this process's JAX settings differ from those the step was lowered
+        under (:attr:`jax_settings`); the message names each setting with both values.
     """
     lowered = self.stages[stage]
     if lowered is None:
       raise ValueError(f"this lowered step does not hold stage {stage}'s executables")
+    differ = _compat.differing_jax_settings(dict(self.jax_settings))
+    if differ:
+      raise RuntimeFailure(
+          f"stage {stage} was lowered under other JAX settings than this process has: "
+          + "; ".join(f"{n} is {a!r} in the lowered step but {b!r} here"
+                      for n, (a, b) in sorted(differ.items()))
+          + "; set them here first (jax.config.update), globally rather than in a context "
+          "manager of the lowering thread")
     lay = self.layout.stages[stage]
     mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
     call = lambda blob: export.deserialize(blob).call
@@ -128,7 +148,8 @@ def lower_step(program: StepProgram, platform: str | None = None,
           "(jax.debug.print, jax.debug.callback, io_callback) run only in this process: remove "
           "them from the step or use runtime='local'") from e
   log.info("lowered %d stages for %s in %.1f s", len(todo), platform, time.perf_counter() - t0)
-  return LoweredStep(lay, program.plan, program.schedule, platform, tuple(out))
+  return LoweredStep(lay, program.plan, program.schedule, platform, tuple(out),
+                     tuple(sorted(_compat.jax_settings().items())))
 
 
 def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
