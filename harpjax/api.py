@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from harpjax import runtime
+from harpjax.runtime import CheckpointOptions, Checkpointer
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      traced_step_for)
@@ -59,8 +60,14 @@ class ParallelOptions:
   layer_options: Any = None
   profile_options: Any = None
   solve_options: Any = None
+  checkpoint: CheckpointOptions | None = None
 
   def __post_init__(self):
+    if isinstance(self.checkpoint, (str, os.PathLike)):
+      object.__setattr__(self, "checkpoint", CheckpointOptions(os.fspath(self.checkpoint)))
+    if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointOptions):
+      raise PlanError(f"checkpoint={self.checkpoint!r}: give a directory or a "
+                      "harpjax.CheckpointOptions")
     if self.loss_reduction not in LOSS_REDUCTIONS:
       raise PlanError(f"loss_reduction={self.loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
     if self.runtime not in RUNTIMES:
@@ -95,7 +102,7 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
                   runtime: str = "local", eps: float = 0.1,
                   runtime_options: dict | None = None, layer_options=None,
-                  profile_options=None, solve_options=None):
+                  profile_options=None, solve_options=None, checkpoint=None):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -126,6 +133,10 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
     profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: analytic by
       default, from the GPU types' rates; ``"measured"`` times the local devices).
     solve_options: :class:`harpjax.compiler.plan.SolveOptions`.
+    checkpoint: a directory or :class:`harpjax.CheckpointOptions`: the new training state
+      (the first element of the step's result, by default) is saved every ``every`` completed
+      steps, the newest ``keep`` kept (:class:`harpjax.Checkpointer`; plan-independent, so it
+      restores onto any plan or ``jax.jit``). :meth:`ParallelStep.restore` resumes.
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
@@ -135,7 +146,7 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                             loss_reduction=loss_reduction, runtime=runtime, eps=eps,
                             runtime_options=dict(runtime_options or {}),
                             layer_options=layer_options, profile_options=profile_options,
-                            solve_options=solve_options)
+                            solve_options=solve_options, checkpoint=checkpoint)
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -189,6 +200,9 @@ class ParallelStep:
     self.options = options
     self._cluster = None
     self._cache: dict[Any, _Phases] = {}
+    self._checkpointer: Checkpointer | None = None
+    self.steps_done = 0
+    """Completed calls (continues from the checkpoint :meth:`restore` read)."""
 
   @property
   def cluster(self) -> Cluster:
@@ -234,8 +248,38 @@ class ParallelStep:
   def __call__(self, *args):
     phases = self._phases(args, "run")
     if self.options.runtime == "ray":
-      return phases.runner(args)
-    return runtime.run_step(phases.compiled, args)
+      result = phases.runner(args)
+    else:
+      result = runtime.run_step(phases.compiled, args)
+    self.steps_done += 1
+    ck = self.options.checkpoint
+    if ck is not None and self.steps_done % ck.every == 0:
+      self.checkpointer.save(self.steps_done, ck.state_of(result))
+    return result
+
+  # ------------------------------------------------------------------ checkpoints
+
+  @property
+  def checkpointer(self) -> Checkpointer:
+    """The :class:`harpjax.Checkpointer` of the ``checkpoint`` option."""
+    ck = self.options.checkpoint
+    if ck is None:
+      raise PlanError("this step has no checkpoint directory; pass auto_parallel(..., "
+                      "checkpoint='/path' or harpjax.CheckpointOptions(...))")
+    if self._checkpointer is None:
+      self._checkpointer = Checkpointer(ck.directory, keep=ck.keep,
+                                        asynchronous=ck.asynchronous)
+    return self._checkpointer
+
+  def restore(self, like, step: int | None = None):
+    """The training state of the newest checkpoint (or ``step``) in the structure of ``like``;
+    :attr:`steps_done` continues from its step."""
+    ckpt = self.checkpointer
+    ckpt.wait()
+    step = ckpt.latest_step() if step is None else step
+    state = ckpt.restore(like, step)
+    self.steps_done = int(step)
+    return state
 
   def _phases(self, args, until: str) -> _Phases:
     """The flow, phase by phase, up to ``until`` (``"trace"``, ``"plan"``, ``"layout"``,

@@ -12,13 +12,17 @@ keys), :mod:`~harpjax.runtime.local` (every stage in this process),
 :mod:`~harpjax.runtime.channels` (routes over the fastest NIC, TCP channels, sender threads),
 :mod:`~harpjax.runtime.codec` (values on the wire), :mod:`~harpjax.runtime.spmd` (a stage over
 several hosts), :mod:`~harpjax.runtime.emulation` (fake devices that behave like the plan's
-GPUs and links), :mod:`~harpjax.runtime.handles` and :mod:`~harpjax.runtime.measure`.
+GPUs and links), :mod:`~harpjax.runtime.handles`, :mod:`~harpjax.runtime.checkpoint`
+(plan-independent checkpoints of the training state) and :mod:`~harpjax.runtime.measure`.
 """
 
 from harpjax.runtime import planner_pool as planner_pool
+from harpjax.runtime.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
+                                        restore_checkpoint, save_checkpoint)
 from harpjax.runtime.local import run_step as run_step
 
-__all__ = ["planner_pool", "ray_runner", "run_step"]
+__all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "planner_pool", "ray_runner",
+           "restore_checkpoint", "run_step", "save_checkpoint"]
 
 
 def ray_runner(program, cluster, example_args, **options):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -97,30 +98,60 @@ def save_tree(path: str | os.PathLike, tree) -> None:
       arrays[f"{name}#key:{e[1]}"] = e[2]
     else:
       arrays[name] = np.asarray(e[1])
-  with open(path, "wb") as f:
-    np.savez(f, **arrays)
+  # Written aside, then renamed: an interrupted save leaves the previous file intact.
+  path = os.fspath(path)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "wb") as f:
+      np.savez(f, **arrays)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def load_tree(path: str | os.PathLike, like):
   """Reads :func:`save_tree`'s file into the structure of ``like`` (a pytree of the same
-  structure: the initial state, say)."""
-  with np.load(path) as data:
-    stored = {}
-    for name in data.files:
-      base, _, impl = name.partition("#key:")
-      stored[base] = (data[name], impl or None)
+  structure: the initial state, say); shapes and dtypes are checked against ``like``'s."""
+  try:
+    with np.load(path) as data:
+      stored = {}
+      for name in data.files:
+        base, _, impl = name.partition("#key:")
+        stored[base] = (data[name], impl or None)
+  except (EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+    raise HarpjaxError(f"{path} is not a complete saved state ({type(e).__name__}: {e}); it "
+                       "may have been truncated by an interrupted save of an older version, "
+                       "or it is another kind of file") from None
   out = []
   flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  for kp, _ in flat:
+  for kp, like_leaf in flat:
     name = jax.tree_util.keystr(kp) or "<root>"
     if name not in stored:
       raise HarpjaxError(f"{path}: no array for {name}; the file was saved from a different "
                          "structure")
     arr, impl = stored[name]
+    want = _leaf_spec(like_leaf)
+    if want is not None and not impl and (tuple(arr.shape), np.dtype(arr.dtype)) != want:
+      raise HarpjaxError(f"{path}: {name} is {arr.dtype}{list(arr.shape)} in the file but "
+                         f"{want[1]}{list(want[0])} in the state it is loaded into")
     out.append(jax.random.wrap_key_data(arr, impl=impl) if impl else jnp.asarray(arr))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+
+
+def _leaf_spec(x):
+  """``(shape, dtype)`` of an array-like leaf, ``None`` for typed keys and unknowns."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not hasattr(x, "shape"):
+    return None
+  try:
+    return tuple(x.shape), np.dtype(dtype)
+  except TypeError:   # PRNG keys
+    return None
 
 
 def new_runner_id() -> int:
