@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from harpjax import runtime
-from harpjax.runtime import CheckpointOptions, Checkpointer
+from harpjax.runtime import (CheckpointOptions, Checkpointer, ElasticOptions, Failure, Recovery,
+                             RemoteArray)
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      traced_step_for)
@@ -35,7 +36,7 @@ from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep,
                                      precompile, resolve_plan, warn_shared_parameters)
 from harpjax.compiler.trace import TracedStep, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
-                            ScheduleError)
+                            RuntimeFailure, ScheduleError)
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,15 @@ class ParallelOptions:
   profile_options: Any = None
   solve_options: Any = None
   checkpoint: CheckpointOptions | None = None
+  elastic: ElasticOptions | None = None
 
   def __post_init__(self):
+    if self.elastic is not None:
+      if not isinstance(self.elastic, ElasticOptions):
+        raise PlanError(f"elastic={self.elastic!r}: give a harpjax.ElasticOptions")
+      if self.runtime != "ray":
+        raise PlanError("elastic recovery is for runtime='ray' (workers that can be lost); "
+                        "the local runtime runs in this process")
     if isinstance(self.checkpoint, (str, os.PathLike)):
       object.__setattr__(self, "checkpoint", CheckpointOptions(os.fspath(self.checkpoint)))
     if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointOptions):
@@ -102,7 +110,7 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
                   runtime: str = "local", eps: float = 0.1,
                   runtime_options: dict | None = None, layer_options=None,
-                  profile_options=None, solve_options=None, checkpoint=None):
+                  profile_options=None, solve_options=None, checkpoint=None, elastic=None):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -137,6 +145,10 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       (the first element of the step's result, by default) is saved every ``every`` completed
       steps, the newest ``keep`` kept (:class:`harpjax.Checkpointer`; plan-independent, so it
       restores onto any plan or ``jax.jit``). :meth:`ParallelStep.restore` resumes.
+    elastic: :class:`harpjax.ElasticOptions` (``runtime="ray"``): a step that fails because
+      workers were lost re-plans on what is left (or on the cluster the policy gives),
+      restores the newest checkpoint, replays the steps since, and returns the failed call's
+      result (:mod:`harpjax.runtime.elastic`; :attr:`ParallelStep.recoveries`).
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
@@ -146,7 +158,8 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                             loss_reduction=loss_reduction, runtime=runtime, eps=eps,
                             runtime_options=dict(runtime_options or {}),
                             layer_options=layer_options, profile_options=profile_options,
-                            solve_options=solve_options, checkpoint=checkpoint)
+                            solve_options=solve_options, checkpoint=checkpoint,
+                            elastic=elastic)
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -203,6 +216,11 @@ class ParallelStep:
     self._checkpointer: Checkpointer | None = None
     self.steps_done = 0
     """Completed calls (continues from the checkpoint :meth:`restore` read)."""
+    self.recoveries: list[Recovery] = []
+    """Elastic recoveries so far, each with its timings."""
+    self._replay: dict[int, tuple] = {}   # step -> its arguments, the state's slot None
+    self._origin: Any = None              # the first call's state, if it is plain arrays
+    self._replanned = False               # the given plan no longer applies
 
   @property
   def cluster(self) -> Cluster:
@@ -246,6 +264,12 @@ class ParallelStep:
     return self._phases(args, "run").runner
 
   def __call__(self, *args):
+    if self.options.elastic is not None:
+      return self._call_elastic(args)
+    return self._call(args)
+
+  def _call(self, args):
+    """One step: run, count, checkpoint on schedule."""
     phases = self._phases(args, "run")
     if self.options.runtime == "ray":
       result = phases.runner(args)
@@ -255,7 +279,85 @@ class ParallelStep:
     ck = self.options.checkpoint
     if ck is not None and self.steps_done % ck.every == 0:
       self.checkpointer.save(self.steps_done, ck.state_of(result))
+      for old in [k for k in self._replay if k <= self.steps_done - ck.every]:
+        del self._replay[old]   # covered by the checkpoint before this one
     return result
+
+  # ------------------------------------------------------------------ elastic
+
+  def _call_elastic(self, args):
+    argnum = self._state_argnum()
+    if self._origin is None and self.steps_done == 0 and not any(
+        isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(args[argnum])):
+      self._origin = args[argnum]
+    try:
+      result = self._call(args)
+    except RuntimeFailure as err:
+      if len(self.recoveries) >= self.options.elastic.max_recoveries:
+        raise
+      result = self._recover(args, err)
+    self._replay[self.steps_done] = args[:argnum] + (None,) + args[argnum + 1:]
+    return result
+
+  def _state_argnum(self) -> int:
+    if self.options.checkpoint is None:
+      raise PlanError("elastic recovery restores a checkpoint: pass checkpoint=... too")
+    return 0
+
+  def _recover(self, args, err: RuntimeFailure):
+    """Re-plans after lost workers, restores, replays, and runs the failed call (see
+    :mod:`harpjax.runtime.elastic`)."""
+    ck, argnum = self.options.checkpoint, self._state_argnum()
+    failed = self.steps_done + 1
+    t0 = time.perf_counter()
+    runners = [p.runner for p in self._cache.values() if p.runner is not None]
+    lost = sorted({h for r in runners for h in r.lost_hosts()})
+    detect_s = time.perf_counter() - t0
+    target = self.options.elastic.decide(Failure(failed, err, tuple(lost), self.cluster))
+    if target == "stop":
+      raise err
+    log.warning("step %d failed (%s); lost hosts %s: continuing on %d devices", failed,
+                str(err).splitlines()[0], lost or "none", target.num_devices)
+    for r in runners:
+      try:
+        r.shutdown()
+      except Exception as e:  # noqa: BLE001 -- a broken runner may fail to shut down
+        log.info("shutting down the failed runner: %s", e)
+    self._cluster, self._cache, self._replanned = target, {}, True
+
+    t1 = time.perf_counter()
+    like = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), args[argnum])
+    self.checkpointer.wait()
+    ck_step = self.checkpointer.latest_step()
+    if ck_step is not None:
+      state = self.checkpointer.restore(like, ck_step)
+    elif self._origin is not None:
+      state, ck_step = self._origin, 0
+    else:
+      raise RuntimeFailure(f"{err}\nno checkpoint to recover from yet, and the first call's "
+                           "state was not plain arrays") from err
+    restore_s = time.perf_counter() - t1
+    missing = [k for k in range(ck_step + 1, failed) if k not in self._replay]
+    if missing:
+      raise RuntimeFailure(f"{err}\ncannot replay steps {missing} after checkpoint "
+                           f"{ck_step}") from err
+
+    with_state = lambda a, st: a[:argnum] + (st,) + a[argnum + 1:]
+    first = with_state(self._replay.get(ck_step + 1, args), state)
+    t2 = time.perf_counter()
+    self._phases(first, "layout")
+    t3 = time.perf_counter()
+    self._phases(first, "run")
+    t4 = time.perf_counter()
+    self.steps_done = ck_step
+    for k in range(ck_step + 1, failed):
+      state = ck.state_of(self._call(with_state(self._replay[k], state)))
+    replay_s = time.perf_counter() - t4
+    self.recoveries.append(Recovery(failed, tuple(lost), target.num_devices, detect_s, t3 - t2,
+                                    t4 - t3, restore_s, replay_s, ck_step, failed - 1 - ck_step))
+    log.warning("recovered in %.1f s: %s", self.recoveries[-1].total_s, self.recoveries[-1])
+    return self._call(with_state(args, state))
 
   # ------------------------------------------------------------------ checkpoints
 
@@ -325,7 +427,7 @@ class ParallelStep:
 
   def _given_plan(self) -> Plan | None:
     plan = self.options.plan
-    if plan is None or (isinstance(plan, str) and plan == "auto"):
+    if plan is None or (isinstance(plan, str) and plan == "auto") or self._replanned:
       return None
     if isinstance(plan, (str, os.PathLike)):
       return load_plan(plan)

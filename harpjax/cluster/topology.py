@@ -26,7 +26,7 @@ import logging
 import math
 import operator
 import os
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from harpjax.cluster.hardware import (GBPS, GIB, NIC, NIC_LATENCY_S, TFLOPS, DeviceInfo, GPUType,
                                       GPU_CATALOG, Host, Link, LinkOverride, SubCluster,
@@ -233,6 +233,29 @@ class Cluster:
       raise ClusterSpecError(f"reordered({names}): give each of {', '.join(self.names)} exactly "
                              "once")
     return dataclasses.replace(self, subclusters=tuple(self._by_name[n] for n in names))
+
+  def without_hosts(self, names: Iterable[str]) -> "Cluster":
+    """The cluster after losing hosts ``names``: each subcluster keeps its other hosts (hosts
+    are interchangeable, so they are renumbered), one that loses all of them is dropped with
+    its link overrides.
+
+    Raises:
+      ClusterSpecError: an unknown host, or no host would be left.
+    """
+    lost: dict[str, int] = {}
+    for name in names:
+      host = self.host(name)
+      lost[host.subcluster] = lost.get(host.subcluster, 0) + 1
+    subs = []
+    for sc in self.subclusters:
+      left = sc.num_hosts - min(lost.get(sc.name, 0), sc.num_hosts)
+      if left:
+        subs.append(dataclasses.replace(sc, num_hosts=left))
+    if not subs:
+      raise ClusterSpecError("no host of the cluster would be left")
+    kept = {sc.name for sc in subs}
+    links = tuple(ov for ov in self.links if all(x in kept for x in ov.between))
+    return dataclasses.replace(self, subclusters=tuple(subs), links=links)
 
   def ordered_by_memory_to_compute(self) -> "Cluster":
     """The subclusters sorted by device memory / peak FLOP/s, highest first (HARP §5.2.1).

@@ -13,16 +13,20 @@ keys), :mod:`~harpjax.runtime.local` (every stage in this process),
 :mod:`~harpjax.runtime.codec` (values on the wire), :mod:`~harpjax.runtime.spmd` (a stage over
 several hosts), :mod:`~harpjax.runtime.emulation` (fake devices that behave like the plan's
 GPUs and links), :mod:`~harpjax.runtime.handles`, :mod:`~harpjax.runtime.checkpoint`
-(plan-independent checkpoints of the training state) and :mod:`~harpjax.runtime.measure`.
+(plan-independent checkpoints of the training state), :mod:`~harpjax.runtime.elastic`
+(re-planning after lost workers) and :mod:`~harpjax.runtime.measure`.
 """
 
 from harpjax.runtime import planner_pool as planner_pool
 from harpjax.runtime.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
                                         restore_checkpoint, save_checkpoint)
+from harpjax.runtime.elastic import ElasticOptions, Failure, Recovery
+from harpjax.runtime.handles import RemoteArray
 from harpjax.runtime.local import run_step as run_step
 
-__all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "planner_pool", "ray_runner",
-           "restore_checkpoint", "run_step", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "ElasticOptions", "Failure",
+           "planner_pool", "ray_runner", "Recovery", "RemoteArray", "restore_checkpoint",
+           "run_step", "save_checkpoint"]
 
 
 def ray_runner(program, cluster, example_args, **options):

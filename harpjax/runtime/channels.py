@@ -38,6 +38,7 @@ class Mailbox:
     self._cond = threading.Condition()
     self._items: dict[tuple, Any] = {}
     self._failed: str | None = None
+    self._failed_step: int | None = None   # the step aborted (None: every step)
     self._lost: dict[int, str] = {}
 
   def put(self, key: tuple, value: Any) -> None:
@@ -55,7 +56,8 @@ class Mailbox:
     deadline = time.monotonic() + timeout_s
     with self._cond:
       while key not in self._items:
-        if self._failed is not None:
+        if self._failed is not None and (self._failed_step is None
+                                         or key[0] <= self._failed_step):
           raise RuntimeFailure(f"stage {self.stage}: aborted while waiting for {what} from "
                                f"stage {src}: {self._failed}")
         if src in self._lost:
@@ -69,14 +71,15 @@ class Mailbox:
         self._cond.wait(min(left, 1.0))
       return self._items.pop(key)
 
-  def fail(self, reason: str) -> None:
+  def fail(self, reason: str, step: int | None = None) -> None:
+    """Fails the waits of ``step`` and earlier steps (``None``: of every step)."""
     with self._cond:
-      self._failed = reason
+      self._failed, self._failed_step = reason, step
       self._cond.notify_all()
 
   def reset(self) -> None:
     with self._cond:
-      self._failed = None
+      self._failed = self._failed_step = None
 
   def peer_lost(self, src: int, reason: str) -> None:
     with self._cond:

@@ -60,6 +60,7 @@ GPU_TYPE_RESOURCE_PREFIX = "harpjax_gpu:"
 """Custom Ray resource a node advertises for its GPU type (value: its GPU count)."""
 
 _WAIT_GET_S = 30.0   # ray.get of a result ray.wait reported ready
+_PING_S = 10.0       # a live actor answers a ping within this
 
 
 class RayRunner(PipelineRunner):
@@ -324,11 +325,11 @@ class RayBackend:
     except Exception as e:  # pylint: disable=broad-except
       return False, e
 
-  def abort(self, stage: int, reason: str) -> None:
+  def abort(self, stage: int, reason: str, step: int | None = None) -> None:
     self.healthy = False
     for a in self.actors[stage]:
       try:
-        a.abort.remote(reason)
+        a.abort.remote(reason, step)
       except Exception:  # pylint: disable=broad-except  (a dead actor cannot be aborted)
         pass
 
@@ -341,6 +342,14 @@ class RayBackend:
   def kill(self, stage: int, rank: int = 0) -> None:
     self.healthy = False
     ray.kill(self.actors[stage][rank], no_restart=True)
+
+  def alive(self, stage: int) -> bool:
+    """Whether every actor of the stage answers within a few seconds."""
+    try:
+      ray.get([a.ping.remote() for a in self.actors[stage]], timeout=_PING_S)
+      return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+      return False
 
   def shutdown(self) -> None:
     """Returns healthy single-process actors to the pool (reset), kills the others."""

@@ -71,6 +71,8 @@ class RunnerOptions:
     step_timeout_s: longest wait of the driver for one step (first step: with compilation).
     start_timeout_s: longest wait for the workers to start and compile.
     retain_steps: steps whose outputs the workers keep.
+    interrupt_grace_s: after Ctrl-C during a step, how long the driver waits for the workers
+      to abandon it before raising ``KeyboardInterrupt``.
     num_cpus: CPUs of a local Ray instance (default: ``max(2, stages + 1)``).
     actor_env: extra environment variables of the actors. The actors take the driver's JAX
       settings (``jax_enable_x64``...: :data:`harpjax._compat.JAX_SETTINGS`) without being
@@ -95,6 +97,7 @@ class RunnerOptions:
   step_timeout_s: float = 900.0
   start_timeout_s: float = 600.0
   retain_steps: int = 2
+  interrupt_grace_s: float = 10.0
   num_cpus: int | None = None
   actor_env: Any = None
   pin_hosts: bool | None = None
@@ -163,6 +166,7 @@ class PipelineRunner:
                       options.emulation.resolve(program.plan, self.cluster, self.hosts))
     self._backend = backend
     self._step = 0
+    self._completed = 0
     self._failed: str | None = None
     self._lock = threading.Lock()
     self.last: MeasuredStep | None = None
@@ -266,13 +270,17 @@ class PipelineRunner:
                                    else np.asarray(x))
     self._step += 1
     step = self._step
+    # State of the last completed steps (and whatever this call consumes) stays on the workers.
+    keep_from = min([self._completed - int(self.options.retain_steps) + 1]
+                    + [e[1][0] for e in manifest if e is not None])
     per_stage = []
     for s in range(S):
       inputs = {i: e for i, e in encoded.items() if s in lay.leaf_readers[i]}
       fetch = [k for k in self._fetch if lay.outputs[k][0] == "stage" and lay.outputs[k][1] == s]
-      per_stage.append((step, manifest, inputs, fetch))
+      per_stage.append((step, manifest, inputs, fetch, keep_from))
     results = self._call_all("run_step", per_stage, self.options.step_timeout_s, f"step {step}",
-                             fail_runner=True)
+                             fail_runner=True, step=step)
+    self._completed = step
     outs = []
     for k, o in enumerate(lay.outputs):
       if o[0] == "lit":
@@ -302,23 +310,50 @@ class PipelineRunner:
     return out
 
   def _call_all(self, method: str, args_per_stage, timeout_s: float, what: str,
-                fail_runner: bool = False) -> list:
+                fail_runner: bool = False, step: int | None = None) -> list:
     """``method(*args)`` on every stage's worker; their results in stage order."""
-    out = self._call(method, dict(enumerate(args_per_stage)), timeout_s, what, fail_runner)
+    out = self._call(method, dict(enumerate(args_per_stage)), timeout_s, what, fail_runner,
+                     step=step)
     return [out[s] for s in range(len(args_per_stage))]
 
   def _call(self, method: str, args: dict, timeout_s: float, what: str,
-            fail_runner: bool = False, abort_others: bool = True) -> dict:
+            fail_runner: bool = False, abort_others: bool = True,
+            step: int | None = None) -> dict:
     """``method(*args[s])`` on the workers of the stages in ``args``, every wait bounded; a
     failure anywhere (the others aborted, unless not ``abort_others``) or a timeout raises a
-    :class:`RuntimeFailure` naming the stage that caused it."""
+    :class:`RuntimeFailure` naming the stage that caused it.
+
+    An interrupt (Ctrl-C) while waiting aborts ``step`` on every worker, waits a moment for
+    them to stop, and raises ``KeyboardInterrupt``: the runner stays usable and the state
+    passed in stays valid (workers release state only when the driver starts a later step).
+    """
     be = self._backend
     handles = {s: be.submit(s, method, *a) for s, a in args.items()}
+    pending = dict(handles)
+    try:
+      return self._wait(pending, timeout_s, what, fail_runner, abort_others, step)
+    except KeyboardInterrupt:
+      for t in pending:
+        be.abort(t, f"{what} interrupted", step)
+      until = time.monotonic() + self.options.interrupt_grace_s
+      try:
+        while pending and time.monotonic() < until:
+          for t, _, _ in be.wait_any(pending, until - time.monotonic()):
+            del pending[t]
+      except KeyboardInterrupt:   # a second Ctrl-C: stop waiting
+        pass
+      if pending:
+        log.warning("%s interrupted; stage(s) %s still unwinding (their next step waits for "
+                    "them)", what, sorted(pending))
+      raise
+
+  def _wait(self, pending: dict, timeout_s: float, what: str, fail_runner: bool,
+            abort_others: bool, step: int | None) -> dict:
+    be = self._backend
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
     deadline = time.monotonic() + timeout_s
     grace_until = None
-    pending = dict(handles)
     while pending:
       now = time.monotonic()
       limit = deadline if grace_until is None else min(deadline, grace_until)
@@ -333,12 +368,12 @@ class PipelineRunner:
           if grace_until is None:   # let the others report why they stopped
             grace_until = time.monotonic() + 3.0
             for t in pending if abort_others else ():
-              be.abort(t, f"stage {s} failed during {what}")
+              be.abort(t, f"stage {s} failed during {what}", step)
     if not errors and not pending:
       return results
     if pending and not errors:
       for t in pending:
-        be.abort(t, f"{what} timed out")
+        be.abort(t, f"{what} timed out", step)
       msg = (f"{what}: stage(s) {sorted(pending)} ("
              + ", ".join(self.hosts[t] for t in sorted(pending))
              + f") did not finish within {timeout_s:g} s")
@@ -420,6 +455,14 @@ class PipelineRunner:
     return emu.simulate(self.program.schedule, act, ct, **kwargs)
 
   # ------------------------------------------------------------------ lifetime
+
+  def lost_hosts(self) -> list[str]:
+    """Hosts of the stages whose worker no longer answers (a killed actor, a lost node)."""
+    lost = set()
+    for s, st in enumerate(self.program.plan.stages):
+      if not self._backend.alive(s):
+        lost.update(self.cluster.host_of_device(d).name for d in st.devices)
+    return sorted(lost)
 
   def kill_stage(self, stage: int, rank: int = 0) -> None:
     """Kills one stage's worker (member ``rank`` of a group; for testing failure handling)."""
@@ -537,8 +580,8 @@ class ThreadBackend:
       out.append((inv[f], e is None, f.result() if e is None else e))
     return out
 
-  def abort(self, stage: int, reason: str) -> None:
-    self.workers[stage].abort(reason)
+  def abort(self, stage: int, reason: str, step: int | None = None) -> None:
+    self.workers[stage].abort(reason, step)
 
   def local_channel(self, dst: int):
     return LocalChannel(self.workers[dst].mailbox)
@@ -548,6 +591,9 @@ class ThreadBackend:
 
   def kill(self, stage: int, rank: int = 0) -> None:
     raise HarpjaxError("the threads backend cannot kill a stage")
+
+  def alive(self, stage: int) -> bool:
+    return True
 
   def shutdown(self) -> None:
     for w in self.workers:

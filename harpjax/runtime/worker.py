@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -136,6 +137,7 @@ class StageWorker:
     self.senders: dict[int, Sender] = {}
     self.listeners: dict[str, TcpListener] = {}
     self.store: dict[tuple, Any] = {}
+    self._step_lock = threading.Lock()
     self.group: spmd.Group | None = None
     self._arrived: float | None = None
     self.devices: list = []
@@ -273,9 +275,14 @@ class StageWorker:
     """Receiving end of a channel that calls the worker (the Ray object store)."""
     self.mailbox.put((step, key), {k: codec.decode(e) for k, e in payload.items()})
 
-  def abort(self, reason: str) -> None:
-    """Fails every wait of the current step (another stage failed)."""
-    self.mailbox.fail(reason)
+  def abort(self, reason: str, step: int | None = None) -> None:
+    """Fails every wait of step ``step`` (``None``: of any step) because another stage failed
+    or the driver was interrupted; later steps run normally."""
+    self.mailbox.fail(reason, step)
+
+  def ping(self) -> int:
+    """Answers at once (a liveness probe of the driver)."""
+    return self.stage
 
   def fetch(self, keys) -> list:
     """Encoded values of stored outputs (state gathered by the driver). In a group every
@@ -364,8 +371,10 @@ class StageWorker:
 
   # ------------------------------------------------------------------ one step
 
-  def run_step(self, step: int, manifest, inputs: dict, fetch) -> dict:
-    """Runs this stage's part of one training step.
+  def run_step(self, step: int, manifest, inputs: dict, fetch, keep_from: int | None = None
+               ) -> dict:
+    """Runs this stage's part of one training step (one at a time: a step submitted while an
+    aborted one is still unwinding waits for it).
 
     Args:
       step: the step number (messages are tagged with it).
@@ -373,14 +382,24 @@ class StageWorker:
         ``(holder stage, store key)``.
       inputs: ``{leaf index: encoded value}`` of the driver-sent leaves this stage reads.
       fetch: indices of step outputs to return instead of keeping.
+      keep_from: outputs of earlier steps are released (the driver's oldest step whose state
+        may still be passed in; ``None`` keeps everything). Releasing at the start of a step,
+        on the driver's word, means an interrupted step never releases the state it consumed.
 
     Returns:
       ``{"stage": s, "outputs": {k: encoded}, "tasks": [(kind, m, start, end)], "sends":
       [(dst, key, start, end, bytes)], "begin": t, "end": t, "overruns": n, "phases":
       {phase: seconds since begin}}`` (times from ``time.time()``).
     """
+    with self._step_lock:
+      return self._run_step(step, manifest, inputs, fetch, keep_from)
+
+  def _run_step(self, step, manifest, inputs, fetch, keep_from) -> dict:
     s, lay = self.stage, self.lay
     begin = time.time()
+    if keep_from is not None:
+      for key in [k for k in self.store if k[0] < keep_from]:
+        del self.store[key]
     self._step = step
     self._tasks = []
     self._overruns = 0
@@ -431,8 +450,6 @@ class StageWorker:
             outputs[k] = codec.encode(x)
         else:
           self.store[(step, k)] = env[o[2]]
-    for key in [k for k in self.store if k[0] <= step - self.options.retain_steps]:
-      del self.store[key]
     phases["outputs"] = time.time() - begin
     for snd in self.senders.values():
       snd.flush(self.options.recv_timeout_s)

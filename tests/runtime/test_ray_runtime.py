@@ -295,3 +295,73 @@ def test_root_cause_prefers_the_dead_actor_over_its_broken_peers():
                               "microbatch 0 (step 2) from stage 1")}
   assert _root_cause(errors) == 1
   assert _root_cause({0: errors[0], 2: ValueError("bad shape")}) == 2
+
+
+@pytest.mark.parametrize("backend", ["threads", "ray"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_interrupted_step_then_immediate_retry_keeps_state(backend, when):
+  # Ctrl-C reaches the driver of step 2 before its first wait for the workers, or right after
+  # the first wait that brought results back (some stages, maybe all, finished the step and
+  # stored its outputs): the step is aborted everywhere, KeyboardInterrupt surfaces, the
+  # handles of step 1 stay valid (retain_steps=1 would have released them before), and
+  # retrying at once continues exactly as jax.jit does. Wherever the workers were when the
+  # interrupt came is a valid case; none is waited for.
+  step, state, batches = _mlp_setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=MLP3,
+                                runtime="ray", runtime_options={"backend": backend,
+                                                                "retain_steps": 1})
+  ref = jax.jit(step)
+  s_par = pstep(state, batches[0])[0]
+  s_ref = ref(state, batches[0])[0]
+  backend_obj = pstep.runner(state, batches[0])._backend
+  real_wait, calls = backend_obj.wait_any, []
+
+  def interrupted_wait(pending, timeout_s):
+    if when == "before" and not calls:
+      calls.append(1)
+      raise KeyboardInterrupt
+    got = real_wait(pending, timeout_s)
+    if when == "after" and got and not calls:
+      calls.append(1)
+      raise KeyboardInterrupt
+    return got
+
+  backend_obj.wait_any = interrupted_wait
+  with pytest.raises(KeyboardInterrupt):
+    pstep(s_par, batches[1])
+  backend_obj.wait_any = real_wait
+  for batch in batches[1:]:
+    s_par, s_ref = pstep(s_par, batch)[0], ref(s_ref, batch)[0]
+  assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+
+
+def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
+  # Three stages, a checkpoint every 2 steps; stage 1's actor is killed after step 3. Step 4
+  # detects the lost host, re-plans automatically on the 6 devices left, restores checkpoint 2,
+  # replays step 3 and runs step 4; after 6 steps the state equals jax.jit's (float64).
+  from tests import zoo
+  prev = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    case = zoo.linen("loop")
+    batches = zoo._batches(6)
+    plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2), (2, 1)), ((2, 3), "a100", (1, 2)),
+                               ((4, 5), "v100", (1, 2))]).replace(meta={"layers": "auto"})
+    pstep = harpjax.auto_parallel(
+        case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan, runtime="ray",
+        checkpoint=harpjax.CheckpointOptions(str(tmp_path / "ck"), every=2),
+        elastic=harpjax.ElasticOptions())
+    ref = jax.jit(case.step)
+    s_par = s_ref = case.state
+    for i, batch in enumerate(batches):
+      if i == 3:
+        pstep.runner(s_par, batch).kill_stage(1)
+      s_par, s_ref = pstep(s_par, batch)[0], ref(s_ref, batch)[0]
+    assert len(pstep.recoveries) == 1
+    rec = pstep.recoveries[0]
+    assert (rec.failed_step, rec.checkpoint_step, rec.replayed) == (4, 2, 1)
+    assert rec.lost_hosts == ("a100-0",) and rec.num_devices == 6
+    assert pstep.steps_done == 6
+    assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= 1e-9
+  finally:
+    jax.config.update("jax_enable_x64", prev)

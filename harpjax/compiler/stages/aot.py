@@ -61,9 +61,16 @@ def precompile(layout: StepLayout, stages: Mapping[int, StageExecutables],
     for what, job in jobs:
       _attempt(what, job)
   else:
-    with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+    ex = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
       for f in [ex.submit(_attempt, what, job) for what, job in jobs]:
         f.result()
+    except KeyboardInterrupt:
+      # Hand control back now: queued compilations are cancelled, running ones finish in
+      # their threads (XLA cannot be stopped mid-compile) and their results are dropped.
+      ex.shutdown(wait=False, cancel_futures=True)
+      raise
+    ex.shutdown(wait=True)
   return time.perf_counter() - t0
 
 
