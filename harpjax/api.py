@@ -290,12 +290,13 @@ class ParallelStep:
     if self._origin is None and self.steps_done == 0 and not any(
         isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(args[argnum])):
       self._origin = args[argnum]
+    t_start = time.perf_counter()
     try:
       result = self._call(args)
     except RuntimeFailure as err:
       if len(self.recoveries) >= self.options.elastic.max_recoveries:
         raise
-      result = self._recover(args, err)
+      result = self._recover(args, err, t_start)
     self._replay[self.steps_done] = args[:argnum] + (None,) + args[argnum + 1:]
     return result
 
@@ -304,15 +305,14 @@ class ParallelStep:
       raise PlanError("elastic recovery restores a checkpoint: pass checkpoint=... too")
     return 0
 
-  def _recover(self, args, err: RuntimeFailure):
+  def _recover(self, args, err: RuntimeFailure, t_start: float):
     """Re-plans after lost workers, restores, replays, and runs the failed call (see
     :mod:`harpjax.runtime.elastic`)."""
     ck, argnum = self.options.checkpoint, self._state_argnum()
     failed = self.steps_done + 1
-    t0 = time.perf_counter()
     runners = [p.runner for p in self._cache.values() if p.runner is not None]
     lost = sorted({h for r in runners for h in r.lost_hosts()})
-    detect_s = time.perf_counter() - t0
+    detect_s = time.perf_counter() - t_start   # the failing attempt, then the probes
     target = self.options.elastic.decide(Failure(failed, err, tuple(lost), self.cluster))
     if target == "stop":
       raise err
@@ -353,11 +353,14 @@ class ParallelStep:
     self.steps_done = ck_step
     for k in range(ck_step + 1, failed):
       state = ck.state_of(self._call(with_state(self._replay[k], state)))
-    replay_s = time.perf_counter() - t4
+    t5 = time.perf_counter()
+    result = self._call(with_state(args, state))
+    t6 = time.perf_counter()
     self.recoveries.append(Recovery(failed, tuple(lost), target.num_devices, detect_s, t3 - t2,
-                                    t4 - t3, restore_s, replay_s, ck_step, failed - 1 - ck_step))
+                                    t4 - t3, restore_s, t5 - t4, t6 - t5, ck_step,
+                                    failed - 1 - ck_step))
     log.warning("recovered in %.1f s: %s", self.recoveries[-1].total_s, self.recoveries[-1])
-    return self._call(with_state(args, state))
+    return result
 
   # ------------------------------------------------------------------ checkpoints
 

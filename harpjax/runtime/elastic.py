@@ -87,11 +87,12 @@ class Recovery:
     failed_step: the call that failed.
     lost_hosts: hosts dropped (empty when the policy gave a cluster).
     num_devices: devices of the cluster continued on.
-    detect_s: probing the workers after the error.
+    detect_s: from the start of the failing attempt to its error, and probing the workers.
     replan_s: trace, plan (profile from the cache, search) and layout on the new cluster.
     start_s: starting the workers and compiling their stages.
     restore_s: reading the checkpoint.
     replay_s: the steps since the checkpoint, run again.
+    step_s: the failed call, run on the new plan (the first completed step after the failure).
     checkpoint_step: the checkpoint restored (0: the state passed to the first call).
     replayed: how many steps were replayed.
   """
@@ -103,9 +104,12 @@ class Recovery:
   start_s: float
   restore_s: float
   replay_s: float
+  step_s: float
   checkpoint_step: int
   replayed: int
 
   @property
   def total_s(self) -> float:
-    return self.detect_s + self.replan_s + self.start_s + self.restore_s + self.replay_s
+    """Failure to the next completed step."""
+    return (self.detect_s + self.replan_s + self.start_s + self.restore_s + self.replay_s
+            + self.step_s)

@@ -270,9 +270,9 @@ class PipelineRunner:
                                    else np.asarray(x))
     self._step += 1
     step = self._step
-    # State of the last completed steps (and whatever this call consumes) stays on the workers.
-    keep_from = min([self._completed - int(self.options.retain_steps) + 1]
-                    + [e[1][0] for e in manifest if e is not None])
+    # The outputs of the last `retain_steps` completed steps stay on the workers: an
+    # interrupted or failed call completes nothing, so the state it consumed stays valid.
+    keep_from = self._completed - int(self.options.retain_steps) + 1
     per_stage = []
     for s in range(S):
       inputs = {i: e for i, e in encoded.items() if s in lay.leaf_readers[i]}
