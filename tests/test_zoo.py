@@ -35,7 +35,7 @@ def _two_stage_plan(num_layers: int) -> harpjax.Plan:
   return dataclasses.replace(plan, meta={"layers": "auto"})
 
 
-def _run_both(case: zoo.Case, plan, steps: int = 3, **kwargs):
+def _run_both(case: zoo.Case, plan, steps: int = 2, **kwargs):
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B,
                                 plan=plan, **kwargs)
   ref = jax.jit(case.step)

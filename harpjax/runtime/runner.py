@@ -280,7 +280,6 @@ class PipelineRunner:
       per_stage.append((step, manifest, inputs, fetch, keep_from))
     results = self._call_all("run_step", per_stage, self.options.step_timeout_s, f"step {step}",
                              fail_runner=True, step=step)
-    self._completed = step
     outs = []
     for k, o in enumerate(lay.outputs):
       if o[0] == "lit":
@@ -307,6 +306,7 @@ class PipelineRunner:
       log.warning("step %d: %d tasks took longer than their emulated time; increase "
                   "Emulation.time_scale for a faithful emulation", step, over)
     self._last_outputs = out
+    self._completed = step   # last: an interrupt before here leaves the state passed in valid
     return out
 
   def _call_all(self, method: str, args_per_stage, timeout_s: float, what: str,
@@ -328,9 +328,10 @@ class PipelineRunner:
     passed in stays valid (workers release state only when the driver starts a later step).
     """
     be = self._backend
-    handles = {s: be.submit(s, method, *a) for s, a in args.items()}
-    pending = dict(handles)
+    pending: dict = {}
     try:
+      for s, a in args.items():
+        pending[s] = be.submit(s, method, *a)
       return self._wait(pending, timeout_s, what, fail_runner, abort_others, step)
     except KeyboardInterrupt:
       for t in pending:
