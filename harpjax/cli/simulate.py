@@ -158,9 +158,12 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
       S = max(lengths)
     else:
       S = 1
-    if table is not None and len(table) != S:
-      raise click.UsageError(f"--table has {len(table)} stages but the "
-                             f"{'plan' if plan is not None else 'times'} have {S}")
+    if table is not None:
+      other = S if plan is not None else max(lengths, default=len(table))
+      if other != len(table):
+        raise click.UsageError(f"--table has {len(table)} stages but the "
+                               f"{'plan has' if plan is not None else 'times give'} {other}; "
+                               "give one table line per stage")
     if S == 1:
       for name, value in (("--comm", comm), ("--comm-bwd", comm_bwd)):
         if value is not None:
