@@ -53,7 +53,9 @@ class _Watcher:
     self._rsock, self._wsock = socket.socketpair()
     self._wsock.setblocking(False)
     self._old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
-    self._old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    self._old_handler = signal.getsignal(signal.SIGINT)
+    if self._old_handler is not signal.SIG_IGN:   # ignored (a background job): keep it so
+      signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = threading.Thread(target=self._watch, name="harpjax-interrupt", daemon=True)
     thread.fork_safe = True
     thread.start()
@@ -143,7 +145,8 @@ def run(args: list[str] | None = None) -> None:
   global _WATCHER
   status = 0
   try:
-    _WATCHER = _Watcher()
+    if threading.current_thread() is threading.main_thread():   # where signals arrive
+      _WATCHER = _Watcher()
     main.main(args=args)
   except SystemExit as e:
     status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
