@@ -213,6 +213,12 @@ def test_summary_warning_when_the_database_is_dropped(tmp_path, caplog):
   assert len(warnings) == 1 and "3 cache entries" in warnings[0], warnings
 
 
+def test_values_are_checked_as_they_read_back(tmp_path):
+  db = ProfileDB(tmp_path)
+  db.put(STATS_KEY, {**XLA_STATS, "collective_bytes": {"all-reduce": (4480.0, 3)}})
+  assert db.get(STATS_KEY) == XLA_STATS and db.invalid == 0
+
+
 def test_invalid_values_are_not_written(tmp_path, caplog):
   db = ProfileDB(tmp_path)
   with caplog.at_level(logging.WARNING, logger=cache_lib.__name__):

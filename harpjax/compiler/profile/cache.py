@@ -280,6 +280,11 @@ class ProfileDB:
       return
     path = self._path(key)
     want = json.loads(json.dumps(key, sort_keys=True, default=str))
+    try:
+      value = json.loads(json.dumps(value))   # as it will read back (tuples become lists)
+    except (TypeError, ValueError) as e:
+      log.warning("could not write profile cache entry %s: %s", path, e)
+      return
     problem = entry_problem(want, value)
     if problem:
       self._refused += 1
