@@ -32,5 +32,5 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={"test": ["pytest==9.2.0", "hypothesis==6.170.15"]},
-    entry_points={"console_scripts": ["harpjax=harpjax.cli:main"]},
+    entry_points={"console_scripts": ["harpjax=harpjax.cli:run"]},
 )

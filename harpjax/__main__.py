@@ -6,7 +6,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-from harpjax.cli import main  # noqa: E402
+from harpjax.cli import run  # noqa: E402
 
 if __name__ == "__main__":
-  main()
+  run()

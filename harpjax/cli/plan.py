@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
 import click
 
+from harpjax.cli.checks import MAX_MICROBATCHES, Finite, check_output_dir, check_output_file, given
 from harpjax.errors import HarpjaxError
 
 log = logging.getLogger(__name__)
@@ -29,23 +31,33 @@ def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
     raise click.BadParameter(f"{model!r} is neither a built-in model "
                              f"({', '.join(sorted(BUILTIN_MODELS))}) nor a config file",
                              param_hint="--model")
+  if os.path.isdir(model):
+    raise click.BadParameter(f"{model!r} is a directory; give a YAML/JSON file of GPT config "
+                             "fields", param_hint="--model")
   import yaml
   from harpjax.models import GPT, GPT_39B, MoEConfig, MoETransformer
-  with open(model) as f:
-    try:
+  try:
+    with open(model) as f:
       cfg = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-      raise click.BadParameter(f"{model}: not valid YAML/JSON: {e}", param_hint="--model")
+  except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+    raise click.BadParameter(f"{model}: not valid YAML/JSON: {e}", param_hint="--model")
   if not isinstance(cfg, dict):
     raise click.BadParameter(f"{model}: expected a mapping of GPT config fields",
                              param_hint="--model")
   cfg = dict(cfg)
   family = cfg.pop("family", "gpt")
+  if "microbatch_size" in cfg and microbatch_size is not None and \
+      cfg["microbatch_size"] != microbatch_size:
+    raise click.UsageError(f"{model} sets microbatch_size: {cfg['microbatch_size']!r} and "
+                           f"--microbatch-size is {microbatch_size}; give it once")
   mbs = cfg.pop("microbatch_size", microbatch_size or 8)
+  if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+    raise click.BadParameter(f"{model}: microbatch_size={mbs!r} must be an integer >= 1",
+                             param_hint="--model")
   # Fields not given are GPT-39B's (the paper's model: fp16, automatic layers).
   classes = {"gpt": (GPT_39B, GPT),
              "moe": (MoEConfig(**dataclasses.asdict(GPT_39B)), MoETransformer)}
-  if family not in classes:
+  if not isinstance(family, str) or family not in classes:
     raise click.BadParameter(f"{model}: family {family!r}; choose one of {sorted(classes)}",
                              param_hint="--model")
   base, model_cls = classes[family]
@@ -54,10 +66,46 @@ def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
   if unknown:
     raise click.BadParameter(f"{model}: unknown fields {unknown}; known: {sorted(fields)}",
                              param_hint="--model")
-  config = dataclasses.replace(base, **cfg)
+  for name, value in cfg.items():
+    problem = _config_problem(name, value, getattr(base, name))
+    if problem:
+      raise click.BadParameter(f"{model}: {name}={value!r} {problem}", param_hint="--model")
+  try:
+    config = dataclasses.replace(base, **cfg)
+  except (TypeError, ValueError) as e:
+    raise click.BadParameter(f"{model}: {e}", param_hint="--model") from None
+  if config.hidden % config.num_heads:
+    raise click.BadParameter(f"{model}: hidden={config.hidden} must be a multiple of "
+                             f"num_heads={config.num_heads}", param_hint="--model")
   name = os.path.splitext(os.path.basename(model))[0]
   return make_lm_spec(name, model_cls(config), config, microbatch_size=int(mbs),
                       num_microbatches=num_microbatches)
+
+
+def _config_problem(name: str, value, default) -> str | None:
+  """What is wrong with a model config field's value (its type is the default's)."""
+  if name.endswith("dtype"):
+    if value is None and default is None:
+      return None
+    import jax.numpy as jnp
+    try:
+      jnp.dtype(value)
+    except TypeError:
+      return "is not a dtype name (float32, bfloat16, float16, ...)"
+    return None if isinstance(value, str) else "must be a dtype name"
+  if isinstance(default, bool):
+    return None if isinstance(value, bool) else "must be true or false"
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return "must be a number"
+  if isinstance(default, int) and not isinstance(value, int):
+    return "must be an integer"
+  if not math.isfinite(value):
+    return "must be finite"
+  if name == "dropout":
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+  if name == "layer_marks":
+    return None if value in (0, 1, 2) else "must be 0, 1 or 2"
+  return None if value > 0 else "must be > 0"
 
 
 def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
@@ -78,31 +126,38 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
                "shapes, build fine-grained layers, profile them analytically for the cluster's "
                "GPU types, solve the DP; print the plan, its predicted iteration time and "
                "load-balance score.")
-@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False),
+@click.option("--cluster", "cluster_path", required=True,
+              type=click.Path(exists=True, dir_okay=False),
               help="Cluster YAML file (see docs/cluster.md).")
 @click.option("--model", required=True,
               help="Built-in model (gpt-39b, gpt-2.6b, gpt-tiny, moe-tiny) or a YAML/JSON file "
                    "of GPT config fields (family: gpt|moe, hidden, num_blocks, num_heads, "
                    "seq_len, vocab_size, microbatch_size, ...).")
-@click.option("-B", "--microbatches", "num_microbatches", type=int, default=128, show_default=True,
-              help="Number of microbatches per iteration.")
-@click.option("--microbatch-size", type=int, default=None,
+@click.option("-B", "--microbatches", "num_microbatches",
+              type=click.IntRange(1, MAX_MICROBATCHES),
+              default=128, show_default=True, help="Number of microbatches per iteration.")
+@click.option("--microbatch-size", type=click.IntRange(min=1), default=None,
               help="Sequences per microbatch (default: the model's, 8 for the large GPTs).")
-@click.option("--bandwidth", type=float, default=None,
+@click.option("--bandwidth", type=Finite(min=0, min_open=True), default=None,
               help="Override the links between consecutive subclusters, Gbit/s.")
-@click.option("--latency-us", type=float, default=None, help="Latency of those links, us.")
+@click.option("--latency-us", type=Finite(min=0), default=None,
+              help="Latency of those links, us (with --bandwidth).")
 @click.option("--source", type=click.Choice(["analytic", "imported"]), default="analytic",
               show_default=True, help="Cost source (no devices are used).")
 @click.option("--order", type=click.Choice(["memory_to_compute", "given"]),
               default="memory_to_compute", show_default=True,
               help="Subcluster order of the pipeline (HARP 5.2.1 heuristic or the file's).")
-@click.option("--z", type=int, default=None, help="Fewest matmuls in a repeated module.")
-@click.option("--target-layers", type=int, default=None, help="Layers wanted in total.")
-@click.option("--eps", type=float, default=0.1, show_default=True,
+@click.option("--z", type=click.IntRange(min=1), default=None,
+              help="Fewest matmuls in a repeated module.")
+@click.option("--target-layers", type=click.IntRange(min=1), default=None,
+              help="Layers wanted in total.")
+@click.option("--eps", type=Finite(min=0), default=0.1, show_default=True,
               help="H-1F1B tolerance (2c/t_max below it needs no extra warm-up).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Profile database directory (default $HARPJAX_CACHE_DIR or "
                    "~/.cache/harpjax/profiles).")
+@click.option("--no-cache", is_flag=True,
+              help="Neither read nor write the profile database: cost every layer afresh.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the plan here (load it with harpjax.load_plan).")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
@@ -113,37 +168,51 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
                    "runtime.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar while profiling (default: when stderr is a terminal).")
-def command(cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
-            source, order, z, target_layers, eps, cache_dir, json_path, simulate, remat,
-            progress):
+@click.pass_context
+def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
+            source, order, z, target_layers, eps, cache_dir, no_cache, json_path, simulate,
+            remat, progress):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
   from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
   from harpjax.compiler.profile import ProfileOptions, profile_step
 
+  # Every argument is checked before the long work (tracing, profiling, the search).
+  if latency_us is not None and bandwidth is None:
+    raise click.UsageError("--latency-us is the latency of the links --bandwidth overrides; "
+                           "give --bandwidth too, or drop --latency-us")
+  if no_cache and given(ctx, "cache_dir"):
+    raise click.UsageError("--no-cache and --cache-dir contradict each other; give one")
+  check_output_file(json_path, "--json")
+  if not no_cache:
+    check_output_dir(cache_dir, "--cache-dir")
   try:
-    cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
-    spec = _model_spec(model, num_microbatches, microbatch_size)
     layer_kw = {}
     if z is not None:
       layer_kw["z"] = z
     if target_layers is not None:
       layer_kw["target_layers"] = target_layers
-    profile_kw = dict(source=source, cache_dir=cache_dir, progress=progress, remat=remat,
-                      order=None if order == "given" else order)
+    layer_options = LayerOptions(**layer_kw)
+    profile_kw = dict(source=source, cache_dir=cache_dir, use_cache=not no_cache,
+                      progress=progress, remat=remat, order=None if order == "given" else order)
     if source == "imported":
       profile_kw["imported_model"] = "deepspeedgpt_2.7b"
+    profile_options = ProfileOptions(**profile_kw)
+    solve_options = SolveOptions(eps=eps)
+    cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
+    spec = _model_spec(model, num_microbatches, microbatch_size)
     t0 = time.perf_counter()
     click.echo(f"cluster: {cluster.summary()}", err=True)
     click.echo(f"model {spec.name}: tracing, building layers and profiling ...", err=True)
     result = profile_step(spec.step_fn, spec.args, cluster, num_microbatches=num_microbatches,
-                          batch_argnums=spec.batch_argnums,
-                          layer_options=LayerOptions(**layer_kw),
-                          options=ProfileOptions(**profile_kw))
+                          batch_argnums=spec.batch_argnums, layer_options=layer_options,
+                          options=profile_options)
     t1 = time.perf_counter()
     click.echo(f"layers: {result.layers.summary}", err=True)
     click.echo(f"profile: {result.stats.describe()}", err=True)
-    solved = solve(result.tables, num_microbatches, options=SolveOptions(eps=eps))
+    click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
+               f"{result.tables.total_devices} devices ...", err=True)
+    solved = solve(result.tables, num_microbatches, options=solve_options)
     t2 = time.perf_counter()
   except HarpjaxError as e:
     raise click.ClickException(str(e)) from None
@@ -163,5 +232,9 @@ def command(cluster_path, model, num_microbatches, microbatch_size, bandwidth, l
       click.echo(f"{name:12s}  {warm[:20]:20s}  {ev.iteration_s:>22.3f}   "
                  f"{'yes' if ev.mem_ok else 'NO'}")
   if json_path:
-    plan.save(json_path)
+    try:
+      plan.save(json_path)
+    except OSError as e:
+      raise click.ClickException(f"could not write the plan to {json_path!r}: "
+                                 f"{e.strerror or e}") from None
     click.echo(f"\nwrote {json_path}")

@@ -17,19 +17,22 @@ comparison; with ``--out`` writes ``<schedule>.trace.json`` (open in https://ui.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
 import click
 
+from harpjax.cli.checks import MAX_MICROBATCHES, Finite, check_output_dir, given
 from harpjax.errors import HarpjaxError
 
 _UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _NUM = re.compile(r"^\s*([-+0-9.eE]+)\s*([a-zµ]*)\s*$")
 
 
-def parse_times(text: str | None, what: str) -> list[float] | None:
-  """``"1,2ms,300us"`` -> ``[1.0, 0.002, 0.0003]`` seconds."""
+def parse_times(text: str | None, what: str, positive: bool = False) -> list[float] | None:
+  """``"1,2ms,300us"`` -> ``[1.0, 0.002, 0.0003]`` seconds: finite, ``>= 0`` (``> 0`` if
+  ``positive``)."""
   if text is None:
     return None
   out = []
@@ -38,20 +41,43 @@ def parse_times(text: str | None, what: str) -> list[float] | None:
     if not m or m.group(2) not in _UNITS:
       raise click.BadParameter(f"{tok!r} is not a time (e.g. 0.5, 12ms, 300us)", param_hint=what)
     try:
-      out.append(float(m.group(1)) * _UNITS[m.group(2)])
+      t = float(m.group(1)) * _UNITS[m.group(2)]
     except ValueError:
       raise click.BadParameter(f"{tok!r} is not a number", param_hint=what) from None
+    if not math.isfinite(t) or t < 0 or (positive and t == 0):
+      raise click.BadParameter(f"{tok!r}: times must be finite and {'>' if positive else '>='} "
+                               "0", param_hint=what)
+    out.append(t)
   return out
 
 
 def _numbers(text: str | None, what: str) -> list[float] | None:
+  """Comma-separated finite numbers ``>= 0``."""
   if text is None:
     return None
   try:
-    return [float(x) for x in text.split(",")]
+    out = [float(x) for x in text.split(",")]
   except ValueError:
     raise click.BadParameter(f"{text!r}: expected comma-separated numbers",
                              param_hint=what) from None
+  bad = [x for x in out if not (math.isfinite(x) and x >= 0)]
+  if bad:
+    raise click.BadParameter(f"{bad[0]!r}: expected finite numbers >= 0", param_hint=what)
+  return out
+
+
+def _counts(text: str | None, what: str) -> list[int] | None:
+  """Comma-separated integers ``>= 1``."""
+  if text is None:
+    return None
+  try:
+    out = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise click.BadParameter(f"{text!r}: expected comma-separated integers >= 1",
+                             param_hint=what) from None
+  if min(out) < 1:
+    raise click.BadParameter(f"{text!r}: warm-up counts must be >= 1", param_hint=what)
+  return out
 
 
 def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
@@ -65,17 +91,18 @@ def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
 
 
 @click.command("simulate", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("plan_file", required=False, type=click.Path(dir_okay=False))
+@click.argument("plan_file", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--fwd", help="Forward time per microbatch of each stage (e.g. 1,1,1 or 40ms).")
 @click.option("--bwd", help="Backward time per microbatch of each stage.")
 @click.option("--time", "fb_time", help="Forward+backward time per stage (split by "
-              "--bwd-ratio); what plan files hold.")
-@click.option("--bwd-ratio", default=2.0, show_default=True,
+              "--bwd-ratio); what plan files hold. Not with --fwd/--bwd.")
+@click.option("--bwd-ratio", type=Finite(min=0, min_open=True), default=2.0, show_default=True,
               help="Backward / forward time when only forward+backward is known.")
 @click.option("--comm", help="Transfer time per microbatch of each link (S-1 values), both "
               "directions.")
 @click.option("--comm-bwd", help="Gradient transfer times if they differ from --comm.")
-@click.option("-B", "--microbatches", type=int, help="Number of microbatches.")
+@click.option("-B", "--microbatches", type=click.IntRange(1, MAX_MICROBATCHES),
+              help="Number of microbatches.")
 @click.option("--schedule", "schedules", help="Comma-separated: gpipe, 1f1b, eager_1f1b, "
               "h1f1b, or 'all'. Default: the plan's schedule, else h1f1b.")
 @click.option("--warmups", help="H-1F1B warm-up counts per stage (default: from the plan or "
@@ -83,7 +110,7 @@ def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
 @click.option("--table", "table_file", type=click.Path(exists=True, dir_okay=False),
               help="A custom task table (text of format_tables: one 'stage i: F0 F1 B0 ...' "
               "line per stage), simulated as schedule 'custom'.")
-@click.option("--eps", default=0.1, show_default=True,
+@click.option("--eps", type=Finite(min=0), default=0.1, show_default=True,
               help="H-1F1B tolerance: links with 2c/t_max <= eps get no extra warm-up.")
 @click.option("--end-cost", help="End-of-iteration time per stage (grad sync + update).")
 @click.option("--act-bytes", help="Activation bytes per in-flight microbatch, per stage.")
@@ -91,22 +118,36 @@ def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
               help="Directory for <schedule>.trace.json, <schedule>.png and summary.json.")
 @click.option("--no-png", is_flag=True, help="With --out, skip the PNG charts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
-def command(plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatches, schedules,
-            warmups, table_file, eps, end_cost, act_bytes, out_dir, no_png, as_json):
+@click.pass_context
+def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatches,
+            schedules, warmups, table_file, eps, end_cost, act_bytes, out_dir, no_png, as_json):
   """Simulate one iteration of a pipeline plan (or of given stage/link times)."""
   # pylint: disable=import-outside-toplevel
   from harpjax.compiler import schedule as sched
   from harpjax.compiler.plan import load_plan
   from harpjax.compiler.schedule import simulate
+  if fb_time is not None and (fwd is not None or bwd is not None):
+    raise click.UsageError("--time is forward+backward, split by --bwd-ratio; give either "
+                           "--time or --fwd and --bwd, not both")
+  if no_png and out_dir is None:
+    raise click.UsageError("--no-png only applies with --out (which writes the charts); give "
+                           "--out or drop --no-png")
+  check_output_dir(out_dir, "--out")
   try:
     plan = load_plan(plan_file) if plan_file else None
-    fwd_l, bwd_l = parse_times(fwd, "--fwd"), parse_times(bwd, "--bwd")
-    time_l = parse_times(fb_time, "--time")
+    fwd_l, bwd_l = parse_times(fwd, "--fwd", True), parse_times(bwd, "--bwd", True)
+    time_l = parse_times(fb_time, "--time", True)
     comm_l, comm_b_l = parse_times(comm, "--comm"), parse_times(comm_bwd, "--comm-bwd")
     table = None
     if table_file:
-      with open(table_file) as f:
-        table = sched.parse_tables(f.read())
+      try:
+        with open(table_file) as f:
+          table = sched.parse_tables(f.read())
+      except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read {table_file!r}: {e}", param_hint="--table")
+      if not table:
+        raise click.BadParameter(f"{table_file!r} holds no 'stage i: F0 B0 ...' line",
+                                 param_hint="--table")
     lengths = [len(x) for x in (fwd_l, bwd_l, time_l) if x is not None and len(x) > 1]
     lengths += [len(x) + 1 for x in (comm_l, comm_b_l) if x is not None and len(x) > 1]
     if plan is not None:
@@ -117,8 +158,21 @@ def command(plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatche
       S = max(lengths)
     else:
       S = 1
-    if bwd_ratio <= 0:
-      raise click.BadParameter("must be > 0", param_hint="--bwd-ratio")
+    if table is not None:
+      other = S if plan is not None else max(lengths, default=len(table))
+      if other != len(table):
+        raise click.UsageError(f"--table has {len(table)} stages but the "
+                               f"{'plan has' if plan is not None else 'times give'} {other}; "
+                               "give one table line per stage")
+    if S == 1:
+      for name, value in (("--comm", comm), ("--comm-bwd", comm_bwd)):
+        if value is not None:
+          raise click.UsageError(f"{name}: a 1-stage pipeline has no links; give per-stage "
+                                 "times for more stages (e.g. --time 1,1) or drop it")
+    uses_ratio = time_l is not None or (plan is not None and (fwd_l is None or bwd_l is None))
+    if given(ctx, "bwd_ratio") and not uses_ratio:
+      raise click.UsageError("--bwd-ratio only splits forward+backward times (--time or a "
+                             "plan's time_s); with --fwd and --bwd it has no effect: drop it")
     if time_l is None and plan is not None and (fwd_l is None or bwd_l is None):
       missing = [i for i, s in enumerate(plan.stages) if s.time_s is None]
       if missing:
@@ -138,15 +192,28 @@ def command(plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatche
     comm_b_l = _fit(comm_b_l, S - 1, "--comm-bwd") if S > 1 and comm_b_l else None
     B = microbatches or (plan.num_microbatches if plan is not None else None)
     if table is not None:
-      B = sum(1 for t in table[0] if t.kind == "F")
+      table_b = sum(1 for t in table[0] if t.kind == "F")
+      if microbatches is not None and microbatches != table_b:
+        raise click.UsageError(f"-B {microbatches} contradicts --table, whose stage 0 runs "
+                               f"{table_b} microbatches; drop -B")
+      B = table_b
     if not B:
       raise click.UsageError("give the number of microbatches with -B")
     names = _schedule_names(schedules, plan, table)
     end_l = _fit(parse_times(end_cost, "--end-cost"), S, "--end-cost") or 0.0
     ab = _fit(_numbers(act_bytes, "--act-bytes"), S, "--act-bytes")
-    given_w = [int(w) for w in _numbers(warmups, "--warmups")] if warmups else None
+    given_w = _counts(warmups, "--warmups")
+    if given_w is not None:
+      if "h1f1b" not in names:
+        raise click.UsageError(f"--warmups sets H-1F1B's warm-ups but the schedules are "
+                               f"{', '.join(names)}; add h1f1b to --schedule or drop --warmups")
+      given_w = _fit(given_w, S, "--warmups")
     if given_w is None and plan is not None and plan.warmups is not None:
       given_w = list(plan.warmups)
+    if given(ctx, "eps") and ("h1f1b" not in names or given_w is not None):
+      why = ("no schedule is h1f1b" if "h1f1b" not in names else
+             "the warm-ups are given (--warmups)" if warmups else "the plan's warm-ups are used")
+      raise click.UsageError(f"--eps only derives H-1F1B's warm-ups, and {why}: drop --eps")
     results = []
     for name in names:
       if name == "custom":

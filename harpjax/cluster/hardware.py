@@ -24,7 +24,7 @@ from harpjax.errors import ClusterSpecError, UnknownGPUError
 __all__ = [
     "TFLOPS", "GIB", "GBS", "GBPS", "GPUType", "GPU_CATALOG", "GPU_ALIASES", "lookup_gpu", "NIC",
     "NIC_LATENCY_S", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "Host", "SubCluster",
-    "DeviceInfo",
+    "DeviceInfo", "MAX_HOSTS", "MAX_DEVICES_PER_HOST", "MAX_DEVICES",
 ]
 
 TFLOPS = 1e12        # TFLOP/s -> FLOP/s
@@ -37,6 +37,15 @@ NIC_LATENCY_S = {"rdma": 5e-6, "infiniband": 5e-6, "roce": 5e-6, "ethernet": 50e
 
 INTRA_HOST_LATENCY_S = 2e-6
 """Latency of a transfer between two devices of one host (NVLink/PCIe)."""
+
+MAX_HOSTS = 100_000
+"""Most hosts a subcluster may have (a sanity bound: larger numbers are typos)."""
+
+MAX_DEVICES_PER_HOST = 1024
+"""Most devices a host may have (servers hold 4-16 GPUs; a sanity bound)."""
+
+MAX_DEVICES = 2**20
+"""Most devices a whole cluster may have (1,048,576; a sanity bound)."""
 
 
 def _clean(x: float) -> int | float:
@@ -96,6 +105,15 @@ def _string_hint(x: Any) -> str:
 def check_pos_int(x: Any, where: str) -> int:
   if isinstance(x, bool) or not isinstance(x, int) or x < 1:
     raise ClusterSpecError(f"{where}: expected a positive integer, got {x!r}{_string_hint(x)}")
+  return x
+
+
+def check_count(x: Any, where: str, maximum: int, what: str) -> int:
+  """A positive integer at most ``maximum`` (``what`` names the unit in the message)."""
+  check_pos_int(x, where)
+  if x > maximum:
+    raise ClusterSpecError(f"{where}: {x} is more than the {maximum} {what} harpjax supports; "
+                           "check the value (a typo?)")
   return x
 
 
@@ -421,8 +439,9 @@ class SubCluster:
     check_str(self.name, f"{where}.name")
     if not isinstance(self.gpu, GPUType):
       object.__setattr__(self, "gpu", lookup_gpu(self.gpu, where=f"{where}.gpu"))
-    check_pos_int(self.num_hosts, f"{where}.num_hosts")
-    check_pos_int(self.devices_per_host, f"{where}.devices_per_host")
+    check_count(self.num_hosts, f"{where}.num_hosts", MAX_HOSTS, "hosts per subcluster")
+    check_count(self.devices_per_host, f"{where}.devices_per_host", MAX_DEVICES_PER_HOST,
+                "devices per host")
     nics = tuple(self.nics)
     for i, nic in enumerate(nics):
       if not isinstance(nic, NIC):

@@ -29,8 +29,8 @@ import os
 from typing import Any, Iterable, Sequence
 
 from harpjax.cluster.hardware import (GBPS, GIB, NIC, NIC_LATENCY_S, TFLOPS, DeviceInfo, GPUType,
-                                      GPU_CATALOG, Host, Link, LinkOverride, SubCluster,
-                                      did_you_mean, nic_pair_link)
+                                      GPU_CATALOG, Host, Link, LinkOverride, MAX_DEVICES,
+                                      SubCluster, did_you_mean, nic_pair_link)
 from harpjax.cluster.packing import allocate_submeshes
 from harpjax.cluster.yaml_file import cluster_fields, dump_yaml, parse_yaml
 from harpjax.errors import ClusterSpecError, NotEnoughDevicesError, PlanError
@@ -69,6 +69,11 @@ class Cluster:
       raise ClusterSpecError(f"Cluster.subclusters: expected a non-empty sequence of SubCluster, "
                              f"got {self.subclusters!r}")
     object.__setattr__(self, "subclusters", subs)
+    total = sum(s.num_devices for s in subs)
+    if total > MAX_DEVICES:
+      sizes = ", ".join(f"{s.name}: {s.num_hosts} x {s.devices_per_host}" for s in subs)
+      raise ClusterSpecError(f"subclusters: {total} devices in all ({sizes}) is more than the "
+                             f"{MAX_DEVICES} harpjax supports; check hosts and devices_per_host")
     by_name: dict[str, SubCluster] = {}
     for i, s in enumerate(subs):
       if s.name in by_name:

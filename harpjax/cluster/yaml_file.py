@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from harpjax.cluster.hardware import (
-    GBPS, GPUType, LinkOverride, NIC, SubCluster, check_keys, check_kind, check_list,
-    check_number, check_pos_int, check_pos_number, check_str, did_you_mean, or_empty,
-    lookup_gpu)
+    GBPS, GPUType, LinkOverride, MAX_DEVICES_PER_HOST, MAX_HOSTS, NIC, SubCluster, check_count,
+    check_keys, check_kind, check_list, check_number, check_pos_number, check_str,
+    did_you_mean, or_empty, lookup_gpu)
 from harpjax.errors import ClusterSpecError
 
 __all__ = ["parse_yaml", "cluster_fields", "dump_yaml"]
@@ -113,8 +113,10 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     intra = s.get("intra_host_gbps")
     if intra is not None:
       intra = check_pos_number(intra, f"{w}.intra_host_gbps") * GBPS
-    subs.append(SubCluster(s["name"], gpu, check_pos_int(s["hosts"], f"{w}.hosts"),
-                           check_pos_int(s["devices_per_host"], f"{w}.devices_per_host"),
+    hosts = check_count(s["hosts"], f"{w}.hosts", MAX_HOSTS, "hosts per subcluster")
+    per_host = check_count(s["devices_per_host"], f"{w}.devices_per_host",
+                           MAX_DEVICES_PER_HOST, "devices per host")
+    subs.append(SubCluster(s["name"], gpu, hosts, per_host,
                            _nics_from_list(or_empty(s.get("nics")), f"{w}.nics"), intra))
   links = []
   for i, ln in enumerate(check_list(or_empty(data.get("links")), "links")):

@@ -42,6 +42,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -212,6 +213,9 @@ _WORKER_INDEX: dict[str, SparseIndex] = {}  # per worker process: the index it w
 
 
 def _worker_init(index: SparseIndex) -> None:
+  # Ctrl-C in a terminal reaches the whole process group: the parent cancels the pool and
+  # terminates its workers, which must not each print a KeyboardInterrupt traceback.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   _WORKER_INDEX["index"] = index
 
 
@@ -236,11 +240,26 @@ def _balanced_batches(index: SparseIndex, cand: Sequence[int], num_batches: int
 def _default_start_method() -> str:
   """``fork`` (children inherit the compiled kernel, no ``__main__`` guard needed) unless
   other Python threads run (Ray, user code), then ``forkserver``. Native library threads
-  (BLAS, XLA) do not matter: the children only run the kernel on NumPy arrays."""
+  (BLAS, XLA) do not matter: the children only run the kernel on NumPy arrays; nor do threads
+  marked ``fork_safe`` (the command line's Ctrl-C watcher, which holds no lock)."""
   methods = multiprocessing.get_all_start_methods()
-  if "fork" in methods and threading.active_count() == 1:
+  others = [t for t in threading.enumerate()
+            if t is not threading.current_thread() and not getattr(t, "fork_safe", False)]
+  if "fork" in methods and not others:
     return "fork"
   return "forkserver" if "forkserver" in methods else "spawn"
+
+
+def _cancel(ex: concurrent.futures.Executor) -> None:
+  """Stops a pool now: queued batches cancelled, worker processes terminated (a thread
+  finishes the batch it runs; its result is dropped)."""
+  procs = list((getattr(ex, "_processes", None) or {}).values())   # shutdown forgets them
+  ex.shutdown(wait=False, cancel_futures=True)
+  for p in procs:
+    try:
+      p.terminate()
+    except (OSError, ValueError):   # already gone or closed
+      pass
 
 
 def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, backend: str,
@@ -250,19 +269,24 @@ def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, bac
   if backend in ("thread", "process"):
     if backend == "thread":
       ex = concurrent.futures.ThreadPoolExecutor(workers)
-      futs = [ex.submit(evaluate_candidates, index, b, *args) for b in batches]
     else:
       ctx = multiprocessing.get_context(start_method or _default_start_method())
       ex = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx,
                                                   initializer=_worker_init, initargs=(index,))
-      futs = [ex.submit(_worker_batch, (b, *args)) for b in batches]
-    for n, f in enumerate(futs):
-      try:
-        outs.append(f.result(timeout=timeout_s))
-      except concurrent.futures.TimeoutError:
-        ex.shutdown(wait=False, cancel_futures=True)
-        raise RuntimeFailure(f"planner {backend} worker on batch {n} of {len(batches)} timed "
-                             f"out after {timeout_s} s") from None
+    try:
+      if backend == "thread":
+        futs = [ex.submit(evaluate_candidates, index, b, *args) for b in batches]
+      else:
+        futs = [ex.submit(_worker_batch, (b, *args)) for b in batches]
+      for n, f in enumerate(futs):
+        try:
+          outs.append(f.result(timeout=timeout_s))
+        except concurrent.futures.TimeoutError:
+          raise RuntimeFailure(f"planner {backend} worker on batch {n} of {len(batches)} "
+                               f"timed out after {timeout_s} s") from None
+    except BaseException:   # KeyboardInterrupt included: nothing keeps computing or waits
+      _cancel(ex)
+      raise
     ex.shutdown(wait=True)
   else:
     outs = _PARALLEL_BACKENDS[backend](index, batches, args, workers, timeout_s)

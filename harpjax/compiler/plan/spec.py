@@ -9,12 +9,52 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from typing import Any, Iterable, Sequence
 
-from harpjax.errors import PlanError
+from harpjax.compiler.schedule import schedule_key
+from harpjax.errors import HarpjaxError, PlanError
 
 __all__ = ["StageSpec", "Plan", "ManualPlan", "load_plan"]
+
+
+def _int(v: Any, where: str, minimum: int) -> int:
+  """``v`` as an int ``>= minimum`` (integral floats accepted), else a :class:`PlanError`
+  naming ``where``."""
+  if isinstance(v, bool) or not isinstance(v, (numbers.Integral, float)) or \
+      (isinstance(v, float) and not v.is_integer()):
+    raise PlanError(f"{where}={v!r} must be an integer >= {minimum}")
+  if int(v) < minimum:
+    raise PlanError(f"{where}={v!r} must be >= {minimum}")
+  return int(v)
+
+
+def _ints(v: Any, where: str, minimum: int, size: int | None = None) -> tuple[int, ...]:
+  """A list or tuple of ints ``>= minimum`` (exactly ``size`` of them if given)."""
+  if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or \
+      (size is not None and len(v) != size):
+    what = f"a list of {size} integers" if size is not None else "a list of integers"
+    raise PlanError(f"{where}={v!r} must be {what} >= {minimum}")
+  return tuple(_int(x, f"{where}[{i}]", minimum) for i, x in enumerate(v))
+
+
+def _seconds(v: Any, where: str, *, positive: bool = False) -> float | None:
+  """``None`` or a finite number of seconds ``>= 0`` (``> 0`` if ``positive``)."""
+  if v is None:
+    return None
+  if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or \
+      v < 0 or (positive and v == 0):
+    raise PlanError(f"{where}={v!r} must be a finite number {'>' if positive else '>='} 0 "
+                    "(seconds) or null")
+  return float(v)
+
+
+def _optional(data: dict, name: str, where: str, check, *args):
+  """``data[name]`` checked by ``check`` (named ``where.name``), or ``None`` if absent."""
+  v = data.get(name)
+  return None if v is None else check(v, f"{where}.{name}" if where else name, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,35 +81,35 @@ class StageSpec:
   comm_s: float | None = None
 
   def __post_init__(self):
-    try:
-      layers = tuple(int(x) for x in self.layers)
-      submesh = tuple(int(x) for x in self.submesh)
-    except (TypeError, ValueError) as e:
-      raise PlanError(f"stage layers={self.layers!r} / submesh={self.submesh!r}: {e}") from None
-    if len(layers) != 2 or layers[0] < 0 or layers[1] < layers[0]:
+    layers = _ints(self.layers, "stage layers", 0, 2)
+    if layers[1] < layers[0]:
       raise PlanError(f"stage layers={self.layers!r}: expected (first, last) with "
                       "0 <= first <= last")
-    if len(submesh) != 2 or min(submesh) < 1:
-      raise PlanError(f"stage submesh={self.submesh!r}: expected (hosts, devices_per_host) >= 1")
+    where = f"stage on layers {layers}"
+    submesh = _ints(self.submesh, f"{where}: submesh", 1, 2)
+    if not isinstance(self.subcluster, str) or not self.subcluster:
+      raise PlanError(f"{where}: subcluster={self.subcluster!r} must be a subcluster name")
     object.__setattr__(self, "layers", layers)
     object.__setattr__(self, "submesh", submesh)
     size = submesh[0] * submesh[1]
     logical = self.logical_mesh
     if logical is None:
       logical = (size, 1)
-    logical = tuple(int(x) for x in logical)
-    if len(logical) != 2 or min(logical) < 1 or logical[0] * logical[1] != size:
+    logical = _ints(logical, f"{where}: logical_mesh", 1)
+    if len(logical) != 2 or logical[0] * logical[1] != size:
       raise PlanError(f"stage on layers {layers}: logical_mesh={self.logical_mesh!r} must be "
                       f"(dp, tp) with dp * tp == {size} devices of submesh {submesh}")
     object.__setattr__(self, "logical_mesh", logical)
     if self.devices is not None:
-      devices = tuple(int(d) for d in self.devices)
+      devices = _ints(self.devices, f"{where}: devices", 0)
       if len(devices) != size or len(set(devices)) != size:
         raise PlanError(f"stage on layers {layers}: devices={self.devices!r} must list "
                         f"{size} distinct device indices for submesh {submesh}")
       object.__setattr__(self, "devices", devices)
-    if self.warmup is not None and int(self.warmup) < 1:
-      raise PlanError(f"stage on layers {layers}: warmup={self.warmup} must be >= 1")
+    if self.warmup is not None:
+      object.__setattr__(self, "warmup", _int(self.warmup, f"{where}: warmup", 1))
+    for name in ("time_s", "comm_s"):
+      object.__setattr__(self, name, _seconds(getattr(self, name), f"{where}: {name}"))
 
   @property
   def num_devices(self) -> int:
@@ -84,16 +124,31 @@ class StageSpec:
             for k, v in dataclasses.asdict(self).items()}
 
   @classmethod
-  def from_json(cls, data: dict) -> "StageSpec":
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - known
+  def from_json(cls, data: dict, where: str = "stage") -> "StageSpec":
+    """A stage from its JSON object; errors name the field (``where.warmup``)."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(data, dict):
+      raise PlanError(f"{where}: expected an object with fields {known}, got {data!r}")
+    unknown = set(data) - set(known)
     if unknown:
-      raise PlanError(f"stage has unknown fields {sorted(unknown)}; known: {sorted(known)}")
-    kw = dict(data)
-    for k in ("layers", "submesh", "logical_mesh", "devices"):
-      if kw.get(k) is not None:
-        kw[k] = tuple(kw[k])
-    return cls(**kw)
+      raise PlanError(f"{where} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+    missing = [k for k in ("layers", "subcluster", "submesh") if data.get(k) is None]
+    if missing:
+      raise PlanError(f"{where} is missing {missing}")
+    if not isinstance(data["subcluster"], str) or not data["subcluster"]:
+      raise PlanError(f"{where}.subcluster={data['subcluster']!r} must be a subcluster name")
+    kw = {"layers": _ints(data["layers"], f"{where}.layers", 0, 2),
+          "subcluster": data["subcluster"],
+          "submesh": _ints(data["submesh"], f"{where}.submesh", 1, 2),
+          "logical_mesh": _optional(data, "logical_mesh", where, _ints, 1, 2),
+          "devices": _optional(data, "devices", where, _ints, 0),
+          "warmup": _optional(data, "warmup", where, _int, 1),
+          "time_s": _seconds(data.get("time_s"), f"{where}.time_s"),
+          "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s")}
+    try:
+      return cls(**kw)
+    except PlanError as e:
+      raise PlanError(f"{where}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +191,8 @@ class Plan:
     if self.num_layers is not None and stages[-1].layers[1] != self.num_layers - 1:
       raise PlanError(f"the stages cover layers 0..{stages[-1].layers[1]} but the model has "
                       f"{self.num_layers} layers (0..{self.num_layers - 1})")
-    if self.num_microbatches is not None and int(self.num_microbatches) < 1:
-      raise PlanError(f"num_microbatches={self.num_microbatches} must be >= 1")
+    if self.num_microbatches is not None:
+      _int(self.num_microbatches, "num_microbatches", 1)
 
   @property
   def num_stages(self) -> int:
@@ -203,19 +258,41 @@ class Plan:
 
   @classmethod
   def from_json(cls, data: dict) -> "Plan":
+    """A plan from its JSON object (:meth:`to_json`); every field is checked, and errors name
+    it (``stages[1].warmup``)."""
     if not isinstance(data, dict) or "stages" not in data:
       raise PlanError("not a harpjax plan: expected a JSON object with a 'stages' list")
     fmt = data.get("format", "harpjax.plan/1")
     if fmt != "harpjax.plan/1":
       raise PlanError(f"unsupported plan format {fmt!r}; this version reads 'harpjax.plan/1'")
-    return Plan(stages=tuple(StageSpec.from_json(s) for s in data["stages"]),
-                num_microbatches=data.get("num_microbatches"),
-                schedule=data.get("schedule", "h1f1b"),
-                num_layers=data.get("num_layers"),
-                t_max_s=data.get("t_max_s"),
-                predicted_iteration_s=data.get("predicted_iteration_s"),
-                eta=data.get("eta"),
-                meta=tuple(sorted((data.get("meta") or {}).items())))
+    unknown = sorted(set(data) - set(_PLAN_FIELDS))
+    if unknown:
+      raise PlanError(f"unknown fields {unknown}; a plan has {list(_PLAN_FIELDS)}")
+    stages = data["stages"]
+    if not isinstance(stages, list) or not stages:
+      raise PlanError(f"stages={stages!r} must be a non-empty list of stage objects")
+    schedule = data.get("schedule", "h1f1b")
+    try:
+      schedule_key(schedule if isinstance(schedule, str) else repr(schedule))
+    except HarpjaxError as e:
+      raise PlanError(f"schedule: {e}") from None
+    eta = data.get("eta")
+    if eta is not None and (isinstance(eta, bool) or not isinstance(eta, numbers.Real)
+                            or not 0 < eta <= 1):
+      raise PlanError(f"eta={eta!r} must be a number in (0, 1] or null")
+    meta = data.get("meta") or {}
+    if not isinstance(meta, dict):
+      raise PlanError(f"meta={meta!r} must be an object")
+    return Plan(stages=tuple(StageSpec.from_json(s, f"stages[{i}]")
+                             for i, s in enumerate(stages)),
+                num_microbatches=_optional(data, "num_microbatches", "", _int, 1),
+                schedule=schedule,
+                num_layers=_optional(data, "num_layers", "", _int, 1),
+                t_max_s=_seconds(data.get("t_max_s"), "t_max_s"),
+                predicted_iteration_s=_seconds(data.get("predicted_iteration_s"),
+                                               "predicted_iteration_s"),
+                eta=None if eta is None else float(eta),
+                meta=tuple(sorted(meta.items())))
 
   def save(self, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
@@ -227,15 +304,29 @@ class Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-  """Reads a plan saved by :meth:`Plan.save`."""
+  """Reads a plan saved by :meth:`Plan.save`.
+
+  Raises:
+    PlanError: the file is missing, unreadable, not JSON or not a valid plan; the message
+      names the file and the field (``plan file 'p.json': stages[0].warmup='abc' must be an
+      integer >= 1``).
+  """
+  name = os.fspath(path)
   try:
     with open(path) as f:
       data = json.load(f)
   except FileNotFoundError:
-    raise PlanError(f"plan file {os.fspath(path)!r} does not exist") from None
-  except json.JSONDecodeError as e:
-    raise PlanError(f"plan file {os.fspath(path)!r} is not valid JSON: {e}") from None
-  return Plan.from_json(data)
+    raise PlanError(f"plan file {name!r} does not exist") from None
+  except IsADirectoryError:
+    raise PlanError(f"plan file {name!r} is a directory; give the plan's JSON file") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise PlanError(f"plan file {name!r} is not valid JSON: {e}") from None
+  except OSError as e:
+    raise PlanError(f"plan file {name!r} cannot be read: {e.strerror or e}") from None
+  try:
+    return Plan.from_json(data)
+  except PlanError as e:
+    raise PlanError(f"plan file {name!r}: {e}") from None
 
 
 def ManualPlan(stages: Iterable[StageSpec | dict | Sequence], *,  # noqa: N802 - reads as a type
@@ -254,6 +345,11 @@ def ManualPlan(stages: Iterable[StageSpec | dict | Sequence], *,  # noqa: N802 -
     kw["schedule"] = schedule
   return Plan(stages=tuple(_stage_from_any(s) for s in stages),
               num_microbatches=num_microbatches, **kw)
+
+
+_PLAN_FIELDS = ("format", "stages", "num_microbatches", "schedule", "num_layers", "t_max_s",
+                "predicted_iteration_s", "eta", "meta")
+"""The fields of a plan file (:meth:`Plan.to_json`)."""
 
 
 def _stage_from_any(s: Any) -> StageSpec:
