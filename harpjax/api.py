@@ -123,8 +123,10 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       stage, at most one per CPU; ``0`` compiles lazily, executable by executable, on the
       first call). For ``"ray"``: see :class:`harpjax.runtime.ray_runtime.RayRunner`.
     layer_options: :class:`harpjax.compiler.layers.LayerOptions` of automatic planning.
-    profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: analytic by
-      default, from the GPU types' rates; ``"measured"`` times the local devices).
+    profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: by default
+      ``"jaxpr"``, each layer's jaxpr with the GPU types' calibrated rates, nothing compiled;
+      ``"analytic"`` compiles each layer to refine them; ``"measured"`` times the local
+      devices).
     solve_options: :class:`harpjax.compiler.plan.SolveOptions`.
 
   Returns:
