@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "ProfileTasks",
            "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
-           "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size"]
+           "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size",
+           "progress_bar"]
 
 SOURCES = ("jaxpr", "analytic", "measured", "imported")
 _LOCAL_TRACE = frozenset(("analytic", "imported"))   # the sources whose ``local_trace`` is set
@@ -72,7 +73,8 @@ class ProfileOptions:
     cache_dir: profile database directory; ``None``: ``$HARPJAX_CACHE_DIR`` or
       ``~/.cache/harpjax/profiles``.
     use_cache: read and write the database.
-    progress: show a progress bar; ``None``: when stderr is a terminal.
+    progress: show progress bars (profiling; compiling the stages in
+      :func:`harpjax.auto_parallel`); ``None``: when stderr is a terminal.
     state_bytes_per_param: weights + gradients + optimizer state per parameter (16: fp16
       weights and gradients, fp32 master weights and two Adam moments; or fp32 Adam).
     max_tp: largest tensor-parallel degree (default: the hosts' device count).
@@ -236,11 +238,12 @@ def _make_source(opts: ProfileOptions, db):
                                 opts.imported_module)
 
 
-def _progress(total: int, enabled: bool | None, desc: str):
+def progress_bar(total: int, enabled: bool | None, desc: str, unit: str = "task"):
+  """A progress bar (``enabled=None``: when stderr is a terminal), as a context manager."""
   from tqdm.auto import tqdm
   if enabled is None:
     enabled = sys.stderr.isatty()
-  return tqdm(total=total, disable=not enabled, desc=desc, unit="task", leave=False)
+  return tqdm(total=total, disable=not enabled, desc=desc, unit=unit, leave=False)
 
 
 # --------------------------------------------------------------------------- enumeration
@@ -418,7 +421,7 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
     for kid in todo:
       t = tasks[kid]
       compile_keys.setdefault((t.signature, t.mesh[1], t.local_batch, t.dp_scaled), t)
-  with _progress(len(compile_keys) + len(todo), opts.progress, "profiling") as bar:
+  with progress_bar(len(compile_keys) + len(todo), opts.progress, "profiling") as bar:
     if compile_keys:
       if opts.workers > 1:
         with concurrent.futures.ThreadPoolExecutor(opts.workers) as ex:
