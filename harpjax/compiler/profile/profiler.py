@@ -56,8 +56,14 @@ __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "Pro
            "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size",
            "progress_bar"]
 
-SOURCES = ("jaxpr", "analytic", "measured", "imported")
-_LOCAL_TRACE = frozenset(("analytic", "imported"))   # the sources whose ``local_trace`` is set
+_SOURCE_CLASSES = {"jaxpr": sources.JaxprSource, "analytic": sources.AnalyticSource,
+                   "measured": sources.MeasuredSource, "imported": sources.ImportedSource}
+SOURCES = tuple(_SOURCE_CLASSES)
+
+
+def _local_trace(source: str) -> bool:
+  """Whether the source costs a task from its piece at the local microbatch."""
+  return _SOURCE_CLASSES[source].local_trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +325,7 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
   b = microbatch_size(layers) or 1
   local_seq, has_local = local_layers
   measured = opts.source == "measured"
-  local_trace = opts.source in _LOCAL_TRACE
+  local_trace = _local_trace(opts.source)
   piece = _Pieces()
   devices_of = _measured_devices(cluster) if measured else None
   configs = tuple(MeshConfig(k, s, tuple(nm), mesh)
@@ -410,7 +416,7 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
   tasks, keys = found.tasks, found.keys
   for kid in todo:   # a local trace that failed falls back to scaling the full microbatch
     t = tasks[kid]
-    if (not t.dp_scaled and t.mesh[0] > 1 and opts.source in _LOCAL_TRACE
+    if (not t.dp_scaled and t.mesh[0] > 1 and _local_trace(opts.source)
         and t.seq is layers):
       tasks[kid] = t = dataclasses.replace(t, dp_scaled=True, local_batch=b)
       keys[kid] = t.key(source.name, source.cache_extra())
