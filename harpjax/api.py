@@ -11,6 +11,7 @@ dtypes, pytree), each returning a frozen object cached like ``jax.jit``'s: ``tra
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -29,7 +30,7 @@ from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      traced_step_for)
 from harpjax.compiler.plan import Plan, SolveOptions, load_plan, solve
-from harpjax.compiler.profile import ProfileOptions, ProfileResult, profile_step
+from harpjax.compiler.profile import ProfileOptions, ProfileResult, profile_step, progress_bar
 from harpjax.compiler.schedule import Schedule, schedule_key
 from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep, StepProgram,
                                      compile_step, default_workers, layout_step, lower_step,
@@ -138,8 +139,10 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       stage, at most one per CPU; ``0`` compiles lazily, executable by executable, on the
       first call). For ``"ray"``: see :class:`harpjax.runtime.ray_runtime.RayRunner`.
     layer_options: :class:`harpjax.compiler.layers.LayerOptions` of automatic planning.
-    profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: analytic by
-      default, from the GPU types' rates; ``"measured"`` times the local devices).
+    profile_options: :class:`harpjax.compiler.profile.ProfileOptions` (cost source: by default
+      ``"jaxpr"``, each layer's jaxpr with the GPU types' calibrated rates, nothing compiled;
+      ``"analytic"`` compiles each layer to refine them; ``"measured"`` times the local
+      devices).
     solve_options: :class:`harpjax.compiler.plan.SolveOptions`.
     checkpoint: a directory or :class:`harpjax.CheckpointOptions`: the new training state
       (the first element of the step's result, by default) is saved every ``every`` completed
@@ -487,11 +490,28 @@ class ParallelStep:
     if workers is None:
       workers = default_workers(program.num_stages)
     if workers:
-      seconds = precompile(cs.layout, dict(enumerate(cs.stages)), dict(enumerate(cs.group_fns)),
-                           workers)
+      progress = (self.options.profile_options or ProfileOptions()).progress
+      seconds = _precompile(cs, workers, progress)
       log.info("compiled the executables of %d stages in %.1f s (%d threads)",
                program.num_stages, seconds, workers)
     return cs
+
+
+def _precompile(cs: CompiledStep, workers: int, progress: bool | None) -> float:
+  """:func:`precompile`, one stage per job (its executables, then its placement groups), in
+  ``workers`` threads, with a progress bar over the stages. Returns the seconds taken."""
+  groups: list[dict] = [{} for _ in cs.stages]
+  for gi, fn in enumerate(cs.group_fns):
+    groups[cs.layout.groups[gi].home][gi] = fn
+  t0 = time.perf_counter()
+  with progress_bar(len(cs.stages), progress, "compiling", unit="stage") as bar, \
+      concurrent.futures.ThreadPoolExecutor(workers) as ex:
+    jobs = [ex.submit(precompile, cs.layout, {s: st}, groups[s], 1)
+            for s, st in enumerate(cs.stages)]
+    for job in concurrent.futures.as_completed(jobs):
+      job.result()
+      bar.update(1)
+  return time.perf_counter() - t0
 
 
 def _leaf_paths(args) -> list[str]:

@@ -5,7 +5,8 @@ Modules: :mod:`~harpjax.compiler.profile.tables` (:class:`CostTables` and the on
 them), :mod:`~harpjax.compiler.profile.collectives` (collective times on a link),
 :mod:`~harpjax.compiler.profile.calibration` (the analytic time model, its per-GPU factors and
 the published measurements), :mod:`~harpjax.compiler.profile.pieces` (a layer as a standalone
-function and what XLA says of it), :mod:`~harpjax.compiler.profile.sources` (cost sources:
+function and what XLA says of it), :mod:`~harpjax.compiler.profile.estimate` (the same
+statistics read off its jaxpr), :mod:`~harpjax.compiler.profile.sources` (cost sources: jaxpr,
 analytic, measured, imported), :mod:`~harpjax.compiler.profile.cache` (the profile database)
 and :mod:`~harpjax.compiler.profile.profiler` (:func:`profile_layers`, :func:`profile_step`).
 A new cost source implements :class:`~harpjax.compiler.profile.sources.CostSource` and is
@@ -14,7 +15,8 @@ chosen in ``profiler._make_source``.
 
 from harpjax.compiler.profile.cache import CACHE_DIR_ENV, default_cache_dir, ProfileDB
 from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, profile_step,
-                                               ProfileOptions, ProfileResult, ProfileStats, SOURCES)
+                                               ProfileOptions, ProfileResult, ProfileStats,
+                                               progress_bar, SOURCES)
 from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
                                              memory_to_compute_order, SubclusterSpec,
                                              synthetic_gpt_profile)
@@ -22,6 +24,6 @@ from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerP
 __all__ = [
     "assemble_tables", "CACHE_DIR_ENV", "CostTables", "default_cache_dir", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "profile_layers", "profile_step", "ProfileDB",
-    "ProfileOptions", "ProfileResult", "ProfileStats", "SOURCES", "SubclusterSpec",
+    "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar", "SOURCES", "SubclusterSpec",
     "synthetic_gpt_profile",
 ]

@@ -9,10 +9,12 @@ one block's layers instead of ``L (L + 1) / 2`` stages per submesh. Candidates t
 fit one microbatch, or whose share of the work is hopelessly out of proportion to the
 submesh's share of compute, are marked infeasible in the tables.
 
-Three cost sources sit behind one interface (:mod:`~harpjax.compiler.profile.sources`):
-``"measured"`` (run on the submesh's devices), ``"analytic"`` (compile only, from
-``jax.ShapeDtypeStruct`` s, XLA's cost/memory analysis and collectives + calibrated GPU rates;
-costs a 39B-parameter model on a laptop) and ``"imported"`` (published per-layer
+Four cost sources sit behind one interface (:mod:`~harpjax.compiler.profile.sources`):
+``"jaxpr"`` (the default: FLOPs, bytes, collectives and memory read off each layer's
+forward+backward jaxpr + calibrated GPU rates; nothing is compiled), ``"analytic"`` (the same
+time model on XLA's cost/memory analysis and collectives of each layer compiled from
+``jax.ShapeDtypeStruct`` s; costs a 39B-parameter model on a laptop, in minutes),
+``"measured"`` (run on the submesh's devices) and ``"imported"`` (published per-layer
 measurements). Results are cached on disk by signature, GPU type, submesh, logical mesh,
 microbatch size and library version (:mod:`~harpjax.compiler.profile.cache`); profiling shows
 a progress bar and logs its phases.
@@ -51,9 +53,17 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "ProfileTasks",
            "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
-           "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size"]
+           "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size",
+           "progress_bar"]
 
-SOURCES = ("analytic", "measured", "imported")
+_SOURCE_CLASSES = {"jaxpr": sources.JaxprSource, "analytic": sources.AnalyticSource,
+                   "measured": sources.MeasuredSource, "imported": sources.ImportedSource}
+SOURCES = tuple(_SOURCE_CLASSES)
+
+
+def _local_trace(source: str) -> bool:
+  """Whether the source costs a task from its piece at the local microbatch."""
+  return _SOURCE_CLASSES[source].local_trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +71,16 @@ class ProfileOptions:
   """Options of the profiler.
 
   Attributes:
-    source: ``"analytic"``, ``"measured"`` or ``"imported"``.
+    source: ``"jaxpr"`` (default: costs read off each layer's forward+backward jaxpr with the
+      calibrated GPU rates; nothing is compiled, a model is costed in about a second),
+      ``"analytic"`` (the same time model on XLA's statistics of each layer compiled at the
+      local microbatch: tens of seconds for a small model, what a user asks for to refine a
+      plan), ``"measured"`` (timed on the cluster's local devices) or ``"imported"``.
     cache_dir: profile database directory; ``None``: ``$HARPJAX_CACHE_DIR`` or
       ``~/.cache/harpjax/profiles``.
     use_cache: read and write the database.
-    progress: show a progress bar; ``None``: when stderr is a terminal.
+    progress: show progress bars (profiling; compiling the stages in
+      :func:`harpjax.auto_parallel`); ``None``: when stderr is a terminal.
     state_bytes_per_param: weights + gradients + optimizer state per parameter (16: fp16
       weights and gradients, fp32 master weights and two Adam moments; or fp32 Adam).
     max_tp: largest tensor-parallel degree (default: the hosts' device count).
@@ -85,7 +100,7 @@ class ProfileOptions:
       recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
       in-flight microbatch. The runtime must then rematerialise too.
   """
-  source: str = "analytic"
+  source: str = "jaxpr"
   cache_dir: str | None = None
   use_cache: bool = True
   progress: bool | None = None
@@ -126,7 +141,7 @@ class ProfileStats:
     unique_tasks: distinct pieces costed (signature x GPU type x submesh x logical mesh x
       microbatch size): the profiling tasks.
     unique_compiles: distinct compilations behind them (signature at the local batch x
-      ``tp``) for the analytic source.
+      ``tp``) for the analytic source; 0 for the jaxpr source (nothing is compiled).
     computed: tasks costed in this call (the rest came from the cache).
     cache_hits: database hits.
     pruned_tasks: candidates skipped before costing (parameters alone exceed the device).
@@ -214,6 +229,8 @@ def _ordered(cluster, order) -> list:
 
 
 def _make_source(opts: ProfileOptions, db):
+  if opts.source == "jaxpr":
+    return sources.JaxprSource(opts.efficiencies, opts.state_bytes_per_param, remat=opts.remat)
   analytic = sources.AnalyticSource(db, opts.efficiencies, opts.state_bytes_per_param,
                                     remat=opts.remat)
   if opts.source == "analytic":
@@ -227,11 +244,12 @@ def _make_source(opts: ProfileOptions, db):
                                 opts.imported_module)
 
 
-def _progress(total: int, enabled: bool | None, desc: str):
+def progress_bar(total: int, enabled: bool | None, desc: str, unit: str = "task"):
+  """A progress bar (``enabled=None``: when stderr is a terminal), as a context manager."""
   from tqdm.auto import tqdm
   if enabled is None:
     enabled = sys.stderr.isatty()
-  return tqdm(total=total, disable=not enabled, desc=desc, unit="task", leave=False)
+  return tqdm(total=total, disable=not enabled, desc=desc, unit=unit, leave=False)
 
 
 # --------------------------------------------------------------------------- enumeration
@@ -307,6 +325,7 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
   b = microbatch_size(layers) or 1
   local_seq, has_local = local_layers
   measured = opts.source == "measured"
+  local_trace = _local_trace(opts.source)
   piece = _Pieces()
   devices_of = _measured_devices(cluster) if measured else None
   configs = tuple(MeshConfig(k, s, tuple(nm), mesh)
@@ -324,7 +343,7 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
     host = Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
     nl = cluster.intra_subcluster_link(sub.name)
     node = Link(nl.bandwidth_bytes_per_s, nl.latency_s)
-    scaled = not measured and not has_local(dp)
+    scaled = local_trace and not has_local(dp)
     row = []
     for i in range(L):
       full = piece(layers, i)
@@ -334,7 +353,7 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
         continue
 
       def resolve(dp=dp, i=i):
-        seq = None if measured else local_seq(dp)
+        seq = local_seq(dp) if local_trace else None
         seq = layers if seq is None else seq
         return seq, piece(seq, i)
       task = sources.LayerTask(
@@ -397,7 +416,8 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
   tasks, keys = found.tasks, found.keys
   for kid in todo:   # a local trace that failed falls back to scaling the full microbatch
     t = tasks[kid]
-    if not t.dp_scaled and t.mesh[0] > 1 and opts.source != "measured" and t.seq is layers:
+    if (not t.dp_scaled and t.mesh[0] > 1 and _local_trace(opts.source)
+        and t.seq is layers):
       tasks[kid] = t = dataclasses.replace(t, dp_scaled=True, local_batch=b)
       keys[kid] = t.key(source.name, source.cache_extra())
     dp_approx |= t.dp_scaled
@@ -407,7 +427,7 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
     for kid in todo:
       t = tasks[kid]
       compile_keys.setdefault((t.signature, t.mesh[1], t.local_batch, t.dp_scaled), t)
-  with _progress(len(compile_keys) + len(todo), opts.progress, "profiling") as bar:
+  with progress_bar(len(compile_keys) + len(todo), opts.progress, "profiling") as bar:
     if compile_keys:
       if opts.workers > 1:
         with concurrent.futures.ThreadPoolExecutor(opts.workers) as ex:
@@ -520,8 +540,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
       num_layers=L, distinct_layers=len(set(layers.signatures)),
       layers_per_repeat=_layers_per_repeat(layers), configs=len(found.configs),
       candidates=len(found.configs) * L, unique_tasks=len(found.tasks),
-      unique_compiles=len({(t.signature, t.mesh[1], t.local_batch)
-                           for t in found.tasks.values()}),
+      unique_compiles=0 if opts.source == "jaxpr" else len(
+          {(t.signature, t.mesh[1], t.local_batch) for t in found.tasks.values()}),
       computed=len(computed), cache_hits=len(found.tasks) - len(computed),
       pruned_tasks=found.pruned, pruned_oom=counts["oom"], pruned_imbalance=counts["imbalance"],
       naive_stage_submesh=naive_ss, naive_stage_mesh=L * (L + 1) // 2 * len(found.configs),

@@ -1,9 +1,12 @@
-"""Cost sources behind one interface: measured, analytic, imported.
+"""Cost sources behind one interface: jaxpr, analytic, measured, imported.
 
 A source turns a :class:`LayerTask` (one layer's piece on one submesh with one logical mesh of
 one GPU type) into a :class:`LayerCost` (forward+backward seconds of one microbatch including
 its collectives and the data-parallel gradient all-reduce, and per-device memory).
 
+* :class:`JaxprSource` (the default) reads FLOPs, bytes, collectives and memory off the
+  piece's forward+backward jaxpr (:mod:`~harpjax.compiler.profile.estimate`; nothing is
+  compiled) and applies the GPU type's calibrated rates as the analytic source does.
 * :class:`MeasuredSource` compiles the piece on the submesh's devices and times it (median).
 * :class:`AnalyticSource` compiles the piece of one data-parallel replica (local batch) on
   ``tp`` devices from ``jax.ShapeDtypeStruct`` s, and applies the GPU type's calibrated rates
@@ -29,14 +32,15 @@ import numpy as np
 from harpjax.cluster import Link
 from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import calibration as calib
+from harpjax.compiler.profile import estimate
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
 from harpjax.errors import HarpjaxError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerTask", "LayerCost", "CostSource", "AnalyticSource", "MeasuredSource",
-           "ImportedSource"]
+__all__ = ["LayerTask", "LayerCost", "CostSource", "cost_from_stats", "JaxprSource",
+           "AnalyticSource", "MeasuredSource", "ImportedSource"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -131,14 +135,99 @@ class LayerCost:
 
 
 class CostSource(Protocol):
-  """What a cost source provides."""
+  """What a cost source provides.
+
+  ``local_trace``: the source costs a task from its piece at the local microbatch
+  (:attr:`LayerTask.piece`, which may trace the step again at ``microbatch / dp``); ``False``:
+  from the full microbatch's piece alone.
+  """
   name: str
+  local_trace: bool
 
   def cache_extra(self) -> dict:
     """Anything beyond the task that the result depends on (part of the cache key)."""
 
   def cost(self, task: LayerTask) -> LayerCost:
     """Costs one task."""
+
+
+def cost_from_stats(st: pieces_lib.XlaStats, task: LayerTask, efficiencies: dict | None,
+                    state_bytes_per_param: float, scale: float = 1.0) -> LayerCost:
+  """A task's :class:`LayerCost` from per-device statistics of its piece: the calibrated
+  roofline time of the GPU type, the tensor-parallel collectives on the host link and a ring
+  all-reduce of the gradients over ``dp`` (host link if the submesh is one host, else the
+  link between its hosts); batch-proportional statistics divided by ``scale``."""
+  g = task.gpu
+  dp, tp = task.mesh
+  eff = calib.efficiency_for(g.name, efficiencies)
+  t_comp = float(calib.predict_layer_time_s(st.flops / scale, st.bytes_accessed / scale,
+                                            g.peak_flops, g.mem_bandwidth_bytes_per_s, eff))
+  t_coll = collective_time_s({k: [b / scale, c] for k, (b, c) in st.collective_bytes.items()},
+                             tp, task.host_link)
+  link = task.host_link if task.submesh[0] == 1 else task.node_link
+  t_sync = allreduce_time_s(st.param_bytes, dp, link)
+  return LayerCost(time_s=t_comp + t_coll + t_sync, comm_s=t_coll + t_sync,
+                   param_mem_bytes=st.num_params * state_bytes_per_param,
+                   act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
+                   flops=st.flops / scale)
+
+
+def _efficiency_key(efficiencies: dict | None) -> dict:
+  table = efficiencies if efficiencies is not None else calib.CALIBRATION
+  return {k: list(dataclasses.astuple(v)[:3]) for k, v in sorted(table.items())}
+
+
+class JaxprSource:
+  """Costs from the piece's jaxpr and calibrated GPU rates: nothing is compiled.
+
+  The piece's forward+backward is traced once per layer signature (milliseconds) and read per
+  logical mesh by :func:`~harpjax.compiler.profile.estimate.jaxpr_stats`: FLOPs, bytes under
+  an XLA-like fusion model, the all-reduces of its tensor-parallel rules, residuals, workspace
+  and the parameter shard, per device. The data-parallel share comes from which values carry
+  the batch, so the step is never traced again at the local microbatch. The time model is the
+  analytic source's (:func:`cost_from_stats`).
+
+  Args:
+    efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency`;
+      default the calibrated table.
+    state_bytes_per_param: weights + gradients + optimizer state per parameter.
+    remat: cost a forward rematerialised in the backward.
+  """
+  name = "jaxpr"
+  local_trace = False
+
+  def __init__(self, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
+               remat: bool = False):
+    self.efficiencies = efficiencies
+    self.state_bytes_per_param = float(state_bytes_per_param)
+    self.remat = bool(remat)
+    self._traced: dict = {}
+    self._stats: dict = {}
+
+  def cache_extra(self) -> dict:
+    return {"state_bytes_per_param": self.state_bytes_per_param,
+            "efficiencies": _efficiency_key(self.efficiencies), "remat": self.remat,
+            "estimate": estimate.ESTIMATE_VERSION}
+
+  def traced(self, task: LayerTask) -> estimate.TracedPiece:
+    """The task's piece at the full microbatch, traced (once per signature)."""
+    k = (task.signature, task.microbatch)
+    got = self._traced.get(k)
+    if got is None:
+      got = self._traced[k] = estimate.trace_piece(task.full_piece, self.remat)
+    return got
+
+  def stats(self, task: LayerTask) -> pieces_lib.XlaStats:
+    """Per-device statistics on the task's logical mesh (cached by signature and mesh)."""
+    k = (task.signature, task.microbatch, tuple(task.mesh))
+    got = self._stats.get(k)
+    if got is None:
+      got = self._stats[k] = estimate.jaxpr_stats(self.traced(task), tuple(task.mesh))
+    return got
+
+  def cost(self, task: LayerTask) -> LayerCost:
+    return cost_from_stats(self.stats(task), task, self.efficiencies,
+                           self.state_bytes_per_param)
 
 
 class AnalyticSource:
@@ -152,6 +241,7 @@ class AnalyticSource:
     devices: devices to compile on (default ``jax.devices()``); ``tp`` must not exceed them.
   """
   name = "analytic"
+  local_trace = True
 
   def __init__(self, db, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
                devices=None, remat: bool = False):
@@ -164,10 +254,8 @@ class AnalyticSource:
     self.compiles = 0
 
   def cache_extra(self) -> dict:
-    table = self.efficiencies if self.efficiencies is not None else calib.CALIBRATION
-    e = {k: list(dataclasses.astuple(v)[:3]) for k, v in sorted(table.items())}
-    return {"state_bytes_per_param": self.state_bytes_per_param, "efficiencies": e,
-            "remat": self.remat}
+    return {"state_bytes_per_param": self.state_bytes_per_param,
+            "efficiencies": _efficiency_key(self.efficiencies), "remat": self.remat}
 
   def stats(self, task: LayerTask) -> pieces_lib.XlaStats:
     """XLA statistics of the task's piece on ``tp`` devices (cached by signature)."""
@@ -205,18 +293,8 @@ class AnalyticSource:
                                             g.peak_flops, g.mem_bandwidth_bytes_per_s, eff))
 
   def cost(self, task: LayerTask) -> LayerCost:
-    st = self.stats(task)
-    dp, tp = task.mesh
-    n = task.submesh[0]
-    scale = dp if task.dp_scaled else 1
-    t_comp = self.compute_time_s(task, st)
-    t_coll = collective_time_s({k: [b / scale, c] for k, (b, c) in st.collective_bytes.items()},
-                               tp, task.host_link)
-    t_sync = allreduce_time_s(st.param_bytes, dp, task.host_link if n == 1 else task.node_link)
-    return LayerCost(time_s=t_comp + t_coll + t_sync, comm_s=t_coll + t_sync,
-                     param_mem_bytes=st.num_params * self.state_bytes_per_param,
-                     act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
-                     flops=st.flops / scale)
+    return cost_from_stats(self.stats(task), task, self.efficiencies,
+                           self.state_bytes_per_param, task.mesh[0] if task.dp_scaled else 1)
 
 
 class MeasuredSource:
@@ -225,6 +303,7 @@ class MeasuredSource:
   Memory comes from XLA's memory analysis of the same sharded program.
   """
   name = "measured"
+  local_trace = False
 
   def __init__(self, db, repeats: int = 5, warmup: int = 1, state_bytes_per_param: float = 16.0,
                seed: int = 0, remat: bool = False):
@@ -293,6 +372,7 @@ class ImportedSource:
     module: module kind name of the block (default: the most repeated kind).
   """
   name = "imported"
+  local_trace = True
 
   def __init__(self, base: AnalyticSource, model: str, data: dict | None = None,
                module: str | None = None):

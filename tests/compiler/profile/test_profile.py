@@ -28,6 +28,9 @@ def _gpt(num_blocks, **kw):
 
 
 def _profile(spec, cluster=SMALL, **opts):
+  """Profiles with the XLA-compiled analytic source unless told otherwise (the jaxpr source,
+  the default, has its own tests in test_jaxpr_source.py)."""
+  opts.setdefault("source", "analytic")
   return P.profile_step(spec.step_fn, spec.args, cluster,
                         num_microbatches=spec.num_microbatches,
                         options=P.ProfileOptions(progress=False, **opts))

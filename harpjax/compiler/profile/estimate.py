@@ -1,0 +1,297 @@
+"""What a piece costs, read off its jaxpr: no XLA compilation.
+
+The forward+backward of a :class:`~harpjax.compiler.profile.pieces.Piece` (``jax.vjp`` with
+given cotangents, :func:`~harpjax.compiler.profile.pieces.make_functions`) is traced to a
+jaxpr from ``jax.ShapeDtypeStruct`` s (milliseconds), flattened to a
+:class:`~harpjax.compiler.trace.Program` and stripped of the ops nothing returned needs, as
+XLA strips them. :func:`jaxpr_stats` reads, per device of a ``(dp, tp)`` logical mesh, at the
+full microbatch's shapes, what :func:`~harpjax.compiler.profile.pieces.xla_stats` reads from
+the compiled piece (the calibrated time factors were fitted to those statistics):
+
+* **FLOPs**: :func:`~harpjax.compiler.trace.primitives.eqn_flops` per op. An op whose result
+  depends on a batch-split input does ``1 / dp`` of it; an op the tensor-parallel rules split
+  (:func:`~harpjax.compiler.layers.sharding.tp_plan` run over the forward *and* backward ops:
+  a column-parallel matmul, what flows from it, the row-parallel matmul that reduces it) does
+  ``1 / tp`` of it.
+* **Bytes accessed**: every op reads its operands and writes its results, except broadcasts,
+  conversions, reshapes, transposes and iotas, which XLA computes inside their consumers (a
+  consumer reads their operands instead). This is close to XLA:CPU's count, which fuses
+  little more than that: within a quarter on GPT-2.6B-sized layers. A value carrying the
+  batch is ``1 / dp`` of its size, one split on ``tp`` ``1 / tp`` of it.
+* **Collectives**: one all-reduce per matmul the rules make row-parallel (the forward's second
+  matmul of a Megatron pair, the backward's input gradient of the first), of its result.
+* **Residuals** (activation memory per in-flight microbatch): the leaves of the forward's
+  ``jax.vjp`` closure, parameters excluded, activation inputs the backward keeps included, as
+  :func:`~harpjax.compiler.profile.pieces.xla_stats` counts them, divided as above.
+* **Workspace**: the peak bytes of the results written above live at once, inputs and
+  outputs excluded.
+* **Parameters**: this device's shard (:func:`~harpjax.compiler.layers.sharding.param_specs`).
+
+The data-parallel share needs no trace at the local microbatch: which values and ops depend on
+a batch-split input is known from the program. A value that depends on the batch but has a
+parameter's shape (a weight gradient) is not batch-sized; one computed from constants alone but
+shaped like a batch-sized value (a causal mask broadcast to the batch) is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from harpjax import _compat
+from harpjax.compiler.layers import sharding
+from harpjax.compiler.profile import pieces as pieces_lib
+from harpjax.compiler.trace import Lit, Program, from_closed_jaxpr, primitives
+
+__all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats"]
+
+ESTIMATE_VERSION = "2"
+"""Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
+
+# Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
+# are never written; a consumer reads their operands instead.
+_FOLDED = frozenset({"broadcast_in_dim", "convert_element_type", "iota", "reshape", "squeeze",
+                     "expand_dims", "transpose"})
+_EFFECTS = frozenset({"debug_callback", "io_callback", "pure_callback"})
+# Ops that only re-address their operand: a view of a split value is split.
+_MOVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type",
+                    "copy", "copy_p", "broadcast_in_dim", "slice", "dynamic_slice"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedPiece:
+  """A piece's forward+backward and forward-with-residuals as flat programs.
+
+  Attributes:
+    piece: the piece.
+    fwd_bwd: ``(params, acts, aux, cts) -> (param grads, act grads)`` as a program.
+    fwd_res: ``(params, acts, aux) -> (outputs, residual leaves)`` as a program.
+    num_outputs: outputs of ``fwd_res`` before its residuals.
+    trace_s: seconds spent tracing.
+  """
+  piece: pieces_lib.Piece
+  fwd_bwd: Program
+  fwd_res: Program
+  num_outputs: int
+  trace_s: float
+
+
+def _flatten(closed) -> Program:
+  """Every call-like body JAX lets harpjax inline, inlined."""
+  return from_closed_jaxpr(closed, inline=lambda e: e.primitive.name in _compat.CALL_PRIMITIVES)
+
+
+def _dce(prog: Program) -> Program:
+  """Drops the ops nothing returned depends on (as XLA does: the forward's outputs are not
+  results of ``fwd_bwd``, so the ops only they need cost nothing in XLA's statistics, which
+  the calibrated factors were fitted against)."""
+  live = {v for v in prog.outvars if not isinstance(v, Lit)}
+  keep = []
+  for op in reversed(prog.ops):
+    if any(o in live for o in op.outvars) or op.name in _EFFECTS:
+      keep.append(op)
+      live.update(op.in_ids())
+  ops = tuple(dataclasses.replace(op, index=i) for i, op in enumerate(reversed(keep)))
+  return Program(prog.avals, prog.invars, prog.outvars, ops, prog.num_consts)
+
+
+def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
+  """Traces a piece's forward+backward (from ``jax.ShapeDtypeStruct`` s; nothing compiled).
+
+  With ``remat`` only the residuals change: the forward+backward without its unused forward
+  outputs computes the forward once either way (inside the backward when rematerialised),
+  which is what XLA's statistics of it count too.
+  """
+  t0 = time.perf_counter()
+  fwd_bwd, _ = pieces_lib.make_functions(piece, False)
+  _, fwd_res = pieces_lib.make_functions(piece, remat)
+  args = pieces_lib.abstract_inputs(piece)
+  fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
+  fr = _flatten(jax.make_jaxpr(fwd_res)(*args[:3]))
+  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0)
+
+
+def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
+  """``(parameter input ids, batch-split input ids)`` of a traced program of ``piece``."""
+  n_p = len(piece.param_ids)
+  ids = piece.param_ids + piece.act_ids + piece.aux_ids + (piece.out_ids if with_cts else ())
+  inputs = prog.invars[prog.num_consts:]
+  params = tuple(inputs[:n_p])
+  batch = [inputs[i] for i, v in enumerate(ids) if v in piece.batch_ids]
+  return params, batch
+
+
+class _Sizes:
+  """Per-device bytes of a program's values on a ``(dp, tp)`` mesh, and which ops split."""
+
+  def __init__(self, prog: Program, params, batch_inputs, dp: int, tp: int):
+    self.prog, self.dp, self.tp = prog, dp, tp
+    self.batch: set = set()
+    self.batch_ops: set = set()
+    if dp > 1:
+      dep = prog.dependents(batch_inputs)
+      param_shapes = {tuple(prog.avals[p].shape) for p in params}
+      sized = lambda v: (tuple(prog.avals[v].shape) not in param_shapes
+                         and len(prog.avals[v].shape) > 0)
+      self.batch = {v for v in dep if sized(v)}
+      self.batch_ops = {op.index for op in prog.ops if any(o in dep for o in op.outvars)}
+      # A value computed from constants alone but shaped like a batch-sized one (a causal
+      # mask, zeros broadcast to the batch) is as large as the replica's batch makes it.
+      shapes = {tuple(prog.avals[v].shape) for v in self.batch}
+      variable = prog.dependents(prog.invars)
+      for op in prog.ops:
+        if not any(v in variable for v in op.in_ids()):
+          for o in op.outvars:
+            if o >= 0 and tuple(prog.avals[o].shape) in shapes and sized(o):
+              self.batch.add(o)
+              self.batch_ops.add(op.index)
+    self.split: set = set()
+    self.row_ops: tuple = ()
+    if tp > 1:
+      plan = sharding.tp_plan(prog, prog.ops, params, tp)
+      self.split = set(plan.act_dims) | set(plan.param_dims)
+      for op in prog.ops:   # views of split values (a transposed weight) are split too
+        outs = [o for o in op.outvars if o >= 0]
+        if (op.name in _MOVES and len(outs) == 1 and op.invars
+            and not isinstance(op.invars[0], Lit) and op.invars[0] in self.split):
+          self.split.add(outs[0])
+      self.row_ops = plan.row_ops
+    row = set(self.row_ops)
+    self.split_ops = {op.index for op in prog.ops
+                      if op.index in row or any(o in self.split for o in op.outvars)}
+
+  def nbytes(self, v) -> float:
+    if isinstance(v, Lit):
+      return 0.0
+    b = float(self.prog.nbytes(v))
+    if v in self.batch:
+      b /= self.dp
+    if v in self.split:
+      b /= self.tp
+    return b
+
+  def op_scale(self, op) -> float:
+    s = 1.0
+    if op.index in self.batch_ops:
+      s /= self.dp
+    if op.index in self.split_ops:
+      s /= self.tp
+    return s
+
+
+def _read(prog: Program) -> dict:
+  """Value -> the values a consumer of it actually reads: the operands behind
+  :data:`_FOLDED` ops, which are computed inside their consumers."""
+  src: dict = {}
+  for op in prog.ops:
+    if op.name in _FOLDED:
+      got = [u for v in op.in_ids() for u in src.get(v, (v,))]
+      for o in op.outvars:
+        if o >= 0:
+          src[o] = tuple(dict.fromkeys(got))
+  return src
+
+
+def _bytes_accessed(prog: Program, sizes: _Sizes, read: dict) -> float:
+  """Bytes every op reads and writes, :data:`_FOLDED` ops computed inside their consumers
+  (results the program returns are written all the same)."""
+  total = 0.0
+  for op in prog.ops:
+    if op.name in _FOLDED:
+      continue
+    ins = dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,)))
+    total += sum(sizes.nbytes(v) for v in ins)
+    total += sum(sizes.nbytes(o) for o in op.outvars if o >= 0)
+  total += sum(sizes.nbytes(v) for v in set(prog.outvars) if not isinstance(v, Lit)
+               and v in read)
+  return total
+
+
+def _peak_live(prog: Program, sizes: _Sizes, read: dict) -> float:
+  """Peak bytes of written results live at once (inputs and outputs excluded)."""
+  outputs = {v for v in prog.outvars if not isinstance(v, Lit)}
+  last = {}
+  for op in prog.ops:
+    if op.name in _FOLDED:
+      continue
+    for v in op.in_ids():
+      for u in read.get(v, (v,)):
+        last[u] = op.index
+  delta = [0.0] * (len(prog.ops) + 1)
+  for op in prog.ops:
+    if op.name in _FOLDED:
+      continue
+    for v in op.outvars:
+      if v >= 0 and v not in outputs and v in last:
+        delta[op.index] += sizes.nbytes(v)
+        delta[last[v] + 1] -= sizes.nbytes(v)
+  peak = live = 0.0
+  for d in delta:
+    live += d
+    peak = max(peak, live)
+  return peak
+
+
+def jaxpr_stats(traced: TracedPiece, mesh_shape: tuple[int, int]) -> pieces_lib.XlaStats:
+  """Per-device statistics of a traced piece on a ``(dp, tp)`` logical mesh (see the module
+  docstring), in the form :func:`~harpjax.compiler.profile.pieces.xla_stats` returns."""
+  dp, tp = mesh_shape
+  piece = traced.piece
+  fb = traced.fwd_bwd
+  params, batch = _input_roles(piece, fb, with_cts=True)
+  sizes = _Sizes(fb, params, batch, dp, tp)
+  flops = 0.0
+  for op in fb.ops:
+    ins = [_lit_aval(r) if isinstance(r, Lit) else fb.avals[r] for r in op.invars]
+    outs = [fb.avals[o] if o >= 0 else _lit_aval(Lit(0.0)) for o in op.outvars]
+    flops += primitives.eqn_flops(op.name, op.params, ins, outs) * sizes.op_scale(op)
+  read = _read(fb)
+  nbytes = _bytes_accessed(fb, sizes, read)
+  temp = _peak_live(fb, sizes, read)
+  colls = {}
+  if sizes.row_ops:
+    out_bytes = sum(sizes.nbytes(o) * sizes.tp if o in sizes.split else sizes.nbytes(o)
+                    for i in sizes.row_ops for o in fb.ops[i].outvars if o >= 0)
+    colls["all-reduce"] = [out_bytes, len(sizes.row_ops)]
+  residual = _residual_bytes(traced, dp, tp)
+  specs = sharding.param_specs(piece.program, piece.ops, piece.param_ids, tp)
+  local_bytes, local_n = 0.0, 0.0
+  for v in piece.param_ids:
+    aval = piece.program.avals[v]
+    div = tp if specs[v] != sharding.P() else 1
+    local_bytes += primitives.aval_nbytes(aval) / div
+    local_n += primitives.aval_size(aval) / div
+  return pieces_lib.XlaStats(flops=flops, bytes_accessed=nbytes, transcendentals=0.0,
+                             collective_bytes=colls, temp_bytes=temp, residual_bytes=residual,
+                             param_bytes=local_bytes, num_params=local_n,
+                             compile_s=traced.trace_s)
+
+
+def _residual_bytes(traced: TracedPiece, dp: int, tp: int) -> float:
+  """Per-device bytes of the forward's residuals (parameters excluded; activation inputs the
+  backward keeps included), as :func:`~harpjax.compiler.profile.pieces.xla_stats` counts."""
+  piece, fr = traced.piece, traced.fwd_res
+  params, batch = _input_roles(piece, fr, with_cts=False)
+  sizes = _Sizes(fr, params, batch, dp, tp)
+  inputs = fr.invars[fr.num_consts:]
+  pos = {v: i for i, v in enumerate(inputs)}
+  n_p = len(piece.param_ids)
+  total, seen = 0.0, set()
+  for v in fr.outvars[traced.num_outputs:]:
+    if isinstance(v, Lit) or v in seen:
+      continue
+    seen.add(v)
+    if v in pos:
+      if pos[v] >= n_p:   # an activation input kept for the backward: whole on every device
+        vid = (piece.act_ids + piece.aux_ids)[pos[v] - n_p]
+        total += float(fr.nbytes(v)) / (dp if vid in piece.batch_ids else 1)
+      continue
+    total += sizes.nbytes(v)
+  return total
+
+
+def _lit_aval(r: Lit):
+  return jax.ShapeDtypeStruct(np.shape(r.value), np.result_type(r.value))
