@@ -146,18 +146,18 @@ def child(mode: str, name: str, cache_dir: str) -> dict:
   step, args, cluster = build(name)
   jax.block_until_ready(args)
   if mode == "jit":
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(jax.jit(step)(*args))
-    return {"total_s": time.perf_counter() - t0}
+    return {"total_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
   pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=MICROBATCHES,
                                 profile_options=ProfileOptions(cache_dir=cache_dir))
-  out, t0 = {}, time.perf_counter()
+  out, t0, c0 = {}, time.perf_counter(), time.process_time()
   t = t0
   for phase, run in zip(PHASES, (pstep.trace, pstep.plan, pstep.layout, pstep.compile,
                                  lambda *a: jax.block_until_ready(pstep(*a)))):
     run(*args)   # each phase is cached: together they are exactly the first call
     out[phase + "_s"], t = time.perf_counter() - t, time.perf_counter()
-  out["total_s"] = t - t0
+  out["total_s"], out["cpu_s"] = t - t0, time.process_time() - c0
   plan, profile = pstep.plan(*args), pstep.profile(*args)
   out.update(stages=plan.num_stages, predicted_s=plan.predicted_iteration_s,
              computed=profile.stats.computed, layers=len(profile.layers),
@@ -184,7 +184,8 @@ def quality(name: str, cache_dir: str) -> dict:
   for src, r in res.items():
     plan = solve(r.tables, MICROBATCHES).plan
     ev = evaluate_plan(compiled, plan, MICROBATCHES)
-    out[src] = {"on_compiled_s": ev.iteration_s, "own_s": plan.predicted_iteration_s,
+    own = evaluate_plan(r.tables, plan, MICROBATCHES)
+    out[src] = {"on_compiled_s": ev.iteration_s, "own_s": own.iteration_s,
                 "feasible": ev.feasible, "stages": plan.num_stages,
                 "profile_s": r.stats.seconds,
                 "plan": [[list(s.layers), s.subcluster, list(s.submesh), list(s.logical_mesh)]
@@ -209,6 +210,7 @@ def main(argv=None):
   ap.add_argument("--models", default=",".join(MODELS))
   ap.add_argument("--no-quality", action="store_true",
                   help="skip costing with the compiled source (about a minute per model)")
+  ap.add_argument("--json", help="also write every measurement to this file")
   ap.add_argument("--child", nargs=3, metavar=("MODE", "MODEL", "CACHE"),
                   help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -232,20 +234,29 @@ def main(argv=None):
     if not args.no_quality:
       for n in names:
         qual[n] = _run("--child", "quality", n, os.path.join(root, f"{n}-0"))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"runs": {f"{n}/{m}": v for (n, m), v in runs.items()}, "plans": qual}, f,
+                indent=1)
   med = lambda n, m, k: statistics.median(x[k] for x in runs[(n, m)])
+  # A ratio is the median over repeats of the ratio within a repeat (the three runs of a
+  # repeat are consecutive: slow drifts in the machine's load cancel).
+  ratio = lambda n, m, k: statistics.median(
+      a[k] / b[k] for a, b in zip(runs[(n, m)], runs[(n, "jit")]))
   print(f"{os.cpu_count()} CPUs, 8 fake CPU devices; median of {args.repeats} fresh processes "
-        "per cell; seconds to the end of the first step\n")
-  head = (f"{'model':<12}{'jit s':>8}{'cold s':>9}{'ratio':>7}{'warm s':>9}{'ratio':>7}"
+        "per cell; seconds to the end of the first step (wall clock; CPU seconds of the "
+        "process, all threads, after /)\n")
+  head = (f"{'model':<12}{'jit s':>11}{'cold s':>12}{'ratio':>11}{'warm s':>12}{'ratio':>11}"
           f"{'plan (jaxpr) ms':>17}{'plan (compiled) ms':>20}")
   print(head)
   for n in names:
-    jit = med(n, "jit", "total_s")
-    cold, warm = med(n, "cold", "total_s"), med(n, "warm", "total_s")
+    cell = lambda m: f"{med(n, m, 'total_s'):.1f} / {med(n, m, 'cpu_s'):.1f}"
+    rat = lambda m: f"{ratio(n, m, 'total_s'):.1f} / {ratio(n, m, 'cpu_s'):.1f}"
     q = qual.get(n)
     cheap = f"{q['jaxpr']['on_compiled_s'] * 1e3:.2f}" if q else "-"
     best = f"{q['analytic']['on_compiled_s'] * 1e3:.2f}" if q else "-"
-    print(f"{n:<12}{jit:>8.1f}{cold:>9.1f}{cold / jit:>7.1f}{warm:>9.1f}{warm / jit:>7.1f}"
-          f"{cheap:>17}{best:>20}")
+    print(f"{n:<12}{cell('jit'):>11}{cell('cold'):>12}{rat('cold'):>11}{cell('warm'):>12}"
+          f"{rat('warm'):>11}{cheap:>17}{best:>20}")
   print(f"\nharpjax phases (median s; plan includes profile)\n{'':<18}"
         + "".join(f"{p:>9}" for p in PHASES[:2] + ("profile",) + PHASES[2:]))
   for n in names:

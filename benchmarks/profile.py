@@ -8,11 +8,14 @@ plan the planner finds on the tables.
     python benchmarks/profile.py                 # GPT-39B, hetero_64 cluster
     python benchmarks/profile.py --calibrate     # also refit and print the constants
     python benchmarks/profile.py --blocks 8      # a shorter model
+    python benchmarks/profile.py --source jaxpr --compare   # the default source, and its plan
+                                                 # scored on the compiled (analytic) tables
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -64,6 +67,11 @@ def main(argv=None) -> int:
   p.add_argument("--calibrate", action="store_true", help="refit the efficiency factors")
   p.add_argument("--data-dir", default=None, help="directory of the Zorse measurements")
   p.add_argument("--no-plan", action="store_true", help="skip the planner")
+  p.add_argument("--source", default="analytic", choices=profile_lib.SOURCES[:2],
+                 help="cost source (analytic: XLA compiles each layer; jaxpr: no compilation)")
+  p.add_argument("--compare", action="store_true",
+                 help="also cost with the other source; score both plans on the analytic "
+                      "tables")
   p.add_argument("-v", "--verbose", action="store_true")
   args = p.parse_args(argv)
   logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -85,9 +93,10 @@ def main(argv=None) -> int:
   if cache is None:
     tmp = tempfile.TemporaryDirectory(prefix="harpjax-profile-")
     cache = tmp.name
-  opts = profile_lib.ProfileOptions(cache_dir=cache, remat=not args.no_remat)
+  opts = profile_lib.ProfileOptions(cache_dir=cache, remat=not args.no_remat,
+                                    source=args.source)
 
-  def run():
+  def run(opts=opts):
     t0 = time.perf_counter()
     res = profile_lib.profile_step(spec.step_fn, spec.args, cluster,
                                    num_microbatches=spec.num_microbatches, options=opts)
@@ -146,6 +155,21 @@ def main(argv=None) -> int:
     result = solve(cold.tables, args.microbatches)
     print(f"\n## Plan (B={args.microbatches}, {time.perf_counter() - t0:.1f} s search)\n")
     print(result.table())
+    if args.compare:
+      from harpjax.compiler.plan import evaluate_plan
+      other_src = "jaxpr" if args.source == "analytic" else "analytic"
+      other, t_other = run(dataclasses.replace(opts, source=other_src))
+      print(f"\n## The {other_src} source: tables in {t_other:.1f} s (cold)\n")
+      plans = {args.source: result.plan, other_src: solve(other.tables, args.microbatches).plan}
+      compiled = (cold if args.source == "analytic" else other).tables
+      own = {args.source: cold.tables, other_src: other.tables}
+      print("| plan from | stages | predicted on its own tables | on the analytic tables |\n"
+            "|---|---|---|---|")
+      for src, plan in plans.items():
+        ev = evaluate_plan(compiled, plan, args.microbatches)
+        mine = evaluate_plan(own[src], plan, args.microbatches)
+        print(f"| {src} | {plan.num_stages} | {mine.iteration_s:.4f} s | "
+              f"{ev.iteration_s:.4f} s{'' if ev.feasible else ' (infeasible)'} |")
   if tmp is not None:
     tmp.cleanup()
   return 0

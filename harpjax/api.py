@@ -499,15 +499,16 @@ class ParallelStep:
 
 def _precompile(cs: CompiledStep, workers: int, progress: bool | None) -> float:
   """:func:`precompile`, one stage per job (its executables, then its placement groups), in
-  ``workers`` threads, with a progress bar over the stages. Returns the seconds taken."""
+  ``workers`` threads, largest stage first, with a progress bar over the stages. Returns the
+  seconds taken."""
   groups: list[dict] = [{} for _ in cs.stages]
   for gi, fn in enumerate(cs.group_fns):
     groups[cs.layout.groups[gi].home][gi] = fn
+  order = sorted(range(cs.num_stages), key=lambda s: -len(cs.program.programs[s].ops))
   t0 = time.perf_counter()
   with progress_bar(len(cs.stages), progress, "compiling", unit="stage") as bar, \
       concurrent.futures.ThreadPoolExecutor(workers) as ex:
-    jobs = [ex.submit(precompile, cs.layout, {s: st}, groups[s], 1)
-            for s, st in enumerate(cs.stages)]
+    jobs = [ex.submit(precompile, cs.layout, {s: cs.stages[s]}, groups[s], 1) for s in order]
     for job in concurrent.futures.as_completed(jobs):
       job.result()
       bar.update(1)
