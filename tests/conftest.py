@@ -13,3 +13,18 @@ try:
   settings.load_profile("harpjax")
 except ImportError:  # pragma: no cover - hypothesis is in the test extra
   pass
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def x64():
+  """``jax_enable_x64`` on for one test (float64 comparisons with ``jax.jit``)."""
+  import jax
+  prev = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", prev)

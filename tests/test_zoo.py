@@ -17,16 +17,6 @@ RTOL = 1e-10
 B = 4
 
 
-@pytest.fixture
-def x64():
-  prev = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", prev)
-
-
 def _two_stage_plan(num_layers: int) -> harpjax.Plan:
   """Two stages over automatic layers: dp x tp = 2 x 1 on V100s, then 1 x 2 on A100s."""
   half = num_layers // 2
@@ -54,7 +44,9 @@ def _layers(case: zoo.Case):
   return probe.trace(case.state, case.batches[0]).layers
 
 
-@pytest.mark.parametrize("kind", zoo.KINDS)
+# "jit" (inlined at the top level, like "loop"), "cond" and "while" (re-issued whole, as in
+# the next test) add nothing here but time; the zoo keeps them for other uses.
+@pytest.mark.parametrize("kind", [k for k in zoo.KINDS if k not in ("jit", "cond", "while")])
 def test_dropout_anywhere_matches_jit_float64(x64, kind):
   case = zoo.linen(kind)
   layers = _layers(case)
@@ -63,7 +55,7 @@ def test_dropout_anywhere_matches_jit_float64(x64, kind):
   assert err <= RTOL, f"{kind}: {err:.3g} ({layers.summary})"
 
 
-@pytest.mark.parametrize("kind", ["scan", "scan_remat", "while", "cond", "scan_jit"])
+@pytest.mark.parametrize("kind", ["scan_remat", "while", "cond", "scan_jit"])
 def test_draws_inside_kept_bodies_match_jit_float64(x64, kind):
   # One stage over the region as traced: scans stay scans, so the draws in their bodies (and
   # in while / cond / nested jit bodies) are redrawn from inside the re-issued equation.

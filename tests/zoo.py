@@ -157,11 +157,14 @@ KINDS = ("loop", "remat", "scan", "scan_remat", "remat_policy", "while", "cond",
 
 def linen(kind: str, tx=None) -> Case:
   """A :class:`Net` of ``kind`` trained with AdamW, dropout on."""
-  model = Net(kind)
+  return _classifier(Net(kind), tx or optax.adamw(1e-2))
+
+
+def _classifier(model: nn.Module, tx) -> Case:
+  """A softmax classifier step of ``model`` with the batch's dropout key."""
   batches = _batches()
   params = _f64(model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)},
                            batches[0]["x"]))
-  tx = tx or optax.adamw(1e-2)
 
   def step(state, batch):
     params, opt_state = state
@@ -193,18 +196,21 @@ class Tracked(nn.Module):
     return out
 
 
-class TrackedNet(nn.Module):
+class Stack(nn.Module):
+  """Dense in, ``BLOCKS`` blocks of ``block`` (a module class), Dense out."""
+  block: Any
+
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(HIDDEN)(x)
     for i in range(BLOCKS):
-      x = Tracked(name=f"block_{i}")(x)
+      x = self.block(name=f"block_{i}")(x)
     return nn.Dense(CLASSES)(x)
 
 
 def batch_stats(tx=None) -> Case:
   """``has_aux`` returning a mutable collection and per-example logits; SGD with momentum."""
-  model = TrackedNet()
+  model = Stack(Tracked)
   batches = _batches()
   variables = _f64(model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)},
                               batches[0]["x"]))
@@ -304,32 +310,6 @@ class CustomBlock(nn.Module):
     return x + nn.Dense(x.shape[-1])(h)
 
 
-class CustomNet(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(HIDDEN)(x)
-    for i in range(BLOCKS):
-      x = CustomBlock(name=f"block_{i}")(x)
-    return nn.Dense(CLASSES)(x)
-
-
 def custom_vjp(tx=None) -> Case:
   """Dropout inside a ``jax.custom_vjp`` function (cannot be aligned: a warning says so)."""
-  model = CustomNet()
-  batches = _batches()
-  params = _f64(model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)},
-                           batches[0]["x"]))
-  tx = tx or optax.sgd(0.1)
-
-  def step(state, batch):
-    params, opt_state = state
-
-    def loss_fn(p):
-      logits = model.apply(p, batch["x"], rngs={"dropout": batch["rng"]})
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    loss, grads = harpjax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  return Case(step, (params, tx.init(params)), batches)
+  return _classifier(Stack(CustomBlock), tx or optax.sgd(0.1))

@@ -121,16 +121,6 @@ def test_save_tree_is_atomic_and_load_tree_checks(tmp_path, monkeypatch):
     load_tree(path, state)
 
 
-@pytest.fixture
-def x64():
-  prev = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", prev)
-
-
 def test_periodic_checkpoints_resume_on_another_plan_and_on_jit(x64, tmp_path):
   case = zoo.linen("loop")
   batches = zoo._batches(5)

@@ -34,7 +34,7 @@ from harpjax.errors import TraceError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Redraw", "Inside", "regen_sites", "apply_site", "REGEN_PRIMITIVES",
+__all__ = ["Redraw", "Inside", "regen_sites", "apply_site", "split_axis", "REGEN_PRIMITIVES",
            "RANDOM_PRIMITIVES"]
 
 REGEN_PRIMITIVES = frozenset({"random_bits", "random_split", "iota", "rng_bit_generator",
@@ -115,7 +115,7 @@ def _site(name, fparams, mparams, fin, min_, fout, mout, B, where):
     fa, ma = fout[0], mout[0]
     if fa is None or ma is None or not same_in or fa.shape == ma.shape:
       return None
-    axis = _split_axis(fa.shape, ma.shape, B)
+    axis = split_axis(fa.shape, ma.shape, B)
     if axis is None:
       raise TraceError(f"{where} produces {fa.shape} for the batch but {ma.shape} for a "
                        "microbatch; harpjax cannot slice it")
@@ -166,7 +166,8 @@ def _body_sites(full_jaxpr, mb_jaxpr, B, where) -> dict:
   return out
 
 
-def _split_axis(full, mb, B):
+def split_axis(full, mb, B):
+  """The one axis along which shape ``full`` is ``B`` times shape ``mb``, or ``None``."""
   if len(full) != len(mb):
     return None
   diff = [i for i, (a, b) in enumerate(zip(full, mb)) if a != b]

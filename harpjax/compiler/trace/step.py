@@ -28,7 +28,7 @@ import numpy as np
 
 from harpjax import _compat
 from harpjax.compiler.trace.program import Lit, Program, from_closed_jaxpr, strip_markers
-from harpjax.compiler.trace.regen import regen_sites
+from harpjax.compiler.trace.regen import regen_sites, split_axis
 from harpjax.errors import MicrobatchError, TraceError
 
 __all__ = ["value_and_grad", "grad", "mark_layer_boundary", "TracedStep", "trace_step",
@@ -324,7 +324,7 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
       if full_aval.shape == mb_aval.shape:
         inputs.append(RegionInput("whole", ref))
       else:
-        axis = _split_axis(full_aval.shape, mb_aval.shape, B)
+        axis = split_axis(full_aval.shape, mb_aval.shape, B)
         if axis is None:
           raise TraceError(
               f"region input {k} has shape {full_aval.shape} for the batch but {mb_aval.shape} "
@@ -343,7 +343,7 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
     if fa.shape == ma.shape:
       aux_axes.append(None)
     else:
-      axis = _split_axis(fa.shape, ma.shape, B)
+      axis = split_axis(fa.shape, ma.shape, B)
       if axis is None:
         raise TraceError(f"auxiliary output {k - 1} has shape {fa.shape} for the batch but "
                          f"{ma.shape} for a microbatch; it cannot be reassembled")
@@ -391,15 +391,6 @@ def _split_batch(tree, B: int, argnum: int):
           f"num_microbatches={B} equal microbatches; choose a batch size divisible by {B}")
     out.append(jax.ShapeDtypeStruct((shape[0] // B,) + shape[1:], leaf.dtype))
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _split_axis(full, mb, B):
-  if len(full) != len(mb):
-    return None
-  diff = [i for i, (a, b) in enumerate(zip(full, mb)) if a != b]
-  if len(diff) == 1 and full[diff[0]] == B * mb[diff[0]]:
-    return diff[0]
-  return None
 
 
 def _aval_of(program: Program, ref):
