@@ -45,6 +45,7 @@ __all__ = ["auto_parallel", "ParallelStep", "ParallelOptions", "Traced", "Planne
 
 RUNTIMES = ("local", "ray")
 LOCAL_RUNTIME_OPTIONS = ("compile_workers",)
+_STATE_ARGNUM = 0   # the training state is the step's first argument (elastic recovery)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ParallelOptions:
       if self.runtime != "ray":
         raise PlanError("elastic recovery is for runtime='ray' (workers that can be lost); "
                         "the local runtime runs in this process")
+      if self.checkpoint is None:
+        raise PlanError("elastic recovery restores a checkpoint: pass checkpoint=... too")
     if isinstance(self.checkpoint, (str, os.PathLike)):
       object.__setattr__(self, "checkpoint", CheckpointOptions(os.fspath(self.checkpoint)))
     if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointOptions):
@@ -289,7 +292,7 @@ class ParallelStep:
   # ------------------------------------------------------------------ elastic
 
   def _call_elastic(self, args):
-    argnum = self._state_argnum()
+    argnum = _STATE_ARGNUM
     if self._origin is None and self.steps_done == 0 and not any(
         isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(args[argnum])):
       self._origin = args[argnum]
@@ -303,15 +306,10 @@ class ParallelStep:
     self._replay[self.steps_done] = args[:argnum] + (None,) + args[argnum + 1:]
     return result
 
-  def _state_argnum(self) -> int:
-    if self.options.checkpoint is None:
-      raise PlanError("elastic recovery restores a checkpoint: pass checkpoint=... too")
-    return 0
-
   def _recover(self, args, err: RuntimeFailure, t_start: float):
     """Re-plans after lost workers, restores, replays, and runs the failed call (see
     :mod:`harpjax.runtime.elastic`)."""
-    ck, argnum = self.options.checkpoint, self._state_argnum()
+    ck, argnum = self.options.checkpoint, _STATE_ARGNUM
     failed = self.steps_done + 1
     runners = [p.runner for p in self._cache.values() if p.runner is not None]
     lost = sorted({h for r in runners for h in r.lost_hosts()})
