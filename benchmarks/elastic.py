@@ -10,15 +10,23 @@ restore, replay, the failed step itself) and the total, next to a normal step's 
 Sailor's reported ~11 s re-plan (its planner alone). After the run the parameters are
 compared with ``jax.jit`` run for the same steps (the numbers do not depend on the plan).
 
+With ``--random N`` it runs N trials in float64 instead, each killing a random stage's actor at
+a random moment (from a timer thread: between steps, inside a step, while a checkpoint is
+gathered, …), and checks after every trial that the parameters and optimizer state equal
+``jax.jit``'s within 1e-9.
+
   python benchmarks/elastic.py [--steps 6] [--kill-at 4] [--every 2] [--cold]
+  python benchmarks/elastic.py --random 5 [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -47,11 +55,18 @@ def main(argv=None) -> None:
   ap.add_argument("--every", type=int, default=2)
   ap.add_argument("--cold", action="store_true", help="an empty profile cache (the re-plan "
                   "profiles the surviving GPU types again)")
+  ap.add_argument("--random", type=int, default=0, metavar="N",
+                  help="N float64 trials, each killing an actor at a random moment")
+  ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
   if args.cold:
     os.environ["HARPJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="harpjax-cache-")
+  if args.random:
+    jax.config.update("jax_enable_x64", True)
 
-  cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=64, num_heads=4, num_blocks=4)
+  dtype = "float64" if args.random else "float32"
+  cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=64, num_heads=4, num_blocks=4, dtype=dtype,
+                  param_dtype=dtype)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (16, cfg.seq_len + 1), 0, cfg.vocab_size)
   state = train_state.TrainState.create(apply_fn=model.apply,
@@ -73,15 +88,15 @@ def main(argv=None) -> None:
   a, b = n // 3, 2 * n // 3
   plan = harpjax.ManualPlan([((0, a - 1), "v100", (1, 2), (2, 1)), ((a, b - 1), "a100", (1, 2)),
                              ((b, n - 1), "v100", (1, 2))]).replace(meta={"layers": "auto"})
-  ckpt_dir = tempfile.mkdtemp(prefix="harpjax-ckpt-")
   ray_runtime.init_ray(num_cpus=4, resources={
       ray_runtime.HOST_RESOURCE_PREFIX + h.name: 100
       for h in harpjax.Cluster.load(CLUSTER).hosts})
-  pstep = harpjax.auto_parallel(
-      step, cluster=CLUSTER, num_microbatches=4, plan=plan, runtime="ray",
-      checkpoint=harpjax.CheckpointOptions(os.path.join(ckpt_dir, "ck"), every=args.every),
-      elastic=harpjax.ElasticOptions())
   ref = jax.jit(step)
+  if args.random:
+    _random_kills(args, step, ref, plan, state, batches)
+    ray_runtime.release_pool()
+    return
+  pstep = _elastic_step(step, plan, args.every)
   s_par = s_ref = state
   times = []
   for i, batch in enumerate(batches):
@@ -107,12 +122,59 @@ def main(argv=None) -> None:
     print(f"{name:<34}{v:>9.2f}")
   print(f"a normal step: {np.median(normal):.2f} s; Sailor's reported re-plan: "
         f"{SAILOR_REPLAN_S:.0f} s (planner only)")
-  err = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))) /
-                  max(float(np.max(np.abs(np.asarray(x)))), 1e-30))
-            for x, y in zip(jax.tree_util.tree_leaves(s_ref.params),
-                            jax.tree_util.tree_leaves(ray_runtime.gather(s_par).params)))
+  err = _max_rel_err(s_ref.params, s_par.params)
   print(f"parameters vs jax.jit after {args.steps} steps: max relative difference {err:.2g}")
   ray_runtime.release_pool()
+
+
+def _elastic_step(step, plan, every: int):
+  ckpt_dir = tempfile.mkdtemp(prefix="harpjax-ckpt-")
+  return harpjax.auto_parallel(
+      step, cluster=CLUSTER, num_microbatches=4, plan=plan, runtime="ray",
+      checkpoint=harpjax.CheckpointOptions(os.path.join(ckpt_dir, "ck"), every=every),
+      elastic=harpjax.ElasticOptions())
+
+
+def _max_rel_err(ref, got) -> float:
+  got = ray_runtime.gather(got)
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) /
+             max(float(np.max(np.abs(np.asarray(x)))), 1e-30)
+             for x, y in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got))
+             if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def _random_kills(args, step, ref, plan, state, batches) -> None:
+  """Trials that kill a random stage's actor at a random moment after the first step."""
+  rng = random.Random(args.seed)
+  expected = state
+  for batch in batches:
+    expected = ref(expected, batch)[0]
+  timing = _elastic_step(step, plan, args.every)
+  s_par = timing(state, batches[0])[0]
+  t_step = time.perf_counter()
+  timing(s_par, batches[1])   # a normal step's time, to place the kills
+  t_step = time.perf_counter() - t_step
+  timing.replan(CLUSTER)      # shuts its workers down
+  for trial in range(args.random):
+    pstep = _elastic_step(step, plan, args.every)
+    s_par = pstep(state, batches[0])[0]
+    stage, delay = rng.randrange(3), rng.uniform(0, t_step * (len(batches) - 1))
+    runner = pstep.runner(s_par, batches[1])
+    killer = threading.Timer(delay, runner.kill_stage, (stage,))
+    killer.start()
+    t0 = time.perf_counter()
+    for batch in batches[1:]:
+      s_par = pstep(s_par, batch)[0]
+    killer.join()
+    err = _max_rel_err(expected, s_par)
+    rec = pstep.recoveries[0] if pstep.recoveries else None
+    where = (f"recovered at step {rec.failed_step} in {rec.total_s:.1f} s "
+             f"(checkpoint {rec.checkpoint_step}, {rec.replayed} replayed)" if rec else
+             "no recovery (the kill came after the last step)")
+    print(f"trial {trial}: killed stage {stage} {delay:.2f} s into steps 2..{len(batches)} "
+          f"({time.perf_counter() - t0:.1f} s); {where}; state vs jax.jit {err:.2g}",
+          flush=True)
+    assert err <= 1e-9, err
 
 
 if __name__ == "__main__":

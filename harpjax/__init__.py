@@ -25,14 +25,18 @@ from harpjax.errors import HarpjaxError as HarpjaxError
 from harpjax.runtime import CheckpointOptions as CheckpointOptions
 from harpjax.runtime import Checkpointer as Checkpointer
 from harpjax.runtime import ElasticOptions as ElasticOptions
+from harpjax.runtime import Failure as Failure
+from harpjax.runtime import Recovery as Recovery
+from harpjax.runtime import gather as gather
 from harpjax.runtime import restore_checkpoint as restore_checkpoint
 from harpjax.runtime import save_checkpoint as save_checkpoint
 
 __all__ = [
-    "CheckpointOptions", "Checkpointer", "Cluster", "CostTables", "ElasticOptions", "GPU_CATALOG",
-    "GPUType",
+    "CheckpointOptions", "Checkpointer", "Cluster", "CostTables", "ElasticOptions", "Failure",
+    "GPU_CATALOG", "GPUType",
     "HarpjaxError", "LayerOptions", "LayerSequence", "ManualPlan", "ParallelStep", "Plan",
-    "ProfileOptions", "Schedule", "SolveOptions", "StageSpec", "auto_parallel", "grad",
+    "ProfileOptions", "Recovery", "Schedule", "SolveOptions", "StageSpec", "auto_parallel",
+    "gather", "grad",
     "load_plan", "make_schedule", "mark_layer_boundary", "restore_checkpoint",
     "save_checkpoint", "solve", "value_and_grad", "__version__",
 ]

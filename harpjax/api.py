@@ -281,12 +281,13 @@ class ParallelStep:
       result = phases.runner(args)
     else:
       result = runtime.run_step(phases.compiled, args)
-    self.steps_done += 1
-    ck = self.options.checkpoint
-    if ck is not None and self.steps_done % ck.every == 0:
-      self.checkpointer.save(self.steps_done, ck.state_of(result))
-      for old in [k for k in self._replay if k <= self.steps_done - ck.every]:
+    done, ck = self.steps_done + 1, self.options.checkpoint
+    if ck is not None and done % ck.every == 0:
+      # Before the step counts: a worker lost while its state is gathered fails the step.
+      self.checkpointer.save(done, ck.state_of(result))
+      for old in [k for k in self._replay if k <= done - ck.every]:
         del self._replay[old]   # covered by the checkpoint before this one
+    self.steps_done = done
     return result
 
   # ------------------------------------------------------------------ elastic
@@ -362,6 +363,29 @@ class ParallelStep:
                                     failed - 1 - ck_step))
     log.warning("recovered in %.1f s: %s", self.recoveries[-1].total_s, self.recoveries[-1])
     return result
+
+  def replan(self, cluster, state=None):
+    """Moves the step onto ``cluster`` (a :class:`~harpjax.cluster.Cluster`, a YAML path or a
+    mapping): the next call re-plans there (the profile of GPU types already profiled comes
+    from the profile cache; a given plan no longer applies) and compiles anew.
+
+    Args:
+      cluster: the new cluster (grown, shrunk, or another one).
+      state: training state returned by an earlier call; its arrays held by Ray workers are
+        fetched before the workers are shut down.
+
+    Returns:
+      ``state`` with every :class:`~harpjax.runtime.RemoteArray` replaced by its array (pass
+      it to the next call), or ``None`` without ``state``.
+    """
+    new = _load_cluster(cluster)
+    state = None if state is None else runtime.gather(state)
+    for p in self._cache.values():
+      if p.runner is not None:
+        p.runner.shutdown()
+    log.info("re-planning on %s (%d devices)", new.name, new.num_devices)
+    self._cluster, self._cache, self._replanned = new, {}, True
+    return state
 
   # ------------------------------------------------------------------ checkpoints
 

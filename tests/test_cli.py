@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -576,7 +577,8 @@ mode = sys.argv[1]
 solve_mod = sys.modules["harpjax.compiler.plan.solve"]
 
 def say(line):
-  print(line, file=sys.stderr, flush=True)
+  # One write per line: the forked workers' lines must not interleave.
+  os.write(2, (line + "\n").encode())
 
 def forever():
   while True:
@@ -650,6 +652,10 @@ def _read_lines(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
+def _worker_pids(seen: list[str]) -> list[int]:
+  return [int(pid) for pid in re.findall(r"worker (\d+) busy", "".join(seen))]
+
+
 @pytest.mark.parametrize("mode", ["python", "swallow", "numba", "process", "thread", "compile"])
 def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   db_dir, cluster = warm_cache
@@ -667,7 +673,7 @@ def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
     # Wait for the child to be stuck where ``mode`` says (generous: a hung child only).
     deadline = time.monotonic() + 300
     while not (any(l.startswith("stuck") for l in seen) and
-               sum(l.startswith("worker") for l in seen) >= workers):
+               len(_worker_pids(seen)) >= workers):
       try:
         line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
       except queue.Empty:
@@ -681,9 +687,9 @@ def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-      for line in seen:      # a hung child's workers too
-        if line.startswith("worker") and _alive(int(line.split()[1])):
-          os.kill(int(line.split()[1]), signal.SIGKILL)
+      for pid in _worker_pids(seen):      # a hung child's workers too
+        if _alive(pid):
+          os.kill(pid, signal.SIGKILL)
   reader.join(timeout=60)
   while not lines.empty():
     line = lines.get()
@@ -693,7 +699,7 @@ def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   assert status == INTERRUPTED, err
   assert [l.strip() for l in seen].count(INTERRUPT_MESSAGE) == 1, err
   assert "Traceback" not in err and "Aborted" not in err, err
-  pids = [int(l.split()[1]) for l in seen if l.startswith("worker") and mode == "process"]
+  pids = _worker_pids(seen) if mode == "process" else []
   deadline = time.monotonic() + 120
   while any(_alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.1)

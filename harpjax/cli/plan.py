@@ -142,8 +142,11 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Override the links between consecutive subclusters, Gbit/s.")
 @click.option("--latency-us", type=Finite(min=0), default=None,
               help="Latency of those links, us (with --bandwidth).")
-@click.option("--source", type=click.Choice(["analytic", "imported"]), default="analytic",
-              show_default=True, help="Cost source (no devices are used).")
+@click.option("--source", type=click.Choice(["jaxpr", "analytic", "imported"]),
+              default="jaxpr", show_default=True,
+              help="Cost source, no devices used: jaxpr (FLOPs and bytes of each layer's "
+                   "jaxpr, seconds), analytic (XLA's statistics of each compiled layer: "
+                   "slower, a refinement) or imported (published measurements).")
 @click.option("--order", type=click.Choice(["memory_to_compute", "given"]),
               default="memory_to_compute", show_default=True,
               help="Subcluster order of the pipeline (HARP 5.2.1 heuristic or the file's).")

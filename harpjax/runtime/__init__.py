@@ -21,11 +21,11 @@ from harpjax.runtime import planner_pool as planner_pool
 from harpjax.runtime.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
                                         restore_checkpoint, save_checkpoint)
 from harpjax.runtime.elastic import ElasticOptions, Failure, Recovery
-from harpjax.runtime.handles import RemoteArray
+from harpjax.runtime.handles import RemoteArray, gather
 from harpjax.runtime.local import run_step as run_step
 
 __all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "ElasticOptions", "Failure",
-           "planner_pool", "ray_runner", "Recovery", "RemoteArray", "restore_checkpoint",
+           "gather", "planner_pool", "ray_runner", "Recovery", "RemoteArray", "restore_checkpoint",
            "run_step", "save_checkpoint"]
 
 

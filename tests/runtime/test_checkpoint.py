@@ -147,3 +147,25 @@ def test_periodic_checkpoints_resume_on_another_plan_and_on_jit(x64, tmp_path):
   assert max_rel_err(out_b, out_ref) <= 1e-10 and max_rel_err(out_jit, out_ref) <= 1e-10
   step_b.checkpointer.wait()
   assert step_b.checkpointer.steps() == [2, 4, 5]
+
+
+def test_replan_moves_the_step_to_another_cluster(x64):
+  """A user-initiated change of cluster: the step re-plans on the new one (automatically) and
+  training continues exactly as ``jax.jit``'s."""
+  case = zoo.linen("loop")
+  batches = zoo._batches(3)
+  step = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2)
+  ref = jax.jit(case.step)
+  s_ref = s_par = case.state
+  s_ref, s_par = ref(s_ref, batches[0])[0], step(s_par, batches[0])[0]
+  before = step.plan(s_par, batches[1])
+  smaller = step.cluster.without_hosts(["a100-0", "a100-1"])   # the V100 host only
+  s_par = step.replan(smaller, s_par)
+  assert step.cluster.num_devices == 4 and step.replan(smaller) is None
+  for batch in batches[1:]:
+    out_ref, out_par = ref(s_ref, batch), step(s_par, batch)
+    assert max_rel_err(out_par, out_ref) <= 1e-10
+    s_ref, s_par = out_ref[0], out_par[0]
+  after = step.plan(s_par, batches[2])
+  assert {s.subcluster for s in after.stages} == {"v100"} != {s.subcluster
+                                                              for s in before.stages}

@@ -48,7 +48,10 @@ GPT3 = harpjax.ManualPlan([((0, 1), "v100", (1, 2), (2, 1)),
                            ((3, 3), "a100", (1, 1))])
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+# Every schedule is also compared with jax.jit on the Ray runtime (test_ray_runtime); here
+# H-1F1B runs in CI and the others with the slow cases.
+@pytest.mark.parametrize("schedule", [s if s == "h1f1b" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in SCHEDULES])
 def test_gpt_three_stages_every_schedule(schedule):
   step, state, batches, _ = _gpt_setup()
   rngs = [(jax.random.key(100 + i),) for i in range(len(batches))]
@@ -59,8 +62,11 @@ def test_gpt_three_stages_every_schedule(schedule):
 @pytest.mark.parametrize("plan", [
     harpjax.ManualPlan([((0, 3), "a100", (1, 1))]),
     harpjax.ManualPlan([((0, 1), "v100", (1, 4), (2, 2)), ((2, 3), "a100", (2, 2), (4, 1))]),
-    harpjax.ManualPlan([((0, 0), "v100", (1, 2), (1, 2)), ((1, 1), "v100", (1, 2), (2, 1)),
-                        ((2, 2), "a100", (1, 2), (2, 1)), ((3, 3), "a100", (1, 2), (1, 2))]),
+    pytest.param(harpjax.ManualPlan([((0, 0), "v100", (1, 2), (1, 2)),
+                                     ((1, 1), "v100", (1, 2), (2, 1)),
+                                     ((2, 2), "a100", (1, 2), (2, 1)),
+                                     ((3, 3), "a100", (1, 2), (1, 2))]),
+                 marks=pytest.mark.slow),
 ], ids=["1stage", "2stages-dp-tp", "4stages"])
 def test_gpt_stage_counts(plan):
   step, state, batches, _ = _gpt_setup()
@@ -68,7 +74,7 @@ def test_gpt_stage_counts(plan):
   compare_steps(step, state, batches[:2], plan=plan, num_microbatches=2, extra_args=rngs)
 
 
-@pytest.mark.parametrize("tx", ["sgd", "adamw"])
+@pytest.mark.parametrize("tx", [pytest.param("sgd", marks=pytest.mark.slow), "adamw"])
 def test_gpt_with_dropout_matches_jit(tx):
   # Dropout masks are the full batch's, sliced per microbatch, so gradients agree to rounding.
   # Adam divides each gradient by its own magnitude: a gradient element of size ~eps turns
