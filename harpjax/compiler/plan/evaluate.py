@@ -96,6 +96,9 @@ class PlanEvaluation:
     devices_ok: no subcluster is over-subscribed and its stages pack onto its hosts.
     uses_all_devices: every device of every subcluster is in some stage.
     violations: human-readable list of what fails.
+    num_devices: devices the stages use.
+    rate_per_hour: sum over stages of devices times the subcluster's price per device-hour
+      (``None`` when the tables have no prices).
   """
   schedule: str
   num_microbatches: int
@@ -112,6 +115,13 @@ class PlanEvaluation:
   devices_ok: bool
   uses_all_devices: bool
   violations: tuple[str, ...]
+  num_devices: int = 0
+  rate_per_hour: float | None = None
+
+  @property
+  def cost_per_iteration(self) -> float | None:
+    """``rate_per_hour * iteration_s / 3600`` (``None`` without prices)."""
+    return None if self.rate_per_hour is None else self.rate_per_hour * self.iteration_s / 3600
 
   @property
   def feasible(self) -> bool:
@@ -267,7 +277,21 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
                         steady_period_s=period, iteration_s=iteration, model=model,
                         eta=_eta(tables, planned, t_max), mem_ok=mem_ok, comm_ok=comm_ok,
                         devices_ok=devices_ok, uses_all_devices=uses_all,
-                        violations=tuple(violations))
+                        violations=tuple(violations), num_devices=sum(taken),
+                        rate_per_hour=_rate(tables, planned))
+
+
+def _rate(tables: CostTables, stages: Sequence[PlannedStage]) -> float | None:
+  """Hourly rate: per subcluster (in pipeline order) its devices in use times its price."""
+  if tables.price_per_gpu_hour is None:
+    return None
+  held: dict[int, int] = {}
+  for s in stages:
+    held[s.subcluster] = held.get(s.subcluster, 0) + s.submesh[0] * s.submesh[1]
+  rate = 0.0
+  for k in reversed(list(held)):   # the order the DP charges them: last subcluster first
+    rate += tables.price_per_gpu_hour[k] * held[k]
+  return rate
 
 
 def _eta(tables: CostTables, stages: Sequence[PlannedStage], t_max: float) -> float:

@@ -73,9 +73,17 @@ def cut_s(tables: CostTables, a: int, b: int, j: int) -> float:
   return float(tables.link_latency_s[a][b] + tables.boundary_bytes[j] / bw)
 
 
+def plan_rate(tables: CostTables, stages: Sequence[Quad]) -> float:
+  """Hourly rate of a plan: its devices times their subcluster's price."""
+  return sum(tables.price_per_gpu_hour[k] * tables.submeshes[k][s][0] * tables.submeshes[k][s][1]
+             for _, _, k, s in stages)
+
+
 def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
                 max_plans: int = 2_000_000, *, use_all_devices: bool = False,
-                keep_order: bool = False) -> BruteForceResult:
+                keep_order: bool = False, objective: str = "min_time",
+                budget_per_hour: float = math.inf,
+                time_limit_s: float = math.inf) -> BruteForceResult:
   """Enumerates every plan: each subcluster runs one contiguous group of stages.
 
   The subclusters are entered in any order (``keep_order``: the tables' order, skipping
@@ -84,7 +92,9 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
   A plan is valid when its stage times are finite, every cut ``c_i <= t_max`` (its own
   bottleneck), every stage fits ``mem_p + min(N_i, B) mem_a <= mem`` with ``N_i`` from
   :func:`~harpjax.compiler.schedule.h1f1b_warmups` at that ``t_max``, and each subcluster's
-  submeshes pack onto its hosts. Objective: Eq. 12.
+  submeshes pack onto its hosts. Time: Eq. 12. ``objective`` ``"min_time"`` minimises it
+  (within ``budget_per_hour``, the plan's rate, :func:`plan_rate`), ``"min_cost"`` minimises
+  rate times time (within ``time_limit_s``); ``objective_s`` is then that product.
 
   Raises:
     PlanError: more than ``max_plans`` plans (the instance is too large for brute force).
@@ -111,8 +121,14 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
       a = float(tables.act_mem_bytes[k][i, j, s])
       if not p + min(w, B) * a <= tables.device_memory_bytes[k]:
         return
-    counts[1] += 1
     obj = sum(x + 2.0 * y for x, y in zip(t, c + [0.0])) + (B - 1) * t_max
+    if tables.price_per_gpu_hour is not None:
+      rate = plan_rate(tables, stack)
+      if rate > budget_per_hour or obj > time_limit_s:
+        return
+      if objective == "min_cost":
+        obj *= rate
+    counts[1] += 1
     if obj < best[0]:
       best[:] = [obj, t_max, tuple(stack), warm]
 
@@ -150,7 +166,7 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
 
 def random_tables(rng: np.random.Generator, num_layers: int | None = None,
                   num_subclusters: int | None = None, max_devices: int = 4,
-                  odd_hosts: bool = False) -> CostTables:
+                  odd_hosts: bool = False, priced: bool = False) -> CostTables:
   """A small random heterogeneous instance for cross-checks against :func:`brute_force`.
 
   2-3 subclusters of 1-2 hosts x 1, 2 or 4 devices (at most ``max_devices`` each), different
@@ -159,7 +175,8 @@ def random_tables(rng: np.random.Generator, num_layers: int | None = None,
   links; half of them with links between any two subclusters (some missing, some asymmetric).
   About a fifth of the instances are infeasible and a third have binding memory. With
   ``odd_hosts`` some subclusters are 2 hosts x 3 devices, whose ``(1, 2)`` stages do not always
-  pack (three of them add up to 6 devices but do not fit).
+  pack (three of them add up to 6 devices but do not fit). With ``priced`` each subcluster has
+  a price per device-hour.
   """
   K = num_subclusters or int(rng.integers(2, 4))
   L = num_layers or int(rng.integers(K, 9))
@@ -209,6 +226,8 @@ def random_tables(rng: np.random.Generator, num_layers: int | None = None,
       act_mem_bytes=tuple(am), boundary_bytes=rng.uniform(0, 1.0, L),
       intra_bandwidth_bytes_per_s=tuple(float(rng.choice([2.0, 20.0])) for _ in range(K)),
       intra_latency_s=(0.01,) * K,
+      price_per_gpu_hour=tuple(float(rng.choice([0.5, 1.0, 1.5, 3.0])) for _ in range(K))
+      if priced else None,
       inter_bandwidth_bytes_per_s=inter, inter_latency_s=(0.05,) * (K - 1),
       link_bandwidth_bytes_per_s=pair,
       link_latency_s=None if pair is None else ((0.05,) * K,) * K)
