@@ -54,7 +54,8 @@ try:  # Numba is a hard dependency; the twin keeps the planner usable without it
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["DPArrays", "Frontier", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
+__all__ = ["DPArrays", "Frontier", "moves", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA",
+           "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
 
@@ -87,6 +88,10 @@ class DPArrays(NamedTuple):
     mem: ``[K]`` float64 device memory, bytes.
     c_pair: ``[K, K, L]`` float64 cut cost from a stage on ``a`` to one on ``b`` after layer
       ``j``, seconds (``a == b``: the subcluster's own link).
+    mv_ptr: ``[G * S_max + 1]`` int64: the moves after a stage on ``s`` from state ``g``
+      (``st_stay`` and ``st_leave`` listed) are ``mv_ptr[g * S_max + s] ..`` ``mv_ptr[g *
+      S_max + s + 1] - 1``.
+    mv_state: ``[V]`` int64 the state of each move; ``mv_sub``: ``[V]`` its subcluster.
   """
   st_sub: np.ndarray
   st_stay: np.ndarray
@@ -101,6 +106,27 @@ class DPArrays(NamedTuple):
   ent_a: np.ndarray
   mem: np.ndarray
   c_pair: np.ndarray
+  mv_ptr: np.ndarray
+  mv_state: np.ndarray
+  mv_sub: np.ndarray
+
+
+def moves(st_stay: np.ndarray, st_leave: np.ndarray, st_sub: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The moves of :class:`DPArrays` (``mv_ptr``, ``mv_state``, ``mv_sub``) as flat lists."""
+  G, S, K = st_leave.shape
+  ptr, state, sub = [0], [], []
+  for g in range(G):
+    for s in range(S):
+      if st_stay[g, s] >= 0:
+        state.append(int(st_stay[g, s]))
+        sub.append(int(st_sub[g]))
+      for k2 in range(K):
+        if st_leave[g, s, k2] >= 0:
+          state.append(int(st_leave[g, s, k2]))
+          sub.append(k2)
+      ptr.append(len(state))
+  return (np.asarray(ptr, np.int64), np.asarray(state, np.int64), np.asarray(sub, np.int64))
 
 
 class Frontier(NamedTuple):
@@ -141,8 +167,8 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
-  K = ix.ent_ptr.shape[0]
   G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
   B = num_microbatches
   H = 2 if require_hit else 1
   inf = np.inf
@@ -164,16 +190,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         if j == L - 1:
           continue
         s = ix.ent_s[e]
-        for x in range(K + 1):
-          if x == 0:
-            k2 = k
-            d2 = ix.st_stay[d, s]
-          else:
-            k2 = x - 1
-            d2 = ix.st_leave[d, s, k2]
-          if d2 < 0:
-            continue
-          c = ix.c_pair[k, k2, j]
+        mp = d * S_max + s
+        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+          d2 = ix.mv_state[x]
+          c = ix.c_pair[k, ix.mv_sub[x], j]
           if check_comm and c > tau:
             continue
           v = base + t + 2.0 * c
@@ -218,16 +238,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
           continue
         p = ix.ent_p[e]
         a = ix.ent_a[e]
-        for x in range(K + 1):
-          if x == 0:
-            k2 = k
-            d2 = ix.st_stay[d, s]
-          else:
-            k2 = x - 1
-            d2 = ix.st_leave[d, s, k2]
-          if d2 < 0:
-            continue
-          c = ix.c_pair[k, k2, j]
+        mp = d * S_max + s
+        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+          d2 = ix.mv_state[x]
+          c = ix.c_pair[k, ix.mv_sub[x], j]
           if check_comm and c > tau:
             continue
           dl = _warmup_delta(c, tau, eps)
@@ -344,7 +358,7 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
   del use_numba
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
-   c_pair) = ix
+   c_pair) = ix[:13]
   L, B = ent_ptr.shape[1] - 1, int(num_microbatches)
   K = ent_ptr.shape[0]
   G = int(st_sub.size)

@@ -86,7 +86,7 @@ class SparseIndex:
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
-        np.ascontiguousarray(tables.pair_comm_s))
+        np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub))
     return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, states=st,
                ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(c["t"]),
                sorted_t=np.sort(c["t"]), use_all_devices=use_all_devices,

@@ -318,7 +318,7 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
   """The pure-NumPy twin of :func:`solve_tau_rate`: dense over the distinct suffix rates."""
   del use_numba
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
-   c_pair) = ix
+   c_pair) = ix[:13]
   L, B, K, G = ent_ptr.shape[1] - 1, int(num_microbatches), ent_ptr.shape[0], int(st_sub.size)
   H = 2 if require_hit else 1
   NC = int(n_cap)
