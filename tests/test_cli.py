@@ -330,6 +330,13 @@ def test_no_cache_is_use_cache_false(monkeypatch, cluster_file, tmp_path, args, 
     (["--cache-dir", "FILE"], ["--cache-dir"]),
     (["--cache-dir", "FILE/sub"], ["--cache-dir", "not a directory"]),
     (["--model", "gpt-1t"], ["--model", "neither a built-in model"]),
+    (["--objective", "cheapest"], ["--objective", "cheapest"]),
+    (["--objective", "min_time_within_budget"], ["--budget"]),
+    (["--objective", "min_cost_within_time"], ["--time-limit"]),
+    (["--objective", "max_throughput_per_dollar", "--budget", "3"], ["--budget", "not use"]),
+    (["--time-limit", "3"], ["--time-limit", "not use"]),
+    (["--budget", "-3"], ["--budget"]),
+    (["--objective", "max_throughput_per_dollar"], ["needs prices", "price_per_gpu_hour"]),
 ])
 def test_plan_arguments_are_checked_first(no_long_work, cluster_file, tmp_path, args, needles):
   (tmp_path / "file").write_text("x")

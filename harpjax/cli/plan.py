@@ -156,6 +156,19 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Layers wanted in total.")
 @click.option("--eps", type=Finite(min=0), default=0.1, show_default=True,
               help="H-1F1B tolerance (2c/t_max below it needs no extra warm-up).")
+@click.option("--objective", type=click.Choice(["min_time", "max_throughput_per_dollar",
+                                               "min_time_within_budget",
+                                               "min_cost_within_time"]),
+              default="min_time", show_default=True,
+              help="What to optimise; all but min_time need price_per_gpu_hour on every "
+                   "subcluster of the cluster file.")
+@click.option("--budget", type=Finite(min=0, min_open=True), default=None,
+              help="Budget per hour (currency of the prices) of min_time_within_budget.")
+@click.option("--time-limit", type=Finite(min=0, min_open=True), default=None,
+              help="Longest iteration, seconds, of min_cost_within_time.")
+@click.option("--use-all-devices", is_flag=True,
+              help="Use every device in the order given by --order (HARP's planner); by default "
+                   "the plan may leave devices or subclusters unused and chooses the order.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Profile database directory (default $HARPJAX_CACHE_DIR or "
                    "~/.cache/harpjax/profiles).")
@@ -173,8 +186,8 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Progress bar while profiling (default: when stderr is a terminal).")
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
-            source, order, z, target_layers, eps, cache_dir, no_cache, json_path, simulate,
-            remat, progress):
+            source, order, z, target_layers, eps, objective, budget, time_limit,
+            use_all_devices, cache_dir, no_cache, json_path, simulate, remat, progress):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
   from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
@@ -186,6 +199,16 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                            "give --bandwidth too, or drop --latency-us")
   if no_cache and given(ctx, "cache_dir"):
     raise click.UsageError("--no-cache and --cache-dir contradict each other; give one")
+  if objective == "min_time_within_budget" and budget is None:
+    raise click.UsageError("--objective min_time_within_budget needs --budget")
+  if objective == "min_cost_within_time" and time_limit is None:
+    raise click.UsageError("--objective min_cost_within_time needs --time-limit")
+  if budget is not None and objective not in ("min_time", "min_time_within_budget"):
+    raise click.UsageError(f"--budget bounds min_time_within_budget; --objective {objective} "
+                           "does not use it")
+  if time_limit is not None and objective != "min_cost_within_time":
+    raise click.UsageError(f"--time-limit bounds min_cost_within_time; --objective "
+                           f"{objective} does not use it")
   check_output_file(json_path, "--json")
   if not no_cache:
     check_output_dir(cache_dir, "--cache-dir")
@@ -201,8 +224,14 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     if source == "imported":
       profile_kw["imported_model"] = "deepspeedgpt_2.7b"
     profile_options = ProfileOptions(**profile_kw)
-    solve_options = SolveOptions(eps=eps)
+    solve_options = SolveOptions(eps=eps, objective=objective, budget_per_hour=budget,
+                                 time_limit_s=time_limit, use_all_devices=use_all_devices,
+                                 keep_order=use_all_devices)
     cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
+    unpriced = [s.name for s in cluster.subclusters if s.price_per_gpu_hour is None]
+    if unpriced and (objective != "min_time" or budget is not None):
+      raise click.UsageError(f"--objective {objective} needs prices: subclusters {unpriced} of "
+                             f"{cluster_path} have no price_per_gpu_hour")
     spec = _model_spec(model, num_microbatches, microbatch_size)
     t0 = time.perf_counter()
     click.echo(f"cluster: {cluster.summary()}", err=True)
@@ -227,6 +256,10 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   click.echo(f"\npredicted iteration: {plan.predicted_iteration_s:.3f} s (Eq. 12), "
              f"t_max {plan.t_max_s * 1e3:.2f} ms, eta {plan.eta * 100:.1f}%; "
              f"profiling {t1 - t0:.1f} s, search {t2 - t1:.2f} s")
+  click.echo(f"devices: {solved.num_devices} of {result.tables.total_devices}"
+             + ("" if solved.rate_per_hour is None else
+                f"; cost {solved.rate_per_hour:.2f} per hour, "
+                f"{solved.cost_per_iteration:.4f} per iteration"))
   if simulate:
     click.echo("\nschedule      warm-ups              simulated iteration (s)   fits memory")
     for name in ("gpipe", "1f1b", "eager_1f1b", "h1f1b"):

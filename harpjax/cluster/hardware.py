@@ -424,6 +424,10 @@ class SubCluster:
     nics: NICs of every host.
     intra_host_bytes_per_s: bandwidth between devices of one host, bytes/s; ``None`` means the
       GPU type's default.
+    price_per_gpu_hour: optional price of one device per hour (any currency), for the
+      planner's objectives with money.
+    zone: optional zone or region label; a ``links`` entry between two zones sets the link
+      between their subclusters.
     hosts: the ``N`` hosts (derived).
   """
   name: str
@@ -432,6 +436,8 @@ class SubCluster:
   devices_per_host: int
   nics: tuple[NIC, ...] = ()
   intra_host_bytes_per_s: float | None = None
+  price_per_gpu_hour: float | None = None
+  zone: str | None = None
   hosts: tuple[Host, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
@@ -452,6 +458,11 @@ class SubCluster:
     if self.intra_host_bytes_per_s is None:
       object.__setattr__(self, "intra_host_bytes_per_s", self.gpu.intra_host_bytes_per_s)
     check_pos_number(self.intra_host_bytes_per_s, f"{where}.intra_host_bytes_per_s")
+    if self.price_per_gpu_hour is not None:
+      object.__setattr__(self, "price_per_gpu_hour", check_number(
+          self.price_per_gpu_hour, f"{where}.price_per_gpu_hour", minimum=0.0))
+    if self.zone is not None:
+      check_str(self.zone, f"{where}.zone")
     object.__setattr__(self, "hosts", tuple(
         Host(f"{self.name}-{h}", self.name, h, self.gpu, self.devices_per_host, nics,
              self.intra_host_bytes_per_s) for h in range(self.num_hosts)))
@@ -506,6 +517,10 @@ class SubCluster:
       d["intra_host_gbps"] = _clean(self.intra_host_bytes_per_s / GBPS)
     if self.nics:
       d["nics"] = [n.to_dict() for n in self.nics]
+    if self.price_per_gpu_hour is not None:
+      d["price_per_gpu_hour"] = _clean(self.price_per_gpu_hour)
+    if self.zone is not None:
+      d["zone"] = self.zone
     return d
 
 

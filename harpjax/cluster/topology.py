@@ -95,13 +95,18 @@ class Cluster:
                                f"GPU of that name declared or in the catalog; rename one of them")
     object.__setattr__(self, "gpus", tuple(gpus))
     overrides: dict[frozenset, LinkOverride] = {}
+    zones = {s.zone for s in subs if s.zone is not None}
+    clash = zones & set(by_name)
+    if clash:
+      raise ClusterSpecError(f"zones {sorted(clash)} are also subcluster names; zones and "
+                             "subclusters need different names")
     for i, ov in enumerate(self.links):
       if not isinstance(ov, LinkOverride):
         raise ClusterSpecError(f"Cluster.links[{i}]: expected a LinkOverride, got {ov!r}")
       for x in ov.between:
-        if x not in by_name:
-          raise ClusterSpecError(f"links[{i}].between: unknown subcluster {x!r} "
-                                 f"(known: {', '.join(by_name)})")
+        if x not in by_name and x not in zones:
+          raise ClusterSpecError(f"links[{i}].between: unknown subcluster or zone {x!r} "
+                                 f"(known: {', '.join(list(by_name) + sorted(zones))})")
       key = frozenset(ov.between)
       if key in overrides:
         raise ClusterSpecError(f"links[{i}].between: a second override for {list(ov.between)}")
@@ -400,6 +405,8 @@ class Cluster:
     sa, sb = self._by_name[a], self._by_name[b]
     base = nic_pair_link(sa.nics, sb.nics)
     ov = self._overrides.get(frozenset((a, b)))
+    if ov is None and a != b and sa.zone is not None and sb.zone is not None:
+      ov = self._overrides.get(frozenset((sa.zone, sb.zone)))   # a link between zones
     if ov is not None:
       kind = ov.kind or (base.kind if base else "ethernet")
       if ov.latency_s is not None:

@@ -72,7 +72,8 @@ def parse_yaml(text: str, source: str) -> Any:
 
 _TOP_KEYS = ("name", "gpus", "subclusters", "links")
 _GPU_KEYS = ("name", "tflops", "memory_gb", "mem_bandwidth_gbs", "intra_host_gbps")
-_SUB_KEYS = ("name", "gpu", "hosts", "devices_per_host", "intra_host_gbps", "nics")
+_SUB_KEYS = ("name", "gpu", "hosts", "devices_per_host", "intra_host_gbps", "nics",
+             "price_per_gpu_hour", "zone")
 _NIC_KEYS = ("name", "kind", "gbps", "network", "latency_us")
 _LINK_KEYS = ("between", "gbps", "latency_us", "kind")
 _DEFAULT_GPU_INTRA_HOST_GBPS = 512  # PCIe Gen4 x16, 64 GB/s
@@ -116,8 +117,18 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     hosts = check_count(s["hosts"], f"{w}.hosts", MAX_HOSTS, "hosts per subcluster")
     per_host = check_count(s["devices_per_host"], f"{w}.devices_per_host",
                            MAX_DEVICES_PER_HOST, "devices per host")
+    price = s.get("price_per_gpu_hour")
+    if price is not None:
+      price = check_number(price, f"{w}.price_per_gpu_hour", minimum=0.0)
+    zone = s.get("zone")
+    if zone is not None:
+      check_str(zone, f"{w}.zone")
+      if zone in seen:
+        raise ClusterSpecError(f"{w}.zone: {zone!r} is also a subcluster name; zones and "
+                               "subclusters need different names (links may name either)")
     subs.append(SubCluster(s["name"], gpu, hosts, per_host,
-                           _nics_from_list(or_empty(s.get("nics")), f"{w}.nics"), intra))
+                           _nics_from_list(or_empty(s.get("nics")), f"{w}.nics"), intra,
+                           price_per_gpu_hour=price, zone=zone))
   links = []
   for i, ln in enumerate(check_list(or_empty(data.get("links")), "links")):
     w = f"links[{i}]"
@@ -126,10 +137,12 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     if not (isinstance(between, list) and len(between) == 2):
       raise ClusterSpecError(f"{w}.between: expected a list of two subcluster names, "
                              f"got {between!r}")
+    zones = {sub.zone for sub in subs if sub.zone is not None}
     for x in between:
-      if x not in seen:
-        raise ClusterSpecError(f"{w}.between: unknown subcluster {x!r}"
-                               f"{did_you_mean(str(x), seen)} (known: {', '.join(seen)})")
+      if x not in seen and x not in zones:
+        known = list(seen) + sorted(zones)
+        raise ClusterSpecError(f"{w}.between: unknown subcluster or zone {x!r}"
+                               f"{did_you_mean(str(x), known)} (known: {', '.join(known)})")
     lat = ln.get("latency_us")
     if lat is not None:
       lat = check_number(lat, f"{w}.latency_us", minimum=0.0) / 1e6

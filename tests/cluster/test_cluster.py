@@ -489,7 +489,7 @@ _MALFORMED = [
     ("subclusters:\n" + _SUB + _SUB, ClusterSpecError,
      r"subclusters\[1\]\.name: duplicate subcluster name 'a'"),
     ("subclusters:\n" + _SUB + "links:\n  - {between: [a, h100], gbps: 1}\n", ClusterSpecError,
-     r"links\[0\]\.between: unknown subcluster 'h100' \(known: a\)"),
+     r"links\[0\]\.between: unknown subcluster or zone 'h100' \(known: a\)"),
     ("subclusters:\n" + _SUB + "links:\n  - {between: [a], gbps: 1}\n", ClusterSpecError,
      r"links\[0\]\.between: expected a list of two"),
     ("subclusters:\n" + _SUB + "links:\n  - {between: [a, a], gbps: '5'}\n", ClusterSpecError,
@@ -565,10 +565,31 @@ def test_python_constructor_errors():
     SubCluster("x", "A100", 1, 1, nics=(NIC("e", "rdma", 1, "n"), NIC("e", "rdma", 1, "m")))
   with pytest.raises(ClusterSpecError, match=r"NIC 'e'\.kind: unknown kind 'wifi'"):
     NIC("e", "wifi", 1, "n")
-  with pytest.raises(ClusterSpecError, match=r"links\[0\]\.between: unknown subcluster 'y'"):
+  with pytest.raises(ClusterSpecError, match=r"between: unknown subcluster or zone 'y'"):
     Cluster((SubCluster("x", "A100", 1, 1),), links=(LinkOverride(("x", "y"), 1),))
   with pytest.raises(ClusterSpecError, match="differs from the GPU of that name"):
     Cluster((SubCluster("x", GPUType.from_units("A100-40G", 1, 1, 1, 1), 1, 1),))
   assert math.isinf(Cluster.simple([("x", "A100", 1, 2)]).link_between_devices(
       0, 0).bandwidth_bytes_per_s)
   assert os.environ.get("XLA_FLAGS")  # conftest ran
+
+
+def test_prices_zones_and_links_between_zones():
+  text = """
+subclusters:
+  - {name: a, gpu: A100-40G, hosts: 1, devices_per_host: 4, price_per_gpu_hour: 3.5,
+     zone: east, nics: [{name: e, kind: ethernet, gbps: 100, network: dc}]}
+  - {name: b, gpu: V100-32G, hosts: 2, devices_per_host: 4, price_per_gpu_hour: 2,
+     zone: west, nics: [{name: e, kind: ethernet, gbps: 100, network: dc}]}
+links:
+  - {between: [east, west], gbps: 2}
+"""
+  c = Cluster.from_yaml(text)
+  assert c.subcluster("a").price_per_gpu_hour == 3.5 and c.subcluster("b").zone == "west"
+  assert c.inter_subcluster_link("a", "b").gbps == 2          # the zones' link
+  assert c.intra_subcluster_link("b").gbps == 100             # not the zones' link
+  assert Cluster.from_yaml(c.to_yaml()) == c
+  with pytest.raises(ClusterSpecError, match="price_per_gpu_hour"):
+    Cluster.from_yaml(text.replace("3.5", "-1"))
+  with pytest.raises(ClusterSpecError, match="also a subcluster name"):
+    Cluster.from_yaml(text.replace("zone: west", "zone: a"))

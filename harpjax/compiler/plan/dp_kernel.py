@@ -8,17 +8,15 @@ Both take one :class:`DPArrays` (plain arrays: the sparse index of
 State. ``F(i, d, n, h)`` is the cheapest way to run layers ``i..L-1`` when the stages before
 them leave the devices in *device state* ``d``, such that the first stage of this suffix has
 H-1F1B warm-up count ``n`` (capped at ``B``: a stage never holds more than ``B`` microbatches)
-and ``h = 1`` iff some stage of the suffix takes exactly ``tau``. A device state says which
-subcluster ``k`` the next stage goes to and what the earlier stages already took of it; a stage
-on submesh ``s`` moves it to ``st_next[d, s]``. When the submesh widths of ``k`` divide each
-other (the paper's shapes with ``M`` a power of two), any stages adding up to at most
-``N * M`` devices pack onto the hosts and the state is just the device count: ``d`` is the
-paper's GPU offset ``O_{k-1} + used`` (Eq. 13). Otherwise the state is the multiset of shapes
-used so far, kept only while it packs and can still be completed (the planner builds the
-states). A stage that completes subcluster ``k`` moves to the first state of ``k + 1`` and its
-cut uses the link between ``k`` and ``k + 1`` (``st_exh``), else the link inside ``k``. The last
-stage has ``n = 1`` and no cut and must complete the last subcluster: every device is used
-(Eq. 19).
+and ``h = 1`` iff some stage of the suffix takes exactly ``tau``. A device state
+(:func:`harpjax.compiler.plan.index.device_states`) says which subcluster ``k`` the next stage
+runs on, what the earlier stages took of it (the device count when the submesh widths divide
+each other, else the multiset of shapes) and, when the order is free, which subclusters the
+plan has entered. After a stage on submesh ``s`` the next one stays on ``k`` (``st_stay``, cut
+over ``k``'s own link) or moves to a subcluster ``k2`` (``st_leave``, cut over the link between
+them), leaving ``k``'s other devices unused; ``st_end`` says which stages may be last. With
+HARP's rule (every device, Eq. 19) only stages that complete their subcluster leave it or end
+the plan. A plan starts in one of the ``roots``.
 
 Why this is exact. The feasibility of a prefix stage depends on the suffix only through the
 suffix's first warm-up count (``N_i = N_{i+1} + delta_i``, Eq. 1), so keeping ``n`` in the
@@ -56,7 +54,8 @@ try:  # Numba is a hard dependency; the twin keeps the planner usable without it
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["DPArrays", "Frontier", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
+__all__ = ["DPArrays", "Frontier", "moves", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA",
+           "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
 
@@ -68,15 +67,17 @@ BOUND_SLACK = 1e-9
 class DPArrays(NamedTuple):
   """The kernels' input: the feasible (range, submesh) entries and the device states.
 
-  ``G`` device states, ``K`` subclusters, ``L`` layers, ``E`` entries, ``S_max`` submeshes.
+  ``G`` device states, ``K`` subclusters, ``L`` layers, ``E`` entries, ``S_max`` submeshes,
+  ``R`` root states (:func:`harpjax.compiler.plan.index.device_states`).
 
   Attributes:
-    st_sub: ``[G]`` int64 subcluster of each device state (what the stages before use of its
-      subcluster; state 0 is "nothing used", ``G`` is "every device used").
-    st_next: ``[G, S_max]`` int64 state after a stage on submesh ``s`` (``-1``: it does not
-      fit); a stage that completes its subcluster leads to the next subcluster's first state.
-    st_exh: ``[G, S_max]`` bool: that stage completes its subcluster (its cut uses the link to
-      the next subcluster).
+    st_sub: ``[G]`` int64 subcluster the next stage of each device state runs on.
+    st_stay: ``[G, S_max]`` int64 state after a stage on submesh ``s`` when the next stage
+      stays on the subcluster (``-1``: not allowed); its cut uses the subcluster's own link.
+    st_leave: ``[G, S_max, K]`` int64 state after a stage on ``s`` when the next stage runs on
+      subcluster ``k2`` (``-1``: not allowed); its cut uses the link between the two.
+    st_end: ``[G, S_max]`` bool: a stage on ``s`` may be the last one.
+    roots: ``[R]`` int64 states a plan may start in.
     ent_ptr: ``[K, L + 1]`` int64; entries of (subcluster ``k``, first layer ``i``) are
       ``ent_ptr[k, i] .. ent_ptr[k, i + 1] - 1``, sorted by time.
     ent_j: ``[E]`` int64 last layer of each entry.
@@ -85,12 +86,18 @@ class DPArrays(NamedTuple):
     ent_p: ``[E]`` float64 parameter bytes per device.
     ent_a: ``[E]`` float64 activation bytes per device per in-flight microbatch.
     mem: ``[K]`` float64 device memory, bytes.
-    c_intra: ``[K, L]`` float64 cut cost inside subcluster ``k`` after layer ``j``, seconds.
-    c_inter: ``[K, L]`` float64 cut cost from ``k`` to ``k + 1`` after layer ``j``.
+    c_pair: ``[K, K, L]`` float64 cut cost from a stage on ``a`` to one on ``b`` after layer
+      ``j``, seconds (``a == b``: the subcluster's own link).
+    mv_ptr: ``[G * S_max + 1]`` int64: the moves after a stage on ``s`` from state ``g``
+      (``st_stay`` and ``st_leave`` listed) are ``mv_ptr[g * S_max + s] ..`` ``mv_ptr[g *
+      S_max + s + 1] - 1``.
+    mv_state: ``[V]`` int64 the state of each move; ``mv_sub``: ``[V]`` its subcluster.
   """
   st_sub: np.ndarray
-  st_next: np.ndarray
-  st_exh: np.ndarray
+  st_stay: np.ndarray
+  st_leave: np.ndarray
+  st_end: np.ndarray
+  roots: np.ndarray
   ent_ptr: np.ndarray
   ent_j: np.ndarray
   ent_s: np.ndarray
@@ -98,8 +105,28 @@ class DPArrays(NamedTuple):
   ent_p: np.ndarray
   ent_a: np.ndarray
   mem: np.ndarray
-  c_intra: np.ndarray
-  c_inter: np.ndarray
+  c_pair: np.ndarray
+  mv_ptr: np.ndarray
+  mv_state: np.ndarray
+  mv_sub: np.ndarray
+
+
+def moves(st_stay: np.ndarray, st_leave: np.ndarray, st_sub: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The moves of :class:`DPArrays` (``mv_ptr``, ``mv_state``, ``mv_sub``) as flat lists."""
+  G, S, K = st_leave.shape
+  ptr, state, sub = [0], [], []
+  for g in range(G):
+    for s in range(S):
+      if st_stay[g, s] >= 0:
+        state.append(int(st_stay[g, s]))
+        sub.append(int(st_sub[g]))
+      for k2 in range(K):
+        if st_leave[g, s, k2] >= 0:
+          state.append(int(st_leave[g, s, k2]))
+          sub.append(k2)
+      ptr.append(len(state))
+  return (np.asarray(ptr, np.int64), np.asarray(state, np.int64), np.asarray(sub, np.int64))
 
 
 class Frontier(NamedTuple):
@@ -140,13 +167,15 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
-  G = ix.st_sub.shape[0]  # device states; G itself is the terminal "every device used"
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
   B = num_microbatches
   H = 2 if require_hit else 1
   inf = np.inf
   # Forward pass: lower bound on the cost of a prefix ending just before (i, d).
-  lb = np.full((L + 1, G + 1), inf)
-  lb[0, 0] = 0.0
+  lb = np.full((L + 1, G), inf)
+  for r in ix.roots:
+    lb[0, r] = 0.0
   for i in range(L):
     for d in range(G):
       base = lb[i, d]
@@ -157,21 +186,24 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         t = ix.ent_t[e]
         if t > tau:
           break
-        d2 = ix.st_next[d, ix.ent_s[e]]
         j = ix.ent_j[e]
-        if d2 < 0 or j == L - 1 or d2 == G:
+        if j == L - 1:
           continue
-        c = ix.c_inter[k, j] if ix.st_exh[d, ix.ent_s[e]] else ix.c_intra[k, j]
-        if check_comm and c > tau:
-          continue
-        v = base + t + 2.0 * c
-        if v < lb[j + 1, d2]:
-          lb[j + 1, d2] = v
+        s = ix.ent_s[e]
+        mp = d * S_max + s
+        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+          d2 = ix.mv_state[x]
+          c = ix.c_pair[k, ix.mv_sub[x], j]
+          if check_comm and c > tau:
+            continue
+          v = base + t + 2.0 * c
+          if v < lb[j + 1, d2]:
+            lb[j + 1, d2] = v
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
-  first = np.zeros((L + 1, G + 1, H), np.int64)
-  count = np.zeros((L + 1, G + 1, H), np.int64)
+  first = np.zeros((L + 1, G, H), np.int64)
+  count = np.zeros((L + 1, G, H), np.int64)
   pool = _new_frontier(1024)
   used = 0
   # Best suffix per (n, h) found for the current state: cost, entry, successor point.
@@ -192,13 +224,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         if t > tau:
           break
         s = ix.ent_s[e]
-        d2 = ix.st_next[d, s]
-        if d2 < 0:
-          continue
         j = ix.ent_j[e]
         hit = 1 if (require_hit and t == tau) else 0
         if j == L - 1:
-          if d2 != G or t > budget:
+          if not ix.st_end[d, s] or t > budget:
             continue
           if t < tc[1, hit]:
             tc[1, hit] = t
@@ -207,35 +236,36 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             nlo = min(nlo, 1)
             nhi = max(nhi, 1)
           continue
-        if d2 == G:
-          continue
-        c = ix.c_inter[k, j] if ix.st_exh[d, s] else ix.c_intra[k, j]
-        if check_comm and c > tau:
-          continue
-        dl = _warmup_delta(c, tau, eps)
-        step = t + 2.0 * c
         p = ix.ent_p[e]
         a = ix.ent_a[e]
-        for h2 in range(H):
-          h = 1 if (h2 == 1 or hit == 1) else 0
-          q0 = first[j + 1, d2, h2]
-          for q in range(q0, q0 + count[j + 1, d2, h2]):
-            n = pool.n[q] + dl
-            if n > B:
-              n = B
-            if n > n_cap or p + n * a > mk:
-              break  # n grows along the frontier
-            x = pool.cost[q] + step
-            if x > budget:
-              continue  # costs fall along the frontier: later points may fit
-            if x < tc[n, h]:
-              tc[n, h] = x
-              te[n, h] = e
-              ts[n, h] = q
-              if n < nlo:
-                nlo = n
-              if n > nhi:
-                nhi = n
+        mp = d * S_max + s
+        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+          d2 = ix.mv_state[x]
+          c = ix.c_pair[k, ix.mv_sub[x], j]
+          if check_comm and c > tau:
+            continue
+          dl = _warmup_delta(c, tau, eps)
+          step = t + 2.0 * c
+          for h2 in range(H):
+            h = 1 if (h2 == 1 or hit == 1) else 0
+            q0 = first[j + 1, d2, h2]
+            for q in range(q0, q0 + count[j + 1, d2, h2]):
+              n = pool.n[q] + dl
+              if n > B:
+                n = B
+              if n > n_cap or p + n * a > mk:
+                break  # n grows along the frontier
+              v = pool.cost[q] + step
+              if v > budget:
+                continue  # costs fall along the frontier: later points may fit
+              if v < tc[n, h]:
+                tc[n, h] = v
+                te[n, h] = e
+                ts[n, h] = q
+                if n < nlo:
+                  nlo = n
+                if n > nhi:
+                  nhi = n
       if nhi == 0:
         continue
       # Compress into Pareto frontiers (h = 1 first: it also dominates h = 0 points).
@@ -247,11 +277,11 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         for n in range(nlo, nhi + 1):
           if H == 2 and tc[n, 1] < best_hit:
             best_hit = tc[n, 1]
-          x = tc[n, h]
-          if x < best_same and (h == 1 or x < best_hit):
-            best_same = x
+          v = tc[n, h]
+          if v < best_same and (h == 1 or v < best_hit):
+            best_same = v
             pool.n[used] = n
-            pool.cost[used] = x
+            pool.cost[used] = v
             pool.entry[used] = te[n, h]
             pool.succ[used] = ts[n, h]
             used += 1
@@ -260,13 +290,21 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         for h in range(H):
           tc[n, h] = inf
   hf = H - 1
-  m = count[0, 0, hf]
-  if m == 0:
+  best_q = -1
+  value = inf
+  for r in ix.roots:
+    m = count[0, r, hf]
+    if m == 0:
+      continue
+    q = first[0, r, hf] + m - 1  # costs fall along the frontier: the last is the cheapest
+    if pool.cost[q] < value:
+      value = pool.cost[q]
+      best_q = q
+  if best_q < 0:
     return inf, np.zeros(0, np.int64)
-  q = first[0, 0, hf] + m - 1  # costs fall along the frontier: the last point is the cheapest
-  value = pool.cost[q]
   path = np.empty(L, np.int64)
   s = 0
+  q = best_q
   while q >= 0:
     path[s] = pool.entry[q]
     s += 1
@@ -319,90 +357,74 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
                     use_numba: bool = False) -> tuple[float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
   del use_numba
-  st_sub, st_next, st_exh, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem, c_intra, c_inter = ix
+  (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
+   c_pair) = ix[:13]
   L, B = ent_ptr.shape[1] - 1, int(num_microbatches)
   K = ent_ptr.shape[0]
   G = int(st_sub.size)
   H = 2 if require_hit else 1
   NC = int(n_cap)
-  F = np.full((L + 1, G + 1, NC + 1, H), np.inf)
-  # Parent of each state value: entry and successor (n', h'); n' = 0 marks the last stage.
+  F = np.full((L + 1, G, NC + 1, H), np.inf)
+  # Parent of each value: entry, successor state and (n', h'); n' = 0 marks the last stage.
   par_e = np.full(F.shape, -1, np.int64)
+  par_d = np.zeros(F.shape, np.int64)
   par_n = np.zeros(F.shape, np.int64)
   par_h = np.zeros(F.shape, np.int64)
   n_idx = np.arange(NC + 1)
-  states = [np.nonzero(st_sub == k)[0] for k in range(K)]
   for i in range(L - 1, -1, -1):
-    for k in range(K):
+    for d in range(G):
+      k = int(st_sub[d])
       for e in range(int(ent_ptr[k, i]), int(ent_ptr[k, i + 1])):
         t = float(ent_t[e])
         if t > tau:
           break
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
-        nxt = st_next[states[k], s]
         if j == L - 1:
-          for d in states[k][nxt == G]:
-            if t < F[i, d, 1, hit]:
-              F[i, d, 1, hit] = t
-              par_e[i, d, 1, hit] = e
-              par_n[i, d, 1, hit] = 0
+          if st_end[d, s] and t < F[i, d, 1, hit]:
+            F[i, d, 1, hit] = t
+            par_e[i, d, 1, hit] = e
+            par_n[i, d, 1, hit] = 0
           continue
         p, a, mk = float(ent_p[e]), float(ent_a[e]), float(mem[k])
-        n_ok = (n_idx >= 1) & (n_idx <= NC) & (p + n_idx * a <= mk)
-        valid = (nxt >= 0) & (nxt < G)
-        for exhaust in (False, True):
-          sel = valid & (st_exh[states[k], s] == exhaust)
-          ds = states[k][sel]
-          if ds.size == 0:
+        n_ok = (n_idx >= 1) & (p + n_idx * a <= mk)
+        moves = [(k, int(st_stay[d, s]))] + [(k2, int(st_leave[d, s, k2])) for k2 in range(K)]
+        for k2, d2 in moves:
+          if d2 < 0:
             continue
-          c = float(c_inter[k, j] if exhaust else c_intra[k, j])
+          c = float(c_pair[k, k2, j])
           if check_comm and c > tau:
             continue
           dl = warmup_delta(c, tau, eps)
           step = t + 2.0 * c
-          src = F[j + 1, st_next[ds, s]]                   # [nd, NC + 1, H]
-          cur = F[i, ds]                                   # [nd, NC + 1, H] (a copy)
-          top = min(NC, B - 1)
-          tgt = np.arange(1 + dl, top + 1)                 # n = n' + dl below the cap
-          tgt = tgt[n_ok[tgt]]
           for h2 in range(H):
             h = 1 if (h2 == 1 or hit) else 0
-            if tgt.size:
-              v = src[:, tgt - dl, h2] + step
-              better = v < cur[:, tgt, h]
-              if better.any():
-                r, cidx = np.nonzero(better)
-                F[i, ds[r], tgt[cidx], h] = v[r, cidx]
-                cur[r, tgt[cidx], h] = v[r, cidx]
-                par_e[i, ds[r], tgt[cidx], h] = e
-                par_n[i, ds[r], tgt[cidx], h] = tgt[cidx] - dl
-                par_h[i, ds[r], tgt[cidx], h] = h2
-            if NC == B and n_ok[B]:                        # n' + dl >= B: capped at B
-              srcn = np.arange(max(1, B - dl), NC + 1)
-              vals = src[:, srcn, h2] + step               # [nd, len]
-              arg = np.argmin(vals, axis=1)
-              v = vals[np.arange(vals.shape[0]), arg]
-              better = v < cur[:, B, h]
-              if better.any():
-                rows = ds[better]
-                F[i, rows, B, h] = v[better]
-                cur[better, B, h] = v[better]
-                par_e[i, rows, B, h] = e
-                par_n[i, rows, B, h] = srcn[arg[better]]
-                par_h[i, rows, B, h] = h2
-  root = F[0, 0, :, H - 1]
-  n0 = int(np.argmin(root))
-  value = float(root[n0])
+            src = F[j + 1, d2, :, h2]                      # [NC + 1] by n'
+            tgt = np.minimum(n_idx[1:] + dl, B)            # n of the new first stage
+            vals = src[1:] + step
+            ok = (tgt <= NC) & n_ok[np.minimum(tgt, NC)] & np.isfinite(vals)
+            for n_prev, n_new, v in zip(n_idx[1:][ok], tgt[ok], vals[ok]):
+              if v < F[i, d, n_new, h]:
+                F[i, d, n_new, h] = v
+                par_e[i, d, n_new, h] = e
+                par_d[i, d, n_new, h] = d2
+                par_n[i, d, n_new, h] = n_prev
+                par_h[i, d, n_new, h] = h2
+  best = (np.inf, -1, -1)
+  for r in roots:
+    n0 = int(np.argmin(F[0, r, :, H - 1]))
+    if F[0, r, n0, H - 1] < best[0]:
+      best = (float(F[0, r, n0, H - 1]), int(r), n0)
+  value, d, n = best
   if not np.isfinite(value) or (np.isfinite(bound)
                                 and value + (B - 1) * tau > bound * (1.0 + BOUND_SLACK)):
     return np.inf, np.zeros(0, np.int64)
-  path, i, d, n, h = [], 0, 0, n0, H - 1
+  path, i, h = [], 0, H - 1
   while True:
     e = int(par_e[i, d, n, h])
     path.append(e)
     if par_n[i, d, n, h] == 0:
       break
-    i, d, n, h = int(ent_j[e]) + 1, int(st_next[d, ent_s[e]]), int(par_n[i, d, n, h]), \
-        int(par_h[i, d, n, h])
+    i, d, n, h = (int(ent_j[e]) + 1, int(par_d[i, d, n, h]), int(par_n[i, d, n, h]),
+                  int(par_h[i, d, n, h]))
   return value, np.asarray(path, np.int64)

@@ -43,7 +43,8 @@ class PlannedStage:
     layers: inclusive ``(first, last)`` layer indices.
     subcluster: index ``k`` in the tables' order; ``subcluster_name`` its name.
     submesh_index: ``s``; ``submesh`` its shape ``(n, m)``; ``logical_mesh`` ``(dp, tp)``.
-    device_offset: first device of the stage in the DP's numbering (subcluster by subcluster).
+    device_offset: first device of the stage in the tables' numbering (subcluster by
+      subcluster, each subcluster's stages in pipeline order from its first device).
     hosts: ``((host, first_device, num_devices), ...)`` inside the subcluster: a packing of
       the subcluster's stages onto its hosts.
     time_s: forward+backward seconds per microbatch ``t_i``.
@@ -95,6 +96,9 @@ class PlanEvaluation:
     devices_ok: no subcluster is over-subscribed and its stages pack onto its hosts.
     uses_all_devices: every device of every subcluster is in some stage.
     violations: human-readable list of what fails.
+    num_devices: devices the stages use.
+    rate_per_hour: sum over stages of devices times the subcluster's price per device-hour
+      (``None`` when the tables have no prices).
   """
   schedule: str
   num_microbatches: int
@@ -111,6 +115,13 @@ class PlanEvaluation:
   devices_ok: bool
   uses_all_devices: bool
   violations: tuple[str, ...]
+  num_devices: int = 0
+  rate_per_hour: float | None = None
+
+  @property
+  def cost_per_iteration(self) -> float | None:
+    """``rate_per_hour * iteration_s / 3600`` (``None`` without prices)."""
+    return None if self.rate_per_hour is None else self.rate_per_hour * self.iteration_s / 3600
 
   @property
   def feasible(self) -> bool:
@@ -140,11 +151,19 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
       b[0] != a[1] + 1 for a, b in zip(out, out[1:])) or any(i > j for i, j, _, _ in out):
     raise PlanError(f"stage layer ranges {[(i, j) for i, j, _, _ in out]} must cover layers "
                     f"0..{tables.num_layers - 1} contiguously")
+  seen = set()
   for a, b in zip(out, out[1:]):
-    if b[2] not in (a[2], a[2] + 1):
-      raise PlanError(f"stage on layers {b[:2]} is on subcluster {b[2]} right after one on "
-                      f"subcluster {a[2]}: stages follow the tables' subcluster order "
-                      "without skipping (only links between consecutive subclusters are known)")
+    if b[2] == a[2]:
+      continue
+    seen.add(a[2])
+    if b[2] in seen:
+      raise PlanError(f"stage on layers {b[:2]} returns to subcluster "
+                      f"{tables.subcluster_names[b[2]]!r} after others: each subcluster runs "
+                      "one contiguous group of stages")
+    if not tables.linked(a[2], b[2]):
+      raise PlanError(f"stage on layers {b[:2]} on {tables.subcluster_names[b[2]]!r} follows "
+                      f"one on {tables.subcluster_names[a[2]]!r}, but the tables have no link "
+                      "between them")
   return out
 
 
@@ -169,7 +188,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
     The :class:`PlanEvaluation`.
 
   Raises:
-    PlanError: the stages do not cover the layers contiguously or skip a subcluster.
+    PlanError: the stages do not cover the layers contiguously, return to a subcluster after
+      leaving it, or follow each other on two subclusters the tables give no link between.
   """
   B = int(num_microbatches)
   quads = _resolve_stages(tables, stages)
@@ -178,8 +198,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
   c = []
   for a, b in zip(quads, quads[1:]):
-    c.append(float(tables.intra_comm_s[a[2], a[1]] if b[2] == a[2]
-                   else tables.inter_comm_s[a[2], a[1]]))
+    c.append(float(tables.pair_comm_s[a[2], b[2], a[1]]))
   c.append(0.0)
   t_max = max(t)
   violations = []
@@ -218,7 +237,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
     else:
       hosts.update(zip(mine, packed))
   mem_ok = True
-  planned, offset = [], 0
+  planned, taken = [], [0] * tables.num_subclusters
   for x, (i, j, k, s) in enumerate(quads):
     p = float(tables.param_mem_bytes[k][i, j, s])
     a = float(tables.act_mem_bytes[k][i, j, s])
@@ -231,14 +250,14 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
           f"needs {peak / 2**30:.3f} GiB ({p / 2**30:.3f} GiB parameters + {inflight[x]} x "
           f"{a / 2**30:.3f} GiB activations) > {dev_mem / 2**30:.3f} GiB device memory")
     n, m = tables.submeshes[k][s]
-    offset = max(offset, int(tables.device_offsets[k]))
+    offset = int(tables.device_offsets[k]) + taken[k]
+    taken[k] += n * m
     planned.append(PlannedStage(
         layers=(i, j), subcluster=k, subcluster_name=tables.subcluster_names[k],
         submesh_index=s, submesh=(n, m), logical_mesh=tables.logical_mesh_of(k, i, j, s),
         device_offset=offset, hosts=hosts.get(x, ()), time_s=t[x], comm_s=c[x],
         warmup=int(warm[x]), inflight=int(inflight[x]), param_bytes=p, act_bytes=a,
         peak_mem_bytes=peak, device_memory_bytes=dev_mem))
-    offset += n * m
   comm_ok = all(x <= t_max for x in c)
   if not comm_ok:
     worst = int(np.argmax(c))
@@ -258,7 +277,21 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
                         steady_period_s=period, iteration_s=iteration, model=model,
                         eta=_eta(tables, planned, t_max), mem_ok=mem_ok, comm_ok=comm_ok,
                         devices_ok=devices_ok, uses_all_devices=uses_all,
-                        violations=tuple(violations))
+                        violations=tuple(violations), num_devices=sum(taken),
+                        rate_per_hour=_rate(tables, planned))
+
+
+def _rate(tables: CostTables, stages: Sequence[PlannedStage]) -> float | None:
+  """Hourly rate: per subcluster (in pipeline order) its devices in use times its price."""
+  if tables.price_per_gpu_hour is None:
+    return None
+  held: dict[int, int] = {}
+  for s in stages:
+    held[s.subcluster] = held.get(s.subcluster, 0) + s.submesh[0] * s.submesh[1]
+  rate = 0.0
+  for k in reversed(list(held)):   # the order the DP charges them: last subcluster first
+    rate += tables.price_per_gpu_hour[k] * held[k]
+  return rate
 
 
 def _eta(tables: CostTables, stages: Sequence[PlannedStage], t_max: float) -> float:
@@ -285,46 +318,52 @@ def _simulate(t, c, schedule, B, warmups, fwd_fraction: float) -> float:
 # --------------------------------------------------------------------------- infeasibility
 
 
-def infeasible_error(tables: CostTables, B: int, eps: float) -> InfeasiblePlanError:
+def infeasible_error(tables: CostTables, B: int, eps: float, use_all_devices: bool = True,
+                     keep_order: bool = True) -> InfeasiblePlanError:
   """Says which constraint makes every plan infeasible, and by how much."""
-  constraint, msg = _diagnose(tables, B, eps)
+  constraint, msg = _diagnose(tables, B, eps, use_all_devices, keep_order)
   err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B}: {msg}")
   err.constraint = constraint
   return err
 
 
-def _diagnose(tables: CostTables, B: int, eps: float) -> tuple[str, str]:
+def _diagnose(tables: CostTables, B: int, eps: float, use_all: bool,
+              keep_order: bool) -> tuple[str, str]:
   L, K = tables.num_layers, tables.num_subclusters
   gib = 2.0 ** 30
-  if L < K:
+  if use_all and L < K:
     return "layers", (f"every subcluster needs at least one stage (all devices are used), but "
                       f"there are {L} layers for {K} subclusters")
-  index = SparseIndex.build(tables)
-  for k in range(K):
-    if not (index.ent_k == k).any():
-      best = (math.inf, None)
-      for s in range(len(tables.submeshes[k])):
-        fp = tables.param_mem_bytes[k][:, :, s] + tables.act_mem_bytes[k][:, :, s]
-        fp = np.where(np.isfinite(tables.stage_time_s[k][:, :, s]), fp, np.inf)
-        i, j = np.unravel_index(np.argmin(fp), fp.shape)
-        if fp[i, j] < best[0]:
-          best = (float(fp[i, j]), (int(i), int(j), tables.submeshes[k][s]))
-      mem = tables.device_memory_bytes[k]
-      if best[1] is None:
-        return "devices", f"subcluster {tables.subcluster_names[k]!r} has no finite stage time"
-      return "memory", (
-          f"subcluster {tables.subcluster_names[k]!r} cannot hold any stage: the smallest, "
-          f"layers {best[1][0]}..{best[1][1]} on {best[1][2]}, needs {best[0] / gib:.3f} GiB "
-          f"per device with one microbatch in flight, {(best[0] - mem) / gib:.3f} GiB more "
-          f"than the {mem / gib:.3f} GiB device")
-  free = SparseIndex.build(tables, mem_scale=math.inf)
+  build = lambda scale=1.0: SparseIndex.build(tables, scale, use_all_devices=use_all,
+                                              keep_order=keep_order)
+  index = build()
+  empty = [k for k in range(K) if not (index.ent_k == k).any()]
+  # With resource choice a subcluster that holds no stage is simply left out.
+  for k in (empty if use_all or len(empty) == K else []):
+    best = (math.inf, None)
+    for s in range(len(tables.submeshes[k])):
+      fp = tables.param_mem_bytes[k][:, :, s] + tables.act_mem_bytes[k][:, :, s]
+      fp = np.where(np.isfinite(tables.stage_time_s[k][:, :, s]), fp, np.inf)
+      i, j = np.unravel_index(np.argmin(fp), fp.shape)
+      if fp[i, j] < best[0]:
+        best = (float(fp[i, j]), (int(i), int(j), tables.submeshes[k][s]))
+    mem = tables.device_memory_bytes[k]
+    if best[1] is None:
+      return "devices", f"subcluster {tables.subcluster_names[k]!r} has no finite stage time"
+    return "memory", (
+        f"subcluster {tables.subcluster_names[k]!r} cannot hold any stage: the smallest, "
+        f"layers {best[1][0]}..{best[1][1]} on {best[1][2]}, needs {best[0] / gib:.3f} GiB "
+        f"per device with one microbatch in flight, {(best[0] - mem) / gib:.3f} GiB more "
+        f"than the {mem / gib:.3f} GiB device")
+  free = build(math.inf)
   top = float(free.candidates[-1])
   if not math.isfinite(free.run(top, B, eps, require_hit=False)[0]):
     value, path = free.run(top, B, eps, require_hit=False, check_comm=False)
     if not math.isfinite(value):
-      return "devices", (f"the {L} layers cannot be cut into stages that use all "
-                         f"{tables.total_devices} devices in subcluster order "
-                         f"{list(tables.subcluster_names)} with finite stage times")
+      what = (f"use all {tables.total_devices} devices" if use_all else "fit the devices")
+      order = (f" in subcluster order {list(tables.subcluster_names)}" if keep_order else "")
+      return "devices", (f"the {L} layers cannot be cut into stages that {what}{order} with "
+                         "finite stage times")
     quads = [free.entry(e) for e in path]
     ev = evaluate_plan(tables, quads, B, eps=eps, simulator=False)
     x = int(np.argmax([s.comm_s for s in ev.stages]))
@@ -335,7 +374,7 @@ def _diagnose(tables: CostTables, B: int, eps: float) -> tuple[str, str]:
         f"({tables.boundary_bytes[st.layers[1]]:.4g} bytes) in {st.comm_s:.6g} s while its "
         f"t_max is {ev.t_max_s:.6g} s: {st.comm_s / ev.t_max_s:.3f}x too slow")
   def fits(scale):
-    idx = SparseIndex.build(tables, mem_scale=scale)
+    idx = build(scale)
     if idx.num_entries == 0:
       return None
     value, path = idx.run(float(idx.candidates[-1]), B, eps, require_hit=False)

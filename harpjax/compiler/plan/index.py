@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from harpjax.compiler.plan import dp_kernel
 from harpjax.compiler.profile import CostTables
 from harpjax.errors import PlanError
 
-__all__ = ["SparseIndex", "device_states"]
+__all__ = ["SparseIndex", "DeviceStates", "device_states"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -35,9 +36,9 @@ class SparseIndex:
     num_layers: ``L``.
     offsets: ``[K + 1]`` device offsets.
     arrays: what the kernels read (:class:`~harpjax.compiler.plan.dp_kernel.DPArrays`): the
-      device states (:func:`device_states`), ``ent_ptr`` ``[K, L + 1]``, per entry its last
-      layer, submesh, seconds, parameter and activation bytes, the device memory and the cut
-      costs.
+      device states' transitions, ``ent_ptr`` ``[K, L + 1]``, per entry its last layer,
+      submesh, seconds, parameter and activation bytes, the device memory and the cut costs.
+    states: the :class:`DeviceStates` (:func:`device_states`).
     ent_k, ent_i, ent_m: ``[E]`` subcluster, first layer and devices of each entry.
     candidates: sorted unique ``ent_t``: the ``t_max`` candidates.
     sorted_t: sorted ``ent_t`` (active-entry counts per candidate).
@@ -45,15 +46,22 @@ class SparseIndex:
   num_layers: int
   offsets: np.ndarray
   arrays: dp_kernel.DPArrays
+  states: "DeviceStates"
   ent_k: np.ndarray
   ent_i: np.ndarray
   ent_m: np.ndarray
   candidates: np.ndarray
   sorted_t: np.ndarray
+  use_all_devices: bool = False
+  keep_order: bool = False
 
   @classmethod
-  def build(cls, tables: CostTables, mem_scale: float = 1.0) -> "SparseIndex":
-    """Indexes the entries that fit with one in-flight microbatch (``mem`` scaled)."""
+  def build(cls, tables: CostTables, mem_scale: float = 1.0, *, use_all_devices: bool = False,
+            keep_order: bool = False) -> "SparseIndex":
+    """Indexes the entries that fit with one in-flight microbatch (``mem`` scaled).
+
+    ``use_all_devices`` and ``keep_order`` choose the device states (:func:`device_states`).
+    """
     L, K = tables.num_layers, tables.num_subclusters
     mem = np.asarray(tables.device_memory_bytes, dtype=np.float64) * mem_scale
     cols = {n: [] for n in ("k", "i", "j", "s", "m", "t", "p", "a")}
@@ -74,14 +82,15 @@ class SparseIndex:
     keys = c["k"] * (L + 1) + c["i"]
     bounds = np.arange(K)[:, None] * (L + 1) + np.arange(L + 1)[None, :]
     ptr = np.searchsorted(keys, bounds, side="left").astype(np.int64)
-    st_sub, st_next, st_exh = device_states(tables)
+    st = device_states(tables, use_all_devices=use_all_devices, keep_order=keep_order)
     arrays = dp_kernel.DPArrays(
-        st_sub, st_next, st_exh, np.ascontiguousarray(ptr), c["j"], c["s"],
+        st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
-        np.ascontiguousarray(tables.intra_comm_s), np.ascontiguousarray(tables.inter_comm_s))
-    return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, ent_k=c["k"],
-               ent_i=c["i"], ent_m=c["m"], candidates=np.unique(c["t"]),
-               sorted_t=np.sort(c["t"]))
+        np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub))
+    return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, states=st,
+               ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(c["t"]),
+               sorted_t=np.sort(c["t"]), use_all_devices=use_all_devices,
+               keep_order=keep_order)
 
   @property
   def num_entries(self) -> int:
@@ -121,107 +130,190 @@ class SparseIndex:
 # --------------------------------------------------------------------------- device states
 
 
-def device_states(tables: CostTables, max_states: int = 200_000
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The DP's device states: what earlier stages took of the subcluster the next one uses.
+def _local_states(tables: CostTables, k: int, use_all_devices: bool, max_states: int
+                  ) -> tuple[list[dict[int, int]], list[int], list[bool]]:
+  """One subcluster's device states: what the stages so far took of it.
 
-  Subclusters whose single-host widths divide each other and ``M`` pack any mix of stages
-  adding up to at most ``N * M`` devices (first-fit decreasing), so their state is the device
-  count and the state id is the paper's GPU offset. For other shapes (``(1, 4)`` on hosts of
-  6) the state is the multiset of shapes used so far, kept while it packs onto the hosts and
-  can still be completed to fill every device.
+  Returns ``(after, used, full)``: per local state ``u`` (``0`` is "nothing used") the state
+  after a stage on submesh ``s`` (``after[u][s]``; missing: it does not fit), the devices it
+  holds and whether it holds every device. With ``use_all_devices`` only states that can still
+  be completed to fill the subcluster are kept.
+  """
+  N, M = tables.num_hosts[k], tables.devices_per_host[k]
+  shapes = tables.submeshes[k]
+  cap = N * M
+  if is_divisibility_chain(M, shapes):
+    after = [{s: u + n * m for s, (n, m) in enumerate(shapes) if u + n * m <= cap}
+             for u in range(cap + 1)]
+    return after, list(range(cap + 1)), [u == cap for u in range(cap + 1)]
+  widths = sorted({m for n, m in shapes if n == 1 and m < M})
+
+  def add(key, shape):
+    n, m = shape
+    if n > 1 or m == M:
+      return (key[0] + n,) + key[1:]
+    x = 1 + widths.index(m)
+    return key[:x] + (key[x] + 1,) + key[x + 1:]
+
+  def total(key):
+    return key[0] * M + sum(c * w for c, w in zip(key[1:], widths))
+
+  @functools.lru_cache(maxsize=None)
+  def packs(key):
+    items = [w for c, w in zip(key[1:], widths) for _ in range(c)]
+    return key[0] <= N and bin_pack(items, N - key[0], M) is not None
+
+  @functools.lru_cache(maxsize=None)
+  def completable(key):
+    if not packs(key):
+      return False
+    if total(key) == cap:
+      return True
+    return any(total(key) + n * m <= cap and completable(add(key, (n, m)))
+               for n, m in shapes)
+
+  keep = completable if use_all_devices else packs
+  empty = (0,) * (1 + len(widths))
+  ids, order, after = {empty: 0}, [empty], []
+  while len(after) < len(order):
+    key = order[len(after)]
+    row = {}
+    for s, shape in enumerate(shapes):
+      nxt = add(key, shape)
+      if total(nxt) > cap or not keep(nxt):
+        continue
+      if nxt not in ids:
+        ids[nxt] = len(order)
+        order.append(nxt)
+        if len(order) > max_states:
+          raise PlanError(
+              f"subcluster {tables.subcluster_names[k]!r}: submeshes {list(shapes)} on "
+              f"{N} hosts of {M} have more than {max_states} packing states; use "
+              "single-host widths that divide each other and M")
+      row[s] = ids[nxt]
+    after.append(row)
+  used = [total(key) for key in order]
+  return after, used, [u == cap for u in used]
+
+
+class DeviceStates(NamedTuple):
+  """The DP's device states and their transitions (see :func:`device_states`).
+
+  ``G`` states, ``S_max`` submeshes, ``K`` subclusters.
+
+  Attributes:
+    sub: ``[G]`` subcluster the next stage runs on.
+    mask: ``[G]`` subclusters the plan has entered so far (bit ``k``), the current one
+      included (``0`` when the order is kept: it is not needed then).
+    used: ``[G]`` devices of the current subcluster the stages before hold.
+    stay: ``[G, S_max]`` state after a stage on submesh ``s`` when the next stage stays on the
+      same subcluster (``-1``: not allowed).
+    leave: ``[G, S_max, K]`` state after a stage on ``s`` when the next stage runs on
+      subcluster ``k2`` (``-1``: not allowed).
+    end: ``[G, S_max]`` whether a stage on ``s`` may be the last one.
+    held: ``[G, S_max]`` devices of the current subcluster held once a stage on ``s`` ran
+      (``-1`` where it does not fit).
+    roots: ``[R]`` the states a plan may start in.
+  """
+  sub: np.ndarray
+  mask: np.ndarray
+  used: np.ndarray
+  stay: np.ndarray
+  leave: np.ndarray
+  end: np.ndarray
+  held: np.ndarray
+  roots: np.ndarray
+
+
+def device_states(tables: CostTables, *, use_all_devices: bool = False,
+                  keep_order: bool = False, max_states: int = 200_000) -> DeviceStates:
+  """The DP's device states: which subcluster the next stage runs on, what the stages before
+  took of it, and (when the order is free) which subclusters the plan has entered.
+
+  Each subcluster holds one contiguous run of stages. Subclusters whose single-host widths
+  divide each other and ``M`` pack any mix of stages adding up to at most ``N * M`` devices
+  (first-fit decreasing), so their state is the device count (the paper's GPU offset inside
+  the subcluster). For other shapes (``(1, 4)`` on hosts of 6) the state is the multiset of
+  shapes used so far, kept while it packs onto the hosts.
+
+  After a stage the next one stays on the subcluster (cut over its own link) or moves to
+  another subcluster ``k2`` linked to it (cut over that link); the devices the stages did not
+  take stay unused. ``keep_order`` allows only later subclusters in the tables' order (so
+  earlier ones may be skipped); otherwise any subcluster not entered yet (the state then
+  records the set entered: exact over every order and subset, ``2^(K-1)`` times the states).
+  With ``use_all_devices`` (HARP's Eq. 19) a stage may leave a subcluster, or end the plan,
+  only when it completes it, and the plan must end having entered every subcluster (with
+  ``keep_order``: the tables' order, as the paper).
 
   Returns:
-    ``st_sub [G]`` (subcluster of each state; state 0 is the empty first subcluster, ``G`` the
-    terminal "every device used"), ``st_next [G, S_max]`` (state after a stage on submesh
-    ``s``, ``-1`` if it does not fit) and ``st_exh [G, S_max]`` (that stage completes the
-    subcluster: its cut uses the link to the next one).
+    The :class:`DeviceStates`.
 
   Raises:
-    PlanError: a subcluster with non-dividing widths has more than ``max_states`` states.
+    PlanError: a subcluster with non-dividing widths has more than ``max_states`` states,
+      or the expanded states exceed ``max_states``.
   """
   K = tables.num_subclusters
   S_max = max(len(s) for s in tables.submeshes)
-  per = []  # per subcluster: (transitions {state: {s: (state' | None for complete)}}, count)
-  for k in range(K):
-    N, M = tables.num_hosts[k], tables.devices_per_host[k]
-    shapes = tables.submeshes[k]
-    cap = N * M
-    if is_divisibility_chain(M, shapes):
-      trans = []
-      for u in range(cap):
-        row = {}
-        for s, (n, m) in enumerate(shapes):
-          if u + n * m < cap:
-            row[s] = u + n * m
-          elif u + n * m == cap:
-            row[s] = None
-        trans.append(row)
-      per.append(trans)
-      continue
-    widths = sorted({m for n, m in shapes if n == 1 and m < M})
+  local = [_local_states(tables, k, use_all_devices, max_states) for k in range(K)]
+  full_mask = (1 << K) - 1
+  if keep_order:
+    starts = [0] if use_all_devices else list(range(K))
+    roots = [(0, k, 0) for k in starts]
+  else:
+    roots = [(1 << k, k, 0) for k in range(K)]
 
-    def add(key, shape):
-      n, m = shape
-      if n > 1 or m == M:
-        return (key[0] + n,) + key[1:]
-      x = 1 + widths.index(m)
-      return key[:x] + (key[x] + 1,) + key[x + 1:]
+  def successors(mask, k):
+    if keep_order:
+      return [k + 1] if use_all_devices and k + 1 < K else \
+          ([] if use_all_devices else list(range(k + 1, K)))
+    return [k2 for k2 in range(K) if not mask >> k2 & 1]
 
-    def total(key):
-      return key[0] * M + sum(c * w for c, w in zip(key[1:], widths))
+  ids: dict[tuple[int, int, int], int] = {}
+  order: list[tuple[int, int, int]] = []
 
-    @functools.lru_cache(maxsize=None)
-    def packs(key):
-      items = [w for c, w in zip(key[1:], widths) for _ in range(c)]
-      return key[0] <= N and bin_pack(items, N - key[0], M) is not None
+  def gid(key):
+    if key not in ids:
+      ids[key] = len(order)
+      order.append(key)
+      if len(order) > max_states:
+        raise PlanError(f"more than {max_states} device states for {K} subclusters; keep "
+                        "the subcluster order (keep_order=True) or merge subclusters")
+    return ids[key]
 
-    @functools.lru_cache(maxsize=None)
-    def completable(key):
-      if not packs(key):
-        return False
-      if total(key) == cap:
-        return True
-      return any(total(key) + n * m <= cap and completable(add(key, (n, m)))
-                 for n, m in shapes)
-
-    empty = (0,) * (1 + len(widths))
-    ids, order = {empty: 0}, [empty]
-    trans = []
-    while len(trans) < len(order):
-      key = order[len(trans)]
-      row = {}
-      for s, shape in enumerate(shapes):
-        nxt = add(key, shape)
-        if total(nxt) > cap or not completable(nxt):
-          continue
-        if total(nxt) == cap:
-          row[s] = None
-        else:
-          if nxt not in ids:
-            ids[nxt] = len(order)
-            order.append(nxt)
-            if len(order) > max_states:
-              raise PlanError(
-                  f"subcluster {tables.subcluster_names[k]!r}: submeshes {list(shapes)} on "
-                  f"{N} hosts of {M} have more than {max_states} packing states; use "
-                  "single-host widths that divide each other and M")
-          row[s] = ids[nxt]
-      trans.append(row)
-    per.append(trans)
-  starts = np.concatenate([[0], np.cumsum([len(t) for t in per])]).astype(np.int64)
-  G = int(starts[-1])
-  st_sub = np.empty(G, np.int64)
-  st_next = np.full((G, S_max), -1, np.int64)
-  st_exh = np.zeros((G, S_max), np.bool_)
-  for k, trans in enumerate(per):
-    for u, row in enumerate(trans):
-      g = starts[k] + u
-      st_sub[g] = k
-      for s, v in row.items():
-        if v is None:
-          st_next[g, s] = starts[k + 1]
-          st_exh[g, s] = True
-        else:
-          st_next[g, s] = starts[k] + v
-  return st_sub, st_next, st_exh
+  for r in roots:
+    gid(r)
+  rows = []
+  while len(rows) < len(order):
+    mask, k, u = order[len(rows)]
+    after, used, full = local[k]
+    stay, leave, end, held = {}, {}, {}, {}
+    last = (mask == full_mask) if not keep_order else (k == K - 1)
+    for s, u2 in after[u].items():
+      held[s] = used[u2]
+      if not full[u2]:
+        stay[s] = gid((mask, k, u2))
+      if use_all_devices and not full[u2]:
+        continue
+      for k2 in successors(mask, k):
+        if tables.linked(k, k2):
+          leave[(s, k2)] = gid((mask | (1 << k2) if not keep_order else 0, k2, 0))
+      end[s] = (not use_all_devices) or last
+    rows.append((stay, leave, end, held))
+  G = len(order)
+  st = DeviceStates(
+      sub=np.array([k for _, k, _ in order], np.int64),
+      mask=np.array([m for m, _, _ in order], np.int64),
+      used=np.array([local[k][1][u] for _, k, u in order], np.int64),
+      stay=np.full((G, S_max), -1, np.int64), leave=np.full((G, S_max, K), -1, np.int64),
+      end=np.zeros((G, S_max), np.bool_), held=np.full((G, S_max), -1, np.int64),
+      roots=np.array([ids[r] for r in roots], np.int64))
+  for g, (stay, leave, end, held) in enumerate(rows):
+    for s, v in stay.items():
+      st.stay[g, s] = v
+    for (s, k2), v in leave.items():
+      st.leave[g, s, k2] = v
+    for s, v in end.items():
+      st.end[g, s] = v
+    for s, v in held.items():
+      st.held[g, s] = v
+  return st

@@ -49,18 +49,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from harpjax.compiler.plan import rate_kernel
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
                                             infeasible_error)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
-from harpjax.errors import PlanError, RuntimeFailure
+from harpjax.errors import InfeasiblePlanError, PlanError, RuntimeFailure
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "solve", "evaluate_candidates",
-           "register_parallel_backend", "BACKENDS"]
+           "register_parallel_backend", "BACKENDS", "OBJECTIVES"]
 
 log = logging.getLogger(__name__)
+
+OBJECTIVES = ("min_time", "max_throughput_per_dollar", "min_time_within_budget",
+              "min_cost_within_time")
+"""What :func:`solve` optimises (:class:`SolveOptions`)."""
 
 BACKENDS = ("auto", "sequential", "process", "thread")
 """Built-in ways of evaluating the candidates; more are registered by other packages
@@ -101,6 +106,21 @@ class SolveOptions:
     start_method: multiprocessing start method of ``"process"``; default ``"fork"`` when no
       other Python thread runs, else ``"forkserver"`` (a script then needs the usual
       ``if __name__ == "__main__":`` guard).
+    objective: ``"min_time"`` (default: the shortest iteration), ``"max_throughput_per_dollar"``
+      (the lowest cost per iteration, ``rate * T``), ``"min_time_within_budget"`` (the
+      shortest iteration whose hourly rate is at most ``budget_per_hour``) or
+      ``"min_cost_within_time"`` (the lowest cost per iteration among plans of at most
+      ``time_limit_s`` seconds). All but ``"min_time"`` need the tables' prices
+      (``CostTables.price_per_gpu_hour``).
+    budget_per_hour: the budget of ``"min_time_within_budget"`` (currency per hour, the sum over
+      stages of devices times price); also allowed with ``"min_time"`` as the same bound.
+    time_limit_s: the bound on the iteration time of ``"min_cost_within_time"``.
+    use_all_devices: every device of every subcluster must run a stage (HARP's Eq. 19);
+      default ``False``: the plan may leave devices, hosts or whole subclusters unused.
+    keep_order: stages follow the tables' subcluster order (subclusters may still be skipped
+      unless ``use_all_devices``); default ``False``: the order is chosen too, exactly, over
+      every order the links allow. ``use_all_devices=True, keep_order=True`` is the paper's
+      planner.
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -110,8 +130,31 @@ class SolveOptions:
   parallel_min_work: int = 3_000_000
   timeout_s: float = 3600.0
   start_method: str | None = None
+  use_all_devices: bool = False
+  keep_order: bool = False
+  objective: str = "min_time"
+  budget_per_hour: float | None = None
+  time_limit_s: float | None = None
 
   def __post_init__(self):
+    if self.objective not in OBJECTIVES:
+      raise PlanError(f"SolveOptions.objective={self.objective!r}; choose one of {OBJECTIVES}")
+    for name in ("budget_per_hour", "time_limit_s"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not (isinstance(v, (int, float))
+                                                        and math.isfinite(v) and v > 0)):
+        raise PlanError(f"SolveOptions.{name}={v!r} must be a finite number > 0")
+    if self.objective == "min_time_within_budget" and self.budget_per_hour is None:
+      raise PlanError("objective 'min_time_within_budget' needs budget_per_hour")
+    if self.objective == "min_cost_within_time" and self.time_limit_s is None:
+      raise PlanError("objective 'min_cost_within_time' needs time_limit_s")
+    if self.budget_per_hour is not None and self.objective not in ("min_time",
+                                                                   "min_time_within_budget"):
+      raise PlanError(f"budget_per_hour is the bound of 'min_time_within_budget'; objective "
+                      f"{self.objective!r} does not use it")
+    if self.time_limit_s is not None and self.objective != "min_cost_within_time":
+      raise PlanError(f"time_limit_s is the bound of 'min_cost_within_time'; objective "
+                      f"{self.objective!r} does not use it")
     if not (self.eps >= 0 and math.isfinite(self.eps)):
       raise PlanError(f"SolveOptions.eps={self.eps} must be finite and >= 0")
     known = BACKENDS + tuple(_PARALLEL_BACKENDS)
@@ -164,6 +207,10 @@ class PlanResult:
     num_microbatches: ``B``.
     eps: the H-1F1B tolerance used.
     stats: :class:`SearchStats`.
+    rate_per_hour: the plan's hourly rate (sum over stages of devices times price), ``None``
+      without prices.
+    cost_per_iteration: ``rate_per_hour * objective_s / 3600``, ``None`` without prices.
+    objective: the :class:`SolveOptions` objective optimised.
   """
   plan: Plan
   objective_s: float
@@ -173,6 +220,14 @@ class PlanResult:
   num_microbatches: int
   eps: float
   stats: SearchStats
+  rate_per_hour: float | None = None
+  cost_per_iteration: float | None = None
+  objective: str = "min_time"
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the plan uses."""
+    return sum(s.submesh[0] * s.submesh[1] for s in self.stages)
 
   def table(self) -> str:
     return self.plan.table()
@@ -322,7 +377,10 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
   start = time.perf_counter()
-  index = SparseIndex.build(tables)
+  index = SparseIndex.build(tables, use_all_devices=opts.use_all_devices,
+                            keep_order=opts.keep_order)
+  if opts.objective != "min_time" or opts.budget_per_hour is not None:
+    return _solve_priced(tables, index, B, opts, start)
   cand = index.candidates
   M = cand.size
   eps, kernel = opts.eps, opts.kernel
@@ -336,7 +394,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
     return index.run(float(cand[idx]), B, eps, require_hit=False, kernel=kernel)
 
   if M == 0 or not math.isfinite(g(M - 1)[0]):
-    raise infeasible_error(tables, B, eps)
+    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
   lo, hi = 0, M - 1
   while lo < hi:
     mid = (lo + hi) // 2
@@ -353,7 +411,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
       best = (value + (B - 1) * tau, idx, path)
       break
   if best is None:  # every plan within t_max fails at its own bottleneck
-    raise infeasible_error(tables, B, eps)
+    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
   n_incumbent = best[1] - t_s_idx + 1
   bound = best[0]
   slack = 1.0 + BOUND_SLACK
@@ -394,20 +452,24 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
                       num_evaluated=runs + n_incumbent, num_feasibility_runs=n_g[0],
                       backend=backend, workers=workers_used,
                       seconds=time.perf_counter() - start)
-  result = _assemble(tables, index, path, B, eps, float(cand[idx]), objective, stats)
+  result = _assemble(tables, index, path, B, eps, float(cand[idx]), objective, stats, opts)
   log.info("planner: %d stages, t_max=%.6g s, objective %.6g s, %.2f s search (%s)",
            len(result.stages), result.t_max_s, objective, stats.seconds, backend)
   return result
 
 
 def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int, eps: float,
-              tau: float, objective: float, stats: SearchStats) -> PlanResult:
+              tau: float, objective: float, stats: SearchStats,
+              opts: SolveOptions) -> PlanResult:
   e = np.asarray(path, dtype=np.int64)
   quads = [index.entry(x) for x in e]
   ev = evaluate_plan(tables, quads, B, "h1f1b", eps=eps, simulator=False)
+  rate = ev.rate_per_hour
+  cost = None if rate is None else rate * objective / 3600.0
   # The DP's own bookkeeping and the evaluator must agree (an internal invariant).
   assert ev.t_max_s == tau, (ev.t_max_s, tau)
-  assert ev.feasible and ev.comm_ok and ev.uses_all_devices, ev.violations
+  assert ev.feasible and ev.comm_ok, ev.violations
+  assert ev.uses_all_devices or not opts.use_all_devices, ev.violations
   assert math.isclose(ev.eq12_s, objective, rel_tol=1e-9), (ev.eq12_s, objective)
   stages = ev.stages
   specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
@@ -415,6 +477,111 @@ def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int, 
                           comm_s=s.comm_s) for s in stages)
   plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
               t_max_s=tau, predicted_iteration_s=objective, eta=ev.eta,
-              meta={"planner": "harpjax.dp", "eps": eps, "cost_model": "eq12"})
+              meta={"planner": "harpjax.dp", "eps": eps, "cost_model": "eq12",
+                    "use_all_devices": opts.use_all_devices, "keep_order": opts.keep_order,
+                    "objective": opts.objective, "rate_per_hour": rate,
+                    "cost_per_iteration": cost})
   return PlanResult(plan=plan, objective_s=objective, t_max_s=tau, stages=stages,
-                    warmups=ev.warmups, num_microbatches=B, eps=eps, stats=stats)
+                    warmups=ev.warmups, num_microbatches=B, eps=eps, stats=stats,
+                    rate_per_hour=rate, cost_per_iteration=cost, objective=opts.objective)
+
+
+# --------------------------------------------------------------------------- prices
+
+
+def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOptions,
+                  start: float) -> PlanResult:
+  """The search for the objectives with prices (:mod:`~harpjax.compiler.plan.rate_kernel`).
+
+  Exact: a binary search for the smallest ``t_S`` at which some plan within the budget has
+  every stage ``<= t_S`` (monotone in ``tau``), then the exact DP at every candidate from
+  ``t_S`` up, sequentially, with the bound tightened as it goes, until no later candidate can
+  win: ``T >= B tau``, so ``B tau`` beyond the best time (or the time limit) ends the search;
+  for cost, ``R T >= R_min B tau`` with ``R_min`` the cheapest single stage's rate.
+  """
+  if not tables.has_prices:
+    raise PlanError(f"objective {opts.objective!r} (or a budget) needs prices: give the "
+                    "subclusters price_per_gpu_hour (CostTables.price_per_gpu_hour)")
+  eps, B1 = opts.eps, B - 1
+  timed = opts.objective in ("min_time", "min_time_within_budget")
+  kind = rate_kernel.KIND_TIME if timed else rate_kernel.KIND_COST
+  rate_max = math.inf if opts.budget_per_hour is None else float(opts.budget_per_hour)
+  t_limit = math.inf if opts.time_limit_s is None else float(opts.time_limit_s)
+  price = np.asarray(tables.price_per_gpu_hour, np.float64)
+  rx = rate_kernel.RateArrays(index.states.held, price)
+  fn = rate_kernel.solve_tau_rate if opts.kernel == "numba" else rate_kernel.solve_tau_rate_numpy
+  n_cap = index.n_cap(B)
+  cand = index.candidates
+  M = cand.size
+  runs = [0, 0]
+
+  def run(idx, exact, bound=math.inf, limit=math.inf):
+    runs[0 if exact else 1] += 1
+    return fn(index.arrays, rx, float(cand[idx]), B, eps, n_cap, exact, True, bound, rate_max,
+              limit, kind)
+
+  def feasible(idx):
+    return math.isfinite(run(idx, False)[0])
+
+  if M == 0 or not feasible(M - 1):
+    if M and math.isfinite(rate_max) and math.isfinite(
+        fn(index.arrays, rx, float(cand[-1]), B, eps, n_cap, False, True, math.inf, math.inf,
+           math.inf, kind)[0]):
+      raise _budget_error(tables, B, opts)
+    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
+  lo, hi = 0, M - 1
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if feasible(mid):
+      hi = mid
+    else:
+      lo = mid + 1
+  r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
+  best = None
+  bound = math.inf
+  for idx in range(lo, M):
+    tau = float(cand[idx])
+    if B * tau > t_limit * (1 + BOUND_SLACK):
+      break
+    floor = B * tau if kind == rate_kernel.KIND_TIME else r_min * B * tau
+    if floor > bound * (1 + BOUND_SLACK):
+      break
+    value, rate, cost, path = run(idx, True, bound, t_limit)
+    if math.isfinite(value) and (best is None or (value, rate) < best[:2]):
+      best = (value, rate, cost, idx, path)
+      bound = value
+  if best is None:
+    if math.isfinite(t_limit):
+      err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} runs an "
+                                f"iteration within time_limit_s={t_limit:g} s"
+                                + (f" and budget {rate_max:g}/h" if math.isfinite(rate_max)
+                                   else ""))
+      err.constraint = "time"
+      raise err
+    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
+  value, rate, cost, idx, path = best
+  tau = float(cand[idx])
+  objective = cost + B1 * tau
+  stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[lo]),
+                      t_e=tau, num_window=0, num_pruned_by_bound=0, num_evaluated=runs[0],
+                      num_feasibility_runs=runs[1], backend="sequential", workers=1,
+                      seconds=time.perf_counter() - start)
+  result = _assemble(tables, index, path, B, eps, tau, objective, stats, opts)
+  assert math.isclose(result.rate_per_hour, rate, rel_tol=1e-9, abs_tol=1e-12), \
+      (result.rate_per_hour, rate)
+  assert rate <= rate_max * (1 + 1e-12) and objective <= t_limit * (1 + 1e-12)
+  log.info("planner: %s, %d stages on %d devices, t_max=%.6g s, T=%.6g s, %.6g per hour, "
+           "%.6g per iteration, %.2f s search", opts.objective, len(result.stages),
+           result.num_devices, tau, objective, rate, result.cost_per_iteration, stats.seconds)
+  return result
+
+
+def _budget_error(tables: CostTables, B: int, opts: SolveOptions) -> InfeasiblePlanError:
+  price = tables.price_per_gpu_hour
+  cheapest = min(p * n * m for k, p in enumerate(price) for n, m in tables.submeshes[k])
+  err = InfeasiblePlanError(
+      f"no pipeline plan for {tables.describe()} with B={B} fits the budget of "
+      f"{opts.budget_per_hour:g} per hour (plans exist without it; the cheapest single "
+      f"submesh costs {cheapest:g} per hour)")
+  err.constraint = "budget"
+  return err

@@ -47,7 +47,7 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
 from harpjax.compiler.trace import trace_step
-from harpjax.errors import HarpjaxError
+from harpjax.errors import ClusterSpecError, HarpjaxError
 
 log = logging.getLogger(__name__)
 
@@ -485,6 +485,10 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
   inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]
+  pair = [[None if a is c else _link_or_none(cluster, a.name, c.name) for c in subs]
+          for a in subs]
+  prices = [getattr(sub, "price_per_gpu_hour", None) for sub in subs]
+  prices = None if any(p is None for p in prices) else prices
   return assemble_tables(
       names=[sub.name for sub in subs], num_hosts=[sub.num_hosts for sub in subs],
       devices_per_host=[sub.devices_per_host for sub in subs],
@@ -492,7 +496,16 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       submeshes=[tuple(sub.submesh_shapes()) for sub in subs], mesh_costs=mesh_costs,
       boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
-      imbalance=imbalance, layer_names=[l.name for l in layers])
+      imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
+      price_per_gpu_hour=prices)
+
+
+def _link_or_none(cluster, a: str, b: str):
+  """The link between two subclusters, ``None`` when they share no network."""
+  try:
+    return cluster.inter_subcluster_link(a, b)
+  except ClusterSpecError:
+    return None
 
 
 # --------------------------------------------------------------------------- the profiler

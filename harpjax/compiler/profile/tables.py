@@ -112,6 +112,19 @@ def _nonneg(v, where: str, n: int) -> tuple[float, ...]:
   return t
 
 
+def _matrix(v, where: str, K: int) -> np.ndarray:
+  try:
+    a = np.array(v, dtype=np.float64)
+  except (TypeError, ValueError):
+    raise CostTablesError(f"{where} must be a [{K}, {K}] matrix of numbers") from None
+  if a.shape != (K, K):
+    raise CostTablesError(f"{where} has shape {a.shape}, expected [{K}, {K}] (one entry per "
+                          "pair of subclusters)")
+  if not (np.isfinite(a).all() and (a >= 0).all()):
+    raise CostTablesError(f"{where}: every entry must be finite and >= 0")
+  return a
+
+
 # --------------------------------------------------------------------------- the tables
 
 
@@ -139,8 +152,16 @@ class CostTables:
       direction: activations forward, gradients backward).
     intra_bandwidth_bytes_per_s: ``[K]`` bandwidth of the link inside each subcluster.
     intra_latency_s: ``[K]`` its latency.
-    inter_bandwidth_bytes_per_s: ``[K - 1]`` bandwidth between subclusters ``k`` and ``k+1``.
+    inter_bandwidth_bytes_per_s: ``[K - 1]`` bandwidth between subclusters ``k`` and ``k+1``
+      (may be left empty when ``link_bandwidth_bytes_per_s`` is given: then derived from it).
     inter_latency_s: ``[K - 1]`` its latency.
+    link_bandwidth_bytes_per_s: optional ``[K, K]``: entry ``[a][b]`` is the bandwidth of a cut
+      from a stage on subcluster ``a`` to the next stage on ``b`` (``0``: no link; the diagonal
+      is ignored, ``intra_*`` describe it). ``None``: only consecutive subclusters are linked,
+      both ways, by ``inter_*``.
+    link_latency_s: optional ``[K, K]`` latencies of those links.
+    price_per_gpu_hour: optional ``[K]`` price of one device of each subcluster per hour (any
+      currency; the plan's hourly rate is the sum over its stages of devices times price).
     logical_mesh: optional ``[K]`` int arrays ``[L, L, S_k, 2]`` of the chosen ``(dp, tp)``;
       ``None`` means ``(n * m, 1)`` everywhere.
     peak_flops: optional ``[K]`` peak FLOP/s of one device (for the load-balance score).
@@ -163,6 +184,9 @@ class CostTables:
   logical_mesh: tuple[np.ndarray, ...] | None = None
   peak_flops: tuple[float, ...] | None = None
   layer_names: tuple[str, ...] | None = None
+  link_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...] | None = None
+  link_latency_s: tuple[tuple[float, ...], ...] | None = None
+  price_per_gpu_hour: tuple[float, ...] | None = None
 
   def __post_init__(self):
     L = _int(self.num_layers, "num_layers")
@@ -187,9 +211,9 @@ class CostTables:
     set_("intra_bandwidth_bytes_per_s",
          _positive(self.intra_bandwidth_bytes_per_s, "intra_bandwidth_bytes_per_s", K))
     set_("intra_latency_s", _nonneg(self.intra_latency_s, "intra_latency_s", K))
-    set_("inter_bandwidth_bytes_per_s",
-         _positive(self.inter_bandwidth_bytes_per_s, "inter_bandwidth_bytes_per_s", K - 1))
-    set_("inter_latency_s", _nonneg(self.inter_latency_s, "inter_latency_s", K - 1))
+    self._set_links(K)
+    if self.price_per_gpu_hour is not None:
+      set_("price_per_gpu_hour", _nonneg(self.price_per_gpu_hour, "price_per_gpu_hour", K))
     if self.peak_flops is not None:
       set_("peak_flops", _positive(self.peak_flops, "peak_flops", K))
     shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
@@ -246,6 +270,42 @@ class CostTables:
         raise CostTablesError(f"layer_names has {len(self.layer_names)} names for {L} layers")
       set_("layer_names", tuple(str(n) for n in self.layer_names))
 
+  def _set_links(self, K: int) -> None:
+    """Checks the links between subclusters; fills the matrix or the consecutive ones."""
+    set_ = functools.partial(object.__setattr__, self)
+    bw_m, lat_m = self.link_bandwidth_bytes_per_s, self.link_latency_s
+    if bw_m is None:
+      if lat_m is not None:
+        raise CostTablesError("link_latency_s needs link_bandwidth_bytes_per_s")
+      bw = _positive(self.inter_bandwidth_bytes_per_s, "inter_bandwidth_bytes_per_s", K - 1)
+      lat = _nonneg(self.inter_latency_s, "inter_latency_s", K - 1)
+      set_("inter_bandwidth_bytes_per_s", bw)
+      set_("inter_latency_s", lat)
+      m_bw, m_lat = np.zeros((K, K)), np.zeros((K, K))
+      for k in range(K - 1):
+        m_bw[k, k + 1] = m_bw[k + 1, k] = bw[k]
+        m_lat[k, k + 1] = m_lat[k + 1, k] = lat[k]
+    else:
+      m_bw = _matrix(bw_m, "link_bandwidth_bytes_per_s", K)
+      m_lat = np.zeros((K, K)) if lat_m is None else _matrix(lat_m, "link_latency_s", K)
+      for k in range(K):
+        m_bw[k, k], m_lat[k, k] = 0.0, 0.0
+      derived_bw = tuple(float(m_bw[k, k + 1]) for k in range(K - 1))
+      derived_lat = tuple(float(m_lat[k, k + 1]) for k in range(K - 1))
+      for name, got, want in (("inter_bandwidth_bytes_per_s", self.inter_bandwidth_bytes_per_s,
+                               derived_bw),
+                              ("inter_latency_s", self.inter_latency_s, derived_lat)):
+        got = tuple(float(x) for x in got)
+        if got and (len(got) != K - 1 or not np.allclose(got, want, rtol=1e-12, atol=0)):
+          raise CostTablesError(f"{name}={got} disagrees with the link matrix's consecutive "
+                                f"entries {want}; give one of them")
+      set_("inter_bandwidth_bytes_per_s", derived_bw)
+      set_("inter_latency_s", derived_lat)
+    m_bw.setflags(write=False)
+    m_lat.setflags(write=False)
+    set_("link_bandwidth_bytes_per_s", tuple(tuple(float(x) for x in r) for r in m_bw))
+    set_("link_latency_s", tuple(tuple(float(x) for x in r) for r in m_lat))
+
   # ------------------------------------------------------------------ derived quantities
 
   @property
@@ -283,12 +343,35 @@ class CostTables:
     """
     K, L = self.num_subclusters, self.num_layers
     out = np.full((K, L), np.inf)
-    if K > 1:
-      lat = np.asarray(self.inter_latency_s)[:, None]
-      bw = np.asarray(self.inter_bandwidth_bytes_per_s)[:, None]
-      out[:K - 1] = lat + self.boundary_bytes[None, :] / bw
+    for k in range(K - 1):
+      out[k] = self.pair_comm_s[k, k + 1]
     out.setflags(write=False)
     return out
+
+  @functools.cached_property
+  def pair_comm_s(self) -> np.ndarray:
+    """``[K, K, L]`` seconds of a cut after layer ``j`` from a stage on subcluster ``a`` to the
+    next stage on ``b``: ``intra_comm_s`` on the diagonal, ``inf`` where no link is known."""
+    K, L = self.num_subclusters, self.num_layers
+    bw = np.asarray(self.link_bandwidth_bytes_per_s, np.float64)
+    lat = np.asarray(self.link_latency_s, np.float64)
+    out = np.full((K, K, L), np.inf)
+    for a in range(K):
+      for b in range(K):
+        if a == b:
+          out[a, b] = self.intra_comm_s[a]
+        elif bw[a, b] > 0:
+          out[a, b] = lat[a, b] + self.boundary_bytes / bw[a, b]
+    out.setflags(write=False)
+    return out
+
+  def linked(self, a: int, b: int) -> bool:
+    """Whether a stage on subcluster ``a`` can be followed by one on ``b`` (``a != b``)."""
+    return a != b and self.link_bandwidth_bytes_per_s[a][b] > 0
+
+  @property
+  def has_prices(self) -> bool:
+    return self.price_per_gpu_hour is not None
 
   def submesh_index(self, k: int, shape: Sequence[int]) -> int:
     """Index ``s`` of submesh ``shape`` in subcluster ``k``."""
@@ -327,7 +410,8 @@ class CostTables:
     """The same tables with free links (``C(j) = 0``): the communication-unaware view."""
     K = self.num_subclusters
     return self.replace(boundary_bytes=np.zeros(self.num_layers), intra_latency_s=(0.0,) * K,
-                        inter_latency_s=(0.0,) * (K - 1))
+                        inter_bandwidth_bytes_per_s=(), inter_latency_s=(),
+                        link_latency_s=((0.0,) * K,) * K)
 
   def coarsen(self, last_layers: Sequence[int]) -> "CostTables":
     """Tables over coarse layers made of consecutive fine layers.
@@ -397,7 +481,9 @@ class CostTables:
       subclusters: the subclusters, :class:`SubclusterSpec`.
       inter_links: the links between subclusters (:class:`harpjax.cluster.Link`): one for
         every pair, a sequence of ``K - 1`` for consecutive pairs in the given order, or a
-        mapping from ``(name_a, name_b)`` (either order) to a link.
+        mapping from ``(name_a, name_b)`` to a link (used both ways unless ``(name_b, name_a)``
+        is given too; pairs not listed have no link, but consecutive ones in the pipeline
+        order must).
       layer_time_s: optional per-subcluster ``[L]`` forward+backward seconds of each layer on
         one device (a sequence in the given order or a mapping by name); default
         ``flops / (peak_flops * efficiency)``.
@@ -435,6 +521,7 @@ class SubclusterSpec:
       single-host submesh; defaults to ``bandwidth_bytes_per_s``.
     host_latency_s: its latency.
     submeshes: shapes; default :func:`paper_submeshes`.
+    price_per_gpu_hour: optional price of one device per hour.
   """
   name: str
   num_hosts: int
@@ -447,9 +534,14 @@ class SubclusterSpec:
   host_bandwidth_bytes_per_s: float | None = None
   host_latency_s: float = 0.0
   submeshes: tuple[tuple[int, int], ...] | None = None
+  price_per_gpu_hour: float | None = None
 
   def __post_init__(self):
     where = f"subcluster {self.name!r}"
+    if self.price_per_gpu_hour is not None and not (
+        np.isfinite(self.price_per_gpu_hour) and self.price_per_gpu_hour >= 0):
+      raise CostTablesError(f"{where}: price_per_gpu_hour={self.price_per_gpu_hour} must be "
+                            "finite and >= 0")
     if _int(self.num_hosts, f"{where}: num_hosts") < 1 or \
         _int(self.devices_per_host, f"{where}: devices_per_host") < 1:
       raise CostTablesError(f"{where}: num_hosts and devices_per_host must be >= 1")
@@ -576,7 +668,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
                     boundary_bytes: Sequence[float], intra_links: Sequence[Link],
                     inter_links: Sequence[Link], peak_flops: Sequence[float] | None = None,
                     layer_flops: Sequence[float] | None = None, imbalance: float = np.inf,
-                    layer_names: Sequence[str] | None = None) -> tuple[CostTables, dict]:
+                    layer_names: Sequence[str] | None = None,
+                    pair_links: Sequence[Sequence[Link | None]] | None = None,
+                    price_per_gpu_hour: Sequence[float] | None = None
+                    ) -> tuple[CostTables, dict]:
   """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
 
   For each entry (layer range, submesh) the logical mesh kept is the fastest of those whose
@@ -595,6 +690,9 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     boundary_bytes: ``[L]``.
     intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
       consecutive ones.
+    pair_links: optional ``[K, K]`` links between any two subclusters (``None`` where there is
+      none; the diagonal is ignored); ``inter_links`` may then be empty.
+    price_per_gpu_hour: optional ``[K]`` price of one device per hour.
     peak_flops: optional ``[K]`` peak FLOP/s of one device (the imbalance rule and the
       load-balance score).
     layer_flops: ``[L]`` forward FLOPs per layer, for the imbalance rule.
@@ -664,6 +762,14 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       intra_latency_s=tuple(l.latency_s for l in intra_links),
       inter_bandwidth_bytes_per_s=tuple(l.bandwidth_bytes_per_s for l in inter_links),
       inter_latency_s=tuple(l.latency_s for l in inter_links),
+      link_bandwidth_bytes_per_s=None if pair_links is None else tuple(
+          tuple(0.0 if (l is None or a == b) else l.bandwidth_bytes_per_s
+                for b, l in enumerate(row)) for a, row in enumerate(pair_links)),
+      link_latency_s=None if pair_links is None else tuple(
+          tuple(0.0 if (l is None or a == b) else l.latency_s for b, l in enumerate(row))
+          for a, row in enumerate(pair_links)),
+      price_per_gpu_hour=None if price_per_gpu_hour is None else tuple(
+          float(p) for p in price_per_gpu_hour),
       logical_mesh=tuple(logical),
       peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
       layer_names=tuple(layer_names) if layer_names is not None else None)
@@ -712,25 +818,36 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       raise CostTablesError(f"order={ordered} must list each subcluster {names} once")
   by_name = {s.name: s for s in specs}
   specs = [by_name[n] for n in ordered]
-  # Links between consecutive subclusters.
-  links = []
-  for a, b in zip(ordered, ordered[1:]):
-    if isinstance(inter_links, Link):
-      links.append(inter_links)
-    elif isinstance(inter_links, Mapping):
-      link = inter_links.get((a, b), inter_links.get((b, a)))
-      if link is None:
-        raise CostTablesError(f"inter_links has no link between {a!r} and {b!r}")
-      links.append(link)
-    else:
-      seq = list(inter_links)
-      if len(seq) != len(names) - 1 or ordered != names:
-        raise CostTablesError("inter_links as a sequence needs K - 1 links in the given order; "
-                              "use a mapping {(a, b): Link} when reordering")
-      links.append(seq[len(links)])
-  for link in links:
-    if not isinstance(link, Link):
-      raise CostTablesError(f"inter_links: expected harpjax.cluster.Link, got {link!r}")
+  # Links between subclusters: every pair that has one.
+  K = len(ordered)
+  pair: list[list[Link | None]] = [[None] * K for _ in range(K)]
+  if isinstance(inter_links, Link):
+    pair = [[None if a == b else inter_links for b in range(K)] for a in range(K)]
+  elif isinstance(inter_links, Mapping):
+    for (a, b), link in inter_links.items():
+      if a not in ordered or b not in ordered:
+        raise CostTablesError(f"inter_links: unknown subcluster in ({a!r}, {b!r}); the "
+                              f"subclusters are {names}")
+      pair[ordered.index(a)][ordered.index(b)] = link
+      if (b, a) not in inter_links:
+        pair[ordered.index(b)][ordered.index(a)] = link
+  else:
+    seq = list(inter_links)
+    if len(seq) != len(names) - 1 or ordered != names:
+      raise CostTablesError("inter_links as a sequence needs K - 1 links in the given order; "
+                            "use a mapping {(a, b): Link} when reordering")
+    for k, link in enumerate(seq):
+      pair[k][k + 1] = pair[k + 1][k] = link
+  for a in range(K):
+    for b in range(K):
+      link = pair[a][b]
+      if a != b and link is not None and not isinstance(link, Link):
+        raise CostTablesError(f"inter_links: expected harpjax.cluster.Link, got {link!r}")
+  for a, b in zip(range(K), range(1, K)):
+    if pair[a][b] is None:
+      raise CostTablesError(f"inter_links has no link between {ordered[a]!r} and "
+                            f"{ordered[b]!r}")
+  links = [pair[k][k + 1] for k in range(K - 1)]
   sums = {f: range_sums(getattr(layers, f))
           for f in ("param_bytes", "param_mem_bytes", "act_bytes", "tp_comm_bytes")}
 
@@ -757,6 +874,13 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
   peak = None
   if all(s.peak_flops is not None for s in specs):
     peak = tuple(float(s.peak_flops) for s in specs)
+  prices = None
+  if any(s.price_per_gpu_hour is not None for s in specs):
+    missing = [s.name for s in specs if s.price_per_gpu_hour is None]
+    if missing:
+      raise CostTablesError(f"subclusters {missing} have no price_per_gpu_hour while others "
+                            "have one; price every subcluster or none")
+    prices = [float(s.price_per_gpu_hour) for s in specs]
   tables, _ = assemble_tables(
       names=ordered, num_hosts=[s.num_hosts for s in specs],
       devices_per_host=[s.devices_per_host for s in specs],
@@ -764,7 +888,8 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       submeshes=[s.submeshes for s in specs], mesh_costs=mesh_costs,
       boundary_bytes=layers.boundary_bytes,
       intra_links=[Link(float(s.bandwidth_bytes_per_s), float(s.latency_s)) for s in specs],
-      inter_links=links, peak_flops=peak, layer_names=layers.names)
+      inter_links=links, peak_flops=peak, layer_names=layers.names, pair_links=pair,
+      price_per_gpu_hour=prices)
   log.debug("cost tables: %d layers x %d subclusters built from layer costs", L, len(specs))
   return tables
 

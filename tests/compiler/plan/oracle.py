@@ -61,22 +61,45 @@ def packable(num_hosts: int, devices_per_host: int, shapes: Sequence[tuple[int, 
   return place(0)
 
 
-def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
-                max_plans: int = 2_000_000) -> BruteForceResult:
-  """Enumerates every plan: stages in subcluster order using all devices.
+def cut_s(tables: CostTables, a: int, b: int, j: int) -> float:
+  """Seconds of a cut after layer ``j`` from a stage on subcluster ``a`` to one on ``b``, from
+  the tables' link fields (``inf``: no link)."""
+  if a == b:
+    return float(tables.intra_latency_s[a] + tables.boundary_bytes[j]
+                 / tables.intra_bandwidth_bytes_per_s[a])
+  bw = tables.link_bandwidth_bytes_per_s[a][b]
+  if bw <= 0:
+    return math.inf
+  return float(tables.link_latency_s[a][b] + tables.boundary_bytes[j] / bw)
 
+
+def plan_rate(tables: CostTables, stages: Sequence[Quad]) -> float:
+  """Hourly rate of a plan: its devices times their subcluster's price."""
+  return sum(tables.price_per_gpu_hour[k] * tables.submeshes[k][s][0] * tables.submeshes[k][s][1]
+             for _, _, k, s in stages)
+
+
+def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
+                max_plans: int = 2_000_000, *, use_all_devices: bool = False,
+                keep_order: bool = False, objective: str = "min_time",
+                budget_per_hour: float = math.inf,
+                time_limit_s: float = math.inf) -> BruteForceResult:
+  """Enumerates every plan: each subcluster runs one contiguous group of stages.
+
+  The subclusters are entered in any order (``keep_order``: the tables' order, skipping
+  allowed) over the links the tables have; any devices may stay unused
+  (``use_all_devices``: every device of every subcluster runs a stage, as HARP's Eq. 19).
   A plan is valid when its stage times are finite, every cut ``c_i <= t_max`` (its own
   bottleneck), every stage fits ``mem_p + min(N_i, B) mem_a <= mem`` with ``N_i`` from
   :func:`~harpjax.compiler.schedule.h1f1b_warmups` at that ``t_max``, and each subcluster's
-  submeshes pack onto its hosts. Objective: Eq. 12.
+  submeshes pack onto its hosts. Time: Eq. 12. ``objective`` ``"min_time"`` minimises it
+  (within ``budget_per_hour``, the plan's rate, :func:`plan_rate`), ``"min_cost"`` minimises
+  rate times time (within ``time_limit_s``); ``objective_s`` is then that product.
 
   Raises:
     PlanError: more than ``max_plans`` plans (the instance is too large for brute force).
   """
   B, L, K = int(num_microbatches), tables.num_layers, tables.num_subclusters
-  offs = [int(x) for x in tables.device_offsets]
-  D = offs[-1]
-  sizes = [[n * m for n, m in tables.submeshes[k]] for k in range(K)]
   best = [math.inf, math.inf, (), ()]
   counts = [0, 0]
   stack: list[Quad] = []
@@ -88,10 +111,7 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
     t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in stack]
     if not all(math.isfinite(x) for x in t):
       return
-    c = []
-    for a, b in zip(stack, stack[1:]):
-      c.append(float(tables.intra_comm_s[a[2], a[1]] if a[2] == b[2]
-                     else tables.inter_comm_s[a[2], a[1]]))
+    c = [cut_s(tables, a[2], b[2], a[1]) for a, b in zip(stack, stack[1:])]
     t_max = max(t)
     if any(x > t_max for x in c):
       return
@@ -101,47 +121,62 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
       a = float(tables.act_mem_bytes[k][i, j, s])
       if not p + min(w, B) * a <= tables.device_memory_bytes[k]:
         return
-    for k in range(K):
-      shapes = [tables.submeshes[k][q[3]] for q in stack if q[2] == k]
-      if not packable(tables.num_hosts[k], tables.devices_per_host[k], shapes):
-        return
-    counts[1] += 1
     obj = sum(x + 2.0 * y for x, y in zip(t, c + [0.0])) + (B - 1) * t_max
+    if tables.price_per_gpu_hour is not None:
+      rate = plan_rate(tables, stack)
+      if rate > budget_per_hour or obj > time_limit_s:
+        return
+      if objective == "min_cost":
+        obj *= rate
+    counts[1] += 1
     if obj < best[0]:
       best[:] = [obj, t_max, tuple(stack), warm]
 
-  def rec(i, d):
-    k = max(x for x in range(K) if offs[x] <= d)
+  def rec(i, k, entered, shapes):
+    N, M = tables.num_hosts[k], tables.devices_per_host[k]
     for j in range(i, L):
-      for s, m in enumerate(sizes[k]):
-        d2 = d + m
-        if d2 > offs[k + 1]:
+      for s, shape in enumerate(tables.submeshes[k]):
+        mine = shapes + [shape]
+        used = sum(n * m for n, m in mine)
+        if used > N * M or not packable(N, M, mine):
           continue
-        if (j == L - 1) != (d2 == D):
-          continue
+        full = used == N * M
         stack.append((i, j, k, s))
         if j == L - 1:
-          score()
+          if not use_all_devices or (full and len(entered) == K):
+            score()
         else:
-          rec(j + 1, d2)
+          if used < N * M:
+            rec(j + 1, k, entered, mine)
+          if full or not use_all_devices:
+            for k2 in range(K):
+              if k2 in entered or (keep_order and k2 < k) or \
+                  (keep_order and use_all_devices and k2 != k + 1):
+                continue
+              if math.isfinite(cut_s(tables, k, k2, 0)):
+                rec(j + 1, k2, entered | {k2}, [])
         stack.pop()
 
-  rec(0, 0)
+  firsts = [0] if (keep_order and use_all_devices) else range(K)
+  for k in firsts:
+    rec(0, k, frozenset([k]), [])
   return BruteForceResult(objective_s=best[0], t_max_s=best[1], stages=best[2],
                           warmups=tuple(best[3]), num_plans=counts[0], num_valid=counts[1])
 
 
 def random_tables(rng: np.random.Generator, num_layers: int | None = None,
                   num_subclusters: int | None = None, max_devices: int = 4,
-                  odd_hosts: bool = False) -> CostTables:
+                  odd_hosts: bool = False, priced: bool = False) -> CostTables:
   """A small random heterogeneous instance for cross-checks against :func:`brute_force`.
 
   2-3 subclusters of 1-2 hosts x 1, 2 or 4 devices (at most ``max_devices`` each), different
   speeds and memories, sub-linear scaling with the submesh size, parameters sometimes sharded
   (tensor parallel) and sometimes replicated, ~8% of entries missing (``inf``), fast and slow
-  links. About a fifth of the instances are infeasible and a third have binding memory. With
+  links; half of them with links between any two subclusters (some missing, some asymmetric).
+  About a fifth of the instances are infeasible and a third have binding memory. With
   ``odd_hosts`` some subclusters are 2 hosts x 3 devices, whose ``(1, 2)`` stages do not always
-  pack (three of them add up to 6 devices but do not fit).
+  pack (three of them add up to 6 devices but do not fit). With ``priced`` each subcluster has
+  a price per device-hour.
   """
   K = num_subclusters or int(rng.integers(2, 4))
   L = num_layers or int(rng.integers(K, 9))
@@ -175,6 +210,14 @@ def random_tables(rng: np.random.Generator, num_layers: int | None = None,
     st.append(t)
     pm.append(p)
     am.append(a)
+  inter = tuple(float(rng.choice([0.5, 2.0, 10.0])) for _ in range(K - 1))
+  pair = None
+  if rng.random() < 0.5:   # links between any two subclusters, some missing
+    bw = rng.choice([0.0, 0.5, 2.0, 10.0], size=(K, K))
+    bw = np.where(rng.random((K, K)) < 0.5, bw, bw.T)   # mostly symmetric
+    for k in range(K - 1):
+      bw[k, k + 1] = inter[k]
+    pair = tuple(tuple(float(x) for x in row) for row in bw)
   return CostTables(
       num_layers=L, subcluster_names=tuple(f"c{k}" for k in range(K)), num_hosts=tuple(hosts),
       devices_per_host=tuple(dph),
@@ -183,6 +226,8 @@ def random_tables(rng: np.random.Generator, num_layers: int | None = None,
       act_mem_bytes=tuple(am), boundary_bytes=rng.uniform(0, 1.0, L),
       intra_bandwidth_bytes_per_s=tuple(float(rng.choice([2.0, 20.0])) for _ in range(K)),
       intra_latency_s=(0.01,) * K,
-      inter_bandwidth_bytes_per_s=tuple(float(rng.choice([0.5, 2.0, 10.0]))
-                                        for _ in range(K - 1)),
-      inter_latency_s=(0.05,) * (K - 1))
+      price_per_gpu_hour=tuple(float(rng.choice([0.5, 1.0, 1.5, 3.0])) for _ in range(K))
+      if priced else None,
+      inter_bandwidth_bytes_per_s=inter, inter_latency_s=(0.05,) * (K - 1),
+      link_bandwidth_bytes_per_s=pair,
+      link_latency_s=None if pair is None else ((0.05,) * K,) * K)

@@ -32,12 +32,14 @@ def test_brute_force_counts_and_agrees_with_the_packer():
   rng = np.random.default_rng(3)
   for _ in range(30):
     t = oracle.random_tables(rng)
-    bf = oracle.brute_force(t, 8)
-    assert bf.num_plans >= bf.num_valid
-    if bf.stages:
-      ev = planner.evaluate_plan(t, bf.stages, 8, simulator=False)
-      assert ev.mem_ok and ev.comm_ok and ev.devices_ok and ev.uses_all_devices
-      assert math.isclose(ev.eq12_s, bf.objective_s, rel_tol=1e-12)
+    for use_all in (False, True):
+      bf = oracle.brute_force(t, 8, use_all_devices=use_all)
+      assert bf.num_plans >= bf.num_valid
+      if bf.stages:
+        ev = planner.evaluate_plan(t, bf.stages, 8, simulator=False)
+        assert ev.mem_ok and ev.comm_ok and ev.devices_ok
+        assert ev.uses_all_devices or not use_all
+        assert math.isclose(ev.eq12_s, bf.objective_s, rel_tol=1e-12)
 
 
 def test_equal_work_and_group_cuts():

@@ -76,27 +76,41 @@ def test_compiled_warmup_delta_matches_the_schedules_one():
 # --------------------------------------------------------------------------- exactness
 
 
+PAPER = dict(use_all_devices=True, keep_order=True)
+MODES = [dict(), dict(keep_order=True), dict(use_all_devices=True), PAPER]
+"""Resource choice (default), the tables' order kept, every device used in any order, and the
+paper's planner (every device, the tables' order)."""
+
+
 @pytest.mark.parametrize("chunk", range(6))
 def test_dp_twin_and_brute_force_agree_on_random_instances(chunk):
-  """Numba kernel, NumPy twin and brute force: same optimum; the plan obeys its own model."""
+  """Numba kernel, NumPy twin and brute force: same optimum in every mode; the plan obeys its
+  own model."""
   rng = np.random.default_rng(1000 + chunk)
-  for _ in range(50):
+  for x in range(50):
     tables = oracle.random_tables(rng)
     B = int(rng.choice([1, 2, 4, 8, 32]))
     eps = float(rng.choice([0.0, 0.1]))
-    bf = oracle.brute_force(tables, B, eps=eps)
-    res = _solve_or_inf(tables, B, eps=eps)
-    twin = _solve_or_inf(tables, B, eps=eps, kernel="numpy")
-    assert _close(_obj(res), bf.objective_s), (bf, res)
-    assert _close(_obj(twin), bf.objective_s)
+    mode = MODES[x % len(MODES)]
+    bf = oracle.brute_force(tables, B, eps=eps, **mode)
+    res = _solve_or_inf(tables, B, eps=eps, **mode)
+    twin = _solve_or_inf(tables, B, eps=eps, kernel="numpy", **mode)
+    assert _close(_obj(res), bf.objective_s), (mode, bf, res)
+    assert _close(_obj(twin), bf.objective_s), mode
     if res is None:
       continue
-    _check_plan_model(tables, res, B, eps)
+    _check_plan_model(tables, res, B, eps, **mode)
 
 
-def _check_plan_model(tables, res, B, eps):
+def _check_plan_model(tables, res, B, eps, use_all_devices=False, keep_order=False):
   ev = planner.evaluate_plan(tables, res.plan, B, eps=eps, simulator=False)
-  assert ev.mem_ok and ev.comm_ok and ev.devices_ok and ev.uses_all_devices, ev.violations
+  assert ev.mem_ok and ev.comm_ok and ev.devices_ok, ev.violations
+  assert ev.uses_all_devices or not use_all_devices
+  subs = [s.subcluster for s in res.stages]
+  runs = [k for x, k in enumerate(subs) if x == 0 or subs[x - 1] != k]
+  assert len(runs) == len(set(runs))            # one contiguous run per subcluster
+  if keep_order:
+    assert runs == sorted(runs)
   assert ev.t_max_s == res.t_max_s == res.plan.t_max_s
   assert _close(ev.eq12_s, res.objective_s)
   comm = [s.comm_s for s in res.stages[:-1]]
@@ -105,6 +119,22 @@ def _check_plan_model(tables, res, B, eps):
     assert s.peak_mem_bytes == s.param_bytes + min(s.warmup, B) * s.act_bytes
     assert s.peak_mem_bytes <= s.device_memory_bytes
     assert s.comm_s <= res.t_max_s
+
+
+def test_resource_choice_is_never_worse_and_often_better():
+  """Leaving devices unused and choosing the order only add plans: the optimum is never worse
+  than with every device in the tables' order, and on the random corpus often better."""
+  rng = np.random.default_rng(99)
+  better = 0
+  for _ in range(60):
+    tables = oracle.random_tables(rng)
+    B = int(rng.choice([2, 8, 32]))
+    objs = [_obj(_solve_or_inf(tables, B, **mode)) for mode in MODES]
+    free, kept, all_free, paper = objs
+    assert free <= min(kept, all_free) * (1 + 1e-12) and kept <= paper * (1 + 1e-12)
+    assert all_free <= paper * (1 + 1e-12)
+    better += free < paper * (1 - 1e-9)
+  assert better >= 15, better
 
 
 @pytest.mark.parametrize("chunk", range(2))
@@ -129,10 +159,10 @@ def test_three_quarter_hosts_do_not_pack():
            (0, 0, 0): 1.6, (1, 1, 0): 1.6, (0, 1, 2): 1.7, (2, 2, 2): 1.7}
   tables = _tables(L=3, shapes=[shapes], times=[times], params=[{}], acts=[{}], mem=[1.0],
                    boundary=[0.0, 0.0, 0.0], hosts=[2], dph=[6])
-  st_sub, st_next, st_exh = device_states(tables)
-  assert st_sub.size > 1 and (st_next[:, 1] >= 0).sum() >= 2
-  bf = oracle.brute_force(tables, 4)
-  res = planner.solve(tables, 4)
+  st = device_states(tables, **PAPER)
+  assert st.sub.size > 1 and (st.stay[:, 1] >= 0).sum() >= 2
+  bf = oracle.brute_force(tables, 4, **PAPER)
+  res = planner.solve(tables, 4, **PAPER)
   assert _close(res.objective_s, bf.objective_s) and res.t_max_s == 1.7
   assert sorted(s.submesh for s in res.stages) == [(1, 6), (1, 6)]
   assert not oracle.packable(2, 6, [(1, 4)] * 3)
@@ -146,13 +176,13 @@ def test_random_instances_exercise_binding_memory_and_the_bottleneck_trap():
   for _ in range(150):
     tables = oracle.random_tables(rng)
     B = int(rng.choice([2, 8, 32]))
-    bf = oracle.brute_force(tables, B)
+    bf = oracle.brute_force(tables, B, **PAPER)
     if not math.isfinite(bf.objective_s):
       infeasible += 1
       continue
     roomy = tables.replace(device_memory_bytes=(1e12,) * tables.num_subclusters)
-    binds += oracle.brute_force(roomy, B).objective_s < bf.objective_s * (1 - 1e-9)
-    index = planner.SparseIndex.build(tables)
+    binds += oracle.brute_force(roomy, B, **PAPER).objective_s < bf.objective_s * (1 - 1e-9)
+    index = planner.SparseIndex.build(tables, **PAPER)
     naive = min(index.run(float(t), B, 0.1, require_hit=False)[0] + (B - 1) * float(t)
                 for t in index.candidates)
     trap += not _close(naive, bf.objective_s)
@@ -171,15 +201,17 @@ def test_bottleneck_trap_instance_is_infeasible():
       times=[{(0, 0, 0): 1.0, (0, 1, 0): 2.0}, {(1, 1, 0): 1.0}],
       params=[{(0, 0, 0): 1.0, (0, 1, 0): 1.0}, {}], acts=[{(0, 0, 0): 1.0}, {}],
       mem=[4.5, 10.0], boundary=[0.6, 0.0])
-  index = planner.SparseIndex.build(tables)
+  index = planner.SparseIndex.build(tables, **PAPER)
   assert math.isfinite(index.run(2.0, 8, 0.1, require_hit=False)[0])  # the trap
-  assert not math.isfinite(oracle.brute_force(tables, 8).objective_s)
+  assert not math.isfinite(oracle.brute_force(tables, 8, **PAPER).objective_s)
   with pytest.raises(InfeasiblePlanError) as e:
-    planner.solve(tables, 8)
+    planner.solve(tables, 8, **PAPER)
   assert e.value.constraint in ("memory", "communication")
+  # With resource choice the whole model on c0 is a plan (one stage of 2.0 s).
+  assert planner.solve(tables, 8).plan.num_stages == 1
   # With one more byte of memory per stage the plan is valid, with N = (4, 1).
   roomy = tables.replace(device_memory_bytes=(5.0, 10.0))
-  res = planner.solve(roomy, 8)
+  res = planner.solve(roomy, 8, **PAPER)
   assert res.warmups == (4, 1) and res.t_max_s == 1.0
 
 
@@ -231,8 +263,8 @@ def test_warmups_in_the_state_beat_eq17_tracking():
       times=[{(0, 0, 0): 1.0}, {(1, 1, 0): 0.3, (2, 2, 0): 0.3, (1, 2, 1): 0.8}],
       params=[{(0, 0, 0): 1.0}, {}], acts=[{(0, 0, 0): 1.0}, {}],
       mem=[4.5, 10.0], boundary=[0.2, 0.01, 0.0], dph=[1, 2])
-  bf = oracle.brute_force(tables, 8)
-  res = planner.solve(tables, 8)
+  bf = oracle.brute_force(tables, 8, **PAPER)
+  res = planner.solve(tables, 8, **PAPER)
   assert _close(res.objective_s, bf.objective_s)
   assert [s.layers for s in res.stages] == [(0, 0), (1, 2)] and res.warmups == (3, 1)
   assert _paper_dp(tables, 8, 0.1) == math.inf
@@ -283,7 +315,7 @@ def test_dropping_the_stage_count_keeps_the_optimum():
   for _ in range(40):
     tables = oracle.random_tables(rng, num_layers=int(rng.integers(2, 6)))
     B = int(rng.choice([2, 8]))
-    assert _close(_obj(_solve_or_inf(tables, B)), _dp_with_stage_count(tables, B, 0.1))
+    assert _close(_obj(_solve_or_inf(tables, B, **PAPER)), _dp_with_stage_count(tables, B, 0.1))
 
 
 def test_gpt_like_kernel_and_twin_agree():
@@ -300,7 +332,9 @@ def test_gpt_like_kernel_and_twin_agree():
   assert _close(res.objective_s, twin.objective_s)
   assert res.plan.stages == loose.plan.stages and res.objective_s == loose.objective_s
   _check_plan_model(tables, res, 32, 0.1)
-  assert res.plan.stages[0].subcluster == "v100"  # memory-to-compute order puts V100 first
+  paper = planner.solve(tables, 32, **PAPER)
+  assert paper.plan.stages[0].subcluster == "v100"  # memory-to-compute order puts V100 first
+  assert res.objective_s <= paper.objective_s
 
 
 # --------------------------------------------------------------------------- search & backends
@@ -413,8 +447,9 @@ def test_infeasible_layers_and_communication():
   t1 = _tables(L=1, shapes=[one, one], times=[{(0, 0, 0): 1.0}, {(0, 0, 0): 1.0}],
                params=[{}, {}], acts=[{}, {}], mem=[1.0, 1.0], boundary=[0.0])
   with pytest.raises(InfeasiblePlanError) as e:
-    planner.solve(t1, 4)
+    planner.solve(t1, 4, **PAPER)
   assert e.value.constraint == "layers"
+  assert planner.solve(t1, 4).plan.num_stages == 1     # one subcluster is enough
   t2 = _tables(L=2, shapes=[one, one], times=[{(0, 0, 0): 1.0}, {(1, 1, 0): 1.0}],
                params=[{}, {}], acts=[{}, {}], mem=[1.0, 1.0], boundary=[5.0, 0.0])
   with pytest.raises(InfeasiblePlanError) as e:

@@ -1,0 +1,109 @@
+"""The objectives with prices: exact against brute force (kernel and NumPy twin), and
+consistent with each other and with the time objective."""
+
+import math
+
+import numpy as np
+import pytest
+
+from harpjax.compiler import plan as planner
+from harpjax.errors import InfeasiblePlanError, PlanError
+from tests.compiler.plan import oracle
+
+MODES = [dict(), dict(keep_order=True), dict(use_all_devices=True),
+         dict(use_all_devices=True, keep_order=True)]
+
+
+def _close(a, b):
+  return a == b or math.isclose(a, b, rel_tol=1e-9)
+
+
+def _value(tables, B, objective, kernel="numba", **kw):
+  """The optimised quantity: seconds (time objectives) or rate x seconds (cost ones)."""
+  try:
+    r = planner.solve(tables, B, objective=objective, kernel=kernel, backend="sequential", **kw)
+  except InfeasiblePlanError:
+    return math.inf, None
+  if objective in ("min_time", "min_time_within_budget"):
+    return r.objective_s, r
+  return r.rate_per_hour * r.objective_s, r
+
+
+CASES = [("max_throughput_per_dollar", {}, dict(objective="min_cost")),
+         ("min_time_within_budget", dict(budget_per_hour=6.0), dict(budget_per_hour=6.0)),
+         ("min_cost_within_time", dict(time_limit_s=40.0),
+          dict(objective="min_cost", time_limit_s=40.0)),
+         ("min_time", {}, {})]
+
+
+@pytest.mark.parametrize("chunk", range(3))
+def test_objectives_match_brute_force_on_random_instances(chunk):
+  rng = np.random.default_rng(3000 + chunk)
+  for x in range(24):
+    tables = oracle.random_tables(rng, priced=True)
+    B = int(rng.choice([2, 8, 32]))
+    mode = MODES[x % len(MODES)]
+    for objective, kw, bf_kw in CASES:
+      bf = oracle.brute_force(tables, B, **mode, **bf_kw)
+      got, res = _value(tables, B, objective, **mode, **kw)
+      twin, _ = _value(tables, B, objective, kernel="numpy", **mode, **kw)
+      assert _close(got, bf.objective_s), (objective, mode, got, bf)
+      assert _close(twin, bf.objective_s), (objective, mode, twin, bf)
+      if res is None:
+        continue
+      ev = planner.evaluate_plan(tables, res.plan, B, simulator=False)
+      assert ev.feasible and ev.comm_ok and ev.uses_all_devices >= mode.get("use_all_devices",
+                                                                             False)
+      assert _close(res.rate_per_hour, oracle.plan_rate(tables, [
+          (s.layers[0], s.layers[1], s.subcluster, s.submesh_index) for s in res.stages]))
+      assert _close(res.cost_per_iteration, res.rate_per_hour * res.objective_s / 3600)
+      assert res.rate_per_hour <= kw.get("budget_per_hour", math.inf)
+      assert res.objective_s <= kw.get("time_limit_s", math.inf)
+
+
+def test_objectives_agree_with_each_other():
+  """A budget at least the cheapest fastest plan's rate gives the fastest time; the cheapest
+  plan per iteration is never cheaper than what the time objective's plan costs."""
+  rng = np.random.default_rng(41)
+  for _ in range(25):
+    tables = oracle.random_tables(rng, priced=True)
+    B = 8
+    fastest, res = _value(tables, B, "min_time")
+    if res is None:
+      continue
+    within, _ = _value(tables, B, "min_time_within_budget", budget_per_hour=res.rate_per_hour)
+    assert _close(within, fastest)
+    cheapest, cres = _value(tables, B, "max_throughput_per_dollar")
+    assert cheapest <= res.rate_per_hour * res.objective_s * (1 + 1e-12)
+    limited, _ = _value(tables, B, "min_cost_within_time", time_limit_s=cres.objective_s)
+    assert _close(limited, cheapest)
+
+
+def test_priced_options_are_checked():
+  tables = oracle.random_tables(np.random.default_rng(0))
+  with pytest.raises(PlanError, match="needs prices"):
+    planner.solve(tables, 4, objective="max_throughput_per_dollar")
+  with pytest.raises(PlanError, match="budget_per_hour"):
+    planner.SolveOptions(objective="min_time_within_budget")
+  with pytest.raises(PlanError, match="time_limit_s"):
+    planner.SolveOptions(objective="min_cost_within_time")
+  with pytest.raises(PlanError, match="does not use it"):
+    planner.SolveOptions(objective="max_throughput_per_dollar", budget_per_hour=3.0)
+  with pytest.raises(PlanError, match="objective"):
+    planner.SolveOptions(objective="fastest")
+  with pytest.raises(PlanError, match="finite number > 0"):
+    planner.SolveOptions(budget_per_hour=-1.0)
+
+
+def test_budget_below_every_plan_is_explained():
+  rng = np.random.default_rng(8)
+  while True:
+    tables = oracle.random_tables(rng, priced=True)
+    if math.isfinite(_value(tables, 8, "min_time")[0]):
+      break
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(tables, 8, budget_per_hour=1e-6)
+  assert e.value.constraint == "budget" and "per hour" in str(e.value)
+  with pytest.raises(InfeasiblePlanError) as e:
+    planner.solve(tables, 8, objective="min_cost_within_time", time_limit_s=1e-6)
+  assert e.value.constraint == "time"
