@@ -20,8 +20,11 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) -m harpjax.examples.demo
 
+# Two test processes (pytest-xdist), each test file in one of them.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/schedules.py

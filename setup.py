@@ -31,6 +31,6 @@ setup(
     packages=find_packages(include=["harpjax", "harpjax.*"]),
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest==9.2.0", "hypothesis==6.170.15"]},
+    extras_require={"test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis==6.170.15"]},
     entry_points={"console_scripts": ["harpjax=harpjax.cli:run"]},
 )

@@ -13,10 +13,12 @@ compared with ``jax.jit`` run for the same steps (the numbers do not depend on t
 With ``--random N`` it runs N trials in float64 instead, each killing a random stage's actor at
 a random moment (from a timer thread: between steps, inside a step, while a checkpoint is
 gathered, …), and checks after every trial that the parameters and optimizer state equal
-``jax.jit``'s within 1e-9.
+``jax.jit``'s within 1e-9. ``--interrupts N`` does the same with SIGINT (Ctrl-C) at a random
+moment of a random step, followed by an immediate retry of that step.
 
   python benchmarks/elastic.py [--steps 6] [--kill-at 4] [--every 2] [--cold]
   python benchmarks/elastic.py --random 5 [--seed 0]
+  python benchmarks/elastic.py --interrupts 20 [--seed 0]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -57,14 +60,16 @@ def main(argv=None) -> None:
                   "profiles the surviving GPU types again)")
   ap.add_argument("--random", type=int, default=0, metavar="N",
                   help="N float64 trials, each killing an actor at a random moment")
+  ap.add_argument("--interrupts", type=int, default=0, metavar="N",
+                  help="N float64 trials, each with SIGINT at a random moment, then a retry")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
   if args.cold:
     os.environ["HARPJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="harpjax-cache-")
-  if args.random:
+  if args.random or args.interrupts:
     jax.config.update("jax_enable_x64", True)
 
-  dtype = "float64" if args.random else "float32"
+  dtype = "float64" if args.random or args.interrupts else "float32"
   cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=64, num_heads=4, num_blocks=4, dtype=dtype,
                   param_dtype=dtype)
   model = GPT(cfg)
@@ -92,8 +97,9 @@ def main(argv=None) -> None:
       ray_runtime.HOST_RESOURCE_PREFIX + h.name: 100
       for h in harpjax.Cluster.load(CLUSTER).hosts})
   ref = jax.jit(step)
-  if args.random:
-    _random_kills(args, step, ref, plan, state, batches)
+  if args.random or args.interrupts:
+    (_random_kills if args.random else _random_interrupts)(args, step, ref, plan, state,
+                                                           batches)
     ray_runtime.release_pool()
     return
   pstep = _elastic_step(step, plan, args.every)
@@ -141,6 +147,43 @@ def _max_rel_err(ref, got) -> float:
              max(float(np.max(np.abs(np.asarray(x)))), 1e-30)
              for x, y in zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(got))
              if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def _random_interrupts(args, step, ref, plan, state, batches) -> None:
+  """Trials with SIGINT at a random moment of a step, then an immediate retry of the step."""
+  rng = random.Random(args.seed)
+  expected = state
+  for batch in batches:
+    expected = ref(expected, batch)[0]
+  pstep = harpjax.auto_parallel(step, cluster=CLUSTER, num_microbatches=4, plan=plan,
+                                runtime="ray")
+  s_par = pstep(state, batches[0])[0]
+  t_step = time.perf_counter()
+  pstep(s_par, batches[1])
+  t_step = time.perf_counter() - t_step
+  for trial in range(args.interrupts):
+    s_par, interrupted = pstep(state, batches[0])[0], 0
+    target = rng.randrange(1, len(batches))
+    for i, batch in enumerate(batches[1:], start=1):
+      timer = None
+      if i == target:
+        delay = rng.uniform(0, 1.2 * t_step)
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+      while True:
+        try:
+          out = pstep(s_par, batch)
+          if timer is not None:
+            timer.join()   # a late signal still lands below, in the retry
+          break
+        except KeyboardInterrupt:
+          interrupted += 1
+      s_par = out[0]
+    err = _max_rel_err(expected, s_par)
+    print(f"trial {trial}: SIGINT {delay:.2f} s into step {target + 1} "
+          f"({'interrupted, retried' if interrupted else 'after the step'}); state vs jax.jit "
+          f"{err:.2g}", flush=True)
+    assert err <= 1e-9, err
 
 
 def _random_kills(args, step, ref, plan, state, batches) -> None:

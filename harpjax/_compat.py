@@ -8,6 +8,7 @@ version pinned in ``setup.py``.
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any, Iterable
 
 import jax
@@ -20,7 +21,7 @@ __all__ = [
     "REMAT_PRIMITIVES",
     "subjaxpr_of_call", "float0", "aval_of", "make_float0_zeros", "register_identity_primitive",
     "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
-    "setting_env_var",
+    "setting_env_var", "use_persistent_compilation_cache",
 ]
 
 JAX_VERSION = jax.__version_info__
@@ -120,10 +121,39 @@ JAX_SETTINGS = (
     "jax_threefry_partitionable", "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
     "jax_softmax_custom_jvp", "jax_dynamic_shapes", "jax_legacy_prng_key",
     "jax_use_shardy_partitioner",
+    # Not numerics: where compiled executables are kept (use_persistent_compilation_cache).
+    "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
 )
 """The JAX settings that change how a step traces, lowers or computes (dtypes, precision,
-random bits, promotion rules, partitioner). Another process running part of a step (a Ray
-worker) runs under the driver's values. Names this JAX version does not know are skipped."""
+random bits, promotion rules, partitioner), and the persistent compilation cache's. Another
+process running part of a step (a Ray worker) runs under the driver's values. Names this JAX
+version does not know are skipped."""
+
+_JAX_MIN_COMPILE_TIME_DEFAULT_S = 1.0
+
+
+def use_persistent_compilation_cache(path: str | os.PathLike) -> tuple[str, bool]:
+  """Turns on JAX's persistent compilation cache in ``path``, unless a cache directory is
+  configured already (that one is kept).
+
+  A pipelined step compiles many small executables (a forward and a backward per stage), most
+  of them in under JAX's default one-second threshold, so the threshold drops to zero unless
+  the user changed it. The settings are process-wide: ``jax.jit`` programs compiled later are
+  kept too.
+
+  Returns:
+    The directory in effect, and whether this call set it.
+  """
+  current = jax.config.values.get("jax_compilation_cache_dir")
+  if current:
+    return str(current), False
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  if jax.config.values.get("jax_persistent_cache_min_compile_time_secs") == \
+      _JAX_MIN_COMPILE_TIME_DEFAULT_S:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return path, True
 
 
 def jax_settings() -> dict[str, Any]:

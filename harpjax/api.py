@@ -23,14 +23,15 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from harpjax import runtime
+from harpjax import _compat, runtime
 from harpjax.runtime import (CheckpointOptions, Checkpointer, ElasticOptions, Failure, Recovery,
                              RemoteArray)
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      traced_step_for)
 from harpjax.compiler.plan import Plan, SolveOptions, load_plan, solve
-from harpjax.compiler.profile import ProfileOptions, ProfileResult, profile_step, progress_bar
+from harpjax.compiler.profile import (ProfileOptions, ProfileResult, default_cache_dir,
+                                     profile_step, progress_bar)
 from harpjax.compiler.schedule import Schedule, schedule_key
 from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep, StepProgram,
                                      compile_step, default_workers, layout_step, lower_step,
@@ -65,8 +66,13 @@ class ParallelOptions:
   solve_options: Any = None
   checkpoint: CheckpointOptions | None = None
   elastic: ElasticOptions | None = None
+  compilation_cache: Any = True
 
   def __post_init__(self):
+    cc = self.compilation_cache
+    if not isinstance(cc, (bool, str, os.PathLike)):
+      raise PlanError(f"compilation_cache={cc!r}: True (in the profile cache directory), "
+                      "False, or a directory")
     if self.elastic is not None:
       if not isinstance(self.elastic, ElasticOptions):
         raise PlanError(f"elastic={self.elastic!r}: give a harpjax.ElasticOptions")
@@ -114,7 +120,8 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
                   runtime: str = "local", eps: float = 0.1,
                   runtime_options: dict | None = None, layer_options=None,
-                  profile_options=None, solve_options=None, checkpoint=None, elastic=None):
+                  profile_options=None, solve_options=None, checkpoint=None, elastic=None,
+                  compilation_cache=True):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -155,6 +162,12 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       workers were lost re-plans on what is left (or on the cluster the policy gives),
       restores the newest checkpoint, replays the steps since, and returns the failed call's
       result (:mod:`harpjax.runtime.elastic`; :attr:`ParallelStep.recoveries`).
+    compilation_cache: keep the stages' compiled executables on disk, so the first step of a
+      later process compiles nothing: ``True`` (JAX's persistent compilation cache in
+      ``executables/`` of the profile cache directory), a directory, or ``False``. A cache
+      directory you configured in JAX is kept; otherwise the setting is process-wide (later
+      ``jax.jit`` compilations are kept too) and JAX's one-second minimum compile time for
+      keeping an executable drops to zero.
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
@@ -165,7 +178,7 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                             runtime_options=dict(runtime_options or {}),
                             layer_options=layer_options, profile_options=profile_options,
                             solve_options=solve_options, checkpoint=checkpoint,
-                            elastic=elastic)
+                            elastic=elastic, compilation_cache=compilation_cache)
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -433,6 +446,9 @@ class ParallelStep:
     if until == "layout":
       return p
     local = self.options.runtime == "local"
+    if (p.compiled is None and (local or until == "compile")) or (
+        until == "run" and not local and p.runner is None):
+      self._use_compilation_cache()
     if p.compiled is None and (local or until == "compile"):
       with _phase("compile"):
         p.compiled = self._compile(p.program, ahead=local)
@@ -504,6 +520,19 @@ class ParallelStep:
       raise
     meta = {**dict(plan.meta), "remat": bool(profile_opts.remat), "layers": "auto"}
     return plan.replace(meta=meta), result
+
+  def _use_compilation_cache(self) -> None:
+    cc = self.options.compilation_cache
+    if cc is False:
+      return
+    if cc is True:
+      root = (self.options.profile_options or ProfileOptions()).cache_dir
+      if not (self.options.profile_options or ProfileOptions()).use_cache:
+        return
+      cc = os.path.join(root if root is not None else default_cache_dir(), "executables")
+    path, set_here = _compat.use_persistent_compilation_cache(os.path.expanduser(cc))
+    if set_here:
+      log.info("compiled executables are kept in %s (JAX's persistent compilation cache)", path)
 
   def _compile(self, program: StepProgram, ahead: bool) -> CompiledStep:
     local = self.cluster.local_devices()

@@ -132,3 +132,55 @@ def test_plan_json_round_trip(tmp_path):
   path = tmp_path / "plan.json"
   plan.save(path)
   assert harpjax.load_plan(path) == plan
+
+
+@pytest.fixture
+def fresh_compilation_cache():
+  """No persistent compilation cache configured; the settings before are restored after."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  before = {n: jax.config.values[n] for n in names}
+  jax.config.update("jax_compilation_cache_dir", None)
+  cc.reset_cache()
+  try:
+    yield
+  finally:
+    for n, v in before.items():
+      jax.config.update(n, v)
+    cc.reset_cache()
+
+
+def test_compiled_executables_are_kept_for_the_next_process(tmp_path, caplog,
+                                                            fresh_compilation_cache):
+  # A new step over the same program after JAX's in-memory caches are cleared (as in a new
+  # process) loads every executable from the directory instead of compiling it.
+  step, state, batch = _setup()
+  where = tmp_path / "executables"
+  out = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
+                              compilation_cache=str(where))(state, batch)
+  assert jax.config.values["jax_compilation_cache_dir"] == str(where)
+  kept = {p.name for p in where.rglob("*") if p.is_file()}
+  assert kept
+  jax.clear_caches()
+  with caplog.at_level("DEBUG", logger="jax._src.compiler"):
+    again = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
+                                  compilation_cache=str(tmp_path / "elsewhere"))(state, batch)
+  hits = [r for r in caplog.records if "Persistent compilation cache hit" in r.getMessage()]
+  misses = [r.getMessage() for r in caplog.records
+            if "Persistent compilation cache miss" in r.getMessage()]
+  # The directory set first stays in effect (a configured one is never replaced); both
+  # stages' forward and backward are hits, nothing is compiled.
+  assert jax.config.values["jax_compilation_cache_dir"] == str(where)
+  names = [r.args[0] for r in hits]
+  assert names.count("jit_fwd") == names.count("jit_bwd") == 2 and not misses, (names, misses)
+  for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_compilation_cache_option_is_checked_and_can_be_off(fresh_compilation_cache):
+  step, state, batch = _setup()
+  with pytest.raises(PlanError, match="compilation_cache"):
+    harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, plan=PLAN, compilation_cache=3)
+  harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
+                        compilation_cache=False)(state, batch)
+  assert jax.config.values["jax_compilation_cache_dir"] is None
