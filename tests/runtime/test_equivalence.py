@@ -270,3 +270,29 @@ def test_scan_over_blocks_across_stages_matches_jit_and_warns(caplog):
     compare_steps(step, state, xs, plan=plan, num_microbatches=2, rtol=5e-5)
   warned = [r.getMessage() for r in caplog.records if "read by several stages" in r.getMessage()]
   assert len(warned) == 1 and "['blocks']" in warned[0] and "stages 0, 1" in warned[0], warned
+
+
+def test_values_computed_from_constants_outside_the_loss(x64):
+  # A table the step builds from constants (no argument involved) and the loss closes over:
+  # the step computes it, the stages take it whole.
+  w = jnp.linspace(0.5, 1.5, 16)
+  tx = optax.adam(1e-2)
+
+  def step(state, batch):
+    params, opt = state
+    scale = jnp.cos(jnp.arange(16.0)) + w
+
+    def loss_fn(p):
+      h = batch["x"]
+      for i in range(4):
+        h = harpjax.mark_layer_boundary(jnp.tanh(h @ p[i] * scale))
+      return jnp.mean((h - batch["y"]) ** 2)
+    loss, g = harpjax.value_and_grad(loss_fn)(params)
+    upd, opt = tx.update(g, opt, params)
+    return (optax.apply_updates(params, upd), opt), loss
+
+  params = [jax.random.normal(jax.random.key(i), (16, 16)) / 4 for i in range(4)]
+  batches = [{"x": jax.random.normal(jax.random.key(9 + i), (8, 16)), "y": jnp.zeros((8, 16))}
+             for i in range(2)]
+  compare_steps(step, (params, tx.init(params)), batches, num_microbatches=2, rtol=1e-12,
+                plan=harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 4), "a100", (1, 2))]))

@@ -333,7 +333,14 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
       continue
     value = ref_mb.value if isinstance(ref_mb, Lit) else mb_consts.get(ref_mb)
     if value is None and not isinstance(ref_mb, Lit):
-      raise TraceError(f"region input {k} is a constant that could not be recovered")
+      # Computed by the step from constants alone (a mask, a table built outside the loss):
+      # the step's own ops compute it, the region takes it whole.
+      if full_aval.shape != mb_aval.shape:
+        raise TraceError(f"region input {k} is computed from constants but has shape "
+                         f"{full_aval.shape} for the batch and {mb_aval.shape} for a "
+                         "microbatch; make its shape independent of the batch size")
+      inputs.append(RegionInput("whole", ref))
+      continue
     inputs.append(RegionInput("static", ref, static_value=value))
 
   aux_axes = []
