@@ -22,9 +22,12 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import threading
+import weakref
 from typing import Any
 
 import jax
@@ -120,6 +123,32 @@ def _expected(like) -> tuple[list, Any]:
   return out, treedef
 
 
+def _finish_at_exit(ckpt: "Checkpointer") -> None:
+  """Makes a script that ends right after an asynchronous save still complete it.
+
+  The save's last step (renaming the finished directory) runs on Python's thread pools,
+  which refuse work once the interpreter starts shutting down; hooks registered with the
+  ``threading`` module run before that (``atexit`` hooks run after it and are the fallback).
+  """
+  ref = weakref.ref(ckpt)
+
+  def finish():
+    c = ref()
+    if c is not None:
+      try:
+        c.wait()
+      except Exception as e:  # noqa: BLE001 -- never fail the interpreter's exit
+        log.warning("%s: the last asynchronous checkpoint did not complete: %s", c.directory, e)
+
+  register = getattr(threading, "_register_atexit", None)
+  try:
+    if register is None:
+      raise RuntimeError
+    register(finish)
+  except RuntimeError:   # not available, or the interpreter is shutting down already
+    atexit.register(finish)
+
+
 class Checkpointer:
   """Saves and restores the training state under one directory, one checkpoint per step.
 
@@ -143,6 +172,8 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=asynchronous)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    if asynchronous:
+      _finish_at_exit(self)
 
   # ------------------------------------------------------------------ save
 

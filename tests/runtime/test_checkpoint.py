@@ -99,6 +99,27 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
   assert float(np.asarray(back["x"]).ravel()[0]) == float(steps[-1])
 
 
+_EXIT_AFTER_ASYNC_SAVE = textwrap.dedent("""
+    import sys, numpy as np
+    from harpjax.runtime import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], keep=None, asynchronous=True)
+    ckpt.save(1, {"x": np.full((1024, 1024), 1.0)})
+    ckpt.save(2, {"x": np.full((1024, 1024), 2.0)})
+    print("returned", flush=True)                       # ... and the script ends at once
+""")
+
+
+def test_script_ending_right_after_an_asynchronous_save_completes_it(tmp_path):
+  directory = str(tmp_path / "ck")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-c", _EXIT_AFTER_ASYNC_SAVE, directory], env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+  with Checkpointer(directory, keep=None) as ckpt:
+    assert ckpt.steps() == [1, 2]
+    assert float(np.asarray(ckpt.restore({"x": np.ones((1024, 1024))})["x"])[3, 3]) == 2.0
+
+
 def test_save_tree_is_atomic_and_load_tree_checks(tmp_path, monkeypatch):
   path = tmp_path / "state.npz"
   state = {"w": jnp.ones((2, 3)), "k": jax.random.key(1)}
