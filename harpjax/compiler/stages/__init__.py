@@ -13,9 +13,10 @@ executables for a Ray worker) and :mod:`~harpjax.compiler.stages.aot` (compiling
 executable ahead of the first call).
 """
 
-from harpjax.compiler.stages.aot import default_workers, precompile
+from harpjax.compiler.stages.aot import compile_group, compile_stage, default_workers, precompile
 from harpjax.compiler.stages.compile import (compile_step, CompiledStep, layout_step,
-                                             LOSS_REDUCTIONS, SHARED_PARAMETER_WARNING, StepProgram,
+                                             LOSS_REDUCTIONS, SHARED_PARAMETER_WARNING,
+                                             state_successors, StepProgram,
                                              warn_shared_parameters)
 from harpjax.compiler.stages.devices import resolve_devices, resolve_plan
 from harpjax.compiler.stages.layout import GroupLayout, StageLayout, StepLayout
@@ -23,8 +24,9 @@ from harpjax.compiler.stages.lower import lower_step, LoweredStage, LoweredStep
 from harpjax.compiler.stages.stage import StageExecutables
 
 __all__ = [
-    "CompiledStep", "compile_step", "default_workers", "GroupLayout", "layout_step",
+    "CompiledStep", "compile_group", "compile_stage", "compile_step", "default_workers",
+    "GroupLayout", "layout_step",
     "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "precompile",
     "resolve_devices", "resolve_plan", "SHARED_PARAMETER_WARNING", "StageExecutables",
-    "StageLayout", "StepLayout", "StepProgram", "warn_shared_parameters",
+    "StageLayout", "state_successors", "StepLayout", "StepProgram", "warn_shared_parameters",
 ]

@@ -15,6 +15,7 @@ import logging
 from typing import Callable, Sequence
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
@@ -23,13 +24,14 @@ from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
 from harpjax.compiler.stages.layout import StepLayout, stage_layout, step_layout
 from harpjax.compiler.stages.stage import (jit_stage, slice_stages, stage_functions)
-from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function
+from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function, primitives
 from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["StepProgram", "CompiledStep", "layout_step", "compile_step", "group_function",
-           "warn_shared_parameters", "LOSS_REDUCTIONS", "SHARED_PARAMETER_WARNING"]
+           "warn_shared_parameters", "state_successors", "LOSS_REDUCTIONS",
+           "SHARED_PARAMETER_WARNING"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -108,9 +110,10 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
       (prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "split"),
       traced.regen_ops)
   remat = bool(dict(plan.meta).get("remat", False))
-  layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh)
+  layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh, spec.zero)
              for sp, spec in zip(programs, plan.stages)]
-  functions = [stage_functions(sp, traced, layers, remat) for sp in programs]
+  functions = [stage_functions(sp, traced, layers, remat, lay)
+               for sp, lay in zip(programs, layouts)]
 
   # Parameters: owner = first stage that reads them.
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
@@ -138,6 +141,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   placed = placement_lib.place(outer, traced.region_op, seeds)
   groups = placed.before + placed.after
   preferred = _preferred_specs(traced, prog, layouts, owner)
+  _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
                        preferred, loss_reduction)
@@ -230,8 +234,130 @@ def _preferred_specs(traced: TracedStep, prog, layouts, owner) -> dict:
       out[(s, inp.outer_ref)] = spec
     g = region_eqn.outvars[n_fwd + j]
     if g >= 0:
-      out[(s, g)] = spec
+      out[(s, g)] = layouts[s].acc_spec(prog.invars[k])
   return out
+
+
+# --------------------------------------------------------------------------- ZeRO
+
+
+def state_successors(traced: TracedStep) -> tuple[dict[int, int], dict[int, int]]:
+  """The training state of a step, found from its data flow: which step outputs are the next
+  values of which step inputs.
+
+  A step input's *successor* is the step output nearest to it (fewest ops) along values of its
+  own shape and dtype: ``p + u`` for a parameter ``p``, ``b1 * mu + (1 - b1) * g`` for a
+  moment ``mu``. The *optimizer state* is every floating step input that is not a parameter
+  of the pipelined region, does not flow into the region, and has a successor that is not a
+  parameter's: Adam's moments, momentum buffers, Adafactor's factored statistics, whatever the
+  optimizer's names. Step counters (integers), PRNG keys, scalars, the batch (it flows into
+  the region) and the parameters are not.
+
+  Returns:
+    ``(parameters, optimizer state)``, each ``{input value id: successor value id}`` (outer
+    program ids); a parameter without a successor is absent.
+  """
+  outer = traced.outer
+  region = outer.ops[traced.region_op]
+  consumers = outer.consumers()
+  outputs = {v for v in outer.outvars if not isinstance(v, Lit)}
+  nc = outer.num_consts
+  leaves = outer.invars[nc:]
+
+  def successor(v):
+    aval = outer.avals[v]
+    frontier, seen = [v], {v}
+    while frontier:
+      hits = sorted(u for u in frontier if u in outputs and u != v)
+      if hits:
+        return hits[0]
+      nxt = []
+      for u in frontier:
+        for i in consumers.get(u, ()):
+          if i == traced.region_op:
+            continue
+          for o in outer.ops[i].outvars:
+            if o >= 0 and o not in seen and outer.avals[o].shape == aval.shape and \
+                outer.avals[o].dtype == aval.dtype:
+              seen.add(o)
+              nxt.append(o)
+      frontier = nxt
+    return v if v in outputs else None   # returned unchanged
+
+  params = {}
+  for inp in traced.inputs:
+    if inp.kind == "param" and not isinstance(inp.outer_ref, Lit) and inp.outer_ref in leaves:
+      nxt = successor(inp.outer_ref)
+      if nxt is not None:
+        params[inp.outer_ref] = nxt
+  producer = outer.producers()
+  into_region, stack = set(), list(region.in_ids())   # values the region's inputs come from
+  while stack:
+    u = stack.pop()
+    if u in into_region:
+      continue
+    into_region.add(u)
+    if u in producer:
+      stack.extend(outer.ops[producer[u]].in_ids())
+  state = {}
+  taken = set(params.values())
+  for v in leaves:
+    aval = outer.avals[v]
+    if v in params or v in into_region or not primitives.is_float(aval) or not aval.shape:
+      continue
+    nxt = successor(v)
+    if nxt is not None and nxt != v and nxt not in taken:
+      state[v] = nxt
+  return params, state
+
+
+def _zero_state_specs(traced: TracedStep, placement: placement_lib.Placement, layouts,
+                      preferred: dict) -> None:
+  """Preferred shardings of the training state on stages with ZeRO (``preferred`` is updated):
+  the optimizer state (:func:`state_successors`) split on ``dp`` from ZeRO-1 on, input and
+  successor alike; a parameter's successor in the parameter's own sharding (split from ZeRO-3
+  on), so that the next step reads the state in the sharding this one left it in. A value read
+  or computed on several stages keeps no preference."""
+  outer = traced.outer
+  if not any(lay.zero for lay in layouts):
+    return
+  params, state = state_successors(traced)
+  without = dict(preferred)   # the shardings the state would have without ZeRO (tp splits)
+  _propagate_preferred(list(placement.before) + list(placement.after), outer, without)
+  readers: dict[int, set[int]] = {}
+  for g in list(placement.before) + list(placement.after):
+    for v in g.in_ids:
+      readers.setdefault(v, set()).add(g.home)
+  held_on: dict[int, set[int]] = {}
+  for (s, u) in preferred:
+    held_on.setdefault(u, set()).add(s)
+  for v, nxt in params.items():
+    homes = held_on.get(v, set())
+    if len(homes) == 1:
+      (s,) = homes
+      if placement.var_home.get(nxt) == s and layouts[s].zero:
+        preferred[(s, nxt)] = preferred[(s, v)]
+  for v, nxt in state.items():
+    homes = readers.get(v, set())
+    if len(homes) != 1:
+      continue
+    (s,) = homes
+    lay = layouts[s]
+    if lay.zero < 1 or placement.var_home.get(nxt) != s:
+      continue
+    base = without.get((s, v), P())
+    spec = sharding_lib.zero_spec(outer.avals[v].shape, _tp_only(base), *lay.logical_mesh)
+    preferred[(s, v)] = preferred[(s, nxt)] = spec
+
+
+def _tp_only(spec: P) -> P:
+  """``spec`` without its ``dp`` entries."""
+  def strip(e):
+    if isinstance(e, tuple):
+      e = tuple(x for x in e if x != sharding_lib.DP)
+      return e[0] if len(e) == 1 else (e or None)
+    return None if e == sharding_lib.DP else e
+  return P(*[strip(e) for e in spec])
 
 
 def _propagate_preferred(groups: Sequence[placement_lib.Group], outer, preferred: dict) -> None:

@@ -52,6 +52,11 @@ class StageLayout:
       as the executables take them, outputs as they return them; a cotangent has the sharding
       of its output).
     avals: value id -> ``jax.ShapeDtypeStruct`` of every value above.
+    zero: the stage's ZeRO level (:attr:`~harpjax.compiler.plan.StageSpec.zero`).
+    acc_specs: parameter id -> ``PartitionSpec`` of its gradient accumulator (the
+      parameter's own below ZeRO-2, split on ``dp`` from ZeRO-2 on).
+    gather_specs: parameter id -> the ``PartitionSpec`` the forward and backward gather it
+      to where it is used (ZeRO-3, parameters split on ``dp`` only); absent: used as held.
   """
   index: int
   logical_mesh: tuple[int, int]
@@ -63,18 +68,35 @@ class StageLayout:
   ct_present: tuple
   specs: dict
   avals: dict
+  zero: int = 0
+  acc_specs: dict = dataclasses.field(default_factory=dict)
+  gather_specs: dict = dataclasses.field(default_factory=dict)
+
+  def acc_spec(self, vid: int) -> P:
+    """The ``PartitionSpec`` of parameter ``vid``'s gradient accumulator."""
+    return self.acc_specs.get(vid, self.specs[vid])
 
 
 def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
-                 batch_dependent: set[int], logical_mesh: tuple[int, int]) -> StageLayout:
+                 batch_dependent: set[int], logical_mesh: tuple[int, int],
+                 zero: int = 0) -> StageLayout:
   """The layout of stage ``sp`` (a :class:`~harpjax.compiler.stages.stage.StageProgram`) on a
   ``(dp, tp)`` logical mesh: parameters split
   Megatron-style on ``tp`` (:mod:`harpjax.compiler.layers.sharding`), batch-carrying values on
-  ``dp``, the rest replicated."""
+  ``dp``, the rest replicated. With ``zero >= 2`` the gradient accumulators are also split on
+  ``dp`` (:func:`~harpjax.compiler.layers.sharding.zero_spec`), with ``zero == 3`` the
+  parameters too (gathered where used)."""
   prog = layers.program
   dp, tp = logical_mesh
   own_ops = prog.ops[sp.own_range[0]:sp.own_range[1]]
   specs = dict(sharding_lib.param_specs(prog, own_ops, sp.param_ids, tp))
+  acc_specs, gather_specs = {}, {}
+  for v in sp.param_ids:
+    split = sharding_lib.zero_spec(prog.avals[v].shape, specs[v], dp, tp)
+    acc_specs[v] = split if zero >= 2 else specs[v]
+    if zero >= 3 and split != specs[v]:
+      gather_specs[v] = specs[v]
+      specs[v] = split
   inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
   data = tuple(v for v in sp.data_ids if inputs_by_id[v].kind != "static")
   for v in data:
@@ -88,7 +110,8 @@ def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
                                    weak_type=getattr(prog.avals[v], "weak_type", False))
            for v in specs}
   return StageLayout(sp.index, tuple(logical_mesh), tuple(sp.param_ids), data, sp.act_ids,
-                     sp.act_int_ids, sp.output_ids, sp.ct_present, specs, avals)
+                     sp.act_int_ids, sp.output_ids, sp.ct_present, specs, avals, int(zero),
+                     acc_specs, gather_specs)
 
 
 # --------------------------------------------------------------------------- the step
