@@ -7,7 +7,9 @@ For each model, plan and ZeRO level, every stage is compiled as the runtime runs
 gradient, optimizer-state and activation bytes without ZeRO, the level and ``dp``: *model*
 takes those bytes from the stage's arrays (the activation bytes from XLA's forward), *tables*
 from the cost tables the planner reads (jaxpr source: parameters per device times 4 + 4 + 8
-bytes of float32 Adam, the layers' residual and workspace estimates).
+bytes of float32 Adam, the layers' residual and workspace estimates). Levels marked
+"+ offload" keep the optimizer state in host memory between steps
+(``harpjax.OffloadOptions``; XLA:CPU's host memory is the same RAM, accounted apart).
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory.py
 """
@@ -64,7 +66,7 @@ def gpt_step(hidden, seq_len, vocab, blocks, batch):
   return step, state, tokens
 
 
-def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight):
+def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight, offload):
   """The model's peak from the cost tables' per-layer numbers (float32 Adam)."""
   i, j = num_layers_range
   arr = costs[mesh_key]
@@ -72,7 +74,8 @@ def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight):
   mem = stage_memory(param_bytes=4 * n, grad_bytes=4 * n, opt_bytes=8 * n,
                      act_bytes=float(np.sum(arr["act_mem_bytes"][i:j + 1])), dp=dp, zero=zero,
                      out_bytes=layers[j].boundary_bytes / dp if j + 1 < len(layers) else 0.0,
-                     workspace_bytes=float(np.max(arr["temp_bytes"][i:j + 1])))
+                     workspace_bytes=float(np.max(arr["temp_bytes"][i:j + 1])),
+                     offload_optimizer=offload)
   return mem.peak_bytes(in_flight)
 
 
@@ -81,6 +84,8 @@ def main(argv=None):
   ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
   ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(PLANS))
   ap.add_argument("--microbatches", type=int, default=4)
+  ap.add_argument("--offload", nargs="*", type=int, default=[0, 2],
+                  help="ZeRO levels also run with the optimizer state offloaded to host memory")
   args = ap.parse_args(argv)
   cluster = harpjax.Cluster.load(CLUSTER)
   mib = lambda b: f"{b / 2**20:.2f}"
@@ -98,18 +103,22 @@ def main(argv=None):
     for pname in args.plans:
       stages = PLANS[pname]
       ranges = [(0, L // 2 - 1), (L // 2, L - 1)]
-      for zero in (0, 1, 2, 3):
+      levels = [(z, False) for z in (0, 1, 2, 3)]
+      levels += [(z, True) for z in args.offload]
+      for zero, offload in levels:
         plan = harpjax.ManualPlan([dict(layers=r, subcluster=sc, submesh=sm, logical_mesh=lm,
                                          zero=zero) for r, (sc, sm, lm) in zip(ranges, stages)])
         pstep = harpjax.auto_parallel(step, cluster=CLUSTER, num_microbatches=args.microbatches,
-                                      plan=plan, runtime_options={"compile_workers": 0})
+                                      plan=plan, runtime_options={"compile_workers": 0},
+                                      offload=harpjax.OffloadOptions(optimizer_state=offload))
         cs = pstep.compile(state, tokens)
         for s, (sc, sm, lm) in enumerate(stages):
           r = memory_report(cs, s)
           worst = max(worst, abs(r.error))
           tab = from_tables(prof.costs, layers, ranges[s], (sc, sm, lm), lm[0], zero,
-                            r.in_flight)
-          print(f"| {mname} | {pname} | {s} | {lm} | {zero} | {r.in_flight} "
+                            r.in_flight, offload)
+          level = f"{zero}{' + offload' if offload else ''}"
+          print(f"| {mname} | {pname} | {s} | {lm} | {level} | {r.in_flight} "
                 f"| {mib(r.param_bytes)} | {mib(r.grad_bytes)} | {mib(r.opt_bytes)} "
                 f"| {mib(r.act_bytes)} | {mib(r.xla_peak_bytes)} "
                 f"| {mib(r.predicted_peak_bytes)} | {100 * r.error:+.1f}% "

@@ -32,9 +32,10 @@ from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from
 from harpjax.compiler.plan import Plan, SolveOptions, load_plan, solve
 from harpjax.compiler.profile import ProfileOptions, ProfileResult, profile_step, progress_bar
 from harpjax.compiler.schedule import Schedule, schedule_key
-from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep, StepProgram,
-                                     compile_step, default_workers, layout_step, lower_step,
-                                     precompile, resolve_plan, warn_shared_parameters)
+from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep,
+                                     OffloadOptions, StepProgram, compile_step, default_workers,
+                                     layout_step, lower_step, precompile, resolve_plan,
+                                     warn_shared_parameters)
 from harpjax.compiler.trace import TracedStep, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             RuntimeFailure, ScheduleError)
@@ -65,8 +66,11 @@ class ParallelOptions:
   solve_options: Any = None
   checkpoint: CheckpointOptions | None = None
   elastic: ElasticOptions | None = None
+  offload: OffloadOptions | None = None
 
   def __post_init__(self):
+    if self.offload is not None and not isinstance(self.offload, OffloadOptions):
+      raise PlanError(f"offload={self.offload!r}: give a harpjax.OffloadOptions")
     if self.elastic is not None:
       if not isinstance(self.elastic, ElasticOptions):
         raise PlanError(f"elastic={self.elastic!r}: give a harpjax.ElasticOptions")
@@ -114,7 +118,8 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
                   runtime: str = "local", eps: float = 0.1,
                   runtime_options: dict | None = None, layer_options=None,
-                  profile_options=None, solve_options=None, checkpoint=None, elastic=None):
+                  profile_options=None, solve_options=None, checkpoint=None, elastic=None,
+                  offload=None):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -155,6 +160,9 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       workers were lost re-plans on what is left (or on the cluster the policy gives),
       restores the newest checkpoint, replays the steps since, and returns the failed call's
       result (:mod:`harpjax.runtime.elastic`; :attr:`ParallelStep.recoveries`).
+    offload: :class:`harpjax.OffloadOptions`: stages that keep their optimizer state in host
+      memory between steps (JAX memory kind ``"pinned_host"``; a
+      :class:`~harpjax.errors.MemoryKindError` where the devices have none).
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
@@ -165,7 +173,7 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                             runtime_options=dict(runtime_options or {}),
                             layer_options=layer_options, profile_options=profile_options,
                             solve_options=solve_options, checkpoint=checkpoint,
-                            elastic=elastic)
+                            elastic=elastic, offload=offload)
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -404,7 +412,8 @@ class ParallelStep:
     if p.program is None:
       with _phase("layout"):
         p.program = layout_step(p.traced.step, p.traced.layers, p.planned.plan,
-                                p.planned.schedule, self.options.loss_reduction)
+                                p.planned.schedule, self.options.loss_reduction,
+                                self.options.offload)
         warn_shared_parameters(p.program, _leaf_paths(args))
     if until == "layout":
       return p

@@ -71,10 +71,11 @@ def put(x, sharding: NamedSharding):
 
 
 def place_on_mesh(x, mesh, preferred: NamedSharding | None = None):
-  """``x`` on ``mesh``: kept as is when already on exactly its devices, else put in the
-  ``preferred`` sharding (replicated when there is none)."""
+  """``x`` on ``mesh``: kept as is when already on exactly its devices (in the ``preferred``
+  memory, if any), else put in the ``preferred`` sharding (replicated when there is none)."""
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    if x.sharding.device_set == set(mesh.devices.flat):
+    if x.sharding.device_set == set(mesh.devices.flat) and (
+        preferred is None or x.sharding.memory_kind == preferred.memory_kind):
       return x
   return jax.device_put(x, preferred if preferred is not None else NamedSharding(mesh, P()))
 

@@ -369,7 +369,8 @@ def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
 
 def test_zero_stages_on_actors_match_jit_float64():
   # ZeRO-3 on one stage, ZeRO-1 on the other, each over dp = 2: the actors keep the split
-  # parameters and optimizer state between steps and the result equals jax.jit's (float64).
+  # parameters and optimizer state between steps (the second stage's optimizer state in host
+  # memory) and the result equals jax.jit's (float64).
   from tests import zoo
   from tests.runtime.test_zero import zero_plan
   prev = jax.config.jax_enable_x64
@@ -378,7 +379,9 @@ def test_zero_stages_on_actors_match_jit_float64():
     case = zoo.linen("loop")
     plan = zero_plan(6, [("v100", (1, 2), (2, 1), 3), ("a100", (1, 2), (2, 1), 1)])
     pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4,
-                                  plan=plan, runtime="ray")
+                                  plan=plan, runtime="ray",
+                                  offload=harpjax.OffloadOptions(optimizer_state=True,
+                                                                 stages=(1,)))
     ref = jax.jit(case.step)
     s_par = s_ref = case.state
     for batch in case.batches[:2]:

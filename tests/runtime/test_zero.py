@@ -122,3 +122,68 @@ def test_zero_levels_match_jit_float64_and_split_the_state(x64, name, caplog):
   for s in range(cs.num_stages):
     report = memory_report(cs, s)
     assert abs(report.error) <= 0.15, (s, report.phases, report.predicted)
+
+
+def test_optimizer_state_offloaded_to_host_memory_float64(x64, caplog):
+  # Stage 1 keeps its (ZeRO-2-split) optimizer state in host memory between steps, stage 0 on
+  # its devices: jax.jit's numbers, the state comes back where it was (the second step
+  # compiles nothing), and the pipeline holds none of stage 1's optimizer state on devices.
+  model, opt_index, stages = PLANS["adamw:z1dp2,z2dp4"]
+  case = _case(model)
+  plan = zero_plan(6, stages)
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
+                                offload=harpjax.OffloadOptions(optimizer_state=True,
+                                                               stages=(1,)))
+  ref = jax.jit(case.step)
+  out_par, out_ref = pstep(case.state, case.batches[0]), ref(case.state, case.batches[0])
+  assert max_rel_err(out_ref, out_par) <= RTOL
+  caplog.clear()
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    out_par = jax.block_until_ready(pstep(out_par[0], case.batches[1]))
+  assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+  out_ref = ref(out_ref[0], case.batches[1])
+  assert max_rel_err(out_ref, out_par) <= RTOL
+  resolved = pstep.plan(case.state, case.batches[0])
+  on = {s: set(jax.devices()[d] for d in spec.devices) for s, spec in enumerate(resolved.stages)}
+  kinds = {s: {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out_par[0][opt_index])
+               if x.ndim and x.size > 1 and x.sharding.device_set == on[s]} for s in on}
+  assert kinds == {0: {"device"}, 1: {"pinned_host"}}, kinds
+  assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out_par[0][0])} == {"device"}
+
+  cs = pstep.compile(case.state, case.batches[0])
+  r0, r1 = memory_report(cs, 0), memory_report(cs, 1)
+  assert not r0.predicted.opt_offloaded and r1.predicted.opt_offloaded
+  n, on_device = r1.in_flight, dataclasses.replace(r1.predicted, opt_offloaded=False)
+  assert r1.predicted.pipeline_bytes(n) == on_device.pipeline_bytes(n) - on_device.opt_bytes
+  assert r1.predicted.update_bytes() == on_device.update_bytes()
+  for r in (r0, r1):
+    assert abs(r.error) <= 0.15, (r.stage, r.phases, r.predicted)
+
+
+def test_offload_options_and_devices_without_host_memory():
+  from harpjax.compiler.stages import check_host_memory
+  from harpjax.errors import MemoryKindError, PlanError
+
+  class Memory:
+    def __init__(self, kind):
+      self.kind = kind
+
+  class Device:
+    platform = "tpu-like"
+
+    def addressable_memories(self):
+      return [Memory("device")]
+
+    def __str__(self):
+      return "FakeDevice(0)"
+
+  with pytest.raises(MemoryKindError, match=r"stage 2 .*FakeDevice\(0\) \(tpu-like\) has the "
+                     r"memory kinds \['device'\], not 'pinned_host'"):
+    check_host_memory([Device()], 2)
+  check_host_memory(jax.devices()[:2], 0)   # CPU devices of this jaxlib have host memory
+  for bad in [dict(optimizer_state="yes"), dict(optimizer_state=True, stages=(0, -1)),
+              dict(optimizer_state=True, stages="01")]:
+    with pytest.raises(PlanError, match="OffloadOptions"):
+      harpjax.OffloadOptions(**bad)
+  with pytest.raises(PlanError, match="offload="):
+    harpjax.auto_parallel(lambda s, b: s, cluster=DEMO_CLUSTER, offload=True)

@@ -38,6 +38,13 @@ all-gathers the parameters in the forward and again in the backward. Per step, l
 all-gather the updated parameters. Byte counts are per device (results, as
 :func:`~harpjax.compiler.profile.pieces.parse_collectives` reports XLA's).
 
+**Host offload** (``opt_offloaded``, :func:`offload_time_s`): a stage that keeps its optimizer
+state in host memory between updates (:class:`harpjax.OffloadOptions`) holds none of it
+during the pipeline; the update brings it to the device and writes the new state back (so the
+update's peak is unchanged), ``2 O_z`` bytes over the host link per step, after the pipeline
+(the simulator's end cost; adding it there, and the memory check of the planner, is left to
+the planner's side).
+
 :func:`zero_tables` rebuilds a profile's :class:`~harpjax.compiler.profile.CostTables` with
 every entry's memory and data-parallel time at one level (:func:`zero_layer_costs` per
 configuration), for the planner to compare levels; choosing a level per stage inside the
@@ -57,7 +64,7 @@ from harpjax.compiler.profile.profiler import (MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
 
-__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "zero_collectives",
+__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s", "zero_collectives",
            "zero_sync_time_s", "zero_state_bytes_per_param", "zero_layer_costs", "zero_tables"]
 
 ZERO_LEVELS = (0, 1, 2, 3)
@@ -85,6 +92,8 @@ class StageMemory:
     update_workspace_bytes: the update's temporaries (its results counted apart).
     shared_bytes: of ``param_bytes``, what another stage owns and updates (so much the same
       share of ``grad_bytes``).
+    opt_offloaded: the optimizer state stays in host memory between updates: the pipeline
+      holds none of it on the device; the update brings it in and writes it back.
   """
   param_bytes: float
   grad_bytes: float
@@ -94,16 +103,18 @@ class StageMemory:
   bwd_workspace_bytes: float
   update_workspace_bytes: float
   shared_bytes: float = 0.0
+  opt_offloaded: bool = False
 
   @property
   def state_bytes(self) -> float:
-    """Parameters, accumulator and optimizer state held."""
+    """Parameters, accumulator and optimizer state (wherever it is held)."""
     return self.param_bytes + self.grad_bytes + self.opt_bytes
 
   def pipeline_bytes(self, in_flight: int) -> float:
     """Peak while the pipeline runs with ``in_flight`` microbatches' residuals held."""
-    return self.state_bytes + in_flight * self.act_bytes + max(self.fwd_workspace_bytes,
-                                                               self.bwd_workspace_bytes)
+    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
+    return held + in_flight * self.act_bytes + max(self.fwd_workspace_bytes,
+                                                   self.bwd_workspace_bytes)
 
   def update_bytes(self) -> float:
     """Peak of the optimizer update: the state, and the new parameters and optimizer state."""
@@ -119,7 +130,8 @@ class StageMemory:
 def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: int,
                  zero: int, grad_bytes: float | None = None, out_bytes: float = 0.0,
                  workspace_bytes: float = 0.0, reduce_scatter: bool = False,
-                 shared_param_bytes: float = 0.0) -> StageMemory:
+                 shared_param_bytes: float = 0.0,
+                 offload_optimizer: bool = False) -> StageMemory:
   """Per-device memory of a stage at ZeRO level ``zero``.
 
   Args:
@@ -135,6 +147,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       (XLA:GPU does; XLA:CPU does not).
     shared_param_bytes: of ``param_bytes``, the parameters another stage owns (held, with
       their gradient, through the pipeline; updated by their owner).
+    offload_optimizer: the optimizer state is kept in host memory between updates
+      (:class:`harpjax.OffloadOptions`).
 
   Returns:
     The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
@@ -154,7 +168,26 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       fwd_workspace_bytes=float(out_bytes) + float(workspace_bytes) + gathered,
       bwd_workspace_bytes=G + max(reduced, gathered) + float(workspace_bytes),
       update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
-      shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1))
+      shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
+      opt_offloaded=bool(offload_optimizer))
+
+
+def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
+                   latency_s: float = 0.0) -> float:
+  """Seconds per step of a stage's optimizer state kept in host memory: brought to the device
+  for the update and written back, ``2 * (latency + opt_bytes / bandwidth)``.
+
+  Args:
+    opt_bytes: optimizer-state bytes one device holds (after ZeRO's split).
+    host_bandwidth_bytes_per_s: the device's link to host memory, one direction (PCIe 4.0
+      x16: ~25e9 in practice).
+    latency_s: per transfer.
+  """
+  if not host_bandwidth_bytes_per_s > 0:
+    raise HarpjaxError(f"host_bandwidth_bytes_per_s={host_bandwidth_bytes_per_s} must be > 0")
+  if opt_bytes <= 0:
+    return 0.0
+  return 2.0 * (latency_s + float(opt_bytes) / host_bandwidth_bytes_per_s)
 
 
 def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer_bytes: float,

@@ -139,7 +139,7 @@ def compile_group(layout: StepLayout, gi: int, fn, mesh):
   returns the ``jax.stages.Compiled``."""
   g = layout.groups[gi]
   args = [_spec(layout.outer_avals[v],
-                NamedSharding(mesh, layout.preferred.get((g.home, v), P())))
+                layout.preferred_sharding(g.home, v, mesh) or NamedSharding(mesh, P()))
           for v in g.in_ids]
   return fn.lower(*args).compile()
 

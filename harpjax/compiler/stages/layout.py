@@ -25,7 +25,11 @@ from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.trace import Lit, TracedStep
 
-__all__ = ["StageLayout", "GroupLayout", "StepLayout", "stage_layout", "step_layout"]
+__all__ = ["StageLayout", "GroupLayout", "StepLayout", "stage_layout", "step_layout",
+           "HOST_MEMORY"]
+
+HOST_MEMORY = "pinned_host"
+"""The memory kind of values a stage keeps in host memory."""
 
 
 # --------------------------------------------------------------------------- one stage
@@ -181,6 +185,9 @@ class StepLayout:
     ct_targets: per stage, the producer stages it sends cotangents to.
     outputs: per step output, ``("lit", value)``, ``("const", vid)``, ``("leaf", i)`` or
       ``("stage", s, vid)``.
+    host: ``(stage, outer value id)`` of the values kept in host memory (memory kind
+      ``"pinned_host"``) between the groups that use them: the optimizer state of stages
+      that offload it (:class:`~harpjax.compiler.stages.OffloadOptions`).
   """
   num_stages: int
   num_microbatches: int
@@ -216,15 +223,21 @@ class StepLayout:
   act_sources: tuple
   ct_targets: tuple
   outputs: tuple
+  host: frozenset = frozenset()
 
   @property
   def loss_vid(self):
     return self.region_outvars[0]
 
   def preferred_sharding(self, stage: int, vid: int, mesh) -> NamedSharding | None:
-    """Value ``vid``'s preferred sharding on ``stage``'s ``mesh`` (``None``: no preference)."""
+    """Value ``vid``'s preferred sharding on ``stage``'s ``mesh`` (``None``: no preference),
+    in host memory if the stage keeps it there (:attr:`host`)."""
     spec = self.preferred.get((stage, vid))
-    return None if spec is None else NamedSharding(mesh, spec)
+    if spec is None:
+      return None
+    if (stage, vid) in self.host:
+      return NamedSharding(mesh, spec, memory_kind=HOST_MEMORY)
+    return NamedSharding(mesh, spec)
 
   def group_out_shardings(self, gi: int, mesh) -> tuple:
     """The output shardings of placement group ``gi`` on its home stage's ``mesh``."""
@@ -257,7 +270,7 @@ class StepLayout:
 
 def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, placement,
                 param_owner, param_users, output_stage, preferred: dict,
-                loss_reduction: str) -> StepLayout:
+                loss_reduction: str, host: frozenset = frozenset()) -> StepLayout:
   """Derives the :class:`StepLayout` of a step cut into ``programs`` (see the module
   docstring).
 
@@ -270,6 +283,7 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
     output_stage: per region output, the stage computing it (``-1``: none).
     preferred: ``(stage, outer value id) -> PartitionSpec``.
     loss_reduction: ``"mean"`` or ``"sum"``.
+    host: ``(stage, outer value id)`` of the values kept in host memory.
   """
   ts = traced
   outer = ts.outer
@@ -384,4 +398,5 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
       ct_routes={k: tuple(sorted(v)) for k, v in ct_routes.items()},
       ct_sources=tuple({v: tuple(sorted(ts_, reverse=True)) for v, ts_ in d.items()}
                        for d in ct_sources),
-      act_sources=act_sources, ct_targets=ct_targets, outputs=tuple(outputs))
+      act_sources=act_sources, ct_targets=ct_targets, outputs=tuple(outputs),
+      host=frozenset(host))

@@ -33,7 +33,7 @@ from harpjax import _compat
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
-from harpjax.compiler.stages.compile import StepProgram
+from harpjax.compiler.stages.compile import StepProgram, check_host_memory
 from harpjax.compiler.stages.layout import StepLayout
 from harpjax.compiler.stages.stage import StageExecutables, acc_shardings, fwd_in_specs
 from harpjax.errors import RuntimeFailure, UnsupportedError
@@ -109,6 +109,8 @@ class LoweredStep:
           + "; set them here first (jax.config.update), globally rather than in a context "
           "manager of the lowering thread")
     lay = self.layout.stages[stage]
+    if any(h == stage for h, _ in self.layout.host):
+      check_host_memory(devices, stage)
     mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
     call = lambda blob: export.deserialize(blob).call
     executables = StageExecutables(
@@ -177,7 +179,7 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
   for gi, (g, fn) in enumerate(zip(step_lay.groups, program.group_functions)):
     if g.home != s:
       continue
-    pref = lambda v: sharded(step_lay.preferred.get((s, v), P()))
+    pref = lambda v: step_lay.preferred_sharding(s, v, mesh) or sharded(P())
     in_args = tuple(step_lay.outer_avals[v] for v in g.in_ids)
     groups[gi] = exp(fn, in_shardings=tuple(pref(v) for v in g.in_ids),
                      out_shardings=step_lay.group_out_shardings(gi, mesh))(*in_args).serialize()

@@ -5,15 +5,18 @@ groups after the pipeline) with the shardings the runtime passes, reads XLA's
 ``memory_analysis()`` of each, and follows the step on one device of the stage:
 
 * the *state* it holds: the parameters, the gradient accumulator, the optimizer state (the
-  step inputs :func:`~harpjax.compiler.stages.state_successors` finds, homed on the stage),
-  each in its sharding (ZeRO splits them over ``dp``), and the residuals of the microbatches in
+  step inputs :func:`~harpjax.compiler.stages.state_successors` finds, homed on the stage;
+  none of it on the device if the stage keeps it in host memory), each in its sharding
+  (ZeRO splits them over ``dp``), and the residuals of the microbatches in
   flight (``N``, from the stage's row of the task table; one microbatch's residuals are what
   XLA's forward returns besides the stage's outputs);
 * during the ``N``-th forward: that state with ``N - 1`` residuals, plus the forward's outputs
   and temporaries (XLA); during a backward: the state with ``N`` residuals, plus its new
   outputs (not aliased to the donated accumulator) and temporaries (XLA);
 * during the update, group after group: everything alive (the state, the gradients, the
-  results of earlier groups), plus the group's outputs and temporaries (XLA).
+  results of earlier groups; the optimizer state brought from host memory included), plus the
+  group's outputs and temporaries (XLA; XLA:CPU counts results bound for host memory among
+  them, and so does the model).
 
 The largest of these is the stage's peak as XLA compiled it (``xla_peak_bytes``), next to
 :func:`harpjax.compiler.profile.stage_memory`'s prediction from the stage's parameter,
@@ -146,6 +149,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   opt_vids = [v for v in state if (stage, v) in lay.preferred]
   opt = sum(held(outer.avals[v], pref(v)) for v in opt_vids)
   opt0 = sum(held(outer.avals[v], _without_dp(pref(v))) for v in opt_vids)
+  on_host = sum(held(outer.avals[v], pref(v)) for v in opt_vids if (stage, v) in lay.host)
   outs = sum(held(sl.avals[v], sl.specs[v]) for v in sl.output_ids)
   residual = max(ex["fwd"][1] - outs, 0.0)
   n = in_flight(cs.schedule, stage)
@@ -155,7 +159,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
             for v, has in zip(sl.output_ids, sl.ct_present) if has)
 
   phases = {}
-  state_bytes = params + grads + opt
+  state_bytes = params + grads + opt - on_host   # on the devices through the pipeline
   _, f_out, _, f_temp = ex["fwd"]
   phases["fwd"] = state_bytes + (n - 1) * residual + extra_in + f_out + f_temp
   _, b_out, b_alias, b_temp = ex["bwd"]
@@ -181,7 +185,8 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
 
   predicted = stage_memory(param_bytes=params0, grad_bytes=grads0, opt_bytes=opt0,
                            act_bytes=residual, dp=dp, zero=sl.zero, out_bytes=outs,
-                           reduce_scatter=reduce_scatter, shared_param_bytes=shared0)
+                           reduce_scatter=reduce_scatter, shared_param_bytes=shared0,
+                           offload_optimizer=on_host > 0)
   return StageMemoryReport(stage, sl.zero, dp, n, params, grads, opt, residual, ex, phases,
                            max(phases.values()), predicted)
 

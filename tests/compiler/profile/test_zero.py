@@ -96,3 +96,16 @@ def test_zero_tables(profiled):
     t = zero_tables(result, cluster, z, num_microbatches=4)
     assert sum(float(np.sum(a)) for a in t.param_mem_bytes) < \
         sum(float(np.sum(a)) for a in result.tables.param_mem_bytes)
+
+
+def test_offload_time_and_memory():
+  from harpjax.compiler.profile import offload_time_s
+  assert offload_time_s(25e9, 25e9) == pytest.approx(2.0)
+  assert offload_time_s(0, 25e9) == 0.0
+  assert offload_time_s(1e9, 1e9, latency_s=1e-3) == pytest.approx(2.002)
+  with pytest.raises(HarpjaxError, match="bandwidth"):
+    offload_time_s(1.0, 0.0)
+  kw = dict(param_bytes=100.0, opt_bytes=200.0, act_bytes=10.0, dp=2, zero=1)
+  off, on = stage_memory(offload_optimizer=True, **kw), stage_memory(**kw)
+  assert off.pipeline_bytes(2) == on.pipeline_bytes(2) - 100
+  assert off.update_bytes() == on.update_bytes()
