@@ -18,6 +18,7 @@ from harpjax.compiler.profile import CostTables as CostTables
 from harpjax.compiler.profile import ProfileOptions as ProfileOptions
 from harpjax.compiler.schedule import Schedule as Schedule
 from harpjax.compiler.schedule import make_schedule as make_schedule
+from harpjax.compiler.stages import OffloadOptions as OffloadOptions
 from harpjax.compiler.trace import grad as grad
 from harpjax.compiler.trace import mark_layer_boundary as mark_layer_boundary
 from harpjax.compiler.trace import value_and_grad as value_and_grad
@@ -34,7 +35,8 @@ from harpjax.runtime import save_checkpoint as save_checkpoint
 __all__ = [
     "CheckpointOptions", "Checkpointer", "Cluster", "CostTables", "ElasticOptions", "Failure",
     "GPU_CATALOG", "GPUType",
-    "HarpjaxError", "LayerOptions", "LayerSequence", "ManualPlan", "ParallelStep", "Plan",
+    "HarpjaxError", "LayerOptions", "LayerSequence", "ManualPlan", "OffloadOptions",
+    "ParallelStep", "Plan",
     "ProfileOptions", "Recovery", "Schedule", "SolveOptions", "StageSpec", "auto_parallel",
     "gather", "grad",
     "load_plan", "make_schedule", "mark_layer_boundary", "restore_checkpoint",

@@ -33,9 +33,10 @@ from harpjax.compiler.plan import Plan, SolveOptions, load_plan, solve
 from harpjax.compiler.profile import (ProfileOptions, ProfileResult, default_cache_dir,
                                      profile_step, progress_bar)
 from harpjax.compiler.schedule import Schedule, schedule_key
-from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep, StepProgram,
-                                     compile_step, default_workers, layout_step, lower_step,
-                                     precompile, resolve_plan, warn_shared_parameters)
+from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep,
+                                     OffloadOptions, StepProgram, compile_step, default_workers,
+                                     layout_step, lower_step, precompile, resolve_plan,
+                                     warn_shared_parameters)
 from harpjax.compiler.trace import TracedStep, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             RuntimeFailure, ScheduleError)
@@ -67,12 +68,15 @@ class ParallelOptions:
   checkpoint: CheckpointOptions | None = None
   elastic: ElasticOptions | None = None
   compilation_cache: Any = True
+  offload: OffloadOptions | None = None
 
   def __post_init__(self):
     cc = self.compilation_cache
     if not isinstance(cc, (bool, str, os.PathLike)):
       raise PlanError(f"compilation_cache={cc!r}: True (in the profile cache directory), "
                       "False, or a directory")
+    if self.offload is not None and not isinstance(self.offload, OffloadOptions):
+      raise PlanError(f"offload={self.offload!r}: give a harpjax.OffloadOptions")
     if self.elastic is not None:
       if not isinstance(self.elastic, ElasticOptions):
         raise PlanError(f"elastic={self.elastic!r}: give a harpjax.ElasticOptions")
@@ -121,7 +125,7 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                   runtime: str = "local", eps: float = 0.1,
                   runtime_options: dict | None = None, layer_options=None,
                   profile_options=None, solve_options=None, checkpoint=None, elastic=None,
-                  compilation_cache=True):
+                  compilation_cache=True, offload=None):
   """Pipelines a train step over a heterogeneous cluster.
 
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
@@ -168,6 +172,9 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       directory you configured in JAX is kept; otherwise the setting is process-wide (later
       ``jax.jit`` compilations are kept too) and JAX's one-second minimum compile time for
       keeping an executable drops to zero.
+    offload: :class:`harpjax.OffloadOptions`: stages that keep their optimizer state in host
+      memory between steps (JAX memory kind ``"pinned_host"``; a
+      :class:`~harpjax.errors.MemoryKindError` where the devices have none).
 
   Returns:
     A :class:`ParallelStep`, callable like ``fun``.
@@ -178,7 +185,8 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
                             runtime_options=dict(runtime_options or {}),
                             layer_options=layer_options, profile_options=profile_options,
                             solve_options=solve_options, checkpoint=checkpoint,
-                            elastic=elastic, compilation_cache=compilation_cache)
+                            elastic=elastic, compilation_cache=compilation_cache,
+                            offload=offload)
   if fun is None:
     return lambda f: ParallelStep(f, options)
   return ParallelStep(fun, options)
@@ -441,7 +449,8 @@ class ParallelStep:
     if p.program is None:
       with _phase("layout"):
         p.program = layout_step(p.traced.step, p.traced.layers, p.planned.plan,
-                                p.planned.schedule, self.options.loss_reduction)
+                                p.planned.schedule, self.options.loss_reduction,
+                                self.options.offload)
         warn_shared_parameters(p.program, _leaf_paths(args))
     if until == "layout":
       return p

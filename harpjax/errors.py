@@ -56,6 +56,18 @@ class UnsupportedError(HarpjaxError, NotImplementedError):
   """The model uses a construct harpjax does not support yet; the message names it."""
 
 
+class MemoryKindError(UnsupportedError):
+  """Values were to be kept in a memory the devices do not have.
+
+  Keeping a stage's optimizer state in host memory between steps
+  (``auto_parallel(offload=harpjax.OffloadOptions(optimizer_state=True))``) needs the
+  ``"pinned_host"`` memory kind on the stage's devices (JAX's memory kinds: GPUs and TPUs have
+  it, and so do CPUs in recent jaxlib). The message names the stage, its devices' platform and
+  the memory kinds they have. Turn the offload off for that stage (``OffloadOptions.stages``)
+  or run on a backend with host memory.
+  """
+
+
 class InfeasiblePlanError(HarpjaxError):
   """No plan satisfies the constraints; the message says which constraint and by how much."""
 

@@ -71,10 +71,11 @@ def put(x, sharding: NamedSharding):
 
 
 def place_on_mesh(x, mesh, preferred: NamedSharding | None = None):
-  """``x`` on ``mesh``: kept as is when already on exactly its devices, else put in the
-  ``preferred`` sharding (replicated when there is none)."""
+  """``x`` on ``mesh``: kept as is when already on exactly its devices (in the ``preferred``
+  memory, if any), else put in the ``preferred`` sharding (replicated when there is none)."""
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    if x.sharding.device_set == set(mesh.devices.flat):
+    if x.sharding.device_set == set(mesh.devices.flat) and (
+        preferred is None or x.sharding.memory_kind == preferred.memory_kind):
       return x
   return jax.device_put(x, preferred if preferred is not None else NamedSharding(mesh, P()))
 
@@ -267,7 +268,7 @@ class StageRun:
         aval = sl.avals[v]
         ct = io.put(np.zeros(aval.shape, aval.dtype), st.sharding(v))
       present.append(ct)
-    self.acc, act_cts = st.bwd(self.residuals.pop(m), tuple(present), self.acc)
+    self.acc, act_cts = st.bwd(self.params, self.residuals.pop(m), tuple(present), self.acc)
     ct_map = dict(zip(sl.act_ids, act_cts))
     cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}))
            for p in lay.ct_targets[s]]
@@ -334,7 +335,7 @@ class StageRun:
       for u in lay.param_users[j]:
         g = (self.acc[mine[vid]] if u == s else
              io.recv(MessageKey(GRAD, j, u), f"the gradient part of parameter {j}")[j])
-        g = io.put(g, st.sharding(vid))
+        g = io.put(g, st.acc_sharding(vid))
         total = g if total is None else total + g
       if total is None:   # a parameter no stage reads: zero gradient
         aval = lay.param_avals[j]

@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 
 from harpjax import _compat
 from harpjax.compiler.stages import LoweredStep, precompile
@@ -185,7 +184,7 @@ class StageWorker:
     self.schedule = lowered.schedule
     self.exe, self.group_fns = lowered.load(s, self.devices)
     self.mesh = self.exe.mesh
-    self.preferred = {v: NamedSharding(self.mesh, p) for (h, v), p in lay.preferred.items()
+    self.preferred = {v: lay.preferred_sharding(s, v, self.mesh) for (h, v) in lay.preferred
                       if h == s}
     self.consts = dict(zip(lay.const_vids, (codec.decode(e) for e in spec.consts)))
     # Compile now, in every process at once, rather than during the first step, where each

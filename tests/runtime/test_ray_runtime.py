@@ -365,3 +365,29 @@ def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
     assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= 1e-9
   finally:
     jax.config.update("jax_enable_x64", prev)
+
+
+def test_zero_stages_on_actors_match_jit_float64():
+  # ZeRO-3 on one stage, ZeRO-1 on the other, each over dp = 2: the actors keep the split
+  # parameters and optimizer state between steps (the second stage's optimizer state in host
+  # memory) and the result equals jax.jit's (float64).
+  from tests import zoo
+  from tests.runtime.test_zero import zero_plan
+  prev = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    case = zoo.linen("loop")
+    plan = zero_plan(6, [("v100", (1, 2), (2, 1), 3), ("a100", (1, 2), (2, 1), 1)])
+    pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4,
+                                  plan=plan, runtime="ray",
+                                  offload=harpjax.OffloadOptions(optimizer_state=True,
+                                                                 stages=(1,)))
+    ref = jax.jit(case.step)
+    s_par = s_ref = case.state
+    for batch in case.batches[:2]:
+      o_par, o_ref = pstep(s_par, batch), ref(s_ref, batch)
+      assert max_rel_err(o_ref[1], o_par[1]) <= 1e-10
+      s_par, s_ref = o_par[0], o_ref[0]
+    assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= 1e-10
+  finally:
+    jax.config.update("jax_enable_x64", prev)

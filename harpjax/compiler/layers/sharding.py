@@ -12,6 +12,9 @@ elementwise ops, reshapes that keep the split dimension outermost (hidden -> hea
 broadcasts and reductions over other dimensions; a bias added to a split result is split with
 it. XLA's sharding propagation fills in everything else and inserts the collectives, so any
 choice computes the unsharded function (up to summation order).
+
+Training state can also be split on ``dp`` (ZeRO, :func:`zero_spec`): a value's largest
+dimension that is not already split and divides by ``dp`` is split on it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from harpjax.compiler.trace import Lit, Op, Program
 
 __all__ = ["DP", "TP", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
-           "batch_spec", "TPPlan", "tp_plan"]
+           "batch_spec", "zero_spec", "ZERO_LEVELS", "TPPlan", "tp_plan"]
 
 DP, TP = "dp", "tp"
 
@@ -73,6 +76,46 @@ def batch_spec(shape: Sequence[int], axis: int, dp: int) -> P:
   if dp > 1 and len(shape) > axis >= 0 and shape[axis] % dp == 0:
     return P(*([None] * axis + [DP]))
   return P()
+
+
+ZERO_LEVELS = (0, 1, 2, 3)
+"""ZeRO levels of a stage: what it shards over ``dp`` (``StageSpec.zero``): nothing, the
+optimizer state, also the gradient accumulator, also the parameters."""
+
+
+def zero_spec(shape: Sequence[int], spec: P, dp: int, tp: int = 1) -> P:
+  """``spec`` with the value also split on ``dp`` (ZeRO).
+
+  The dimension split is the largest one that ``spec`` leaves whole and whose size divides by
+  ``dp`` (the first of equals); failing that, a dimension split on ``tp`` alone whose size
+  divides by ``tp * dp`` is split on both (``("tp", "dp")``: each device keeps a part of its
+  ``tp`` block, so nothing crosses ``tp``). A value with neither (a scalar, a ``[3]`` bias on
+  ``dp = 2``) keeps ``spec``: it stays replicated over ``dp``.
+
+  Args:
+    shape: the value's shape.
+    spec: its ``PartitionSpec`` over ``("dp", "tp")`` without ZeRO (``tp`` splits only).
+    dp: data-parallel degree.
+    tp: tensor-parallel degree (for dimensions ``spec`` splits on ``tp``).
+
+  Returns:
+    The ``PartitionSpec`` with ``"dp"`` added, or ``spec``.
+  """
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  if dp <= 1 or any(e == DP or (isinstance(e, tuple) and DP in e) for e in entries):
+    return spec
+  largest = lambda ds: max(ds, key=lambda i: (shape[i], -i))
+  free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % dp == 0]
+  on_tp = [d for d in range(len(shape)) if entries[d] == TP and shape[d] % (tp * dp) == 0]
+  if free:
+    entries[largest(free)] = DP
+  elif on_tp:
+    entries[largest(on_tp)] = (TP, DP)
+  else:
+    return spec
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 @dataclasses.dataclass(frozen=True)

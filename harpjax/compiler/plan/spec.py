@@ -70,6 +70,10 @@ class StageSpec:
     warmup: H-1F1B warm-up count ``N_i`` (filled in by the planner or the runtime).
     time_s: forward+backward seconds per microbatch predicted for this stage, if known.
     comm_s: seconds to send one microbatch's boundary activation to the next stage, if known.
+    zero: how the stage shards its training state over its ``dp`` axis (ZeRO): ``0`` every
+      device holds everything (default); ``1`` the optimizer state is sharded; ``2`` the
+      gradient accumulator too (a reduce-scatter instead of an all-reduce); ``3`` the
+      parameters too, gathered where they are used. Written to a plan file only when not 0.
   """
   layers: tuple[int, int]
   subcluster: str
@@ -79,6 +83,7 @@ class StageSpec:
   warmup: int | None = None
   time_s: float | None = None
   comm_s: float | None = None
+  zero: int = 0
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -110,6 +115,10 @@ class StageSpec:
       object.__setattr__(self, "warmup", _int(self.warmup, f"{where}: warmup", 1))
     for name in ("time_s", "comm_s"):
       object.__setattr__(self, name, _seconds(getattr(self, name), f"{where}: {name}"))
+    zero = _int(self.zero, f"{where}: zero", 0)
+    if zero > 3:
+      raise PlanError(f"{where}: zero={self.zero!r} must be 0, 1, 2 or 3")
+    object.__setattr__(self, "zero", zero)
 
   @property
   def num_devices(self) -> int:
@@ -121,7 +130,7 @@ class StageSpec:
 
   def to_json(self) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(self).items()}
+            for k, v in dataclasses.asdict(self).items() if k != "zero" or v}
 
   @classmethod
   def from_json(cls, data: dict, where: str = "stage") -> "StageSpec":
@@ -144,7 +153,8 @@ class StageSpec:
           "devices": _optional(data, "devices", where, _ints, 0),
           "warmup": _optional(data, "warmup", where, _int, 1),
           "time_s": _seconds(data.get("time_s"), f"{where}.time_s"),
-          "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s")}
+          "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s"),
+          "zero": _optional(data, "zero", where, _int, 0) or 0}
     try:
       return cls(**kw)
     except PlanError as e:

@@ -8,7 +8,9 @@ the published measurements), :mod:`~harpjax.compiler.profile.pieces` (a layer as
 function and what XLA says of it), :mod:`~harpjax.compiler.profile.estimate` (the same
 statistics read off its jaxpr), :mod:`~harpjax.compiler.profile.sources` (cost sources: jaxpr,
 analytic, measured, imported), :mod:`~harpjax.compiler.profile.cache` (the profile database)
-and :mod:`~harpjax.compiler.profile.profiler` (:func:`profile_layers`, :func:`profile_step`).
+and :mod:`~harpjax.compiler.profile.profiler` (:func:`profile_layers`, :func:`profile_step`);
+:mod:`~harpjax.compiler.profile.zero` says what each ZeRO level costs a stage in memory and
+collectives (:func:`stage_memory`, :func:`zero_tables`).
 A new cost source implements :class:`~harpjax.compiler.profile.sources.CostSource` and is
 chosen in ``profiler._make_source``.
 """
@@ -20,10 +22,17 @@ from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, 
 from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
                                              memory_to_compute_order, SubclusterSpec,
                                              synthetic_gpt_profile)
+from harpjax.compiler.profile.zero import (offload_time_s, stage_memory, StageMemory,
+                                           ZERO_LEVELS,
+                                           zero_collectives, zero_layer_costs,
+                                           zero_state_bytes_per_param, zero_sync_time_s,
+                                           zero_tables)
 
 __all__ = [
     "assemble_tables", "CACHE_DIR_ENV", "CostTables", "default_cache_dir", "LayerProfile",
-    "memory_to_compute_order", "microbatch_size", "profile_layers", "profile_step", "ProfileDB",
-    "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar", "SOURCES", "SubclusterSpec",
-    "synthetic_gpt_profile",
+    "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
+    "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
+    "SOURCES", "stage_memory", "StageMemory", "SubclusterSpec", "synthetic_gpt_profile",
+    "ZERO_LEVELS", "zero_collectives", "zero_layer_costs", "zero_state_bytes_per_param",
+    "zero_sync_time_s", "zero_tables",
 ]

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "ProfileTasks",
            "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
-           "tables_from_layer_costs", "SOURCES", "COST_FIELDS", "microbatch_size",
+           "tables_from_layer_costs", "ordered_subclusters", "SOURCES", "COST_FIELDS",
+           "microbatch_size",
            "progress_bar"]
 
 _SOURCE_CLASSES = {"jaxpr": sources.JaxprSource, "analytic": sources.AnalyticSource,
@@ -215,7 +216,9 @@ def microbatch_size(layers: LayerSequence) -> int | None:
   return None
 
 
-def _ordered(cluster, order) -> list:
+def ordered_subclusters(cluster, order) -> list:
+  """The cluster's subclusters in pipeline order: ``order`` is ``None`` (the cluster's),
+  ``"memory_to_compute"`` (§5.2.1) or a sequence of names."""
   subs = list(cluster.subclusters)
   if order is None:
     return subs
@@ -537,7 +540,7 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   L = len(layers)
   if L == 0:
     raise HarpjaxError("cannot profile an empty layer sequence")
-  subs = _ordered(cluster, opts.order)
+  subs = ordered_subclusters(cluster, opts.order)
   root = (opts.cache_dir if opts.cache_dir is not None else cache.default_cache_dir()) \
       if opts.use_cache else None
   db = cache.ProfileDB(root)

@@ -9,22 +9,28 @@ goes where: the picklable :class:`StepLayout` every runtime routes by),
 :mod:`~harpjax.compiler.stages.compile` (:func:`layout_step` -> :class:`StepProgram`;
 :func:`compile_step` -> :class:`CompiledStep`, jitted in process),
 :mod:`~harpjax.compiler.stages.lower` (:func:`lower_step` -> :class:`LoweredStep`: serialised
-executables for a Ray worker) and :mod:`~harpjax.compiler.stages.aot` (compiling every
-executable ahead of the first call).
+executables for a Ray worker), :mod:`~harpjax.compiler.stages.aot` (compiling every
+executable ahead of the first call) and :mod:`~harpjax.compiler.stages.memory` (a compiled
+stage's memory per device, XLA's account beside the model's).
 """
 
-from harpjax.compiler.stages.aot import default_workers, precompile
-from harpjax.compiler.stages.compile import (compile_step, CompiledStep, layout_step,
-                                             LOSS_REDUCTIONS, SHARED_PARAMETER_WARNING, StepProgram,
-                                             warn_shared_parameters)
+from harpjax.compiler.stages.aot import compile_group, compile_stage, default_workers, precompile
+from harpjax.compiler.stages.compile import (check_host_memory, compile_step, CompiledStep,
+                                             layout_step, LOSS_REDUCTIONS, OffloadOptions,
+                                             SHARED_PARAMETER_WARNING, state_successors,
+                                             StepProgram, warn_shared_parameters)
 from harpjax.compiler.stages.devices import resolve_devices, resolve_plan
-from harpjax.compiler.stages.layout import GroupLayout, StageLayout, StepLayout
+from harpjax.compiler.stages.layout import (GroupLayout, HOST_MEMORY, StageLayout,
+                                            StepLayout)
 from harpjax.compiler.stages.lower import lower_step, LoweredStage, LoweredStep
+from harpjax.compiler.stages.memory import in_flight, memory_report, StageMemoryReport
 from harpjax.compiler.stages.stage import StageExecutables
 
 __all__ = [
-    "CompiledStep", "compile_step", "default_workers", "GroupLayout", "layout_step",
-    "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "precompile",
-    "resolve_devices", "resolve_plan", "SHARED_PARAMETER_WARNING", "StageExecutables",
-    "StageLayout", "StepLayout", "StepProgram", "warn_shared_parameters",
+    "check_host_memory", "CompiledStep", "compile_group", "compile_stage", "compile_step",
+    "default_workers", "GroupLayout", "HOST_MEMORY", "in_flight", "layout_step", "memory_report",
+    "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "OffloadOptions",
+    "precompile", "resolve_devices", "resolve_plan", "SHARED_PARAMETER_WARNING",
+    "StageExecutables", "StageLayout", "StageMemoryReport", "state_successors", "StepLayout",
+    "StepProgram", "warn_shared_parameters",
 ]

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from harpjax.compiler.stages.layout import StepLayout
 from harpjax.compiler.stages.stage import StageExecutables
 
-__all__ = ["precompile", "default_workers"]
+__all__ = ["precompile", "default_workers", "compile_stage", "compile_group"]
 
 log = logging.getLogger(__name__)
 
@@ -100,30 +100,49 @@ def _outputs(fn, args, lowered):
       for i, sh, w in zip(info, shardings, weak, strict=True)])
 
 
-def _stage(st: StageExecutables) -> None:
-  """Forward, zeros and backward of one stage, in the runtime's argument shardings."""
+def compile_stage(st: StageExecutables) -> dict:
+  """Compiles a stage's forward, zeros and backward in the runtime's argument shardings.
+
+  Returns:
+    ``{"fwd": compiled, "bwd": compiled, "zeros": compiled}`` (``jax.stages.Compiled``: their
+    ``memory_analysis()`` is XLA's account of each executable's memory per device).
+  """
   lay = st.layout
   spec = lambda v: _spec(lay.avals[v], st.sharding(v))
   params = tuple(spec(v) for v in lay.param_ids)
   args = (params, tuple(spec(v) for v in lay.act_ids), tuple(spec(v) for v in lay.act_int_ids),
           tuple(spec(v) for v in lay.data_ids),
           jax.ShapeDtypeStruct((), jnp.int32))   # the runtime passes an uncommitted np.int32
-  residuals = _outputs(st.fwd, args, st.fwd.lower(*args))[1]
-  st.zeros.lower().compile()
+  lowered = st.fwd.lower(*args)
+  residuals = _outputs(st.fwd, args, lowered)[1]
+  out = {"fwd": lowered.compile(), "zeros": st.zeros.lower().compile()}
   cts = tuple(spec(v) for v, has in zip(lay.output_ids, lay.ct_present) if has)
-  acc = params   # the zeros executable returns the parameters' shardings
+  acc = tuple(_spec(lay.avals[v], st.acc_sharding(v))   # what the zeros executable returns
+              for v in lay.param_ids)
   for _ in range(3):   # the accumulator comes back in the backward's output shardings
-    args = (residuals, cts, acc)
-    out = _outputs(st.bwd, args, st.bwd.lower(*args))[0]
-    if all(a.sharding == o.sharding for a, o in zip(acc, out)):
+    args = (params, residuals, cts, acc)
+    lowered = st.bwd.lower(*args)
+    got = _outputs(st.bwd, args, lowered)[0]
+    out["bwd"] = lowered.compile()
+    if all(a.sharding == o.sharding for a, o in zip(acc, got)):
       break
-    acc = out
+    acc = got
+  return out
+
+
+def _stage(st: StageExecutables) -> None:
+  compile_stage(st)
+
+
+def compile_group(layout: StepLayout, gi: int, fn, mesh):
+  """Compiles placement group ``gi``, its inputs in the shardings the runtimes put them in;
+  returns the ``jax.stages.Compiled``."""
+  g = layout.groups[gi]
+  args = [_spec(layout.outer_avals[v],
+                layout.preferred_sharding(g.home, v, mesh) or NamedSharding(mesh, P()))
+          for v in g.in_ids]
+  return fn.lower(*args).compile()
 
 
 def _group(layout: StepLayout, gi: int, fn, mesh) -> None:
-  """A placement group, its inputs in the shardings the runtimes put them in."""
-  g = layout.groups[gi]
-  args = [_spec(layout.outer_avals[v],
-                NamedSharding(mesh, layout.preferred.get((g.home, v), P())))
-          for v in g.in_ids]
-  fn.lower(*args).compile()
+  compile_group(layout, gi, fn, mesh)

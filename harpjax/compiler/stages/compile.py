@@ -15,21 +15,24 @@ import logging
 from typing import Callable, Sequence
 
 import jax
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
-from harpjax.compiler.stages.layout import StepLayout, stage_layout, step_layout
+from harpjax.compiler.stages.layout import HOST_MEMORY, StepLayout, stage_layout, step_layout
 from harpjax.compiler.stages.stage import (jit_stage, slice_stages, stage_functions)
-from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function
-from harpjax.errors import PlanError
+from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function, primitives
+from harpjax.errors import MemoryKindError, PlanError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepProgram", "CompiledStep", "layout_step", "compile_step", "group_function",
-           "warn_shared_parameters", "LOSS_REDUCTIONS", "SHARED_PARAMETER_WARNING"]
+__all__ = ["StepProgram", "CompiledStep", "OffloadOptions", "layout_step", "compile_step",
+           "group_function", "check_host_memory",
+           "warn_shared_parameters", "state_successors", "LOSS_REDUCTIONS",
+           "SHARED_PARAMETER_WARNING"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -81,8 +84,57 @@ class StepProgram:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+  """What stages keep in host memory (JAX memory kind ``"pinned_host"``) between steps.
+
+  Attributes:
+    optimizer_state: keep the optimizer state (the step inputs :func:`state_successors` finds)
+      in host memory: the update brings it to the devices, computes, and writes the new state
+      back; between updates the devices hold none of it.
+    stages: the stages that do (pipeline positions); ``None``: every stage.
+
+  Raises:
+    PlanError: a field has the wrong type, or (when the step is laid out) a stage index is
+      not one of the plan's.
+  """
+  optimizer_state: bool = False
+  stages: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.optimizer_state, bool):
+      raise PlanError(f"OffloadOptions.optimizer_state={self.optimizer_state!r} must be True or "
+                      "False")
+    if self.stages is not None:
+      stages = tuple(self.stages) if not isinstance(self.stages, (str, bytes)) else None
+      if stages is None or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
+                               for x in stages):
+        raise PlanError(f"OffloadOptions.stages={self.stages!r} must be stage indices (ints "
+                        ">= 0) or None for every stage")
+      object.__setattr__(self, "stages", stages)
+
+  def offloads(self, stage: int) -> bool:
+    """Whether ``stage`` keeps its optimizer state in host memory."""
+    return self.optimizer_state and (self.stages is None or stage in self.stages)
+
+
+def check_host_memory(devices: Sequence, stage: int) -> None:
+  """Raises :class:`~harpjax.errors.MemoryKindError` unless every device of ``stage`` has the
+  host memory kind (:data:`~harpjax.compiler.stages.layout.HOST_MEMORY`)."""
+  for d in devices:
+    kinds = [m.kind for m in d.addressable_memories()] \
+        if hasattr(d, "addressable_memories") else []
+    if HOST_MEMORY not in kinds:
+      raise MemoryKindError(
+          f"stage {stage} keeps its optimizer state in host memory, but device {d} "
+          f"({getattr(d, 'platform', '?')}) has the memory kinds {kinds}, not "
+          f"{HOST_MEMORY!r}; leave the stage out of OffloadOptions.stages, or run on a "
+          "backend with host memory")
+
+
 def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule: Schedule,
-                loss_reduction: str = "mean") -> StepProgram:
+                loss_reduction: str = "mean",
+                offload: OffloadOptions | None = None) -> StepProgram:
   """Cuts the step into the plan's stages, lays them out and places the rest of the step.
 
   Args:
@@ -91,9 +143,11 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     plan: stages with logical meshes.
     schedule: the task tables (one row per stage).
     loss_reduction: how microbatch losses combine into the step's loss.
+    offload: what stages keep in host memory (:class:`OffloadOptions`).
 
   Raises:
-    PlanError: the plan does not cover the layers, or disagrees with the schedule.
+    PlanError: the plan does not cover the layers, or disagrees with the schedule, or
+      ``offload`` names a stage the plan does not have.
   """
   if loss_reduction not in LOSS_REDUCTIONS:
     raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
@@ -108,9 +162,10 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
       (prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "split"),
       traced.regen_ops)
   remat = bool(dict(plan.meta).get("remat", False))
-  layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh)
+  layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh, spec.zero)
              for sp, spec in zip(programs, plan.stages)]
-  functions = [stage_functions(sp, traced, layers, remat) for sp in programs]
+  functions = [stage_functions(sp, traced, layers, remat, lay)
+               for sp, lay in zip(programs, layouts)]
 
   # Parameters: owner = first stage that reads them.
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
@@ -138,19 +193,37 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   placed = placement_lib.place(outer, traced.region_op, seeds)
   groups = placed.before + placed.after
   preferred = _preferred_specs(traced, prog, layouts, owner)
+  _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
+  host = _offloaded(traced, placed, preferred, offload, plan.num_stages)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
-                       preferred, loss_reduction)
+                       preferred, loss_reduction, host)
   log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
            len(placed.before), len(placed.after))
+  fns = []
+  for g in groups:
+    mesh = AbstractMesh(tuple(plan.stages[g.home].logical_mesh),
+                        (sharding_lib.DP, sharding_lib.TP))
+    fns.append(group_function(g, {i: NamedSharding(mesh, preferred[(g.home, v)],
+                                                   memory_kind="device")
+                                  for i, v in enumerate(g.in_ids) if (g.home, v) in host}))
   return StepProgram(traced, layers, plan, schedule, tuple(programs), tuple(functions), placed,
-                     tuple(group_function(g) for g in groups), layout)
+                     tuple(fns), layout)
 
 
-def group_function(group: placement_lib.Group) -> Callable:
-  """The pure function of a placement group's ops: ``fn(*in values) -> out values``."""
+def group_function(group: placement_lib.Group, to_device: dict | None = None) -> Callable:
+  """The pure function of a placement group's ops: ``fn(*in values) -> out values``.
+
+  ``to_device``: input position -> the sharding (memory kind ``"device"``) an input held in
+  host memory is brought to before the ops read it."""
   run = ops_function(group.ops, group.in_ids, group.out_ids)
-  return lambda *inputs: run(*inputs)
+  if not to_device:
+    return lambda *inputs: run(*inputs)
+
+  def fn(*inputs):
+    return run(*(jax.device_put(x, to_device[i]) if i in to_device else x
+                 for i, x in enumerate(inputs)))
+  return fn
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -203,10 +276,11 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
     program: from :func:`layout_step`.
     stage_devices: per stage, its JAX devices in submesh order.
   """
-  stages = tuple(jit_stage(lay, fn, sharding_lib.make_mesh(devs, lay.logical_mesh))
-                 for lay, fn, devs in zip(program.layout.stages, program.functions,
-                                          stage_devices))
   lay = program.layout
+  for s in sorted({h for h, _ in lay.host}):
+    check_host_memory(stage_devices[s], s)
+  stages = tuple(jit_stage(sl, fn, sharding_lib.make_mesh(devs, sl.logical_mesh))
+                 for sl, fn, devs in zip(lay.stages, program.functions, stage_devices))
   group_fns = tuple(
       jax.jit(fn, out_shardings=lay.group_out_shardings(gi, stages[g.home].mesh))
       for gi, (g, fn) in enumerate(zip(lay.groups, program.group_functions)))
@@ -230,8 +304,159 @@ def _preferred_specs(traced: TracedStep, prog, layouts, owner) -> dict:
       out[(s, inp.outer_ref)] = spec
     g = region_eqn.outvars[n_fwd + j]
     if g >= 0:
-      out[(s, g)] = spec
+      out[(s, g)] = layouts[s].acc_spec(prog.invars[k])
   return out
+
+
+# --------------------------------------------------------------------------- ZeRO
+
+
+def state_successors(traced: TracedStep) -> tuple[dict[int, int], dict[int, int]]:
+  """The training state of a step, found from its data flow: which step outputs are the next
+  values of which step inputs.
+
+  A step input's *successor* is the step output nearest to it (fewest ops) along values of its
+  own shape and dtype: ``p + u`` for a parameter ``p``, ``b1 * mu + (1 - b1) * g`` for a
+  moment ``mu``. The *optimizer state* is every floating step input that is not a parameter
+  of the pipelined region, does not flow into the region, and has a successor that is not a
+  parameter's: Adam's moments, momentum buffers, Adafactor's factored statistics, whatever the
+  optimizer's names. Step counters (integers), PRNG keys, scalars, the batch (it flows into
+  the region) and the parameters are not.
+
+  Returns:
+    ``(parameters, optimizer state)``, each ``{input value id: successor value id}`` (outer
+    program ids); a parameter without a successor is absent.
+  """
+  outer = traced.outer
+  region = outer.ops[traced.region_op]
+  consumers = outer.consumers()
+  outputs = {v for v in outer.outvars if not isinstance(v, Lit)}
+  nc = outer.num_consts
+  leaves = outer.invars[nc:]
+
+  def successor(v):
+    aval = outer.avals[v]
+    frontier, seen = [v], {v}
+    while frontier:
+      hits = sorted(u for u in frontier if u in outputs and u != v)
+      if hits:
+        return hits[0]
+      nxt = []
+      for u in frontier:
+        for i in consumers.get(u, ()):
+          if i == traced.region_op:
+            continue
+          for o in outer.ops[i].outvars:
+            if o >= 0 and o not in seen and outer.avals[o].shape == aval.shape and \
+                outer.avals[o].dtype == aval.dtype:
+              seen.add(o)
+              nxt.append(o)
+      frontier = nxt
+    return v if v in outputs else None   # returned unchanged
+
+  params = {}
+  for inp in traced.inputs:
+    if inp.kind == "param" and not isinstance(inp.outer_ref, Lit) and inp.outer_ref in leaves:
+      nxt = successor(inp.outer_ref)
+      if nxt is not None:
+        params[inp.outer_ref] = nxt
+  producer = outer.producers()
+  into_region, stack = set(), list(region.in_ids())   # values the region's inputs come from
+  while stack:
+    u = stack.pop()
+    if u in into_region:
+      continue
+    into_region.add(u)
+    if u in producer:
+      stack.extend(outer.ops[producer[u]].in_ids())
+  state = {}
+  taken = set(params.values())
+  for v in leaves:
+    aval = outer.avals[v]
+    if v in params or v in into_region or not primitives.is_float(aval) or not aval.shape:
+      continue
+    nxt = successor(v)
+    if nxt is not None and nxt != v and nxt not in taken:
+      state[v] = nxt
+  return params, state
+
+
+def _state_homes(traced: TracedStep, placement: placement_lib.Placement) -> dict:
+  """Optimizer state input -> ``(its stage, its successor)``, for the state read on one stage
+  only and whose successor is computed there (the rest has no home)."""
+  _, state = state_successors(traced)
+  readers: dict[int, set[int]] = {}
+  for g in list(placement.before) + list(placement.after):
+    for v in g.in_ids:
+      readers.setdefault(v, set()).add(g.home)
+  out = {}
+  for v, nxt in state.items():
+    homes = readers.get(v, set())
+    if len(homes) == 1:
+      (s,) = homes
+      if placement.var_home.get(nxt) == s:
+        out[v] = (s, nxt)
+  return out
+
+
+def _offloaded(traced: TracedStep, placement: placement_lib.Placement, preferred: dict,
+               offload: OffloadOptions | None, num_stages: int) -> frozenset:
+  """``(stage, value)`` of the optimizer state (inputs and successors) kept in host memory;
+  each gets a preferred sharding (replicated if it had none)."""
+  if offload is None or not offload.optimizer_state:
+    return frozenset()
+  bad = [s for s in offload.stages or () if s >= num_stages]
+  if bad:
+    raise PlanError(f"OffloadOptions.stages={list(offload.stages)} names stage(s) {bad}, but "
+                    f"the plan has {num_stages} stages (0..{num_stages - 1})")
+  host = set()
+  for v, (s, nxt) in _state_homes(traced, placement).items():
+    if offload.offloads(s):
+      for u in (v, nxt):
+        preferred.setdefault((s, u), P())
+        host.add((s, u))
+  return frozenset(host)
+
+
+def _zero_state_specs(traced: TracedStep, placement: placement_lib.Placement, layouts,
+                      preferred: dict) -> None:
+  """Preferred shardings of the training state on stages with ZeRO (``preferred`` is updated):
+  the optimizer state (:func:`state_successors`) split on ``dp`` from ZeRO-1 on, input and
+  successor alike; a parameter's successor in the parameter's own sharding (split from ZeRO-3
+  on), so that the next step reads the state in the sharding this one left it in. A value read
+  or computed on several stages keeps no preference."""
+  outer = traced.outer
+  if not any(lay.zero for lay in layouts):
+    return
+  params, _ = state_successors(traced)
+  without = dict(preferred)   # the shardings the state would have without ZeRO (tp splits)
+  _propagate_preferred(list(placement.before) + list(placement.after), outer, without)
+  held_on: dict[int, set[int]] = {}
+  for (s, u) in preferred:
+    held_on.setdefault(u, set()).add(s)
+  for v, nxt in params.items():
+    homes = held_on.get(v, set())
+    if len(homes) == 1:
+      (s,) = homes
+      if placement.var_home.get(nxt) == s and layouts[s].zero:
+        preferred[(s, nxt)] = preferred[(s, v)]
+  for v, (s, nxt) in _state_homes(traced, placement).items():
+    lay = layouts[s]
+    if lay.zero < 1:
+      continue
+    base = without.get((s, v), P())
+    spec = sharding_lib.zero_spec(outer.avals[v].shape, _tp_only(base), *lay.logical_mesh)
+    preferred[(s, v)] = preferred[(s, nxt)] = spec
+
+
+def _tp_only(spec: P) -> P:
+  """``spec`` without its ``dp`` entries."""
+  def strip(e):
+    if isinstance(e, tuple):
+      e = tuple(x for x in e if x != sharding_lib.DP)
+      return e[0] if len(e) == 1 else (e or None)
+    return None if e == sharding_lib.DP else e
+  return P(*[strip(e) for e in spec])
 
 
 def _propagate_preferred(groups: Sequence[placement_lib.Group], outer, preferred: dict) -> None:

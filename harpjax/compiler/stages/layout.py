@@ -25,7 +25,11 @@ from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.trace import Lit, TracedStep
 
-__all__ = ["StageLayout", "GroupLayout", "StepLayout", "stage_layout", "step_layout"]
+__all__ = ["StageLayout", "GroupLayout", "StepLayout", "stage_layout", "step_layout",
+           "HOST_MEMORY"]
+
+HOST_MEMORY = "pinned_host"
+"""The memory kind of values a stage keeps in host memory."""
 
 
 # --------------------------------------------------------------------------- one stage
@@ -52,6 +56,11 @@ class StageLayout:
       as the executables take them, outputs as they return them; a cotangent has the sharding
       of its output).
     avals: value id -> ``jax.ShapeDtypeStruct`` of every value above.
+    zero: the stage's ZeRO level (:attr:`~harpjax.compiler.plan.StageSpec.zero`).
+    acc_specs: parameter id -> ``PartitionSpec`` of its gradient accumulator (the
+      parameter's own below ZeRO-2, split on ``dp`` from ZeRO-2 on).
+    gather_specs: parameter id -> the ``PartitionSpec`` the forward and backward gather it
+      to where it is used (ZeRO-3, parameters split on ``dp`` only); absent: used as held.
   """
   index: int
   logical_mesh: tuple[int, int]
@@ -63,18 +72,35 @@ class StageLayout:
   ct_present: tuple
   specs: dict
   avals: dict
+  zero: int = 0
+  acc_specs: dict = dataclasses.field(default_factory=dict)
+  gather_specs: dict = dataclasses.field(default_factory=dict)
+
+  def acc_spec(self, vid: int) -> P:
+    """The ``PartitionSpec`` of parameter ``vid``'s gradient accumulator."""
+    return self.acc_specs.get(vid, self.specs[vid])
 
 
 def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
-                 batch_dependent: set[int], logical_mesh: tuple[int, int]) -> StageLayout:
+                 batch_dependent: set[int], logical_mesh: tuple[int, int],
+                 zero: int = 0) -> StageLayout:
   """The layout of stage ``sp`` (a :class:`~harpjax.compiler.stages.stage.StageProgram`) on a
   ``(dp, tp)`` logical mesh: parameters split
   Megatron-style on ``tp`` (:mod:`harpjax.compiler.layers.sharding`), batch-carrying values on
-  ``dp``, the rest replicated."""
+  ``dp``, the rest replicated. With ``zero >= 2`` the gradient accumulators are also split on
+  ``dp`` (:func:`~harpjax.compiler.layers.sharding.zero_spec`), with ``zero == 3`` the
+  parameters too (gathered where used)."""
   prog = layers.program
   dp, tp = logical_mesh
   own_ops = prog.ops[sp.own_range[0]:sp.own_range[1]]
   specs = dict(sharding_lib.param_specs(prog, own_ops, sp.param_ids, tp))
+  acc_specs, gather_specs = {}, {}
+  for v in sp.param_ids:
+    split = sharding_lib.zero_spec(prog.avals[v].shape, specs[v], dp, tp)
+    acc_specs[v] = split if zero >= 2 else specs[v]
+    if zero >= 3 and split != specs[v]:
+      gather_specs[v] = specs[v]
+      specs[v] = split
   inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
   data = tuple(v for v in sp.data_ids if inputs_by_id[v].kind != "static")
   for v in data:
@@ -88,7 +114,8 @@ def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
                                    weak_type=getattr(prog.avals[v], "weak_type", False))
            for v in specs}
   return StageLayout(sp.index, tuple(logical_mesh), tuple(sp.param_ids), data, sp.act_ids,
-                     sp.act_int_ids, sp.output_ids, sp.ct_present, specs, avals)
+                     sp.act_int_ids, sp.output_ids, sp.ct_present, specs, avals, int(zero),
+                     acc_specs, gather_specs)
 
 
 # --------------------------------------------------------------------------- the step
@@ -158,6 +185,9 @@ class StepLayout:
     ct_targets: per stage, the producer stages it sends cotangents to.
     outputs: per step output, ``("lit", value)``, ``("const", vid)``, ``("leaf", i)`` or
       ``("stage", s, vid)``.
+    host: ``(stage, outer value id)`` of the values kept in host memory (memory kind
+      ``"pinned_host"``) between the groups that use them: the optimizer state of stages
+      that offload it (:class:`~harpjax.compiler.stages.OffloadOptions`).
   """
   num_stages: int
   num_microbatches: int
@@ -193,15 +223,21 @@ class StepLayout:
   act_sources: tuple
   ct_targets: tuple
   outputs: tuple
+  host: frozenset = frozenset()
 
   @property
   def loss_vid(self):
     return self.region_outvars[0]
 
   def preferred_sharding(self, stage: int, vid: int, mesh) -> NamedSharding | None:
-    """Value ``vid``'s preferred sharding on ``stage``'s ``mesh`` (``None``: no preference)."""
+    """Value ``vid``'s preferred sharding on ``stage``'s ``mesh`` (``None``: no preference),
+    in host memory if the stage keeps it there (:attr:`host`)."""
     spec = self.preferred.get((stage, vid))
-    return None if spec is None else NamedSharding(mesh, spec)
+    if spec is None:
+      return None
+    if (stage, vid) in self.host:
+      return NamedSharding(mesh, spec, memory_kind=HOST_MEMORY)
+    return NamedSharding(mesh, spec)
 
   def group_out_shardings(self, gi: int, mesh) -> tuple:
     """The output shardings of placement group ``gi`` on its home stage's ``mesh``."""
@@ -234,7 +270,7 @@ class StepLayout:
 
 def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, placement,
                 param_owner, param_users, output_stage, preferred: dict,
-                loss_reduction: str) -> StepLayout:
+                loss_reduction: str, host: frozenset = frozenset()) -> StepLayout:
   """Derives the :class:`StepLayout` of a step cut into ``programs`` (see the module
   docstring).
 
@@ -247,6 +283,7 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
     output_stage: per region output, the stage computing it (``-1``: none).
     preferred: ``(stage, outer value id) -> PartitionSpec``.
     loss_reduction: ``"mean"`` or ``"sum"``.
+    host: ``(stage, outer value id)`` of the values kept in host memory.
   """
   ts = traced
   outer = ts.outer
@@ -361,4 +398,5 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
       ct_routes={k: tuple(sorted(v)) for k, v in ct_routes.items()},
       ct_sources=tuple({v: tuple(sorted(ts_, reverse=True)) for v, ts_ in d.items()}
                        for d in ct_sources),
-      act_sources=act_sources, ct_targets=ct_targets, outputs=tuple(outputs))
+      act_sources=act_sources, ct_targets=ct_targets, outputs=tuple(outputs),
+      host=frozenset(host))

@@ -33,9 +33,9 @@ from harpjax import _compat
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
-from harpjax.compiler.stages.compile import StepProgram
+from harpjax.compiler.stages.compile import StepProgram, check_host_memory
 from harpjax.compiler.stages.layout import StepLayout
-from harpjax.compiler.stages.stage import StageExecutables, fwd_in_specs
+from harpjax.compiler.stages.stage import StageExecutables, acc_shardings, fwd_in_specs
 from harpjax.errors import RuntimeFailure, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -109,12 +109,13 @@ class LoweredStep:
           + "; set them here first (jax.config.update), globally rather than in a context "
           "manager of the lowering thread")
     lay = self.layout.stages[stage]
+    if any(h == stage for h, _ in self.layout.host):
+      check_host_memory(devices, stage)
     mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
     call = lambda blob: export.deserialize(blob).call
-    param_sh = tuple(NamedSharding(mesh, lay.specs[v]) for v in lay.param_ids)
     executables = StageExecutables(
-        lay, mesh, jax.jit(call(lowered.fwd)), jax.jit(call(lowered.bwd), donate_argnums=(2,)),
-        jax.jit(call(lowered.zeros), out_shardings=param_sh))
+        lay, mesh, jax.jit(call(lowered.fwd)), jax.jit(call(lowered.bwd), donate_argnums=(3,)),
+        jax.jit(call(lowered.zeros), out_shardings=acc_shardings(lay, mesh)))
     groups = {}
     for gi, blob in lowered.groups.items():
       groups[gi] = jax.jit(call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
@@ -167,16 +168,18 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
   residuals = tuple(fwd.out_avals[len(lay.output_ids):])
   cts = tuple(lay.avals[v] for v, has in zip(lay.output_ids, lay.ct_present) if has)
   ct_sh = tuple(sharded(lay.specs[v]) for v, has in zip(lay.output_ids, lay.ct_present) if has)
-  bwd = exp(fns.bwd, in_shardings=(None, ct_sh, in_sh[0]))(
+  acc_sh = acc_shardings(lay, mesh)
+  bwd = exp(fns.bwd, in_shardings=(in_sh[0], None, ct_sh, acc_sh))(
+      args[0],
       tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in residuals),
       cts, args[0])
-  zeros = exp(fns.zeros, out_shardings=in_sh[0])()
+  zeros = exp(fns.zeros, out_shardings=acc_sh)()
   step_lay = program.layout
   groups = {}
   for gi, (g, fn) in enumerate(zip(step_lay.groups, program.group_functions)):
     if g.home != s:
       continue
-    pref = lambda v: sharded(step_lay.preferred.get((s, v), P()))
+    pref = lambda v: step_lay.preferred_sharding(s, v, mesh) or sharded(P())
     in_args = tuple(step_lay.outer_avals[v] for v in g.in_ids)
     groups[gi] = exp(fn, in_shardings=tuple(pref(v) for v in g.in_ids),
                      out_shardings=step_lay.group_out_shardings(gi, mesh))(*in_args).serialize()

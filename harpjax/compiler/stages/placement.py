@@ -9,13 +9,17 @@ devices, next to the weights. The placement is inferred from the data flow:
 1. seeds: a parameter and its gradient live on their owner stage; the loss and auxiliary
    outputs on the stage that computes them;
 2. forward: an op reading placed values goes where most of those bytes are;
-3. backward: an op whose results only placed ops read goes with them (casts of parameters);
+3. backward: an op whose results only placed ops of one stage read goes with them;
 4. the rest reads nothing placed (step counters, learning-rate schedules, random keys):
-   "floating" ops, recomputed by every group that needs them.
+   "floating" ops, recomputed by every group that needs them (Adam's bias correction from the
+   step counter is computed by each stage's update, so no stage's update waits for another's).
 
 Ops are then grouped by ``(level, stage)``, where the level increases whenever a value crosses
 from one stage to another (a global gradient norm is summed on one stage, then its scale is
-sent back), so that groups of one level can run on their stages independently.
+sent back), so that groups of one level can run on their stages independently. Only what the
+region reads runs before it; every other op runs after it, even one that needs no gradient
+(``b1 * mu`` of Adam), so that no value derived from the training state is held through the
+pipeline.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ def place(outer: Program, region_op: int, seeds: dict[int, int]) -> Placement:
       for c in consumers.get(o, ()):
         if c != region_op and c in op_home:
           homes.add(op_home[c])
-    if homes:
+    if len(homes) == 1:   # read on several stages: floating, so no stage waits for another
       h = min(homes)
       op_home[op.index] = h
       for o in op.outvars:
@@ -110,12 +114,24 @@ def place(outer: Program, region_op: int, seeds: dict[int, int]) -> Placement:
   # 4. floating
   floating = {op.index for op in outer.ops if op.index != region_op and op.index not in op_home}
 
-  # levels
+  # levels: the region's ancestors first, then the rest, which run after the region (an
+  # optimizer's ``b1 * mu`` needs no gradient but is only read after it: computed before,
+  # it would hold a copy of the moments through the whole pipeline)
+  feeds_region, stack = set(), [region_op]
+  while stack:
+    i = stack.pop()
+    for v in outer.ops[i].in_ids():
+      p = producer.get(v)
+      if p is not None and p not in feeds_region:
+        feeds_region.add(p)
+        stack.append(p)
   level: dict[int, int] = {}
-  for op in outer.ops:
+  order = [op for op in outer.ops if op.index in feeds_region or op.index == region_op] + \
+      [op for op in outer.ops if op.index not in feeds_region and op.index != region_op]
+  for op in order:
     if op.index in floating:
       continue
-    lv = 0
+    lv = 0 if op.index in feeds_region or op.index == region_op else level[region_op] + 1
     for v in op.in_ids():
       p = producer.get(v)
       if p is None or p in floating:

@@ -7,7 +7,8 @@ stages read, plus any loss/auxiliary output it computes.
 
 * ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, residuals)``: the outputs and the
   leaves of the ``jax.vjp`` closure, kept on the stage's devices;
-* ``bwd(residuals, cotangents, grad_acc) -> (grad_acc + grads, activation_cotangents)``.
+* ``bwd(params, residuals, cotangents, grad_acc) -> (grad_acc + grads,
+  activation_cotangents)``: the parameters are passed again rather than kept as residuals.
 
 Sections, in order: the slice of the program a stage runs (:class:`StageProgram`), its
 :class:`StageFunctions` and, jitted on a submesh, its :class:`StageExecutables`. What the stage
@@ -30,10 +31,11 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence
+from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.stages.layout import StageLayout
 from harpjax.compiler.trace import (Lit, Op, Program, TracedStep, apply_site, ops_function,
                                    primitives)
@@ -41,7 +43,7 @@ from harpjax.compiler.trace import (Lit, Op, Program, TracedStep, apply_site, op
 log = logging.getLogger(__name__)
 
 __all__ = ["StageProgram", "StageFunctions", "StageExecutables", "slice_stages",
-           "stage_functions", "fwd_in_specs", "jit_stage"]
+           "stage_functions", "fwd_in_specs", "acc_shardings", "jit_stage"]
 
 _NEVER_CLONE = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
                           "random_wrap", "rng_bit_generator", "rng_uniform"})
@@ -164,8 +166,9 @@ class StageFunctions:
   * ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, residuals)``: the outputs and
     the leaves of the ``jax.vjp`` closure (what the backward needs, kept on the stage's
     devices);
-  * ``bwd(residuals, cotangents, grad_acc) -> (grad_acc + grads, activation_cotangents)``,
-    ``cotangents`` for the outputs whose ``ct_present`` is true;
+  * ``bwd(params, residuals, cotangents, grad_acc) -> (grad_acc + grads,
+    activation_cotangents)``, ``cotangents`` for the outputs whose ``ct_present`` is true
+    (the parameters again: they are not among the residuals);
   * ``zeros() -> grad_acc`` of zeros.
 
   ``bwd`` rebuilds the closure from the residuals with the tree structure ``fwd`` recorded
@@ -177,12 +180,22 @@ class StageFunctions:
 
 
 def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
-                    remat: bool = False) -> StageFunctions:
+                    remat: bool = False, layout: StageLayout | None = None) -> StageFunctions:
   """The forward, backward and zeros functions of one stage.
 
   With ``remat`` the forward keeps only the stage's inputs per in-flight microbatch and the
   backward recomputes the rest (activation recomputation, ``jax.checkpoint``), the memory model
   of a profile made with ``ProfileOptions(remat=True)``.
+
+  The parameters are not among the residuals the forward returns: the backward takes them
+  again (a residual that is a parameter would be a copy of it per in-flight microbatch).
+
+  With a ``layout`` of ZeRO-2 or more, the backward returns the gradient accumulator in its
+  ``dp``-split sharding (``StageLayout.acc_specs``: XLA reduces the gradient and each device
+  keeps its part); with ZeRO-3 the parameters arrive split and the forward and the backward
+  each gather them to their ``StageLayout.gather_specs`` sharding before use (nothing
+  gathered is kept between the two). Shardings are given on the abstract ``(dp, tp)`` mesh, so
+  the same functions jit on any submesh and export for another process.
   """
   prog = layers.program
   inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
@@ -190,28 +203,46 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
                 if inputs_by_id[v].kind == "static"}
   dyn_data = tuple(v for v in sp.data_ids if v not in static_env)
   hook = _make_hook(ts)
-  residual_tree = []   # the vjp closure's tree structure, recorded by fwd
+  residual_tree = []   # (the vjp closure's tree structure, which leaves are parameters)
 
   run = ops_function(sp.ops, sp.param_ids + sp.act_ids + sp.act_int_ids + dyn_data,
                      sp.output_ids, static_env)
+
+  gather, acc_sh = {}, None
+  if layout is not None and (layout.gather_specs or layout.zero >= 2):
+    mesh = AbstractMesh(tuple(layout.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+    gather = {i: NamedSharding(mesh, layout.gather_specs[v])
+              for i, v in enumerate(sp.param_ids) if v in layout.gather_specs}
+    if layout.zero >= 2:
+      acc_sh = tuple(NamedSharding(mesh, layout.acc_spec(v)) for v in sp.param_ids)
+
+  def used(params):
+    """The parameters as the stage's ops read them (ZeRO-3: gathered)."""
+    return tuple(jax.lax.with_sharding_constraint(p, gather[i]) if i in gather else p
+                 for i, p in enumerate(params))
 
   def primal(params, acts, acts_int, data, mb_index):
     return run(*params, *acts, *acts_int, *data,
                hook=(lambda op, xs: hook(op, xs, mb_index)) if hook else None)
 
   def fwd(params, acts, acts_int, data, mb_index):
+    params = used(params)
     f = lambda p, a: primal(p, a, acts_int, data, mb_index)
     outs, vjp = jax.vjp(jax.checkpoint(f) if remat else f, params, acts)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
-    residual_tree[:] = [tree]
-    return outs, tuple(leaves)
+    slots = tuple(next((i for i, p in enumerate(params) if leaf is p), -1) for leaf in leaves)
+    residual_tree[:] = [(tree, slots)]
+    return outs, tuple(leaf for leaf, slot in zip(leaves, slots) if slot < 0)
 
   out_avals = [prog.avals[v] for v in sp.output_ids]
 
-  def bwd(residuals, cts_present, acc):
+  def bwd(params, residuals, cts_present, acc):
     if not residual_tree:
       raise AssertionError(f"stage {sp.index}: the backward was traced before the forward")
-    vjp_fn = jax.tree_util.tree_unflatten(residual_tree[0], residuals)
+    tree, slots = residual_tree[0]
+    params, it = used(params), iter(residuals)
+    vjp_fn = jax.tree_util.tree_unflatten(
+        tree, [params[slot] if slot >= 0 else next(it) for slot in slots])
     it = iter(cts_present)
     cts = []
     for aval, present in zip(out_avals, sp.ct_present):
@@ -222,7 +253,10 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
       else:
         cts.append(jnp.zeros(aval.shape, aval.dtype))
     g_params, g_acts = vjp_fn(tuple(cts))
-    return tuple(a + g for a, g in zip(acc, g_params)), g_acts
+    acc = tuple(a + g for a, g in zip(acc, g_params))
+    if acc_sh is not None:
+      acc = tuple(jax.lax.with_sharding_constraint(a, sh) for a, sh in zip(acc, acc_sh))
+    return acc, g_acts
 
   param_avals = [prog.avals[v] for v in sp.param_ids]
 
@@ -230,6 +264,12 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
     return tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals)
 
   return StageFunctions(fwd, bwd, zeros)
+
+
+def acc_shardings(layout: StageLayout, mesh) -> tuple:
+  """The gradient accumulators' shardings on ``mesh`` (concrete or abstract), in parameter
+  order."""
+  return tuple(NamedSharding(mesh, layout.acc_spec(v)) for v in layout.param_ids)
 
 
 def fwd_in_specs(layout: StageLayout) -> tuple:
@@ -266,18 +306,26 @@ class StageExecutables:
     return self._shardings[vid]
 
   @functools.cached_property
+  def _acc_shardings(self) -> dict:
+    return {v: NamedSharding(self.mesh, self.layout.acc_spec(v)) for v in self.layout.param_ids}
+
+  def acc_sharding(self, vid: int) -> NamedSharding:
+    """The sharding of parameter ``vid``'s gradient (accumulator), on the stage's devices."""
+    return self._acc_shardings[vid]
+
+  @functools.cached_property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
 
 
 def jit_stage(layout: StageLayout, functions: StageFunctions, mesh: Mesh) -> StageExecutables:
   """Jits a stage's functions on its submesh (the forward with its inputs' shardings, the
-  zeros with the parameters', the backward donating the gradient accumulator)."""
+  zeros with the gradient accumulators', the backward donating the accumulator)."""
   in_sh = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), fwd_in_specs(layout),
                                  is_leaf=lambda x: isinstance(x, P))
   fwd = jax.jit(functions.fwd, in_shardings=in_sh)
-  bwd = jax.jit(functions.bwd, donate_argnums=(2,))
-  zeros = jax.jit(functions.zeros, out_shardings=in_sh[0])
+  bwd = jax.jit(functions.bwd, donate_argnums=(3,))
+  zeros = jax.jit(functions.zeros, out_shardings=acc_shardings(layout, mesh))
   return StageExecutables(layout, mesh, fwd, bwd, zeros)
 
 

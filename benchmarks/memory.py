@@ -1,0 +1,131 @@
+"""Per-device peak memory of compiled stages at every ZeRO level: XLA vs the memory model.
+
+For each model, plan and ZeRO level, every stage is compiled as the runtime runs it and
+:func:`harpjax.compiler.stages.memory_report` follows one step on one device of it with XLA's
+``memory_analysis()`` of the forward, backward and optimizer update (*XLA*). The model
+(:func:`harpjax.compiler.profile.stage_memory`) predicts the peak from the stage's parameter,
+gradient, optimizer-state and activation bytes without ZeRO, the level and ``dp``: *model*
+takes those bytes from the stage's arrays (the activation bytes from XLA's forward), *tables*
+from the cost tables the planner reads (jaxpr source: parameters per device times 4 + 4 + 8
+bytes of float32 Adam, the layers' residual and workspace estimates). Levels marked
+"+ offload" keep the optimizer state in host memory between steps
+(``harpjax.OffloadOptions``; XLA:CPU's host memory is the same RAM, accounted apart).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import harpjax  # noqa: E402
+from harpjax.compiler.profile import ProfileOptions, profile_step, stage_memory  # noqa: E402
+from harpjax.compiler.stages import memory_report  # noqa: E402
+from harpjax.models import GPT, GPTConfig  # noqa: E402
+
+CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_local.yaml")
+
+MODELS = {   # name: (hidden, seq_len, vocab, blocks, batch)
+    "gpt-h128-s32": (128, 32, 512, 4, 16),
+    "gpt-h256-s8": (256, 8, 1024, 4, 16),
+}
+PLANS = {    # name: per stage (subcluster, submesh, logical mesh); layers split in half
+    "dp4|dp2": [("v100", (1, 4), (4, 1)), ("a100", (1, 2), (2, 1))],
+    "dp2tp2|dp4": [("v100", (1, 4), (2, 2)), ("a100", (2, 2), (4, 1))],
+}
+
+
+def gpt_step(hidden, seq_len, vocab, blocks, batch):
+  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, hidden=hidden, num_heads=4,
+                  num_blocks=blocks)
+  model = GPT(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, vocab)
+  params = model.init(jax.random.key(1), tokens[:, :-1])
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adamw(1e-3))
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  return step, state, tokens
+
+
+def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight, offload):
+  """The model's peak from the cost tables' per-layer numbers (float32 Adam)."""
+  i, j = num_layers_range
+  arr = costs[mesh_key]
+  n = float(np.sum(arr["param_mem_bytes"][i:j + 1])) / 16.0
+  mem = stage_memory(param_bytes=4 * n, grad_bytes=4 * n, opt_bytes=8 * n,
+                     act_bytes=float(np.sum(arr["act_mem_bytes"][i:j + 1])), dp=dp, zero=zero,
+                     out_bytes=layers[j].boundary_bytes / dp if j + 1 < len(layers) else 0.0,
+                     workspace_bytes=float(np.max(arr["temp_bytes"][i:j + 1])),
+                     offload_optimizer=offload)
+  return mem.peak_bytes(in_flight)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+  ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(PLANS))
+  ap.add_argument("--microbatches", type=int, default=4)
+  ap.add_argument("--offload", nargs="*", type=int, default=[0, 2],
+                  help="ZeRO levels also run with the optimizer state offloaded to host memory")
+  args = ap.parse_args(argv)
+  cluster = harpjax.Cluster.load(CLUSTER)
+  mib = lambda b: f"{b / 2**20:.2f}"
+  print("| model | plan | stage | (dp, tp) | zero | N | params | grads | opt | acts/mb "
+        "| XLA peak | model | error | tables | error |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  worst = 0.0
+  t0 = time.perf_counter()
+  for mname in args.models:
+    step, state, tokens = gpt_step(*MODELS[mname])
+    prof = profile_step(step, (state, tokens), cluster, num_microbatches=args.microbatches,
+                        options=ProfileOptions(use_cache=False, progress=False))
+    layers = prof.layers
+    L = len(layers)
+    for pname in args.plans:
+      stages = PLANS[pname]
+      ranges = [(0, L // 2 - 1), (L // 2, L - 1)]
+      levels = [(z, False) for z in (0, 1, 2, 3)]
+      levels += [(z, True) for z in args.offload]
+      for zero, offload in levels:
+        plan = harpjax.ManualPlan([dict(layers=r, subcluster=sc, submesh=sm, logical_mesh=lm,
+                                         zero=zero) for r, (sc, sm, lm) in zip(ranges, stages)])
+        pstep = harpjax.auto_parallel(step, cluster=CLUSTER, num_microbatches=args.microbatches,
+                                      plan=plan, runtime_options={"compile_workers": 0},
+                                      offload=harpjax.OffloadOptions(optimizer_state=offload))
+        cs = pstep.compile(state, tokens)
+        for s, (sc, sm, lm) in enumerate(stages):
+          r = memory_report(cs, s)
+          worst = max(worst, abs(r.error))
+          tab = from_tables(prof.costs, layers, ranges[s], (sc, sm, lm), lm[0], zero,
+                            r.in_flight, offload)
+          level = f"{zero}{' + offload' if offload else ''}"
+          print(f"| {mname} | {pname} | {s} | {lm} | {level} | {r.in_flight} "
+                f"| {mib(r.param_bytes)} | {mib(r.grad_bytes)} | {mib(r.opt_bytes)} "
+                f"| {mib(r.act_bytes)} | {mib(r.xla_peak_bytes)} "
+                f"| {mib(r.predicted_peak_bytes)} | {100 * r.error:+.1f}% "
+                f"| {mib(tab)} | {100 * (tab / r.xla_peak_bytes - 1):+.1f}% |", flush=True)
+  print(f"\nMiB per device. Largest |model error|: {100 * worst:.1f}%; "
+        f"{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+  main()

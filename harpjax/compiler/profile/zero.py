@@ -1,0 +1,342 @@
+"""ZeRO inside a stage's data-parallel axis: what each level costs in memory and collectives.
+
+At level 0 every device of a stage holds all of the stage's parameters, their gradient
+accumulator and the optimizer state (tensor parallelism aside: ``1/tp`` of what it splits).
+ZeRO-1 splits the optimizer state over the stage's ``dp`` devices, ZeRO-2 the gradient
+accumulator too, ZeRO-3 the parameters too (:attr:`harpjax.compiler.plan.StageSpec.zero`; the
+runtime does it with shardings, :mod:`harpjax.compiler.stages`). This module is the planner's
+side: plain numbers in, bytes and seconds out, no devices.
+
+**Memory** (:func:`stage_memory`, per device; ``P``, ``G``, ``O`` the parameter, gradient and
+optimizer-state bytes a device holds at level 0, ``R`` one microbatch's residuals, ``N`` the
+microbatches in flight). The runtime holds the state, the accumulator and the residuals of
+the microbatches in flight while the pipeline runs, and the optimizer update writes its
+results beside its arguments (the caller's state is not overwritten), so a stage's peak is the
+larger of
+
+* pipeline: ``P_z + G_z + O_z + N R + max(W_fwd, W_bwd)``
+* update: ``P_z + G_z + O_z + (P_z + O_z) + W_upd``
+
+(parameters the stage reads but another stage owns, a tied embedding, count in the pipeline's
+``P_z`` and ``G_z`` only: their owner updates them).
+
+with ``O_z = O / dp`` from level 1, ``G_z = G / dp`` from level 2, ``P_z = P / dp`` at level
+3, and workspaces: the forward writes its outputs (``out_bytes``) and, at level 3, the
+gathered parameters ``P``; the backward writes the gradient ``G`` and then its data-parallel
+reduction (``G`` for an all-reduce; ``G / dp`` when the backend turns the reduction and the
+split into a reduce-scatter, XLA:GPU; XLA:CPU all-reduces and slices, and sometimes reuses a
+part of the gradient's buffer, so the model can exceed its peak by ``G / dp``), or before it,
+at level 3, the gathered parameters, dead by the time the gradient is reduced: ``G +
+max(reduction, gathered)``; the update at levels 1 and 2 writes each device's updated part
+before gathering it (``P / dp``). ``workspace_bytes`` (the layers' own temporaries, from the
+cost tables) adds to the forward's and the backward's.
+
+**Collectives** (:func:`zero_collectives`, :func:`zero_sync_time_s`; ring model of
+:mod:`~harpjax.compiler.profile.collectives` on the link between the ``dp`` replicas). Per
+microbatch, levels 0 and 1 all-reduce the gradient; level 2 reduce-scatters it; level 3 also
+all-gathers the parameters in the forward and again in the backward. Per step, levels 1 and 2
+all-gather the updated parameters. Byte counts are per device (results, as
+:func:`~harpjax.compiler.profile.pieces.parse_collectives` reports XLA's).
+
+**Host offload** (``opt_offloaded``, :func:`offload_time_s`): a stage that keeps its optimizer
+state in host memory between updates (:class:`harpjax.OffloadOptions`) holds none of it
+during the pipeline; the update brings it to the device and writes the new state back (so the
+update's peak is unchanged), ``2 O_z`` bytes over the host link per step, after the pipeline
+(the simulator's end cost; adding it there, and the memory check of the planner, is left to
+the planner's side).
+
+:func:`zero_tables` rebuilds a profile's :class:`~harpjax.compiler.profile.CostTables` with
+every entry's memory and data-parallel time at one level (:func:`zero_layer_costs` per
+configuration), for the planner to compare levels; choosing a level per stage inside the
+planner's dynamic program is not done yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
+from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
+from harpjax.compiler.profile.profiler import (MeshConfig, ordered_subclusters,
+                                               tables_from_layer_costs)
+from harpjax.errors import HarpjaxError
+
+__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s", "zero_collectives",
+           "zero_sync_time_s", "zero_state_bytes_per_param", "zero_layer_costs", "zero_tables"]
+
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+def _check(zero: int, dp: int) -> None:
+  if zero not in ZERO_LEVELS:
+    raise HarpjaxError(f"zero={zero!r}: choose one of {ZERO_LEVELS}")
+  if int(dp) != dp or dp < 1:
+    raise HarpjaxError(f"dp={dp!r} must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+  """Per-device bytes of one stage at one ZeRO level (see the module docstring).
+
+  Attributes:
+    param_bytes: parameters held.
+    grad_bytes: gradient accumulator held.
+    opt_bytes: optimizer state held.
+    act_bytes: residuals of one in-flight microbatch.
+    fwd_workspace_bytes: what a forward writes besides its residuals (outputs, temporaries).
+    bwd_workspace_bytes: what a backward writes besides the accumulator (gradient, its
+      reduction, activation cotangents, temporaries).
+    update_workspace_bytes: the update's temporaries (its results counted apart).
+    shared_bytes: of ``param_bytes``, what another stage owns and updates (so much the same
+      share of ``grad_bytes``).
+    opt_offloaded: the optimizer state stays in host memory between updates: the pipeline
+      holds none of it on the device; the update brings it in and writes it back.
+  """
+  param_bytes: float
+  grad_bytes: float
+  opt_bytes: float
+  act_bytes: float
+  fwd_workspace_bytes: float
+  bwd_workspace_bytes: float
+  update_workspace_bytes: float
+  shared_bytes: float = 0.0
+  opt_offloaded: bool = False
+
+  @property
+  def state_bytes(self) -> float:
+    """Parameters, accumulator and optimizer state (wherever it is held)."""
+    return self.param_bytes + self.grad_bytes + self.opt_bytes
+
+  def pipeline_bytes(self, in_flight: int) -> float:
+    """Peak while the pipeline runs with ``in_flight`` microbatches' residuals held."""
+    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
+    return held + in_flight * self.act_bytes + max(self.fwd_workspace_bytes,
+                                                   self.bwd_workspace_bytes)
+
+  def update_bytes(self) -> float:
+    """Peak of the optimizer update: the state, and the new parameters and optimizer state."""
+    own = 1.0 - self.shared_bytes / self.param_bytes if self.param_bytes else 1.0
+    return (2 * own * self.param_bytes + own * self.grad_bytes + 2 * self.opt_bytes
+            + self.update_workspace_bytes)
+
+  def peak_bytes(self, in_flight: int) -> float:
+    """The stage's per-device peak over a step."""
+    return max(self.pipeline_bytes(in_flight), self.update_bytes())
+
+
+def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: int,
+                 zero: int, grad_bytes: float | None = None, out_bytes: float = 0.0,
+                 workspace_bytes: float = 0.0, reduce_scatter: bool = False,
+                 shared_param_bytes: float = 0.0,
+                 offload_optimizer: bool = False) -> StageMemory:
+  """Per-device memory of a stage at ZeRO level ``zero``.
+
+  Args:
+    param_bytes: parameter bytes a device holds at level 0 (after any ``tp`` split).
+    opt_bytes: optimizer-state bytes a device holds at level 0.
+    act_bytes: residual bytes of one microbatch per device.
+    dp: data-parallel degree of the stage.
+    zero: the level, 0 to 3.
+    grad_bytes: gradient-accumulator bytes at level 0 (default ``param_bytes``).
+    out_bytes: bytes of the forward's outputs per microbatch per device (what it sends on).
+    workspace_bytes: the layers' temporaries (the cost tables' largest ``temp_bytes``).
+    reduce_scatter: the backend turns "all-reduce, keep my part" into a reduce-scatter
+      (XLA:GPU does; XLA:CPU does not).
+    shared_param_bytes: of ``param_bytes``, the parameters another stage owns (held, with
+      their gradient, through the pipeline; updated by their owner).
+    offload_optimizer: the optimizer state is kept in host memory between updates
+      (:class:`harpjax.OffloadOptions`).
+
+  Returns:
+    The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
+    dimensions do not divide stay whole in the runtime (small biases, in practice).
+  """
+  _check(zero, dp)
+  P = float(param_bytes)
+  G = P if grad_bytes is None else float(grad_bytes)
+  O = float(opt_bytes)
+  gathered = P if zero >= 3 and dp > 1 else 0.0
+  reduced = 0.0 if dp <= 1 else (G / dp if zero >= 2 and reduce_scatter else G)
+  return StageMemory(
+      param_bytes=P / dp if zero >= 3 else P,
+      grad_bytes=G / dp if zero >= 2 else G,
+      opt_bytes=O / dp if zero >= 1 else O,
+      act_bytes=float(act_bytes),
+      fwd_workspace_bytes=float(out_bytes) + float(workspace_bytes) + gathered,
+      bwd_workspace_bytes=G + max(reduced, gathered) + float(workspace_bytes),
+      update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
+      shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
+      opt_offloaded=bool(offload_optimizer))
+
+
+def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
+                   latency_s: float = 0.0) -> float:
+  """Seconds per step of a stage's optimizer state kept in host memory: brought to the device
+  for the update and written back, ``2 * (latency + opt_bytes / bandwidth)``.
+
+  Args:
+    opt_bytes: optimizer-state bytes one device holds (after ZeRO's split).
+    host_bandwidth_bytes_per_s: the device's link to host memory, one direction (PCIe 4.0
+      x16: ~25e9 in practice).
+    latency_s: per transfer.
+  """
+  if not host_bandwidth_bytes_per_s > 0:
+    raise HarpjaxError(f"host_bandwidth_bytes_per_s={host_bandwidth_bytes_per_s} must be > 0")
+  if opt_bytes <= 0:
+    return 0.0
+  return 2.0 * (latency_s + float(opt_bytes) / host_bandwidth_bytes_per_s)
+
+
+def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer_bytes: float,
+                               dp: int, zero: int) -> float:
+  """Bytes per parameter a device holds for parameters, gradients and optimizer state.
+
+  E.g. mixed-precision Adam (2 + 2 + 12 bytes): 16 at level 0, ``4 + 12 / dp`` at level 1,
+  ``2 + 14 / dp`` at level 2, ``16 / dp`` at level 3.
+  """
+  _check(zero, dp)
+  return (weight_bytes / (dp if zero >= 3 else 1) + grad_bytes / (dp if zero >= 2 else 1)
+          + optimizer_bytes / (dp if zero >= 1 else 1))
+
+
+def zero_collectives(param_bytes: float, dp: int, zero: int, grad_bytes: float | None = None
+                     ) -> tuple[dict, dict]:
+  """The data-parallel collectives of a stage at ZeRO level ``zero``.
+
+  Args:
+    param_bytes: parameter bytes per device at level 0 (what an all-gather rebuilds).
+    dp: data-parallel degree.
+    zero: the level.
+    grad_bytes: gradient bytes per device at level 0 (default ``param_bytes``).
+
+  Returns:
+    ``(per_microbatch, per_step)``, each ``{kind: [result bytes per device, count]}`` as
+    :func:`~harpjax.compiler.profile.collectives.collective_time_s` reads them.
+  """
+  _check(zero, dp)
+  P = float(param_bytes)
+  G = P if grad_bytes is None else float(grad_bytes)
+  if dp <= 1:
+    return {}, {}
+  per_mb: dict = {}
+  per_step: dict = {}
+  if zero <= 1:
+    per_mb["all-reduce"] = [G, 1]
+  else:
+    per_mb["reduce-scatter"] = [G / dp, 1]
+  if zero >= 3:
+    per_mb["all-gather"] = [2 * P, 2]        # forward and backward
+  elif zero >= 1:
+    per_step["all-gather"] = [P, 1]          # the updated parameters
+  return per_mb, per_step
+
+
+def zero_sync_time_s(param_bytes: float, dp: int, zero: int, link: Link, num_microbatches: int,
+                     grad_bytes: float | None = None) -> float:
+  """Seconds of a stage's data-parallel collectives per microbatch at ZeRO level ``zero``
+  (the per-step ones shared over the ``num_microbatches``), on ``link``.
+
+  Level 0 gives :func:`~harpjax.compiler.profile.collectives.allreduce_time_s` of the
+  gradients, the all-reduce the cost tables already charge to every microbatch.
+  """
+  per_mb, per_step = zero_collectives(param_bytes, dp, zero, grad_bytes)
+  return (collective_time_s(per_mb, dp, link)
+          + collective_time_s(per_step, dp, link) / max(int(num_microbatches), 1))
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def zero_layer_costs(costs: dict, dp: int, zero: int, link: Link, *, num_microbatches: int,
+                     state_bytes_per_param: float = 16.0, optimizer_bytes_per_param: float = 12.0,
+                     grad_bytes_per_param: float | None = None) -> dict:
+  """One configuration's per-layer costs at ZeRO level ``zero``.
+
+  Args:
+    costs: ``{field: [L] array}`` of one (subcluster, submesh, logical mesh), as in
+      :attr:`~harpjax.compiler.profile.ProfileResult.costs` (at level 0).
+    dp: the configuration's data-parallel degree.
+    zero: the level.
+    link: the link between its ``dp`` replicas.
+    num_microbatches: ``B`` (per-step collectives are shared over it).
+    state_bytes_per_param: the profile's ``ProfileOptions.state_bytes_per_param``.
+    optimizer_bytes_per_param: the optimizer state's part of it (12 of 16 for mixed-precision
+      Adam; 8 of 16 for float32 Adam); weights and gradients share the rest equally.
+    grad_bytes_per_param: bytes of one gradient element on the wire (default the gradients'
+      share of the state).
+
+  Returns:
+    New arrays: ``param_mem_bytes`` per :func:`zero_state_bytes_per_param`, ``temp_bytes``
+    plus the layer's gathered weights at level 3, ``time_s`` and ``comm_s`` with the gradient
+    all-reduce swapped for the level's collectives (:func:`zero_sync_time_s`).
+  """
+  _check(zero, dp)
+  if not 0 <= optimizer_bytes_per_param <= state_bytes_per_param:
+    raise HarpjaxError(f"optimizer_bytes_per_param={optimizer_bytes_per_param} must be in "
+                       f"[0, state_bytes_per_param={state_bytes_per_param}]")
+  out = {f: np.array(a, dtype=np.float64) for f, a in costs.items()}
+  if not zero or dp <= 1:
+    return out
+  w = g = (state_bytes_per_param - optimizer_bytes_per_param) / 2
+  wire = g if grad_bytes_per_param is None else grad_bytes_per_param
+  n_local = out["param_mem_bytes"] / state_bytes_per_param
+  out["param_mem_bytes"] = n_local * zero_state_bytes_per_param(
+      w, g, optimizer_bytes_per_param, dp, zero)
+  if zero >= 3:
+    out["temp_bytes"] = out["temp_bytes"] + n_local * w
+  before = allreduce_time_s(n_local * wire, dp, link)
+  after = np.array([zero_sync_time_s(x * wire, dp, zero, link, num_microbatches)
+                    for x in n_local])
+  ok = np.isfinite(out["time_s"])
+  out["time_s"] = np.where(ok, out["time_s"] - before + after, out["time_s"])
+  out["comm_s"] = np.where(ok, out["comm_s"] - before + after, out["comm_s"])
+  return out
+
+
+def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
+                state_bytes_per_param: float = 16.0, optimizer_bytes_per_param: float = 12.0,
+                grad_bytes_per_param: float | None = None, imbalance: float = 4.0,
+                order=None):
+  """A profile's cost tables with every entry at ZeRO level ``zero``
+  (:func:`zero_layer_costs` of every configuration, on the link between its replicas: inside
+  a host for a one-host submesh, else the subcluster's). Level 0 gives the profile's own
+  tables.
+
+  Args:
+    result: a :class:`~harpjax.compiler.profile.ProfileResult` (its per-layer ``costs``).
+    cluster: the cluster it was profiled on.
+    zero: the level for every entry.
+    num_microbatches, state_bytes_per_param, optimizer_bytes_per_param, grad_bytes_per_param:
+      as in :func:`zero_layer_costs`.
+    imbalance, order: as in :class:`~harpjax.compiler.profile.ProfileOptions`.
+
+  Returns:
+    The :class:`~harpjax.compiler.profile.CostTables`.
+  """
+  _check(zero, 1)
+  subs = ordered_subclusters(cluster, order)
+  names = [s.name for s in subs]
+  configs, costs = [], []
+  for (name, submesh, mesh), arr in result.costs.items():
+    k = names.index(name)
+    sub = subs[k]
+    s = list(sub.submesh_shapes()).index(tuple(submesh))
+    costs.append(zero_layer_costs(
+        arr, mesh[0], zero, _dp_link(cluster, sub, submesh), num_microbatches=num_microbatches,
+        state_bytes_per_param=state_bytes_per_param,
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        grad_bytes_per_param=grad_bytes_per_param))
+    configs.append(MeshConfig(k, s, tuple(submesh), tuple(mesh)))
+  tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance)
+  return tables
+
+
+def _dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
+  """The link between a submesh's data-parallel replicas (as the profiler picks it)."""
+  if submesh[0] == 1:
+    return Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
+  nl = cluster.intra_subcluster_link(sub.name)
+  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
