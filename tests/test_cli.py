@@ -574,7 +574,9 @@ def test_keyboard_interrupt_in_a_command_exits_130(monkeypatch, cluster_file):
 # The child runs ``python -m harpjax plan`` (harpjax.cli.run) with the planner replaced by one
 # that never finishes on its own, in the place ``mode`` names; it prints a line when there.
 CHILD = r"""
-import os, sys, time
+import os, signal, sys, time
+# A user's terminal delivers Ctrl-C: undo an ignored SIGINT inherited from a background launch.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import harpjax.compiler.plan as plan_pkg
 import harpjax.compiler.profile as profile_pkg
