@@ -92,6 +92,8 @@ class DPArrays(NamedTuple):
       (``st_stay`` and ``st_leave`` listed) are ``mv_ptr[g * S_max + s] ..`` ``mv_ptr[g *
       S_max + s + 1] - 1``.
     mv_state: ``[V]`` int64 the state of each move; ``mv_sub``: ``[V]`` its subcluster.
+    ent_e: ``[E]`` float64 end-of-iteration seconds of each entry (gradient synchronisation
+      inside its submesh and the optimizer update; zeros when the tables have none).
   """
   st_sub: np.ndarray
   st_stay: np.ndarray
@@ -109,6 +111,7 @@ class DPArrays(NamedTuple):
   mv_ptr: np.ndarray
   mv_state: np.ndarray
   mv_sub: np.ndarray
+  ent_e: np.ndarray
 
 
 def moves(st_stay: np.ndarray, st_leave: np.ndarray, st_sub: np.ndarray
@@ -164,7 +167,8 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
   return bigger
 
 
-def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound):
+def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
+                    link_hits, discount):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -202,6 +206,9 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
+  # The most a hit stage further up can still take off a suffix without one (see solve_tau).
+  nmax = n_cap if n_cap < B else B
+  disc_max = discount * tau * (nmax - 1) if require_hit else 0.0
   first = np.zeros((L + 1, G, H), np.int64)
   count = np.zeros((L + 1, G, H), np.int64)
   pool = _new_frontier(1024)
@@ -226,11 +233,15 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         s = ix.ent_s[e]
         j = ix.ent_j[e]
         hit = 1 if (require_hit and t == tau) else 0
+        # The first stage (layer 0) also pays its end-of-iteration time.
+        t_end = t + ix.ent_e[e] if i == 0 else t
         if j == L - 1:
-          if not ix.st_end[d, s] or t > budget:
+          if not ix.st_end[d, s]:
             continue
-          if t < tc[1, hit]:
-            tc[1, hit] = t
+          if t_end - (disc_max if hit == 0 else 0.0) > budget:
+            continue
+          if t_end < tc[1, hit]:
+            tc[1, hit] = t_end
             te[1, hit] = e
             ts[1, hit] = -1
             nlo = min(nlo, 1)
@@ -245,9 +256,13 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
           if check_comm and c > tau:
             continue
           dl = _warmup_delta(c, tau, eps)
-          step = t + 2.0 * c
+          step = t_end + 2.0 * c
+          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
-            h = 1 if (h2 == 1 or hit == 1) else 0
+            h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
+            # This stage is the last hit of the plan: the round trip below it hides under its
+            # warm-up forwards (the lower bound of the discount, see solve_tau).
+            own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
             q0 = first[j + 1, d2, h2]
             for q in range(q0, q0 + count[j + 1, d2, h2]):
               n = pool.n[q] + dl
@@ -255,8 +270,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                 n = B
               if n > n_cap or p + n * a > mk:
                 break  # n grows along the frontier
-              v = pool.cost[q] + step
-              if v > budget:
+              v = pool.cost[q] + step - own * (n - 1)
+              if v - (disc_max if h == 0 else 0.0) > budget:
                 continue  # costs fall along the frontier: later points may fit
               if v < tc[n, h]:
                 tc[n, h] = v
@@ -268,18 +283,21 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                   nhi = n
       if nhi == 0:
         continue
-      # Compress into Pareto frontiers (h = 1 first: it also dominates h = 0 points).
+      # Compress into Pareto frontiers (h = 1 first: without the discount it also dominates
+      # h = 0 points). With the discount, an h = 0 point with more warm-ups gets more off at
+      # its hit stage further up: its frontier is over (n, cost - discount * tau * n).
       pool = _grow_frontier(pool, used, used + H * (nhi - nlo + 1))
       for h in range(H - 1, -1, -1):
         first[i, d, h] = used
         best_same = inf
         best_hit = inf
+        slope = discount * tau if (h == 0 and H == 2) else 0.0
         for n in range(nlo, nhi + 1):
-          if H == 2 and tc[n, 1] < best_hit:
+          if H == 2 and discount == 0.0 and tc[n, 1] < best_hit:
             best_hit = tc[n, 1]
           v = tc[n, h]
-          if v < best_same and (h == 1 or v < best_hit):
-            best_same = v
+          if v - slope * n < best_same and (h == 1 or v < best_hit):
+            best_same = v - slope * n
             pool.n[used] = n
             pool.cost[used] = v
             pool.entry[used] = te[n, h]
@@ -300,6 +318,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     if pool.cost[q] < value:
       value = pool.cost[q]
       best_q = q
+  if bound < inf and value + (B - 1) * tau > bound * (1.0 + BOUND_SLACK):
+    return inf, np.zeros(0, np.int64)
   if best_q < 0:
     return inf, np.zeros(0, np.int64)
   path = np.empty(L, np.int64)
@@ -324,41 +344,50 @@ else:  # pragma: no cover
 
 
 def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
-              require_hit: bool, check_comm: bool, bound: float,
-              use_numba: bool = True) -> tuple[float, np.ndarray]:
-  """The DP at one candidate ``t_max`` (Numba kernel).
+              require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
+              discount: float = 0.0, use_numba: bool = True) -> tuple[float, np.ndarray]:
+  """The DP at one candidate period ``tau`` (Numba kernel).
 
   Args:
     ix: the entries and device states, :class:`DPArrays`.
-    tau: candidate ``t_max``, seconds.
+    tau: candidate period ``P`` (``t_max``, or with ``link_hits`` the larger of ``t_max`` and
+      the slowest cut), seconds; the warm-ups are ``warmup_delta(c, tau, eps)``.
     num_microbatches: ``B``.
     eps: H-1F1B tolerance of :func:`harpjax.compiler.schedule.warmup_delta`.
     n_cap: largest warm-up count any state can need (``<= B``), sizes the scratch arrays.
-    require_hit: count only plans with a stage of time exactly ``tau`` (the exact search);
-      ``False`` allows any bottleneck ``<= tau`` (monotone in ``tau``: the feasibility test of
-      the binary search and a lower bound).
-    check_comm: enforce ``C(j) <= tau`` (H-1F1B's condition); ``False`` only to explain
-      infeasibility.
-    bound: best objective known, seconds (``inf`` for none); plans costing more than
-      ``bound * (1 + 1e-9)`` may be dropped.
+    require_hit: count only plans whose period is exactly ``tau`` (a stage of time ``tau``, or
+      with ``link_hits`` also a cut of ``tau``): the exact search; ``False`` allows any period
+      ``<= tau`` (monotone in ``tau``: the feasibility test of the binary search and a lower
+      bound).
+    check_comm: enforce ``C(j) <= tau``; ``False`` only to explain infeasibility.
+    bound: best objective known, seconds (``inf`` for none); plans whose value plus
+      ``(B - 1) tau`` exceeds ``bound * (1 + 1e-9)`` may be dropped.
+    link_hits: a cut of exactly ``tau`` makes ``tau`` the plan's period (link-bound plans).
+    discount: ``phi``, the forward's share of a stage's time. With ``discount > 0`` the value
+      of a plan is ``sum (t_i + 2 c_i) + e_0 - phi tau (min(N_h, B) - 1)``, where ``h`` is the
+      last stage of time ``tau`` (none if a cut of ``tau`` follows it); plus ``(B - 1) tau``
+      it is a lower bound on the simulated iteration time (the path through stage ``h``: its
+      first ``N_h - 1`` forwards hide under the round trip below it). ``0``: Eq. 12's
+      ``sum (t_i + 2 c_i) + e_0``.
     use_numba: run the compiled kernel (``False`` runs the same code in Python: slow).
 
   Returns:
-    ``(value, path)``: the smallest ``sum (t_i + 2 c_i)`` (``inf`` if none) and the entry
-    index of each stage in pipeline order.
+    ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
+    in pipeline order. ``e_0`` is the end-of-iteration time of the first stage (``ent_e``).
   """
   fn = _solve_tau_numba if (use_numba and HAVE_NUMBA) else _solve_tau_impl
   return fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
-            bool(check_comm), float(bound))
+            bool(check_comm), float(bound), bool(link_hits), float(discount))
 
 
 def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
-                    require_hit: bool, check_comm: bool, bound: float,
-                    use_numba: bool = False) -> tuple[float, np.ndarray]:
+                    require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
+                    discount: float = 0.0, use_numba: bool = False) -> tuple[float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
   del use_numba
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
    c_pair) = ix[:13]
+  ent_e = ix.ent_e
   L, B = ent_ptr.shape[1] - 1, int(num_microbatches)
   K = ent_ptr.shape[0]
   G = int(st_sub.size)
@@ -380,9 +409,10 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
           break
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
+        t_end = t + float(ent_e[e]) if i == 0 else t
         if j == L - 1:
-          if st_end[d, s] and t < F[i, d, 1, hit]:
-            F[i, d, 1, hit] = t
+          if st_end[d, s] and t_end < F[i, d, 1, hit]:
+            F[i, d, 1, hit] = t_end
             par_e[i, d, 1, hit] = e
             par_n[i, d, 1, hit] = 0
           continue
@@ -396,12 +426,14 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
           if check_comm and c > tau:
             continue
           dl = warmup_delta(c, tau, eps)
-          step = t + 2.0 * c
+          step = t_end + 2.0 * c
+          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
-            h = 1 if (h2 == 1 or hit) else 0
+            h = 1 if (h2 == 1 or hit or hit_c) else 0
+            own = discount * tau if (h2 == 0 and hit and not hit_c) else 0.0
             src = F[j + 1, d2, :, h2]                      # [NC + 1] by n'
             tgt = np.minimum(n_idx[1:] + dl, B)            # n of the new first stage
-            vals = src[1:] + step
+            vals = src[1:] + step - own * (tgt - 1)
             ok = (tgt <= NC) & n_ok[np.minimum(tgt, NC)] & np.isfinite(vals)
             for n_prev, n_new, v in zip(n_idx[1:][ok], tgt[ok], vals[ok]):
               if v < F[i, d, n_new, h]:

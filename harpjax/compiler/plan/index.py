@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from harpjax.cluster import bin_pack, is_divisibility_chain
-from harpjax.compiler.plan import dp_kernel
+from harpjax.compiler.plan import dp_kernel, proof_kernel
 from harpjax.compiler.profile import CostTables
 from harpjax.errors import PlanError
 
@@ -40,8 +40,11 @@ class SparseIndex:
       submesh, seconds, parameter and activation bytes, the device memory and the cut costs.
     states: the :class:`DeviceStates` (:func:`device_states`).
     ent_k, ent_i, ent_m: ``[E]`` subcluster, first layer and devices of each entry.
-    candidates: sorted unique ``ent_t``: the ``t_max`` candidates.
+    candidates: the period candidates, sorted: the unique stage times ``ent_t`` and, with
+      ``link_bound``, the unique cut costs (a plan's period is its slowest stage or cut).
     sorted_t: sorted ``ent_t`` (active-entry counts per candidate).
+    link_bound: cut costs are candidates (plans whose slowest cut is slower than their
+      slowest stage are admitted).
   """
   num_layers: int
   offsets: np.ndarray
@@ -54,25 +57,29 @@ class SparseIndex:
   sorted_t: np.ndarray
   use_all_devices: bool = False
   keep_order: bool = False
+  link_bound: bool = False
 
   @classmethod
   def build(cls, tables: CostTables, mem_scale: float = 1.0, *, use_all_devices: bool = False,
-            keep_order: bool = False) -> "SparseIndex":
+            keep_order: bool = False, link_bound: bool = False) -> "SparseIndex":
     """Indexes the entries that fit with one in-flight microbatch (``mem`` scaled).
 
-    ``use_all_devices`` and ``keep_order`` choose the device states (:func:`device_states`).
+    ``use_all_devices`` and ``keep_order`` choose the device states (:func:`device_states`);
+    ``link_bound`` adds the cut costs to the candidates.
     """
     L, K = tables.num_layers, tables.num_subclusters
     mem = np.asarray(tables.device_memory_bytes, dtype=np.float64) * mem_scale
-    cols = {n: [] for n in ("k", "i", "j", "s", "m", "t", "p", "a")}
+    cols = {n: [] for n in ("k", "i", "j", "s", "m", "t", "p", "a", "e")}
     for k in range(K):
       t, p, a = tables.stage_time_s[k], tables.param_mem_bytes[k], tables.act_mem_bytes[k]
+      end = tables.end_time_s[k] if tables.end_time_s is not None else np.zeros_like(p)
       ok = np.isfinite(t) & (p + 1.0 * a <= mem[k])
       ok &= np.triu(np.ones((L, L), bool))[:, :, None]
       i, j, s = np.nonzero(ok)
       sizes = np.array([n * m for n, m in tables.submeshes[k]], dtype=np.int64)
       for name, v in (("k", np.full(i.size, k)), ("i", i), ("j", j), ("s", s), ("m", sizes[s]),
-                      ("t", t[i, j, s]), ("p", p[i, j, s]), ("a", a[i, j, s])):
+                      ("t", t[i, j, s]), ("p", p[i, j, s]), ("a", a[i, j, s]),
+                      ("e", end[i, j, s])):
         cols[name].append(v)
     c = {n: np.concatenate(v) for n, v in cols.items()}
     order = np.lexsort((c["s"], c["j"], c["t"], c["i"], c["k"]))
@@ -86,11 +93,24 @@ class SparseIndex:
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
-        np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub))
+        np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub),
+        c["e"].astype(np.float64))
+    cand = c["t"]
+    if link_bound and L > 1:
+      cuts = tables.pair_comm_s[:, :, :L - 1]
+      linked = np.array([[a == b or tables.linked(a, b) for b in range(K)] for a in range(K)])
+      cand = np.concatenate([cand, cuts[linked].ravel()])
+      cand = cand[np.isfinite(cand) & (cand > 0)]
     return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, states=st,
-               ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(c["t"]),
+               ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(cand),
                sorted_t=np.sort(c["t"]), use_all_devices=use_all_devices,
-               keep_order=keep_order)
+               keep_order=keep_order, link_bound=link_bound)
+
+  @functools.cached_property
+  def proof(self) -> proof_kernel.ProofArrays:
+    """The bounded exact search's arrays (:func:`~harpjax.compiler.plan.proof_kernel.
+    proof_arrays`), without prices."""
+    return proof_kernel.proof_arrays(self.arrays, self.ent_i, self.ent_k, self.ent_m, None)
 
   @property
   def num_entries(self) -> int:
@@ -119,12 +139,14 @@ class SparseIndex:
 
   def run(self, tau: float, num_microbatches: int, eps: float, *, require_hit: bool,
           bound: float = math.inf, check_comm: bool = True, kernel: str = "numba",
-          n_cap: int | None = None) -> tuple[float, np.ndarray]:
-    """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau`."""
+          n_cap: int | None = None, discount: float = 0.0) -> tuple[float, np.ndarray]:
+    """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
+    of ``tau`` are hits when the index is ``link_bound``)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
-    return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound)
+    return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
+              self.link_bound, discount)
 
 
 # --------------------------------------------------------------------------- device states
