@@ -54,8 +54,8 @@ try:  # Numba is a hard dependency; the twin keeps the planner usable without it
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["DPArrays", "Frontier", "moves", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA",
-           "BOUND_SLACK"]
+__all__ = ["DPArrays", "Frontier", "moves", "prefix_bound", "prefix_bound_kernel", "suffix_bound",
+           "hit_possible", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
 
@@ -79,7 +79,7 @@ class DPArrays(NamedTuple):
     st_end: ``[G, S_max]`` bool: a stage on ``s`` may be the last one.
     roots: ``[R]`` int64 states a plan may start in.
     ent_ptr: ``[K, L + 1]`` int64; entries of (subcluster ``k``, first layer ``i``) are
-      ``ent_ptr[k, i] .. ent_ptr[k, i + 1] - 1``, sorted by time.
+      ``ent_ptr[k, i] .. ent_ptr[k, i + 1] - 1``, by submesh, then by time.
     ent_j: ``[E]`` int64 last layer of each entry.
     ent_s: ``[E]`` int64 submesh index of each entry.
     ent_t: ``[E]`` float64 stage time, seconds.
@@ -94,6 +94,11 @@ class DPArrays(NamedTuple):
     mv_state: ``[V]`` int64 the state of each move; ``mv_sub``: ``[V]`` its subcluster.
     ent_e: ``[E]`` float64 end-of-iteration seconds of each entry (gradient synchronisation
       inside its submesh and the optimizer update; zeros when the tables have none).
+    sp_ptr: ``[K * L * S_max + 1]`` int64: the entries of (``k``, ``i``, submesh ``s``) are
+      ``sp_ptr[x] .. sp_ptr[x + 1] - 1``, ``x = (k L + i) S_max + s``, sorted by time (the
+      active ones at ``tau`` are a prefix).
+    sp_mono: ``[K * L * S_max]`` bool: that group is sorted by last layer too (time grows with
+      the range, as for additive costs), so the kernel can skip to a layer by bisection.
   """
   st_sub: np.ndarray
   st_stay: np.ndarray
@@ -112,6 +117,8 @@ class DPArrays(NamedTuple):
   mv_state: np.ndarray
   mv_sub: np.ndarray
   ent_e: np.ndarray
+  sp_ptr: np.ndarray
+  sp_mono: np.ndarray
 
 
 def moves(st_stay: np.ndarray, st_leave: np.ndarray, st_sub: np.ndarray
@@ -167,8 +174,158 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
   return bigger
 
 
+def _prefix_bound_impl(ix, tau, check_comm):
+  """``lb[i, d]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` with the
+  devices in state ``d`` and every stage (and, with ``check_comm``, cut) ``<= tau``; memory
+  ignored; ``inf``: unreachable. ``lb[L, 0]`` is the cheapest whole plan. Non-increasing in
+  ``tau``: the bound at a larger candidate is a bound at a smaller one too."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  inf = np.inf
+  lb = np.full((L + 1, G), inf)
+  for r in ix.roots:
+    lb[0, r] = 0.0
+  for i in range(L - 1):
+    for d in range(G):
+      base = lb[i, d]
+      if base == inf:
+        continue
+      k = ix.st_sub[d]
+      gx = (k * L + i) * S_max
+      for s in range(S_max):
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        if m0 == m1:
+          continue  # the submesh does not fit, or no stage may follow it
+        for e in range(ix.sp_ptr[gx + s], ix.sp_ptr[gx + s + 1]):
+          t = ix.ent_t[e]
+          if t > tau:
+            break  # sorted by time within (subcluster, first layer, submesh)
+          j = ix.ent_j[e]
+          if j == L - 1:
+            continue
+          for x in range(m0, m1):
+            d2 = ix.mv_state[x]
+            c = ix.c_pair[k, ix.mv_sub[x], j]
+            if check_comm and c > tau:
+              continue
+            v = base + t + 2.0 * c
+            if v < lb[j + 1, d2]:
+              lb[j + 1, d2] = v
+  # lb[L, 0]: the cheapest whole plan (its last stage added); inf: no plan within tau.
+  for i in range(L):
+    for d in range(G):
+      base = lb[i, d]
+      if base == inf:
+        continue
+      k = ix.st_sub[d]
+      gx = (k * L + i) * S_max
+      for s in range(S_max):
+        if not ix.st_end[d, s]:
+          continue
+        for e in range(ix.sp_ptr[gx + s], ix.sp_ptr[gx + s + 1]):
+          t = ix.ent_t[e]
+          if t > tau:
+            break
+          if ix.ent_j[e] == L - 1 and base + t < lb[L, 0]:
+            lb[L, 0] = base + t
+  return lb
+
+
+def _suffix_bound_impl(ix, tau, check_comm, lb):
+  """``sb[i, d]``: the cheapest ``sum (t + 2 c)`` of a suffix covering layers ``i..L-1`` from
+  device state ``d`` with every stage (and cut) ``<= tau``; memory ignored; ``inf``: none, or
+  no prefix reaches ``(i, d)`` by the prefix bound ``lb``. Like :func:`_prefix_bound_impl`, a
+  bound at a larger ``tau`` holds at a smaller one."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  inf = np.inf
+  sb = np.full((L + 1, G), inf)
+  jmin = np.full(G, L + 1, np.int64)
+  for i in range(L - 1, -1, -1):
+    for d in range(G):
+      if lb[i, d] == inf:
+        continue
+      k = ix.st_sub[d]
+      gx = (k * L + i) * S_max
+      best = inf
+      for s in range(S_max):
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        may_end = ix.st_end[d, s]
+        jlo = L - 1 if may_end else L + 1
+        for x in range(m0, m1):
+          v = jmin[ix.mv_state[x]] - 1
+          if v < jlo:
+            jlo = v
+        if jlo >= L:
+          continue
+        e0 = ix.sp_ptr[gx + s]
+        e1 = ix.sp_ptr[gx + s + 1]
+        if ix.sp_mono[gx + s] and jlo > i:
+          e0 += np.searchsorted(ix.ent_j[e0:e1], jlo)
+        for e in range(e0, e1):
+          t = ix.ent_t[e]
+          if t > tau:
+            break
+          j = ix.ent_j[e]
+          if j == L - 1:
+            if may_end and t < best:
+              best = t
+            continue
+          for x in range(m0, m1):
+            d2 = ix.mv_state[x]
+            rest = sb[j + 1, d2]
+            if rest == inf:
+              continue
+            c = ix.c_pair[k, ix.mv_sub[x], j]
+            if check_comm and c > tau:
+              continue
+            v = t + 2.0 * c + rest
+            if v < best:
+              best = v
+      if best < inf:
+        sb[i, d] = best
+        jmin[d] = i
+  return sb
+
+
+def _hit_possible_impl(ix, lb, sb, hits, ent_i, ent_k, tau, check_comm):
+  """Whether one of the entries ``hits`` (time ``tau``) can be a stage of a plan whose other
+  stages (and cuts) are within ``tau``, by the prefix and suffix bounds ``lb``, ``sb`` (at
+  ``tau`` or above; memory ignored): a necessary condition for a plan of period ``tau``."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  for y in range(hits.shape[0]):
+    e = hits[y]
+    i = ent_i[e]
+    k = ent_k[e]
+    j = ix.ent_j[e]
+    s = ix.ent_s[e]
+    for d in range(G):
+      if ix.st_sub[d] != k or lb[i, d] == np.inf:
+        continue
+      if j == L - 1:
+        if ix.st_end[d, s]:
+          return True
+        continue
+      mp = d * S_max + s
+      for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+        if sb[j + 1, ix.mv_state[x]] == np.inf:
+          continue
+        if check_comm and ix.c_pair[k, ix.mv_sub[x], j] > tau:
+          continue
+        return True
+  return False
+
+
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-                    link_hits, discount):
+                    link_hits, discount, lb):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -176,33 +333,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   B = num_microbatches
   H = 2 if require_hit else 1
   inf = np.inf
-  # Forward pass: lower bound on the cost of a prefix ending just before (i, d).
-  lb = np.full((L + 1, G), inf)
-  for r in ix.roots:
-    lb[0, r] = 0.0
-  for i in range(L):
-    for d in range(G):
-      base = lb[i, d]
-      if base == inf:
-        continue
-      k = ix.st_sub[d]
-      for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
-        t = ix.ent_t[e]
-        if t > tau:
-          break
-        j = ix.ent_j[e]
-        if j == L - 1:
-          continue
-        s = ix.ent_s[e]
-        mp = d * S_max + s
-        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
-          d2 = ix.mv_state[x]
-          c = ix.c_pair[k, ix.mv_sub[x], j]
-          if check_comm and c > tau:
-            continue
-          v = base + t + 2.0 * c
-          if v < lb[j + 1, d2]:
-            lb[j + 1, d2] = v
+  if lb.shape[0] != L + 1:
+    lb = _prefix_bound(ix, tau, check_comm)
+  if lb[L, 0] == inf:
+    return inf, np.zeros(0, np.int64)   # no plan has every stage within tau
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
@@ -217,6 +351,9 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   tc = np.full((n_cap + 1, H), inf)
   te = np.zeros((n_cap + 1, H), np.int64)
   ts = np.zeros((n_cap + 1, H), np.int64)
+  # jmin[d]: the first layer (of those done) with a suffix from state d; a stage from (i, d)
+  # can only lead to a layer at or beyond it.
+  jmin = np.full(G, L + 1, np.int64)
   for i in range(L - 1, -1, -1):
     for d in range(G):
       if lb[i, d] == inf:
@@ -226,61 +363,78 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
       mk = ix.mem[k]
       nlo = n_cap + 1
       nhi = 0
-      for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
-        t = ix.ent_t[e]
-        if t > tau:
-          break
-        s = ix.ent_s[e]
-        j = ix.ent_j[e]
-        hit = 1 if (require_hit and t == tau) else 0
-        # The first stage (layer 0) also pays its end-of-iteration time.
-        t_end = t + ix.ent_e[e] if i == 0 else t
-        if j == L - 1:
-          if not ix.st_end[d, s]:
-            continue
-          if t_end - (disc_max if hit == 0 else 0.0) > budget:
-            continue
-          if t_end < tc[1, hit]:
-            tc[1, hit] = t_end
-            te[1, hit] = e
-            ts[1, hit] = -1
-            nlo = min(nlo, 1)
-            nhi = max(nhi, 1)
-          continue
-        p = ix.ent_p[e]
-        a = ix.ent_a[e]
+      gx = (k * L + i) * S_max
+      for s in range(S_max):
         mp = d * S_max + s
-        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
-          d2 = ix.mv_state[x]
-          c = ix.c_pair[k, ix.mv_sub[x], j]
-          if check_comm and c > tau:
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        may_end = ix.st_end[d, s]
+        jlo = L - 1 if may_end else L + 1   # the least last layer worth a look
+        for x in range(m0, m1):
+          v = jmin[ix.mv_state[x]] - 1
+          if v < jlo:
+            jlo = v
+        if jlo >= L:
+          continue  # the submesh does not fit, or nothing after it has a suffix yet
+        e0 = ix.sp_ptr[gx + s]
+        e1 = ix.sp_ptr[gx + s + 1]
+        if ix.sp_mono[gx + s] and jlo > i:
+          e0 += np.searchsorted(ix.ent_j[e0:e1], jlo)   # sorted by layer too: skip ahead
+        for e in range(e0, e1):
+          t = ix.ent_t[e]
+          if t > tau:
+            break  # sorted by time within (subcluster, first layer, submesh)
+          j = ix.ent_j[e]
+          hit = 1 if (require_hit and t == tau) else 0
+          # The first stage (layer 0) also pays its end-of-iteration time.
+          t_end = t + ix.ent_e[e] if i == 0 else t
+          if j == L - 1:
+            if not may_end:
+              continue
+            if t_end - (disc_max if hit == 0 else 0.0) > budget:
+              continue
+            if t_end < tc[1, hit]:
+              tc[1, hit] = t_end
+              te[1, hit] = e
+              ts[1, hit] = -1
+              nlo = min(nlo, 1)
+              nhi = max(nhi, 1)
             continue
-          dl = _warmup_delta(c, tau, eps)
-          step = t_end + 2.0 * c
-          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
-          for h2 in range(H):
-            h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
-            # This stage is the last hit of the plan: the round trip below it hides under its
-            # warm-up forwards (the lower bound of the discount, see solve_tau).
-            own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
-            q0 = first[j + 1, d2, h2]
-            for q in range(q0, q0 + count[j + 1, d2, h2]):
-              n = pool.n[q] + dl
-              if n > B:
-                n = B
-              if n > n_cap or p + n * a > mk:
-                break  # n grows along the frontier
-              v = pool.cost[q] + step - own * (n - 1)
-              if v - (disc_max if h == 0 else 0.0) > budget:
-                continue  # costs fall along the frontier: later points may fit
-              if v < tc[n, h]:
-                tc[n, h] = v
-                te[n, h] = e
-                ts[n, h] = q
-                if n < nlo:
-                  nlo = n
-                if n > nhi:
-                  nhi = n
+          p = ix.ent_p[e]
+          a = ix.ent_a[e]
+          for x in range(m0, m1):
+            d2 = ix.mv_state[x]
+            if count[j + 1, d2, 0] == 0 and (H == 1 or count[j + 1, d2, 1] == 0):
+              continue
+            c = ix.c_pair[k, ix.mv_sub[x], j]
+            if check_comm and c > tau:
+              continue
+            dl = _warmup_delta(c, tau, eps)
+            step = t_end + 2.0 * c
+            hit_c = 1 if (require_hit and link_hits and c == tau) else 0
+            for h2 in range(H):
+              h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
+              # This stage is the last hit of the plan: the round trip below it hides under
+              # its warm-up forwards (the lower bound of the discount, see solve_tau).
+              own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
+              q0 = first[j + 1, d2, h2]
+              for q in range(q0, q0 + count[j + 1, d2, h2]):
+                n = pool.n[q] + dl
+                if n > B:
+                  n = B
+                if n > n_cap or p + n * a > mk:
+                  break  # n grows along the frontier
+                v = pool.cost[q] + step - own * (n - 1)
+                if v - (disc_max if h == 0 else 0.0) > budget:
+                  continue  # costs fall along the frontier: later points may fit
+                if v < tc[n, h]:
+                  tc[n, h] = v
+                  te[n, h] = e
+                  ts[n, h] = q
+                  if n < nlo:
+                    nlo = n
+                  if n > nhi:
+                    nhi = n
       if nhi == 0:
         continue
       # Compress into Pareto frontiers (h = 1 first: without the discount it also dominates
@@ -304,6 +458,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             pool.succ[used] = ts[n, h]
             used += 1
         count[i, d, h] = used - first[i, d, h]
+        if count[i, d, h] > 0:
+          jmin[d] = i
       for n in range(nlo, nhi + 1):
         for h in range(H):
           tc[n, h] = inf
@@ -337,15 +493,58 @@ if HAVE_NUMBA:
   _warmup_delta = _numba.njit(cache=True)(warmup_delta)
   _new_frontier = _numba.njit(cache=True)(_new_frontier)
   _grow_frontier = _numba.njit(cache=True)(_grow_frontier)
+  _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
+  _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
+  _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
   _solve_tau_numba = _numba.njit(cache=True, nogil=True)(_solve_tau_impl)
 else:  # pragma: no cover
   _warmup_delta = warmup_delta
+  _prefix_bound = _prefix_bound_impl
+  _suffix_bound = _suffix_bound_impl
+  _hit_possible = _hit_possible_impl
   _solve_tau_numba = None
+
+prefix_bound_kernel = _prefix_bound
+"""The compiled :func:`prefix_bound` ``(ix, tau, check_comm)``, callable from other kernels."""
+
+_NO_BOUND = np.zeros((0, 0))
+
+
+def suffix_bound(ix: DPArrays, tau: float, lb: np.ndarray, check_comm: bool = True,
+                 use_numba: bool = True) -> np.ndarray:
+  """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` of a suffix from layer ``i`` in device state
+  ``d`` with every stage and cut ``<= tau``, memory ignored (``inf``: none), for the states
+  :func:`prefix_bound` ``lb`` (at ``tau`` or above) says a prefix reaches."""
+  fn = _suffix_bound if (use_numba and HAVE_NUMBA) else _suffix_bound_impl
+  return fn(ix, float(tau), bool(check_comm), lb)
+
+
+def hit_possible(ix: DPArrays, lb: np.ndarray, sb: np.ndarray, hits: np.ndarray,
+                 ent_i: np.ndarray, ent_k: np.ndarray, tau: float, check_comm: bool = True,
+                 use_numba: bool = True) -> bool:
+  """Whether a stage of one of the entries ``hits`` (of time ``tau``) can be part of a plan
+  with every other stage and cut ``<= tau``, by :func:`prefix_bound` and :func:`suffix_bound`
+  at ``tau`` or above (memory ignored). ``False`` proves that no plan has period ``tau``
+  through a stage of that time."""
+  fn = _hit_possible if (use_numba and HAVE_NUMBA) else _hit_possible_impl
+  return bool(fn(ix, lb, sb, np.asarray(hits, np.int64), ent_i, ent_k, float(tau),
+                 bool(check_comm)))
+
+
+def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
+                 use_numba: bool = True) -> np.ndarray:
+  """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` in device
+  state ``d`` with every stage and cut ``<= tau``, memory ignored (``inf``: unreachable);
+  ``[L, 0]`` that of a whole plan. The bound at a larger ``tau`` is also one at a smaller
+  ``tau`` (:func:`solve_tau` takes it)."""
+  fn = _prefix_bound if (use_numba and HAVE_NUMBA) else _prefix_bound_impl
+  return fn(ix, float(tau), bool(check_comm))
 
 
 def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
               require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
-              discount: float = 0.0, use_numba: bool = True) -> tuple[float, np.ndarray]:
+              discount: float = 0.0, use_numba: bool = True,
+              lb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
   """The DP at one candidate period ``tau`` (Numba kernel).
 
   Args:
@@ -370,6 +569,8 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
       first ``N_h - 1`` forwards hide under the round trip below it). ``0``: Eq. 12's
       ``sum (t_i + 2 c_i) + e_0``.
     use_numba: run the compiled kernel (``False`` runs the same code in Python: slow).
+    lb: :func:`prefix_bound` at ``tau`` or at any larger candidate (with the same
+      ``check_comm``); ``None``: computed here.
 
   Returns:
     ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
@@ -377,14 +578,16 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
   """
   fn = _solve_tau_numba if (use_numba and HAVE_NUMBA) else _solve_tau_impl
   return fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
-            bool(check_comm), float(bound), bool(link_hits), float(discount))
+            bool(check_comm), float(bound), bool(link_hits), float(discount),
+            _NO_BOUND if lb is None else lb)
 
 
 def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
                     require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
-                    discount: float = 0.0, use_numba: bool = False) -> tuple[float, np.ndarray]:
+                    discount: float = 0.0, use_numba: bool = False,
+                    lb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
-  del use_numba
+  del use_numba, lb
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
    c_pair) = ix[:13]
   ent_e = ix.ent_e
@@ -406,7 +609,7 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
       for e in range(int(ent_ptr[k, i]), int(ent_ptr[k, i + 1])):
         t = float(ent_t[e])
         if t > tau:
-          break
+          continue
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
         t_end = t + float(ent_e[e]) if i == 0 else t

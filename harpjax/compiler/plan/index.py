@@ -2,8 +2,8 @@
 
 :class:`SparseIndex` is what the DP kernels of :mod:`harpjax.compiler.plan.dp_kernel` read (as
 one :class:`~harpjax.compiler.plan.dp_kernel.DPArrays`): the entries that fit a device with one
-microbatch in flight, grouped by (subcluster, first layer) and sorted by time, with the device
-states of :func:`device_states` and the cut costs. :meth:`SparseIndex.run` runs the DP at one
+microbatch in flight, grouped by (subcluster, first layer, submesh) and sorted by time, with the
+device states of :func:`device_states` and the cut costs. :meth:`SparseIndex.run` runs the DP at one
 candidate ``t_max``.
 """
 
@@ -29,7 +29,8 @@ class SparseIndex:
   """The feasible (range, submesh) entries as flat arrays (the kernels' input).
 
   Entries of subcluster ``k`` starting at layer ``i`` are ``ptr[k, i] .. ptr[k, i + 1] - 1``,
-  sorted by time, so at candidate ``tau`` the active ones are a prefix of each group. ``E``
+  by submesh and then by time, so at candidate ``tau`` the active ones are a prefix of each
+  (subcluster, first layer, submesh) group (``arrays.sp_ptr``). ``E``
   entries.
 
   Attributes:
@@ -45,6 +46,8 @@ class SparseIndex:
     sorted_t: sorted ``ent_t`` (active-entry counts per candidate).
     link_bound: cut costs are candidates (plans whose slowest cut is slower than their
       slowest stage are admitted).
+    by_t: ``[E]`` entries in the order of ``sorted_t``.
+    cut_values: sorted unique cut costs (with ``link_bound``).
   """
   num_layers: int
   offsets: np.ndarray
@@ -58,6 +61,8 @@ class SparseIndex:
   use_all_devices: bool = False
   keep_order: bool = False
   link_bound: bool = False
+  by_t: np.ndarray | None = None
+  cut_values: np.ndarray | None = None
 
   @classmethod
   def build(cls, tables: CostTables, mem_scale: float = 1.0, *, use_all_devices: bool = False,
@@ -82,29 +87,41 @@ class SparseIndex:
                       ("e", end[i, j, s])):
         cols[name].append(v)
     c = {n: np.concatenate(v) for n, v in cols.items()}
-    order = np.lexsort((c["s"], c["j"], c["t"], c["i"], c["k"]))
+    order = np.lexsort((c["j"], c["t"], c["s"], c["i"], c["k"]))
     c = {n: np.ascontiguousarray(v[order]) for n, v in c.items()}
     for n in ("k", "i", "j", "s", "m"):
       c[n] = c[n].astype(np.int64)
     keys = c["k"] * (L + 1) + c["i"]
     bounds = np.arange(K)[:, None] * (L + 1) + np.arange(L + 1)[None, :]
     ptr = np.searchsorted(keys, bounds, side="left").astype(np.int64)
+    S_max = max(len(x) for x in tables.submeshes)
+    sp_keys = (c["k"] * L + c["i"]) * S_max + c["s"]
+    sp_ptr = np.searchsorted(sp_keys, np.arange(K * L * S_max + 1), side="left").astype(np.int64)
+    # Groups whose last layers increase along the time order (an entry's group is its key).
+    falls = np.zeros(K * L * S_max, np.int64)
+    same = sp_keys[1:] == sp_keys[:-1]
+    np.add.at(falls, sp_keys[1:][same & (np.diff(c["j"]) <= 0)], 1)
+    sp_mono = falls == 0
     st = device_states(tables, use_all_devices=use_all_devices, keep_order=keep_order)
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
         np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub),
-        c["e"].astype(np.float64))
+        c["e"].astype(np.float64), sp_ptr, sp_mono)
     cand = c["t"]
+    cut_values = np.zeros(0)
     if link_bound and L > 1:
       cuts = tables.pair_comm_s[:, :, :L - 1]
       linked = np.array([[a == b or tables.linked(a, b) for b in range(K)] for a in range(K)])
-      cand = np.concatenate([cand, cuts[linked].ravel()])
-      cand = cand[np.isfinite(cand) & (cand > 0)]
+      cut_values = cuts[linked].ravel()
+      cut_values = np.unique(cut_values[np.isfinite(cut_values) & (cut_values > 0)])
+      cand = np.concatenate([cand, cut_values])
+    by_t = np.argsort(c["t"], kind="stable")
     return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, states=st,
                ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(cand),
-               sorted_t=np.sort(c["t"]), use_all_devices=use_all_devices,
-               keep_order=keep_order, link_bound=link_bound)
+               sorted_t=c["t"][by_t], use_all_devices=use_all_devices,
+               keep_order=keep_order, link_bound=link_bound, by_t=by_t.astype(np.int64),
+               cut_values=cut_values)
 
   @functools.cached_property
   def proof(self) -> proof_kernel.ProofArrays:
@@ -139,14 +156,39 @@ class SparseIndex:
 
   def run(self, tau: float, num_microbatches: int, eps: float, *, require_hit: bool,
           bound: float = math.inf, check_comm: bool = True, kernel: str = "numba",
-          n_cap: int | None = None, discount: float = 0.0) -> tuple[float, np.ndarray]:
+          n_cap: int | None = None, discount: float = 0.0,
+          lb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
     """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
-    of ``tau`` are hits when the index is ``link_bound``)."""
+    of ``tau`` are hits when the index is ``link_bound``; ``lb``: a :meth:`prefix_bound` at
+    ``tau`` or above)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
     return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-              self.link_bound, discount)
+              self.link_bound, discount, lb=lb)
+
+  def prefix_bound(self, tau: float, check_comm: bool = True) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""
+    return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
+
+  def suffix_bound(self, tau: float, lb: np.ndarray, check_comm: bool = True) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.suffix_bound` at ``tau``."""
+    return dp_kernel.suffix_bound(self.arrays, tau, lb, check_comm)
+
+  def may_have_period(self, tau: float, lb: np.ndarray, sb: np.ndarray) -> bool:
+    """``False`` proves no plan has period exactly ``tau`` (given :meth:`prefix_bound` and
+    :meth:`suffix_bound` at ``tau`` or above): no entry of that time can be a stage of a plan
+    within ``tau``, and no cut takes ``tau``."""
+    if self.link_bound and self.cut_values is not None and self.cut_values.size:
+      x = int(np.searchsorted(self.cut_values, tau))
+      if x < self.cut_values.size and self.cut_values[x] == tau:
+        return True
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    if lo == hi:
+      return False
+    return dp_kernel.hit_possible(self.arrays, lb, sb, self.by_t[lo:hi], self.ent_i, self.ent_k,
+                                  tau)
 
 
 # --------------------------------------------------------------------------- device states

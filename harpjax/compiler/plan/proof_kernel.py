@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays
+from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, prefix_bound_kernel
 from harpjax.compiler.schedule import iteration_time_kernel, warmup_delta
 
 try:
@@ -101,40 +101,6 @@ def proof_arrays(ix: DPArrays, ent_i: np.ndarray, ent_k: np.ndarray, ent_m: np.n
                      price=np.zeros(K) if price is None else np.asarray(price, np.float64))
 
 
-def _prefix_lb(ix, tau):
-  """``lb[i, d]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` in state
-  ``d`` with every stage and cut ``<= tau`` (memory ignored; ``inf`` if none)."""
-  L = ix.ent_ptr.shape[1] - 1
-  G = ix.st_sub.shape[0]
-  S_max = ix.st_stay.shape[1]
-  lb = np.full((L + 1, G), np.inf)
-  for r in ix.roots:
-    lb[0, r] = 0.0
-  for i in range(L):
-    for d in range(G):
-      base = lb[i, d]
-      if base == np.inf:
-        continue
-      k = ix.st_sub[d]
-      for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
-        t = ix.ent_t[e]
-        if t > tau:
-          break
-        j = ix.ent_j[e]
-        if j == L - 1:
-          continue
-        mp = d * S_max + ix.ent_s[e]
-        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
-          d2 = ix.mv_state[x]
-          c = ix.c_pair[k, ix.mv_sub[x], j]
-          if c > tau:
-            continue
-          v = base + t + 2.0 * c
-          if v < lb[j + 1, d2]:
-            lb[j + 1, d2] = v
-  return lb
-
-
 def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_limit,
                  r_min, node_budget, out_path):
   """Kernel body; see :func:`bounded_search`."""
@@ -170,7 +136,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
     floor = B * tau if kind == KIND_TIME else r_min * B * tau
     if floor > best * slack or B * tau > t_limit * slack:
       continue
-    lb = _prefix_lb(ix, tau)
+    lb = prefix_bound_kernel(ix, tau, True)
     miss = tau * (B - 1 - phi * (n_max - 1))   # the least a prefix hit still adds
     for d0 in range(G):
       k0 = ix.st_sub[d0]
@@ -316,7 +282,6 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
 
 if _numba is not None:
   _warmup_delta = _numba.njit(cache=True)(warmup_delta)
-  _prefix_lb = _numba.njit(cache=True, nogil=True)(_prefix_lb)
   _search_jit = _numba.njit(cache=True, nogil=True)(_search_impl)
 else:  # pragma: no cover
   _warmup_delta = warmup_delta

@@ -76,7 +76,7 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
       for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
         t = ix.ent_t[e]
         if t > tau:
-          break
+          continue
         j = ix.ent_j[e]
         if j == L - 1:
           continue
@@ -120,7 +120,7 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
       for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
         t = ix.ent_t[e]
         if t > tau:
-          break
+          continue
         s = ix.ent_s[e]
         j = ix.ent_j[e]
         hit = 1 if (require_hit and t == tau) else 0
@@ -351,7 +351,7 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
       for e in range(int(ent_ptr[k, i]), int(ent_ptr[k, i + 1])):
         t = float(ent_t[e])
         if t > tau:
-          break
+          continue
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
         if rx.held[d, s] < 0:   # the stage does not fit the subcluster

@@ -351,15 +351,26 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   B = scoring.num_microbatches
   n_cap = index.n_cap(B)
   out, runs = [], 0
-  for idx in sorted(taus):
+  taus = sorted(taus)
+  # One prefix and one suffix bound for the batch, at its largest candidate: bounds at every
+  # smaller one. A candidate that no plan can have as its period is skipped without a DP.
+  lb = sb = None
+  if taus:
+    top = float(index.candidates[taus[-1]])
+    lb = index.prefix_bound(top)
+    sb = index.suffix_bound(top, lb)
+  for idx in taus:
     tau = float(index.candidates[idx])
     if scoring.floor(tau, sigma_lb) > bound * (1.0 + BOUND_SLACK):
+      continue
+    if not index.may_have_period(tau, lb, sb):
       continue
     runs += 1
     log.debug("planner: DP at period %.6g s (%d active entries), bound %.6g s", tau,
               index.active_entries(tau), bound)
     value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
-                            kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount)
+                            kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
+                            lb=lb)
     if math.isfinite(value):
       sur = value + (B - 1) * tau
       score = float(simulate_paths(index, [path], scoring)[0]) if scoring.simulated else sur
@@ -505,16 +516,9 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
     return infeasible_error(tables, B, opts.eps, opts.use_all_devices, opts.keep_order,
                             simulated)
 
-  if M == 0 or not math.isfinite(g(M - 1)[0]):
+  t_s_idx = _smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0])) if M else None
+  if t_s_idx is None:
     raise infeasible()
-  lo, hi = 0, M - 1
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if math.isfinite(g(mid)[0]):
-      hi = mid
-    else:
-      lo = mid + 1
-  t_s_idx = lo
   best = None
   for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own period
     found, _ = evaluate_candidates(index, [idx], scoring, math.inf, 0.0)
@@ -577,6 +581,28 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
            stats.seconds, backend, "" if proved is None else
            (", optimum proved" if proved else ", proof budget exhausted"))
   return result
+
+
+def _smallest_feasible(M: int, feasible: Callable[[int], bool]) -> int | None:
+  """The smallest candidate index at which ``feasible`` (monotone) holds, ``None`` if none:
+  a galloping search from the bottom, since a test costs more the larger the candidate (more
+  entries are active), then a binary search."""
+  lo, step = 0, 1
+  while True:
+    probe = min(lo + step - 1, M - 1)
+    if feasible(probe):
+      break
+    if probe == M - 1:
+      return None
+    lo, step = probe + 1, 2 * step
+  hi = probe
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if feasible(mid):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
 
 
 def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int,
@@ -696,19 +722,13 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   def infeasible():
     return infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order, simulated)
 
-  if M == 0 or not feasible(M - 1):
+  lo = _smallest_feasible(M, feasible) if M else None
+  if lo is None:
     if M and math.isfinite(rate_max) and math.isfinite(
         fn(index.arrays, rx, float(cand[-1]), B, eps, n_cap, False, True, math.inf, math.inf,
            math.inf, kind, index.link_bound, 0.0)[0]):
       raise _budget_error(tables, B, opts)
     raise infeasible()
-  lo, hi = 0, M - 1
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if feasible(mid):
-      hi = mid
-    else:
-      lo = mid + 1
   r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
   best = None   # (value, rate, candidate index, path)
   bound = math.inf

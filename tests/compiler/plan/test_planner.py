@@ -148,6 +148,35 @@ def test_dp_value_matches_enumeration_at_every_candidate(chunk):
         assert _close(got, want) and _close(twin, want), (link_bound, tau, got, twin, want)
 
 
+def test_period_precheck_never_rejects_a_period_some_plan_has():
+  """The search skips a candidate when the prefix and suffix bounds (memory ignored, taken at
+  a larger candidate) show no entry of that time fits a plan within it: check against every
+  plan's period, by enumeration."""
+  rng = np.random.default_rng(1300)
+  skipped = 0
+  for x in range(40):
+    tables = oracle.random_tables(rng, num_layers=int(rng.integers(2, 7)))
+    mode = MODES[x % len(MODES)]
+    index = planner.SparseIndex.build(tables, link_bound=True, **mode)
+    periods = set()
+    for stages in oracle.enumerate_plans(tables, **mode):
+      nums = oracle.plan_numbers(tables, stages, 8, 0.1)
+      if nums is not None and all(
+          tables.param_mem_bytes[k][i, j, s] + tables.act_mem_bytes[k][i, j, s]
+          <= tables.device_memory_bytes[k] for i, j, k, s in stages):
+        periods.add(nums[3])
+    cand = index.candidates
+    top = float(cand[-1])
+    for bounds_at in (None, top):
+      for tau in cand:
+        at = float(tau) if bounds_at is None else bounds_at
+        lb = index.prefix_bound(at)
+        ok = index.may_have_period(float(tau), lb, index.suffix_bound(at, lb))
+        assert ok or float(tau) not in periods, (x, tau)
+        skipped += not ok
+  assert skipped > 50, skipped
+
+
 def _check_plan_model(tables, res, B, eps, use_all_devices=False, keep_order=False):
   ev = planner.evaluate_plan(tables, res.plan, B, eps=eps)
   assert ev.mem_ok and ev.devices_ok, ev.violations
@@ -442,10 +471,15 @@ def test_sparse_index_groups_sorted_by_time():
   a = ix.arrays
   K, L = tables.num_subclusters, tables.num_layers
   assert a.ent_ptr.shape == (K, L + 1) and a.ent_ptr[-1, -1] == ix.num_entries
+  S = max(len(x) for x in tables.submeshes)
   for k, i in itertools.product(range(K), range(L)):
     sl = slice(a.ent_ptr[k, i], a.ent_ptr[k, i + 1])
     assert (ix.ent_k[sl] == k).all() and (ix.ent_i[sl] == i).all()
-    assert (np.diff(a.ent_t[sl]) >= 0).all()
+    for s in range(S):
+      x = (k * L + i) * S + s
+      sub = slice(a.sp_ptr[x], a.sp_ptr[x + 1])
+      assert a.sp_ptr[x] >= a.ent_ptr[k, i] and a.sp_ptr[x + 1] <= a.ent_ptr[k, i + 1]
+      assert (a.ent_s[sub] == s).all() and (np.diff(a.ent_t[sub]) >= 0).all()
   fits = a.ent_p + a.ent_a <= a.mem[ix.ent_k]
   assert fits.all()
   assert ix.active_entries(ix.candidates[0]) >= 1
