@@ -54,8 +54,9 @@ try:  # Numba is a hard dependency; the twin keeps the planner usable without it
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["DPArrays", "Frontier", "moves", "prefix_bound", "prefix_bound_kernel", "suffix_bound",
-           "hit_possible", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
+__all__ = ["DPArrays", "Frontier", "moves", "fitting_submeshes", "prefix_bound",
+           "prefix_bound_kernel", "suffix_bound", "hit_possible", "solve_tau", "solve_tau_numpy",
+           "HAVE_NUMBA", "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
 
@@ -99,6 +100,8 @@ class DPArrays(NamedTuple):
       active ones at ``tau`` are a prefix).
     sp_mono: ``[K * L * S_max]`` bool: that group is sorted by last layer too (time grows with
       the range, as for additive costs), so the kernel can skip to a layer by bisection.
+    fs_ptr: ``[G + 1]``, ``fs_s``: the submeshes a stage may use from state ``g`` (a move
+      follows, or it may be the last) are ``fs_s[fs_ptr[g] .. fs_ptr[g + 1] - 1]``.
   """
   st_sub: np.ndarray
   st_stay: np.ndarray
@@ -119,6 +122,16 @@ class DPArrays(NamedTuple):
   ent_e: np.ndarray
   sp_ptr: np.ndarray
   sp_mono: np.ndarray
+  fs_ptr: np.ndarray
+  fs_s: np.ndarray
+
+
+def fitting_submeshes(mv_ptr: np.ndarray, st_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``(fs_ptr, fs_s)`` of :class:`DPArrays`: per state the submeshes with a move or an end."""
+  G, S = st_end.shape
+  ok = (np.diff(mv_ptr).reshape(G, S) > 0) | st_end
+  ptr = np.concatenate([[0], np.cumsum(ok.sum(axis=1))]).astype(np.int64)
+  return ptr, np.nonzero(ok)[1].astype(np.int64)
 
 
 def moves(st_stay: np.ndarray, st_leave: np.ndarray, st_sub: np.ndarray
@@ -193,7 +206,8 @@ def _prefix_bound_impl(ix, tau, check_comm):
         continue
       k = ix.st_sub[d]
       gx = (k * L + i) * S_max
-      for s in range(S_max):
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
         mp = d * S_max + s
         m0 = ix.mv_ptr[mp]
         m1 = ix.mv_ptr[mp + 1]
@@ -222,7 +236,8 @@ def _prefix_bound_impl(ix, tau, check_comm):
         continue
       k = ix.st_sub[d]
       gx = (k * L + i) * S_max
-      for s in range(S_max):
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
         if not ix.st_end[d, s]:
           continue
         for e in range(ix.sp_ptr[gx + s], ix.sp_ptr[gx + s + 1]):
@@ -252,7 +267,8 @@ def _suffix_bound_impl(ix, tau, check_comm, lb):
       k = ix.st_sub[d]
       gx = (k * L + i) * S_max
       best = inf
-      for s in range(S_max):
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
         mp = d * S_max + s
         m0 = ix.mv_ptr[mp]
         m1 = ix.mv_ptr[mp + 1]
@@ -325,7 +341,7 @@ def _hit_possible_impl(ix, lb, sb, hits, ent_i, ent_k, tau, check_comm):
 
 
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-                    link_hits, discount, lb):
+                    link_hits, discount, lb, sb):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -337,6 +353,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     lb = _prefix_bound(ix, tau, check_comm)
   if lb[L, 0] == inf:
     return inf, np.zeros(0, np.int64)   # no plan has every stage within tau
+  use_sb = sb.shape[0] == L + 1
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
@@ -356,15 +373,16 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   jmin = np.full(G, L + 1, np.int64)
   for i in range(L - 1, -1, -1):
     for d in range(G):
-      if lb[i, d] == inf:
-        continue
+      if lb[i, d] == inf or (use_sb and sb[i, d] == inf):
+        continue   # no prefix reaches (i, d), or no suffix leaves it
       budget = budget_all - lb[i, d]
       k = ix.st_sub[d]
       mk = ix.mem[k]
       nlo = n_cap + 1
       nhi = 0
       gx = (k * L + i) * S_max
-      for s in range(S_max):
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
         mp = d * S_max + s
         m0 = ix.mv_ptr[mp]
         m1 = ix.mv_ptr[mp + 1]
@@ -544,7 +562,8 @@ def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
 def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
               require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
               discount: float = 0.0, use_numba: bool = True,
-              lb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+              lb: np.ndarray | None = None,
+              sb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
   """The DP at one candidate period ``tau`` (Numba kernel).
 
   Args:
@@ -571,6 +590,8 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
     use_numba: run the compiled kernel (``False`` runs the same code in Python: slow).
     lb: :func:`prefix_bound` at ``tau`` or at any larger candidate (with the same
       ``check_comm``); ``None``: computed here.
+    sb: optional :func:`suffix_bound` at ``tau`` or above: states without a suffix are
+      skipped.
 
   Returns:
     ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
@@ -579,15 +600,16 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
   fn = _solve_tau_numba if (use_numba and HAVE_NUMBA) else _solve_tau_impl
   return fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
             bool(check_comm), float(bound), bool(link_hits), float(discount),
-            _NO_BOUND if lb is None else lb)
+            _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb)
 
 
 def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
                     require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
                     discount: float = 0.0, use_numba: bool = False,
-                    lb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+                    lb: np.ndarray | None = None,
+                    sb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
-  del use_numba, lb
+  del use_numba, lb, sb
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
    c_pair) = ix[:13]
   ent_e = ix.ent_e

@@ -103,11 +103,12 @@ class SparseIndex:
     np.add.at(falls, sp_keys[1:][same & (np.diff(c["j"]) <= 0)], 1)
     sp_mono = falls == 0
     st = device_states(tables, use_all_devices=use_all_devices, keep_order=keep_order)
+    mv = dp_kernel.moves(st.stay, st.leave, st.sub)
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
-        np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub),
-        c["e"].astype(np.float64), sp_ptr, sp_mono)
+        np.ascontiguousarray(tables.pair_comm_s), *mv, c["e"].astype(np.float64), sp_ptr,
+        sp_mono, *dp_kernel.fitting_submeshes(mv[0], st.end))
     cand = c["t"]
     cut_values = np.zeros(0)
     if link_bound and L > 1:
@@ -143,6 +144,13 @@ class SparseIndex:
 
   def n_cap(self, num_microbatches: int, check_comm: bool = True) -> int:
     """Largest warm-up count a state can need: ``<= B``, ``1 + 3 (S - 1)``, memory."""
+    key = ("n_cap", int(num_microbatches), bool(check_comm))
+    cache = self.__dict__.setdefault("_memo", {})
+    if key not in cache:
+      cache[key] = self._n_cap(int(num_microbatches), bool(check_comm))
+    return cache[key]
+
+  def _n_cap(self, num_microbatches: int, check_comm: bool) -> int:
     B = int(num_microbatches)
     D = int(self.offsets[-1])
     n = B if not check_comm else min(B, 1 + 3 * (min(self.num_layers, D) - 1))
@@ -157,15 +165,22 @@ class SparseIndex:
   def run(self, tau: float, num_microbatches: int, eps: float, *, require_hit: bool,
           bound: float = math.inf, check_comm: bool = True, kernel: str = "numba",
           n_cap: int | None = None, discount: float = 0.0,
-          lb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+          lb: np.ndarray | None = None, sb: np.ndarray | None = None,
+          link_hits: bool | None = None) -> tuple[float, np.ndarray]:
     """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
-    of ``tau`` are hits when the index is ``link_bound``; ``lb``: a :meth:`prefix_bound` at
-    ``tau`` or above)."""
+    of ``tau`` are hits when the index is ``link_bound``, unless ``link_hits`` says otherwise;
+    ``lb``, ``sb``: a :meth:`prefix_bound` and :meth:`suffix_bound` at ``tau`` or above)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
+    hits = self.link_bound if link_hits is None else link_hits
     return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-              self.link_bound, discount, lb=lb)
+              hits, discount, lb=lb, sb=sb)
+
+  def is_stage_time(self, tau: float) -> bool:
+    """Whether some entry takes exactly ``tau``."""
+    x = int(np.searchsorted(self.sorted_t, tau))
+    return x < self.sorted_t.size and self.sorted_t[x] == tau
 
   def prefix_bound(self, tau: float, check_comm: bool = True) -> np.ndarray:
     """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""

@@ -23,7 +23,8 @@ through the ``B`` messages of one link direction. Also ``T >= B P`` for the plan
 first, so its warm-ups are known) extends to a plan costing at least the cheapest prefix
 ``lb[i, d]`` (a forward pass at ``P``) plus the suffix's part of the bound; when the suffix
 has no stage or cut of time ``P`` yet, the prefix has one, contributing at least
-``P (B - 1 - phi (n_max - 1))``. Money objectives multiply by the hourly rate (at least the
+``P (B - 1 - phi (n_max - 1))``. (``lb`` is computed once, at the largest candidate period: a
+bound at every smaller one.) Money objectives multiply by the hourly rate (at least the
 suffix's plus the cheapest stage when a prefix remains).
 
 The kernel runs the same code with or without Numba; its independent reference is the brute
@@ -102,7 +103,7 @@ def proof_arrays(ix: DPArrays, ent_i: np.ndarray, ent_k: np.ndarray, ent_m: np.n
 
 
 def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_limit,
-                 r_min, node_budget, out_path):
+                 r_min, node_budget, out_path, lb):
   """Kernel body; see :func:`bounded_search`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -136,7 +137,6 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
     floor = B * tau if kind == KIND_TIME else r_min * B * tau
     if floor > best * slack or B * tau > t_limit * slack:
       continue
-    lb = prefix_bound_kernel(ix, tau, True)
     miss = tau * (B - 1 - phi * (n_max - 1))   # the least a prefix hit still adds
     for d0 in range(G):
       k0 = ix.st_sub[d0]
@@ -206,7 +206,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
             while not pushed:
               if f_y[depth] >= f_yend[depth]:
                 x = f_x[depth]
-                if x >= px.rv_ptr[d + 1]:
+                if x >= px.rv_ptr[d + 1] or nodes > node_budget:
                   break
                 f_x[depth] = x + 1
                 d2 = px.rv_state[x]
@@ -217,6 +217,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
                 continue
               y = f_y[depth]
               f_y[depth] = y + 1
+              nodes += 1   # the budget counts every entry looked at
               x = f_x[depth] - 1
               d2 = px.rv_state[x]
               k2 = ix.st_sub[d2]
@@ -265,7 +266,6 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
               f_r[depth] = r2
               f_c[depth] = c
               f_x[depth] = -1
-              nodes += 1
               pushed = True
             if not pushed:
               depth -= 1
@@ -306,20 +306,25 @@ def bounded_search(ix: DPArrays, px: ProofArrays, taus: np.ndarray, num_microbat
     best: the value to beat (``inf``: none).
     rate_max: hourly budget; ``t_limit``: bound on the simulated time.
     r_min: the smallest hourly rate of a single stage (for the cost bound).
-    node_budget: suffixes to visit at most.
+    node_budget: stages to look at, at most (each a candidate stage in front of a suffix).
     use_numba: run compiled (``False``: the same code in Python).
 
   Returns:
-    ``(value, candidate, path, nodes, simulated, complete)``: the best value found below
+    ``(value, candidate, path, work, simulated, complete)``: the best value found below
     ``best`` (else ``best``), the position in ``taus`` of its period (``-1``: none found), its
-    entries in pipeline order, the suffixes visited, the plans simulated, and whether the
+    entries in pipeline order, the stages looked at, the plans simulated, and whether the
     search finished (then no plan beats ``value``).
   """
   L = ix.ent_ptr.shape[1] - 1
   out = np.zeros(L, np.int64)
+  taus = np.ascontiguousarray(taus, np.float64)
+  if taus.size == 0:
+    return float(best), -1, out[:0].copy(), 0, 0, True
+  # One prefix bound, at the largest period: a bound at every smaller one.
+  lb = prefix_bound_kernel(ix, float(taus[-1]), True)
   fn = _search_jit if use_numba else _search_impl
   value, idx, length, nodes, n_sim, aborted = fn(
-      ix, px, np.ascontiguousarray(taus, np.float64), int(num_microbatches), float(eps),
-      float(fwd_fraction), int(n_max), int(kind), float(best), float(rate_max),
-      float(t_limit), float(r_min), int(node_budget), out)
+      ix, px, taus, int(num_microbatches), float(eps), float(fwd_fraction), int(n_max),
+      int(kind), float(best), float(rate_max), float(t_limit), float(r_min), int(node_budget),
+      out, lb)
   return (float(value), int(idx), out[:length].copy(), int(nodes), int(n_sim), not aborted)

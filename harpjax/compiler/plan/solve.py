@@ -59,7 +59,7 @@ from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import iteration_times, pipeline_period, warmup_delta
 from harpjax.errors import InfeasiblePlanError, PlanError, RuntimeFailure
 
-__all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve",
+__all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
            "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS"]
 
@@ -151,7 +151,7 @@ class SolveOptions:
   time_limit_s: float | None = None
   cost_model: str = "simulator"
   fwd_fraction: float = 1.0 / 3.0
-  proof_nodes: int = 2_000_000
+  proof_nodes: int = 200_000
 
   def __post_init__(self):
     if self.cost_model not in COST_MODELS:
@@ -344,9 +344,13 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   """Exact DP at candidates ``taus`` (ascending indices), each plan scored, tightening
   ``bound`` as it goes.
 
+  When the simulator judges, a candidate that is a stage time and has a plan also gets the
+  plan of the paper's model there (Eq. 12, every cut within the stage time): the old rule's
+  optimum is then among the plans simulated, so the result never simulates slower than it.
+
   Returns:
-    ``(candidate index, DP value + (B - 1) tau, score, path)`` for every candidate with a plan
-    within the bound, and the number of DP runs.
+    ``(candidate index, DP value + (B - 1) tau, score, path)`` for every plan found within the
+    bound, and the number of DP runs.
   """
   B = scoring.num_microbatches
   n_cap = index.n_cap(B)
@@ -370,8 +374,17 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
               index.active_entries(tau), bound)
     value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
                             kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
-                            lb=lb)
-    if math.isfinite(value):
+                            lb=lb, sb=sb)
+    if not math.isfinite(value):
+      continue
+    found = [(value, path)]
+    if scoring.simulated and scoring.discount > 0 and index.is_stage_time(tau):
+      runs += 1
+      found.append(index.run(tau, B, scoring.eps, require_hit=True, kernel=scoring.kernel,
+                             n_cap=n_cap, lb=lb, sb=sb, link_hits=False))
+    for value, path in found:
+      if not math.isfinite(value):
+        continue
       sur = value + (B - 1) * tau
       score = float(simulate_paths(index, [path], scoring)[0]) if scoring.simulated else sur
       out.append((idx, sur, score, path))
@@ -493,11 +506,71 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
   start = time.perf_counter()
+  result = _search(tables, B, opts, start)
+  if (opts.cost_model == "simulator" and not opts.use_all_devices
+      and tables.num_subclusters > 1 and not result.stats.proved):
+    result = _best_of_single_subclusters(tables, B, opts, result, start)
+  return result
+
+
+def _value(result: PlanResult) -> float:
+  """What the objective ranks: seconds, or for the cost objectives the hourly rate times
+  them."""
+  if result.objective in ("min_time", "min_time_within_budget"):
+    return result.objective_s
+  return result.rate_per_hour * result.objective_s
+
+
+def single_subcluster(tables: CostTables, k: int) -> CostTables:
+  """The tables of subcluster ``k`` alone."""
+  pick = lambda x: None if x is None else (x[k],)
+  return tables.replace(
+      subcluster_names=(tables.subcluster_names[k],), num_hosts=(tables.num_hosts[k],),
+      devices_per_host=(tables.devices_per_host[k],),
+      device_memory_bytes=(tables.device_memory_bytes[k],), submeshes=(tables.submeshes[k],),
+      stage_time_s=(tables.stage_time_s[k],), param_mem_bytes=(tables.param_mem_bytes[k],),
+      act_mem_bytes=(tables.act_mem_bytes[k],),
+      intra_bandwidth_bytes_per_s=(tables.intra_bandwidth_bytes_per_s[k],),
+      intra_latency_s=(tables.intra_latency_s[k],), inter_bandwidth_bytes_per_s=(),
+      inter_latency_s=(), link_bandwidth_bytes_per_s=None, link_latency_s=None,
+      logical_mesh=pick(tables.logical_mesh), peak_flops=pick(tables.peak_flops),
+      price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s))
+
+
+def _best_of_single_subclusters(tables: CostTables, B: int, opts: SolveOptions,
+                                result: PlanResult, start: float) -> PlanResult:
+  """When the search could not prove its optimum: the same search on each subcluster alone
+  (a smaller problem the DP covers better), its plan kept if it simulates better; so the
+  result is never worse than :func:`solve` restricted to any one subcluster."""
+  best, best_quads = _value(result), None
+  for k in range(tables.num_subclusters):
+    try:
+      alone = _search(single_subcluster(tables, k), B, opts, time.perf_counter(), beat=best)
+    except InfeasiblePlanError:
+      continue
+    if alone is not None and _value(alone) < best:
+      best = _value(alone)
+      best_quads = [(s.layers[0], s.layers[1], k, s.submesh_index) for s in alone.stages]
+  if best_quads is None:
+    return result
+  log.info("planner: a plan on one subcluster simulates better: %.6g", best)
+  stats = dataclasses.replace(result.stats, seconds=time.perf_counter() - start)
+  ev = evaluate_plan(tables, best_quads, B, eps=opts.eps, simulator=True,
+                     fwd_fraction=opts.fwd_fraction)
+  out = _assemble(tables, None, best_quads, B, ev.period_s, ev.iteration_s, stats, opts)
+  assert math.isclose(_value(out), best, rel_tol=1e-9), (_value(out), best)
+  return out
+
+
+def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
+            beat: float = math.inf) -> PlanResult | None:
+  """:func:`solve` on one set of tables; with ``beat`` finite, only plans whose value is
+  below it count (``None`` if there is none)."""
   simulated = opts.cost_model == "simulator"
   index = SparseIndex.build(tables, use_all_devices=opts.use_all_devices,
                             keep_order=opts.keep_order, link_bound=simulated)
   if opts.objective != "min_time" or opts.budget_per_hour is not None:
-    return _solve_priced(tables, index, B, opts, start)
+    return _solve_priced(tables, index, B, opts, start, beat)
   cand = index.candidates
   M = cand.size
   kernel = opts.kernel
@@ -507,32 +580,51 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
            tables.num_layers, tables.total_devices, index.num_entries, M)
 
   n_g = [0]
+  known = {}   # the bounds at the first candidate found feasible: bounds below it too
 
   def g(idx):  # G-feasibility: any plan with every stage and cut <= tau (monotone in tau)
     n_g[0] += 1
-    return index.run(float(cand[idx]), B, opts.eps, require_hit=False, kernel=kernel)
+    tau = float(cand[idx])
+    if known and known["idx"] > idx:
+      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=known["lb"],
+                      sb=known["sb"])
+    else:
+      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel)
+    if math.isfinite(out[0]) and not known:   # the gallop's first feasible candidate
+      lb = index.prefix_bound(tau)
+      known.update(idx=idx, lb=lb, sb=index.suffix_bound(tau, lb))
+    return out
 
   def infeasible():
     return infeasible_error(tables, B, opts.eps, opts.use_all_devices, opts.keep_order,
                             simulated)
 
-  t_s_idx = _smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0])) if M else None
+  slack = 1.0 + BOUND_SLACK
+  if math.isfinite(beat):   # periods beyond beat / B cannot win: do not even test them
+    top = int(np.searchsorted(cand, beat * slack / B, side="right"))
+    if top == 0 or not math.isfinite(g(top - 1)[0]):
+      return None
+    t_s_idx = _smallest_feasible(top, lambda idx: math.isfinite(g(idx)[0]))
+  else:
+    t_s_idx = _smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0])) if M else None
   if t_s_idx is None:
     raise infeasible()
   best = None
-  for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own period
-    found, _ = evaluate_candidates(index, [idx], scoring, math.inf, 0.0)
-    if found:
-      i, sur, score, path = found[0]
-      best = (score, i, sur, path)
-      break
-  if best is None:  # every plan within a period fails at its own period
-    raise infeasible()
-  n_incumbent = best[1] - t_s_idx + 1
-  bound = best[0]
-  slack = 1.0 + BOUND_SLACK
-  window = [c for c in range(best[1] + 1, M) if scoring.floor(cand[c], 0.0) <= bound * slack]
-  t_e = float(cand[window[-1]]) if window else float(cand[best[1]])
+  if math.isfinite(beat):   # the window up to what must be beaten; no incumbent needed
+    first, bound, n_incumbent = t_s_idx, beat, 0
+  else:
+    for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own period
+      found, _ = evaluate_candidates(index, [idx], scoring, math.inf, 0.0)
+      if found:
+        i, sur, score, path = found[0]
+        best = (score, i, sur, path)
+        break
+    if best is None:  # every plan within a period fails at its own period
+      raise infeasible()
+    n_incumbent = best[1] - t_s_idx + 1
+    first, bound = best[1] + 1, best[0]
+  window = [c for c in range(first, M) if scoring.floor(cand[c], 0.0) <= bound * slack]
+  t_e = float(cand[window[-1]]) if window else float(cand[first - 1])
   sigma_lb = 0.0
   num_window = len(window)
   if opts.bound_pruning and window:
@@ -558,8 +650,10 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
                                   opts.start_method)
     workers_used = min(workers, len(batches))
   for idx, sur, score, path in results:
-    if (score, idx) < (best[0], best[1]):
+    if best is None or (score, idx) < (best[0], best[1]):
       best = (score, idx, sur, path)
+  if best is None or best[0] >= beat:
+    return None
   num_sim = (len(results) + 1) if simulated else 0
   proved, nodes = None, 0
   if simulated and opts.proof_nodes > 0:
@@ -605,11 +699,14 @@ def _smallest_feasible(M: int, feasible: Callable[[int], bool]) -> int | None:
   return lo
 
 
-def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int,
+def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
               period: float, objective: float, stats: SearchStats,
               opts: SolveOptions) -> PlanResult:
-  e = np.asarray(path, dtype=np.int64)
-  quads = [index.entry(x) for x in e]
+  """The result for a DP path of ``index`` (or, with ``index=None``, stage quads)."""
+  if index is None:
+    quads = list(path)
+  else:
+    quads = [index.entry(x) for x in np.asarray(path, dtype=np.int64)]
   ev = evaluate_plan(tables, quads, B, "h1f1b", eps=opts.eps, simulator=True,
                      fwd_fraction=opts.fwd_fraction)
   simulated = opts.cost_model == "simulator"
@@ -679,7 +776,7 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
 
 
 def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOptions,
-                  start: float) -> PlanResult:
+                  start: float, beat: float = math.inf) -> PlanResult | None:
   """The search for the objectives with prices (:mod:`~harpjax.compiler.plan.rate_kernel`).
 
   A binary search for the smallest ``t_S`` at which some plan within the budget has every
@@ -722,7 +819,13 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   def infeasible():
     return infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order, simulated)
 
-  lo = _smallest_feasible(M, feasible) if M else None
+  top = M if not math.isfinite(beat) else int(np.searchsorted(
+      cand, beat * (1 + BOUND_SLACK) / (B * (1.0 if kind == rate_kernel.KIND_TIME else
+                                               max(float(np.min(price)), 1e-300))),
+      side="right"))
+  lo = _smallest_feasible(top, feasible) if top else None
+  if lo is None and math.isfinite(beat):
+    return None
   if lo is None:
     if M and math.isfinite(rate_max) and math.isfinite(
         fn(index.arrays, rx, float(cand[-1]), B, eps, n_cap, False, True, math.inf, math.inf,
@@ -731,7 +834,7 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
     raise infeasible()
   r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
   best = None   # (value, rate, candidate index, path)
-  bound = math.inf
+  bound = beat
   n_sim = 0
   for idx in range(lo, M):
     tau = float(cand[idx])
@@ -750,6 +853,8 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
       if sim > t_limit:
         continue
       value = sim if kind == rate_kernel.KIND_TIME else rate * sim
+    if value >= beat:
+      continue
     if best is None or (value, rate) < best[:2]:
       best = (value, rate, idx, path)
       bound = value
@@ -761,6 +866,8 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
     if found is not None:
       value, idx, path = found
       best = (value, math.nan, idx, path)
+  if best is None and math.isfinite(beat):
+    return None
   if best is None:
     if math.isfinite(t_limit):
       err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} runs an "
