@@ -427,6 +427,95 @@ def test_gpt_like_kernel_and_twin_agree():
 # --------------------------------------------------------------------------- search & backends
 
 
+def _gpt_instance(rng, blocks=8):
+  """A GPT-like instance of 2-3 GPU types, too large for brute force (3 layers a block + 2)."""
+  prof = synthetic_gpt_profile(num_blocks=blocks, hidden=2048, seq_len=1024, microbatch=4)
+  types = [("v100", 32, 125e12), ("a100", 40, 312e12), ("h100", 80, 989e12)]
+  K = int(rng.integers(2, 4))
+  specs = [SubclusterSpec(n, int(rng.integers(1, 4)), int(rng.choice([4, 8])),
+                          mem * GiB * float(rng.uniform(0.03, 0.15)), 25e9, peak_flops=f,
+                          host_bandwidth_bytes_per_s=150e9)
+           for n, mem, f in (types[x] for x in rng.choice(3, K, replace=False))]
+  gbps = float(rng.choice([1.0, 5.0, 25.0]))
+  return CostTables.from_layer_costs(prof, specs, Link(gbps * 1.25e8, 1e-4),
+                                     grad_sync_microbatches=32, order="memory_to_compute")
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow),
+                                  pytest.param(2, marks=pytest.mark.slow)])
+def test_never_worse_than_the_old_rule_or_one_subcluster(seed):
+  """Where nothing can be checked exhaustively: the plan never simulates slower than the
+  paper's planner's plan, nor than the planner's plan on any one subcluster; its predicted
+  time is the simulator's."""
+  rng = np.random.default_rng(500 + seed)
+  checked = unproved = 0
+  for _ in range(6):
+    tables = _gpt_instance(rng)
+    B = int(rng.choice([16, 64]))
+    res = _solve_or_inf(tables, B, proof_nodes=2_000)   # too small to prove: the DP decides
+    old = _solve_or_inf(tables, B, cost_model="eq12")
+    if res is None:
+      assert old is None
+      continue
+    ev = planner.evaluate_plan(tables, res.plan, B)
+    assert ev.iteration_s == res.iteration_s == res.plan.predicted_iteration_s
+    if old is not None:
+      assert res.iteration_s <= planner.evaluate_plan(tables, old.plan, B).iteration_s
+    for k in range(tables.num_subclusters):
+      alone = _solve_or_inf(planner.single_subcluster(tables, k), B, proof_nodes=2_000)
+      if alone is not None:
+        assert res.iteration_s <= alone.iteration_s * (1 + 1e-12)
+    checked += 1
+    unproved += not res.stats.proved
+  assert checked >= 3 and unproved >= 2, (checked, unproved)
+
+
+def test_link_bound_plan_is_admitted_and_faster():
+  """Two 1-device subclusters; the model needs both to be fast, and the cut between them
+  (3 s per microbatch) is slower than either stage (2.5 s): the paper's rule rejects that plan
+  and keeps the model on the slow device; admitted, it simulates 2.6x faster, with warm-ups
+  relative to the link."""
+  one = [(1, 1)]
+  tables = _tables(L=2, shapes=[one, one],
+                   times=[{(0, 0, 0): 2.5, (0, 1, 0): 10.0}, {(1, 1, 0): 2.5}],
+                   params=[{}, {}], acts=[{}, {}], mem=[1.0, 1.0], boundary=[3.0, 0.0])
+  B = 8
+  old = planner.solve(tables, B, cost_model="eq12")
+  new = planner.solve(tables, B)
+  assert old.plan.num_stages == 1 and new.plan.num_stages == 2
+  assert new.period_s == 3.0 and new.t_max_s == 2.5 and not planner.evaluate_plan(
+      tables, new.plan, B).comm_ok
+  assert new.warmups == h1f1b_warmups([3.0], 2.5, 0.1) == (4, 1)
+  old_sim = planner.evaluate_plan(tables, old.plan, B).iteration_s
+  assert new.iteration_s < 0.45 * old_sim
+  assert _close(new.objective_s, oracle.brute_force(tables, B).objective_s)
+
+
+def test_end_times_are_in_the_objective():
+  """Tables with end-of-iteration times: the planner and a brute force that simulates every
+  plan with them agree; a large end time on one subcluster moves the plan off it."""
+  rng = np.random.default_rng(77)
+  for x in range(12):
+    tables = oracle.random_tables(rng)
+    ends = tuple(np.where(np.isfinite(t), rng.uniform(0, 2.0) * t, np.inf)
+                 for t in tables.stage_time_s)
+    tables = tables.replace(end_time_s=ends)
+    B = int(rng.choice([2, 8]))
+    bf = oracle.brute_force(tables, B)
+    res = _solve_or_inf(tables, B)
+    assert _close(_obj(res), bf.objective_s), (x, bf, res)
+    if res is not None:
+      ev = planner.evaluate_plan(tables, res.plan, B)
+      assert ev.iteration_s == res.iteration_s and ev.end_s[0] > 0
+  one = [(1, 1)]
+  base = _tables(L=1, shapes=[one, one], times=[{(0, 0, 0): 1.0}, {(0, 0, 0): 1.2}],
+                 params=[{}, {}], acts=[{}, {}], mem=[1.0, 1.0], boundary=[0.0])
+  assert planner.solve(base, 4).plan.stages[0].subcluster == "c0"
+  slow_end = base.replace(end_time_s=(np.full((1, 1, 1), 5.0), np.zeros((1, 1, 1))))
+  res = planner.solve(slow_end, 4)
+  assert res.plan.stages[0].subcluster == "c1" and res.iteration_s == pytest.approx(4 * 1.2)
+
+
 def _medium_tables():
   prof = synthetic_gpt_profile(num_blocks=6, hidden=4096, seq_len=1024, microbatch=4)
   a = SubclusterSpec("a100", 2, 4, 40 * GiB, 25e9, peak_flops=312e12)
