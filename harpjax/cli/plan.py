@@ -166,6 +166,10 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Budget per hour (currency of the prices) of min_time_within_budget.")
 @click.option("--time-limit", type=Finite(min=0, min_open=True), default=None,
               help="Longest iteration, seconds, of min_cost_within_time.")
+@click.option("--cost-model", type=click.Choice(["simulator", "eq12"]), default="simulator",
+              show_default=True,
+              help="Rank plans by the simulator's iteration time of the schedule that runs "
+                   "(link-bound plans admitted), or by the paper's Eq. 12 with c <= t_max.")
 @click.option("--use-all-devices", is_flag=True,
               help="Use every device in the order given by --order (HARP's planner); by default "
                    "the plan may leave devices or subclusters unused and chooses the order.")
@@ -186,7 +190,7 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Progress bar while profiling (default: when stderr is a terminal).")
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
-            source, order, z, target_layers, eps, objective, budget, time_limit,
+            source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
             use_all_devices, cache_dir, no_cache, json_path, simulate, remat, progress):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
@@ -226,7 +230,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     profile_options = ProfileOptions(**profile_kw)
     solve_options = SolveOptions(eps=eps, objective=objective, budget_per_hour=budget,
                                  time_limit_s=time_limit, use_all_devices=use_all_devices,
-                                 keep_order=use_all_devices)
+                                 keep_order=use_all_devices, cost_model=cost_model)
     cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
     unpriced = [s.name for s in cluster.subclusters if s.price_per_gpu_hour is None]
     if unpriced and (objective != "min_time" or budget is not None):
@@ -253,8 +257,11 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                                    "microbatch_size": spec.microbatch_size, "remat": remat})
   click.echo("")
   click.echo(plan.table())
-  click.echo(f"\npredicted iteration: {plan.predicted_iteration_s:.3f} s (Eq. 12), "
-             f"t_max {plan.t_max_s * 1e3:.2f} ms, eta {plan.eta * 100:.1f}%; "
+  click.echo(f"\npredicted iteration: {plan.predicted_iteration_s:.3f} s (simulated; Eq. 12 "
+             f"{solved.eq12_s:.3f} s), t_max {plan.t_max_s * 1e3:.2f} ms"
+             + (f", link-bound at {solved.period_s * 1e3:.2f} ms" if solved.period_s >
+                plan.t_max_s else "")
+             + f", eta {plan.eta * 100:.1f}%; "
              f"profiling {t1 - t0:.1f} s, search {t2 - t1:.2f} s")
   click.echo(f"devices: {solved.num_devices} of {result.tables.total_devices}"
              + ("" if solved.rate_per_hour is None else

@@ -10,15 +10,15 @@ baseline planners, which the benchmarks compare with, are ``tools/baselines.py``
 """
 
 from harpjax.compiler.plan.evaluate import evaluate_plan, PlanEvaluation, PlannedStage
-from harpjax.compiler.plan.solve import (evaluate_candidates, OBJECTIVES, PlanResult,
-                                         register_parallel_backend, SearchStats, solve,
-                                         SolveOptions)
+from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJECTIVES,
+                                         PlanResult, register_parallel_backend, SearchStats,
+                                         single_subcluster, solve, SolveOptions)
 from harpjax.compiler.plan.spec import load_plan, ManualPlan, Plan, StageSpec
 from harpjax.compiler.plan.index import SparseIndex
 
 __all__ = [
-    "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan", "OBJECTIVES", "Plan",
-    "PlanEvaluation",
-    "PlannedStage", "PlanResult", "register_parallel_backend", "SearchStats", "solve",
-    "SolveOptions", "SparseIndex", "StageSpec",
+    "COST_MODELS", "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan",
+    "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
+    "register_parallel_backend", "SearchStats", "single_subcluster", "solve", "SolveOptions",
+    "SparseIndex", "StageSpec",
 ]

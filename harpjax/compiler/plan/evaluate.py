@@ -27,7 +27,8 @@ from harpjax.cluster import pack_submeshes
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
-from harpjax.compiler.schedule import make_schedule, simulate, warmup_delta
+from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
+                                       warmup_delta)
 from harpjax.errors import InfeasiblePlanError, PlanError
 
 __all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error"]
@@ -81,18 +82,22 @@ class PlanEvaluation:
     stages: :class:`PlannedStage` per stage (warm-ups of ``schedule``).
     warmups: warm-up counts ``N_i`` of ``schedule``.
     t_max_s: bottleneck stage time.
-    eq12_s: Eq. 12, ``sum (t_i + 2 c_i) + (B - 1) t_max`` (the DP's objective; exact for
-      H-1F1B when every cut's communication is hidden).
+    eq12_s: Eq. 12, ``sum (t_i + 2 c_i) + (B - 1) t_max`` (the paper's planning model;
+      valid when every ``c_i <= t_max``).
     steady_period_s: seconds per microbatch in the steady phase:
       ``max(t_max, max_i c_i, max_i (t_i + t_{i+1} + 2 c_i) / (delta_i + 1))`` with
       ``delta_i = min(N_i, B) - min(N_{i+1}, B)`` (the K-block bound of Eq. 7-9 per cut, and
       each link direction carrying one microbatch at a time).
-    iteration_s: predicted seconds per iteration: the simulator's when available, else
-      ``sum (t_i + 2 c_i) + (B - 1) steady_period_s``.
+    iteration_s: predicted seconds per iteration: the simulator's when available (with each
+      stage's end-of-iteration time), else ``sum (t_i + 2 c_i) + (B - 1) steady_period_s``.
     model: ``"simulator"`` or ``"analytic"``.
     eta: load-balance score of Eq. 20.
     mem_ok: every stage fits ``mem_p + min(N_i, B) mem_a <= mem_device``.
-    comm_ok: every ``c_i <= t_max`` (H-1F1B's condition for Eq. 12).
+    comm_ok: every ``c_i <= t_max`` (H-1F1B's condition in the paper, and Eq. 12's; a plan
+      with a slower cut is *link-bound*: it runs at the period ``max_i c_i``, which the
+      simulator and the warm-ups account for).
+    period_s: ``max(t_max, max_i c_i)``, what H-1F1B's warm-ups are computed against.
+    end_s: per stage, the end-of-iteration seconds (``CostTables.end_time_s``).
     devices_ok: no subcluster is over-subscribed and its stages pack onto its hosts.
     uses_all_devices: every device of every subcluster is in some stage.
     violations: human-readable list of what fails.
@@ -117,6 +122,8 @@ class PlanEvaluation:
   violations: tuple[str, ...]
   num_devices: int = 0
   rate_per_hour: float | None = None
+  period_s: float = 0.0
+  end_s: tuple[float, ...] = ()
 
   @property
   def cost_per_iteration(self) -> float | None:
@@ -201,15 +208,16 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
     c.append(float(tables.pair_comm_s[a[2], b[2], a[1]]))
   c.append(0.0)
   t_max = max(t)
+  period = pipeline_period(c, t_max)
   violations = []
   if not math.isfinite(t_max):
     bad = [q for q, x in zip(quads, t) if not math.isfinite(x)]
     violations.append(f"stages {bad} have no finite time in the tables")
   if key == "h1f1b":
-    # h1f1b_warmups's counts, without its warning for links slower than t_max (reported here).
+    # h1f1b_warmups's counts (relative to the period), without its checks and log line.
     warm = [1]
     for x in reversed(c[:-1]):
-      warm.append(warm[-1] + (warmup_delta(x, t_max, eps) if math.isfinite(t_max) else 1))
+      warm.append(warm[-1] + (warmup_delta(x, period, eps) if math.isfinite(period) else 1))
     warm = tuple(reversed(warm))
   elif key == "1f1b":
     warm = tuple(S - x for x in range(S))
@@ -259,26 +267,25 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
         warmup=int(warm[x]), inflight=int(inflight[x]), param_bytes=p, act_bytes=a,
         peak_mem_bytes=peak, device_memory_bytes=dev_mem))
   comm_ok = all(x <= t_max for x in c)
-  if not comm_ok:
-    worst = int(np.argmax(c))
-    violations.append(f"cut after stage {worst} takes {c[worst]:.6g} s > t_max {t_max:.6g} s")
+  ends = [tables.end_of(k, i, j, s) for i, j, k, s in quads]
   head = sum(x + 2.0 * y for x, y in zip(t, c))
   eq12 = head + (B - 1) * t_max
-  period = max(t_max, max(c))  # a link sends one microbatch per direction at a time
+  steady = period  # a link sends one microbatch per direction at a time
   for x in range(S - 1):
     delta = inflight[x] - inflight[x + 1]
     if delta >= 1:
-      period = max(period, (t[x] + t[x + 1] + 2.0 * c[x]) / (delta + 1))
-  iteration, model = head + (B - 1) * period, "analytic"
+      steady = max(steady, (t[x] + t[x + 1] + 2.0 * c[x]) / (delta + 1))
+  iteration, model = head + (B - 1) * steady + max(ends), "analytic"
   if simulator and math.isfinite(t_max):
-    iteration, model = _simulate(t, c, key, B, warm, fwd_fraction), "simulator"
+    iteration, model = _simulate(t, c, key, B, warm, fwd_fraction, ends), "simulator"
   return PlanEvaluation(schedule=key, num_microbatches=B, stages=tuple(planned),
                         warmups=tuple(int(w) for w in warm), t_max_s=t_max, eq12_s=eq12,
-                        steady_period_s=period, iteration_s=iteration, model=model,
+                        steady_period_s=steady, iteration_s=iteration, model=model,
                         eta=_eta(tables, planned, t_max), mem_ok=mem_ok, comm_ok=comm_ok,
                         devices_ok=devices_ok, uses_all_devices=uses_all,
                         violations=tuple(violations), num_devices=sum(taken),
-                        rate_per_hour=_rate(tables, planned))
+                        rate_per_hour=_rate(tables, planned), period_s=period,
+                        end_s=tuple(ends))
 
 
 def _rate(tables: CostTables, stages: Sequence[PlannedStage]) -> float | None:
@@ -307,35 +314,36 @@ def _eta(tables: CostTables, stages: Sequence[PlannedStage], t_max: float) -> fl
   return 1.0 - num / den
 
 
-def _simulate(t, c, schedule, B, warmups, fwd_fraction: float) -> float:
+def _simulate(t, c, schedule, B, warmups, fwd_fraction: float, ends) -> float:
   """The simulator's iteration time of the plan under ``schedule``."""
   fwd = [x * fwd_fraction for x in t]
   bwd = [x - f for x, f in zip(t, fwd)]
   sched = make_schedule(schedule, len(t), B, warmups if schedule == "h1f1b" else None)
-  return float(simulate(fwd, bwd, list(c[:-1]), sched).iteration_time)
+  return float(simulate(fwd, bwd, list(c[:-1]), sched, end_cost=list(ends)).iteration_time)
 
 
 # --------------------------------------------------------------------------- infeasibility
 
 
 def infeasible_error(tables: CostTables, B: int, eps: float, use_all_devices: bool = True,
-                     keep_order: bool = True) -> InfeasiblePlanError:
-  """Says which constraint makes every plan infeasible, and by how much."""
-  constraint, msg = _diagnose(tables, B, eps, use_all_devices, keep_order)
+                     keep_order: bool = True, link_bound: bool = False) -> InfeasiblePlanError:
+  """Says which constraint makes every plan infeasible, and by how much (``link_bound``:
+  plans with a cut slower than their slowest stage were allowed)."""
+  constraint, msg = _diagnose(tables, B, eps, use_all_devices, keep_order, link_bound)
   err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B}: {msg}")
   err.constraint = constraint
   return err
 
 
 def _diagnose(tables: CostTables, B: int, eps: float, use_all: bool,
-              keep_order: bool) -> tuple[str, str]:
+              keep_order: bool, link_bound: bool = False) -> tuple[str, str]:
   L, K = tables.num_layers, tables.num_subclusters
   gib = 2.0 ** 30
   if use_all and L < K:
     return "layers", (f"every subcluster needs at least one stage (all devices are used), but "
                       f"there are {L} layers for {K} subclusters")
   build = lambda scale=1.0: SparseIndex.build(tables, scale, use_all_devices=use_all,
-                                              keep_order=keep_order)
+                                              keep_order=keep_order, link_bound=link_bound)
   index = build()
   empty = [k for k in range(K) if not (index.ent_k == k).any()]
   # With resource choice a subcluster that holds no stage is simply left out.

@@ -2,8 +2,8 @@
 
 :class:`SparseIndex` is what the DP kernels of :mod:`harpjax.compiler.plan.dp_kernel` read (as
 one :class:`~harpjax.compiler.plan.dp_kernel.DPArrays`): the entries that fit a device with one
-microbatch in flight, grouped by (subcluster, first layer) and sorted by time, with the device
-states of :func:`device_states` and the cut costs. :meth:`SparseIndex.run` runs the DP at one
+microbatch in flight, grouped by (subcluster, first layer, submesh) and sorted by time, with the
+device states of :func:`device_states` and the cut costs. :meth:`SparseIndex.run` runs the DP at one
 candidate ``t_max``.
 """
 
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from harpjax.cluster import bin_pack, is_divisibility_chain
-from harpjax.compiler.plan import dp_kernel
+from harpjax.compiler.plan import dp_kernel, proof_kernel
 from harpjax.compiler.profile import CostTables
 from harpjax.errors import PlanError
 
@@ -29,7 +29,8 @@ class SparseIndex:
   """The feasible (range, submesh) entries as flat arrays (the kernels' input).
 
   Entries of subcluster ``k`` starting at layer ``i`` are ``ptr[k, i] .. ptr[k, i + 1] - 1``,
-  sorted by time, so at candidate ``tau`` the active ones are a prefix of each group. ``E``
+  by submesh and then by time, so at candidate ``tau`` the active ones are a prefix of each
+  (subcluster, first layer, submesh) group (``arrays.sp_ptr``). ``E``
   entries.
 
   Attributes:
@@ -40,8 +41,13 @@ class SparseIndex:
       submesh, seconds, parameter and activation bytes, the device memory and the cut costs.
     states: the :class:`DeviceStates` (:func:`device_states`).
     ent_k, ent_i, ent_m: ``[E]`` subcluster, first layer and devices of each entry.
-    candidates: sorted unique ``ent_t``: the ``t_max`` candidates.
+    candidates: the period candidates, sorted: the unique stage times ``ent_t`` and, with
+      ``link_bound``, the unique cut costs (a plan's period is its slowest stage or cut).
     sorted_t: sorted ``ent_t`` (active-entry counts per candidate).
+    link_bound: cut costs are candidates (plans whose slowest cut is slower than their
+      slowest stage are admitted).
+    by_t: ``[E]`` entries in the order of ``sorted_t``.
+    cut_values: sorted unique cut costs (with ``link_bound``).
   """
   num_layers: int
   offsets: np.ndarray
@@ -54,43 +60,75 @@ class SparseIndex:
   sorted_t: np.ndarray
   use_all_devices: bool = False
   keep_order: bool = False
+  link_bound: bool = False
+  by_t: np.ndarray | None = None
+  cut_values: np.ndarray | None = None
 
   @classmethod
   def build(cls, tables: CostTables, mem_scale: float = 1.0, *, use_all_devices: bool = False,
-            keep_order: bool = False) -> "SparseIndex":
+            keep_order: bool = False, link_bound: bool = False) -> "SparseIndex":
     """Indexes the entries that fit with one in-flight microbatch (``mem`` scaled).
 
-    ``use_all_devices`` and ``keep_order`` choose the device states (:func:`device_states`).
+    ``use_all_devices`` and ``keep_order`` choose the device states (:func:`device_states`);
+    ``link_bound`` adds the cut costs to the candidates.
     """
     L, K = tables.num_layers, tables.num_subclusters
     mem = np.asarray(tables.device_memory_bytes, dtype=np.float64) * mem_scale
-    cols = {n: [] for n in ("k", "i", "j", "s", "m", "t", "p", "a")}
+    cols = {n: [] for n in ("k", "i", "j", "s", "m", "t", "p", "a", "e")}
     for k in range(K):
       t, p, a = tables.stage_time_s[k], tables.param_mem_bytes[k], tables.act_mem_bytes[k]
+      end = tables.end_time_s[k] if tables.end_time_s is not None else np.zeros_like(p)
       ok = np.isfinite(t) & (p + 1.0 * a <= mem[k])
       ok &= np.triu(np.ones((L, L), bool))[:, :, None]
       i, j, s = np.nonzero(ok)
       sizes = np.array([n * m for n, m in tables.submeshes[k]], dtype=np.int64)
       for name, v in (("k", np.full(i.size, k)), ("i", i), ("j", j), ("s", s), ("m", sizes[s]),
-                      ("t", t[i, j, s]), ("p", p[i, j, s]), ("a", a[i, j, s])):
+                      ("t", t[i, j, s]), ("p", p[i, j, s]), ("a", a[i, j, s]),
+                      ("e", end[i, j, s])):
         cols[name].append(v)
     c = {n: np.concatenate(v) for n, v in cols.items()}
-    order = np.lexsort((c["s"], c["j"], c["t"], c["i"], c["k"]))
+    order = np.lexsort((c["j"], c["t"], c["s"], c["i"], c["k"]))
     c = {n: np.ascontiguousarray(v[order]) for n, v in c.items()}
     for n in ("k", "i", "j", "s", "m"):
       c[n] = c[n].astype(np.int64)
     keys = c["k"] * (L + 1) + c["i"]
     bounds = np.arange(K)[:, None] * (L + 1) + np.arange(L + 1)[None, :]
     ptr = np.searchsorted(keys, bounds, side="left").astype(np.int64)
+    S_max = max(len(x) for x in tables.submeshes)
+    sp_keys = (c["k"] * L + c["i"]) * S_max + c["s"]
+    sp_ptr = np.searchsorted(sp_keys, np.arange(K * L * S_max + 1), side="left").astype(np.int64)
+    # Groups whose last layers increase along the time order (an entry's group is its key).
+    falls = np.zeros(K * L * S_max, np.int64)
+    same = sp_keys[1:] == sp_keys[:-1]
+    np.add.at(falls, sp_keys[1:][same & (np.diff(c["j"]) <= 0)], 1)
+    sp_mono = falls == 0
     st = device_states(tables, use_all_devices=use_all_devices, keep_order=keep_order)
+    mv = dp_kernel.moves(st.stay, st.leave, st.sub)
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
-        np.ascontiguousarray(tables.pair_comm_s), *dp_kernel.moves(st.stay, st.leave, st.sub))
+        np.ascontiguousarray(tables.pair_comm_s), *mv, c["e"].astype(np.float64), sp_ptr,
+        sp_mono, *dp_kernel.fitting_submeshes(mv[0], st.end))
+    cand = c["t"]
+    cut_values = np.zeros(0)
+    if link_bound and L > 1:
+      cuts = tables.pair_comm_s[:, :, :L - 1]
+      linked = np.array([[a == b or tables.linked(a, b) for b in range(K)] for a in range(K)])
+      cut_values = cuts[linked].ravel()
+      cut_values = np.unique(cut_values[np.isfinite(cut_values) & (cut_values > 0)])
+      cand = np.concatenate([cand, cut_values])
+    by_t = np.argsort(c["t"], kind="stable")
     return cls(num_layers=L, offsets=tables.device_offsets, arrays=arrays, states=st,
-               ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(c["t"]),
-               sorted_t=np.sort(c["t"]), use_all_devices=use_all_devices,
-               keep_order=keep_order)
+               ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(cand),
+               sorted_t=c["t"][by_t], use_all_devices=use_all_devices,
+               keep_order=keep_order, link_bound=link_bound, by_t=by_t.astype(np.int64),
+               cut_values=cut_values)
+
+  @functools.cached_property
+  def proof(self) -> proof_kernel.ProofArrays:
+    """The bounded exact search's arrays (:func:`~harpjax.compiler.plan.proof_kernel.
+    proof_arrays`), without prices."""
+    return proof_kernel.proof_arrays(self.arrays, self.ent_i, self.ent_k, self.ent_m, None)
 
   @property
   def num_entries(self) -> int:
@@ -106,6 +144,13 @@ class SparseIndex:
 
   def n_cap(self, num_microbatches: int, check_comm: bool = True) -> int:
     """Largest warm-up count a state can need: ``<= B``, ``1 + 3 (S - 1)``, memory."""
+    key = ("n_cap", int(num_microbatches), bool(check_comm))
+    cache = self.__dict__.setdefault("_memo", {})
+    if key not in cache:
+      cache[key] = self._n_cap(int(num_microbatches), bool(check_comm))
+    return cache[key]
+
+  def _n_cap(self, num_microbatches: int, check_comm: bool) -> int:
     B = int(num_microbatches)
     D = int(self.offsets[-1])
     n = B if not check_comm else min(B, 1 + 3 * (min(self.num_layers, D) - 1))
@@ -119,12 +164,46 @@ class SparseIndex:
 
   def run(self, tau: float, num_microbatches: int, eps: float, *, require_hit: bool,
           bound: float = math.inf, check_comm: bool = True, kernel: str = "numba",
-          n_cap: int | None = None) -> tuple[float, np.ndarray]:
-    """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau`."""
+          n_cap: int | None = None, discount: float = 0.0,
+          lb: np.ndarray | None = None, sb: np.ndarray | None = None,
+          link_hits: bool | None = None) -> tuple[float, np.ndarray]:
+    """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
+    of ``tau`` are hits when the index is ``link_bound``, unless ``link_hits`` says otherwise;
+    ``lb``, ``sb``: a :meth:`prefix_bound` and :meth:`suffix_bound` at ``tau`` or above)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
-    return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound)
+    hits = self.link_bound if link_hits is None else link_hits
+    return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
+              hits, discount, lb=lb, sb=sb)
+
+  def is_stage_time(self, tau: float) -> bool:
+    """Whether some entry takes exactly ``tau``."""
+    x = int(np.searchsorted(self.sorted_t, tau))
+    return x < self.sorted_t.size and self.sorted_t[x] == tau
+
+  def prefix_bound(self, tau: float, check_comm: bool = True) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""
+    return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
+
+  def suffix_bound(self, tau: float, lb: np.ndarray, check_comm: bool = True) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.suffix_bound` at ``tau``."""
+    return dp_kernel.suffix_bound(self.arrays, tau, lb, check_comm)
+
+  def may_have_period(self, tau: float, lb: np.ndarray, sb: np.ndarray) -> bool:
+    """``False`` proves no plan has period exactly ``tau`` (given :meth:`prefix_bound` and
+    :meth:`suffix_bound` at ``tau`` or above): no entry of that time can be a stage of a plan
+    within ``tau``, and no cut takes ``tau``."""
+    if self.link_bound and self.cut_values is not None and self.cut_values.size:
+      x = int(np.searchsorted(self.cut_values, tau))
+      if x < self.cut_values.size and self.cut_values[x] == tau:
+        return True
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    if lo == hi:
+      return False
+    return dp_kernel.hit_possible(self.arrays, lb, sb, self.by_t[lo:hi], self.ent_i, self.ent_k,
+                                  tau)
 
 
 # --------------------------------------------------------------------------- device states

@@ -55,7 +55,7 @@ def _objective(kind, rate, t):
 
 
 def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit, check_comm,
-                         bound, rate_max, t_limit, kind):
+                         bound, rate_max, t_limit, kind, link_hits, relief):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau_rate`."""
   L = ix.ent_ptr.shape[1] - 1
   K = ix.ent_ptr.shape[0]
@@ -63,7 +63,7 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
   B = num_microbatches
   H = 2 if require_hit else 1
   inf = np.inf
-  tail = (B - 1) * tau
+  tail = (B - 1) * tau - relief   # in the comparisons with the bound and the time limit
   lb = np.full((L + 1, G), inf)
   for r in ix.roots:
     lb[0, r] = 0.0
@@ -76,7 +76,7 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
       for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
         t = ix.ent_t[e]
         if t > tau:
-          break
+          continue
         j = ix.ent_j[e]
         if j == L - 1:
           continue
@@ -120,19 +120,20 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
       for e in range(ix.ent_ptr[k, i], ix.ent_ptr[k, i + 1]):
         t = ix.ent_t[e]
         if t > tau:
-          break
+          continue
         s = ix.ent_s[e]
         j = ix.ent_j[e]
         hit = 1 if (require_hit and t == tau) else 0
         charge = _charge(rx, k, d, s)
         p = ix.ent_p[e]
         a = ix.ent_a[e]
+        t_end = t + ix.ent_e[e] if i == 0 else t   # the first stage pays its end time
         for x in range(K + 2):
           # x = 0: last stage; x = 1: stay on k; x >= 2: leave to subcluster x - 2.
           if x == 0:
             if j != L - 1 or not ix.st_end[d, s]:
               continue
-            v = t
+            v = t_end
             rate = charge
             if rate > rate_max or pre + v + tail > t_limit or \
                 _objective(kind, rate, pre + v + tail) > limit:
@@ -153,10 +154,11 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
           if check_comm and c > tau:
             continue
           dl = _warmup_delta(c, tau, eps)
-          step = t + 2.0 * c
+          step = t_end + 2.0 * c
           add = 0.0 if x == 1 else charge
+          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
-            h = 1 if (h2 == 1 or hit == 1) else 0
+            h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
             q0 = first[j + 1, d2, h2]
             for q in range(q0, q0 + count[j + 1, d2, h2]):
               n = pn[q] + dl
@@ -215,6 +217,7 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
       tt = pc[q] + tail
       if tt > t_limit or pr[q] > rate_max:
         continue
+      tt += relief
       val = _objective(kind, pr[q], tt)
       if val < best or (val == best and pr[q] < best_rate):
         best = val
@@ -275,7 +278,8 @@ else:  # pragma: no cover
 
 def solve_tau_rate(ix: DPArrays, rx: RateArrays, tau: float, num_microbatches: int, eps: float,
                    n_cap: int, require_hit: bool, check_comm: bool, bound: float,
-                   rate_max: float, t_limit: float, kind: int, use_numba: bool = True
+                   rate_max: float, t_limit: float, kind: int, link_hits: bool = False,
+                   relief: float = 0.0, use_numba: bool = True
                    ) -> tuple[float, float, float, np.ndarray]:
   """The DP with prices at one candidate ``t_max`` (Numba kernel).
 
@@ -288,6 +292,11 @@ def solve_tau_rate(ix: DPArrays, rx: RateArrays, tau: float, num_microbatches: i
     rate_max: largest hourly rate allowed (the budget; ``inf`` for none).
     t_limit: largest iteration time ``T`` allowed, seconds (``inf`` for none).
     kind: :data:`KIND_TIME` or :data:`KIND_COST`.
+    link_hits: a cut of exactly ``tau`` makes ``tau`` the plan's period (link-bound plans;
+      see :func:`~harpjax.compiler.plan.dp_kernel.solve_tau`).
+    relief: seconds by which the plan's time may fall below ``T`` (``T - relief`` is compared
+      with ``bound`` and ``t_limit``): when the simulator judges, ``T`` is not a lower bound on
+      its time, ``T - phi tau (n_max - 1)`` is.
 
   Returns:
     ``(value, rate, cost, path)``: the best objective value (``inf`` if no plan), its rate,
@@ -298,7 +307,7 @@ def solve_tau_rate(ix: DPArrays, rx: RateArrays, tau: float, num_microbatches: i
       else _solve_tau_rate_impl
   return fn(ix, rx, float(tau), int(num_microbatches), float(eps), int(n_cap),
             bool(require_hit), bool(check_comm), float(bound), float(rate_max),
-            float(t_limit), int(kind))
+            float(t_limit), int(kind), bool(link_hits), float(relief))
 
 
 class _RateIds(dict):
@@ -314,9 +323,11 @@ class _RateIds(dict):
 def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatches: int,
                          eps: float, n_cap: int, require_hit: bool, check_comm: bool,
                          bound: float, rate_max: float, t_limit: float, kind: int,
+                         link_hits: bool = False, relief: float = 0.0,
                          use_numba: bool = False) -> tuple[float, float, float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau_rate`: dense over the distinct suffix rates."""
   del use_numba
+  ent_e = ix.ent_e
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
    c_pair) = ix[:13]
   L, B, K, G = ent_ptr.shape[1] - 1, int(num_microbatches), ent_ptr.shape[0], int(st_sub.size)
@@ -340,16 +351,17 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
       for e in range(int(ent_ptr[k, i]), int(ent_ptr[k, i + 1])):
         t = float(ent_t[e])
         if t > tau:
-          break
+          continue
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
         if rx.held[d, s] < 0:   # the stage does not fit the subcluster
           continue
         charge = float(rx.price[k] * rx.held[d, s])
+        t_end = t + float(ent_e[e]) if i == 0 else t
         if j == L - 1:
           r = rid[charge]
-          if st_end[d, s] and t < F[i, d, 1, hit, r]:
-            F[i, d, 1, hit, r] = t
+          if st_end[d, s] and t_end < F[i, d, 1, hit, r]:
+            F[i, d, 1, hit, r] = t_end
             par[(i, d, 1, hit, r)] = (e, -1, 0, 0, 0)
           continue
         p, a, mk = float(ent_p[e]), float(ent_a[e]), float(mem[k])
@@ -363,14 +375,15 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
           if check_comm and c > tau:
             continue
           dl = warmup_delta(c, tau, eps)
+          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
-            h = 1 if (h2 == 1 or hit) else 0
+            h = 1 if (h2 == 1 or hit or hit_c) else 0
             src = F[j + 1, d2, :, h2, :]                  # [NC + 1, Rn] by (n', r')
             for n_prev, r_prev in zip(*np.nonzero(np.isfinite(src))):
               n_new = min(int(n_prev) + dl, B)
               if n_prev < 1 or n_new > NC or not n_ok[n_new]:
                 continue
-              v = src[n_prev, r_prev] + t + 2.0 * c
+              v = src[n_prev, r_prev] + t_end + 2.0 * c
               r = rid[rates[r_prev] + add]
               if v < F[i, d, n_new, h, r]:
                 F[i, d, n_new, h, r] = v
@@ -382,13 +395,14 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
       for r in range(Rn):
         v = F[0, root, n, H - 1, r]
         tt = v + tail
-        if not np.isfinite(v) or tt > t_limit or rates[r] > rate_max:
+        if not np.isfinite(v) or tt - relief > t_limit or rates[r] > rate_max:
           continue
         val = tt if kind == KIND_TIME else rates[r] * tt
         if (val, rates[r]) < best[:2]:
           best = (val, rates[r], (0, int(root), n, H - 1, r))
   val, rate, key = best
-  if key is None or val > bound * (1.0 + BOUND_SLACK):
+  low = val - relief * (1.0 if kind == KIND_TIME else rate)
+  if key is None or low > bound * (1.0 + BOUND_SLACK):
     return np.inf, np.inf, np.inf, np.zeros(0, np.int64)
   cost = float(F[key])
   path = []

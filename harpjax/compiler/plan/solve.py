@@ -45,21 +45,23 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from harpjax.compiler.plan import rate_kernel
+from harpjax.compiler.plan import proof_kernel, rate_kernel
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
                                             infeasible_error)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
+from harpjax.compiler.schedule import iteration_times, pipeline_period, warmup_delta
 from harpjax.errors import InfeasiblePlanError, PlanError, RuntimeFailure
 
-__all__ = ["SolveOptions", "SearchStats", "PlanResult", "solve", "evaluate_candidates",
-           "register_parallel_backend", "BACKENDS", "OBJECTIVES"]
+__all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
+           "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
+           "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS"]
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +69,14 @@ OBJECTIVES = ("min_time", "max_throughput_per_dollar", "min_time_within_budget",
               "min_cost_within_time")
 """What :func:`solve` optimises (:class:`SolveOptions`)."""
 
+COST_MODELS = ("simulator", "eq12")
+"""How :func:`solve` ranks plans (:class:`SolveOptions`)."""
+
 BACKENDS = ("auto", "sequential", "process", "thread")
 """Built-in ways of evaluating the candidates; more are registered by other packages
 (:func:`register_parallel_backend`: the runtime registers ``"ray"``)."""
 
-BatchRunner = Callable[..., list[tuple[list[tuple[int, float, np.ndarray]], int]]]
+BatchRunner = Callable[..., list[tuple[list[tuple[int, float, float, np.ndarray]], int]]]
 _PARALLEL_BACKENDS: dict[str, BatchRunner] = {}
 
 
@@ -121,6 +126,15 @@ class SolveOptions:
       unless ``use_all_devices``); default ``False``: the order is chosen too, exactly, over
       every order the links allow. ``use_all_devices=True, keep_order=True`` is the paper's
       planner.
+    cost_model: ``"simulator"`` (default): plans are ranked by the simulator's iteration time
+      of the H-1F1B schedule the runtime runs (warm-ups and end-of-iteration times included),
+      and plans with a cut slower than their slowest stage (link-bound) are admitted; the DP
+      proposes, per candidate period, the plan minimising a lower bound on that time, and a
+      bounded exact search (``proof_nodes``) proves the optimum where it can. ``"eq12"``: the
+      paper's planner, Eq. 12 with the rule ``c <= t_max``.
+    fwd_fraction: the forward's share of a stage's time in the simulated schedule.
+    proof_nodes: node budget of the bounded exact search after the DP (``0``: none); the
+      result says whether it completed (``SearchStats.proved``).
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -135,8 +149,18 @@ class SolveOptions:
   objective: str = "min_time"
   budget_per_hour: float | None = None
   time_limit_s: float | None = None
+  cost_model: str = "simulator"
+  fwd_fraction: float = 1.0 / 3.0
+  proof_nodes: int = 200_000
 
   def __post_init__(self):
+    if self.cost_model not in COST_MODELS:
+      raise PlanError(f"SolveOptions.cost_model={self.cost_model!r}; choose one of "
+                      f"{COST_MODELS}")
+    if not 0.0 < self.fwd_fraction < 1.0:
+      raise PlanError(f"SolveOptions.fwd_fraction={self.fwd_fraction} must be in (0, 1)")
+    if int(self.proof_nodes) != self.proof_nodes or self.proof_nodes < 0:
+      raise PlanError(f"SolveOptions.proof_nodes={self.proof_nodes} must be an integer >= 0")
     if self.objective not in OBJECTIVES:
       raise PlanError(f"SolveOptions.objective={self.objective!r}; choose one of {OBJECTIVES}")
     for name in ("budget_per_hour", "time_limit_s"):
@@ -180,6 +204,10 @@ class SearchStats:
     num_feasibility_runs: DP runs of the binary search and the lower bound.
     backend, workers: how the window was evaluated.
     seconds: wall time of :func:`solve`.
+    num_simulated: plans simulated.
+    proved: the bounded exact search completed: no plan beats the result (``None``: not run,
+      as with ``cost_model="eq12"``, whose DP is exact for its own objective).
+    proof_nodes: nodes the bounded exact search visited.
   """
   num_entries: int
   num_candidates: int
@@ -192,6 +220,9 @@ class SearchStats:
   backend: str
   workers: int
   seconds: float
+  num_simulated: int = 0
+  proved: bool | None = None
+  proof_nodes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +230,10 @@ class PlanResult:
   """What :func:`solve` returns.
 
   Attributes:
-    plan: the :class:`~harpjax.compiler.plan.Plan` (H-1F1B, warm-ups, ``t_max``, Eq. 12 time).
-    objective_s: Eq. 12, ``sum (t_i + 2 c_i) + (B - 1) t_max``, seconds per iteration.
+    plan: the :class:`~harpjax.compiler.plan.Plan` (H-1F1B, warm-ups, ``t_max``, and the
+      simulated iteration time as ``predicted_iteration_s``).
+    objective_s: the iteration time the plan was ranked by, seconds: the simulator's
+      (``cost_model="simulator"``), or Eq. 12 plus the first stage's end time (``"eq12"``).
     t_max_s: the plan's bottleneck stage time.
     stages: the :class:`PlannedStage` list.
     warmups: H-1F1B warm-up counts ``N_i`` (from ``t_max_s`` and ``eps``).
@@ -211,6 +244,9 @@ class PlanResult:
       without prices.
     cost_per_iteration: ``rate_per_hour * objective_s / 3600``, ``None`` without prices.
     objective: the :class:`SolveOptions` objective optimised.
+    iteration_s: the simulator's iteration time (equals ``plan.predicted_iteration_s``).
+    eq12_s: Eq. 12 of the plan.
+    period_s: ``max(t_max, max_i c_i)``; above ``t_max_s`` the plan is link-bound.
   """
   plan: Plan
   objective_s: float
@@ -223,6 +259,9 @@ class PlanResult:
   rate_per_hour: float | None = None
   cost_per_iteration: float | None = None
   objective: str = "min_time"
+  iteration_s: float = math.nan
+  eq12_s: float = math.nan
+  period_s: float = math.nan
 
   @property
   def num_devices(self) -> int:
@@ -236,31 +275,120 @@ class PlanResult:
 # --------------------------------------------------------------------------- batch evaluation
 
 
-def evaluate_candidates(index: SparseIndex, taus: Sequence[int], num_microbatches: int,
-                        eps: float, kernel: str, bound: float, sigma_lb: float
-                        ) -> tuple[list[tuple[int, float, np.ndarray]], int]:
-  """Exact DP at candidates ``taus`` (ascending indices), tightening ``bound`` as it goes.
+class Scoring(NamedTuple):
+  """How the search scores the candidates' plans (sent to workers by value).
+
+  Attributes:
+    num_microbatches: ``B``.
+    eps: H-1F1B tolerance.
+    kernel: ``"numba"`` or ``"numpy"``.
+    discount: the DP's ``discount`` (``fwd_fraction`` when the simulator judges, else 0).
+    simulated: rank by the simulator (else by the DP's value plus ``(B - 1) tau``).
+    fwd_fraction: the forward's share of a stage's time.
+    nmax: largest in-flight count of any stage (``min(n_cap, B)``).
+  """
+  num_microbatches: int
+  eps: float
+  kernel: str
+  discount: float
+  simulated: bool
+  fwd_fraction: float
+  nmax: int
+
+  def floor(self, tau: float, sigma_lb: float) -> float:
+    """A lower bound on the score of any plan of period ``tau`` whose DP value is at least
+    ``sigma_lb`` before the discount: the simulated time is at least ``B tau`` (the bottleneck
+    stage or link alone) and at least the DP's value plus ``(B - 1) tau``."""
+    B = self.num_microbatches
+    lb = (B - 1) * tau + max(sigma_lb, tau) - self.discount * tau * (self.nmax - 1)
+    return max(lb, B * tau) if self.simulated else lb
+
+
+def plan_arrays(index: SparseIndex, path: np.ndarray, eps: float
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Stage times, cut costs (``0`` after the last), end times and H-1F1B warm-ups of a DP
+  path (entry indices), as :func:`~harpjax.compiler.plan.evaluate_plan` computes them."""
+  e = np.asarray(path, np.int64)
+  ix = index.arrays
+  k = index.ent_k[e]
+  t = ix.ent_t[e]
+  c = np.zeros(e.size)
+  c[:-1] = ix.c_pair[k[:-1], k[1:], ix.ent_j[e[:-1]]]
+  period = pipeline_period(c, float(t.max()))
+  warm = np.ones(e.size, np.int64)
+  for x in range(e.size - 2, -1, -1):
+    warm[x] = warm[x + 1] + warmup_delta(float(c[x]), period, eps)
+  return t, c, ix.ent_e[e], warm
+
+
+def simulate_paths(index: SparseIndex, paths: Sequence[np.ndarray], scoring: Scoring
+                   ) -> np.ndarray:
+  """The simulator's iteration time of each DP path under its H-1F1B schedule (bit for bit
+  :func:`harpjax.compiler.schedule.simulate`'s, see
+  :func:`~harpjax.compiler.schedule.sim_kernel.iteration_times`)."""
+  Q = len(paths)
+  S = max((len(p) for p in paths), default=1)
+  T, C, E = np.zeros((Q, S)), np.zeros((Q, S)), np.zeros((Q, S))
+  W = np.ones((Q, S), np.int64)
+  for q, p in enumerate(paths):
+    t, c, e, w = plan_arrays(index, p, scoring.eps)
+    n = len(p)
+    T[q, :n], C[q, :n], E[q, :n], W[q, :n] = t, c, e, w
+  return iteration_times(T, C, E, W, [len(p) for p in paths],
+                                    scoring.num_microbatches, scoring.fwd_fraction)
+
+
+def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scoring,
+                        bound: float, sigma_lb: float
+                        ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
+  """Exact DP at candidates ``taus`` (ascending indices), each plan scored, tightening
+  ``bound`` as it goes.
+
+  When the simulator judges, a candidate that is a stage time and has a plan also gets the
+  plan of the paper's model there (Eq. 12, every cut within the stage time): the old rule's
+  optimum is then among the plans simulated, so the result never simulates slower than it.
 
   Returns:
-    ``(candidate index, objective, path)`` for every candidate with a plan within the bound,
-    and the number of DP runs.
+    ``(candidate index, DP value + (B - 1) tau, score, path)`` for every plan found within the
+    bound, and the number of DP runs.
   """
-  B = num_microbatches
+  B = scoring.num_microbatches
   n_cap = index.n_cap(B)
   out, runs = [], 0
-  for idx in sorted(taus):
+  taus = sorted(taus)
+  # One prefix and one suffix bound for the batch, at its largest candidate: bounds at every
+  # smaller one. A candidate that no plan can have as its period is skipped without a DP.
+  lb = sb = None
+  if taus:
+    top = float(index.candidates[taus[-1]])
+    lb = index.prefix_bound(top)
+    sb = index.suffix_bound(top, lb)
+  for idx in taus:
     tau = float(index.candidates[idx])
-    if (B - 1) * tau + max(sigma_lb, tau) > bound * (1.0 + BOUND_SLACK):
+    if scoring.floor(tau, sigma_lb) > bound * (1.0 + BOUND_SLACK):
+      continue
+    if not index.may_have_period(tau, lb, sb):
       continue
     runs += 1
-    log.debug("planner: DP at t_max=%.6g s (%d active entries), bound %.6g s", tau,
+    log.debug("planner: DP at period %.6g s (%d active entries), bound %.6g s", tau,
               index.active_entries(tau), bound)
-    value, path = index.run(tau, B, eps, require_hit=True, bound=bound, kernel=kernel,
-                            n_cap=n_cap)
-    if math.isfinite(value):
-      obj = value + (B - 1) * tau
-      out.append((idx, obj, path))
-      bound = min(bound, obj)
+    value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
+                            kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
+                            lb=lb, sb=sb)
+    if not math.isfinite(value):
+      continue
+    found = [(value, path)]
+    if scoring.simulated and scoring.discount > 0 and index.is_stage_time(tau):
+      runs += 1
+      found.append(index.run(tau, B, scoring.eps, require_hit=True, kernel=scoring.kernel,
+                             n_cap=n_cap, lb=lb, sb=sb, link_hits=False))
+    for value, path in found:
+      if not math.isfinite(value):
+        continue
+      sur = value + (B - 1) * tau
+      score = float(simulate_paths(index, [path], scoring)[0]) if scoring.simulated else sur
+      out.append((idx, sur, score, path))
+      bound = min(bound, score)
   return out, runs
 
 
@@ -274,7 +402,7 @@ def _worker_init(index: SparseIndex) -> None:
   _WORKER_INDEX["index"] = index
 
 
-def _worker_batch(args) -> tuple[list[tuple[int, float, np.ndarray]], int]:
+def _worker_batch(args) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
   return evaluate_candidates(_WORKER_INDEX["index"], *args)
 
 
@@ -319,7 +447,7 @@ def _cancel(ex: concurrent.futures.Executor) -> None:
 
 def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, backend: str,
                   workers: int, timeout_s: float, start_method: str | None
-                  ) -> tuple[list[tuple[int, float, np.ndarray]], int]:
+                  ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
   outs = []
   if backend in ("thread", "process"):
     if backend == "thread":
@@ -353,7 +481,8 @@ def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, bac
 
 def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | None = None,
           **overrides: Any) -> PlanResult:
-  """Finds the plan minimising Eq. 12 (HARP §5.2).
+  """Finds the fastest plan (or the best by a money objective): HARP §5.2's search, judged by
+  the simulator.
 
   Args:
     tables: the cost tables (subclusters in pipeline order).
@@ -363,12 +492,12 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
 
   Returns:
     The :class:`PlanResult`: stages (layer range, subcluster, submesh, logical mesh), H-1F1B
-    warm-up counts, ``t_max``, the objective and search statistics.
+    warm-up counts, ``t_max``, the simulated iteration time and search statistics.
 
   Raises:
     InfeasiblePlanError: no plan fits; the message names the constraint and by how much
-      (its ``constraint`` attribute is ``"memory"``, ``"communication"``, ``"devices"`` or
-      ``"layers"``).
+      (its ``constraint`` attribute is ``"memory"``, ``"communication"``, ``"devices"``,
+      ``"layers"``, ``"budget"`` or ``"time"``).
   """
   if not isinstance(tables, CostTables):
     raise PlanError(f"solve needs CostTables, got {type(tables).__name__}")
@@ -377,54 +506,132 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
   start = time.perf_counter()
+  result = _search(tables, B, opts, start)
+  if (opts.cost_model == "simulator" and not opts.use_all_devices
+      and tables.num_subclusters > 1 and not result.stats.proved):
+    result = _best_of_single_subclusters(tables, B, opts, result, start)
+  return result
+
+
+def _value(result: PlanResult) -> float:
+  """What the objective ranks: seconds, or for the cost objectives the hourly rate times
+  them."""
+  if result.objective in ("min_time", "min_time_within_budget"):
+    return result.objective_s
+  return result.rate_per_hour * result.objective_s
+
+
+def single_subcluster(tables: CostTables, k: int) -> CostTables:
+  """The tables of subcluster ``k`` alone."""
+  pick = lambda x: None if x is None else (x[k],)
+  return tables.replace(
+      subcluster_names=(tables.subcluster_names[k],), num_hosts=(tables.num_hosts[k],),
+      devices_per_host=(tables.devices_per_host[k],),
+      device_memory_bytes=(tables.device_memory_bytes[k],), submeshes=(tables.submeshes[k],),
+      stage_time_s=(tables.stage_time_s[k],), param_mem_bytes=(tables.param_mem_bytes[k],),
+      act_mem_bytes=(tables.act_mem_bytes[k],),
+      intra_bandwidth_bytes_per_s=(tables.intra_bandwidth_bytes_per_s[k],),
+      intra_latency_s=(tables.intra_latency_s[k],), inter_bandwidth_bytes_per_s=(),
+      inter_latency_s=(), link_bandwidth_bytes_per_s=None, link_latency_s=None,
+      logical_mesh=pick(tables.logical_mesh), peak_flops=pick(tables.peak_flops),
+      price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s))
+
+
+def _best_of_single_subclusters(tables: CostTables, B: int, opts: SolveOptions,
+                                result: PlanResult, start: float) -> PlanResult:
+  """When the search could not prove its optimum: the same search on each subcluster alone
+  (a smaller problem the DP covers better), its plan kept if it simulates better; so the
+  result is never worse than :func:`solve` restricted to any one subcluster."""
+  best, best_quads = _value(result), None
+  for k in range(tables.num_subclusters):
+    try:
+      alone = _search(single_subcluster(tables, k), B, opts, time.perf_counter(), beat=best)
+    except InfeasiblePlanError:
+      continue
+    if alone is not None and _value(alone) < best:
+      best = _value(alone)
+      best_quads = [(s.layers[0], s.layers[1], k, s.submesh_index) for s in alone.stages]
+  if best_quads is None:
+    return result
+  log.info("planner: a plan on one subcluster simulates better: %.6g", best)
+  stats = dataclasses.replace(result.stats, seconds=time.perf_counter() - start)
+  ev = evaluate_plan(tables, best_quads, B, eps=opts.eps, simulator=True,
+                     fwd_fraction=opts.fwd_fraction)
+  out = _assemble(tables, None, best_quads, B, ev.period_s, ev.iteration_s, stats, opts)
+  assert math.isclose(_value(out), best, rel_tol=1e-9), (_value(out), best)
+  return out
+
+
+def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
+            beat: float = math.inf) -> PlanResult | None:
+  """:func:`solve` on one set of tables; with ``beat`` finite, only plans whose value is
+  below it count (``None`` if there is none)."""
+  simulated = opts.cost_model == "simulator"
   index = SparseIndex.build(tables, use_all_devices=opts.use_all_devices,
-                            keep_order=opts.keep_order)
+                            keep_order=opts.keep_order, link_bound=simulated)
   if opts.objective != "min_time" or opts.budget_per_hour is not None:
-    return _solve_priced(tables, index, B, opts, start)
+    return _solve_priced(tables, index, B, opts, start, beat)
   cand = index.candidates
   M = cand.size
-  eps, kernel = opts.eps, opts.kernel
-  log.info("planner: %d layers, %d devices, %d feasible entries, %d t_max candidates",
+  kernel = opts.kernel
+  scoring = Scoring(B, opts.eps, kernel, opts.fwd_fraction if simulated else 0.0, simulated,
+                    opts.fwd_fraction, min(index.n_cap(B), B))
+  log.info("planner: %d layers, %d devices, %d feasible entries, %d period candidates",
            tables.num_layers, tables.total_devices, index.num_entries, M)
 
   n_g = [0]
+  known = {}   # the bounds at the first candidate found feasible: bounds below it too
 
-  def g(idx):  # G-feasibility: any plan with every stage <= tau (monotone in tau)
+  def g(idx):  # G-feasibility: any plan with every stage and cut <= tau (monotone in tau)
     n_g[0] += 1
-    return index.run(float(cand[idx]), B, eps, require_hit=False, kernel=kernel)
-
-  if M == 0 or not math.isfinite(g(M - 1)[0]):
-    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
-  lo, hi = 0, M - 1
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if math.isfinite(g(mid)[0]):
-      hi = mid
-    else:
-      lo = mid + 1
-  t_s_idx = lo
-  best = None
-  for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own bottleneck
     tau = float(cand[idx])
-    value, path = index.run(tau, B, eps, require_hit=True, kernel=kernel)
-    if math.isfinite(value):
-      best = (value + (B - 1) * tau, idx, path)
-      break
-  if best is None:  # every plan within t_max fails at its own bottleneck
-    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
-  n_incumbent = best[1] - t_s_idx + 1
-  bound = best[0]
+    if known and known["idx"] > idx:
+      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=known["lb"],
+                      sb=known["sb"])
+    else:
+      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel)
+    if math.isfinite(out[0]) and not known:   # the gallop's first feasible candidate
+      lb = index.prefix_bound(tau)
+      known.update(idx=idx, lb=lb, sb=index.suffix_bound(tau, lb))
+    return out
+
+  def infeasible():
+    return infeasible_error(tables, B, opts.eps, opts.use_all_devices, opts.keep_order,
+                            simulated)
+
   slack = 1.0 + BOUND_SLACK
-  window = [c for c in range(best[1] + 1, M) if B * cand[c] <= bound * slack]
-  t_e = float(cand[window[-1]]) if window else float(cand[best[1]])
+  if math.isfinite(beat):   # periods beyond beat / B cannot win: do not even test them
+    top = int(np.searchsorted(cand, beat * slack / B, side="right"))
+    if top == 0 or not math.isfinite(g(top - 1)[0]):
+      return None
+    t_s_idx = _smallest_feasible(top, lambda idx: math.isfinite(g(idx)[0]))
+  else:
+    t_s_idx = _smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0])) if M else None
+  if t_s_idx is None:
+    raise infeasible()
+  best = None
+  if math.isfinite(beat):   # the window up to what must be beaten; no incumbent needed
+    first, bound, n_incumbent = t_s_idx, beat, 0
+  else:
+    for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own period
+      found, _ = evaluate_candidates(index, [idx], scoring, math.inf, 0.0)
+      if found:
+        i, sur, score, path = found[0]
+        best = (score, i, sur, path)
+        break
+    if best is None:  # every plan within a period fails at its own period
+      raise infeasible()
+    n_incumbent = best[1] - t_s_idx + 1
+    first, bound = best[1] + 1, best[0]
+  window = [c for c in range(first, M) if scoring.floor(cand[c], 0.0) <= bound * slack]
+  t_e = float(cand[window[-1]]) if window else float(cand[first - 1])
   sigma_lb = 0.0
   num_window = len(window)
   if opts.bound_pruning and window:
     sigma_lb = g(window[-1])[0]
-    window = [c for c in window
-              if (B - 1) * cand[c] + max(sigma_lb, cand[c]) <= bound * slack]
+    window = [c for c in window if scoring.floor(cand[c], sigma_lb) <= bound * slack]
   log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g s, %d candidates up to "
-           "t_E=%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
+           "%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
            num_window, t_e, len(window))
   workers = opts.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                              else os.cpu_count() or 1)
@@ -433,7 +640,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if backend == "auto":
     backend = "process" if (workers > 1 and len(window) > 1
                             and work >= opts.parallel_min_work) else "sequential"
-  args = (B, eps, kernel, bound, sigma_lb)
+  args = (scoring, bound, sigma_lb)
   if backend == "sequential" or not window:
     results, runs = evaluate_candidates(index, window, *args)
     workers_used = 1
@@ -442,67 +649,151 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
     results, runs = _run_parallel(index, batches, args, backend, workers, opts.timeout_s,
                                   opts.start_method)
     workers_used = min(workers, len(batches))
-  for obj, idx, path in [(o, i, p) for i, o, p in results]:
-    if (obj, idx) < (best[0], best[1]):
-      best = (obj, idx, path)
-  objective, idx, path = best
+  for idx, sur, score, path in results:
+    if best is None or (score, idx) < (best[0], best[1]):
+      best = (score, idx, sur, path)
+  if best is None or best[0] >= beat:
+    return None
+  num_sim = (len(results) + 1) if simulated else 0
+  proved, nodes = None, 0
+  if simulated and opts.proof_nodes > 0:
+    found, proved, nodes, n_sim = prove_time(index, scoring, best[0], opts.proof_nodes)
+    num_sim += n_sim
+    if found is not None and found[0] < best[0]:
+      best = (found[0], found[1], math.nan, found[2])
+  score, idx, _, path = best
   stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[t_s_idx]),
                       t_e=t_e, num_window=num_window,
                       num_pruned_by_bound=num_window - len(window),
                       num_evaluated=runs + n_incumbent, num_feasibility_runs=n_g[0],
                       backend=backend, workers=workers_used,
-                      seconds=time.perf_counter() - start)
-  result = _assemble(tables, index, path, B, eps, float(cand[idx]), objective, stats, opts)
-  log.info("planner: %d stages, t_max=%.6g s, objective %.6g s, %.2f s search (%s)",
-           len(result.stages), result.t_max_s, objective, stats.seconds, backend)
+                      seconds=time.perf_counter() - start, num_simulated=num_sim,
+                      proved=proved, proof_nodes=nodes)
+  result = _assemble(tables, index, path, B, float(cand[idx]), score, stats, opts)
+  log.info("planner: %d stages, t_max=%.6g s, %s %.6g s, %.2f s search (%s)%s",
+           len(result.stages), result.t_max_s, "simulated" if simulated else "Eq. 12", score,
+           stats.seconds, backend, "" if proved is None else
+           (", optimum proved" if proved else ", proof budget exhausted"))
   return result
 
 
-def _assemble(tables: CostTables, index: SparseIndex, path: np.ndarray, B: int, eps: float,
-              tau: float, objective: float, stats: SearchStats,
+def _smallest_feasible(M: int, feasible: Callable[[int], bool]) -> int | None:
+  """The smallest candidate index at which ``feasible`` (monotone) holds, ``None`` if none:
+  a galloping search from the bottom, since a test costs more the larger the candidate (more
+  entries are active), then a binary search."""
+  lo, step = 0, 1
+  while True:
+    probe = min(lo + step - 1, M - 1)
+    if feasible(probe):
+      break
+    if probe == M - 1:
+      return None
+    lo, step = probe + 1, 2 * step
+  hi = probe
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if feasible(mid):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
+
+
+def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
+              period: float, objective: float, stats: SearchStats,
               opts: SolveOptions) -> PlanResult:
-  e = np.asarray(path, dtype=np.int64)
-  quads = [index.entry(x) for x in e]
-  ev = evaluate_plan(tables, quads, B, "h1f1b", eps=eps, simulator=False)
+  """The result for a DP path of ``index`` (or, with ``index=None``, stage quads)."""
+  if index is None:
+    quads = list(path)
+  else:
+    quads = [index.entry(x) for x in np.asarray(path, dtype=np.int64)]
+  ev = evaluate_plan(tables, quads, B, "h1f1b", eps=opts.eps, simulator=True,
+                     fwd_fraction=opts.fwd_fraction)
+  simulated = opts.cost_model == "simulator"
+  iteration = ev.iteration_s
   rate = ev.rate_per_hour
   cost = None if rate is None else rate * objective / 3600.0
-  # The DP's own bookkeeping and the evaluator must agree (an internal invariant).
-  assert ev.t_max_s == tau, (ev.t_max_s, tau)
-  assert ev.feasible and ev.comm_ok, ev.violations
+  # The search's bookkeeping and the evaluator must agree (an internal invariant).
+  assert ev.period_s == period, (ev.period_s, period)
+  assert ev.feasible, ev.violations
+  assert ev.comm_ok or simulated, ev.violations
   assert ev.uses_all_devices or not opts.use_all_devices, ev.violations
-  assert math.isclose(ev.eq12_s, objective, rel_tol=1e-9), (ev.eq12_s, objective)
+  if math.isnan(objective):   # filled in by the caller
+    pass
+  elif simulated:
+    assert iteration == objective, (iteration, objective)
+  else:
+    assert math.isclose(ev.eq12_s + ev.end_s[0], objective, rel_tol=1e-9), (ev.eq12_s,
+                                                                             objective)
   stages = ev.stages
   specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
                           logical_mesh=s.logical_mesh, warmup=s.warmup, time_s=s.time_s,
                           comm_s=s.comm_s) for s in stages)
   plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
-              t_max_s=tau, predicted_iteration_s=objective, eta=ev.eta,
-              meta={"planner": "harpjax.dp", "eps": eps, "cost_model": "eq12",
-                    "use_all_devices": opts.use_all_devices, "keep_order": opts.keep_order,
-                    "objective": opts.objective, "rate_per_hour": rate,
-                    "cost_per_iteration": cost})
-  return PlanResult(plan=plan, objective_s=objective, t_max_s=tau, stages=stages,
-                    warmups=ev.warmups, num_microbatches=B, eps=eps, stats=stats,
-                    rate_per_hour=rate, cost_per_iteration=cost, objective=opts.objective)
+              t_max_s=ev.t_max_s, predicted_iteration_s=iteration, eta=ev.eta,
+              meta={"planner": "harpjax.dp", "eps": opts.eps, "cost_model": opts.cost_model,
+                    "fwd_fraction": opts.fwd_fraction, "period_s": ev.period_s,
+                    "eq12_s": ev.eq12_s, "use_all_devices": opts.use_all_devices,
+                    "keep_order": opts.keep_order, "objective": opts.objective,
+                    "rate_per_hour": rate, "cost_per_iteration": cost})
+  return PlanResult(plan=plan, objective_s=objective, t_max_s=ev.t_max_s, stages=stages,
+                    warmups=ev.warmups, num_microbatches=B, eps=opts.eps, stats=stats,
+                    rate_per_hour=rate, cost_per_iteration=cost, objective=opts.objective,
+                    iteration_s=iteration, eq12_s=ev.eq12_s, period_s=ev.period_s)
+
+
+def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: int,
+               price: np.ndarray | None = None, kind: int = proof_kernel.KIND_TIME,
+               rate_max: float = math.inf, t_limit: float = math.inf
+               ) -> tuple[tuple[float, int, np.ndarray] | None, bool, int, int]:
+  """The bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) after the DP.
+
+  Returns:
+    ``(found, complete, nodes, simulated)``: ``(value, candidate index, path)`` of a plan
+    better than ``best`` (``None`` if none), whether the search finished (then nothing beats
+    the best of the two), the suffixes visited and the plans simulated.
+  """
+  B = scoring.num_microbatches
+  cand = index.candidates
+  px = index.proof
+  r_min = 0.0
+  if price is not None:
+    px = px._replace(price=np.asarray(price, np.float64))
+    r_min = float(np.min(px.price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
+  floor = B * cand if kind == proof_kernel.KIND_TIME else r_min * B * cand
+  keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & (B * cand <= t_limit *
+                                                                  (1.0 + BOUND_SLACK)))
+  value, pos, path, nodes, n_sim, complete = proof_kernel.bounded_search(
+      index.arrays, px, cand[keep], B, scoring.eps, scoring.fwd_fraction, scoring.nmax, kind,
+      best, rate_max, t_limit, r_min, node_budget, use_numba=scoring.kernel == "numba")
+  log.info("planner: bounded exact search: %d suffixes, %d plans simulated, %s", nodes, n_sim,
+           "complete" if complete else "budget exhausted")
+  found = None if pos < 0 else (value, int(keep[pos]), path)
+  return found, complete, nodes, n_sim
 
 
 # --------------------------------------------------------------------------- prices
 
 
 def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOptions,
-                  start: float) -> PlanResult:
+                  start: float, beat: float = math.inf) -> PlanResult | None:
   """The search for the objectives with prices (:mod:`~harpjax.compiler.plan.rate_kernel`).
 
-  Exact: a binary search for the smallest ``t_S`` at which some plan within the budget has
-  every stage ``<= t_S`` (monotone in ``tau``), then the exact DP at every candidate from
-  ``t_S`` up, sequentially, with the bound tightened as it goes, until no later candidate can
-  win: ``T >= B tau``, so ``B tau`` beyond the best time (or the time limit) ends the search;
-  for cost, ``R T >= R_min B tau`` with ``R_min`` the cheapest single stage's rate.
+  A binary search for the smallest ``t_S`` at which some plan within the budget has every
+  stage ``<= t_S`` (monotone in ``tau``), then the exact DP at every candidate from ``t_S``
+  up, sequentially, until no later candidate can win: the time is at least ``B tau``, so
+  ``B tau`` beyond the best time (or the time limit) ends the search; for cost, ``R T >=
+  R_min B tau`` with ``R_min`` the cheapest single stage's rate. With ``cost_model="eq12"``
+  the DP is exact for Eq. 12 and the bound tightens as it goes. With the simulator as the
+  judge the DP proposes, per candidate, the best plan by Eq. 12 among those whose lower bound
+  on the simulated time (``T - phi tau (n_max - 1)``) can still win; each is simulated, and
+  the bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) ends it.
   """
   if not tables.has_prices:
     raise PlanError(f"objective {opts.objective!r} (or a budget) needs prices: give the "
                     "subclusters price_per_gpu_hour (CostTables.price_per_gpu_hour)")
-  eps, B1 = opts.eps, B - 1
+  eps = opts.eps
+  simulated = opts.cost_model == "simulator"
   timed = opts.objective in ("min_time", "min_time_within_budget")
   kind = rate_kernel.KIND_TIME if timed else rate_kernel.KIND_COST
   rate_max = math.inf if opts.budget_per_hour is None else float(opts.budget_per_hour)
@@ -511,34 +802,40 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   rx = rate_kernel.RateArrays(index.states.held, price)
   fn = rate_kernel.solve_tau_rate if opts.kernel == "numba" else rate_kernel.solve_tau_rate_numpy
   n_cap = index.n_cap(B)
+  scoring = Scoring(B, eps, opts.kernel, opts.fwd_fraction if simulated else 0.0, simulated,
+                    opts.fwd_fraction, min(n_cap, B))
   cand = index.candidates
   M = cand.size
   runs = [0, 0]
 
-  def run(idx, exact, bound=math.inf, limit=math.inf):
+  def run(idx, exact, bound=math.inf, limit=math.inf, relief=0.0):
     runs[0 if exact else 1] += 1
     return fn(index.arrays, rx, float(cand[idx]), B, eps, n_cap, exact, True, bound, rate_max,
-              limit, kind)
+              limit, kind, index.link_bound, relief)
 
   def feasible(idx):
     return math.isfinite(run(idx, False)[0])
 
-  if M == 0 or not feasible(M - 1):
+  def infeasible():
+    return infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order, simulated)
+
+  top = M if not math.isfinite(beat) else int(np.searchsorted(
+      cand, beat * (1 + BOUND_SLACK) / (B * (1.0 if kind == rate_kernel.KIND_TIME else
+                                               max(float(np.min(price)), 1e-300))),
+      side="right"))
+  lo = _smallest_feasible(top, feasible) if top else None
+  if lo is None and math.isfinite(beat):
+    return None
+  if lo is None:
     if M and math.isfinite(rate_max) and math.isfinite(
         fn(index.arrays, rx, float(cand[-1]), B, eps, n_cap, False, True, math.inf, math.inf,
-           math.inf, kind)[0]):
+           math.inf, kind, index.link_bound, 0.0)[0]):
       raise _budget_error(tables, B, opts)
-    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
-  lo, hi = 0, M - 1
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if feasible(mid):
-      hi = mid
-    else:
-      lo = mid + 1
+    raise infeasible()
   r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
-  best = None
-  bound = math.inf
+  best = None   # (value, rate, candidate index, path)
+  bound = beat
+  n_sim = 0
   for idx in range(lo, M):
     tau = float(cand[idx])
     if B * tau > t_limit * (1 + BOUND_SLACK):
@@ -546,10 +843,31 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
     floor = B * tau if kind == rate_kernel.KIND_TIME else r_min * B * tau
     if floor > bound * (1 + BOUND_SLACK):
       break
-    value, rate, cost, path = run(idx, True, bound, t_limit)
-    if math.isfinite(value) and (best is None or (value, rate) < best[:2]):
-      best = (value, rate, cost, idx, path)
+    relief = scoring.discount * tau * (scoring.nmax - 1)
+    value, rate, cost, path = run(idx, True, bound, t_limit, relief)
+    if not math.isfinite(value):
+      continue
+    if simulated:
+      sim = float(simulate_paths(index, [path], scoring)[0])
+      n_sim += 1
+      if sim > t_limit:
+        continue
+      value = sim if kind == rate_kernel.KIND_TIME else rate * sim
+    if value >= beat:
+      continue
+    if best is None or (value, rate) < best[:2]:
+      best = (value, rate, idx, path)
       bound = value
+  proved, nodes = None, 0
+  if simulated and opts.proof_nodes > 0:
+    found, proved, nodes, n = prove_time(index, scoring, bound, opts.proof_nodes, price,
+                                         kind, rate_max, t_limit)
+    n_sim += n
+    if found is not None:
+      value, idx, path = found
+      best = (value, math.nan, idx, path)
+  if best is None and math.isfinite(beat):
+    return None
   if best is None:
     if math.isfinite(t_limit):
       err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} runs an "
@@ -558,21 +876,35 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
                                    else ""))
       err.constraint = "time"
       raise err
-    raise infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order)
-  value, rate, cost, idx, path = best
+    raise infeasible()
+  _, _, idx, path = best
   tau = float(cand[idx])
-  objective = cost + B1 * tau
+  e = np.asarray(path, np.int64)
+  t, c, ends, _ = plan_arrays(index, e, eps)
+  eq12 = float(np.sum(t + 2.0 * c) + ends[0] + (B - 1) * t.max())
   stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[lo]),
                       t_e=tau, num_window=0, num_pruned_by_bound=0, num_evaluated=runs[0],
                       num_feasibility_runs=runs[1], backend="sequential", workers=1,
-                      seconds=time.perf_counter() - start)
-  result = _assemble(tables, index, path, B, eps, tau, objective, stats, opts)
-  assert math.isclose(result.rate_per_hour, rate, rel_tol=1e-9, abs_tol=1e-12), \
-      (result.rate_per_hour, rate)
+                      seconds=time.perf_counter() - start, num_simulated=n_sim, proved=proved,
+                      proof_nodes=nodes)
+  placeholder = math.nan
+  result = _assemble(tables, index, path, B, tau, placeholder, stats, opts)
+  # The time each objective ranks by: the simulated one, or Eq. 12 (+ the first end time).
+  objective = result.iteration_s if simulated else eq12
+  cost = result.rate_per_hour * objective / 3600.0
+  result = dataclasses.replace(result, objective_s=objective, cost_per_iteration=cost,
+                               plan=result.plan.replace(meta=dict(
+                                   result.plan.meta, cost_per_iteration=cost)))
+  rate = result.rate_per_hour
+  if timed:
+    assert math.isclose(objective, best[0], rel_tol=1e-9), (objective, best[0])
+  else:
+    assert math.isclose(rate * objective, best[0], rel_tol=1e-9), (rate * objective, best[0])
   assert rate <= rate_max * (1 + 1e-12) and objective <= t_limit * (1 + 1e-12)
   log.info("planner: %s, %d stages on %d devices, t_max=%.6g s, T=%.6g s, %.6g per hour, "
            "%.6g per iteration, %.2f s search", opts.objective, len(result.stages),
-           result.num_devices, tau, objective, rate, result.cost_per_iteration, stats.seconds)
+           result.num_devices, result.t_max_s, objective, rate, result.cost_per_iteration,
+           stats.seconds)
   return result
 
 

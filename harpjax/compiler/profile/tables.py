@@ -166,6 +166,10 @@ class CostTables:
       ``None`` means ``(n * m, 1)`` everywhere.
     peak_flops: optional ``[K]`` peak FLOP/s of one device (for the load-balance score).
     layer_names: optional ``[L]`` names.
+    end_time_s: optional ``[K]`` arrays ``[L, L, S_k]``: seconds a stage of layers ``i..j`` on
+      submesh ``s`` spends once per iteration after its last backward (gradient
+      synchronisation inside its submesh and the optimizer update; the simulator's
+      ``end_cost``). ``None``: none (e.g. amortised into ``stage_time_s``).
   """
   num_layers: int
   subcluster_names: tuple[str, ...]
@@ -187,6 +191,7 @@ class CostTables:
   link_bandwidth_bytes_per_s: tuple[tuple[float, ...], ...] | None = None
   link_latency_s: tuple[tuple[float, ...], ...] | None = None
   price_per_gpu_hour: tuple[float, ...] | None = None
+  end_time_s: tuple[np.ndarray, ...] | None = None
 
   def __post_init__(self):
     L = _int(self.num_layers, "num_layers")
@@ -219,7 +224,10 @@ class CostTables:
     shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
                                    s) for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
     set_("submeshes", shapes)
-    for field in ("stage_time_s", "param_mem_bytes", "act_mem_bytes"):
+    fields = ("stage_time_s", "param_mem_bytes", "act_mem_bytes")
+    if self.end_time_s is not None:
+      fields += ("end_time_s",)
+    for field in fields:
       arrs = []
       for k, a in enumerate(_seq(getattr(self, field), field, K)):
         a = np.array(a, dtype=np.float64)
@@ -235,6 +243,13 @@ class CostTables:
             raise CostTablesError(f"stage_time_s[{k}][{tuple(int(x) for x in bad[0])}] = "
                                   f"{a[tuple(bad[0])]}: stage times must be > 0 (inf if "
                                   "infeasible)")
+        elif field == "end_time_s":
+          bad = np.argwhere((a < 0) | (np.isinf(a) & np.isfinite(self.stage_time_s[k])))
+          if bad.size:
+            raise CostTablesError(f"end_time_s[{k}][{tuple(int(x) for x in bad[0])}] = "
+                                  f"{a[tuple(bad[0])]}: end times must be finite seconds >= 0 "
+                                  "where the stage time is finite")
+          a = np.where(np.isfinite(a), a, 0.0)
         else:
           bad = np.argwhere((a < 0) | np.isinf(a))
           if bad.size:
@@ -393,6 +408,11 @@ class CostTables:
       raise CostTablesError(f"unknown subcluster {name!r}; the tables have "
                             f"{list(self.subcluster_names)}") from None
 
+  def end_of(self, k: int, i: int, j: int, s: int) -> float:
+    """End-of-iteration seconds of layers ``i..j`` on submesh ``s`` of subcluster ``k``
+    (``0`` without :attr:`end_time_s`)."""
+    return 0.0 if self.end_time_s is None else float(self.end_time_s[k][i, j, s])
+
   def logical_mesh_of(self, k: int, i: int, j: int, s: int) -> tuple[int, int]:
     """``(dp, tp)`` chosen for layers ``i..j`` on submesh ``s`` of subcluster ``k``."""
     if self.logical_mesh is None:
@@ -441,6 +461,7 @@ class CostTables:
         param_mem_bytes=pick(self.param_mem_bytes), act_mem_bytes=pick(self.act_mem_bytes),
         boundary_bytes=self.boundary_bytes[ends],
         logical_mesh=None if self.logical_mesh is None else pick(self.logical_mesh),
+        end_time_s=None if self.end_time_s is None else pick(self.end_time_s),
         layer_names=names)
 
   def describe(self) -> str:
@@ -459,7 +480,8 @@ class CostTables:
                        inter_links: "Link | Sequence[Link] | Mapping" = (), *,
                        layer_time_s: Sequence[Sequence[float]] | None = None,
                        grad_sync_microbatches: int = 1, max_tp: int | None = None,
-                       order: str | Sequence[str] | None = None) -> "CostTables":
+                       order: str | Sequence[str] | None = None,
+                       end_cost: bool = False) -> "CostTables":
     """Builds tables from per-layer costs and a simple cluster description.
 
     For each range ``i..j``, submesh ``(n, m)`` of ``g = n * m`` devices and logical mesh
@@ -492,12 +514,17 @@ class CostTables:
       max_tp: largest tensor-parallel degree considered (default ``M``).
       order: ``None`` (as given), ``"memory_to_compute"`` (HARP §5.2.1) or a sequence of
         names: the pipeline order of the subclusters.
+      end_cost: put the gradient all-reduce where it runs, once per iteration after the
+        stage's last backward (:attr:`CostTables.end_time_s`), instead of amortising it over
+        ``grad_sync_microbatches``; with the subcluster's ``mem_bandwidth_bytes_per_s`` the
+        optimizer update (reading and writing the state, ``2 * param_mem_bytes / tp``) is
+        added to it.
 
     Returns:
       The :class:`CostTables`.
     """
     return _from_layer_profile(layers, subclusters, inter_links, layer_time_s,
-                               grad_sync_microbatches, max_tp, order)
+                               grad_sync_microbatches, max_tp, order, end_cost)
 
 
 # --------------------------------------------------------------------------- per-layer costs
@@ -522,6 +549,8 @@ class SubclusterSpec:
     host_latency_s: its latency.
     submeshes: shapes; default :func:`paper_submeshes`.
     price_per_gpu_hour: optional price of one device per hour.
+    mem_bandwidth_bytes_per_s: optional device memory bandwidth (the optimizer update's time
+      with ``from_layer_costs(..., end_cost=True)``).
   """
   name: str
   num_hosts: int
@@ -535,9 +564,14 @@ class SubclusterSpec:
   host_latency_s: float = 0.0
   submeshes: tuple[tuple[int, int], ...] | None = None
   price_per_gpu_hour: float | None = None
+  mem_bandwidth_bytes_per_s: float | None = None
 
   def __post_init__(self):
     where = f"subcluster {self.name!r}"
+    if self.mem_bandwidth_bytes_per_s is not None and not (
+        np.isfinite(self.mem_bandwidth_bytes_per_s) and self.mem_bandwidth_bytes_per_s > 0):
+      raise CostTablesError(f"{where}: mem_bandwidth_bytes_per_s="
+                            f"{self.mem_bandwidth_bytes_per_s} must be finite and > 0")
     if self.price_per_gpu_hour is not None and not (
         np.isfinite(self.price_per_gpu_hour) and self.price_per_gpu_hour >= 0):
       raise CostTablesError(f"{where}: price_per_gpu_hour={self.price_per_gpu_hour} must be "
@@ -656,7 +690,7 @@ def range_max(x: np.ndarray) -> np.ndarray:
   return out
 
 
-MeshCosts = tuple[tuple[int, int], np.ndarray, np.ndarray, np.ndarray]
+MeshCosts = tuple  # (mesh, time, param bytes, act bytes[, end time]); arrays [L, L]
 """``((dp, tp), time_s [L, L], param_mem_bytes [L, L], act_mem_bytes [L, L])`` of every layer
 range on one submesh under one logical mesh."""
 
@@ -686,7 +720,9 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       order.
     submeshes: ``[K]`` tuples of ``(n, m)``.
     mesh_costs: ``mesh_costs(k, s)`` yields :data:`MeshCosts` of submesh ``s`` of subcluster
-      ``k`` (an ``inf`` time marks a range that cannot run).
+      ``k``: ``((dp, tp), time, param bytes, act bytes)`` ``[L, L]`` arrays (an ``inf`` time
+      marks a range that cannot run), optionally with a fifth, the end-of-iteration seconds
+      (:attr:`CostTables.end_time_s`).
     boundary_bytes: ``[L]``.
     intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
       consecutive ones.
@@ -714,29 +750,33 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     multi[iu] = iu[0] < iu[1]
     hopeless_share = lambda k, g: multi & (share_f > imbalance * peak_flops[k] * g / total_peak)
   counts = {"oom": 0, "imbalance": 0}
-  stage_t, param_m, act_m, logical = [], [], [], []
+  stage_t, param_m, act_m, logical, end_t = [], [], [], [], []
+  has_end = False
   for k in range(K):
     S = len(submeshes[k])
     t_k = np.full((L, L, S), np.inf)
-    p_k, a_k = np.zeros((L, L, S)), np.zeros((L, L, S))
+    p_k, a_k, e_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
     lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
     for s, (n, m) in enumerate(submeshes[k]):
       g = n * m
       lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
-      best = None   # [fits, time, param, act, dp, tp, footprint]
-      for (dp, tp), t, pm, am in mesh_costs(k, s):
+      best = None   # [fits, time, param, act, dp, tp, footprint, end]
+      for (dp, tp), t, pm, am, *end in mesh_costs(k, s):
+        has_end |= bool(end)
+        end = end[0] if end else 0.0
         foot = pm + am
         fits = np.isfinite(t) & (foot <= memory_bytes[k])
         if best is None:
-          best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot]
+          best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot,
+                  np.broadcast_to(end, (L, L))]
           continue
         better = (fits & ~best[0]) | (fits & best[0] & (t < best[1])) | \
             (~fits & ~best[0] & (foot < best[6]))
-        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot)):
+        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end)):
           best[idx] = np.where(better, new, best[idx])
       if best is None:
         continue
-      fits, t, pm, am, dps, tps, _ = best
+      fits, t, pm, am, dps, tps, _, ends = best
       keep = np.isfinite(t)
       counts["oom"] += int(np.sum(~fits[iu]))
       if hopeless_share is not None:
@@ -746,12 +786,14 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       t_k[iu[0], iu[1], s] = np.where(keep, t, np.inf)[iu]
       p_k[iu[0], iu[1], s] = np.where(np.isfinite(pm), pm, 0.0)[iu]
       a_k[iu[0], iu[1], s] = np.where(np.isfinite(am), am, 0.0)[iu]
+      e_k[iu[0], iu[1], s] = np.where(np.isfinite(ends), ends, 0.0)[iu]
       lm_k[..., s, 0] = np.where(keep, dps, g)
       lm_k[..., s, 1] = np.where(keep, tps, 1)
     stage_t.append(t_k)
     param_m.append(p_k)
     act_m.append(a_k)
     logical.append(lm_k)
+    end_t.append(e_k)
   tables = CostTables(
       num_layers=L, subcluster_names=tuple(names), num_hosts=tuple(num_hosts),
       devices_per_host=tuple(devices_per_host), device_memory_bytes=tuple(memory_bytes),
@@ -770,14 +812,14 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
           for a, row in enumerate(pair_links)),
       price_per_gpu_hour=None if price_per_gpu_hour is None else tuple(
           float(p) for p in price_per_gpu_hour),
-      logical_mesh=tuple(logical),
+      logical_mesh=tuple(logical), end_time_s=tuple(end_t) if has_end else None,
       peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
       layer_names=tuple(layer_names) if layer_names is not None else None)
   return tables, counts
 
 
 def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_time_s,
-                        grad_sync_microbatches, max_tp, order) -> CostTables:
+                        grad_sync_microbatches, max_tp, order, end_cost=False) -> CostTables:
   """The body of :meth:`CostTables.from_layer_costs` (see there for the equations)."""
   specs = list(subclusters)
   if not specs or not all(isinstance(s, SubclusterSpec) for s in specs):
@@ -866,10 +908,17 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       t = tsum / g
       if tp > 1:
         t = t + allreduce_time_s(sums["tp_comm_bytes"] / dp, tp, host)
+      sync = 0.0
       if dp > 1:
-        t = t + allreduce_time_s(sums["param_bytes"] / tp, dp,
-                                 host if n == 1 else node) / grad_sync_microbatches
-      yield (dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp
+        sync = allreduce_time_s(sums["param_bytes"] / tp, dp, host if n == 1 else node)
+      if not end_cost:
+        yield (dp, tp), t + sync / grad_sync_microbatches, sums["param_mem_bytes"] / tp, \
+            sums["act_bytes"] / dp
+        continue
+      end = sync + np.zeros((L, L))
+      if s.mem_bandwidth_bytes_per_s is not None:
+        end = end + 2.0 * sums["param_mem_bytes"] / tp / s.mem_bandwidth_bytes_per_s
+      yield (dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end
 
   peak = None
   if all(s.peak_flops is not None for s in specs):

@@ -12,17 +12,21 @@ that passes :func:`validate_tables`.
 """
 
 from harpjax.compiler.schedule import timeline
+from harpjax.compiler.schedule.sim_kernel import iteration_time_kernel, iteration_times
 from harpjax.compiler.schedule.simulator import SimResult, simulate, TimelineEvent
 from harpjax.compiler.schedule.tasks import (as_task, dry_run, format_tables, make_schedule,
                                              parse_tables, peak_inflight, Schedule, schedule_key,
                                              SCHEDULE_NAMES, table_from_warmups, table_warmups,
                                              tables_to_arrays, Task, validate_tables)
 from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups, h1f1b_warmups,
-                                              one_f_one_b_warmups, plan_warmups, warmup_delta)
+                                              one_f_one_b_warmups, pipeline_period, plan_warmups,
+                                              warmup_delta)
 
 __all__ = [
     "as_task", "dry_run", "eager_1f1b_warmups", "format_tables", "gpipe_warmups", "h1f1b_warmups",
-    "make_schedule", "one_f_one_b_warmups", "parse_tables", "peak_inflight", "plan_warmups",
+    "iteration_time_kernel", "iteration_times",
+    "make_schedule", "one_f_one_b_warmups", "parse_tables", "peak_inflight", "pipeline_period",
+    "plan_warmups",
     "Schedule", "schedule_key", "SCHEDULE_NAMES", "SimResult", "simulate", "table_from_warmups",
     "table_warmups", "tables_to_arrays", "Task", "timeline", "TimelineEvent", "validate_tables",
     "warmup_delta",

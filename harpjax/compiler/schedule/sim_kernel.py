@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover
   _numba = None
 
 __all__ = ["simulate_kernel", "simulate_python", "simulate_reference", "analyze",
-           "steady_positions", "KIND_F", "KIND_B", "HAVE_NUMBA"]
+           "steady_positions", "iteration_times", "iteration_time_kernel", "KIND_F", "KIND_B",
+           "HAVE_NUMBA"]
 
 KIND_F = 0
 KIND_B = 1
@@ -131,6 +132,128 @@ if HAVE_NUMBA:
   _simulate_jit = _numba.njit(cache=True, nogil=True)(_simulate_impl)
 else:  # pragma: no cover
   _simulate_jit = _simulate_impl
+
+
+# --------------------------------------------------------------------------- 1F1B-style plans
+
+
+def _warmup_tables_impl(warmups, num_mb, kinds, mbs):
+  """Fills ``kinds``/``mbs`` (``[S, 2B]``) with the table of 1F1B-style warm-up counts: the
+  order of :func:`harpjax.compiler.schedule.table_from_warmups`."""
+  for s in range(warmups.shape[0]):
+    w = warmups[s]
+    if w > num_mb:
+      w = num_mb
+    p = 0
+    for m in range(w):
+      kinds[s, p] = 0
+      mbs[s, p] = m
+      p += 1
+    next_f = w
+    for m in range(num_mb):
+      kinds[s, p] = 1
+      mbs[s, p] = m
+      p += 1
+      if next_f < num_mb:
+        kinds[s, p] = 0
+        mbs[s, p] = next_f
+        p += 1
+        next_f += 1
+
+
+def _iteration_time_impl(time_s, comm_s, end_s, warmups, num_mb, fwd_fraction):
+  """Iteration time of one pipeline under the 1F1B-style table of ``warmups`` (``[S]`` each;
+  ``comm_s[s]`` is the cut after stage ``s``); ``inf`` if it deadlocked (it cannot)."""
+  S = time_s.shape[0]
+  n = 2 * num_mb
+  kinds = np.empty((S, n), np.int64)
+  mbs = np.empty((S, n), np.int64)
+  _warmup_tables(warmups, num_mb, kinds, mbs)
+  fwd = np.empty((S, num_mb))
+  bwd = np.empty((S, num_mb))
+  for s in range(S):
+    f = time_s[s] * fwd_fraction
+    b = time_s[s] - f
+    for m in range(num_mb):
+      fwd[s, m] = f
+      bwd[s, m] = b
+  links = S - 1 if S > 1 else 1
+  cf = np.zeros((links, num_mb))
+  for s in range(S - 1):
+    for m in range(num_mb):
+      cf[s, m] = comm_s[s]
+  task_start = np.zeros((S, n))
+  task_end = np.zeros((S, n))
+  msg_start = np.zeros((2, links, num_mb))
+  msg_end = np.zeros((2, links, num_mb))
+  stuck = np.full(S, n, np.int64)
+  if _simulate_core(kinds, mbs, fwd, bwd, cf, cf, task_start, task_end, msg_start, msg_end,
+                    stuck):
+    return np.inf
+  best = 0.0
+  for s in range(S):
+    v = task_end[s, n - 1] + end_s[s]
+    if v > best:
+      best = v
+  return best
+
+
+def _iteration_times_impl(time_s, comm_s, end_s, warmups, num_stages, num_mb, fwd_fraction,
+                          out):
+  """:func:`_iteration_time_impl` of many pipelines (rows padded to ``S_max``) into ``out``."""
+  for q in range(time_s.shape[0]):
+    S = num_stages[q]
+    out[q] = iteration_time_kernel(time_s[q, :S], comm_s[q, :S], end_s[q, :S], warmups[q, :S],
+                                   num_mb, fwd_fraction)
+
+
+_simulate_core = _simulate_jit
+if HAVE_NUMBA:
+  _warmup_tables = _numba.njit(cache=True, nogil=True)(_warmup_tables_impl)
+  iteration_time_kernel = _numba.njit(cache=True, nogil=True)(_iteration_time_impl)
+  _iteration_times_jit = _numba.njit(cache=True, nogil=True)(_iteration_times_impl)
+else:  # pragma: no cover
+  _warmup_tables = _warmup_tables_impl
+  iteration_time_kernel = _iteration_time_impl
+  _iteration_times_jit = _iteration_times_impl
+iteration_time_kernel.__doc__ = """The simulated iteration time of one pipeline (Numba; callable
+from other kernels): ``iteration_time_kernel(time_s, comm_s, end_s, warmups, B, fwd_fraction)``
+with ``[S]`` float arrays (``comm_s[s]``: the cut after stage ``s``) and ``[S]`` int warm-ups;
+see :func:`iteration_times`."""
+
+
+def iteration_times(time_s, comm_s, end_s, warmups, num_stages, num_microbatches,
+                    fwd_fraction=1.0 / 3.0):
+  """Simulated iteration time of many pipelines, each under the 1F1B-style table of its
+  warm-up counts (H-1F1B, 1F1B, Eager-1F1B and GPipe are all of that form).
+
+  The same kernel and the same arithmetic as :func:`harpjax.compiler.schedule.simulate` with
+  per-stage forward ``t * fwd_fraction``, backward ``t - forward``, the same transfer time in
+  both directions and ``end_cost``, so each time equals its ``iteration_time`` bit for bit
+  (tested); without the per-phase analysis it costs ``O(S B)`` per pipeline.
+
+  Args:
+    time_s: ``[Q, S_max]`` forward+backward seconds per microbatch of each stage.
+    comm_s: ``[Q, S_max]`` seconds of the cut after each stage (the last is ignored).
+    end_s: ``[Q, S_max]`` end-of-iteration seconds of each stage.
+    warmups: ``[Q, S_max]`` int warm-up counts.
+    num_stages: ``[Q]`` int stages of each pipeline (entries beyond are ignored).
+    num_microbatches: ``B``.
+    fwd_fraction: the forward's share of a stage's time.
+
+  Returns:
+    ``[Q]`` float64 seconds.
+  """
+  t = np.ascontiguousarray(time_s, np.float64)
+  Q = t.shape[0]
+  out = np.empty(Q)
+  if Q:
+    _iteration_times_jit(t, np.ascontiguousarray(comm_s, np.float64),
+                         np.ascontiguousarray(end_s, np.float64),
+                         np.ascontiguousarray(warmups, np.int64),
+                         np.ascontiguousarray(num_stages, np.int64), int(num_microbatches),
+                         float(fwd_fraction), out)
+  return out
 
 
 def _alloc(kinds, fwd, comm_fwd):

@@ -15,8 +15,8 @@ from harpjax.errors import ScheduleError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["warmup_delta", "h1f1b_warmups", "one_f_one_b_warmups", "eager_1f1b_warmups",
-           "gpipe_warmups", "plan_warmups", "check_positive"]
+__all__ = ["warmup_delta", "h1f1b_warmups", "pipeline_period", "one_f_one_b_warmups",
+           "eager_1f1b_warmups", "gpipe_warmups", "plan_warmups", "check_positive"]
 
 
 def warmup_delta(comm_cost_s: float, t_max_s: float, eps: float = 0.0) -> int:
@@ -52,6 +52,15 @@ def warmup_delta(comm_cost_s: float, t_max_s: float, eps: float = 0.0) -> int:
 def h1f1b_warmups(comm_costs: Sequence[float], t_max: float, eps: float = 0.1) -> tuple[int, ...]:
   """H-1F1B warm-up counts (HARP Eq. 1 with the delta of :func:`warmup_delta`).
 
+  The deltas are taken relative to the pipeline's period ``P = max(t_max, max_i c_i)``: the
+  bottleneck stage's time, or, when a cut is slower than every stage (a *link-bound*
+  pipeline, beyond the paper's ``c <= t_max``), that cut's transfer time, since a link sends
+  one microbatch per direction at a time. While every ``c_i <= t_max`` this is Eq. 1 as
+  written. Beyond, ``warmup_delta(c_i, t_max)`` would keep growing with ``c_i / t_max`` without
+  making the pipeline faster than one microbatch per ``P``; relative to ``P`` each delta is at
+  most 3 and every cut is again hidden at that period (the K-block round trip ``t_i + t_{i+1}
+  + 2 c_i <= (delta_i + 1) P`` with ``eps = 0``).
+
   Args:
     comm_costs: ``[num_stages - 1]`` seconds, ``c_i`` between stage ``i`` and ``i + 1``.
     t_max: bottleneck per-microbatch compute time (forward + backward), seconds.
@@ -75,14 +84,20 @@ def h1f1b_warmups(comm_costs: Sequence[float], t_max: float, eps: float = 0.1) -
     raise ScheduleError(f"t_max must be a finite number of seconds > 0, got t_max={t_max}")
   if not eps >= 0:
     raise ScheduleError(f"eps must be >= 0, got eps={eps}")
-  over = [i for i, c in enumerate(comm) if c > t_max * (1 + 1e-9)]
-  if over:
-    log.warning("links %s carry more than t_max=%.4g s per microbatch; no warm-up count hides "
-                "them (HARP Eq. 4), the pipeline will be link-bound", over, t_max)
+  period = pipeline_period(comm, t_max)
+  if period > t_max:
+    log.info("link-bound pipeline: the cut after stage %d takes %.4g s per microbatch, more "
+             "than t_max=%.4g s; warm-ups relative to that period", comm.index(period), period,
+             t_max)
   counts = [1]
   for c in reversed(comm):
-    counts.append(counts[-1] + warmup_delta(c, float(t_max), eps))
+    counts.append(counts[-1] + warmup_delta(c, period, eps))
   return tuple(reversed(counts))
+
+
+def pipeline_period(comm_costs: Sequence[float], t_max: float) -> float:
+  """The period H-1F1B's warm-ups are computed against: ``max(t_max, max_i c_i)``."""
+  return max([float(t_max)] + [float(c) for c in comm_costs])
 
 
 def one_f_one_b_warmups(num_stages: int) -> tuple[int, ...]:

@@ -1,10 +1,13 @@
 """The planner's independent reference: every plan of a small instance, scored by the rules.
 
 :func:`brute_force` enumerates every plan of a small instance and scores it by its own rules
-(warm-ups from the plan's own bottleneck via :func:`~harpjax.compiler.schedule.h1f1b_warmups`,
-exact bin-packing of submeshes onto hosts with its own packer, :func:`packable`):
-the reference the DP is proved against on :func:`random_tables` instances. It shares nothing
-with the planner but the cost tables and the warm-up formula.
+(warm-ups from the plan's own period via :func:`~harpjax.compiler.schedule.h1f1b_warmups`,
+exact bin-packing of submeshes onto hosts with its own packer, :func:`packable`): by the
+simulator's iteration time of its H-1F1B schedule (link-bound plans admitted), or by the
+paper's Eq. 12 with its rule ``c <= t_max``. It is the reference the planner is proved against
+on :func:`random_tables` instances and shares nothing with the planner but the cost tables, the
+warm-up formula and the simulator (the judge). :func:`surrogate_minimum` is the same
+enumeration for the DP's own per-period value.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import numpy as np
 
 from harpjax.cluster import paper_submeshes
 from harpjax.compiler.profile import CostTables
-from harpjax.compiler.schedule import h1f1b_warmups
+from harpjax.compiler.schedule import (h1f1b_warmups, iteration_times, make_schedule,
+                                       simulate)
 from harpjax.errors import PlanError
 
 Quad = tuple[int, int, int, int]  # (first layer, last layer, subcluster, submesh index)
@@ -25,7 +29,10 @@ Quad = tuple[int, int, int, int]  # (first layer, last layer, subcluster, submes
 
 @dataclasses.dataclass(frozen=True)
 class BruteForceResult:
-  """The optimum over every plan (``objective_s = inf`` and no stages when none is valid)."""
+  """The optimum over every plan (``objective_s = inf`` and no stages when none is valid).
+
+  ``objective_s`` is the ranked value: seconds (simulated, or Eq. 12 plus the first stage's
+  end time), or for ``"min_cost"`` the hourly rate times those seconds."""
   objective_s: float
   t_max_s: float
   stages: tuple[Quad, ...]
@@ -79,58 +86,41 @@ def plan_rate(tables: CostTables, stages: Sequence[Quad]) -> float:
              for _, _, k, s in stages)
 
 
-def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
-                max_plans: int = 2_000_000, *, use_all_devices: bool = False,
-                keep_order: bool = False, objective: str = "min_time",
-                budget_per_hour: float = math.inf,
-                time_limit_s: float = math.inf) -> BruteForceResult:
-  """Enumerates every plan: each subcluster runs one contiguous group of stages.
+def plan_numbers(tables: CostTables, stages: Sequence[Quad], B: int, eps: float):
+  """``(t, c, ends, period, warmups)`` of a plan (``c`` has a trailing 0), or ``None`` when a
+  stage has no finite time."""
+  t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in stages]
+  if not all(math.isfinite(x) for x in t):
+    return None
+  c = [cut_s(tables, a[2], b[2], a[1]) for a, b in zip(stages, stages[1:])]
+  ends = [0.0 if tables.end_time_s is None else float(tables.end_time_s[k][i, j, s])
+          for i, j, k, s in stages]
+  return t, c + [0.0], ends, max([max(t)] + c), h1f1b_warmups(c, max(t), eps)
 
-  The subclusters are entered in any order (``keep_order``: the tables' order, skipping
-  allowed) over the links the tables have; any devices may stay unused
-  (``use_all_devices``: every device of every subcluster runs a stage, as HARP's Eq. 19).
-  A plan is valid when its stage times are finite, every cut ``c_i <= t_max`` (its own
-  bottleneck), every stage fits ``mem_p + min(N_i, B) mem_a <= mem`` with ``N_i`` from
-  :func:`~harpjax.compiler.schedule.h1f1b_warmups` at that ``t_max``, and each subcluster's
-  submeshes pack onto its hosts. Time: Eq. 12. ``objective`` ``"min_time"`` minimises it
-  (within ``budget_per_hour``, the plan's rate, :func:`plan_rate`), ``"min_cost"`` minimises
-  rate times time (within ``time_limit_s``); ``objective_s`` is then that product.
+
+def fits(tables: CostTables, stages: Sequence[Quad], warm: Sequence[int], B: int) -> bool:
+  """Every stage fits ``mem_p + min(N, B) mem_a <= mem``."""
+  for (i, j, k, s), w in zip(stages, warm):
+    p = float(tables.param_mem_bytes[k][i, j, s])
+    a = float(tables.act_mem_bytes[k][i, j, s])
+    if not p + min(w, B) * a <= tables.device_memory_bytes[k]:
+      return False
+  return True
+
+
+def enumerate_plans(tables: CostTables, *, use_all_devices: bool = False,
+                    keep_order: bool = False, max_plans: int = 2_000_000):
+  """Yields every plan (a tuple of :data:`Quad`) whose submeshes pack: each subcluster runs one
+  contiguous group of stages, entered in any order over the links the tables have
+  (``keep_order``: the tables' order, skipping allowed); with ``use_all_devices`` every device
+  of every subcluster runs a stage (HARP's Eq. 19).
 
   Raises:
     PlanError: more than ``max_plans`` plans (the instance is too large for brute force).
   """
-  B, L, K = int(num_microbatches), tables.num_layers, tables.num_subclusters
-  best = [math.inf, math.inf, (), ()]
-  counts = [0, 0]
+  L, K = tables.num_layers, tables.num_subclusters
   stack: list[Quad] = []
-
-  def score():
-    counts[0] += 1
-    if counts[0] > max_plans:
-      raise PlanError(f"brute force: more than {max_plans} plans")
-    t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in stack]
-    if not all(math.isfinite(x) for x in t):
-      return
-    c = [cut_s(tables, a[2], b[2], a[1]) for a, b in zip(stack, stack[1:])]
-    t_max = max(t)
-    if any(x > t_max for x in c):
-      return
-    warm = h1f1b_warmups(c, t_max, eps)
-    for (i, j, k, s), w in zip(stack, warm):
-      p = float(tables.param_mem_bytes[k][i, j, s])
-      a = float(tables.act_mem_bytes[k][i, j, s])
-      if not p + min(w, B) * a <= tables.device_memory_bytes[k]:
-        return
-    obj = sum(x + 2.0 * y for x, y in zip(t, c + [0.0])) + (B - 1) * t_max
-    if tables.price_per_gpu_hour is not None:
-      rate = plan_rate(tables, stack)
-      if rate > budget_per_hour or obj > time_limit_s:
-        return
-      if objective == "min_cost":
-        obj *= rate
-    counts[1] += 1
-    if obj < best[0]:
-      best[:] = [obj, t_max, tuple(stack), warm]
+  count = [0]
 
   def rec(i, k, entered, shapes):
     N, M = tables.num_hosts[k], tables.devices_per_host[k]
@@ -144,24 +134,122 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
         stack.append((i, j, k, s))
         if j == L - 1:
           if not use_all_devices or (full and len(entered) == K):
-            score()
+            count[0] += 1
+            if count[0] > max_plans:
+              raise PlanError(f"brute force: more than {max_plans} plans")
+            yield tuple(stack)
         else:
           if used < N * M:
-            rec(j + 1, k, entered, mine)
+            yield from rec(j + 1, k, entered, mine)
           if full or not use_all_devices:
             for k2 in range(K):
               if k2 in entered or (keep_order and k2 < k) or \
                   (keep_order and use_all_devices and k2 != k + 1):
                 continue
               if math.isfinite(cut_s(tables, k, k2, 0)):
-                rec(j + 1, k2, entered | {k2}, [])
+                yield from rec(j + 1, k2, entered | {k2}, [])
         stack.pop()
 
   firsts = [0] if (keep_order and use_all_devices) else range(K)
   for k in firsts:
-    rec(0, k, frozenset([k]), [])
+    yield from rec(0, k, frozenset([k]), [])
+
+
+def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
+                max_plans: int = 2_000_000, *, use_all_devices: bool = False,
+                keep_order: bool = False, objective: str = "min_time",
+                budget_per_hour: float = math.inf, time_limit_s: float = math.inf,
+                cost_model: str = "simulator", fwd_fraction: float = 1.0 / 3.0,
+                exact_simulator: bool = False) -> BruteForceResult:
+  """Scores every plan of :func:`enumerate_plans`.
+
+  A plan is valid when its stage times are finite, every stage fits ``mem_p + min(N_i, B)
+  mem_a <= mem`` with ``N_i`` from :func:`~harpjax.compiler.schedule.h1f1b_warmups` (relative
+  to the plan's own period ``max(t_max, max c)``), and, with ``cost_model="eq12"``, every cut
+  ``c_i <= t_max``. Its time: the simulator's iteration time of that H-1F1B schedule with the
+  stages' end times (``"simulator"``; forward ``fwd_fraction`` of each stage's time), or Eq.
+  12 plus the first stage's end time (``"eq12"``). ``objective`` ``"min_time"`` minimises the
+  time (within ``budget_per_hour``, the plan's rate, :func:`plan_rate`), ``"min_cost"``
+  minimises rate times time (within ``time_limit_s``). The simulated times come from
+  :func:`~harpjax.compiler.schedule.iteration_times`, or with ``exact_simulator`` from
+  :func:`~harpjax.compiler.schedule.simulate` itself (the same numbers, tested; slower).
+  """
+  B = int(num_microbatches)
+  best = [math.inf, math.inf, (), ()]
+  counts = [0, 0]
+  valid = []
+  for stages in enumerate_plans(tables, use_all_devices=use_all_devices,
+                                keep_order=keep_order, max_plans=max_plans):
+    counts[0] += 1
+    nums = plan_numbers(tables, stages, B, eps)
+    if nums is None:
+      continue
+    t, c, ends, period, warm = nums
+    if cost_model == "eq12" and period > max(t):
+      continue
+    if not fits(tables, stages, warm, B):
+      continue
+    rate = plan_rate(tables, stages) if tables.price_per_gpu_hour is not None else 0.0
+    if rate > budget_per_hour:
+      continue
+    valid.append((stages, t, c, ends, warm, rate))
+  if cost_model == "eq12":
+    times = [sum(x + 2.0 * y for x, y in zip(t, c)) + e[0] + (B - 1) * max(t)
+             for _, t, c, e, _, _ in valid]
+  elif exact_simulator:
+    times = []
+    for _, t, c, e, w, _ in valid:
+      f = [x * fwd_fraction for x in t]
+      b = [x - y for x, y in zip(t, f)]
+      sched = make_schedule("h1f1b", len(t), B, w)
+      times.append(simulate(f, b, c[:-1], sched, end_cost=e).iteration_time)
+  else:   # the simulator's batch kernel: the same times bit for bit, a hundred times faster
+    S = max((len(v[1]) for v in valid), default=1)
+    pad = lambda x, fill=0.0: list(x) + [fill] * (S - len(x))
+    times = iteration_times([pad(v[1]) for v in valid], [pad(v[2]) for v in valid],
+                            [pad(v[3]) for v in valid], [pad(v[4], 1) for v in valid],
+                            [len(v[1]) for v in valid], B, fwd_fraction).tolist()
+  for (stages, t, _, _, warm, rate), x in zip(valid, times):
+    if x > time_limit_s:
+      continue
+    counts[1] += 1
+    obj = x * rate if objective == "min_cost" else x
+    if obj < best[0]:
+      best[:] = [obj, max(t), stages, warm]
   return BruteForceResult(objective_s=best[0], t_max_s=best[1], stages=best[2],
                           warmups=tuple(best[3]), num_plans=counts[0], num_valid=counts[1])
+
+
+def surrogate_minimum(tables: CostTables, num_microbatches: int, eps: float, period: float,
+                      discount: float, *, link_hits: bool = True, **modes) -> float:
+  """The DP's value at one candidate period, by enumeration: over the plans whose period is
+  exactly ``period`` (with ``link_hits=False``: whose slowest *stage* takes ``period`` and no
+  cut is slower) and that fit memory with warm-ups relative to it, the least ``sum (t + 2c) +
+  e_0 - discount * period * (min(N_h, B) - 1)``, ``h`` the last stage of time ``period``
+  unless a cut of ``period`` follows it (:func:`harpjax.compiler.plan.dp_kernel.solve_tau`).
+  """
+  B = int(num_microbatches)
+  best = math.inf
+  for stages in enumerate_plans(tables, **modes):
+    nums = plan_numbers(tables, stages, B, eps)
+    if nums is None:
+      continue
+    t, c, ends, p, warm = nums
+    if (p != period) if link_hits else (max(t) != period or p > period):
+      continue
+    if not fits(tables, stages, warm, B):
+      continue
+    value = sum(x + 2.0 * y for x, y in zip(t, c)) + ends[0]
+    last = None
+    for x in range(len(t)):
+      if t[x] == period:
+        last = ("stage", x)
+      if link_hits and x < len(t) - 1 and c[x] == period:
+        last = ("cut", x)
+    if last[0] == "stage":
+      value -= discount * period * (min(warm[last[1]], B) - 1)
+    best = min(best, value)
+  return best
 
 
 def random_tables(rng: np.random.Generator, num_layers: int | None = None,

@@ -33,13 +33,18 @@ def test_brute_force_counts_and_agrees_with_the_packer():
   for _ in range(30):
     t = oracle.random_tables(rng)
     for use_all in (False, True):
-      bf = oracle.brute_force(t, 8, use_all_devices=use_all)
+      bf = oracle.brute_force(t, 8, use_all_devices=use_all, cost_model="eq12")
       assert bf.num_plans >= bf.num_valid
       if bf.stages:
         ev = planner.evaluate_plan(t, bf.stages, 8, simulator=False)
         assert ev.mem_ok and ev.comm_ok and ev.devices_ok
         assert ev.uses_all_devices or not use_all
         assert math.isclose(ev.eq12_s, bf.objective_s, rel_tol=1e-12)
+      sim = oracle.brute_force(t, 8, use_all_devices=use_all)
+      assert sim.num_valid >= bf.num_valid           # link-bound plans are admitted too
+      if sim.stages:
+        ev = planner.evaluate_plan(t, sim.stages, 8)
+        assert ev.mem_ok and ev.devices_ok and ev.iteration_s == sim.objective_s
 
 
 def test_equal_work_and_group_cuts():

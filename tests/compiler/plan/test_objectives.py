@@ -36,8 +36,22 @@ CASES = [("max_throughput_per_dollar", {}, dict(objective="min_cost")),
          ("min_time", {}, {})]
 
 
-@pytest.mark.parametrize("chunk", range(3))
+def _check(tables, B, res, kw, mode):
+  ev = planner.evaluate_plan(tables, res.plan, B)
+  assert ev.feasible and ev.uses_all_devices >= mode.get("use_all_devices", False)
+  assert _close(res.rate_per_hour, oracle.plan_rate(tables, [
+      (s.layers[0], s.layers[1], s.subcluster, s.submesh_index) for s in res.stages]))
+  assert _close(res.cost_per_iteration, res.rate_per_hour * res.objective_s / 3600)
+  assert res.rate_per_hour <= kw.get("budget_per_hour", math.inf)
+  assert res.objective_s <= kw.get("time_limit_s", math.inf)
+  assert res.plan.predicted_iteration_s == ev.iteration_s
+
+
+@pytest.mark.parametrize("chunk", [0, 1, *(pytest.param(c, marks=pytest.mark.slow)
+                                           for c in range(2, 8))])
 def test_objectives_match_brute_force_on_random_instances(chunk):
+  """Every objective, ranked by the simulator (the default), against a brute force that
+  simulates every plan: the same optimum, proved."""
   rng = np.random.default_rng(3000 + chunk)
   for x in range(24):
     tables = oracle.random_tables(rng, priced=True)
@@ -46,19 +60,30 @@ def test_objectives_match_brute_force_on_random_instances(chunk):
     for objective, kw, bf_kw in CASES:
       bf = oracle.brute_force(tables, B, **mode, **bf_kw)
       got, res = _value(tables, B, objective, **mode, **kw)
-      twin, _ = _value(tables, B, objective, kernel="numpy", **mode, **kw)
+      assert _close(got, bf.objective_s), (objective, mode, got, bf)
+      if res is not None:
+        assert res.stats.proved and res.objective_s == res.iteration_s
+        _check(tables, B, res, kw, mode)
+
+
+@pytest.mark.parametrize("chunk", [0, *(pytest.param(c, marks=pytest.mark.slow)
+                                        for c in range(1, 3))])
+def test_eq12_objectives_kernel_twin_and_brute_force_agree(chunk):
+  """The same objectives with the paper's Eq. 12 and its rule c <= t_max: the rate DP (Numba
+  kernel and NumPy twin) is exact."""
+  rng = np.random.default_rng(3100 + chunk)
+  for x in range(24):
+    tables = oracle.random_tables(rng, priced=True)
+    B = int(rng.choice([2, 8, 32]))
+    mode = MODES[x % len(MODES)]
+    for objective, kw, bf_kw in CASES:
+      bf = oracle.brute_force(tables, B, cost_model="eq12", **mode, **bf_kw)
+      got, res = _value(tables, B, objective, cost_model="eq12", **mode, **kw)
+      twin, _ = _value(tables, B, objective, kernel="numpy", cost_model="eq12", **mode, **kw)
       assert _close(got, bf.objective_s), (objective, mode, got, bf)
       assert _close(twin, bf.objective_s), (objective, mode, twin, bf)
-      if res is None:
-        continue
-      ev = planner.evaluate_plan(tables, res.plan, B, simulator=False)
-      assert ev.feasible and ev.comm_ok and ev.uses_all_devices >= mode.get("use_all_devices",
-                                                                             False)
-      assert _close(res.rate_per_hour, oracle.plan_rate(tables, [
-          (s.layers[0], s.layers[1], s.subcluster, s.submesh_index) for s in res.stages]))
-      assert _close(res.cost_per_iteration, res.rate_per_hour * res.objective_s / 3600)
-      assert res.rate_per_hour <= kw.get("budget_per_hour", math.inf)
-      assert res.objective_s <= kw.get("time_limit_s", math.inf)
+      if res is not None:
+        _check(tables, B, res, kw, mode)
 
 
 def test_objectives_agree_with_each_other():

@@ -125,6 +125,38 @@ def test_from_layer_costs_formulas():
   assert tight.param_mem_bytes[0][0, 1, 1] == 16.0 and tight.act_mem_bytes[0][0, 1, 1] == 8.0
 
 
+def test_end_times_validated_coarsened_and_built():
+  """end_time_s: checked (finite where the stage runs), carried by coarsen, and built by
+  from_layer_costs(end_cost=True) from the gradient all-reduce and the optimizer update."""
+  L = 3
+  end = np.full((L, L, 2), np.inf)
+  for i in range(L):
+    for j in range(i, L):
+      end[i, j] = [0.0, 0.1 * (j - i + 1)]
+  t = _tiny(end_time_s=(end, end))
+  assert t.end_of(0, 0, 2, 1) == pytest.approx(0.3) and t.end_of(0, 2, 0, 1) == 0.0
+  assert _tiny().end_of(0, 0, 2, 1) == 0.0
+  c = t.coarsen([0, 2])
+  assert c.end_time_s[0][1, 1, 1] == t.end_time_s[0][1, 2, 1]
+  with pytest.raises(CostTablesError, match="end_time_s"):
+    _tiny(end_time_s=(end, -end))
+  prof = LayerProfile(flops=[100.0, 300.0], param_bytes=[2.0, 6.0], param_mem_bytes=[8.0, 24.0],
+                      act_bytes=[4.0, 4.0], boundary_bytes=[5.0, 0.0])
+  spec = _spec("g", 1, 2, 100.0, host_bandwidth_bytes_per_s=20.0, mem_bandwidth_bytes_per_s=64.0)
+  amort = CostTables.from_layer_costs(prof, [spec], grad_sync_microbatches=2, max_tp=1)
+  at_end = CostTables.from_layer_costs(prof, [spec], grad_sync_microbatches=2, max_tp=1,
+                                       end_cost=True)
+  assert amort.end_time_s is None
+  # (1, 2), dp = 2: 2 s of compute, the all-reduce of 8 bytes (0.4 s) once at the end, plus the
+  # update reading and writing 32 bytes of state at 64 B/s (1 s).
+  assert at_end.stage_time_s[0][0, 1, 1] == pytest.approx(2.0)
+  assert at_end.end_time_s[0][0, 1, 1] == pytest.approx(0.4 + 1.0)
+  assert amort.stage_time_s[0][0, 1, 1] == pytest.approx(2.0 + 0.4 / 2)
+  assert at_end.end_time_s[0][0, 1, 0] == pytest.approx(1.0)   # one device: the update only
+  with pytest.raises(CostTablesError, match="mem_bandwidth"):
+    _spec("g", 1, 2, 100.0, mem_bandwidth_bytes_per_s=0.0)
+
+
 def test_from_layer_costs_order_and_links():
   prof = LayerProfile(flops=[1.0] * 4, param_bytes=[1.0] * 4, param_mem_bytes=[1.0] * 4,
                       act_bytes=[1.0] * 4, boundary_bytes=[1.0] * 4)

@@ -58,6 +58,43 @@ def test_h1f1b_warmups_case_study_gives_paper_fig3d():
   assert sched.eager_1f1b_warmups(3) == (5, 3, 1)
 
 
+def test_h1f1b_warmups_of_a_link_bound_pipeline_are_relative_to_the_link():
+  """A cut slower than every stage sets the period: deltas relative to it (at most 3), not
+  to t_max (which would grow without bound and buy nothing)."""
+  assert sched.pipeline_period([0.5, 3.0], 1.0) == 3.0
+  # Relative to the 3 s link: deltas ceil(2 * 0.5 / 3) + 1 = 2 and ceil(2 * 3 / 3) + 1 = 3,
+  # the counts of a pipeline whose t_max were 3 s; relative to t_max = 1 s they would be 2, 7.
+  assert sched.h1f1b_warmups([0.5, 3.0], 1.0, eps=0.0) == (6, 4, 1)
+  assert sched.h1f1b_warmups([0.5, 3.0], 3.0, eps=0.0) == (6, 4, 1)
+  assert sched.h1f1b_warmups([0.5, 0.9], 1.0, eps=0.0) == (6, 4, 1)   # Eq. 1 below t_max
+
+
+def test_link_bound_warmups_lose_no_time_and_save_memory():
+  """Against deltas relative to t_max, the period rule never simulates slower on random
+  link-bound pipelines, and holds fewer microbatches."""
+  rng = np.random.default_rng(5)
+  fewer = 0
+  for _ in range(300):
+    S, B = int(rng.integers(2, 6)), int(rng.choice([4, 16, 64]))
+    t = rng.uniform(0.2, 1.0, S)
+    c = rng.uniform(0.0, 1.0, S - 1) * rng.choice([0.3, 1.0, 3.0], S - 1)
+    if c.max() <= t.max():
+      continue
+    eps = float(rng.choice([0.0, 0.1]))
+    old = [1]
+    for x in reversed(c):
+      old.append(old[-1] + sched.warmup_delta(x, t.max(), eps))
+    old = tuple(reversed(old))
+    new = sched.h1f1b_warmups(c, t.max(), eps)
+    f, b = t / 3, t - t / 3
+    r_old = sched.simulate(f, b, c, sched.make_schedule("h1f1b", S, B, old))
+    r_new = sched.simulate(f, b, c, sched.make_schedule("h1f1b", S, B, new))
+    assert r_new.iteration_time <= r_old.iteration_time * (1 + 1e-12)
+    assert all(a <= b for a, b in zip(new, old))
+    fewer += new[0] < old[0]
+  assert fewer >= 50, fewer
+
+
 def test_h1f1b_warmups_rejects_bad_costs():
   with pytest.raises(ScheduleError, match="comm_costs\\[1\\]"):
     sched.h1f1b_warmups([0.1, -1.0], 1.0)
