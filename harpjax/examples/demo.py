@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     step = harpjax.auto_parallel(make_step(), cluster=cluster,
                                  num_microbatches=args.microbatches)
     train(step, state, args, cfg, batch,
-          "planned automatically (layers, analytic profile for V100/A100, DP; the profile is "
+          "planned automatically (layers, jaxpr costs for V100/A100, DP; the profile is "
           "cached on disk)")
 
 
