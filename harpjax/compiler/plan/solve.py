@@ -644,8 +644,11 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
       return None
     t_s_idx = _smallest_feasible(top, lambda idx: math.isfinite(g(idx)[0]))
   else:
-    guess = int(np.searchsorted(cand, _period_estimate(tables)))
-    t_s_idx = _smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0]), guess) if M else None
+    # A first probe a little above the work-based estimate is usually feasible; its bounds
+    # then make every probe below it cheap.
+    guess = int(np.searchsorted(cand, 1.25 * _period_estimate(tables)))
+    t_s_idx = (_smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0]), guess, cand)
+               if M else None)
   if t_s_idx is None:
     raise infeasible()
   best = None
@@ -726,12 +729,14 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   return result
 
 
-def _smallest_feasible(M: int, feasible: Callable[[int], bool], start: int = 0
-                       ) -> int | None:
+def _smallest_feasible(M: int, feasible: Callable[[int], bool], start: int = 0,
+                       values: np.ndarray | None = None) -> int | None:
   """The smallest candidate index at which ``feasible`` (monotone) holds, ``None`` if none:
   a galloping search upwards from ``start`` (a guess at or below the answer; a test costs more
   the larger the candidate, since more entries are active), then a binary search. A guess
-  above the answer only costs a binary search below it."""
+  above the answer only costs a binary search below it. With the candidates' ``values``
+  (ascending, > 0) and a guess, the gallop's steps grow in value (0.5%, 1%, 2%, ... above the
+  guess) rather than in index."""
   start = min(max(start, 0), M - 1)
   lo, step = 0, 1
   if start > 0:
@@ -740,13 +745,20 @@ def _smallest_feasible(M: int, feasible: Callable[[int], bool], start: int = 0
       step = 0
     else:
       lo = start + 1
+  rel = 0.005 if (values is not None and start > 0) else 0.0
   while step:
-    probe = min(lo + step - 1, M - 1)
+    if rel:
+      probe = int(np.searchsorted(values, values[start] * (1.0 + rel)))
+      probe = min(max(probe, lo), M - 1)
+      rel *= 2
+    else:
+      probe = min(lo + step - 1, M - 1)
+      step *= 2
     if feasible(probe):
       break
     if probe == M - 1:
       return None
-    lo, step = probe + 1, 2 * step
+    lo = probe + 1
   hi = probe
   while lo < hi:
     mid = (lo + hi) // 2
