@@ -341,7 +341,7 @@ def _hit_possible_impl(ix, lb, sb, hits, ent_i, ent_k, tau, check_comm):
 
 
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-                    link_hits, discount, lb, sb):
+                    link_hits, discount, lb, sb, hit_cap):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -359,6 +359,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
   # The most a hit stage further up can still take off a suffix without one (see solve_tau).
   nmax = n_cap if n_cap < B else B
+  if hit_cap < nmax:
+    nmax = hit_cap
   disc_max = discount * tau * (nmax - 1) if require_hit else 0.0
   first = np.zeros((L + 1, G, H), np.int64)
   count = np.zeros((L + 1, G, H), np.int64)
@@ -562,8 +564,8 @@ def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
 def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
               require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
               discount: float = 0.0, use_numba: bool = True,
-              lb: np.ndarray | None = None,
-              sb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+              lb: np.ndarray | None = None, sb: np.ndarray | None = None,
+              hit_cap: int | None = None) -> tuple[float, np.ndarray]:
   """The DP at one candidate period ``tau`` (Numba kernel).
 
   Args:
@@ -592,6 +594,8 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
       ``check_comm``); ``None``: computed here.
     sb: optional :func:`suffix_bound` at ``tau`` or above: states without a suffix are
       skipped.
+    hit_cap: the most microbatches a stage of time ``tau`` can hold (memory); bounds the
+      discount still to come for a suffix without a hit, so the bound prunes those too.
 
   Returns:
     ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
@@ -600,16 +604,17 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
   fn = _solve_tau_numba if (use_numba and HAVE_NUMBA) else _solve_tau_impl
   return fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
             bool(check_comm), float(bound), bool(link_hits), float(discount),
-            _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb)
+            _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb,
+            int(num_microbatches) if hit_cap is None else int(hit_cap))
 
 
 def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
                     require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
                     discount: float = 0.0, use_numba: bool = False,
-                    lb: np.ndarray | None = None,
-                    sb: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+                    lb: np.ndarray | None = None, sb: np.ndarray | None = None,
+                    hit_cap: int | None = None) -> tuple[float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
-  del use_numba, lb, sb
+  del use_numba, lb, sb, hit_cap
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
    c_pair) = ix[:13]
   ent_e = ix.ent_e

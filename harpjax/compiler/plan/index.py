@@ -166,7 +166,8 @@ class SparseIndex:
           bound: float = math.inf, check_comm: bool = True, kernel: str = "numba",
           n_cap: int | None = None, discount: float = 0.0,
           lb: np.ndarray | None = None, sb: np.ndarray | None = None,
-          link_hits: bool | None = None) -> tuple[float, np.ndarray]:
+          link_hits: bool | None = None, hit_cap: int | None = None
+          ) -> tuple[float, np.ndarray]:
     """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
     of ``tau`` are hits when the index is ``link_bound``, unless ``link_hits`` says otherwise;
     ``lb``, ``sb``: a :meth:`prefix_bound` and :meth:`suffix_bound` at ``tau`` or above)."""
@@ -174,8 +175,25 @@ class SparseIndex:
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
     hits = self.link_bound if link_hits is None else link_hits
+    if hit_cap is None and discount > 0 and require_hit:
+      hit_cap = self.hit_cap(tau, num_microbatches)
     return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-              hits, discount, lb=lb, sb=sb)
+              hits, discount, lb=lb, sb=sb, hit_cap=hit_cap)
+
+  def hit_cap(self, tau: float, num_microbatches: int) -> int:
+    """The most microbatches (``<= B``) a stage of time exactly ``tau`` can hold in memory;
+    ``1`` when no entry takes ``tau`` (the period is then a cut's)."""
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    B = int(num_microbatches)
+    if lo == hi:
+      return 1
+    e = self.by_t[lo:hi]
+    a, p = self.arrays.ent_a[e], self.arrays.ent_p[e]
+    room = self.arrays.mem[self.ent_k[e]] - p
+    with np.errstate(divide="ignore", invalid="ignore"):
+      n = np.where(a > 0, np.floor(room / np.where(a > 0, a, 1.0)), B)
+    return int(max(1, min(B, n.max())))
 
   def is_stage_time(self, tau: float) -> bool:
     """Whether some entry takes exactly ``tau``."""

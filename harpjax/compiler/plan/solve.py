@@ -135,6 +135,12 @@ class SolveOptions:
     fwd_fraction: the forward's share of a stage's time in the simulated schedule.
     proof_nodes: node budget of the bounded exact search after the DP (``0``: none); the
       result says whether it completed (``SearchStats.proved``).
+    bound_pieces: slices of the window of candidates, each bounded below by its own ``G``
+      (with ``bound_pruning``).
+    hidden_share: with the simulator, the DP's pruning assumes that the warm-up forwards of a
+      plan's bottleneck stage hide at most this share of an iteration (of the round trip of
+      the stages below it); ``1``: no assumption (slower). It only steers which plans the DP
+      proposes: the bounded exact search makes no such assumption.
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -152,6 +158,8 @@ class SolveOptions:
   cost_model: str = "simulator"
   fwd_fraction: float = 1.0 / 3.0
   proof_nodes: int = 200_000
+  bound_pieces: int = 16
+  hidden_share: float = 0.02
 
   def __post_init__(self):
     if self.cost_model not in COST_MODELS:
@@ -159,6 +167,8 @@ class SolveOptions:
                       f"{COST_MODELS}")
     if not 0.0 < self.fwd_fraction < 1.0:
       raise PlanError(f"SolveOptions.fwd_fraction={self.fwd_fraction} must be in (0, 1)")
+    if not 0.0 <= self.hidden_share <= 1.0:
+      raise PlanError(f"SolveOptions.hidden_share={self.hidden_share} must be in [0, 1]")
     if int(self.proof_nodes) != self.proof_nodes or self.proof_nodes < 0:
       raise PlanError(f"SolveOptions.proof_nodes={self.proof_nodes} must be an integer >= 0")
     if self.objective not in OBJECTIVES:
@@ -294,13 +304,23 @@ class Scoring(NamedTuple):
   simulated: bool
   fwd_fraction: float
   nmax: int
+  hidden_share: float = 1.0
 
-  def floor(self, tau: float, sigma_lb: float) -> float:
+  def capped(self, tau: float, hit_cap: int, bound: float) -> int:
+    """``hit_cap`` under the ``hidden_share`` assumption: the hit stage's warm-up forwards
+    hide at most ``hidden_share * bound`` seconds."""
+    if self.discount > 0 and math.isfinite(bound) and self.hidden_share < 1:
+      return min(hit_cap, 1 + int(self.hidden_share * bound / (self.discount * tau)))
+    return hit_cap
+
+  def floor(self, tau: float, sigma_lb: float, hit_cap: int | None = None) -> float:
     """A lower bound on the score of any plan of period ``tau`` whose DP value is at least
     ``sigma_lb`` before the discount: the simulated time is at least ``B tau`` (the bottleneck
-    stage or link alone) and at least the DP's value plus ``(B - 1) tau``."""
+    stage or link alone) and at least the DP's value plus ``(B - 1) tau``. ``hit_cap``: the
+    most microbatches a stage of time ``tau`` holds (bounds the discount)."""
     B = self.num_microbatches
-    lb = (B - 1) * tau + max(sigma_lb, tau) - self.discount * tau * (self.nmax - 1)
+    n = self.nmax if hit_cap is None else min(self.nmax, hit_cap)
+    lb = (B - 1) * tau + max(sigma_lb, tau) - self.discount * tau * (n - 1)
     return max(lb, B * tau) if self.simulated else lb
 
 
@@ -339,10 +359,11 @@ def simulate_paths(index: SparseIndex, paths: Sequence[np.ndarray], scoring: Sco
 
 
 def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scoring,
-                        bound: float, sigma_lb: float
+                        bound: float, sigma_lb: float | dict[int, float]
                         ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
   """Exact DP at candidates ``taus`` (ascending indices), each plan scored, tightening
-  ``bound`` as it goes.
+  ``bound`` as it goes. ``sigma_lb``: a lower bound on the DP's value (before the discount)
+  of every plan of those periods, or per candidate index.
 
   When the simulator judges, a candidate that is a stage time and has a plan also gets the
   plan of the paper's model there (Eq. 12, every cut within the stage time): the old rule's
@@ -365,7 +386,9 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     sb = index.suffix_bound(top, lb)
   for idx in taus:
     tau = float(index.candidates[idx])
-    if scoring.floor(tau, sigma_lb) > bound * (1.0 + BOUND_SLACK):
+    sig = sigma_lb.get(idx, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
+    hit_cap = scoring.capped(tau, index.hit_cap(tau, B), bound)
+    if scoring.floor(tau, sig, hit_cap) > bound * (1.0 + BOUND_SLACK):
       continue
     if not index.may_have_period(tau, lb, sb):
       continue
@@ -374,7 +397,7 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
               index.active_entries(tau), bound)
     value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
                             kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
-                            lb=lb, sb=sb)
+                            lb=lb, sb=sb, hit_cap=hit_cap)
     if not math.isfinite(value):
       continue
     found = [(value, path)]
@@ -575,7 +598,7 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   M = cand.size
   kernel = opts.kernel
   scoring = Scoring(B, opts.eps, kernel, opts.fwd_fraction if simulated else 0.0, simulated,
-                    opts.fwd_fraction, min(index.n_cap(B), B))
+                    opts.fwd_fraction, min(index.n_cap(B), B), opts.hidden_share)
   log.info("planner: %d layers, %d devices, %d feasible entries, %d period candidates",
            tables.num_layers, tables.total_devices, index.num_entries, M)
 
@@ -599,6 +622,21 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     return infeasible_error(tables, B, opts.eps, opts.use_all_devices, opts.keep_order,
                             simulated)
 
+  top_bounds = {}
+
+  g_plans = []   # plans the lower bounds found on the way: candidates for the incumbent
+
+  def g_bounded(idx, top):  # G at idx with the prefix and suffix bounds of candidate top
+    n_g[0] += 1
+    if top_bounds.get("top") != top:
+      lb = index.prefix_bound(float(cand[top]))
+      top_bounds.update(top=top, lb=lb, sb=index.suffix_bound(float(cand[top]), lb))
+    value, path = index.run(float(cand[idx]), B, opts.eps, require_hit=False, kernel=kernel,
+                            lb=top_bounds["lb"], sb=top_bounds["sb"])
+    if math.isfinite(value):
+      g_plans.append(path)
+    return value
+
   slack = 1.0 + BOUND_SLACK
   if math.isfinite(beat):   # periods beyond beat / B cannot win: do not even test them
     top = int(np.searchsorted(cand, beat * slack / B, side="right"))
@@ -606,7 +644,11 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
       return None
     t_s_idx = _smallest_feasible(top, lambda idx: math.isfinite(g(idx)[0]))
   else:
-    t_s_idx = _smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0])) if M else None
+    # A first probe a little above the work-based estimate is usually feasible; its bounds
+    # then make every probe below it cheap.
+    guess = int(np.searchsorted(cand, 1.25 * _period_estimate(tables)))
+    t_s_idx = (_smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0]), guess, cand)
+               if M else None)
   if t_s_idx is None:
     raise infeasible()
   best = None
@@ -625,11 +667,21 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     first, bound = best[1] + 1, best[0]
   window = [c for c in range(first, M) if scoring.floor(cand[c], 0.0) <= bound * slack]
   t_e = float(cand[window[-1]]) if window else float(cand[first - 1])
-  sigma_lb = 0.0
+  sigma_lb: dict[int, float] = {}
   num_window = len(window)
   if opts.bound_pruning and window:
-    sigma_lb = g(window[-1])[0]
-    window = [c for c in window if scoring.floor(cand[c], sigma_lb) <= bound * slack]
+    sigma_lb = _piecewise_sigma(index, window, g_bounded, opts.bound_pieces)
+    # The plans behind those bounds (every stage within a slice's top): the valid ones (their
+    # memory checked with the warm-ups of their own period) tighten the bound first.
+    for path in g_plans:
+      found = _valid_plan(index, path, scoring)
+      if found is not None and (found[0], found[1]) < ((best[0], best[1]) if best else
+                                                       (math.inf, 0)):
+        best = found
+        bound = min(bound, found[0])
+    window = [c for c in window if scoring.floor(
+        cand[c], sigma_lb[c], scoring.capped(cand[c], index.hit_cap(cand[c], B), bound))
+              <= bound * slack]
   log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g s, %d candidates up to "
            "%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
            num_window, t_e, len(window))
@@ -677,18 +729,36 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   return result
 
 
-def _smallest_feasible(M: int, feasible: Callable[[int], bool]) -> int | None:
+def _smallest_feasible(M: int, feasible: Callable[[int], bool], start: int = 0,
+                       values: np.ndarray | None = None) -> int | None:
   """The smallest candidate index at which ``feasible`` (monotone) holds, ``None`` if none:
-  a galloping search from the bottom, since a test costs more the larger the candidate (more
-  entries are active), then a binary search."""
+  a galloping search upwards from ``start`` (a guess at or below the answer; a test costs more
+  the larger the candidate, since more entries are active), then a binary search. A guess
+  above the answer only costs a binary search below it. With the candidates' ``values``
+  (ascending, > 0) and a guess, the gallop's steps grow in value (0.5%, 1%, 2%, ... above the
+  guess) rather than in index."""
+  start = min(max(start, 0), M - 1)
   lo, step = 0, 1
-  while True:
-    probe = min(lo + step - 1, M - 1)
+  if start > 0:
+    if feasible(start):
+      lo, probe = 0, start
+      step = 0
+    else:
+      lo = start + 1
+  rel = 0.005 if (values is not None and start > 0) else 0.0
+  while step:
+    if rel:
+      probe = int(np.searchsorted(values, values[start] * (1.0 + rel)))
+      probe = min(max(probe, lo), M - 1)
+      rel *= 2
+    else:
+      probe = min(lo + step - 1, M - 1)
+      step *= 2
     if feasible(probe):
       break
     if probe == M - 1:
       return None
-    lo, step = probe + 1, 2 * step
+    lo = probe + 1
   hi = probe
   while lo < hi:
     mid = (lo + hi) // 2
@@ -697,6 +767,59 @@ def _smallest_feasible(M: int, feasible: Callable[[int], bool]) -> int | None:
     else:
       lo = mid + 1
   return lo
+
+
+def _valid_plan(index: SparseIndex, path: np.ndarray, scoring: Scoring
+                ) -> tuple[float, int, float, np.ndarray] | None:
+  """``(score, candidate index, Eq. 12-like value, path)`` of a DP path whose warm-ups were
+  taken at some larger period, if it fits memory with those of its own period."""
+  t, c, e, warm = plan_arrays(index, path, scoring.eps)
+  ix = index.arrays
+  B = scoring.num_microbatches
+  ent = np.asarray(path, np.int64)
+  if np.any(ix.ent_p[ent] + np.minimum(warm, B) * ix.ent_a[ent] > ix.mem[index.ent_k[ent]]):
+    return None
+  period = pipeline_period(c, float(t.max()))
+  if not scoring.simulated and period > t.max():
+    return None   # the paper's rule: every cut within the bottleneck stage's time
+  idx = int(np.searchsorted(index.candidates, period))
+  sur = float(np.sum(t + 2.0 * c) + e[0] + (B - 1) * period)
+  score = float(simulate_paths(index, [path], scoring)[0]) if scoring.simulated else sur
+  return score, idx, sur, path
+
+
+def _piecewise_sigma(index: SparseIndex, window: list[int],
+                     g: Callable[[int, int], float], pieces: int) -> dict[int, float]:
+  """Per candidate of the window, a lower bound on the DP's value of its plans: ``G`` (the
+  cheapest ``sum (t + 2 c)`` with every stage within the period, no hit required) is
+  non-increasing in the period, so ``G`` at the top of each of ``pieces`` slices of the window
+  bounds every candidate of the slice."""
+  n = len(window)
+  cuts = sorted({window[min(n - 1, (q * n) // pieces - 1)] for q in range(1, pieces + 1)})
+  out, lo = {}, 0
+  top = window[-1]
+  for b in cuts:
+    sig = g(b, top)
+    for c in window[lo:]:
+      if c > b:
+        break
+      out[c] = sig
+      lo += 1
+  return out
+
+
+def _period_estimate(tables: CostTables) -> float:
+  """A guess at the smallest period, from below when each stage costs at least its layers'
+  single-device work spread over its devices (additive costs): the model's single-device time
+  on every device at once, ``1 / sum_k D_k / T_k``. Only the starting point of a search."""
+  rate = 0.0
+  for k in range(tables.num_subclusters):
+    sizes = [n * m for n, m in tables.submeshes[k]]
+    s = int(np.argmin(sizes))
+    t = np.array([tables.stage_time_s[k][x, x, s] for x in range(tables.num_layers)])
+    if np.isfinite(t).all() and t.sum() > 0:
+      rate += tables.subcluster_devices[k] / (t.sum() * sizes[s])
+  return 1.0 / rate if rate > 0 else 0.0
 
 
 def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
