@@ -1,24 +1,29 @@
-"""Planner benchmark: search time, the granularity case study, baselines (a)-(d).
+"""Planner benchmark: search time, simulated against Eq. 12, the case study, baselines.
 
-Prints four tables:
+Prints these tables:
 
 1. Search time of :func:`harpjax.compiler.plan.solve` for a GPT-39B-like model (146 layers:
    embedding, 48 blocks x 3, head; hidden 8192, seq 1024, microbatch 8, fp16, recomputation)
    on 32 V100-32G + 32 A100-40G (4 hosts x 8 each, 10 Gbps between the subclusters),
-   ``B = 128``: the Numba kernel on every backend, without the extra lower-bound pruning, and
-   the NumPy twin side by side (ratio).
-2. HARP §2.2.2's case study: A100 (2 hosts x 2) + V100 (1 host x 2), 5 Gbps, a GPT of 128
+   ``B = 128``: the Numba kernel on every backend, the paper's cost model (Eq. 12), without
+   the extra lower-bound pruning, and the NumPy twin side by side (ratio).
+2. The simulator as the judge against Eq. 12 on the GPT-39B-like instances (10 and 5 Gbps,
+   ``eps`` 0.1 and 0, fine and one layer per block): each planner's plan simulated, and how far
+   Eq. 12 is from what runs.
+3. 512 GPUs of three types (``--big``; 128 V100 + 128 A100 + 256 H100, 10 and 100 Gbps between
+   subclusters): plan time of both cost models.
+4. HARP §2.2.2's case study: A100 (2 hosts x 2) + V100 (1 host x 2), 5 Gbps, a GPT of 128
    equal-work layers planned at 128 layers and at 8 (Alpa's granularity).
-3. Baselines on the GPT-39B-like model: (a) homogeneous, (b) 8 layers and one layer per block,
-   (c) communication-unaware, each scored on the same tables.
-4. (d) HARP's plan under 1F1B, Eager-1F1B and H-1F1B.
+5. Baselines on the GPT-39B-like model: (a) homogeneous, (b) 8 layers and one layer per block,
+   (c) communication-unaware, each scored on the same tables; (d) HARP's plan under 1F1B,
+   Eager-1F1B and H-1F1B.
 
 Iteration times come from the simulator (:func:`harpjax.compiler.schedule.simulate`); Eq. 12
-(the DP's objective) is shown beside them.
+is shown beside them.
 
 Usage::
 
-  .venv/bin/python benchmarks/planner.py [--no-twin] [--ray] [-v]
+  .venv/bin/python benchmarks/planner.py [--twin] [--ray] [--big] [-v]
 """
 
 from __future__ import annotations
@@ -108,36 +113,92 @@ def bench_search(twin: bool, ray: bool) -> None:
           ("numba", dict(backend="process", bound_pruning=False))]
   if ray:
     runs.append(("numba", dict(backend="ray")))
+  runs.insert(2, ("numba", dict(backend="sequential", cost_model="eq12")))
   ref = None
   for kernel, kw in runs:
     res, dt = _timed(planner.solve, tables, B, kernel=kernel, **kw)
     ref = ref or res
-    same = "yes" if res.plan.stages == ref.plan.stages else "NO"
+    same = "yes" if res.plan.stages == ref.plan.stages else (
+        "-" if kw.get("cost_model") == "eq12" else "NO")
     rows.append((kernel, kw, dt, res, same))
-  if twin:
-    for bp in (True, False):
-      res, dt = _timed(planner.solve, tables, B, kernel="numpy", backend="sequential",
-                       bound_pruning=bp)
-      rows.append(("numpy twin", dict(backend="sequential", bound_pruning=bp), dt, res,
-                   "yes" if math.isclose(res.objective_s, ref.objective_s, rel_tol=1e-9)
-                   else "NO"))
-  print(f"{'kernel':<11} {'options':<48} {'seconds':>8} {'DP runs':>8} {'same':>5}")
+  if twin:  # the twin's DP runs are slow: one lower-bound slice, the paper's cost model
+    same_kw = dict(backend="sequential", cost_model="eq12", bound_pieces=1)
+    eq12, dt = _timed(planner.solve, tables, B, **same_kw)
+    rows.append(("numba", same_kw, dt, eq12, "-"))
+    res, dt = _timed(planner.solve, tables, B, kernel="numpy", **same_kw)
+    rows.append(("numpy twin", same_kw, dt, res,
+                 "yes" if math.isclose(res.objective_s, eq12.objective_s, rel_tol=1e-9)
+                 else "NO"))
+  print(f"{'kernel':<11} {'options':<66} {'seconds':>8} {'DP runs':>8} {'same':>5}")
   for kernel, kw, dt, res, same in rows:
     st = res.stats
     opts = ", ".join(f"{k}={v}" for k, v in kw.items()) + f" -> {st.backend}"
-    print(f"{kernel:<11} {opts:<48} {dt:8.3f} {st.num_evaluated + st.num_feasibility_runs:8d} "
+    print(f"{kernel:<11} {opts:<66} {dt:8.3f} {st.num_evaluated + st.num_feasibility_runs:8d} "
           f"{same:>5}")
   s = ref.stats
   print(f"entries {s.num_entries}, t_max candidates {s.num_candidates}, window to t_E "
         f"{s.num_window}, pruned by the lower bound {s.num_pruned_by_bound}")
   if twin:
-    def seconds(kernel, bp):
-      return next(dt for k, kw, dt, _, _ in rows if k == kernel and kw.get("backend") ==
-                  "sequential" and kw.get("bound_pruning", True) == bp)
-    for bp in (True, False):
-      print(f"numpy twin / numba, sequential, bound_pruning={bp}: "
-            f"{seconds('numpy twin', bp) / seconds('numba', bp):.0f}x")
+    fast, slow = (dt for k, kw, dt, _, _ in rows if kw.get("bound_pieces") == 1)
+    print(f"numpy twin / numba (Eq. 12, one lower-bound slice): {slow / fast:.0f}x")
   print(ref.table())
+  print()
+
+
+def bench_simulated_vs_eq12() -> None:
+  B = 128
+  print("== The simulator as the judge against Eq. 12 (GPT-39B-like, 32 V100 + 32 A100, "
+        f"B={B}) ==")
+  head = (f"{'instance':<26} {'eps':>4} {'Eq.12 plan: Eq.12':>18} {'sim':>8} {'Eq.12 off':>9} "
+          f"{'sim plan: sim':>14} {'faster':>7} {'s (Eq.12 / sim)':>16}")
+  print(head)
+  for gbps in (10.0, 5.0):
+    fine = gpt39b_tables(B, inter_gbps=gbps)
+    coarse = fine.coarsen(baselines.group_cuts(gpt39b_block_labels()))
+    for name, tables in ((f"{gbps:g} Gbps, 146 layers", fine),
+                         (f"{gbps:g} Gbps, one per block", coarse)):
+      for eps in (0.1, 0.0):
+        old, t_old = _timed(planner.solve, tables, B, eps=eps, cost_model="eq12")
+        new, t_new = _timed(planner.solve, tables, B, eps=eps)
+        old_sim = planner.evaluate_plan(tables, old.plan, B, eps=eps).iteration_s
+        print(f"{name:<26} {eps:4.1f} {old.objective_s:18.3f} {old_sim:8.3f} "
+              f"{old.objective_s / old_sim - 1:+9.2%} {new.iteration_s:14.3f} "
+              f"{old_sim / new.iteration_s - 1:+7.2%} {t_old:7.2f} / {t_new:5.2f}")
+  print("(Eq. 12 off: how far the paper's objective is from the simulated time of its own "
+        "plan; faster: the simulator-judged plan against it)")
+  print()
+
+
+def big_tables(gbps: float, num_microbatches: int = 128) -> CostTables:
+  """512 GPUs: 128 V100-32G + 128 A100-40G + 256 H100-80G (hosts of 8), GPT-39B-like."""
+  prof = synthetic_gpt_profile(num_blocks=48, hidden=8192, seq_len=1024, microbatch=8)
+  kw = dict(efficiency=0.5, latency_s=5e-6, host_latency_s=2e-6)
+  specs = [SubclusterSpec("v100", 16, 8, 32 * GiB, 200 * GBPS, peak_flops=125e12,
+                          host_bandwidth_bytes_per_s=150e9, **kw),
+           SubclusterSpec("a100", 16, 8, 40 * GiB, 200 * GBPS, peak_flops=312e12,
+                          host_bandwidth_bytes_per_s=300e9, **kw),
+           SubclusterSpec("h100", 32, 8, 80 * GiB, 400 * GBPS, peak_flops=989e12,
+                          host_bandwidth_bytes_per_s=900e9, **kw)]
+  return CostTables.from_layer_costs(prof, specs, Link(gbps * GBPS, 1e-4),
+                                     grad_sync_microbatches=num_microbatches,
+                                     order="memory_to_compute")
+
+
+def bench_big() -> None:
+  B = 128
+  print(f"== 512 GPUs: 128 V100 + 128 A100 + 256 H100, GPT-39B-like, B={B}, sequential ==")
+  print(f"{'link':>9} {'cost model':>10} {'seconds':>8} {'sim s':>8} {'DP runs':>8} "
+        f"{'proved':>6}  plan")
+  for gbps in (10.0, 100.0):
+    tables = big_tables(gbps, B)
+    for cm in ("eq12", "simulator"):
+      res, dt = _timed(planner.solve, tables, B, cost_model=cm, backend="sequential")
+      sim = planner.evaluate_plan(tables, res.plan, B).iteration_s
+      st = res.stats
+      desc = ", ".join(f"{s.subcluster_name} {s.submesh}" for s in res.stages)
+      print(f"{gbps:7g} G {cm:>10} {dt:8.2f} {sim:8.3f} "
+            f"{st.num_evaluated + st.num_feasibility_runs:8d} "
+            f"{'-' if st.proved is None else ('yes' if st.proved else 'no'):>6}  {desc}")
   print()
 
 
@@ -205,12 +266,16 @@ def _print_rows(rows, ref) -> None:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--no-twin", action="store_true", help="skip the NumPy twin (~1 min)")
+  ap.add_argument("--twin", action="store_true", help="also time the NumPy twin (minutes)")
   ap.add_argument("--ray", action="store_true", help="also time the Ray backend")
+  ap.add_argument("--big", action="store_true", help="also time 512 GPUs of three types")
   ap.add_argument("-v", "--verbose", action="store_true")
   args = ap.parse_args()
   logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-  bench_search(twin=not args.no_twin, ray=args.ray)
+  bench_search(twin=args.twin, ray=args.ray)
+  bench_simulated_vs_eq12()
+  if args.big:
+    bench_big()
   bench_case_study()
   bench_baselines()
 

@@ -55,7 +55,8 @@ except ImportError:  # pragma: no cover
   _numba = None
 
 __all__ = ["DPArrays", "Frontier", "moves", "fitting_submeshes", "prefix_bound",
-           "prefix_bound_kernel", "suffix_bound", "hit_possible", "solve_tau", "solve_tau_numpy",
+           "prefix_bound_kernel", "suffix_bound", "hit_possible", "active_entries", "solve_tau",
+           "solve_tau_numpy",
            "HAVE_NUMBA", "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
@@ -608,6 +609,22 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
             int(num_microbatches) if hit_cap is None else int(hit_cap))
 
 
+def active_entries(ix: DPArrays, k: int, i: int, tau: float) -> list[int]:
+  """The entries of subcluster ``k`` starting at layer ``i`` with time ``<= tau`` (for the
+  twins; each (subcluster, first layer, submesh) group is sorted by time)."""
+  S_max = ix.st_stay.shape[1]
+  L = ix.ent_ptr.shape[1] - 1
+  out = []
+  for s in range(S_max):
+    x = (k * L + i) * S_max + s
+    lo, hi = int(ix.sp_ptr[x]), int(ix.sp_ptr[x + 1])
+    out.extend(range(lo, lo + int(np.searchsorted(ix.ent_t[lo:hi], tau, side="right"))))
+  return out
+
+
+_active = active_entries
+
+
 def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
                     require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
                     discount: float = 0.0, use_numba: bool = False,
@@ -633,10 +650,8 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
   for i in range(L - 1, -1, -1):
     for d in range(G):
       k = int(st_sub[d])
-      for e in range(int(ent_ptr[k, i]), int(ent_ptr[k, i + 1])):
+      for e in _active(ix, k, i, tau):
         t = float(ent_t[e])
-        if t > tau:
-          continue
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
         t_end = t + float(ent_e[e]) if i == 0 else t

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays
+from harpjax.compiler.plan.dp_kernel import active_entries as _active
 from harpjax.compiler.schedule import warmup_delta
 
 try:
@@ -348,10 +349,8 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
   for i in range(L - 1, -1, -1):
     for d in range(G):
       k = int(st_sub[d])
-      for e in range(int(ent_ptr[k, i]), int(ent_ptr[k, i + 1])):
+      for e in _active(ix, k, i, tau):
         t = float(ent_t[e])
-        if t > tau:
-          continue
         s, j = int(ent_s[e]), int(ent_j[e])
         hit = 1 if (require_hit and t == tau) else 0
         if rx.held[d, s] < 0:   # the stage does not fit the subcluster

@@ -296,6 +296,10 @@ class Scoring(NamedTuple):
     simulated: rank by the simulator (else by the DP's value plus ``(B - 1) tau``).
     fwd_fraction: the forward's share of a stage's time.
     nmax: largest in-flight count of any stage (``min(n_cap, B)``).
+    hidden_share: see :class:`SolveOptions`.
+    kind: ``-1`` for the time DP; for the objectives with prices the rate DP's kind
+      (:data:`~harpjax.compiler.plan.rate_kernel.KIND_TIME` or ``KIND_COST``), with the
+      budget ``rate_max``, the time limit ``t_limit`` and the ``price`` per device-hour.
   """
   num_microbatches: int
   eps: float
@@ -305,6 +309,10 @@ class Scoring(NamedTuple):
   fwd_fraction: float
   nmax: int
   hidden_share: float = 1.0
+  kind: int = -1
+  rate_max: float = math.inf
+  t_limit: float = math.inf
+  price: tuple[float, ...] = ()
 
   def capped(self, tau: float, hit_cap: int, bound: float) -> int:
     """``hit_cap`` under the ``hidden_share`` assumption: the hit stage's warm-up forwards
@@ -373,6 +381,8 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     ``(candidate index, DP value + (B - 1) tau, score, path)`` for every plan found within the
     bound, and the number of DP runs.
   """
+  if scoring.kind >= 0:
+    return _evaluate_priced(index, taus, scoring, bound)
   B = scoring.num_microbatches
   n_cap = index.n_cap(B)
   out, runs = [], 0
@@ -412,6 +422,42 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       score = float(simulate_paths(index, [path], scoring)[0]) if scoring.simulated else sur
       out.append((idx, sur, score, path))
       bound = min(bound, score)
+  return out, runs
+
+
+def _evaluate_priced(index: SparseIndex, taus: Sequence[int], scoring: Scoring, bound: float
+                     ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
+  """:func:`evaluate_candidates` for the objectives with prices: the rate DP at each candidate
+  (its Eq. 12 value, less the most the warm-ups can hide when the simulator judges, compared
+  with ``bound``), each plan scored. Returns ``(candidate, rate, value, path)``."""
+  B = scoring.num_microbatches
+  price = np.asarray(scoring.price, np.float64)
+  rx = rate_kernel.RateArrays(index.states.held, price)
+  fn = (rate_kernel.solve_tau_rate if scoring.kernel == "numba"
+        else rate_kernel.solve_tau_rate_numpy)
+  n_cap = index.n_cap(B)
+  r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
+  slack = 1.0 + BOUND_SLACK
+  out, runs = [], 0
+  for idx in sorted(taus):
+    tau = float(index.candidates[idx])
+    floor = B * tau if scoring.kind == rate_kernel.KIND_TIME else r_min * B * tau
+    if B * tau > scoring.t_limit * slack or floor > bound * slack:
+      continue
+    runs += 1
+    relief = scoring.discount * tau * (scoring.nmax - 1)
+    value, rate, _, path = fn(index.arrays, rx, tau, B, scoring.eps, n_cap, True, True, bound,
+                              scoring.rate_max, scoring.t_limit, scoring.kind, index.link_bound,
+                              relief)
+    if not math.isfinite(value):
+      continue
+    if scoring.simulated:
+      sim = float(simulate_paths(index, [path], scoring)[0])
+      if sim > scoring.t_limit:
+        continue
+      value = sim if scoring.kind == rate_kernel.KIND_TIME else rate * sim
+    out.append((idx, rate, value, path))
+    bound = min(bound, value)
   return out, runs
 
 
@@ -685,13 +731,7 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g s, %d candidates up to "
            "%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
            num_window, t_e, len(window))
-  workers = opts.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count() or 1)
-  backend = opts.backend
-  work = sum(index.active_entries(cand[c]) for c in window)
-  if backend == "auto":
-    backend = "process" if (workers > 1 and len(window) > 1
-                            and work >= opts.parallel_min_work) else "sequential"
+  backend, workers = _backend(opts, index, window)
   args = (scoring, bound, sigma_lb)
   if backend == "sequential" or not window:
     results, runs = evaluate_candidates(index, window, *args)
@@ -727,6 +767,19 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
            stats.seconds, backend, "" if proved is None else
            (", optimum proved" if proved else ", proof budget exhausted"))
   return result
+
+
+def _backend(opts: SolveOptions, index: SparseIndex, window: Sequence[int]) -> tuple[str, int]:
+  """The backend and the number of workers for a window of candidates (``"auto"``: worker
+  processes when the candidates hold at least ``parallel_min_work`` active entries)."""
+  workers = opts.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1)
+  backend = opts.backend
+  if backend == "auto":
+    work = sum(index.active_entries(index.candidates[c]) for c in window)
+    backend = "process" if (workers > 1 and len(window) > 1
+                            and work >= opts.parallel_min_work) else "sequential"
+  return backend, workers
 
 
 def _smallest_feasible(M: int, feasible: Callable[[int], bool], start: int = 0,
@@ -959,28 +1012,48 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   best = None   # (value, rate, candidate index, path)
   bound = beat
   n_sim = 0
-  for idx in range(lo, M):
+  scoring = scoring._replace(kind=kind, rate_max=rate_max, t_limit=t_limit,
+                             price=tuple(float(x) for x in price))
+
+  def floor(idx):
     tau = float(cand[idx])
     if B * tau > t_limit * (1 + BOUND_SLACK):
+      return math.inf
+    return B * tau if kind == rate_kernel.KIND_TIME else r_min * B * tau
+
+  def keep(found):
+    nonlocal best, bound
+    for idx, rate, value, path in found:
+      if value < beat and (best is None or (value, rate, idx) < (best[0], best[1], best[2])):
+        best = (value, rate, idx, path)
+        bound = min(bound, value)
+
+  # The incumbent: candidates from t_S up until one has a plan (almost always t_S itself).
+  first = lo
+  while first < M and floor(first) <= bound * (1 + BOUND_SLACK):
+    found, r = _evaluate_priced(index, [first], scoring, bound)
+    runs[0] += r
+    n_sim += len(found) if simulated else 0
+    keep(found)
+    first += 1
+    if found:
       break
-    floor = B * tau if kind == rate_kernel.KIND_TIME else r_min * B * tau
-    if floor > bound * (1 + BOUND_SLACK):
-      break
-    relief = scoring.discount * tau * (scoring.nmax - 1)
-    value, rate, cost, path = run(idx, True, bound, t_limit, relief)
-    if not math.isfinite(value):
-      continue
-    if simulated:
-      sim = float(simulate_paths(index, [path], scoring)[0])
-      n_sim += 1
-      if sim > t_limit:
-        continue
-      value = sim if kind == rate_kernel.KIND_TIME else rate * sim
-    if value >= beat:
-      continue
-    if best is None or (value, rate) < best[:2]:
-      best = (value, rate, idx, path)
-      bound = value
+  # The rest of the window, in batches on the chosen backend (the same plan on every one).
+  window = [c for c in range(first, M) if floor(c) <= bound * (1 + BOUND_SLACK)]
+  backend, workers_used = "sequential", 1
+  if window:
+    backend, workers = _backend(opts, index, window)
+    if backend != "sequential":
+      workers_used = min(workers, len(window))
+    if backend == "sequential":
+      results, r = _evaluate_priced(index, window, scoring, bound)
+    else:
+      results, r = _run_parallel(index, _balanced_batches(index, window, workers),
+                                 (scoring, bound, 0.0), backend, workers, opts.timeout_s,
+                                 opts.start_method)
+    runs[0] += r
+    n_sim += len(results) if simulated else 0
+    keep(results)
   proved, nodes = None, 0
   if simulated and opts.proof_nodes > 0:
     found, proved, nodes, n = prove_time(index, scoring, bound, opts.proof_nodes, price,
@@ -1006,8 +1079,9 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   t, c, ends, _ = plan_arrays(index, e, eps)
   eq12 = float(np.sum(t + 2.0 * c) + ends[0] + (B - 1) * t.max())
   stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[lo]),
-                      t_e=tau, num_window=0, num_pruned_by_bound=0, num_evaluated=runs[0],
-                      num_feasibility_runs=runs[1], backend="sequential", workers=1,
+                      t_e=tau, num_window=len(window), num_pruned_by_bound=0,
+                      num_evaluated=runs[0], num_feasibility_runs=runs[1], backend=backend,
+                      workers=workers_used,
                       seconds=time.perf_counter() - start, num_simulated=n_sim, proved=proved,
                       proof_nodes=nodes)
   placeholder = math.nan

@@ -132,3 +132,24 @@ def test_budget_below_every_plan_is_explained():
   with pytest.raises(InfeasiblePlanError) as e:
     planner.solve(tables, 8, objective="min_cost_within_time", time_limit_s=1e-6)
   assert e.value.constraint == "time"
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_money_objectives_on_parallel_backends_return_the_identical_plan(backend):
+  """The objectives with prices evaluate their window in batches on any backend, with the
+  same plan as sequentially (the simulator judging, and Eq. 12)."""
+  from harpjax.cluster import Link
+  from harpjax.compiler.profile import CostTables, SubclusterSpec, synthetic_gpt_profile
+  GiB = 2.0 ** 30
+  prof = synthetic_gpt_profile(num_blocks=6, hidden=4096, seq_len=1024, microbatch=4)
+  a = SubclusterSpec("a100", 2, 4, 40 * GiB, 25e9, peak_flops=312e12, price_per_gpu_hour=3.0)
+  v = SubclusterSpec("v100", 2, 4, 32 * GiB, 25e9, peak_flops=125e12, price_per_gpu_hour=1.0)
+  tables = CostTables.from_layer_costs(prof, [v, a], Link(1.25e9), grad_sync_microbatches=64)
+  for kw in (dict(objective="max_throughput_per_dollar"),
+             dict(objective="min_time_within_budget", budget_per_hour=20.0),
+             dict(objective="max_throughput_per_dollar", cost_model="eq12")):
+    seq = planner.solve(tables, 64, backend="sequential", **kw)
+    par = planner.solve(tables, 64, backend=backend, workers=2, parallel_min_work=0, **kw)
+    assert par.stats.backend == backend and par.stats.num_window > 1
+    assert par.plan.stages == seq.plan.stages and par.objective_s == seq.objective_s
+    assert par.cost_per_iteration == seq.cost_per_iteration

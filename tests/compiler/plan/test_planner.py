@@ -126,6 +126,19 @@ def test_eq12_model_kernel_twin_and_brute_force_agree(chunk):
       assert res.stats.proved is None and _close(res.objective_s, dict(res.plan.meta)["eq12_s"])
 
 
+def test_simulated_search_without_numba_agrees():
+  """The whole simulator-judged search with the NumPy twin and the bounded exact search run as
+  plain Python: the same optimum as compiled."""
+  rng = np.random.default_rng(1400)
+  for x in range(8):
+    tables = oracle.random_tables(rng, num_layers=int(rng.integers(2, 5)))
+    B = int(rng.choice([2, 8]))
+    fast = _solve_or_inf(tables, B, **MODES[x % len(MODES)])
+    slow = _solve_or_inf(tables, B, kernel="numpy", **MODES[x % len(MODES)])
+    assert _close(_obj(fast), _obj(slow))
+    assert slow is None or slow.stats.proved
+
+
 @pytest.mark.parametrize("chunk", _chunk_params(1, 3))
 def test_dp_value_matches_enumeration_at_every_candidate(chunk):
   """The DP at one candidate period (kernel and twin): the least value over the plans of that
