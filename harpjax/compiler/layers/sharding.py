@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from harpjax.compiler.trace import Lit, Op, Program
 
 __all__ = ["DP", "TP", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
-           "batch_spec", "zero_spec", "ZERO_LEVELS", "TPPlan", "tp_plan"]
+           "batch_spec", "zero_spec", "without_dp", "ZERO_LEVELS", "TPPlan", "tp_plan"]
 
 DP, TP = "dp", "tp"
 
@@ -81,6 +81,16 @@ def batch_spec(shape: Sequence[int], axis: int, dp: int) -> P:
 ZERO_LEVELS = (0, 1, 2, 3)
 """ZeRO levels of a stage: what it shards over ``dp`` (``StageSpec.zero``): nothing, the
 optimizer state, also the gradient accumulator, also the parameters."""
+
+
+def without_dp(spec: P) -> P:
+  """``spec`` with its ``"dp"`` entries dropped (what one data-parallel replica holds)."""
+  def strip(e):
+    if isinstance(e, tuple):
+      e = tuple(x for x in e if x != DP)
+      return e[0] if len(e) == 1 else (e or None)
+    return None if e == DP else e
+  return P(*[strip(e) for e in spec])
 
 
 def zero_spec(shape: Sequence[int], spec: P, dp: int, tp: int = 1) -> P:

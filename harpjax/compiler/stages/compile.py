@@ -445,18 +445,10 @@ def _zero_state_specs(traced: TracedStep, placement: placement_lib.Placement, la
     if lay.zero < 1:
       continue
     base = without.get((s, v), P())
-    spec = sharding_lib.zero_spec(outer.avals[v].shape, _tp_only(base), *lay.logical_mesh)
+    spec = sharding_lib.zero_spec(outer.avals[v].shape, sharding_lib.without_dp(base),
+                                  *lay.logical_mesh)
     preferred[(s, v)] = preferred[(s, nxt)] = spec
 
-
-def _tp_only(spec: P) -> P:
-  """``spec`` without its ``dp`` entries."""
-  def strip(e):
-    if isinstance(e, tuple):
-      e = tuple(x for x in e if x != sharding_lib.DP)
-      return e[0] if len(e) == 1 else (e or None)
-    return None if e == sharding_lib.DP else e
-  return P(*[strip(e) for e in spec])
 
 
 def _propagate_preferred(groups: Sequence[placement_lib.Group], outer, preferred: dict) -> None:

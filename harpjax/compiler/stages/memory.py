@@ -97,14 +97,6 @@ def _device_bytes(aval, sharding) -> float:
   return whole * (int(np.prod(shard, dtype=np.int64)) if shape else 1) / max(n, 1)
 
 
-def _without_dp(spec: P) -> P:
-  def strip(e):
-    if isinstance(e, tuple):
-      e = tuple(x for x in e if x != sharding_lib.DP)
-      return e[0] if len(e) == 1 else (e or None)
-    return None if e == sharding_lib.DP else e
-  return P(*[strip(e) for e in spec])
-
 
 def _analysis(compiled) -> tuple[float, float, float, float]:
   m = compiled.memory_analysis()
@@ -139,16 +131,16 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
 
   # The state, as held and as it would be without ZeRO.
   params = sum(held(sl.avals[v], sl.specs[v]) for v in sl.param_ids)
-  params0 = sum(held(sl.avals[v], _without_dp(sl.specs[v])) for v in sl.param_ids)
-  shared0 = sum(held(sl.avals[v], _without_dp(sl.specs[v])) for v in sl.param_ids
+  params0 = sum(held(sl.avals[v], sharding_lib.without_dp(sl.specs[v])) for v in sl.param_ids)
+  shared0 = sum(held(sl.avals[v], sharding_lib.without_dp(sl.specs[v])) for v in sl.param_ids
                 if lay.param_owner[lay.param_vids.index(v)] != stage)
   grads = sum(held(sl.avals[v], sl.acc_spec(v)) for v in sl.param_ids)
-  grads0 = sum(held(sl.avals[v], _without_dp(sl.acc_spec(v))) for v in sl.param_ids)
+  grads0 = sum(held(sl.avals[v], sharding_lib.without_dp(sl.acc_spec(v))) for v in sl.param_ids)
   _, state = state_successors(traced)
   pref = lambda v: lay.preferred.get((stage, v), P())
   opt_vids = [v for v in state if (stage, v) in lay.preferred]
   opt = sum(held(outer.avals[v], pref(v)) for v in opt_vids)
-  opt0 = sum(held(outer.avals[v], _without_dp(pref(v))) for v in opt_vids)
+  opt0 = sum(held(outer.avals[v], sharding_lib.without_dp(pref(v))) for v in opt_vids)
   on_host = sum(held(outer.avals[v], pref(v)) for v in opt_vids if (stage, v) in lay.host)
   outs = sum(held(sl.avals[v], sl.specs[v]) for v in sl.output_ids)
   residual = max(ex["fwd"][1] - outs, 0.0)
