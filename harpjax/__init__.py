@@ -11,6 +11,7 @@ from harpjax.compiler.layers import LayerSequence as LayerSequence
 from harpjax.compiler.plan import ManualPlan as ManualPlan
 from harpjax.compiler.plan import Plan as Plan
 from harpjax.compiler.plan import SolveOptions as SolveOptions
+from harpjax.compiler.plan import StageGroup as StageGroup
 from harpjax.compiler.plan import StageSpec as StageSpec
 from harpjax.compiler.plan import load_plan as load_plan
 from harpjax.compiler.plan import solve as solve
@@ -37,7 +38,7 @@ __all__ = [
     "GPU_CATALOG", "GPUType",
     "HarpjaxError", "LayerOptions", "LayerSequence", "ManualPlan", "OffloadOptions",
     "ParallelStep", "Plan",
-    "ProfileOptions", "Recovery", "Schedule", "SolveOptions", "StageSpec", "auto_parallel",
+    "ProfileOptions", "Recovery", "Schedule", "SolveOptions", "StageGroup", "StageSpec", "auto_parallel",
     "gather", "grad",
     "load_plan", "make_schedule", "mark_layer_boundary", "restore_checkpoint",
     "save_checkpoint", "solve", "value_and_grad", "__version__",

@@ -13,12 +13,13 @@ from harpjax.compiler.plan.evaluate import evaluate_plan, PlanEvaluation, Planne
 from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJECTIVES,
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
-from harpjax.compiler.plan.spec import load_plan, ManualPlan, Plan, StageSpec
+from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, row_shares, StageGroup,
+                                        StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
 
 __all__ = [
     "COST_MODELS", "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan",
     "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
-    "register_parallel_backend", "SearchStats", "single_subcluster", "solve", "SolveOptions",
-    "SparseIndex", "StageSpec",
+    "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve", "SolveOptions",
+    "SparseIndex", "StageGroup", "StageSpec",
 ]

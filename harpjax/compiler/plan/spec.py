@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 from harpjax.compiler.schedule import schedule_key
 from harpjax.errors import HarpjaxError, PlanError
 
-__all__ = ["StageSpec", "Plan", "ManualPlan", "load_plan"]
+__all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares"]
 
 
 def _int(v: Any, where: str, minimum: int) -> int:
@@ -58,6 +58,122 @@ def _optional(data: dict, name: str, where: str, check, *args):
 
 
 @dataclasses.dataclass(frozen=True)
+class StageGroup:
+  """One more group of devices running a stage beside its own (a mixed-type stage).
+
+  A stage normally runs on one submesh of one subcluster. With :attr:`StageSpec.groups` it
+  also runs on these groups, data-parallel: each microbatch's rows are split among the
+  stage's own devices and its groups in proportion to their ``share`` (:func:`row_shares`),
+  every group runs its own executable on its rows, and the parameter gradients are summed
+  across the groups (over the link between them) before the update.
+
+  Attributes:
+    subcluster: name of the subcluster whose devices run this group.
+    submesh: ``(n, m)``: ``n`` hosts times ``m`` devices per host.
+    logical_mesh: ``(dp, tp)`` inside the group; default ``(n * m, 1)``.
+    devices: optional explicit global device indices, ``n * m`` of them.
+    share: relative rows per microbatch (an A100 group ``5`` beside a V100 group ``2``).
+    time_s: the group's forward+backward seconds per microbatch at its rows, if known.
+  """
+  subcluster: str
+  submesh: tuple[int, int]
+  logical_mesh: tuple[int, int] | None = None
+  devices: tuple[int, ...] | None = None
+  share: int = 1
+  time_s: float | None = None
+
+  def __post_init__(self):
+    where = f"stage group on {self.subcluster!r}"
+    if not isinstance(self.subcluster, str) or not self.subcluster:
+      raise PlanError(f"stage group: subcluster={self.subcluster!r} must be a subcluster name")
+    submesh = _ints(self.submesh, f"{where}: submesh", 1, 2)
+    object.__setattr__(self, "submesh", submesh)
+    size = submesh[0] * submesh[1]
+    logical = (size, 1) if self.logical_mesh is None else \
+        _ints(self.logical_mesh, f"{where}: logical_mesh", 1)
+    if len(logical) != 2 or logical[0] * logical[1] != size:
+      raise PlanError(f"{where}: logical_mesh={self.logical_mesh!r} must be (dp, tp) with "
+                      f"dp * tp == {size} devices of submesh {submesh}")
+    object.__setattr__(self, "logical_mesh", logical)
+    if self.devices is not None:
+      devices = _ints(self.devices, f"{where}: devices", 0)
+      if len(devices) != size or len(set(devices)) != size:
+        raise PlanError(f"{where}: devices={self.devices!r} must list {size} distinct device "
+                        f"indices for submesh {submesh}")
+      object.__setattr__(self, "devices", devices)
+    object.__setattr__(self, "share", _int(self.share, f"{where}: share", 1))
+    object.__setattr__(self, "time_s", _seconds(self.time_s, f"{where}: time_s"))
+
+  @property
+  def num_devices(self) -> int:
+    return self.submesh[0] * self.submesh[1]
+
+  def to_json(self) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items() if v is not None}
+
+  @classmethod
+  def from_json(cls, data: dict, where: str = "group") -> "StageGroup":
+    known = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(data, dict):
+      raise PlanError(f"{where}: expected an object with fields {known}, got {data!r}")
+    unknown = set(data) - set(known)
+    if unknown:
+      raise PlanError(f"{where} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+    missing = [k for k in ("subcluster", "submesh") if data.get(k) is None]
+    if missing:
+      raise PlanError(f"{where} is missing {missing}")
+    try:
+      return cls(subcluster=data["subcluster"],
+                 submesh=_ints(data["submesh"], f"{where}.submesh", 1, 2),
+                 logical_mesh=_optional(data, "logical_mesh", where, _ints, 1, 2),
+                 devices=_optional(data, "devices", where, _ints, 0),
+                 share=_optional(data, "share", where, _int, 1) or 1,
+                 time_s=_seconds(data.get("time_s"), f"{where}.time_s"))
+    except PlanError as e:
+      raise PlanError(f"{where}: {e}") from None
+
+
+def row_shares(rows: int, shares: Sequence[int], quanta: Sequence[int] | None = None
+               ) -> tuple[int, ...]:
+  """Splits a microbatch of ``rows`` rows among groups in proportion to ``shares``.
+
+  Group ``g`` gets a multiple of ``quanta[g]`` rows (its data-parallel degree: every device
+  of the group gets the same rows), at least one quantum, and the rows sum to ``rows``.
+  Among the splits that satisfy this, the one closest to proportional is taken: each group
+  first gets its proportional rows rounded down to its quantum, and what is left goes, a
+  quantum at a time, to the group furthest below its proportional rows (ties to the first).
+
+  Raises:
+    PlanError: no such split exists (too few rows for the groups, or quanta that cannot sum
+      to ``rows``).
+  """
+  shares = tuple(int(s) for s in shares)
+  quanta = tuple(int(q) for q in (quanta or (1,) * len(shares)))
+  if len(quanta) != len(shares) or not shares or min(shares) < 1 or min(quanta) < 1:
+    raise PlanError(f"row_shares: shares={shares} and quanta={quanta} must be positive and "
+                    "of equal length")
+  total = sum(shares)
+  target = [rows * s / total for s in shares]
+  split = [max(q, int(t // q) * q) for t, q in zip(target, quanta)]
+  left = rows - sum(split)
+  while left > 0:
+    room = [g for g, q in enumerate(quanta) if q <= left]
+    if not room:
+      break
+    g = max(room, key=lambda g: (target[g] - split[g], -g))
+    split[g] += quanta[g]
+    left -= quanta[g]
+  if left != 0 or sum(split) != rows:
+    raise PlanError(
+        f"a microbatch of {rows} rows cannot be split among the stage's groups with shares "
+        f"{list(shares)} in whole multiples of their data-parallel degrees {list(quanta)}: "
+        "use a larger microbatch (fewer microbatches), or change the groups' shares or "
+        "logical meshes")
+  return tuple(split)
+
+
+@dataclasses.dataclass(frozen=True)
 class StageSpec:
   """One pipeline stage.
 
@@ -74,6 +190,10 @@ class StageSpec:
       device holds everything (default); ``1`` the optimizer state is sharded; ``2`` the
       gradient accumulator too (a reduce-scatter instead of an all-reduce); ``3`` the
       parameters too, gathered where they are used. Written to a plan file only when not 0.
+    groups: more groups of devices running the stage, data-parallel, each on its share of
+      every microbatch's rows (a mixed-type stage, :class:`StageGroup`); the fields above
+      describe the stage's first group. Written to a plan file only when not empty.
+    share: the first group's relative rows per microbatch (used with ``groups``).
   """
   layers: tuple[int, int]
   subcluster: str
@@ -84,6 +204,8 @@ class StageSpec:
   time_s: float | None = None
   comm_s: float | None = None
   zero: int = 0
+  groups: tuple[StageGroup, ...] = ()
+  share: int = 1
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -119,18 +241,54 @@ class StageSpec:
     if zero > 3:
       raise PlanError(f"{where}: zero={self.zero!r} must be 0, 1, 2 or 3")
     object.__setattr__(self, "zero", zero)
+    if isinstance(self.groups, (str, bytes, dict)) or not isinstance(self.groups, Sequence):
+      raise PlanError(f"{where}: groups={self.groups!r} must be a list of StageGroup")
+    groups = tuple(g if isinstance(g, StageGroup) else StageGroup.from_json(g, f"{where}: group")
+                   for g in self.groups)
+    object.__setattr__(self, "groups", groups)
+    object.__setattr__(self, "share", _int(self.share, f"{where}: share", 1))
+    if groups and zero:
+      raise PlanError(f"{where}: a stage with groups cannot also use zero={zero}")
+
+  @property
+  def mixed(self) -> bool:
+    """Whether the stage runs on more than one group of devices."""
+    return bool(self.groups)
+
+  @property
+  def all_groups(self) -> tuple[StageGroup, ...]:
+    """The stage's first group (its own fields) followed by :attr:`groups`."""
+    own = StageGroup(self.subcluster, self.submesh, self.logical_mesh, self.devices,
+                     self.share, None if self.groups else self.time_s)
+    return (own,) + self.groups
+
+  def group_rows(self, rows: int) -> tuple[int, ...]:
+    """Rows of a ``rows``-row microbatch each group runs (:func:`row_shares`)."""
+    groups = self.all_groups
+    return row_shares(rows, [g.share for g in groups], [g.logical_mesh[0] for g in groups])
 
   @property
   def num_devices(self) -> int:
-    return self.submesh[0] * self.submesh[1]
+    """Devices of the stage, every group's."""
+    return self.submesh[0] * self.submesh[1] + sum(g.num_devices for g in self.groups)
 
   @property
   def num_layers(self) -> int:
     return self.layers[1] - self.layers[0] + 1
 
   def to_json(self) -> dict:
-    return {k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(self).items() if k != "zero" or v}
+    out = {}
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name == "groups":
+        if v:
+          out["groups"] = [g.to_json() for g in v]
+      elif f.name == "share":
+        if self.groups:
+          out["share"] = v
+      elif f.name != "zero" or v:
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
 
   @classmethod
   def from_json(cls, data: dict, where: str = "stage") -> "StageSpec":
@@ -154,7 +312,13 @@ class StageSpec:
           "warmup": _optional(data, "warmup", where, _int, 1),
           "time_s": _seconds(data.get("time_s"), f"{where}.time_s"),
           "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s"),
-          "zero": _optional(data, "zero", where, _int, 0) or 0}
+          "zero": _optional(data, "zero", where, _int, 0) or 0,
+          "share": _optional(data, "share", where, _int, 1) or 1}
+    groups = data.get("groups") or []
+    if not isinstance(groups, list):
+      raise PlanError(f"{where}.groups={groups!r} must be a list of group objects")
+    kw["groups"] = tuple(StageGroup.from_json(g, f"{where}.groups[{i}]")
+                         for i, g in enumerate(groups))
     try:
       return cls(**kw)
     except PlanError as e:
@@ -228,9 +392,12 @@ class Plan:
             "t (ms)", "c (ms)"]
     rows = []
     for i, s in enumerate(self.stages):
-      rows.append([str(i + 1), f"[{s.layers[0]}, {s.layers[1]}]", s.subcluster,
-                   f"({s.submesh[0]}, {s.submesh[1]})",
-                   f"({s.logical_mesh[0]}, {s.logical_mesh[1]})",
+      gs = s.all_groups
+      share = "" if not s.groups else " " + ":".join(str(g.share) for g in gs)
+      rows.append([str(i + 1), f"[{s.layers[0]}, {s.layers[1]}]",
+                   "+".join(g.subcluster for g in gs) + share,
+                   "+".join(f"({g.submesh[0]}, {g.submesh[1]})" for g in gs),
+                   "+".join(f"({g.logical_mesh[0]}, {g.logical_mesh[1]})" for g in gs),
                    "-" if s.warmup is None else str(s.warmup),
                    "-" if s.time_s is None else f"{s.time_s * 1e3:.3f}",
                    "-" if s.comm_s is None else f"{s.comm_s * 1e3:.3f}"])
