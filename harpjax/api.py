@@ -28,7 +28,7 @@ from harpjax.runtime import (CheckpointOptions, Checkpointer, ElasticOptions, Fa
                              RemoteArray)
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
-                                     traced_step_for)
+                                     layers_like, traced_step_for)
 from harpjax.compiler.plan import Plan, SolveOptions, load_plan, solve
 from harpjax.compiler.profile import (ProfileOptions, ProfileResult, default_cache_dir,
                                      profile_step, progress_bar)
@@ -36,8 +36,8 @@ from harpjax.compiler.schedule import Schedule, schedule_key
 from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep,
                                      OffloadOptions, StepProgram, compile_step, default_workers,
                                      layout_step, lower_step, precompile, resolve_plan,
-                                     warn_shared_parameters)
-from harpjax.compiler.trace import TracedStep, trace_step
+                                     Retrace, warn_shared_parameters)
+from harpjax.compiler.trace import TracedStep, abstractify, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             RuntimeFailure, ScheduleError)
 
@@ -448,9 +448,11 @@ class ParallelStep:
       return p
     if p.program is None:
       with _phase("layout"):
+        retrace = (self._retrace(args, p.traced)
+                   if any(s.mixed for s in p.planned.plan.stages) else None)
         p.program = layout_step(p.traced.step, p.traced.layers, p.planned.plan,
                                 p.planned.schedule, self.options.loss_reduction,
-                                self.options.offload)
+                                self.options.offload, retrace)
         warn_shared_parameters(p.program, _leaf_paths(args))
     if until == "layout":
       return p
@@ -494,6 +496,26 @@ class ParallelStep:
       return Traced(ts, layers_from_boundaries(ts.region, ts.boundary_cuts))
     layers = layers_for_step(ts, self.options.layer_options)   # automatic, or a saved one
     return Traced(traced_step_for(ts, layers), layers)
+
+  def _retrace(self, args, traced: Traced) -> Retrace:
+    """The step traced again with other rows per microbatch (for stages that split them among
+    groups of devices), cut into the same layers."""
+    B = traced.step.num_microbatches
+    argnums = self.options.batch_argnums
+    leaves = [x for a in argnums for x in jax.tree_util.tree_leaves(args[a])
+              if np.ndim(x) >= 1]
+    rows = int(np.shape(leaves[0])[0])
+
+    @functools.lru_cache(maxsize=None)
+    def at(r: int):
+      scaled = list(jax.tree_util.tree_map(abstractify, args))
+      for a in argnums:
+        scaled[a] = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((B * r,) + tuple(x.shape[1:]), x.dtype)
+            if len(x.shape) >= 1 and x.shape[0] == rows else x, scaled[a])
+      ts = trace_step(self._fun, tuple(scaled), num_microbatches=B, batch_argnums=argnums)
+      return ts, layers_like(ts, traced.layers)
+    return Retrace(rows // B, at)
 
   def _plan(self, args, traced: Traced) -> Planned:
     plan, profile = self._given_plan(), None
@@ -545,7 +567,8 @@ class ParallelStep:
 
   def _compile(self, program: StepProgram, ahead: bool) -> CompiledStep:
     local = self.cluster.local_devices()
-    cs = compile_step(program, [[local[i] for i in s.devices] for s in program.plan.stages])
+    cs = compile_step(program, [[local[i] for i in s.all_devices]
+                                for s in program.plan.stages])
     workers = dict(self.options.runtime_options).get("compile_workers") if ahead else 0
     if workers is None:
       workers = default_workers(program.num_stages)

@@ -308,15 +308,23 @@ class StageRun:
       out[vid] = combine_microbatches(per_mb, axis, lay.loss_reduction)
     return out
 
+  def gradients(self) -> tuple:
+    """The stage's gradient accumulator, per parameter it reads (a stage that splits its rows
+    among groups sums theirs here, once)."""
+    if not hasattr(self, "_total"):
+      self._total = self.stage.total(self.acc)
+    return self._total
+
   def send_gradient_parts(self) -> None:
     """Sends the gradients of the parameters other stages own to their owners."""
     lay, s = self.layout, self.s
     mine = {v: i for i, v in enumerate(self.stage.layout.param_ids)}
     n_fwd = len(lay.region_outvars)
+    acc = self.gradients()
     for j in range(lay.num_params):
       owner = lay.param_owner[j]
       if lay.region_results[n_fwd + j] >= 0 and owner != s and s in lay.grad_users[j]:
-        payload = self.io.gather({j: self.acc[mine[lay.param_vids[j]]]})
+        payload = self.io.gather({j: acc[mine[lay.param_vids[j]]]})
         self.io.post(owner, MessageKey(GRAD, j, s), payload)
 
   def reduce(self) -> dict[int, Any]:
@@ -325,6 +333,7 @@ class StageRun:
     lay, st, s, io = self.layout, self.stage, self.s, self.io
     mine = {v: i for i, v in enumerate(st.layout.param_ids)}
     n_fwd = len(lay.region_outvars)
+    acc = self.gradients()
     out = {}
     for j in range(lay.num_params):
       out_vid = lay.region_results[n_fwd + j]
@@ -333,7 +342,7 @@ class StageRun:
       vid = lay.param_vids[j]
       total = None
       for u in lay.param_users[j]:
-        g = (self.acc[mine[vid]] if u == s else
+        g = (acc[mine[vid]] if u == s else
              io.recv(MessageKey(GRAD, j, u), f"the gradient part of parameter {j}")[j])
         g = io.put(g, st.acc_sharding(vid))
         total = g if total is None else total + g

@@ -184,7 +184,9 @@ class RayBackend:
     spmd = opts.spmd_hosts
     if spmd is None:
       spmd = self.pin or self.gpu
-    split = frozenset(s for s, g in enumerate(runner.host_groups) if spmd and len(g) > 1)
+    mixed = {s for s, st in enumerate(runner.program.plan.stages) if st.mixed}
+    split = frozenset(s for s, g in enumerate(runner.host_groups)
+                      if spmd and len(g) > 1 and s not in mixed)
     _check_placement(runner, self.pin, self.gpu, split)
     return split
 
@@ -391,6 +393,12 @@ def _check_placement(runner, pin: bool, gpu: bool, split: frozenset) -> None:
   nodes = [n for n in ray.nodes() if n.get("Alive")]
   for s, st in enumerate(runner.program.plan.stages):
     groups = runner.host_groups[s]
+    if (pin or gpu) and len(groups) > 1 and st.mixed:
+      raise UnsupportedError(
+          f"stage {s} runs on groups of devices of {len(groups)} hosts ({st.subcluster} and "
+          f"{', '.join(g.subcluster for g in st.groups)}); a stage that splits its rows among "
+          "groups runs in one process, so its groups must share a host (or, on one machine "
+          "with fake devices, pass pin_hosts=False)")
     if (pin or gpu) and len(groups) > 1 and s not in split:
       raise UnsupportedError(
           f"stage {s} spans {len(groups)} hosts (submesh {st.submesh}) but spmd_hosts=False "

@@ -160,8 +160,8 @@ class PipelineRunner:
     self.layout = lay = program.layout
     self.cluster = cluster
     self.num_stages = S = program.num_stages
-    self.hosts = transport.stage_hosts(self.cluster, [s.devices for s in program.plan.stages])
-    self.host_groups = [host_groups(self.cluster, st.devices) for st in program.plan.stages]
+    self.hosts = transport.stage_hosts(self.cluster, [s.all_devices for s in program.plan.stages])
+    self.host_groups = [host_groups(self.cluster, st.all_devices) for st in program.plan.stages]
     self.emulation = (None if options.emulation is None else
                       options.emulation.resolve(program.plan, self.cluster, self.hosts))
     self._backend = backend
@@ -187,7 +187,7 @@ class PipelineRunner:
     specs = [WorkerSpec(stage=s, lowered=lowered.for_stage(s), consts=consts, host=self.hosts[s],
                         options=wopts, emulation=self.emulation,
                         device_layout=(group_layout(self.host_groups[s],
-                                                    program.plan.stages[s].devices)
+                                                    program.plan.stages[s].all_devices)
                                        if s in split else None),
                         take_settings=backend.own_processes, env_settings=kept)
              for s in range(S)]
@@ -462,7 +462,7 @@ class PipelineRunner:
     lost = set()
     for s, st in enumerate(self.program.plan.stages):
       if not self._backend.alive(s):
-        lost.update(self.cluster.host_of_device(d).name for d in st.devices)
+        lost.update(self.cluster.host_of_device(d).name for d in st.all_devices)
     return sorted(lost)
 
   def kill_stage(self, stage: int, rank: int = 0) -> None:
@@ -561,7 +561,7 @@ class ThreadBackend:
                                        thread_name_prefix="harpjax-stage")
 
   def build_args(self, spec) -> tuple:
-    return (spec, [self._local[i] for i in spec.lowered.plan.stages[spec.stage].devices])
+    return (spec, [self._local[i] for i in spec.lowered.plan.stages[spec.stage].all_devices])
 
   def single_machine(self, infos) -> bool:
     return True

@@ -13,14 +13,15 @@ rules, read by the profiler and the stages).
 
 from harpjax.compiler.layers import sharding
 from harpjax.compiler.layers.construct import (construct_layers, layers_for_step,
-                                               layers_from_boundaries, layers_from_cuts, relayer,
-                                               traced_step_for)
+                                               layers_from_boundaries, layers_from_cuts,
+                                               layers_like, relayer, traced_step_for)
 from harpjax.compiler.layers.facts import crossing_bytes
 from harpjax.compiler.layers.types import Layer, LayerOptions, LayerSequence, Module
 from harpjax.compiler.layers.unroll import unroll_scans
 
 __all__ = [
     "construct_layers", "crossing_bytes", "Layer", "LayerOptions", "layers_for_step",
-    "layers_from_boundaries", "layers_from_cuts", "LayerSequence", "Module", "relayer", "sharding",
+    "layers_from_boundaries", "layers_from_cuts", "layers_like",
+    "LayerSequence", "Module", "relayer", "sharding",
     "traced_step_for", "unroll_scans",
 ]

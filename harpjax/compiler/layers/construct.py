@@ -39,6 +39,7 @@ from harpjax.compiler.layers.facts import Facts, op_facts
 from harpjax.compiler.layers.types import Layer, LayerOptions, LayerSequence, Module
 from harpjax.compiler.layers.unroll import unroll_scans
 from harpjax.compiler.trace import Lit, Op, Program, primitives, regen_sites, signature
+from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)
 
@@ -475,3 +476,24 @@ def traced_step_for(ts, layers: LayerSequence):
   regen, exact = regen_sites(full, layers.program, ts.num_microbatches)
   return dataclasses.replace(ts, region=layers.program, region_full=full, regen_ops=regen,
                              rng_exact=exact, boundary_cuts=())
+
+
+def layers_like(ts, layers: LayerSequence) -> LayerSequence:
+  """The layers of ``layers`` on another trace ``ts`` of the same step (traced with another
+  microbatch size): the same scans unrolled, the same cuts.
+
+  Raises:
+    PlanError: ``ts`` is not the same program op for op (the step's structure depends on the
+      batch size).
+  """
+  program = ts.region
+  if layers.origin is not None:
+    kept = {old for old in layers.origin if old >= 0}
+    program, _ = unroll_scans(ts.region, only=frozenset(
+        i for i in range(len(ts.region.ops)) if i not in kept))
+  if len(program.ops) != len(layers.program.ops) or any(
+      a.name != b.name for a, b in zip(program.ops, layers.program.ops)):
+    raise PlanError(f"the step traced with another microbatch size has {len(program.ops)} ops "
+                    f"where it had {len(layers.program.ops)} (or other ones): its structure "
+                    "depends on the batch size")
+  return dataclasses.replace(layers, program=program)

@@ -20,6 +20,7 @@ from harpjax.compiler.plan.index import SparseIndex
 __all__ = [
     "COST_MODELS", "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan",
     "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
-    "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve", "SolveOptions",
+    "register_parallel_backend", "row_shares",
+    "SearchStats", "single_subcluster", "solve", "SolveOptions",
     "SparseIndex", "StageGroup", "StageSpec",
 ]

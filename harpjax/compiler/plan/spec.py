@@ -262,6 +262,14 @@ class StageSpec:
                      self.share, None if self.groups else self.time_s)
     return (own,) + self.groups
 
+  @property
+  def all_devices(self) -> tuple[int, ...] | None:
+    """Global devices of every group, in order (``None`` until every group has them)."""
+    groups = self.all_groups
+    if any(g.devices is None for g in groups):
+      return None
+    return sum((g.devices for g in groups), ())
+
   def group_rows(self, rows: int) -> tuple[int, ...]:
     """Rows of a ``rows``-row microbatch each group runs (:func:`row_shares`)."""
     groups = self.all_groups

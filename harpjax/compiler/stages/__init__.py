@@ -4,8 +4,10 @@ execute, after JAX's ``Traced -> Lowered -> Compiled``.
 Modules: :mod:`~harpjax.compiler.stages.devices` (which devices each stage runs on, the
 resolved plan and its schedule), :mod:`~harpjax.compiler.stages.stage` (slicing the program
 into stages; their functions and executables), :mod:`~harpjax.compiler.stages.placement` (the
-ops around the pipeline, placed by data flow), :mod:`~harpjax.compiler.stages.layout` (what
-goes where: the picklable :class:`StepLayout` every runtime routes by),
+ops around the pipeline, placed by data flow), :mod:`~harpjax.compiler.stages.split`
+(stages that split their microbatches' rows among groups of devices: mixed-type stages),
+:mod:`~harpjax.compiler.stages.layout` (what goes where: the picklable
+:class:`StepLayout` every runtime routes by),
 :mod:`~harpjax.compiler.stages.compile` (:func:`layout_step` -> :class:`StepProgram`;
 :func:`compile_step` -> :class:`CompiledStep`, jitted in process),
 :mod:`~harpjax.compiler.stages.lower` (:func:`lower_step` -> :class:`LoweredStep`: serialised
@@ -24,13 +26,15 @@ from harpjax.compiler.stages.layout import (GroupLayout, HOST_MEMORY, StageLayou
                                             StepLayout)
 from harpjax.compiler.stages.lower import lower_step, LoweredStage, LoweredStep
 from harpjax.compiler.stages.memory import in_flight, memory_report, StageMemoryReport
+from harpjax.compiler.stages.split import Retrace, SplitLayout, SplitStageExecutables
 from harpjax.compiler.stages.stage import StageExecutables
 
 __all__ = [
     "check_host_memory", "CompiledStep", "compile_group", "compile_stage", "compile_step",
     "default_workers", "GroupLayout", "HOST_MEMORY", "in_flight", "layout_step", "memory_report",
     "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "OffloadOptions",
-    "precompile", "resolve_devices", "resolve_plan", "SHARED_PARAMETER_WARNING",
+    "precompile", "resolve_devices", "resolve_plan", "Retrace", "SHARED_PARAMETER_WARNING",
+    "SplitLayout", "SplitStageExecutables",
     "StageExecutables", "StageLayout", "StageMemoryReport", "state_successors", "StepLayout",
     "StepProgram", "warn_shared_parameters",
 ]

@@ -131,7 +131,8 @@ def compile_stage(st: StageExecutables) -> dict:
 
 
 def _stage(st: StageExecutables) -> None:
-  compile_stage(st)
+  for part in st.executables:
+    compile_stage(part)
 
 
 def compile_group(layout: StepLayout, gi: int, fn, mesh):

@@ -23,6 +23,7 @@ from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
 from harpjax.compiler.stages.layout import HOST_MEMORY, StepLayout, stage_layout, step_layout
+from harpjax.compiler.stages.split import Retrace, SplitStageExecutables, split_stage
 from harpjax.compiler.stages.stage import (jit_stage, slice_stages, stage_functions)
 from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function, primitives
 from harpjax.errors import MemoryKindError, PlanError
@@ -30,6 +31,7 @@ from harpjax.errors import MemoryKindError, PlanError
 log = logging.getLogger(__name__)
 
 __all__ = ["StepProgram", "CompiledStep", "OffloadOptions", "layout_step", "compile_step",
+           "split_executables",
            "group_function", "check_host_memory",
            "warn_shared_parameters", "state_successors", "LOSS_REDUCTIONS",
            "SHARED_PARAMETER_WARNING"]
@@ -52,6 +54,9 @@ class StepProgram:
     group_functions: per placement group (``placement.before + placement.after``), the pure
       function of its ops: ``fn(*values of in_ids) -> values of out_ids``.
     layout: the :class:`~harpjax.compiler.stages.layout.StepLayout` (what the runtimes route).
+    split_functions: stage -> per group, its
+      :class:`~harpjax.compiler.stages.stage.StageFunctions`, for the stages that split their
+      rows among groups (``layout.splits``).
   """
   traced: TracedStep
   layers: LayerSequence
@@ -62,6 +67,7 @@ class StepProgram:
   placement: placement_lib.Placement
   group_functions: tuple
   layout: StepLayout
+  split_functions: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_stages(self) -> int:
@@ -134,7 +140,8 @@ def check_host_memory(devices: Sequence, stage: int) -> None:
 
 def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule: Schedule,
                 loss_reduction: str = "mean",
-                offload: OffloadOptions | None = None) -> StepProgram:
+                offload: OffloadOptions | None = None,
+                retrace: Retrace | None = None) -> StepProgram:
   """Cuts the step into the plan's stages, lays them out and places the rest of the step.
 
   Args:
@@ -144,10 +151,13 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     schedule: the task tables (one row per stage).
     loss_reduction: how microbatch losses combine into the step's loss.
     offload: what stages keep in host memory (:class:`OffloadOptions`).
+    retrace: the step traced at other microbatch sizes
+      (:class:`~harpjax.compiler.stages.split.Retrace`); needed when a stage splits its rows
+      among groups of devices (:attr:`~harpjax.compiler.plan.StageSpec.groups`).
 
   Raises:
     PlanError: the plan does not cover the layers, or disagrees with the schedule, or
-      ``offload`` names a stage the plan does not have.
+      ``offload`` names a stage the plan does not have, or a stage cannot split its rows.
   """
   if loss_reduction not in LOSS_REDUCTIONS:
     raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
@@ -166,6 +176,15 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
              for sp, spec in zip(programs, plan.stages)]
   functions = [stage_functions(sp, traced, layers, remat, lay)
                for sp, lay in zip(programs, layouts)]
+  splits, split_functions = {}, {}
+  for s, spec in enumerate(plan.stages):
+    if spec.mixed:
+      if retrace is None:
+        raise PlanError(f"stage {s} runs on {len(spec.all_groups)} groups of devices; laying "
+                        "it out needs the step traced at their rows (retrace=...)")
+      splits[s], split_functions[s] = split_stage(
+          s, plan.stages, programs[s], layouts[s], traced, layers, retrace, loss_reduction,
+          remat)
 
   # Parameters: owner = first stage that reads them.
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
@@ -198,6 +217,8 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   host = _offloaded(traced, placed, preferred, offload, plan.num_stages)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
                        preferred, loss_reduction, host)
+  if splits:
+    layout = dataclasses.replace(layout, splits=splits)
   log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
            len(placed.before), len(placed.after))
   fns = []
@@ -208,7 +229,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
                                                    memory_kind="device")
                                   for i, v in enumerate(g.in_ids) if (g.home, v) in host}))
   return StepProgram(traced, layers, plan, schedule, tuple(programs), tuple(functions), placed,
-                     tuple(fns), layout)
+                     tuple(fns), layout, split_functions)
 
 
 def group_function(group: placement_lib.Group, to_device: dict | None = None) -> Callable:
@@ -280,11 +301,35 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
   for s in sorted({h for h, _ in lay.host}):
     check_host_memory(stage_devices[s], s)
   stages = tuple(jit_stage(sl, fn, sharding_lib.make_mesh(devs, sl.logical_mesh))
-                 for sl, fn, devs in zip(lay.stages, program.functions, stage_devices))
+                 if s not in lay.splits else
+                 split_executables(lay, s, program.split_functions[s], devs)
+                 for s, (sl, fn, devs) in enumerate(zip(lay.stages, program.functions,
+                                                        stage_devices)))
   group_fns = tuple(
       jax.jit(fn, out_shardings=lay.group_out_shardings(gi, stages[g.home].mesh))
       for gi, (g, fn) in enumerate(zip(lay.groups, program.group_functions)))
   return CompiledStep(program, stages, group_fns)
+
+
+def split_executables(layout: StepLayout, s: int, functions: Sequence, devices: Sequence
+                      ) -> SplitStageExecutables:
+  """Stage ``s``, which splits its rows among groups, on ``devices`` (every group's, in
+  order), behind the stage's interface. ``functions``: per group, its
+  :class:`~harpjax.compiler.stages.stage.StageFunctions` (jitted here on the group's mesh),
+  or ``load(group layout, mesh) -> StageExecutables`` (a worker loading lowered ones)."""
+  split = layout.splits[s]
+  if len(devices) != split.num_devices:
+    raise PlanError(f"stage {s} runs on {split.num_devices} devices (its groups') but got "
+                    f"{len(devices)}")
+  parts = []
+  for g, sl, fn in zip(split.groups, split.device_slices(), functions):
+    mesh = sharding_lib.make_mesh(list(devices)[sl], g.layout.logical_mesh)
+    parts.append(fn(g.layout, mesh) if callable(fn) and not hasattr(fn, "fwd")
+                 else jit_stage(g.layout, fn, mesh))
+  home = layout.stages[s]
+  first = split.device_slices()[0]
+  mesh = sharding_lib.make_mesh(list(devices)[first], home.logical_mesh)
+  return SplitStageExecutables(home, mesh, None, None, None, parts=tuple(parts), split=split)
 
 
 def _preferred_specs(traced: TracedStep, prog, layouts, owner) -> dict:

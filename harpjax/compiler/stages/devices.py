@@ -15,49 +15,61 @@ from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule, make_schedule, plan_warmups, schedule_key
 from harpjax.errors import PlanError
 
-__all__ = ["resolve_devices", "resolve_plan"]
+__all__ = ["resolve_devices", "resolve_group_devices", "resolve_plan"]
 
 
 def resolve_devices(cluster: Cluster, plan: Plan) -> list[tuple[int, ...]]:
-  """Global device indices of every stage: explicit ones checked, the others allocated.
+  """Global device indices of every stage (a stage on several groups: every group's, in
+  order): explicit ones checked, the others allocated.
 
   Raises:
     PlanError: a stage names an unknown subcluster or a device outside it, two stages share a
       device, or the submeshes do not fit.
   """
+  return [sum(groups, ()) for groups in resolve_group_devices(cluster, plan)]
+
+
+def resolve_group_devices(cluster: Cluster, plan: Plan) -> list[list[tuple[int, ...]]]:
+  """Per stage, per group of devices (:attr:`~harpjax.compiler.plan.StageSpec.all_groups`),
+  its global device indices; see :func:`resolve_devices`."""
   names = [sc.name for sc in cluster.subclusters]
-  for i, s in enumerate(plan.stages):
-    if s.subcluster not in names:
-      raise PlanError(f"stage {i} (layers {list(s.layers)}) uses subcluster {s.subcluster!r}, "
-                      f"which the cluster does not have (it has {', '.join(names)})")
+  units = [(i, g, grp) for i, s in enumerate(plan.stages) for g, grp in enumerate(s.all_groups)]
+  what = lambda i, g: (f"stage {i} (layers {list(plan.stages[i].layers)})" if g == 0
+                       else f"stage {i}'s group {g}")
+  for i, g, grp in units:
+    if grp.subcluster not in names:
+      raise PlanError(f"{what(i, g)} uses subcluster {grp.subcluster!r}, which the cluster "
+                      f"does not have (it has {', '.join(names)})")
   total = sum(s.num_devices for s in plan.stages)
   if total > cluster.num_devices:
     raise PlanError(f"the plan uses {total} devices but the cluster has {cluster.num_devices}")
-  explicit = {i: s.devices for i, s in enumerate(plan.stages) if s.devices is not None}
-  taken: dict[int, int] = {}
-  for i, devs in explicit.items():
-    allowed = set(cluster.devices_of(plan.stages[i].subcluster))
-    for d in devs:
+  taken: dict[int, str] = {}
+  result: dict[tuple[int, int], tuple[int, ...]] = {}
+  for i, g, grp in units:
+    if grp.devices is None:
+      continue
+    allowed = set(cluster.devices_of(grp.subcluster))
+    for d in grp.devices:
       if d not in allowed:
-        raise PlanError(f"stage {i} lists device {d}, which is not in subcluster "
-                        f"{plan.stages[i].subcluster!r} (devices {min(allowed)}..{max(allowed)})")
+        raise PlanError(f"{what(i, g)} lists device {d}, which is not in subcluster "
+                        f"{grp.subcluster!r} (devices {min(allowed)}..{max(allowed)})")
       if d in taken:
-        raise PlanError(f"stages {taken[d]} and {i} both use device {d}; stages need disjoint "
-                        "devices")
-      taken[d] = i
-  todo = [i for i in range(plan.num_stages) if i not in explicit]
-  result: dict[int, tuple[int, ...]] = dict(explicit)
+        raise PlanError(f"{taken[d]} and {what(i, g)} both use device {d}; stages need "
+                        "disjoint devices")
+      taken[d] = what(i, g)
+    result[(i, g)] = grp.devices
+  todo = [(i, g, grp) for i, g, grp in units if grp.devices is None]
   if todo:
-    allocated = cluster.allocate_submeshes(
-        [(plan.stages[i].subcluster, plan.stages[i].submesh) for i in todo])
-    for i, devs in zip(todo, allocated):
+    allocated = cluster.allocate_submeshes([(grp.subcluster, grp.submesh) for _, _, grp in todo])
+    for (i, g, _), devs in zip(todo, allocated):
       clash = sorted(set(devs) & set(taken))
       if clash:
         raise PlanError(
-            f"stage {i} was allocated devices {list(devs)}, but stage {taken[clash[0]]} lists "
+            f"{what(i, g)} was allocated devices {list(devs)}, but {taken[clash[0]]} lists "
             f"device {clash[0]} explicitly; give explicit devices for every stage or for none")
-      result[i] = tuple(devs)
-  return [result[i] for i in range(plan.num_stages)]
+      result[(i, g)] = tuple(devs)
+  return [[result[(i, g)] for g in range(len(s.all_groups))]
+          for i, s in enumerate(plan.stages)]
 
 
 def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches: int,
@@ -83,7 +95,7 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
         f"the plan's stages cover layers 0..{plan.stages[-1].layers[1]} but the model has "
         f"{num_layers} layers (0..{num_layers - 1}). Adjust the layer ranges or the "
         "mark_layer_boundary calls")
-  devices = resolve_devices(cluster, plan)
+  devices = resolve_group_devices(cluster, plan)
   name = schedule or schedule_key(plan.schedule)
   warmups = None
   if name == "h1f1b":
@@ -92,7 +104,10 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
                                            [s.comm_s for s in plan.stages[:-1]],
                                            [s.subcluster for s in plan.stages], eps)
   sched = make_schedule(name, plan.num_stages, num_microbatches, warmups)
-  stages = tuple(dataclasses.replace(s, devices=tuple(idx), warmup=w)
-                 for s, idx, w in zip(plan.stages, devices, sched.warmups))
+  stages = tuple(
+      dataclasses.replace(s, devices=tuple(idx[0]), warmup=w,
+                          groups=tuple(dataclasses.replace(grp, devices=tuple(d))
+                                       for grp, d in zip(s.groups, idx[1:])))
+      for s, idx, w in zip(plan.stages, devices, sched.warmups))
   return plan.replace(stages=stages, num_microbatches=num_microbatches, schedule=name,
                       num_layers=num_layers), sched

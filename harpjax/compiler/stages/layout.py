@@ -188,6 +188,9 @@ class StepLayout:
     host: ``(stage, outer value id)`` of the values kept in host memory (memory kind
       ``"pinned_host"``) between the groups that use them: the optimizer state of stages
       that offload it (:class:`~harpjax.compiler.stages.OffloadOptions`).
+    splits: stage -> its :class:`~harpjax.compiler.stages.split.SplitLayout`, for the stages
+      that split their microbatches' rows among groups of devices (a mixed-type stage; its
+      entry in ``stages`` is its home's layout).
   """
   num_stages: int
   num_microbatches: int
@@ -224,6 +227,7 @@ class StepLayout:
   ct_targets: tuple
   outputs: tuple
   host: frozenset = frozenset()
+  splits: dict = dataclasses.field(default_factory=dict)
 
   @property
   def loss_vid(self):

@@ -33,7 +33,7 @@ from harpjax import _compat
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
-from harpjax.compiler.stages.compile import StepProgram, check_host_memory
+from harpjax.compiler.stages.compile import StepProgram, check_host_memory, split_executables
 from harpjax.compiler.stages.layout import StepLayout
 from harpjax.compiler.stages.stage import StageExecutables, acc_shardings, fwd_in_specs
 from harpjax.errors import RuntimeFailure, UnsupportedError
@@ -52,12 +52,15 @@ class LoweredStage:
     fwd, bwd, zeros: the serialised forward, backward and zeros functions.
     groups: placement group index (into :attr:`StepLayout.groups`) -> serialised function,
       for the groups this stage runs.
+    parts: a stage that splits its rows among groups of devices
+      (:attr:`StepLayout.splits`): per group, its serialised ``(fwd, bwd, zeros)``.
   """
   index: int
   fwd: bytes
   bwd: bytes
   zeros: bytes
   groups: dict
+  parts: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +114,26 @@ class LoweredStep:
     lay = self.layout.stages[stage]
     if any(h == stage for h, _ in self.layout.host):
       check_host_memory(devices, stage)
-    mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
+    if stage in self.layout.splits:
+      loaders = [lambda g_lay, mesh, blobs=blobs: _load(g_lay, mesh, *blobs)
+                 for blobs in lowered.parts]
+      executables = split_executables(self.layout, stage, loaders, devices)
+      mesh = executables.mesh
+    else:
+      mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
+      executables = _load(lay, mesh, lowered.fwd, lowered.bwd, lowered.zeros)
     call = lambda blob: export.deserialize(blob).call
-    executables = StageExecutables(
-        lay, mesh, jax.jit(call(lowered.fwd)), jax.jit(call(lowered.bwd), donate_argnums=(3,)),
-        jax.jit(call(lowered.zeros), out_shardings=acc_shardings(lay, mesh)))
     groups = {}
     for gi, blob in lowered.groups.items():
       groups[gi] = jax.jit(call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
     return executables, groups
+
+
+def _load(lay, mesh, fwd: bytes, bwd: bytes, zeros: bytes) -> StageExecutables:
+  call = lambda blob: export.deserialize(blob).call
+  return StageExecutables(
+      lay, mesh, jax.jit(call(fwd)), jax.jit(call(bwd), donate_argnums=(3,)),
+      jax.jit(call(zeros), out_shardings=acc_shardings(lay, mesh)))
 
 
 def lower_step(program: StepProgram, platform: str | None = None,
@@ -155,7 +169,32 @@ def lower_step(program: StepProgram, platform: str | None = None,
 
 def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
   lay = program.layout.stages[s]
-  fns = program.functions[s]
+  split = program.layout.splits.get(s)
+  if split is None:
+    fwd, bwd, zeros = _lower_functions(lay, program.functions[s], platform)
+    parts = ()
+  else:   # the groups' executables do the work
+    fwd = bwd = zeros = b""
+    parts = tuple(_lower_functions(g.layout, fns, platform)
+                  for g, fns in zip(split.groups, program.split_functions[s]))
+  mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+  sharded = lambda spec: NamedSharding(mesh, spec)
+  step_lay = program.layout
+  groups = {}
+  for gi, (g, fn) in enumerate(zip(step_lay.groups, program.group_functions)):
+    if g.home != s:
+      continue
+    pref = lambda v: step_lay.preferred_sharding(s, v, mesh) or sharded(P())
+    in_args = tuple(step_lay.outer_avals[v] for v in g.in_ids)
+    exp = export.export(jax.jit(fn, in_shardings=tuple(pref(v) for v in g.in_ids),
+                                out_shardings=step_lay.group_out_shardings(gi, mesh)),
+                        platforms=(platform,))
+    groups[gi] = exp(*in_args).serialize()
+  return LoweredStage(s, fwd, bwd, zeros, groups, parts)
+
+
+def _lower_functions(lay, fns, platform: str) -> tuple[bytes, bytes, bytes]:
+  """A stage's (or a group's) forward, backward and zeros, serialised."""
   mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
   sharded = lambda spec: NamedSharding(mesh, spec)
   in_specs = fwd_in_specs(lay)
@@ -174,13 +213,4 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
       tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in residuals),
       cts, args[0])
   zeros = exp(fns.zeros, out_shardings=acc_sh)()
-  step_lay = program.layout
-  groups = {}
-  for gi, (g, fn) in enumerate(zip(step_lay.groups, program.group_functions)):
-    if g.home != s:
-      continue
-    pref = lambda v: step_lay.preferred_sharding(s, v, mesh) or sharded(P())
-    in_args = tuple(step_lay.outer_avals[v] for v in g.in_ids)
-    groups[gi] = exp(fn, in_shardings=tuple(pref(v) for v in g.in_ids),
-                     out_shardings=step_lay.group_out_shardings(gi, mesh))(*in_args).serialize()
-  return LoweredStage(s, fwd.serialize(), bwd.serialize(), zeros.serialize(), groups)
+  return fwd.serialize(), bwd.serialize(), zeros.serialize()

@@ -37,6 +37,7 @@ from harpjax.compiler.profile import StageMemory, stage_memory
 from harpjax.compiler.stages.aot import compile_group, compile_stage
 from harpjax.compiler.stages.compile import CompiledStep, state_successors
 from harpjax.compiler.trace import aval_nbytes
+from harpjax.errors import UnsupportedError
 
 __all__ = ["StageMemoryReport", "memory_report", "in_flight"]
 
@@ -119,6 +120,11 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
     The :class:`StageMemoryReport`.
   """
   lay, st = cs.layout, cs.stages[stage]
+  if stage in lay.splits:
+    raise UnsupportedError(
+        f"stage {stage} splits its rows among {len(lay.splits[stage].groups)} groups of "
+        "devices; the memory report covers stages on one group (compile a group's "
+        "executables with compile_stage(cs.stages[stage].executables[g]) for XLA's account)")
   sl, mesh = st.layout, st.mesh
   traced = cs.traced
   outer = traced.outer

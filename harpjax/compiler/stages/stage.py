@@ -180,7 +180,8 @@ class StageFunctions:
 
 
 def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
-                    remat: bool = False, layout: StageLayout | None = None) -> StageFunctions:
+                    remat: bool = False, layout: StageLayout | None = None,
+                    rows: int | None = None) -> StageFunctions:
   """The forward, backward and zeros functions of one stage.
 
   With ``remat`` the forward keeps only the stage's inputs per in-flight microbatch and the
@@ -196,13 +197,18 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
   each gather them to their ``StageLayout.gather_specs`` sharding before use (nothing
   gathered is kept between the two). Shardings are given on the abstract ``(dp, tp)`` mesh, so
   the same functions jit on any submesh and export for another process.
+
+  With ``rows`` (a group of a stage that splits its microbatches' rows, traced at ``rows``
+  rows), the forward's last argument is the index in the full batch of the first row it
+  computes instead of the microbatch's index, so that its random draws are those rows' of
+  ``jax.jit``'s.
   """
   prog = layers.program
   inputs_by_id = {prog.invars[k]: inp for k, inp in enumerate(ts.inputs)}
   static_env = {v: inputs_by_id[v].static_value for v in sp.data_ids
                 if inputs_by_id[v].kind == "static"}
   dyn_data = tuple(v for v in sp.data_ids if v not in static_env)
-  hook = _make_hook(ts)
+  hook = _make_hook(ts, rows)
   residual_tree = []   # (the vjp closure's tree structure, which leaves are parameters)
 
   run = ops_function(sp.ops, sp.param_ids + sp.act_ids + sp.act_int_ids + dyn_data,
@@ -317,6 +323,16 @@ class StageExecutables:
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
 
+  @property
+  def executables(self) -> tuple:
+    """The executables that run the stage's work (one stage: itself; a stage that splits its
+    rows among groups: each group's)."""
+    return (self,)
+
+  def total(self, acc) -> tuple:
+    """The stage's gradient accumulator from what ``bwd`` returned (here: itself)."""
+    return acc
+
 
 def jit_stage(layout: StageLayout, functions: StageFunctions, mesh: Mesh) -> StageExecutables:
   """Jits a stage's functions on its submesh (the forward with its inputs' shardings, the
@@ -329,7 +345,7 @@ def jit_stage(layout: StageLayout, functions: StageFunctions, mesh: Mesh) -> Sta
   return StageExecutables(layout, mesh, fwd, bwd, zeros)
 
 
-def _make_hook(ts: TracedStep):
+def _make_hook(ts: TracedStep, rows: int | None = None):
   if ts.regen_ops:
     regen = ts.regen_ops
     avals = ts.region.avals
@@ -339,7 +355,7 @@ def _make_hook(ts: TracedStep):
       if site is None:
         return None
       return apply_site(op.primitive, op.params, invals, site, mb_index,
-                        [avals[o] if o >= 0 else None for o in op.outvars])
+                        [avals[o] if o >= 0 else None for o in op.outvars], rows)
     return hook
   if not ts.rng_exact:
     log.warning("random numbers cannot be aligned with the full-batch step (its structure "

@@ -74,7 +74,8 @@ def regen_sites(full: Program, mb: Program, num_microbatches: int) -> tuple[dict
     full: the region traced at full batch.
     mb: the same region traced at microbatch size (op for op the same, unless the step's
       structure depends on the batch size).
-    num_microbatches: B.
+    num_microbatches: B (or, for a program of a part of a microbatch, the full batch's rows
+      over the program's, a :class:`fractions.Fraction`).
 
   Returns:
     ``({op index: Redraw | Inside}, exact)``; ``exact`` is false when the two programs do not
@@ -167,7 +168,8 @@ def _body_sites(full_jaxpr, mb_jaxpr, B, where) -> dict:
 
 
 def split_axis(full, mb, B):
-  """The one axis along which shape ``full`` is ``B`` times shape ``mb``, or ``None``."""
+  """The one axis along which shape ``full`` is ``B`` times shape ``mb``, or ``None`` (``B``
+  an integer or a :class:`fractions.Fraction`)."""
   if len(full) != len(mb):
     return None
   diff = [i for i, (a, b) in enumerate(zip(full, mb)) if a != b]
@@ -182,21 +184,26 @@ def split_axis(full, mb, B):
 _warned: set[str] = set()
 
 
-def apply_site(primitive, params: dict, invals: list, site, mb_index, out_avals) -> list:
+def apply_site(primitive, params: dict, invals: list, site, mb_index, out_avals,
+               rows: int | None = None) -> list:
   """Runs one equation with its draws redrawn for microbatch ``mb_index``.
 
   Args:
     primitive / params / invals: the equation (microbatch parameters) and its operands.
     site: its :class:`Redraw` or :class:`Inside`.
-    mb_index: the microbatch's index (a traced integer).
+    mb_index: the microbatch's index (a traced integer); with ``rows``, the index in the full
+      batch of the first row the program computes.
     out_avals: the equation's result avals at microbatch size (for :class:`Redraw`).
+    rows: the rows the program computes (a part of a microbatch: a group of a stage that
+      splits its microbatches' rows); ``None``: one whole microbatch.
   """
   if isinstance(site, Redraw):
     full = _compat.bind_eqn(primitive, site.full_params, invals)
     out = []
     for x, aval in zip(full, out_avals):
       size = aval.shape[site.axis]
-      out.append(lax.dynamic_slice_in_dim(x, mb_index * size, size, site.axis))
+      start = mb_index * size if rows is None else mb_index * (size // rows)
+      out.append(lax.dynamic_slice_in_dim(x, start, size, site.axis))
     return out
   name = primitive.name
   if name not in _REISSUED:
@@ -208,7 +215,7 @@ def apply_site(primitive, params: dict, invals: list, site, mb_index, out_avals)
     return _compat.bind_eqn(primitive, params, [_fold_key(x, mb_index) for x in invals])
   bodies = site.bodies
   run = lambda key, jaxpr, consts, args: eval_jaxpr(jaxpr, consts, args,
-                                                      bodies.get(key, {}), mb_index)
+                                                      bodies.get(key, {}), mb_index, rows)
   if name == "scan":
     closed = params["jaxpr"]
     nc, ncar = int(params["num_consts"]), int(params["num_carry"])
@@ -243,9 +250,9 @@ def apply_site(primitive, params: dict, invals: list, site, mb_index, out_avals)
   return fn(*invals)
 
 
-def eval_jaxpr(jaxpr, consts, args, sites: dict, mb_index) -> list:
+def eval_jaxpr(jaxpr, consts, args, sites: dict, mb_index, rows: int | None = None) -> list:
   """Evaluates a ``Jaxpr`` with the equations in ``sites`` redrawn (as ``jax.core.eval_jaxpr``
-  otherwise)."""
+  otherwise; ``mb_index`` and ``rows`` as in :func:`apply_site`)."""
   env: dict = {}
 
   def read(v):
@@ -262,7 +269,7 @@ def eval_jaxpr(jaxpr, consts, args, sites: dict, mb_index) -> list:
       outs = _compat.bind_eqn(eqn.primitive, eqn.params, invals)
     else:
       outs = apply_site(eqn.primitive, eqn.params, invals, site, mb_index,
-                        [v.aval for v in eqn.outvars])
+                        [v.aval for v in eqn.outvars], rows)
     for v, x in zip(eqn.outvars, outs):
       if not _compat.is_dropvar(v):
         env[v] = x

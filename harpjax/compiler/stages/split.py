@@ -1,0 +1,345 @@
+"""Stages whose microbatches' rows are split among groups of devices (mixed-type stages).
+
+A stage with :attr:`~harpjax.compiler.plan.StageSpec.groups` runs on several groups of devices,
+of one GPU type each, data-parallel: every microbatch's ``b`` rows are split among the groups
+in proportion to their shares (:meth:`~harpjax.compiler.plan.StageSpec.group_rows`: an A100
+group takes 5 rows for every 2 of a V100 group), and each group runs its own executables,
+traced at its own rows. The stage's first group is its *home*: the stage's values arrive and
+leave there (in the stage's :class:`~harpjax.compiler.stages.layout.StageLayout`, at ``b``
+rows, on the first group's mesh), its parameters and optimizer state live there, and the
+gradients of the other groups are summed into its own, in group order, once per step.
+
+The arithmetic is ``jax.jit``'s: a group's program is the step traced again with ``r`` rows
+per microbatch (op for op the same program, or a :class:`~harpjax.errors.PlanError` says the
+step's structure depends on the batch size); values with a row axis are sliced and
+concatenated along it; the random numbers a group draws are its rows' slice of the full
+batch's (:func:`~harpjax.compiler.trace.apply_site` with ``rows``); the values without a row
+axis that depend on the rows (the loss, averaged auxiliary outputs) are the groups' weighted
+sum, with weights ``r / b`` under a mean loss (``1`` under a sum), and their cotangents
+weighted alike; a value that does not depend on the rows is the first group's (each computes
+the same), and only the first group receives its cotangent. This is exact for the steps
+microbatching is exact for: every example's loss depends on its own row only (no batch
+statistics inside the pipelined region).
+
+:class:`SplitLayout` is the plain data (it pickles to a Ray worker); :func:`split_stage` builds
+it with each group's functions; :class:`SplitStageExecutables` runs them behind the
+:class:`~harpjax.compiler.stages.stage.StageExecutables` interface, so the schedule
+interpreter runs a split stage as any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from harpjax.compiler.layers import LayerSequence
+from harpjax.compiler.plan import StageSpec
+from harpjax.compiler.stages.layout import StageLayout, stage_layout
+from harpjax.compiler.stages.stage import (StageExecutables, StageFunctions, StageProgram,
+                                           slice_stages, stage_functions)
+from harpjax.compiler.trace import Lit, TracedStep, primitives, regen_sites
+from harpjax.errors import PlanError
+
+__all__ = ["Retrace", "SplitGroup", "SplitLayout", "split_stage", "SplitStageExecutables",
+           "FIRST", "WEIGHTED", "SUMMED"]
+
+WEIGHTED, SUMMED, FIRST = "weighted", "summed", "first"
+"""How an output without a row axis combines over the groups: their weighted sum (floating
+values that depend on the rows), their sum (integer ones: counts), or the first group's (values
+that do not depend on the rows)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrace:
+  """The step traced again at other microbatch sizes, for stages that split rows.
+
+  Attributes:
+    rows: rows per microbatch of the step as traced (``b``).
+    at: ``at(r) -> (TracedStep, LayerSequence)``: the step traced with ``r`` rows per
+      microbatch, cut into the same layers (:func:`~harpjax.compiler.layers.layers_like`).
+  """
+  rows: int
+  at: Callable[[int], tuple[TracedStep, LayerSequence]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitGroup:
+  """One group of a split stage.
+
+  Attributes:
+    layout: the group's stage layout: its values at its rows, on its ``(dp, tp)`` mesh.
+    rows: rows of each microbatch it computes.
+    offset: the first of them, within the microbatch.
+    num_devices: its devices (the stage's devices list the groups' in order).
+    weight: the weight of its outputs of kind :data:`WEIGHTED`.
+  """
+  layout: StageLayout
+  rows: int
+  offset: int
+  num_devices: int
+  weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayout:
+  """How a stage splits its microbatches' rows among its groups: plain, picklable data.
+
+  Attributes:
+    stage: the stage.
+    rows: rows per microbatch (``b``).
+    groups: its :class:`SplitGroup` s, the first (home) group first.
+    axes: value id -> row axis of every value the stage reads or writes (``None``: no rows).
+    combine: output value id -> :data:`WEIGHTED`, :data:`SUMMED` or :data:`FIRST`, for the
+      outputs without a row axis.
+  """
+  stage: int
+  rows: int
+  groups: tuple
+  axes: dict
+  combine: dict
+
+  @property
+  def num_devices(self) -> int:
+    return sum(g.num_devices for g in self.groups)
+
+  def device_slices(self) -> list[slice]:
+    """Per group, its slice of the stage's devices."""
+    out, start = [], 0
+    for g in self.groups:
+      out.append(slice(start, start + g.num_devices))
+      start += g.num_devices
+    return out
+
+
+def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StageProgram,
+                home: StageLayout, traced: TracedStep, layers: LayerSequence,
+                retrace: Retrace, loss_reduction: str,
+                remat: bool = False) -> tuple[SplitLayout, tuple[StageFunctions, ...]]:
+  """The split layout of stage ``s`` and each group's functions.
+
+  Raises:
+    PlanError: the microbatch's rows do not split among the groups, the step traced at a
+      group's rows is not the same program, or an output mixes the rows of a microbatch
+      without being a region output (a batch statistic).
+  """
+  spec = plan_stages[s]
+  b = int(retrace.rows)
+  rows = spec.group_rows(b)
+  ranges = [st.layers for st in plan_stages]
+  prog = layers.program
+  row_inputs, draws = set(), set()   # what carries the rows: inputs whose shape follows them,
+  groups, functions, offset = [], [], 0   # and the draws of batch-sized random numbers
+  for g, (grp, r) in enumerate(zip(spec.all_groups, rows)):
+    ts_r, layers_r = retrace.at(r)
+    _check_same_program(s, layers.program, layers_r.program, b, r)
+    # The draws to redraw: the full batch's (B b rows) against this group's r rows.
+    regen, exact = regen_sites(traced.region_full, layers_r.program,
+                               fractions.Fraction(traced.num_microbatches * b, r))
+    ts_r = dataclasses.replace(ts_r, region=layers_r.program, region_full=traced.region_full,
+                               regen_ops=regen, rng_exact=exact)
+    sp = slice_stages(layers_r, ranges, ts_r)[s]
+    for name in ("param_ids", "data_ids", "act_ids", "act_int_ids", "output_ids", "ct_present"):
+      if getattr(sp, name) != getattr(home_program, name):
+        raise PlanError(f"stage {s}: traced with {r} rows per microbatch, its {name} differ "
+                        f"from those at {b} rows; the step's structure depends on the batch "
+                        "size, so the stage cannot split its rows among groups")
+    prog_r = layers_r.program
+    row_inputs.update(v for v in prog.invars if prog.avals[v].shape != prog_r.avals[v].shape)
+    draws.update(regen)
+    bd = prog_r.dependents((prog_r.invars[k] for k, inp in enumerate(ts_r.inputs)
+                            if inp.kind == "split"), ts_r.regen_ops)
+    lay = stage_layout(sp, ts_r, layers_r, bd, grp.logical_mesh, 0)
+    functions.append(stage_functions(sp, ts_r, layers_r, remat, lay, rows=r))
+    weight = r / b if loss_reduction == "mean" else 1.0
+    groups.append(SplitGroup(lay, r, offset, grp.num_devices, weight))
+    offset += r
+  axes = {}
+  for v, aval in home.avals.items():
+    if v in home.param_ids:
+      continue
+    axes[v] = _row_axis(s, v, aval.shape, [(g.layout.avals[v].shape, g.rows) for g in groups],
+                        b)
+  outvars = traced.region.outvars
+  region_outs = {v for k, v in enumerate(outvars) if not isinstance(v, Lit)
+                 and (k == 0 or traced.aux_concat_axes[k - 1] is None)}
+  row_dependent = prog.dependents(row_inputs, draws)
+  combine = {}
+  for v in home.output_ids:
+    if axes[v] is not None:
+      continue
+    if v not in row_dependent:
+      combine[v] = FIRST
+    elif v in region_outs:
+      combine[v] = WEIGHTED if primitives.is_float(home.avals[v]) else SUMMED
+    else:
+      raise PlanError(
+          f"stage {s} computes a value of shape {home.avals[v].shape} from the rows of a "
+          "microbatch that has no row axis and is not the loss or an auxiliary output (a "
+          "statistic over the batch); it cannot split its rows among groups: run the stage "
+          "on one group")
+  return SplitLayout(s, b, tuple(groups), axes, combine), tuple(functions)
+
+
+def _check_same_program(s: int, home, other, b: int, r: int) -> None:
+  if len(home.ops) != len(other.ops) or any(
+      a.name != o.name or tuple(a.outvars) != tuple(o.outvars)
+      for a, o in zip(home.ops, other.ops)):
+    raise PlanError(f"stage {s}: the step traced with {r} rows per microbatch is not the same "
+                    f"program as with {b} rows (its structure depends on the batch size), so "
+                    "the stage cannot split its rows among groups")
+
+
+def _row_axis(s: int, v: int, shape, group_shapes, b: int) -> int | None:
+  """The axis of ``v`` that holds the microbatch's rows, or ``None``."""
+  if all(tuple(gs) == tuple(shape) for gs, _ in group_shapes):
+    return None
+  axis = None
+  for gs, r in group_shapes:
+    diff = [i for i, (x, y) in enumerate(zip(shape, gs)) if x != y]
+    ok = len(gs) == len(shape) and len(diff) == 1 and gs[diff[0]] * b == shape[diff[0]] * r
+    if not ok or (axis is not None and diff[0] != axis):
+      raise PlanError(f"stage {s}: a value of shape {tuple(shape)} at {b} rows per microbatch "
+                      f"has shape {tuple(gs)} at {r} rows: it does not split along one axis "
+                      "in proportion to the rows, so the stage cannot split its rows")
+    axis = diff[0]
+  return axis
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _rows_of(x, axis: int, start: int, size: int, b: int):
+  per = x.shape[axis] // b
+  idx = [slice(None)] * x.ndim
+  idx[axis] = slice(start * per, (start + size) * per)
+  return x[tuple(idx)]
+
+
+def _put(x, sharding: NamedSharding):
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  return jax.device_put(x, sharding)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SplitStageExecutables(StageExecutables):
+  """A split stage behind the :class:`StageExecutables` interface.
+
+  ``layout``, ``mesh`` and the shardings are the home's (the first group's devices, the
+  stage's values at ``b`` rows); ``fwd``, ``bwd`` and ``zeros`` run every group's executables
+  (``parts``) on its rows and combine their results there. The gradient accumulator is one
+  per group; :meth:`total` sums them on the home, in group order.
+  """
+  parts: tuple = ()
+  split: SplitLayout | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "fwd", self._fwd)
+    object.__setattr__(self, "bwd", self._bwd)
+    object.__setattr__(self, "zeros", self._zeros)
+    object.__setattr__(self, "_params", [None, None])
+
+  @property
+  def executables(self) -> tuple:
+    return self.parts
+
+  def _group_params(self, params) -> list[tuple]:
+    cached, out = self._params
+    if cached is not params:
+      out = [tuple(_put(p, ex.sharding(v)) for p, v in zip(params, ex.layout.param_ids))
+             for ex in self.parts]
+      self._params[:] = [params, out]
+    return out
+
+  def _inputs(self, ids, values, g: int) -> tuple:
+    sp, grp, ex = self.split, self.split.groups[g], self.parts[g]
+    out = []
+    for v, x in zip(ids, values):
+      axis = sp.axes[v]
+      if axis is not None:
+        x = _rows_of(x, axis, grp.offset, grp.rows, sp.rows)
+      out.append(_put(x, ex.sharding(v)))
+    return tuple(out)
+
+  def _fwd(self, params, acts, acts_int, data, mb_index):
+    sp, lay = self.split, self.layout
+    first_row = int(mb_index) * sp.rows
+    per_group, residuals = [], []
+    for g, (grp, ex, p) in enumerate(zip(sp.groups, self.parts, self._group_params(params))):
+      outs, res = ex.fwd(p, self._inputs(lay.act_ids, acts, g),
+                         self._inputs(lay.act_int_ids, acts_int, g),
+                         self._inputs(lay.data_ids, data, g), np.int32(first_row + grp.offset))
+      per_group.append(outs)
+      residuals.append(res)
+    outs = []
+    for i, v in enumerate(lay.output_ids):
+      parts = [o[i] for o in per_group]
+      outs.append(self._combine(v, parts, [grp.weight for grp in sp.groups]))
+    return tuple(outs), tuple(residuals)
+
+  def _combine(self, v, parts, weights):
+    sh, axis = self.sharding(v), self.split.axes[v]
+    if axis is not None:
+      return _put(jnp.concatenate([_put(x, sh) for x in parts], axis=axis), sh)
+    how = self.split.combine.get(v, FIRST)
+    if how == FIRST:
+      return _put(parts[0], sh)
+    total = None
+    for x, w in zip(parts, weights):
+      x = _put(x, sh)
+      if how == WEIGHTED:
+        x = (x * jnp.asarray(w, x.dtype)).astype(x.dtype)
+      total = x if total is None else total + x
+    return total
+
+  def _bwd(self, params, residuals, cts_present, acc):
+    sp, lay = self.split, self.layout
+    present = [v for v, has in zip(lay.output_ids, lay.ct_present) if has]
+    accs, act_cts = [], []
+    for g, (grp, ex, p) in enumerate(zip(sp.groups, self.parts, self._group_params(params))):
+      cts = []
+      for v, ct in zip(present, cts_present):
+        axis = sp.axes[v]
+        if axis is not None:
+          ct = _rows_of(ct, axis, grp.offset, grp.rows, sp.rows)
+        elif sp.combine.get(v, FIRST) == WEIGHTED:
+          ct = (ct * jnp.asarray(grp.weight, ct.dtype)).astype(ct.dtype)
+        elif g > 0:
+          ct = jnp.zeros_like(ct)
+        cts.append(_put(ct, ex.sharding(v)))
+      a, c = ex.bwd(p, residuals[g], tuple(cts), acc[g])
+      accs.append(a)
+      act_cts.append(c)
+    out = []
+    for i, v in enumerate(lay.act_ids):
+      sh, axis = self.sharding(v), sp.axes[v]
+      parts = [_put(c[i], sh) for c in act_cts]
+      if axis is not None:
+        out.append(_put(jnp.concatenate(parts, axis=axis), sh))
+      else:
+        total = parts[0]
+        for x in parts[1:]:
+          total = total + x
+        out.append(total)
+    return tuple(accs), tuple(out)
+
+  def _zeros(self):
+    return tuple(ex.zeros() for ex in self.parts)
+
+  def total(self, acc) -> tuple:
+    """The stage's gradient accumulator: every group's summed on the home, in group order
+    (the reduction across the groups)."""
+    out = []
+    for i, v in enumerate(self.layout.param_ids):
+      sh = self.acc_sharding(v)
+      x = _put(acc[0][i], sh)
+      for a in acc[1:]:
+        x = x + _put(a[i], sh)
+      out.append(x)
+    return tuple(out)
