@@ -79,8 +79,8 @@ def test_split_stage_with_tensor_parallel_group_and_batch_mean_state(x64):
 
 
 def _gpt_case(batch=8):
-  cfg = GPTConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=2, num_blocks=2, dropout=0.1, dtype="float64",
-                  param_dtype="float64")
+  cfg = GPTConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=2, num_blocks=2, dropout=0.1,
+                  dtype="float64", param_dtype="float64")
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(0), (batch, cfg.seq_len), 0, cfg.vocab_size)
   params = model.init(jax.random.key(1), tokens)
