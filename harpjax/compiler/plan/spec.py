@@ -57,6 +57,39 @@ def _optional(data: dict, name: str, where: str, check, *args):
   return None if v is None else check(v, f"{where}.{name}" if where else name, *args)
 
 
+def _check_fields(cls, data: Any, where: str, required: Sequence[str]) -> None:
+  """A JSON object for ``cls``: a dict with only ``cls``'s fields and the ``required`` ones."""
+  known = [f.name for f in dataclasses.fields(cls)]
+  if not isinstance(data, dict):
+    raise PlanError(f"{where}: expected an object with fields {known}, got {data!r}")
+  unknown = set(data) - set(known)
+  if unknown:
+    raise PlanError(f"{where} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+  missing = [k for k in required if data.get(k) is None]
+  if missing:
+    raise PlanError(f"{where} is missing {missing}")
+
+
+def _check_mesh(obj, where: str) -> None:
+  """Checks and normalises ``obj``'s ``submesh``, ``logical_mesh`` (default ``(n m, 1)``) and
+  ``devices`` (a :class:`StageSpec` or a :class:`StageGroup`; errors start with ``where``)."""
+  submesh = _ints(obj.submesh, f"{where}: submesh", 1, 2)
+  object.__setattr__(obj, "submesh", submesh)
+  size = submesh[0] * submesh[1]
+  logical = (size, 1) if obj.logical_mesh is None else \
+      _ints(obj.logical_mesh, f"{where}: logical_mesh", 1)
+  if len(logical) != 2 or logical[0] * logical[1] != size:
+    raise PlanError(f"{where}: logical_mesh={obj.logical_mesh!r} must be (dp, tp) with "
+                    f"dp * tp == {size} devices of submesh {submesh}")
+  object.__setattr__(obj, "logical_mesh", logical)
+  if obj.devices is not None:
+    devices = _ints(obj.devices, f"{where}: devices", 0)
+    if len(devices) != size or len(set(devices)) != size:
+      raise PlanError(f"{where}: devices={obj.devices!r} must list {size} distinct device "
+                      f"indices for submesh {submesh}")
+    object.__setattr__(obj, "devices", devices)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageGroup:
   """One more group of devices running a stage beside its own (a mixed-type stage).
@@ -86,21 +119,7 @@ class StageGroup:
     where = f"stage group on {self.subcluster!r}"
     if not isinstance(self.subcluster, str) or not self.subcluster:
       raise PlanError(f"stage group: subcluster={self.subcluster!r} must be a subcluster name")
-    submesh = _ints(self.submesh, f"{where}: submesh", 1, 2)
-    object.__setattr__(self, "submesh", submesh)
-    size = submesh[0] * submesh[1]
-    logical = (size, 1) if self.logical_mesh is None else \
-        _ints(self.logical_mesh, f"{where}: logical_mesh", 1)
-    if len(logical) != 2 or logical[0] * logical[1] != size:
-      raise PlanError(f"{where}: logical_mesh={self.logical_mesh!r} must be (dp, tp) with "
-                      f"dp * tp == {size} devices of submesh {submesh}")
-    object.__setattr__(self, "logical_mesh", logical)
-    if self.devices is not None:
-      devices = _ints(self.devices, f"{where}: devices", 0)
-      if len(devices) != size or len(set(devices)) != size:
-        raise PlanError(f"{where}: devices={self.devices!r} must list {size} distinct device "
-                        f"indices for submesh {submesh}")
-      object.__setattr__(self, "devices", devices)
+    _check_mesh(self, where)
     object.__setattr__(self, "share", _int(self.share, f"{where}: share", 1))
     object.__setattr__(self, "time_s", _seconds(self.time_s, f"{where}: time_s"))
 
@@ -114,15 +133,7 @@ class StageGroup:
 
   @classmethod
   def from_json(cls, data: dict, where: str = "group") -> "StageGroup":
-    known = [f.name for f in dataclasses.fields(cls)]
-    if not isinstance(data, dict):
-      raise PlanError(f"{where}: expected an object with fields {known}, got {data!r}")
-    unknown = set(data) - set(known)
-    if unknown:
-      raise PlanError(f"{where} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
-    missing = [k for k in ("subcluster", "submesh") if data.get(k) is None]
-    if missing:
-      raise PlanError(f"{where} is missing {missing}")
+    _check_fields(cls, data, where, ("subcluster", "submesh"))
     try:
       return cls(subcluster=data["subcluster"],
                  submesh=_ints(data["submesh"], f"{where}.submesh", 1, 2),
@@ -213,26 +224,10 @@ class StageSpec:
       raise PlanError(f"stage layers={self.layers!r}: expected (first, last) with "
                       "0 <= first <= last")
     where = f"stage on layers {layers}"
-    submesh = _ints(self.submesh, f"{where}: submesh", 1, 2)
+    _check_mesh(self, where)
     if not isinstance(self.subcluster, str) or not self.subcluster:
       raise PlanError(f"{where}: subcluster={self.subcluster!r} must be a subcluster name")
     object.__setattr__(self, "layers", layers)
-    object.__setattr__(self, "submesh", submesh)
-    size = submesh[0] * submesh[1]
-    logical = self.logical_mesh
-    if logical is None:
-      logical = (size, 1)
-    logical = _ints(logical, f"{where}: logical_mesh", 1)
-    if len(logical) != 2 or logical[0] * logical[1] != size:
-      raise PlanError(f"stage on layers {layers}: logical_mesh={self.logical_mesh!r} must be "
-                      f"(dp, tp) with dp * tp == {size} devices of submesh {submesh}")
-    object.__setattr__(self, "logical_mesh", logical)
-    if self.devices is not None:
-      devices = _ints(self.devices, f"{where}: devices", 0)
-      if len(devices) != size or len(set(devices)) != size:
-        raise PlanError(f"stage on layers {layers}: devices={self.devices!r} must list "
-                        f"{size} distinct device indices for submesh {submesh}")
-      object.__setattr__(self, "devices", devices)
     if self.warmup is not None:
       object.__setattr__(self, "warmup", _int(self.warmup, f"{where}: warmup", 1))
     for name in ("time_s", "comm_s"):
@@ -301,15 +296,7 @@ class StageSpec:
   @classmethod
   def from_json(cls, data: dict, where: str = "stage") -> "StageSpec":
     """A stage from its JSON object; errors name the field (``where.warmup``)."""
-    known = [f.name for f in dataclasses.fields(cls)]
-    if not isinstance(data, dict):
-      raise PlanError(f"{where}: expected an object with fields {known}, got {data!r}")
-    unknown = set(data) - set(known)
-    if unknown:
-      raise PlanError(f"{where} has unknown fields {sorted(unknown)}; known: {sorted(known)}")
-    missing = [k for k in ("layers", "subcluster", "submesh") if data.get(k) is None]
-    if missing:
-      raise PlanError(f"{where} is missing {missing}")
+    _check_fields(cls, data, where, ("layers", "subcluster", "submesh"))
     if not isinstance(data["subcluster"], str) or not data["subcluster"]:
       raise PlanError(f"{where}.subcluster={data['subcluster']!r} must be a subcluster name")
     kw = {"layers": _ints(data["layers"], f"{where}.layers", 0, 2),
