@@ -38,11 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import harpjax  # noqa: E402
-from harpjax.models import GPT, GPTConfig  # noqa: E402
+from benchmarks.lm_step import lm_train_step  # noqa: E402
+from harpjax.models import GPTConfig  # noqa: E402
 from harpjax.runtime import ray_runtime  # noqa: E402
 
 CLUSTER = os.path.join(os.path.dirname(__file__), "configs", "demo_local.yaml")
@@ -72,18 +71,7 @@ def main(argv=None) -> None:
   dtype = "float64" if args.random or args.interrupts else "float32"
   cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=64, num_heads=4, num_blocks=4, dtype=dtype,
                   param_dtype=dtype)
-  model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (16, cfg.seq_len + 1), 0, cfg.vocab_size)
-  state = train_state.TrainState.create(apply_fn=model.apply,
-                                        params=model.init(jax.random.key(1), tokens[:, :-1]),
-                                        tx=optax.adamw(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+  step, state, tokens = lm_train_step(cfg, 16)
 
   batches = [jax.random.randint(jax.random.key(10 + i), tokens.shape, 0, cfg.vocab_size)
              for i in range(args.steps)]

@@ -25,15 +25,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import harpjax  # noqa: E402
 from harpjax.compiler.profile import ProfileOptions, profile_step, stage_memory  # noqa: E402
 from harpjax.compiler.stages import memory_report  # noqa: E402
-from harpjax.models import GPT, GPTConfig  # noqa: E402
+from benchmarks.lm_step import lm_train_step  # noqa: E402
+from harpjax.models import GPTConfig  # noqa: E402
 
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_local.yaml")
 
@@ -48,22 +46,8 @@ PLANS = {    # name: per stage (subcluster, submesh, logical mesh); layers split
 
 
 def gpt_step(hidden, seq_len, vocab, blocks, batch):
-  cfg = GPTConfig(vocab_size=vocab, seq_len=seq_len, hidden=hidden, num_heads=4,
-                  num_blocks=blocks)
-  model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, vocab)
-  params = model.init(jax.random.key(1), tokens[:, :-1])
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=optax.adamw(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  return step, state, tokens
+  return lm_train_step(GPTConfig(vocab_size=vocab, seq_len=seq_len, hidden=hidden,
+                                 num_heads=4, num_blocks=blocks), batch)
 
 
 def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight, offload):
