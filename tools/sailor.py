@@ -31,7 +31,8 @@ not part of the library. Two parts:
   pipeline transfers and the slowest gradient synchronisation), with ``N_b = G / (mbs D)``
   microbatches per pipeline. Objectives: ``"min_time"`` (throughput),
   ``"max_throughput_per_dollar"`` (cost per iteration), ``"min_time_within_budget"`` (a limit
-  per hour; Sailor states its budget per iteration, the same constraint for a fixed time).
+  per hour; Sailor states its budget per iteration, the same constraint for a fixed time),
+  ``"min_cost_within_time"`` (its §5.2.4 scenario 1: the cheapest iteration within a time).
   The best configuration by Sailor's own estimate is returned (``rank="simulator"`` instead
   returns the best of its candidates by our simulator, an oracle that flatters it).
 
@@ -370,14 +371,15 @@ def score_plan(model: SailorModel, pools: Sequence[Pool], plan: SailorPlan,
 
 def sailor_plan(model: SailorModel, pools: Sequence[Pool], *, objective: str = "min_time",
                 budget_per_hour: float | None = None, max_stages: int | None = None,
-                rank: str = "sailor", microbatches: Sequence[int] | None = None
-                ) -> SailorPlan:
+                rank: str = "sailor", microbatches: Sequence[int] | None = None,
+                time_limit_s: float | None = None) -> SailorPlan:
   """Sailor's search (see the module doc); the plan scored by :func:`score_plan`.
 
   Args:
     model, pools: the inputs.
-    objective: ``"min_time"``, ``"max_throughput_per_dollar"`` or
-      ``"min_time_within_budget"`` (with ``budget_per_hour``).
+    objective: ``"min_time"``, ``"max_throughput_per_dollar"``,
+      ``"min_time_within_budget"`` (with ``budget_per_hour``) or ``"min_cost_within_time"``
+      (with ``time_limit_s``, seconds per iteration by Sailor's estimate).
     max_stages: largest pipeline degree ``P`` (default ``L``).
     rank: ``"sailor"`` (its own estimate picks the plan) or ``"simulator"`` (every configuration
       it estimates is scored by the simulator and the best is returned: an oracle).
@@ -386,10 +388,13 @@ def sailor_plan(model: SailorModel, pools: Sequence[Pool], *, objective: str = "
   Raises:
     PlanError: no configuration fits (memory, devices or budget).
   """
-  if objective not in ("min_time", "max_throughput_per_dollar", "min_time_within_budget"):
+  if objective not in ("min_time", "max_throughput_per_dollar", "min_time_within_budget",
+                       "min_cost_within_time"):
     raise PlanError(f"objective {objective!r} not supported by the Sailor baseline")
   if objective == "min_time_within_budget" and budget_per_hour is None:
     raise PlanError("min_time_within_budget needs budget_per_hour")
+  if objective == "min_cost_within_time" and time_limit_s is None:
+    raise PlanError("min_cost_within_time needs time_limit_s")
   start = time.perf_counter()
   G, L = model.global_batch, model.num_layers
   K = len(pools)
@@ -398,7 +403,8 @@ def sailor_plan(model: SailorModel, pools: Sequence[Pool], *, objective: str = "
   gpus = sorted({p.gpu for p in pools})
   tables_at = functools.lru_cache(maxsize=None)(
       lambda b: sailor_tables(model, pools, b))
-  cost_kind = objective == "max_throughput_per_dollar"
+  cost_kind = objective in ("max_throughput_per_dollar", "min_cost_within_time")
+  t_limit = math.inf if time_limit_s is None else float(time_limit_s)
   limit = math.inf if budget_per_hour is None else float(budget_per_hour)
   mbs_all = sorted({m for g in gpus for m in model.times[g]})
   if microbatches is not None:
@@ -450,6 +456,8 @@ def sailor_plan(model: SailorModel, pools: Sequence[Pool], *, objective: str = "
           continue
         n_cand += 1
         T, rate, assignment = found
+        if T > t_limit:
+          continue   # H4: larger D until the estimate meets the time limit
         quads = tuple((a, z, k, s) for (a, z), (k, s, _) in zip(stages, assignment))
         plan = SailorPlan(mbs=mbs, dp=D, microbatch=b, num_microbatches=G // b,
                           stages=tuple((a, z, k, tp) for (a, z), (k, _, tp)
@@ -460,7 +468,8 @@ def sailor_plan(model: SailorModel, pools: Sequence[Pool], *, objective: str = "
           best, best_key = plan, key
         if rank == "simulator":
           sp = score_plan(model, pools, plan, tables)
-          if sp.evaluation.feasible and sp.rate_per_hour <= limit:
+          if sp.evaluation.feasible and sp.rate_per_hour <= limit and \
+              sp.iteration_s <= t_limit:
             sk = key_of(sp.iteration_s, sp.rate_per_hour)
             if sk < scored_key:
               scored_best, scored_key = sp, sk
