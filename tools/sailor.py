@@ -4,11 +4,11 @@ A developer tool (``benchmarks/sailor.py`` runs it against :func:`harpjax.compil
 not part of the library. Two parts:
 
 * **Sailor's inputs as our tables.** :func:`load_model` reads the numbers taken from Sailor's
-  repository (``benchmarks/data/sailor/``: per-layer forward/backward/update seconds of OPT-350M
-  per GPU type, microbatch size and tensor-parallel degree; parameters and activations per
-  layer; GPU memory and prices; measured link bandwidths) and :func:`sailor_tables` turns a
-  cluster of pools (:class:`Pool`: one GPU type in one zone) into a
-  :class:`~harpjax.compiler.profile.CostTables` for one *global* microbatch ``b`` (sequences
+  repository (``benchmarks/data/sailor/``: per-layer forward/backward/update seconds of
+  OPT-350M and GPT-Neo-2.7B per GPU type, microbatch size and tensor-parallel degree;
+  parameters and activations per layer; GPU memory and prices; measured link bandwidths) and
+  :func:`sailor_tables` turns a cluster of pools (:class:`Pool`: one GPU type in one zone) into
+  a :class:`~harpjax.compiler.profile.CostTables` for one *global* microbatch ``b`` (sequences
   per microbatch across a stage's data-parallel replicas): an entry (layers ``i..j``, submesh
   of ``g`` devices, logical mesh ``(dp, tp)``) runs ``b / dp`` sequences per replica, which
   must be a profiled microbatch size, costs the profile's forward+backward seconds at that

@@ -1,5 +1,6 @@
 """Sailor's planner (``tools/sailor.py``) against ours, on Sailor's profiles, by one simulator."""
 
+import functools
 import math
 
 import numpy as np
@@ -20,9 +21,24 @@ CLUSTERS = [
 ]
 
 
+# GPT-Neo-2.7B needs a pipeline or tensor parallelism on these GPUs.
+NEO_CLUSTERS = [
+    [sailor.Pool("a100", "A100-40", US_A, 2)],
+    [sailor.Pool("a100", "A100-40", US_A, 1), sailor.Pool("v100", "V100-16", US_A, 2)],
+]
+
+CASES = [("OPT-350", c) for c in range(len(CLUSTERS))] + \
+    [("GPT-Neo-2.7", c) for c in range(len(NEO_CLUSTERS))]
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name):
+  return sailor.load_model(name)
+
+
 @pytest.fixture(scope="module")
 def model():
-  return sailor.load_model("OPT-350")
+  return _model("OPT-350")
 
 
 def test_tables_hold_sailors_numbers(model):
@@ -60,10 +76,11 @@ def test_single_stage_estimate_is_the_simulated_time(model):
   assert sp.iteration_s == pytest.approx(sp.estimate_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("c", range(len(CLUSTERS)))
-def test_sailor_plans_are_valid_and_ours_is_never_slower(model, c):
-  pools = CLUSTERS[c]
-  sp = sailor.sailor_plan(model, pools, max_stages=6)
+@pytest.mark.parametrize("name,c", CASES)
+def test_sailor_plans_are_valid_and_ours_is_never_slower(name, c):
+  model = _model(name)
+  pools = (CLUSTERS if name == "OPT-350" else NEO_CLUSTERS)[c]
+  sp = sailor.sailor_plan(model, pools, max_stages=8)
   ev = sp.evaluation
   assert ev.feasible, ev.violations
   # The mapping: D replicas of each stage are its data-parallel dimension.
