@@ -121,3 +121,19 @@ def test_budget_is_respected_by_both(model):
   assert r.rate_per_hour <= budget
   assert r.iteration_s <= sp.iteration_s * (1 + 1e-9)
   assert math.isfinite(sp.estimate_s)
+
+
+def test_cheapest_within_a_time(model):
+  """§5.2.4 scenario 1: both keep to the time limit by their own model; where Sailor's plan
+  keeps to it by the simulator too, ours costs no more per iteration."""
+  pools = CLUSTERS[4]
+  limit = 60.0
+  sp = sailor.sailor_plan(model, pools, objective="min_cost_within_time", time_limit_s=limit,
+                          max_stages=6)
+  assert sp.evaluation.feasible and sp.estimate_s <= limit
+  tables = sailor.sailor_tables(model, pools, sp.microbatch)
+  r = solve(tables, sp.num_microbatches,
+            options=SolveOptions(objective="min_cost_within_time", time_limit_s=limit))
+  assert r.iteration_s <= limit
+  if sp.iteration_s <= limit:
+    assert r.rate_per_hour * r.iteration_s <= sp.rate_per_hour * sp.iteration_s * (1 + 1e-9)
