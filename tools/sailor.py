@@ -80,9 +80,12 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 BYTES_PER_PARAM = 24          # Sailor's memory multiplier: Adam (8), model (4), gradients (4),
                               # communication (4), extra (4); fp32 training
 FLOAT_BYTES = 4
-OVERHEAD_BYTES = {1: 2e9}     # framework memory per GPU; 3e9 with tensor parallelism
-OVERHEAD_TP_BYTES = 3e9
 GiB = 2 ** 30
+
+
+def overhead_bytes(tp: int) -> float:
+  """Sailor's framework memory per GPU: 2e9 bytes, 3e9 with tensor parallelism."""
+  return 2e9 if tp == 1 else 3e9
 
 
 # --------------------------------------------------------------------------- inputs
@@ -217,7 +220,7 @@ def _entry_arrays_uncached(model: SailorModel, pool: Pool, g: int, n: int, dp: i
   if costs is None:
     return None
   t, upd, params, act = costs
-  overhead = OVERHEAD_BYTES.get(tp, OVERHEAD_TP_BYTES)
+  overhead = overhead_bytes(tp)
   link = Link(model.intra_host_bytes_per_s[pool.gpu]) if n == 1 else Link(
       _pool_link(model, pool))
   p_sum = range_sums(params)
@@ -429,8 +432,8 @@ def sailor_plan(model: SailorModel, pools: Sequence[Pool], *, objective: str = "
             if c is None:
               continue
             _, _, params, act = c
-            mem = (params[a:b + 1].sum() * BYTES_PER_PARAM + OVERHEAD_BYTES.get(
-                tp, OVERHEAD_TP_BYTES) + (P - i) * act[a:b + 1].sum() * mbs * FLOAT_BYTES)
+            mem = (params[a:b + 1].sum() * BYTES_PER_PARAM + overhead_bytes(tp)
+                   + (P - i) * act[a:b + 1].sum() * mbs * FLOAT_BYTES)
             if mem <= model.gpu_memory_bytes[gpu]:
               tp_ok = tp
               break
