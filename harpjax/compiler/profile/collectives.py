@@ -24,9 +24,12 @@ def allreduce_time_s(nbytes, p: int, link: Link):
     p: devices.
     link: the link between them.
   """
-  t = 2.0 * (p - 1) / p * np.asarray(nbytes, dtype=np.float64) / link.bandwidth_bytes_per_s \
-      + 2.0 * (p - 1) * link.latency_s
-  t = np.where((np.asarray(nbytes) > 0) & (p > 1), t, 0.0)
+  nbytes = np.asarray(nbytes, dtype=np.float64)
+  if p <= 1:
+    t = np.zeros_like(nbytes)
+  else:
+    t = 2.0 * (p - 1) / p * nbytes / link.bandwidth_bytes_per_s + 2.0 * (p - 1) * link.latency_s
+    t = np.where(nbytes > 0, t, 0.0)
   return float(t) if t.ndim == 0 else t
 
 
