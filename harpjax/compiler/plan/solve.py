@@ -861,6 +861,35 @@ def _piecewise_sigma(index: SparseIndex, window: list[int],
   return out
 
 
+def cover_rates(index: SparseIndex, price: np.ndarray, num_points: int = 256) -> np.ndarray:
+  """Per candidate ``tau`` (``index.candidates``), a lower bound on the rate (price per hour)
+  of any plan whose stages all take at most ``tau``: the cheapest cover of the layers by
+  entries of time ``<= tau`` (devices and memory otherwise ignored). Exact at up to
+  ``num_points`` candidates spread over the sorted ones; between them, the value at the next
+  one up (the cheapest cover only gets cheaper as ``tau`` grows)."""
+  cand = index.candidates
+  M, L = cand.size, index.num_layers
+  if M == 0 or index.num_entries == 0:
+    return np.zeros(M)
+  a = index.arrays
+  grid = np.unique(np.linspace(0, M - 1, min(M, num_points)).round().astype(np.int64))
+  taus = cand[grid]
+  w = np.asarray(price, np.float64)[index.ent_k] * index.ent_m
+  f = np.full((grid.size, L + 1), np.inf)
+  f[:, 0] = 0.0
+  order = np.argsort(a.ent_j, kind="stable")
+  ends = np.searchsorted(a.ent_j[order], np.arange(L + 1))
+  for j in range(L):
+    es = order[ends[j]:ends[j + 1]]
+    if es.size == 0:
+      continue
+    vals = f[:, index.ent_i[es]] + w[es][None, :]
+    vals[a.ent_t[es][None, :] > taus[:, None]] = np.inf
+    f[:, j + 1] = vals.min(axis=1)
+  at_grid = f[:, L]
+  return at_grid[np.searchsorted(grid, np.arange(M))]
+
+
 def _period_estimate(tables: CostTables) -> float:
   """A guess at the smallest period, from below when each stage costs at least its layers'
   single-device work spread over its devices (additive costs): the model's single-device time
@@ -936,9 +965,14 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   if price is not None:
     px = px._replace(price=np.asarray(price, np.float64))
     r_min = float(np.min(px.price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
-  floor = B * cand if kind == proof_kernel.KIND_TIME else r_min * B * cand
-  keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & (B * cand <= t_limit *
-                                                                  (1.0 + BOUND_SLACK)))
+  ok = B * cand <= t_limit * (1.0 + BOUND_SLACK)
+  if price is None:
+    floor = B * cand
+  else:
+    cover = cover_rates(index, px.price)
+    ok &= cover <= rate_max * (1.0 + BOUND_SLACK)
+    floor = B * cand if kind == proof_kernel.KIND_TIME else np.maximum(r_min, cover) * B * cand
+  keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & ok)
   value, pos, path, nodes, n_sim, complete = proof_kernel.bounded_search(
       index.arrays, px, cand[keep], B, scoring.eps, scoring.fwd_fraction, scoring.nmax, kind,
       best, rate_max, t_limit, r_min, node_budget, use_numba=scoring.kernel == "numba")
@@ -1015,11 +1049,13 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   scoring = scoring._replace(kind=kind, rate_max=rate_max, t_limit=t_limit,
                              price=tuple(float(x) for x in price))
 
+  cover = cover_rates(index, price)   # no plan at tau is cheaper per hour
+
   def floor(idx):
     tau = float(cand[idx])
-    if B * tau > t_limit * (1 + BOUND_SLACK):
+    if B * tau > t_limit * (1 + BOUND_SLACK) or cover[idx] > rate_max * (1 + BOUND_SLACK):
       return math.inf
-    return B * tau if kind == rate_kernel.KIND_TIME else r_min * B * tau
+    return B * tau if kind == rate_kernel.KIND_TIME else max(r_min, cover[idx]) * B * tau
 
   def keep(found):
     nonlocal best, bound
