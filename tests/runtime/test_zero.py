@@ -160,6 +160,27 @@ def test_optimizer_state_offloaded_to_host_memory_float64(x64, caplog):
     assert abs(r.error) <= 0.15, (r.stage, r.phases, r.predicted)
 
 
+def test_offload_chosen_in_the_plan_float64(x64):
+  # The plan, not OffloadOptions, says stage 0 keeps its optimizer state in host memory
+  # (StageSpec.offload, what the planner writes): jax.jit's numbers, stage 0's state on the
+  # host, stage 1's on its devices; the plan file keeps the choice.
+  model, opt_index, stages = PLANS["adamw:z1dp2,z2dp4"]
+  case = _case(model)
+  plan = zero_plan(6, stages)
+  plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], offload=True),
+                                           plan.stages[1]))
+  assert harpjax.Plan.from_json(plan.to_json()).stages[0].offload
+  assert "offload" not in plan.stages[1].to_json()
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
+  out_par = pstep(case.state, case.batches[0])
+  assert max_rel_err(jax.jit(case.step)(case.state, case.batches[0]), out_par) <= RTOL
+  resolved = pstep.plan(case.state, case.batches[0])
+  on = {s: set(jax.devices()[d] for d in spec.devices) for s, spec in enumerate(resolved.stages)}
+  kinds = {s: {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out_par[0][opt_index])
+               if x.ndim and x.size > 1 and x.sharding.device_set == on[s]} for s in on}
+  assert kinds == {0: {"pinned_host"}, 1: {"device"}}, kinds
+
+
 def test_offload_options_and_devices_without_host_memory():
   from harpjax.compiler.stages import check_host_memory
   from harpjax.errors import MemoryKindError, PlanError
