@@ -594,11 +594,36 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if (opts.cost_model == "simulator" and not opts.use_all_devices
       and tables.num_subclusters > 1 and not result.stats.proved):
     result = _best_of_single_subclusters(tables, B, opts, result, start)
-  if tables is not given:   # the stages' submesh indices in the caller's tables
-    result = dataclasses.replace(result, stages=tuple(
-        dataclasses.replace(st, submesh_index=variants_lib.base_index(
-            tables, st.subcluster, st.submesh_index)) for st in result.stages))
+  if tables is not given:
+    result = _with_fewer_variants(given, tables, B, opts, result, start)
   return result
+
+
+def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: SolveOptions,
+                         result: PlanResult, start: float) -> PlanResult:
+  """The stages' submesh indices in the caller's tables (``given``; ``tables`` are its
+  variants). When the search could not prove its optimum: :func:`solve` without offload and
+  at level 0 alone too, the best result kept, so that the new freedom never makes the
+  result worse than planning without it."""
+  result = dataclasses.replace(result, stages=tuple(
+      dataclasses.replace(st, submesh_index=variants_lib.base_index(
+          tables, st.subcluster, st.submesh_index)) for st in result.stages))
+  if result.stats.proved:
+    return result
+  fewer = [dict(zero_levels=(0,), offload=False)]
+  if opts.offload and given.offload_bandwidth_bytes_per_s is not None:
+    fewer.insert(0, dict(offload=False))
+  for change in fewer:
+    try:
+      alt = solve(given, B, options=dataclasses.replace(opts, **change))
+    except InfeasiblePlanError:
+      continue
+    if _value(alt) < _value(result):
+      log.info("planner: a plan with fewer memory options (%s) simulates better: %.6g",
+               change, _value(alt))
+      result = alt
+  stats = dataclasses.replace(result.stats, seconds=time.perf_counter() - start)
+  return dataclasses.replace(result, stats=stats)
 
 
 def _value(result: PlanResult) -> float:

@@ -243,8 +243,10 @@ def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0
   shape = tuple(int(x) for x in shape)
   if tables.variants is None:
     if zero or offload:
-      raise PlanError(f"zero={zero}, offload={offload}: these tables have no ZeRO/offload "
-                      "variants (expand_variants)")
+      raise PlanError(f"zero={zero}, offload={offload}: these tables cannot price it; they "
+                      "need opt_mem_bytes (the optimizer state's bytes: "
+                      "CostTables.from_layer_costs(..., optimizer_share=...)) and, for "
+                      "offload, offload_bandwidth_bytes_per_s")
     return tables.submesh_index(k, shape)
   for s, (sh, var) in enumerate(zip(tables.submeshes[k], tables.variants[k])):
     if sh == shape and var == (int(zero), bool(offload)):
