@@ -610,9 +610,10 @@ def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: So
           tables, st.subcluster, st.submesh_index)) for st in result.stages))
   if result.stats.proved:
     return result
+  # Without offload first; that search (unless it proves its optimum) tries level 0 alone.
   fewer = [dict(zero_levels=(0,), offload=False)]
   if opts.offload and given.offload_bandwidth_bytes_per_s is not None:
-    fewer.insert(0, dict(offload=False))
+    fewer = [dict(offload=False)]
   for change in fewer:
     try:
       alt = solve(given, B, options=dataclasses.replace(opts, **change))

@@ -31,8 +31,8 @@ times; :mod:`harpjax.compiler.profile.zero` for the levels):
 **Only the variants that can matter** are kept (:func:`expand_variants` with
 ``num_microbatches``): a variant is dropped at an entry when another variant of the same
 entry has the same time per microbatch, no more activation bytes, no larger end time and
-holds at least as many microbatches in flight (``min(B, 1 + 3 (S - 1))`` at most, ``S`` the
-most stages a plan can have). This is exact: swapping the dropped variant for that one leaves
+holds at least as many microbatches in flight (at most ``B``, and ``1 + 3 S`` with ``S`` the
+most stages that can follow it: one per later layer and per device left). This is exact: swapping the dropped variant for that one leaves
 the plan's period and warm-ups as they were, fits wherever it fitted, and simulates no slower
 (the simulated time does not decrease when an end time grows). Variants with a different time
 per microbatch (level 3) are all kept where they fit: a slower bottleneck stage can lower the
@@ -145,8 +145,9 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool
   return t, state, e, allowed
 
 
-def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap: int) -> np.ndarray:
-  """Microbatches in flight an entry holds (``0``: not even one), at most ``cap``."""
+def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
+  """Microbatches in flight an entry holds (``0``: not even one), at most ``cap`` (a scalar
+  or an array like ``p``)."""
   with np.errstate(divide="ignore", invalid="ignore"):
     n = np.where(a > 0, np.floor((mem - p) / np.where(a > 0, a, 1.0)), cap)
   n = np.where(p <= mem, n, 0)
@@ -175,20 +176,21 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
   if pairs == [(0, False)]:
     return tables
   L, K = tables.num_layers, tables.num_subclusters
-  cap = None
-  if num_microbatches is not None:
-    B = int(num_microbatches)
-    cap = max(1, min(B, 1 + 3 * (min(L, tables.total_devices) - 1)))
+  B = None if num_microbatches is None else int(num_microbatches)
   changed = pairs[0] != (0, False)
   new = {f: [] for f in ("submeshes", "stage_time_s", "param_mem_bytes", "act_mem_bytes",
-                         "end_time_s", "logical_mesh", "opt_mem_bytes", "gather_time_s",
-                         "variants")}
+                         "end_time_s", "logical_mesh", "variants")}
   for k in range(K):
     mem = tables.device_memory_bytes[k]
     a = tables.act_mem_bytes[k]
     arrs = [variant_arrays(tables, k, z, o) for z, o in pairs]
     keep = [ok & (p + a <= mem) for _, p, _, ok in arrs]
-    if cap is not None:
+    if B is not None:
+      # The most microbatches a stage on layers i..j can hold: B, and 1 + 3 per later stage
+      # (at most one per later layer and per device left).
+      after = (L - 1 - np.arange(L))[None, :, None]
+      left = tables.total_devices - np.array([n * m for n, m in tables.submeshes[k]])
+      cap = np.minimum(B, 1 + 3 * np.minimum(after, left[None, None, :]))
       n = [_capacity(p, a, mem, cap) for _, p, _, _ in arrs]
       for v in range(len(pairs)):
         dominated = np.zeros_like(keep[v])
@@ -200,37 +202,34 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
           dom = keep[u] & (tu == tv) & (eu <= ev) & (n[u] >= n[v]) & (strict | (u < v))
           dominated |= dom
         keep[v] = keep[v] & ~dominated
-    shapes, rows = [], {f: [] for f in new if f not in ("submeshes", "variants")}
-    labels = []
+    shapes_k = tables.submeshes[k]
+    shapes, labels, parts = [], [], {f: [] for f in new if f not in ("submeshes", "variants")}
+    lm = tables.logical_mesh[k] if tables.logical_mesh is not None else np.broadcast_to(
+        np.array([[n * m, 1] for n, m in shapes_k]), (L, L, len(shapes_k), 2))
     for v, (z, o) in enumerate(pairs):
-      for s, shape in enumerate(tables.submeshes[k]):
-        mask = keep[v][:, :, s]
-        if v > 0 and not mask.any():
-          continue
-        if v > 0:
-          changed = True
-        t, p, e, _ = arrs[v]
-        shapes.append(shape)
-        labels.append((z, o))
-        rows["stage_time_s"].append(np.where(mask, t[:, :, s], np.inf))
-        rows["param_mem_bytes"].append(np.where(np.isfinite(p[:, :, s]), p[:, :, s], 0.0))
-        rows["act_mem_bytes"].append(a[:, :, s])
-        rows["end_time_s"].append(np.where(mask, e[:, :, s], 0.0))
-        rows["opt_mem_bytes"].append(np.minimum(tables.opt_mem_bytes[k][:, :, s],
-                                                rows["param_mem_bytes"][-1]))
-        rows["gather_time_s"].append(
-            tables.gather_time_s[k][:, :, s] if tables.gather_time_s is not None
-            else np.zeros((L, L)))
-        lm = tables.logical_mesh[k][:, :, s] if tables.logical_mesh is not None else \
-            np.broadcast_to(np.array([shape[0] * shape[1], 1]), (L, L, 2))
-        rows["logical_mesh"].append(lm)
+      # The first variant keeps every entry as it is (what no plan can use, the index drops;
+      # an infeasible instance is explained by its footprints); the others only what matters.
+      slots = [s for s in range(len(shapes_k)) if v == 0 or keep[v][:, :, s].any()]
+      if not slots:
+        continue
+      changed |= v > 0
+      t, p, e, ok = arrs[v]
+      mask = (ok if v == 0 else keep[v])[:, :, slots]
+      shapes += [shapes_k[s] for s in slots]
+      labels += [(z, o)] * len(slots)
+      parts["stage_time_s"].append(np.where(mask, t[:, :, slots], np.inf))
+      parts["param_mem_bytes"].append(np.where(mask, p[:, :, slots], 0.0))
+      parts["act_mem_bytes"].append(a[:, :, slots])
+      parts["end_time_s"].append(np.where(mask, e[:, :, slots], 0.0))
+      parts["logical_mesh"].append(lm[:, :, slots])
     new["submeshes"].append(tuple(shapes))
     new["variants"].append(tuple(labels))
-    for f, col in rows.items():
-      new[f].append(np.stack(col, axis=2))
+    for f, col in parts.items():
+      new[f].append(np.concatenate(col, axis=2))
   if not changed:
     return tables
-  return tables.replace(**{f: tuple(v) for f, v in new.items()})
+  return tables.replace(opt_mem_bytes=None, gather_time_s=None,
+                        **{f: tuple(v) for f, v in new.items()})
 
 
 def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0,

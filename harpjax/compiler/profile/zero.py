@@ -42,13 +42,26 @@ all-gather the updated parameters. Byte counts are per device (results, as
 state in host memory between updates (:class:`harpjax.OffloadOptions`) holds none of it
 during the pipeline; the update brings it to the device and writes the new state back (so the
 update's peak is unchanged), ``2 O_z`` bytes over the host link per step, after the pipeline
-(the simulator's end cost; adding it there, and the memory check of the planner, is left to
-the planner's side).
+(the simulator's end cost).
+
+**In the planner.** Cost tables that carry the optimizer state's bytes per entry
+(:attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes`, with the weights' all-gather time
+:attr:`~harpjax.compiler.profile.CostTables.gather_time_s` and the host link
+:attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s`;
+``CostTables.from_layer_costs(..., optimizer_share=0.75)`` fills them) let the planner choose
+the level and the offload of every stage: :mod:`harpjax.compiler.plan.variants` makes each
+(submesh, level, offload) a choice of the DP, with this module's state bytes
+(:func:`zero_state_bytes_per_param`), level 3's two all-gathers per microbatch in the stage
+time, levels 1 and 2's all-gather and the offload transfer (:func:`offload_time_s`) in the
+stage's end time, which the simulator adds after the stage's last backward, so the plan's
+predicted time stays the simulated one. The planner's memory check is the tables' (state and
+in-flight activations, no workspaces), and an offloaded stage must still fit its whole state
+for the update. The chosen level and offload are the plan's
+:attr:`~harpjax.compiler.plan.StageSpec.zero` and :attr:`~harpjax.compiler.plan.StageSpec.offload`.
 
 :func:`zero_tables` rebuilds a profile's :class:`~harpjax.compiler.profile.CostTables` with
 every entry's memory and data-parallel time at one level (:func:`zero_layer_costs` per
-configuration), for the planner to compare levels; choosing a level per stage inside the
-planner's dynamic program is not done yet.
+configuration), to compare levels by hand.
 """
 
 from __future__ import annotations
