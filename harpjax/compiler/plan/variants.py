@@ -32,13 +32,14 @@ times; :mod:`harpjax.compiler.profile.zero` for the levels):
 ``num_microbatches``): a variant is dropped at an entry when another variant of the same
 entry has the same time per microbatch, no more activation bytes, no larger end time and
 holds at least as many microbatches in flight (at most ``B``, and ``1 + 3 S`` with ``S`` the
-most stages that can follow it: one per later layer and per device left). This is exact: swapping the dropped variant for that one leaves
-the plan's period and warm-ups as they were, fits wherever it fitted, and simulates no slower
-(the simulated time does not decrease when an end time grows). Variants with a different time
-per microbatch (level 3) are all kept where they fit: a slower bottleneck stage can lower the
-warm-ups of the others and so make a plan fit (the planner's bottleneck rule). Where the
-level-0 variant already holds every microbatch a stage can need, nothing is added, so tables
-with room to spare plan as they did, at the same speed.
+most stages that can follow it: one per later layer and per device left). This is exact:
+swapping the dropped variant for that one leaves the plan's period and warm-ups as they were,
+fits wherever it fitted, and simulates no slower (the simulated time does not decrease when
+an end time grows). Variants with a different time per microbatch (level 3) are all kept
+where they fit: a slower bottleneck stage can lower the warm-ups of the others and so make a
+plan fit (the planner's bottleneck rule). The first variant (level 0 without offload, unless
+excluded) keeps every entry as it is. Where level 0 already holds every microbatch a stage
+can need, only level 3 is added.
 """
 
 from __future__ import annotations

@@ -67,13 +67,12 @@ configuration), to compare levels by hand.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import numpy as np
 
-from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
+from harpjax.cluster import Link
 from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
-from harpjax.compiler.profile.profiler import (MeshConfig, ordered_subclusters,
+from harpjax.compiler.profile.profiler import (dp_link, MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
 
@@ -338,18 +337,10 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
     sub = subs[k]
     s = list(sub.submesh_shapes()).index(tuple(submesh))
     costs.append(zero_layer_costs(
-        arr, mesh[0], zero, _dp_link(cluster, sub, submesh), num_microbatches=num_microbatches,
+        arr, mesh[0], zero, dp_link(cluster, sub, submesh), num_microbatches=num_microbatches,
         state_bytes_per_param=state_bytes_per_param,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_bytes_per_param=grad_bytes_per_param))
     configs.append(MeshConfig(k, s, tuple(submesh), tuple(mesh)))
   tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance)
   return tables
-
-
-def _dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
-  """The link between a submesh's data-parallel replicas (as the profiler picks it)."""
-  if submesh[0] == 1:
-    return Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
-  nl = cluster.intra_subcluster_link(sub.name)
-  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
