@@ -48,7 +48,8 @@ update's peak is unchanged), ``2 O_z`` bytes over the host link per step, after 
 (:attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes`, with the weights' all-gather time
 :attr:`~harpjax.compiler.profile.CostTables.gather_time_s` and the host link
 :attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s`;
-``CostTables.from_layer_costs(..., optimizer_share=0.75)`` fills them) let the planner choose
+``CostTables.from_layer_costs(..., optimizer_share=0.75)`` and the profiler with
+``ProfileOptions(optimizer_bytes_per_param=12.0)`` fill them) let the planner choose
 the level and the offload of every stage: :mod:`harpjax.compiler.plan.variants` makes each
 (submesh, level, offload) a choice of the DP, with this module's state bytes
 (:func:`zero_state_bytes_per_param`), level 3's two all-gathers per microbatch in the stage
