@@ -344,6 +344,11 @@ def infeasible_error(tables: CostTables, B: int, eps: float, use_all_devices: bo
   """Says which constraint makes every plan infeasible, and by how much (``link_bound``:
   plans with a cut slower than their slowest stage were allowed)."""
   constraint, msg = _diagnose(tables, B, eps, use_all_devices, keep_order, link_bound)
+  if constraint == "memory" and tables.variants is None and tables.opt_mem_bytes is None:
+    msg += (". The planner can shard each stage's training state over its data-parallel "
+            "devices (ZeRO) when the tables carry the optimizer state's bytes: "
+            "ProfileOptions(optimizer_bytes_per_param=12.0), harpjax plan --zero, or "
+            "CostTables.from_layer_costs(..., optimizer_share=0.75)")
   err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B}: {msg}")
   err.constraint = constraint
   return err
