@@ -7,8 +7,8 @@ heads' worth of FLOPs, sequence 2048, 2 sequences per microbatch, vocabulary 512
 activations with recomputation at layer boundaries, mixed-precision Adam: 16 bytes of state
 per parameter of which 12 are optimizer state), planned at one layer per transformer block,
 ``B = 8`` microbatches per iteration (a global batch of 16 sequences). Data parallelism only
-inside a stage (``max_tp=1``; the row "tensor parallel" allows ``tp`` up to 8 at level 0, for
-comparison).
+inside a stage (``max_tp=1``; the rows with "tp" allow tensor parallelism up to 8 inside a
+host, for comparison).
 
 For each memory option the number of blocks is grown until no plan fits (a gallop, then a
 bisection); the table gives the largest model, its plan and the simulated iteration time:
@@ -49,6 +49,7 @@ MODES = [
     ("tensor parallel (tp <= 8)", dict(zero_levels=(0,), offload=False), None),
     ("ZeRO (planner's choice)", dict(offload=False), 1),
     ("ZeRO + offload (planner's choice)", dict(), 1),
+    ("ZeRO + offload, tp <= 8", dict(), None),
 ]
 
 

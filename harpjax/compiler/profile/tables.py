@@ -777,8 +777,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
   """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
 
   For each entry (layer range, submesh) the logical mesh kept is the fastest of those whose
-  parameters plus one in-flight microbatch fit the device; if none fits, the one with the
-  smallest footprint (its time is kept: the planner drops the entry by its memory check).
+  parameters plus one in-flight microbatch fit the device; if none fits, with the optimizer
+  state given, the fastest that fits with its state split over its ``dp`` devices (what the
+  planner's ZeRO variants can use); else the one with the smallest footprint (its time is
+  kept: the planner drops the entry by its memory check).
   A multi-layer range whose share of the model's FLOPs exceeds ``imbalance`` times its
   submesh's share of the cluster's peak FLOP/s is hopelessly imbalanced (§5.1) and marked
   infeasible (``inf``).
@@ -833,7 +835,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     for s, (n, m) in enumerate(submeshes[k]):
       g = n * m
       lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
-      best = None   # [fits, time, param, act, dp, tp, footprint, end, opt, gather]
+      # [fits, time, param, act, dp, tp, footprint, end, opt, gather, tier]; tier 2: fits
+      # at level 0, 1: fits only with its state split over dp (ZeRO-3, given the optimizer
+      # state), 0: neither.
+      best = None
       for (dp, tp), t, pm, am, *rest in mesh_costs(k, s):
         has_end |= bool(rest)
         end = rest[0] if rest else 0.0
@@ -841,18 +846,21 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
         has_zero |= len(rest) > 1
         foot = pm + am
         fits = np.isfinite(t) & (foot <= memory_bytes[k])
+        tier = np.where(fits, 2, 0)
+        if len(rest) > 1:
+          tier = np.where(~fits & np.isfinite(t) & (pm / dp + am <= memory_bytes[k]), 1, tier)
         if best is None:
           best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot,
                   np.broadcast_to(end, (L, L)), np.broadcast_to(opt, (L, L)),
-                  np.broadcast_to(gat, (L, L))]
+                  np.broadcast_to(gat, (L, L)), tier]
           continue
-        better = (fits & ~best[0]) | (fits & best[0] & (t < best[1])) | \
-            (~fits & ~best[0] & (foot < best[6]))
-        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat)):
+        better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (t < best[1])) | \
+            ((tier == 0) & (best[10] == 0) & (foot < best[6]))
+        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier)):
           best[idx] = np.where(better, new, best[idx])
       if best is None:
         continue
-      fits, t, pm, am, dps, tps, _, ends, opts, gats = best
+      fits, t, pm, am, dps, tps, _, ends, opts, gats, _ = best
       keep = np.isfinite(t)
       counts["oom"] += int(np.sum(~fits[iu]))
       if hopeless_share is not None:
