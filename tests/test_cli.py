@@ -713,3 +713,13 @@ def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   while any(_alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert not [p for p in pids if _alive(p)], "planner workers outlived the interrupted command"
+
+
+def test_plan_with_zero_reads_the_cache_and_passes_the_optimizer_state(warm_cache):
+  # --zero: the same cached costs, the tables carry the optimizer state (12 of 16 bytes per
+  # parameter) for the planner; the plan still prints.
+  args = ("plan", "--cluster", warm_cache[1], "--model", "gpt-tiny", "-B", 4, "--no-simulate",
+          "--no-progress", "--cache-dir", warm_cache[0])
+  res = _run(*args, "--zero")
+  assert res.exit_code == 0 and " 0 computed" in res.output, res.output
+  assert "Layer Range" in res.output

@@ -188,10 +188,14 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
                    "runtime.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar while profiling (default: when stderr is a terminal).")
+@click.option("--zero/--no-zero", default=False, show_default=True,
+              help="Let the planner shard each stage's training state over its data-parallel "
+                   "devices (ZeRO level 0-3 per stage; mixed-precision Adam: 12 of the 16 "
+                   "bytes per parameter are optimizer state).")
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
             source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
-            use_all_devices, cache_dir, no_cache, json_path, simulate, remat, progress):
+            use_all_devices, cache_dir, no_cache, json_path, simulate, remat, progress, zero):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
   from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
@@ -224,7 +228,8 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
       layer_kw["target_layers"] = target_layers
     layer_options = LayerOptions(**layer_kw)
     profile_kw = dict(source=source, cache_dir=cache_dir, use_cache=not no_cache,
-                      progress=progress, remat=remat, order=None if order == "given" else order)
+                      progress=progress, remat=remat, order=None if order == "given" else order,
+                      optimizer_bytes_per_param=12.0 if zero else None)
     if source == "imported":
       profile_kw["imported_model"] = "deepspeedgpt_2.7b"
     profile_options = ProfileOptions(**profile_kw)

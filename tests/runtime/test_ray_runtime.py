@@ -367,10 +367,13 @@ def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
     jax.config.update("jax_enable_x64", prev)
 
 
-def test_zero_stages_on_actors_match_jit_float64():
+@pytest.mark.parametrize("offload_by", ["options", "plan"])
+def test_zero_stages_on_actors_match_jit_float64(offload_by):
   # ZeRO-3 on one stage, ZeRO-1 on the other, each over dp = 2: the actors keep the split
   # parameters and optimizer state between steps (the second stage's optimizer state in host
-  # memory) and the result equals jax.jit's (float64).
+  # memory, asked for by OffloadOptions or by the plan's StageSpec.offload) and the result
+  # equals jax.jit's (float64).
+  import dataclasses
   from tests import zoo
   from tests.runtime.test_zero import zero_plan
   prev = jax.config.jax_enable_x64
@@ -378,10 +381,13 @@ def test_zero_stages_on_actors_match_jit_float64():
   try:
     case = zoo.linen("loop")
     plan = zero_plan(6, [("v100", (1, 2), (2, 1), 3), ("a100", (1, 2), (2, 1), 1)])
+    offload = harpjax.OffloadOptions(optimizer_state=True, stages=(1,))
+    if offload_by == "plan":
+      offload = None
+      plan = dataclasses.replace(plan, stages=(
+          plan.stages[0], dataclasses.replace(plan.stages[1], offload=True)))
     pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4,
-                                  plan=plan, runtime="ray",
-                                  offload=harpjax.OffloadOptions(optimizer_state=True,
-                                                                 stages=(1,)))
+                                  plan=plan, runtime="ray", offload=offload)
     ref = jax.jit(case.step)
     s_par = s_ref = case.state
     for batch in case.batches[:2]:

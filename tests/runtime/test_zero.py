@@ -160,6 +160,27 @@ def test_optimizer_state_offloaded_to_host_memory_float64(x64, caplog):
     assert abs(r.error) <= 0.15, (r.stage, r.phases, r.predicted)
 
 
+def test_offload_chosen_in_the_plan_float64(x64):
+  # The plan, not OffloadOptions, says stage 0 keeps its optimizer state in host memory
+  # (StageSpec.offload, what the planner writes): jax.jit's numbers, stage 0's state on the
+  # host, stage 1's on its devices; the plan file keeps the choice.
+  model, opt_index, stages = PLANS["adamw:z1dp2,z2dp4"]
+  case = _case(model)
+  plan = zero_plan(6, stages)
+  plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], offload=True),
+                                           plan.stages[1]))
+  assert harpjax.Plan.from_json(plan.to_json()).stages[0].offload
+  assert "offload" not in plan.stages[1].to_json()
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
+  out_par = pstep(case.state, case.batches[0])
+  assert max_rel_err(jax.jit(case.step)(case.state, case.batches[0]), out_par) <= RTOL
+  resolved = pstep.plan(case.state, case.batches[0])
+  on = {s: set(jax.devices()[d] for d in spec.devices) for s, spec in enumerate(resolved.stages)}
+  kinds = {s: {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out_par[0][opt_index])
+               if x.ndim and x.size > 1 and x.sharding.device_set == on[s]} for s in on}
+  assert kinds == {0: {"pinned_host"}, 1: {"device"}}, kinds
+
+
 def test_offload_options_and_devices_without_host_memory():
   from harpjax.compiler.stages import check_host_memory
   from harpjax.errors import MemoryKindError, PlanError
@@ -187,3 +208,59 @@ def test_offload_options_and_devices_without_host_memory():
       harpjax.OffloadOptions(**bad)
   with pytest.raises(PlanError, match="offload="):
     harpjax.auto_parallel(lambda s, b: s, cluster=DEMO_CLUSTER, offload=True)
+
+
+def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
+  # The automatic path with the optimizer state in the cost tables
+  # (ProfileOptions.optimizer_bytes_per_param) on devices with too little memory for any plan
+  # at level 0: the planner shards the state (StageSpec.zero), and training is jax.jit's.
+  from harpjax.compiler.plan import solve
+  from harpjax.compiler.profile import ProfileOptions, profile_step
+  from harpjax.errors import InfeasiblePlanError
+  case = _case("loop")
+  popts = ProfileOptions(use_cache=False, progress=False, state_bytes_per_param=32.0,
+                         optimizer_bytes_per_param=16.0)   # float64 Adam: 8 + 8 + 16
+
+  def cluster_file(memory_bytes):
+    path = tmp_path / f"small_{memory_bytes:.0f}.yaml"
+    gib = memory_bytes / 2**30
+    path.write_text(f"""name: small
+gpus:
+  - {{name: small-v100, tflops: 125, memory_gb: {gib!r}, mem_bandwidth_gbs: 900,
+      intra_host_gbps: 2400}}
+  - {{name: small-a100, tflops: 312, memory_gb: {gib!r}, mem_bandwidth_gbs: 1555,
+      intra_host_gbps: 4800}}
+subclusters:
+  - {{name: v100, gpu: small-v100, hosts: 1, devices_per_host: 4,
+      nics: [{{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
+  - {{name: a100, gpu: small-a100, hosts: 2, devices_per_host: 2,
+      nics: [{{name: ib0, kind: rdma, gbps: 200, network: a100-ib}},
+             {{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
+links:
+  - {{between: [v100, a100], gbps: 5}}
+""")
+    return str(path)
+
+  def plans(memory_bytes, **kw):
+    path = cluster_file(memory_bytes)
+    tables = profile_step(case.step, (case.state, case.batches[0]), harpjax.Cluster.load(path),
+                          num_microbatches=B, options=popts).tables
+    try:
+      return path, solve(tables, B, **kw)
+    except InfeasiblePlanError:
+      return path, None
+
+  # The least memory with a plan at level 0, then a little less.
+  lo, hi = 1e3, 1e9
+  for _ in range(30):
+    mid = (lo * hi) ** 0.5
+    lo, hi = (lo, mid) if plans(mid, zero_levels=(0,), offload=False)[1] else (mid, hi)
+  path, res = plans(0.8 * hi)
+  assert res is not None and any(s.zero for s in res.plan.stages), hi
+  pstep = harpjax.auto_parallel(case.step, cluster=path, num_microbatches=B,
+                                profile_options=popts)
+  planned = pstep.plan(case.state, case.batches[0])
+  assert [s.zero for s in planned.stages] == [s.zero for s in res.plan.stages]
+  out_par = pstep(case.state, case.batches[0])
+  out_ref = jax.jit(case.step)(case.state, case.batches[0])
+  assert max_rel_err(out_ref, out_par) <= RTOL

@@ -5,7 +5,9 @@ Modules: :mod:`~harpjax.compiler.plan.spec` (:class:`Plan`, :class:`StageSpec`, 
 :mod:`~harpjax.compiler.plan.index` (device states and the DP's sparse index),
 :mod:`~harpjax.compiler.plan.dp_kernel` (the DP at one ``t_max``: Numba kernel and NumPy
 twin), :mod:`~harpjax.compiler.plan.evaluate` (scoring any plan, diagnosing infeasibility) and
-:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``). The paper's
+:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``) and
+:mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level and optimizer-state offload as
+variants of its submesh). The paper's
 baseline planners, which the benchmarks compare with, are ``tools/baselines.py``.
 """
 
@@ -16,11 +18,12 @@ from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJEC
 from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, row_shares, StageGroup,
                                         StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
+from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 
 __all__ = [
     "COST_MODELS", "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan",
     "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
-    "register_parallel_backend", "row_shares",
-    "SearchStats", "single_subcluster", "solve", "SolveOptions",
-    "SparseIndex", "StageGroup", "StageSpec",
+    "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve",
+    "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "expand_variants",
+    "VariantOptions",
 ]

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import pack_submeshes
+from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
@@ -53,6 +54,9 @@ class PlannedStage:
     warmup: H-1F1B warm-up count ``N_i``; ``inflight = min(N_i, B)``.
     param_bytes, act_bytes: per device; ``peak_mem_bytes = param + inflight * act``.
     device_memory_bytes: the device's memory.
+    zero: the stage's ZeRO level; offload: its optimizer state kept in host memory (the
+      variant of tables with :attr:`~harpjax.compiler.profile.CostTables.variants`;
+      ``submesh_index`` is then the variant's index in those tables).
   """
   layers: tuple[int, int]
   subcluster: int
@@ -70,6 +74,8 @@ class PlannedStage:
   act_bytes: float
   peak_mem_bytes: float
   device_memory_bytes: float
+  zero: int = 0
+  offload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +149,13 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
   for st in stages:
     if isinstance(st, StageSpec):
       k = tables.subcluster_index(st.subcluster)
-      out.append((st.layers[0], st.layers[1], k, tables.submesh_index(k, st.submesh)))
+      out.append((st.layers[0], st.layers[1], k,
+                  variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload)))
     elif isinstance(st, PlannedStage):
-      out.append((st.layers[0], st.layers[1], st.subcluster, st.submesh_index))
+      s = st.submesh_index
+      if tables.variants is not None or st.zero or st.offload:
+        s = variants_lib.variant_slot(tables, st.subcluster, st.submesh, st.zero, st.offload)
+      out.append((st.layers[0], st.layers[1], st.subcluster, s))
     else:
       i, j, k, s = st
       k = tables.subcluster_index(k)
@@ -180,10 +190,11 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
   """Scores a plan on cost tables: Eq. 12, steady period, memory, links, packing.
 
   Args:
-    tables: the cost tables.
+    tables: the cost tables. A stage with a ZeRO level or host offload is scored by its
+      variant (:mod:`~harpjax.compiler.plan.variants`: the tables need ``opt_mem_bytes``).
     stages: a :class:`~harpjax.compiler.plan.Plan`, its :class:`StageSpec` list, a
       :class:`PlannedStage` list, or tuples ``(first_layer, last_layer, subcluster, submesh
-      index)`` (subcluster by index or name).
+      index)`` (subcluster by index or name; the index of a variant in expanded tables).
     num_microbatches: ``B``.
     schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``.
     eps: H-1F1B tolerance.
@@ -199,6 +210,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
       leaving it, or follow each other on two subclusters the tables give no link between.
   """
   B = int(num_microbatches)
+  tables = variants_lib.tables_for_stages(tables, stages)
   quads = _resolve_stages(tables, stages)
   S = len(quads)
   key = schedule.lower().replace("-", "_")
@@ -265,7 +277,9 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
         submesh_index=s, submesh=(n, m), logical_mesh=tables.logical_mesh_of(k, i, j, s),
         device_offset=offset, hosts=hosts.get(x, ()), time_s=t[x], comm_s=c[x],
         warmup=int(warm[x]), inflight=int(inflight[x]), param_bytes=p, act_bytes=a,
-        peak_mem_bytes=peak, device_memory_bytes=dev_mem))
+        peak_mem_bytes=peak, device_memory_bytes=dev_mem,
+        zero=variants_lib.variant_of(tables, k, s)[0],
+        offload=variants_lib.variant_of(tables, k, s)[1]))
   comm_ok = all(x <= t_max for x in c)
   ends = [tables.end_of(k, i, j, s) for i, j, k, s in quads]
   head = sum(x + 2.0 * y for x, y in zip(t, c))
@@ -330,6 +344,11 @@ def infeasible_error(tables: CostTables, B: int, eps: float, use_all_devices: bo
   """Says which constraint makes every plan infeasible, and by how much (``link_bound``:
   plans with a cut slower than their slowest stage were allowed)."""
   constraint, msg = _diagnose(tables, B, eps, use_all_devices, keep_order, link_bound)
+  if constraint == "memory" and tables.variants is None and tables.opt_mem_bytes is None:
+    msg += (". The planner can shard each stage's training state over its data-parallel "
+            "devices (ZeRO) when the tables carry the optimizer state's bytes: "
+            "ProfileOptions(optimizer_bytes_per_param=12.0), harpjax plan --zero, or "
+            "CostTables.from_layer_costs(..., optimizer_share=0.75)")
   err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B}: {msg}")
   err.constraint = constraint
   return err

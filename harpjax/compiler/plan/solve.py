@@ -50,6 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from harpjax.compiler.plan import proof_kernel, rate_kernel
+from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
                                             infeasible_error)
@@ -141,6 +142,12 @@ class SolveOptions:
       plan's bottleneck stage hide at most this share of an iteration (of the round trip of
       the stages below it); ``1``: no assumption (slower). It only steers which plans the DP
       proposes: the bounded exact search makes no such assumption.
+    zero_levels: the ZeRO levels a stage may use, chosen per stage by the search where the
+      tables carry the optimizer state's bytes (``CostTables.opt_mem_bytes``; tables without
+      them plan at level 0). ``(0,)``: no sharding of the training state.
+    offload: a stage may keep its optimizer state in host memory (where the tables also give
+      ``offload_bandwidth_bytes_per_s``); chosen per stage (:mod:`~harpjax.compiler.plan.
+      variants`).
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -160,8 +167,12 @@ class SolveOptions:
   proof_nodes: int = 200_000
   bound_pieces: int = 16
   hidden_share: float = 0.02
+  zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+  offload: bool = True
 
   def __post_init__(self):
+    variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload)
+    object.__setattr__(self, "zero_levels", variant_opts.zero_levels)
     if self.cost_model not in COST_MODELS:
       raise PlanError(f"SolveOptions.cost_model={self.cost_model!r}; choose one of "
                       f"{COST_MODELS}")
@@ -575,11 +586,46 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
   start = time.perf_counter()
+  given = tables
+  if variants_lib.has_variant_data(tables):
+    tables = variants_lib.expand_variants(
+        tables, variants_lib.VariantOptions(opts.zero_levels, opts.offload), B)
   result = _search(tables, B, opts, start)
   if (opts.cost_model == "simulator" and not opts.use_all_devices
       and tables.num_subclusters > 1 and not result.stats.proved):
     result = _best_of_single_subclusters(tables, B, opts, result, start)
+  if tables is not given:
+    result = _with_fewer_variants(given, tables, B, opts, result, start)
   return result
+
+
+def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: SolveOptions,
+                         result: PlanResult, start: float) -> PlanResult:
+  """The stages' submesh indices in the caller's tables (``given``; ``tables`` are its
+  variants). When the search could not prove its optimum: :func:`solve` without offload and
+  at level 0 alone too, the best result kept, so that the new freedom never makes the
+  result worse than planning without it."""
+  result = dataclasses.replace(result, stages=tuple(
+      dataclasses.replace(st, submesh_index=variants_lib.base_index(
+          tables, st.subcluster, st.submesh_index)) for st in result.stages))
+  if result.stats.proved:
+    return result
+  # Without offload first; that search (unless it proves its optimum) tries level 0 alone.
+  fewer = [dict(zero_levels=(0,), offload=False)]
+  if opts.offload and given.offload_bandwidth_bytes_per_s is not None:
+    fewer = [dict(offload=False)]
+  for change in fewer:
+    try:
+      alt = solve(given, B, options=dataclasses.replace(opts, **change))
+    except InfeasiblePlanError:
+      continue
+    if _value(alt) < _value(result):
+      log.info("planner: a plan with fewer memory options (%s) simulates better: %.6g",
+               change, _value(alt))
+      result = alt
+  # Proved or not is about the whole problem, with every variant: not proved here.
+  stats = dataclasses.replace(result.stats, seconds=time.perf_counter() - start, proved=False)
+  return dataclasses.replace(result, stats=stats)
 
 
 def _value(result: PlanResult) -> float:
@@ -603,7 +649,10 @@ def single_subcluster(tables: CostTables, k: int) -> CostTables:
       intra_latency_s=(tables.intra_latency_s[k],), inter_bandwidth_bytes_per_s=(),
       inter_latency_s=(), link_bandwidth_bytes_per_s=None, link_latency_s=None,
       logical_mesh=pick(tables.logical_mesh), peak_flops=pick(tables.peak_flops),
-      price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s))
+      price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s),
+      opt_mem_bytes=pick(tables.opt_mem_bytes), gather_time_s=pick(tables.gather_time_s),
+      offload_bandwidth_bytes_per_s=pick(tables.offload_bandwidth_bytes_per_s),
+      variants=pick(tables.variants))
 
 
 def _best_of_single_subclusters(tables: CostTables, B: int, opts: SolveOptions,
@@ -933,7 +982,7 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
   stages = ev.stages
   specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
                           logical_mesh=s.logical_mesh, warmup=s.warmup, time_s=s.time_s,
-                          comm_s=s.comm_s) for s in stages)
+                          comm_s=s.comm_s, zero=s.zero, offload=s.offload) for s in stages)
   plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
               t_max_s=ev.t_max_s, predicted_iteration_s=iteration, eta=ev.eta,
               meta={"planner": "harpjax.dp", "eps": opts.eps, "cost_model": opts.cost_model,

@@ -201,6 +201,9 @@ class StageSpec:
       device holds everything (default); ``1`` the optimizer state is sharded; ``2`` the
       gradient accumulator too (a reduce-scatter instead of an all-reduce); ``3`` the
       parameters too, gathered where they are used. Written to a plan file only when not 0.
+    offload: the stage keeps its optimizer state in host memory between updates (as
+      :class:`harpjax.OffloadOptions` asks for its stages; the runtime offloads a stage when
+      either says so). Written to a plan file only when true.
     groups: more groups of devices running the stage, data-parallel, each on its share of
       every microbatch's rows (a mixed-type stage, :class:`StageGroup`); the fields above
       describe the stage's first group. Written to a plan file only when not empty.
@@ -217,6 +220,7 @@ class StageSpec:
   zero: int = 0
   groups: tuple[StageGroup, ...] = ()
   share: int = 1
+  offload: bool = False
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -236,6 +240,9 @@ class StageSpec:
     if zero > 3:
       raise PlanError(f"{where}: zero={self.zero!r} must be 0, 1, 2 or 3")
     object.__setattr__(self, "zero", zero)
+    if not isinstance(self.offload, bool) and type(self.offload).__name__ != "bool_":
+      raise PlanError(f"{where}: offload={self.offload!r} must be true or false")
+    object.__setattr__(self, "offload", bool(self.offload))
     if isinstance(self.groups, (str, bytes, dict)) or not isinstance(self.groups, Sequence):
       raise PlanError(f"{where}: groups={self.groups!r} must be a list of StageGroup")
     groups = tuple(g if isinstance(g, StageGroup) else StageGroup.from_json(g, f"{where}: group")
@@ -289,7 +296,7 @@ class StageSpec:
       elif f.name == "share":
         if self.groups:
           out["share"] = v
-      elif f.name != "zero" or v:
+      elif f.name not in ("zero", "offload") or v:
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
 
@@ -309,6 +316,10 @@ class StageSpec:
           "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s"),
           "zero": _optional(data, "zero", where, _int, 0) or 0,
           "share": _optional(data, "share", where, _int, 1) or 1}
+    if "offload" in data:
+      if not isinstance(data["offload"], bool):
+        raise PlanError(f"{where}.offload={data['offload']!r} must be true or false")
+      kw["offload"] = data["offload"]
     groups = data.get("groups") or []
     if not isinstance(groups, list):
       raise PlanError(f"{where}.groups={groups!r} must be a list of group objects")
@@ -396,6 +407,10 @@ class Plan:
                    "-" if s.warmup is None else str(s.warmup),
                    "-" if s.time_s is None else f"{s.time_s * 1e3:.3f}",
                    "-" if s.comm_s is None else f"{s.comm_s * 1e3:.3f}"])
+    if any(st.zero or st.offload for st in self.stages):   # the training state's place
+      head.append("State")
+      for r, st in zip(rows, self.stages):
+        r.append("+".join([f"ZeRO-{st.zero}"] + (["offload"] if st.offload else [])))
     widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
     lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]

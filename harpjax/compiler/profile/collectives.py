@@ -11,7 +11,7 @@ import numpy as np
 
 from harpjax.cluster import Link
 
-__all__ = ["allreduce_time_s", "collective_time_s"]
+__all__ = ["allreduce_time_s", "allgather_time_s", "collective_time_s"]
 
 
 def allreduce_time_s(nbytes, p: int, link: Link):
@@ -30,6 +30,18 @@ def allreduce_time_s(nbytes, p: int, link: Link):
   else:
     t = 2.0 * (p - 1) / p * nbytes / link.bandwidth_bytes_per_s + 2.0 * (p - 1) * link.latency_s
     t = np.where(nbytes > 0, t, 0.0)
+  return float(t) if t.ndim == 0 else t
+
+
+def allgather_time_s(nbytes, p: int, link: Link):
+  """Ring all-gather whose result is ``nbytes`` per device:
+  ``(p - 1) / p * bytes / bandwidth + (p - 1) * latency`` (:func:`collective_time_s`'s
+  ``"all-gather"``); ``0`` when ``p <= 1`` or there is nothing to gather; scalars or arrays,
+  as :func:`allreduce_time_s`."""
+  x = np.asarray(nbytes, dtype=np.float64)
+  with np.errstate(invalid="ignore"):
+    t = (p - 1) / p * x / link.bandwidth_bytes_per_s + (p - 1) * link.latency_s
+  t = np.where((x > 0) & (p > 1), t, 0.0)
   return float(t) if t.ndim == 0 else t
 
 

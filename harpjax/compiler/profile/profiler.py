@@ -45,6 +45,7 @@ from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
 from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_step, relayer,
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
+from harpjax.compiler.profile.collectives import allgather_time_s
 from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
 from harpjax.compiler.trace import trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "ProfileTasks",
            "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
            "tables_from_layer_costs", "ordered_subclusters", "SOURCES", "COST_FIELDS",
-           "microbatch_size",
+           "microbatch_size", "dp_link",
            "progress_bar"]
 
 _SOURCE_CLASSES = {"jaxpr": sources.JaxprSource, "analytic": sources.AnalyticSource,
@@ -100,6 +101,12 @@ class ProfileOptions:
     remat: cost layers whose forward is rematerialised in the backward (activation
       recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
       in-flight microbatch. The runtime must then rematerialise too.
+    optimizer_bytes_per_param: the optimizer state's part of ``state_bytes_per_param`` (12 of
+      16 for mixed-precision Adam, 8 of 16 for float32 Adam); given, the tables carry it
+      (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
+      ``dp`` replicas, so the planner chooses a ZeRO level per stage
+      (:mod:`harpjax.compiler.plan.variants`); a layer too large for one device at level 0
+      is then still costed when its ``dp`` share fits. ``None`` (default): level 0.
   """
   source: str = "jaxpr"
   cache_dir: str | None = None
@@ -116,6 +123,7 @@ class ProfileOptions:
   imported_data_dir: str | None = None
   workers: int = 1
   remat: bool = False
+  optimizer_bytes_per_param: float | None = None
 
   def __post_init__(self):
     if self.source not in SOURCES:
@@ -124,6 +132,11 @@ class ProfileOptions:
     if self.source == "imported" and not self.imported_model:
       raise HarpjaxError("source='imported' needs imported_model (a Zorse model name such "
                          "as 'deepspeedgpt_2.7b')")
+    if self.optimizer_bytes_per_param is not None and not (
+        0 <= self.optimizer_bytes_per_param < self.state_bytes_per_param):
+      raise HarpjaxError(f"ProfileOptions.optimizer_bytes_per_param="
+                         f"{self.optimizer_bytes_per_param} must be in [0, "
+                         f"state_bytes_per_param={self.state_bytes_per_param})")
     if not self.imbalance > 0 or self.state_bytes_per_param <= 0 or self.workers < 1:
       raise HarpjaxError("ProfileOptions: imbalance and state_bytes_per_param must be > 0 and "
                          "workers >= 1")
@@ -350,7 +363,8 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
     row = []
     for i in range(L):
       full = piece(layers, i)
-      if full.num_params / tp * opts.state_bytes_per_param > sub.memory_bytes:
+      split = tp * (dp if opts.optimizer_bytes_per_param is not None else 1)
+      if full.num_params / split * opts.state_bytes_per_param > sub.memory_bytes:
         row.append(None)
         pruned += 1
         continue
@@ -470,21 +484,43 @@ def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dic
   return out
 
 
+def dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
+  """The link between a submesh's data-parallel replicas: inside a host for a one-host
+  submesh, else the subcluster's."""
+  if submesh[0] == 1:
+    return Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
+  nl = cluster.intra_subcluster_link(sub.name)
+  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+
+
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
-                            imbalance: float) -> tuple[CostTables, dict]:
+                            imbalance: float, zero: tuple[float, float] | None = None
+                            ) -> tuple[CostTables, dict]:
   """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
   times and residuals, and the sum of their parameter state plus the largest XLA workspace
   among them (:func:`~harpjax.compiler.profile.tables.assemble_tables` picks the logical
-  mesh)."""
+  mesh). With ``zero = (state_bytes_per_param, optimizer_bytes_per_param)`` the tables also
+  carry the optimizer state's bytes and the weights' all-gather seconds of every entry (the
+  planner's ZeRO variants): the parameters are the state bytes over ``state_bytes_per_param``,
+  the weights half of what is not optimizer state."""
   by_submesh: dict[tuple[int, int], list] = {}
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
 
   def mesh_costs(k: int, s: int):
     for mesh, arr in by_submesh.get((k, s), []):
-      yield (mesh, range_sums(arr["time_s"]),
-             range_sums(arr["param_mem_bytes"]) + range_max(arr["temp_bytes"]),
+      state = range_sums(arr["param_mem_bytes"])
+      out = (mesh, range_sums(arr["time_s"]), state + range_max(arr["temp_bytes"]),
              range_sums(arr["act_mem_bytes"]))
+      if zero is not None:
+        per, opt = zero
+        L = len(layers)
+        sub = subs[k]
+        weights = state / per * (per - opt) / 2.0
+        gather = allgather_time_s(weights, mesh[0],
+                                  dp_link(cluster, sub, sub.submesh_shapes()[s]))
+        out += (np.zeros((L, L)), state / per * opt, gather)
+      yield out
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
   inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]
@@ -549,8 +585,10 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
                           _local_layers(layers, local_layers))
   results, computed, dp_approx = cost_tasks(found, source, db, opts, layers)
   costs = layer_costs(found, results, L)
+  zero = None if opts.optimizer_bytes_per_param is None else (
+      opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
   tables, counts = tables_from_layer_costs(layers, cluster, subs, found.configs, costs,
-                                           opts.imbalance)
+                                           opts.imbalance, zero)
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),

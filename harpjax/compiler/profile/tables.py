@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from harpjax.cluster import Link, paper_submeshes
-from harpjax.compiler.profile.collectives import allreduce_time_s
+from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.errors import CostTablesError
 
 __all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 
 
 def check_submeshes(name: str, num_hosts: int, devices_per_host: int,
-                    shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-  """Validates one subcluster's submesh shapes.
+                    shapes: Sequence[tuple[int, int]], *,
+                    repeats: bool = False) -> tuple[tuple[int, int], ...]:
+  """Validates one subcluster's submesh shapes (``repeats``: a shape may appear more than
+  once, as in tables with :attr:`CostTables.variants`).
 
   Raises:
     CostTablesError: a shape is not ``(1, m)`` with ``1 <= m <= M`` or ``(n, M)`` with
@@ -72,7 +74,7 @@ def check_submeshes(name: str, num_hosts: int, devices_per_host: int,
     out.append((n, m))
   if not out:
     raise CostTablesError(f"subcluster {name!r} has no submesh shapes")
-  if len(set(out)) != len(out):
+  if len(set(out)) != len(out) and not repeats:
     raise CostTablesError(f"subcluster {name!r}: submesh shapes {out} repeat")
   return tuple(out)
 
@@ -170,6 +172,20 @@ class CostTables:
       submesh ``s`` spends once per iteration after its last backward (gradient
       synchronisation inside its submesh and the optimizer update; the simulator's
       ``end_cost``). ``None``: none (e.g. amortised into ``stage_time_s``).
+    opt_mem_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: of ``param_mem_bytes``, the
+      optimizer state's bytes per device (the rest is weights and gradients, half each). With
+      it the planner may shard the state over the stage's ``dp`` devices (ZeRO levels 1-3,
+      :mod:`harpjax.compiler.plan.variants`).
+    gather_time_s: optional ``[K]`` arrays ``[L, L, S_k]``: seconds of one all-gather of the
+      stage's weights among its ``dp`` replicas (ZeRO-1/2 once per iteration, ZeRO-3 twice
+      per microbatch); ``None`` with ``opt_mem_bytes``: free.
+    offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
+      memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
+      stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration.
+    variants: set only on tables whose submesh choices are (submesh, ZeRO level, offload)
+      variants (:func:`harpjax.compiler.plan.variants.expand_variants`): ``[K]`` tuples of
+      ``(zero, offload)``, one per entry of ``submeshes[k]`` (whose shapes then repeat, once
+      per variant).
   """
   num_layers: int
   subcluster_names: tuple[str, ...]
@@ -192,6 +208,10 @@ class CostTables:
   link_latency_s: tuple[tuple[float, ...], ...] | None = None
   price_per_gpu_hour: tuple[float, ...] | None = None
   end_time_s: tuple[np.ndarray, ...] | None = None
+  opt_mem_bytes: tuple[np.ndarray, ...] | None = None
+  gather_time_s: tuple[np.ndarray, ...] | None = None
+  offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
+  variants: tuple[tuple[tuple[int, bool], ...], ...] | None = None
 
   def __post_init__(self):
     L = _int(self.num_layers, "num_layers")
@@ -221,12 +241,20 @@ class CostTables:
       set_("price_per_gpu_hour", _nonneg(self.price_per_gpu_hour, "price_per_gpu_hour", K))
     if self.peak_flops is not None:
       set_("peak_flops", _positive(self.peak_flops, "peak_flops", K))
+    repeats = self.variants is not None
     shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
-                                   s) for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
+                                   s, repeats=repeats)
+                   for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
     set_("submeshes", shapes)
+    if repeats:
+      self._set_variants(K)
+    if self.offload_bandwidth_bytes_per_s is not None:
+      set_("offload_bandwidth_bytes_per_s", _positive(self.offload_bandwidth_bytes_per_s,
+                                                      "offload_bandwidth_bytes_per_s", K))
     fields = ("stage_time_s", "param_mem_bytes", "act_mem_bytes")
-    if self.end_time_s is not None:
-      fields += ("end_time_s",)
+    for extra in ("end_time_s", "opt_mem_bytes", "gather_time_s"):
+      if getattr(self, extra) is not None:
+        fields += (extra,)
     for field in fields:
       arrs = []
       for k, a in enumerate(_seq(getattr(self, field), field, K)):
@@ -243,13 +271,19 @@ class CostTables:
             raise CostTablesError(f"stage_time_s[{k}][{tuple(int(x) for x in bad[0])}] = "
                                   f"{a[tuple(bad[0])]}: stage times must be > 0 (inf if "
                                   "infeasible)")
-        elif field == "end_time_s":
+        elif field in ("end_time_s", "gather_time_s"):
           bad = np.argwhere((a < 0) | (np.isinf(a) & np.isfinite(self.stage_time_s[k])))
           if bad.size:
-            raise CostTablesError(f"end_time_s[{k}][{tuple(int(x) for x in bad[0])}] = "
-                                  f"{a[tuple(bad[0])]}: end times must be finite seconds >= 0 "
+            raise CostTablesError(f"{field}[{k}][{tuple(int(x) for x in bad[0])}] = "
+                                  f"{a[tuple(bad[0])]}: must be finite seconds >= 0 "
                                   "where the stage time is finite")
           a = np.where(np.isfinite(a), a, 0.0)
+        elif field == "opt_mem_bytes":
+          bad = np.argwhere((a < 0) | np.isinf(a) | (a > self.param_mem_bytes[k]))
+          if bad.size:
+            raise CostTablesError(f"opt_mem_bytes[{k}][{tuple(int(x) for x in bad[0])}] = "
+                                  f"{a[tuple(bad[0])]}: the optimizer state's bytes must be "
+                                  "finite, >= 0 and at most param_mem_bytes there")
         else:
           bad = np.argwhere((a < 0) | np.isinf(a))
           if bad.size:
@@ -284,6 +318,21 @@ class CostTables:
       if len(self.layer_names) != L:
         raise CostTablesError(f"layer_names has {len(self.layer_names)} names for {L} layers")
       set_("layer_names", tuple(str(n) for n in self.layer_names))
+
+  def _set_variants(self, K: int) -> None:
+    """Checks :attr:`variants`: one ``(zero, offload)`` per submesh entry, no (shape, zero,
+    offload) twice."""
+    rows = []
+    for k, row in enumerate(_seq(self.variants, "variants", K)):
+      row = tuple((int(z), bool(o)) for z, o in row)
+      if len(row) != len(self.submeshes[k]) or any(z not in (0, 1, 2, 3) for z, _ in row):
+        raise CostTablesError(f"variants[{k}] must give (zero in 0..3, offload) for each of "
+                              f"the {len(self.submeshes[k])} submesh entries")
+      keys = list(zip(self.submeshes[k], row))
+      if len(set(keys)) != len(keys):
+        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload) repeats")
+      rows.append(row)
+    object.__setattr__(self, "variants", tuple(rows))
 
   def _set_links(self, K: int) -> None:
     """Checks the links between subclusters; fills the matrix or the consecutive ones."""
@@ -462,6 +511,8 @@ class CostTables:
         boundary_bytes=self.boundary_bytes[ends],
         logical_mesh=None if self.logical_mesh is None else pick(self.logical_mesh),
         end_time_s=None if self.end_time_s is None else pick(self.end_time_s),
+        opt_mem_bytes=None if self.opt_mem_bytes is None else pick(self.opt_mem_bytes),
+        gather_time_s=None if self.gather_time_s is None else pick(self.gather_time_s),
         layer_names=names)
 
   def describe(self) -> str:
@@ -481,7 +532,8 @@ class CostTables:
                        layer_time_s: Sequence[Sequence[float]] | None = None,
                        grad_sync_microbatches: int = 1, max_tp: int | None = None,
                        order: str | Sequence[str] | None = None,
-                       end_cost: bool = False) -> "CostTables":
+                       end_cost: bool = False,
+                       optimizer_share: float | None = None) -> "CostTables":
     """Builds tables from per-layer costs and a simple cluster description.
 
     For each range ``i..j``, submesh ``(n, m)`` of ``g = n * m`` devices and logical mesh
@@ -519,12 +571,19 @@ class CostTables:
         ``grad_sync_microbatches``; with the subcluster's ``mem_bandwidth_bytes_per_s`` the
         optimizer update (reading and writing the state, ``2 * param_mem_bytes / tp``) is
         added to it.
+      optimizer_share: the optimizer state's share of ``param_mem_bytes`` (``0.75`` for
+        mixed-precision Adam, 12 of 16 bytes; ``0.5`` for float32 Adam); with it the tables
+        carry :attr:`CostTables.opt_mem_bytes` and :attr:`CostTables.gather_time_s` (a ring
+        all-gather of ``param_bytes / tp`` over the ``dp`` replicas, on the gradient sync's
+        link), so the planner may choose a ZeRO level per stage, and, where every subcluster
+        has ``offload_bandwidth_bytes_per_s``, host offload of the optimizer state.
 
     Returns:
       The :class:`CostTables`.
     """
     return _from_layer_profile(layers, subclusters, inter_links, layer_time_s,
-                               grad_sync_microbatches, max_tp, order, end_cost)
+                               grad_sync_microbatches, max_tp, order, end_cost,
+                               optimizer_share)
 
 
 # --------------------------------------------------------------------------- per-layer costs
@@ -551,6 +610,8 @@ class SubclusterSpec:
     price_per_gpu_hour: optional price of one device per hour.
     mem_bandwidth_bytes_per_s: optional device memory bandwidth (the optimizer update's time
       with ``from_layer_costs(..., end_cost=True)``).
+    offload_bandwidth_bytes_per_s: optional bandwidth between a device and its host's memory,
+      one direction (PCIe 3.0 x16 ~12e9, 4.0 ~25e9): host offload of the optimizer state.
   """
   name: str
   num_hosts: int
@@ -565,9 +626,15 @@ class SubclusterSpec:
   submeshes: tuple[tuple[int, int], ...] | None = None
   price_per_gpu_hour: float | None = None
   mem_bandwidth_bytes_per_s: float | None = None
+  offload_bandwidth_bytes_per_s: float | None = None
 
   def __post_init__(self):
     where = f"subcluster {self.name!r}"
+    if self.offload_bandwidth_bytes_per_s is not None and not (
+        np.isfinite(self.offload_bandwidth_bytes_per_s)
+        and self.offload_bandwidth_bytes_per_s > 0):
+      raise CostTablesError(f"{where}: offload_bandwidth_bytes_per_s="
+                            f"{self.offload_bandwidth_bytes_per_s} must be finite and > 0")
     if self.mem_bandwidth_bytes_per_s is not None and not (
         np.isfinite(self.mem_bandwidth_bytes_per_s) and self.mem_bandwidth_bytes_per_s > 0):
       raise CostTablesError(f"{where}: mem_bandwidth_bytes_per_s="
@@ -704,13 +771,16 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
                     layer_flops: Sequence[float] | None = None, imbalance: float = np.inf,
                     layer_names: Sequence[str] | None = None,
                     pair_links: Sequence[Sequence[Link | None]] | None = None,
-                    price_per_gpu_hour: Sequence[float] | None = None
+                    price_per_gpu_hour: Sequence[float] | None = None,
+                    offload_bandwidth_bytes_per_s: Sequence[float] | None = None
                     ) -> tuple[CostTables, dict]:
   """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
 
   For each entry (layer range, submesh) the logical mesh kept is the fastest of those whose
-  parameters plus one in-flight microbatch fit the device; if none fits, the one with the
-  smallest footprint (its time is kept: the planner drops the entry by its memory check).
+  parameters plus one in-flight microbatch fit the device; if none fits, with the optimizer
+  state given, the fastest that fits with its state split over its ``dp`` devices (what the
+  planner's ZeRO variants can use); else the one with the smallest footprint (its time is
+  kept: the planner drops the entry by its memory check).
   A multi-layer range whose share of the model's FLOPs exceeds ``imbalance`` times its
   submesh's share of the cluster's peak FLOP/s is hopelessly imbalanced (§5.1) and marked
   infeasible (``inf``).
@@ -722,13 +792,17 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     mesh_costs: ``mesh_costs(k, s)`` yields :data:`MeshCosts` of submesh ``s`` of subcluster
       ``k``: ``((dp, tp), time, param bytes, act bytes)`` ``[L, L]`` arrays (an ``inf`` time
       marks a range that cannot run), optionally with a fifth, the end-of-iteration seconds
-      (:attr:`CostTables.end_time_s`).
+      (:attr:`CostTables.end_time_s`), and then a sixth and a seventh, the optimizer state's
+      bytes and the weights' all-gather seconds (:attr:`CostTables.opt_mem_bytes`,
+      :attr:`CostTables.gather_time_s`).
     boundary_bytes: ``[L]``.
     intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
       consecutive ones.
     pair_links: optional ``[K, K]`` links between any two subclusters (``None`` where there is
       none; the diagonal is ignored); ``inter_links`` may then be empty.
     price_per_gpu_hour: optional ``[K]`` price of one device per hour.
+    offload_bandwidth_bytes_per_s: optional ``[K]`` device-to-host-memory bandwidth
+      (:attr:`CostTables.offload_bandwidth_bytes_per_s`).
     peak_flops: optional ``[K]`` peak FLOP/s of one device (the imbalance rule and the
       load-balance score).
     layer_flops: ``[L]`` forward FLOPs per layer, for the imbalance rule.
@@ -750,33 +824,43 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     multi[iu] = iu[0] < iu[1]
     hopeless_share = lambda k, g: multi & (share_f > imbalance * peak_flops[k] * g / total_peak)
   counts = {"oom": 0, "imbalance": 0}
-  stage_t, param_m, act_m, logical, end_t = [], [], [], [], []
-  has_end = False
+  stage_t, param_m, act_m, logical, end_t, opt_m, gat_t = [], [], [], [], [], [], []
+  has_end = has_zero = False
   for k in range(K):
     S = len(submeshes[k])
     t_k = np.full((L, L, S), np.inf)
     p_k, a_k, e_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
+    o_k, g_k = np.zeros((L, L, S)), np.zeros((L, L, S))
     lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
     for s, (n, m) in enumerate(submeshes[k]):
       g = n * m
       lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
-      best = None   # [fits, time, param, act, dp, tp, footprint, end]
-      for (dp, tp), t, pm, am, *end in mesh_costs(k, s):
-        has_end |= bool(end)
-        end = end[0] if end else 0.0
+      # [fits, time, param, act, dp, tp, footprint, end, opt, gather, tier]; tier 2: fits
+      # at level 0, 1: fits only with its state split over dp (ZeRO-3, given the optimizer
+      # state), 0: neither.
+      best = None
+      for (dp, tp), t, pm, am, *rest in mesh_costs(k, s):
+        has_end |= bool(rest)
+        end = rest[0] if rest else 0.0
+        opt, gat = (rest[1], rest[2]) if len(rest) > 1 else (0.0, 0.0)
+        has_zero |= len(rest) > 1
         foot = pm + am
         fits = np.isfinite(t) & (foot <= memory_bytes[k])
+        tier = np.where(fits, 2, 0)
+        if len(rest) > 1:
+          tier = np.where(~fits & np.isfinite(t) & (pm / dp + am <= memory_bytes[k]), 1, tier)
         if best is None:
           best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot,
-                  np.broadcast_to(end, (L, L))]
+                  np.broadcast_to(end, (L, L)), np.broadcast_to(opt, (L, L)),
+                  np.broadcast_to(gat, (L, L)), tier]
           continue
-        better = (fits & ~best[0]) | (fits & best[0] & (t < best[1])) | \
-            (~fits & ~best[0] & (foot < best[6]))
-        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end)):
+        better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (t < best[1])) | \
+            ((tier == 0) & (best[10] == 0) & (foot < best[6]))
+        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier)):
           best[idx] = np.where(better, new, best[idx])
       if best is None:
         continue
-      fits, t, pm, am, dps, tps, _, ends = best
+      fits, t, pm, am, dps, tps, _, ends, opts, gats, _ = best
       keep = np.isfinite(t)
       counts["oom"] += int(np.sum(~fits[iu]))
       if hopeless_share is not None:
@@ -787,6 +871,8 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       p_k[iu[0], iu[1], s] = np.where(np.isfinite(pm), pm, 0.0)[iu]
       a_k[iu[0], iu[1], s] = np.where(np.isfinite(am), am, 0.0)[iu]
       e_k[iu[0], iu[1], s] = np.where(np.isfinite(ends), ends, 0.0)[iu]
+      o_k[iu[0], iu[1], s] = np.where(np.isfinite(opts), opts, 0.0)[iu]
+      g_k[iu[0], iu[1], s] = np.where(np.isfinite(gats), gats, 0.0)[iu]
       lm_k[..., s, 0] = np.where(keep, dps, g)
       lm_k[..., s, 1] = np.where(keep, tps, 1)
     stage_t.append(t_k)
@@ -794,6 +880,8 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     act_m.append(a_k)
     logical.append(lm_k)
     end_t.append(e_k)
+    opt_m.append(np.minimum(o_k, p_k))
+    gat_t.append(g_k)
   tables = CostTables(
       num_layers=L, subcluster_names=tuple(names), num_hosts=tuple(num_hosts),
       devices_per_host=tuple(devices_per_host), device_memory_bytes=tuple(memory_bytes),
@@ -813,13 +901,18 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       price_per_gpu_hour=None if price_per_gpu_hour is None else tuple(
           float(p) for p in price_per_gpu_hour),
       logical_mesh=tuple(logical), end_time_s=tuple(end_t) if has_end else None,
+      opt_mem_bytes=tuple(opt_m) if has_zero else None,
+      gather_time_s=tuple(gat_t) if has_zero else None,
+      offload_bandwidth_bytes_per_s=None if offload_bandwidth_bytes_per_s is None else tuple(
+          float(b) for b in offload_bandwidth_bytes_per_s),
       peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
       layer_names=tuple(layer_names) if layer_names is not None else None)
   return tables, counts
 
 
 def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_time_s,
-                        grad_sync_microbatches, max_tp, order, end_cost=False) -> CostTables:
+                        grad_sync_microbatches, max_tp, order, end_cost=False,
+                        optimizer_share=None) -> CostTables:
   """The body of :meth:`CostTables.from_layer_costs` (see there for the equations)."""
   specs = list(subclusters)
   if not specs or not all(isinstance(s, SubclusterSpec) for s in specs):
@@ -829,6 +922,9 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
     raise CostTablesError(f"subcluster names {names} repeat")
   if _int(grad_sync_microbatches, "grad_sync_microbatches") < 1:
     raise CostTablesError("grad_sync_microbatches must be >= 1")
+  if optimizer_share is not None and not 0.0 <= float(optimizer_share) < 1.0:
+    raise CostTablesError(f"optimizer_share={optimizer_share} must be in [0, 1): the optimizer "
+                          "state's share of param_mem_bytes")
   L = layers.num_layers
   # Per-layer single-device seconds, keyed by name.
   times: dict[str, np.ndarray] = {}
@@ -909,16 +1005,25 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       if tp > 1:
         t = t + allreduce_time_s(sums["tp_comm_bytes"] / dp, tp, host)
       sync = 0.0
+      link = host if n == 1 else node
       if dp > 1:
-        sync = allreduce_time_s(sums["param_bytes"] / tp, dp, host if n == 1 else node)
+        sync = allreduce_time_s(sums["param_bytes"] / tp, dp, link)
+      zero = ()
+      if optimizer_share is not None:
+        gather = allgather_time_s(sums["param_bytes"] / tp, dp, link)
+        zero = (float(optimizer_share) * sums["param_mem_bytes"] / tp, gather)
       if not end_cost:
-        yield (dp, tp), t + sync / grad_sync_microbatches, sums["param_mem_bytes"] / tp, \
-            sums["act_bytes"] / dp
+        if zero:
+          yield (dp, tp), t + sync / grad_sync_microbatches, sums["param_mem_bytes"] / tp, \
+              sums["act_bytes"] / dp, np.zeros((L, L)), *zero
+        else:
+          yield (dp, tp), t + sync / grad_sync_microbatches, sums["param_mem_bytes"] / tp, \
+              sums["act_bytes"] / dp
         continue
       end = sync + np.zeros((L, L))
       if s.mem_bandwidth_bytes_per_s is not None:
         end = end + 2.0 * sums["param_mem_bytes"] / tp / s.mem_bandwidth_bytes_per_s
-      yield (dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end
+      yield (dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end, *zero
 
   peak = None
   if all(s.peak_flops is not None for s in specs):
@@ -930,6 +1035,9 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       raise CostTablesError(f"subclusters {missing} have no price_per_gpu_hour while others "
                             "have one; price every subcluster or none")
     prices = [float(s.price_per_gpu_hour) for s in specs]
+  offload = None
+  if optimizer_share is not None and all(s.offload_bandwidth_bytes_per_s for s in specs):
+    offload = [float(s.offload_bandwidth_bytes_per_s) for s in specs]
   tables, _ = assemble_tables(
       names=ordered, num_hosts=[s.num_hosts for s in specs],
       devices_per_host=[s.devices_per_host for s in specs],
@@ -938,7 +1046,7 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       boundary_bytes=layers.boundary_bytes,
       intra_links=[Link(float(s.bandwidth_bytes_per_s), float(s.latency_s)) for s in specs],
       inter_links=links, peak_flops=peak, layer_names=layers.names, pair_links=pair,
-      price_per_gpu_hour=prices)
+      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=offload)
   log.debug("cost tables: %d layers x %d subclusters built from layer costs", L, len(specs))
   return tables
 

@@ -42,25 +42,38 @@ all-gather the updated parameters. Byte counts are per device (results, as
 state in host memory between updates (:class:`harpjax.OffloadOptions`) holds none of it
 during the pipeline; the update brings it to the device and writes the new state back (so the
 update's peak is unchanged), ``2 O_z`` bytes over the host link per step, after the pipeline
-(the simulator's end cost; adding it there, and the memory check of the planner, is left to
-the planner's side).
+(the simulator's end cost).
+
+**In the planner.** Cost tables that carry the optimizer state's bytes per entry
+(:attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes`, with the weights' all-gather time
+:attr:`~harpjax.compiler.profile.CostTables.gather_time_s` and the host link
+:attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s`;
+``CostTables.from_layer_costs(..., optimizer_share=0.75)`` and the profiler with
+``ProfileOptions(optimizer_bytes_per_param=12.0)`` fill them) let the planner choose
+the level and the offload of every stage: :mod:`harpjax.compiler.plan.variants` makes each
+(submesh, level, offload) a choice of the DP, with this module's state bytes
+(:func:`zero_state_bytes_per_param`), level 3's two all-gathers per microbatch in the stage
+time, levels 1 and 2's all-gather and the offload transfer (:func:`offload_time_s`) in the
+stage's end time, which the simulator adds after the stage's last backward, so the plan's
+predicted time stays the simulated one. The planner's memory check is the tables' (state and
+in-flight activations, no workspaces), and an offloaded stage must still fit its whole state
+for the update. The chosen level and offload are the plan's
+:attr:`~harpjax.compiler.plan.StageSpec.zero` and :attr:`~harpjax.compiler.plan.StageSpec.offload`.
 
 :func:`zero_tables` rebuilds a profile's :class:`~harpjax.compiler.profile.CostTables` with
 every entry's memory and data-parallel time at one level (:func:`zero_layer_costs` per
-configuration), for the planner to compare levels; choosing a level per stage inside the
-planner's dynamic program is not done yet.
+configuration), to compare levels by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import numpy as np
 
-from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
+from harpjax.cluster import Link
 from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
-from harpjax.compiler.profile.profiler import (MeshConfig, ordered_subclusters,
+from harpjax.compiler.profile.profiler import (dp_link, MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
 
@@ -325,18 +338,10 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
     sub = subs[k]
     s = list(sub.submesh_shapes()).index(tuple(submesh))
     costs.append(zero_layer_costs(
-        arr, mesh[0], zero, _dp_link(cluster, sub, submesh), num_microbatches=num_microbatches,
+        arr, mesh[0], zero, dp_link(cluster, sub, submesh), num_microbatches=num_microbatches,
         state_bytes_per_param=state_bytes_per_param,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_bytes_per_param=grad_bytes_per_param))
     configs.append(MeshConfig(k, s, tuple(submesh), tuple(mesh)))
   tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance)
   return tables
-
-
-def _dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
-  """The link between a submesh's data-parallel replicas (as the profiler picks it)."""
-  if submesh[0] == 1:
-    return Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
-  nl = cluster.intra_subcluster_link(sub.name)
-  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)

@@ -134,7 +134,8 @@ def check_host_memory(devices: Sequence, stage: int) -> None:
       raise MemoryKindError(
           f"stage {stage} keeps its optimizer state in host memory, but device {d} "
           f"({getattr(d, 'platform', '?')}) has the memory kinds {kinds}, not "
-          f"{HOST_MEMORY!r}; leave the stage out of OffloadOptions.stages, or run on a "
+          f"{HOST_MEMORY!r}; leave the stage out of OffloadOptions.stages (or plan with "
+          "SolveOptions(offload=False)), or run on a "
           "backend with host memory")
 
 
@@ -214,7 +215,8 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   preferred = _preferred_specs(traced, prog, layouts, owner)
   _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
-  host = _offloaded(traced, placed, preferred, offload, plan.num_stages)
+  host = _offloaded(traced, placed, preferred, offload, plan.num_stages,
+                    tuple(st.offload for st in plan.stages))
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
                        preferred, loss_reduction, host)
   if splits:
@@ -445,18 +447,23 @@ def _state_homes(traced: TracedStep, placement: placement_lib.Placement) -> dict
 
 
 def _offloaded(traced: TracedStep, placement: placement_lib.Placement, preferred: dict,
-               offload: OffloadOptions | None, num_stages: int) -> frozenset:
-  """``(stage, value)`` of the optimizer state (inputs and successors) kept in host memory;
-  each gets a preferred sharding (replicated if it had none)."""
-  if offload is None or not offload.optimizer_state:
+               offload: OffloadOptions | None, num_stages: int,
+               planned: Sequence[bool] = ()) -> frozenset:
+  """``(stage, value)`` of the optimizer state (inputs and successors) kept in host memory:
+  of the stages ``offload`` names and those the plan offloads (``planned``, per stage
+  :attr:`~harpjax.compiler.plan.StageSpec.offload`); each gets a preferred sharding
+  (replicated if it had none)."""
+  chosen = {s for s, x in enumerate(planned) if x}
+  if (offload is None or not offload.optimizer_state) and not chosen:
     return frozenset()
+  offload = offload or OffloadOptions()
   bad = [s for s in offload.stages or () if s >= num_stages]
   if bad:
     raise PlanError(f"OffloadOptions.stages={list(offload.stages)} names stage(s) {bad}, but "
                     f"the plan has {num_stages} stages (0..{num_stages - 1})")
   host = set()
   for v, (s, nxt) in _state_homes(traced, placement).items():
-    if offload.offloads(s):
+    if offload.offloads(s) or s in chosen:
       for u in (v, nxt):
         preferred.setdefault((s, u), P())
         host.add((s, u))

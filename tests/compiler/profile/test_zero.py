@@ -109,3 +109,49 @@ def test_offload_time_and_memory():
   off, on = stage_memory(offload_optimizer=True, **kw), stage_memory(**kw)
   assert off.pipeline_bytes(2) == on.pipeline_bytes(2) - 100
   assert off.update_bytes() == on.update_bytes()
+
+
+def test_profiled_tables_carry_the_optimizer_state_for_the_planner(profiled):
+  # ProfileOptions.optimizer_bytes_per_param: the profiler's tables carry each entry's
+  # optimizer state (its share of the state, besides the workspace) and the weights'
+  # all-gather over its dp replicas; on devices too small for level 0 the planner picks ZeRO.
+  import jax
+  from harpjax.compiler.plan import evaluate_plan, solve
+  from harpjax.compiler.profile import CostTables
+  from harpjax.errors import InfeasiblePlanError
+  _, cluster = profiled
+  with jax.enable_x64(True):
+    case = zoo.linen("loop")
+    result = profile_step(case.step, (case.state, case.batches[0]), cluster,
+                          num_microbatches=4,
+                          options=ProfileOptions(use_cache=False, progress=False,
+                                                 optimizer_bytes_per_param=12.0))
+  t = result.tables
+  assert isinstance(t, CostTables) and t.opt_mem_bytes is not None
+  for k in range(t.num_subclusters):
+    ok = np.isfinite(t.stage_time_s[k])
+    assert np.all(t.opt_mem_bytes[k][ok] <= t.param_mem_bytes[k][ok])
+    assert np.all(t.opt_mem_bytes[k][ok] > 0)
+    dp = t.logical_mesh[k][..., 0]
+    assert np.all((t.gather_time_s[k][ok] > 0) == (dp[ok] > 1))
+  B = 4
+
+  def smallest_memory(**kw):   # bisection on the device memory: the least that has a plan
+    lo, hi = 1.0, float(max(t.device_memory_bytes))
+    for _ in range(40):
+      mid = (lo * hi) ** 0.5
+      try:
+        solve(t.replace(device_memory_bytes=(mid,) * t.num_subclusters), B, **kw)
+        hi = mid
+      except InfeasiblePlanError:
+        lo = mid
+    return hi
+
+  m0, mz = smallest_memory(zero_levels=(0,), offload=False), smallest_memory()
+  assert mz < 0.9 * m0, (mz, m0)      # ZeRO lets devices with less memory train the model
+  tight = t.replace(device_memory_bytes=(mz,) * t.num_subclusters)
+  res = solve(tight, B)
+  assert any(s.zero for s in res.plan.stages)
+  assert evaluate_plan(tight, res.plan, B).iteration_s == res.plan.predicted_iteration_s
+  with pytest.raises(HarpjaxError, match="optimizer_bytes_per_param"):
+    ProfileOptions(optimizer_bytes_per_param=16.0)
