@@ -106,7 +106,8 @@ class ProfileOptions:
       (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
       ``dp`` replicas, so the planner chooses a ZeRO level per stage
       (:mod:`harpjax.compiler.plan.variants`); a layer too large for one device at level 0
-      is then still costed when its ``dp`` share fits. ``None`` (default): level 0.
+      is then still costed when its ``dp`` share fits. Default 12, with the default
+      ``state_bytes_per_param``; ``None``: every stage at level 0.
   """
   source: str = "jaxpr"
   cache_dir: str | None = None
@@ -123,7 +124,7 @@ class ProfileOptions:
   imported_data_dir: str | None = None
   workers: int = 1
   remat: bool = False
-  optimizer_bytes_per_param: float | None = None
+  optimizer_bytes_per_param: float | None = 12.0
 
   def __post_init__(self):
     if self.source not in SOURCES:
