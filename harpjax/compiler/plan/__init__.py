@@ -16,10 +16,16 @@ from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJEC
 from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, row_shares, StageGroup,
                                         StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
+from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
+                                         fused_tables, MIXED_MODES, MixedEvaluation,
+                                         MixedOptions, mixed_cut_s, mixed_stage_cost,
+                                         MixedStageCost, solve_mixed)
 
 __all__ = [
-    "COST_MODELS", "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan",
-    "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
-    "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve", "SolveOptions",
-    "SparseIndex", "StageGroup", "StageSpec",
+    "candidate_fusions", "COST_MODELS", "evaluate_candidates", "evaluate_mixed", "evaluate_plan",
+    "Fusion", "fused_tables", "load_plan", "ManualPlan", "MIXED_MODES", "MixedEvaluation",
+    "MixedOptions", "mixed_cut_s", "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Plan",
+    "PlanEvaluation", "PlannedStage", "PlanResult", "register_parallel_backend", "row_shares",
+    "SearchStats", "single_subcluster", "solve", "solve_mixed", "SolveOptions", "SparseIndex",
+    "StageGroup", "StageSpec",
 ]

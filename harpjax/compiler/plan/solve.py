@@ -61,7 +61,8 @@ from harpjax.errors import InfeasiblePlanError, PlanError, RuntimeFailure
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
-           "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS"]
+           "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS", "MIXED_MODES",
+           "register_mixed_search"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ OBJECTIVES = ("min_time", "max_throughput_per_dollar", "min_time_within_budget",
 
 COST_MODELS = ("simulator", "eq12")
 """How :func:`solve` ranks plans (:class:`SolveOptions`)."""
+
+MIXED_MODES = ("off", "auto", "on")
+"""Whether :func:`solve` considers mixed-type stages (:mod:`~harpjax.compiler.plan.mixed`)."""
 
 BACKENDS = ("auto", "sequential", "process", "thread")
 """Built-in ways of evaluating the candidates; more are registered by other packages
@@ -90,6 +94,15 @@ def register_parallel_backend(name: str, run_batches: BatchRunner) -> None:
       :class:`SparseIndex`).
   """
   _PARALLEL_BACKENDS[name] = run_batches
+
+
+_MIXED_SEARCH: list[Callable[..., "PlanResult"]] = []
+
+
+def register_mixed_search(search: Callable[..., "PlanResult"]) -> None:
+  """Makes ``SolveOptions(mixed_stages="auto"|"on")`` call ``search(tables, B, options)``
+  (:func:`harpjax.compiler.plan.mixed.solve_mixed` registers itself on import)."""
+  _MIXED_SEARCH[:] = [search]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +154,12 @@ class SolveOptions:
       plan's bottleneck stage hide at most this share of an iteration (of the round trip of
       the stages below it); ``1``: no assumption (slower). It only steers which plans the DP
       proposes: the bounded exact search makes no such assumption.
+    mixed_stages: ``"off"`` (default), ``"auto"`` or ``"on"``: also consider stages that run
+      on groups of devices of several subclusters joined by a link (``"auto"``: only fast
+      links), data-parallel with rows split by speed; the plan without them stays a candidate
+      (:func:`harpjax.compiler.plan.mixed.solve_mixed`).
+    mixed_options: a :class:`~harpjax.compiler.plan.mixed.MixedOptions` (the microbatch's rows,
+      the cost model's knobs, which fusions to try).
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -160,8 +179,13 @@ class SolveOptions:
   proof_nodes: int = 200_000
   bound_pieces: int = 16
   hidden_share: float = 0.02
+  mixed_stages: str = "off"
+  mixed_options: Any = None
 
   def __post_init__(self):
+    if self.mixed_stages not in MIXED_MODES:
+      raise PlanError(f"SolveOptions.mixed_stages={self.mixed_stages!r}; choose one of "
+                      f"{MIXED_MODES}")
     if self.cost_model not in COST_MODELS:
       raise PlanError(f"SolveOptions.cost_model={self.cost_model!r}; choose one of "
                       f"{COST_MODELS}")
@@ -275,8 +299,8 @@ class PlanResult:
 
   @property
   def num_devices(self) -> int:
-    """Devices the plan uses."""
-    return sum(s.submesh[0] * s.submesh[1] for s in self.stages)
+    """Devices the plan uses (every group of a mixed stage)."""
+    return sum(s.num_devices for s in self.plan.stages)
 
   def table(self) -> str:
     return self.plan.table()
@@ -574,6 +598,8 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   B = int(num_microbatches)
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
+  if opts.mixed_stages != "off" and _MIXED_SEARCH:
+    return _MIXED_SEARCH[0](tables, B, opts)
   start = time.perf_counter()
   result = _search(tables, B, opts, start)
   if (opts.cost_model == "simulator" and not opts.use_all_devices
