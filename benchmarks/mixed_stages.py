@@ -1,0 +1,184 @@
+"""Mixed-type stages: the best plan with and without them, simulated, on asymmetric clusters.
+
+For each cluster and model: the planner's plan without mixed-type stages (every stage on one
+submesh of one subcluster) and with them (``SolveOptions(mixed_stages="on")``: a stage may
+also run on whole hosts of several subclusters, data-parallel, each microbatch's rows split
+by speed; :mod:`harpjax.compiler.plan.mixed`), both simulated (H-1F1B, the same cost tables),
+the devices each uses, the mixed stages of the winner and the search time.
+
+Per-layer times are Zorse's published measurements (``/work/shared/data``, MIT licence): the
+linear fit of a LLaMA layer's forward+backward milliseconds against the microbatch size on
+each GPU type, at the microbatch of the instance, spread over a submesh's devices as the
+analytic tables do (``CostTables.from_layer_costs``; data-parallel gradient all-reduce once
+per iteration, ring model on the host or subcluster link). A layer keeps 16 bytes of state
+per parameter (fp16 weights and gradients, fp32 Adam) and its input per microbatch in flight
+(activation checkpointing). The mixed-stage time model takes ``fixed_fraction`` from the same
+fits (the intercept's share at 4 rows per device, the median over the GPU types).
+
+Clusters:
+
+* ``6 A100 + 5 V100 + 3 T4``: A100-40G hosts of 2, V100-16G and T4 hosts of 1 (and with hosts
+  of 2/1/3 devices), 100 Gbps between all hosts.
+* ``8 A100 + 4 V100 + 2 T4``: one host each (8, 4, 2 devices), 100 Gbps.
+* Zorse's cluster A (2 hosts x 2 H100-NVL + 2 hosts x 8 A100-80G, 50 Gbps between hosts) and
+  cluster B (8 A100-40G + 2 x 8 A10G + 2 x 8 V100-16G + 3 x 8 T4, 25 Gbps between hosts), at
+  its global batch of 1M tokens and sequence lengths 4096 (A) and 1024 (B); Zorse reports
+  TFLOPs of its own runs (Table 5), shown beside ours as the model FLOPs over the simulated
+  iteration (our plans use neither offloading nor interleaving, so the columns are not a
+  like-for-like comparison).
+
+Usage::
+
+  .venv/bin/python benchmarks/mixed_stages.py [--quick] [-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from harpjax.cluster import Link  # noqa: E402
+from harpjax.compiler import plan as planner  # noqa: E402
+from harpjax.compiler.profile import CostTables, LayerProfile, SubclusterSpec  # noqa: E402
+from harpjax.compiler.profile.calibration import default_zorse_dir, load_zorse  # noqa: E402
+
+GiB = 2.0 ** 30
+GBPS = 1e9 / 8
+
+# GPU type: (Zorse key, memory GiB, peak fp16 FLOP/s, bandwidth inside a host in bytes/s).
+GPUS = {
+    "A100-40G": ("a100x40", 40, 312e12, 300e9),
+    "A100-80G": ("a100x80", 80, 312e12, 300e9),
+    "H100-NVL": ("h100-nvl", 94, 989e12, 450e9),
+    "V100-16G": ("v100x16", 16, 125e12, 150e9),
+    "A10G": ("a10g", 24, 125e12, 32e9),
+    "T4": ("t4", 16, 65e12, 16e9),
+}
+
+
+def layer_ms(data: dict, model: str, gpu: str, seq: int, rows: int) -> tuple[float, float]:
+  """``(fwd+bwd ms of one layer at `rows` sequences, intercept share at 4 rows)`` from Zorse's
+  linear fit (fp16)."""
+  entry = data[model][GPUS[gpu][0]][str(seq)]["float16"]
+  (fs, fi), (bs, bi) = entry[0], entry[1]
+  slope, icpt = fs + bs, fi + bi
+  return slope * rows + icpt, max(0.0, icpt) / (slope * 4 + icpt)
+
+
+def llama_tables(model: str, cluster: list[tuple[str, str, int, int]], seq: int, rows: int,
+                 B: int, inter_gbps: float, data: dict, stats: dict
+                 ) -> tuple[CostTables, float, float]:
+  """Tables of a LLaMA model (transformer layers only) on ``cluster`` = ``[(name, gpu, hosts,
+  devices per host)]``; returns ``(tables, fixed_fraction, model FLOPs per iteration)``."""
+  st = stats[model]
+  L, h, params = st["num_layers"], st["hidden_size"], st["parameters_per_layer"]
+  x = rows * seq * h * 2.0
+  tokens = rows * seq
+  prof = LayerProfile(flops=np.full(L, 8.0 * params * tokens),
+                      param_bytes=np.full(L, 2.0 * params),
+                      param_mem_bytes=np.full(L, 16.0 * params), act_bytes=np.full(L, x),
+                      boundary_bytes=np.full(L, x))
+  subs, times, shares = [], {}, []
+  for name, gpu, n, m in cluster:
+    _, mem, peak, host_bw = GPUS[gpu]
+    subs.append(SubclusterSpec(name, n, m, mem * GiB, inter_gbps * GBPS, peak_flops=peak,
+                               latency_s=1e-5, host_bandwidth_bytes_per_s=host_bw,
+                               host_latency_s=2e-6))
+    ms, share = layer_ms(data, model, gpu, seq, rows)
+    times[name] = np.full(L, ms * 1e-3)
+    shares.append(share)
+  tables = CostTables.from_layer_costs(prof, subs, Link(inter_gbps * GBPS, 1e-5),
+                                       layer_time_s=times, end_cost=True)
+  # Model FLOPs of one iteration (forward + backward, 6 per parameter per token), as Zorse.
+  flops = 6.0 * params * L * tokens * B
+  return tables, float(statistics.median(shares)), flops
+
+
+_C1 = [("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1), ("t4", "T4", 3, 1)]
+_C2 = [("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1), ("t4", "T4", 1, 3)]
+_C3 = [("a100", "A100-40G", 1, 8), ("v100", "V100-16G", 1, 4), ("t4", "T4", 1, 2)]
+_ZA = [("h100", "H100-NVL", 2, 2), ("a100", "A100-80G", 2, 8)]
+_ZB = [("a100", "A100-40G", 1, 8), ("a10g", "A10G", 2, 8), ("v100", "V100-16G", 2, 8),
+       ("t4", "T4", 3, 8)]
+
+INSTANCES = [
+    # (label, model, cluster, seq, rows, B, inter Gbps, Zorse TFLOPs or None); rows x B x seq
+    # is Zorse's global batch of 1M tokens.
+    ("6 A100 + 5 V100 + 3 T4, hosts 2/1/1", "deepspeedllama_7b", _C1, 1024, 32, 32, 100.0,
+     None),
+    ("6 A100 + 5 V100 + 3 T4, hosts 2/1/1", "deepspeedllama_7b", _C1, 1024, 64, 16, 100.0,
+     None),
+    ("6 A100 + 5 V100 + 3 T4, hosts 2/1/3", "deepspeedllama_7b", _C2, 1024, 64, 16, 100.0,
+     None),
+    ("8 A100 + 4 V100 + 2 T4, hosts 8/4/2", "deepspeedllama_7b", _C3, 1024, 32, 32, 100.0,
+     None),
+    ("8 A100 + 4 V100 + 2 T4, hosts 8/4/2", "deepspeedllama_7b", _C3, 1024, 64, 16, 100.0,
+     None),
+    ("Zorse A: 4 H100 + 16 A100-80G", "deepspeedllama_7b", _ZA, 4096, 16, 16, 50.0, 4370.56),
+    ("Zorse A: 4 H100 + 16 A100-80G", "deepspeedllama_13b", _ZA, 4096, 16, 16, 50.0, 4917.87),
+    ("Zorse B: 8 A100 + 16 A10G + 16 V100 + 24 T4", "deepspeedllama_7b", _ZB, 1024, 32, 32,
+     25.0, 3412.88),
+    ("Zorse B: 8 A100 + 16 A10G + 16 V100 + 24 T4", "deepspeedllama_13b", _ZB, 1024, 32, 32,
+     25.0, 2965.64),
+]
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true",
+                  help="Only the first three clusters (no Zorse settings).")
+  ap.add_argument("-v", "--verbose", action="store_true")
+  args = ap.parse_args()
+  logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+  data = load_zorse()
+  with open(os.path.join(default_zorse_dir(), "zorse_model_stats.json")) as f:
+    stats = json.load(f)
+  rows_out = []
+  instances = INSTANCES[:5] if args.quick else INSTANCES
+  warm = llama_tables(*INSTANCES[0][1:3], 1024, 32, 32, 100.0, data, stats)[0]
+  planner.solve(warm, 32)   # compile the kernels once
+  for label, model, cluster, seq, rows, B, gbps, zorse in instances:
+    tables, alpha, flops = llama_tables(model, cluster, seq, rows, B, gbps, data, stats)
+    t0 = time.perf_counter()
+    plain = planner.solve(tables, B)
+    t1 = time.perf_counter()
+    mo = planner.MixedOptions(microbatch_rows=rows, fixed_fraction=alpha,
+                              max_hosts_per_bundle=3, max_members=3)
+    mixed = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+    t2 = time.perf_counter()
+    ev = planner.evaluate_mixed(tables, mixed.plan, B, mo)
+    assert ev.iteration_s == mixed.plan.predicted_iteration_s
+    groups = [" + ".join(f"{g.subcluster}{list(g.submesh)}:{g.share}" for g in s.all_groups)
+              for s in mixed.plan.stages if s.groups]
+    rows_out.append((label, f"{tables.num_layers}x{model.split('_')[-1]}", B, rows,
+                     plain.iteration_s, plain.num_devices, mixed.iteration_s,
+                     mixed.num_devices, 100 * (plain.iteration_s / mixed.iteration_s - 1),
+                     flops / mixed.iteration_s / 1e12, zorse, "; ".join(groups) or "-",
+                     t1 - t0, t2 - t1, alpha, tables.total_devices))
+    print(f"{label}: plain {plain.iteration_s:.3f} s, mixed {mixed.iteration_s:.3f} s, "
+          f"search {t2 - t1:.1f} s", file=sys.stderr)
+    print(mixed.plan.table(), file=sys.stderr)
+  head = ("cluster", "model", "B", "rows", "plain s", "dev", "mixed s", "dev", "faster",
+          "TFLOPs", "Zorse TFLOPs", "mixed stages (rows)", "plan s", "mixed plan s")
+  print("| " + " | ".join(head) + " |")
+  print("|" + "---|" * len(head))
+  for (label, mdl, B, rows, ps, pd, ms, md, gain, tf, zt, groups, tp, tm, alpha,
+       total) in rows_out:
+    print(f"| {label} | {mdl} | {B} | {rows} | {ps:.3f} | {pd}/{total} | {ms:.3f} | "
+          f"{md}/{total} | {gain:+.1f}% | {tf:.0f} | {'-' if zt is None else f'{zt:.0f}'} | "
+          f"{groups} | {tp:.2f} | {tm:.1f} |")
+  alphas = ", ".join(f"{r[0].split(',')[0]}: {r[14]:.3f}" for r in rows_out)
+  print(f"\nfixed_fraction (Zorse intercepts at 4 rows per device): {alphas}")
+
+
+if __name__ == "__main__":
+  main()
