@@ -818,17 +818,21 @@ def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: Mixe
   specs = _plan_of(tables, fused, fusion, res, mopts)
   ev = evaluate_mixed(tables, specs, B, mopts, eps=options.eps,
                       fwd_fraction=options.fwd_fraction)
-  # The fused tables and the evaluator must agree (an internal invariant).
+  # The fused tables and the evaluator must agree (an internal invariant: the same
+  # arithmetic, so the same bits; the plan carries the evaluator's time either way).
   assert ev.feasible, ev.violations
-  assert ev.iteration_s == res.iteration_s, (ev.iteration_s, res.iteration_s)
+  assert math.isclose(ev.iteration_s, res.iteration_s, rel_tol=1e-12), (ev.iteration_s,
+                                                                        res.iteration_s)
   assert ev.warmups == res.warmups, (ev.warmups, res.warmups)
   meta = dict(res.plan.meta)
   meta.update(planner="harpjax.dp+mixed", mixed_stages=options.mixed_stages,
               microbatch_rows=mopts.microbatch_rows, fixed_fraction=mopts.fixed_fraction,
               mixed_fusions=num_fusions, mixed_seconds=time.perf_counter() - start)
-  plan = res.plan.replace(stages=specs, meta=meta)
+  plan = res.plan.replace(stages=specs, meta=meta, predicted_iteration_s=ev.iteration_s)
   stats = dataclasses.replace(res.stats, seconds=time.perf_counter() - start)
-  return dataclasses.replace(res, plan=plan, stages=ev.planned, stats=stats)
+  objective = ev.iteration_s if options.cost_model == "simulator" else res.objective_s
+  return dataclasses.replace(res, plan=plan, stages=ev.planned, stats=stats,
+                             iteration_s=ev.iteration_s, objective_s=objective)
 
 
 register_mixed_search(solve_mixed)

@@ -391,3 +391,26 @@ def test_evaluate_mixed_is_evaluate_plan_on_plain_plans_and_plain_refuses_mixed(
       StageSpec((2, 3), "t4", (1, 1))))
   ev = planner.evaluate_mixed(tables, crowded, 16, MixedOptions(microbatch_rows=66))
   assert not ev.devices_ok and not ev.feasible
+
+
+@pytest.mark.parametrize("kw", [dict(use_all_devices=True), dict(cost_model="eq12"),
+                                dict(objective="max_throughput_per_dollar"),
+                                dict(keep_order=True)])
+def test_other_modes_are_never_worse(kw):
+  """Every mode of solve takes mixed stages (keep_order: none) and is never worse."""
+  B = 16
+  tables = asymmetric_tables(B)
+  if "objective" in kw:
+    tables = tables.replace(price_per_gpu_hour=(3.0, 1.5, 0.5))
+  mo = MixedOptions(microbatch_rows=64, max_hosts_per_bundle=5)
+  plain = planner.solve(tables, B, **kw)
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo, **kw)
+  value = lambda r: r.objective_s * (r.rate_per_hour or 1.0)
+  assert value(got) <= value(plain) * (1 + 1e-12)
+  if kw.get("keep_order"):
+    assert got.plan == plain.plan
+  if any(s.groups for s in got.plan.stages):
+    ev = planner.evaluate_mixed(tables, got.plan, B, mo)
+    assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
+    if kw.get("use_all_devices"):
+      assert ev.num_devices == tables.total_devices
