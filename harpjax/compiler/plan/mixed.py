@@ -96,7 +96,9 @@ class MixedOptions:
     grad_bytes: optional ``[L]`` gradient bytes of each layer (one replica).
     min_link_ratio: with ``mixed_stages="auto"``, two subclusters are fused only when the link
       between them is at least this times the bandwidth of the slower of their own links.
-    max_hosts_per_bundle: most hosts of one member in one mixed stage.
+    max_hosts_per_bundle: most whole hosts of one member in one mixed stage.
+    sub_host: a member's group may also be a submesh inside one host (``(1, m)``, ``m < M``);
+      the hosts that hold such groups then run no plain stage.
     max_members: most subclusters in one fusion.
     shares: ``"speed"`` (the speed-proportional split and its roundings) or ``"all"`` (every
       split of the rows; small microbatches only).
@@ -109,6 +111,7 @@ class MixedOptions:
   max_hosts_per_bundle: int = 2
   max_members: int = 3
   shares: str = "speed"
+  sub_host: bool = True
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (int(self.microbatch_rows) != self.microbatch_rows
@@ -457,18 +460,19 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
 class Fusion:
   """Mixed stages of one shape, planned as one virtual subcluster.
 
-  Every mixed stage of the fusion runs on ``hosts[x]`` whole hosts of member ``x`` and splits
-  every microbatch's rows as ``rows``; at most ``stages`` of them (the virtual subcluster has
-  one "device" per mixed stage).
+  Every mixed stage of the fusion runs on submesh ``shapes[x]`` of member ``x`` (whole hosts
+  ``(h, M)``, or ``(1, m)`` inside one host) and splits every microbatch's rows as ``rows``;
+  at most ``stages`` of them. A host that runs a mixed stage's group runs no plain stage:
+  member ``x`` gives the fusion :meth:`reserved_hosts` hosts.
 
   Attributes:
     members: subcluster indices (in the tables), in row order.
-    hosts: hosts of each member in one mixed stage.
-    stages: the most mixed stages (the members' hosts allow).
+    shapes: each member's submesh in one mixed stage.
+    stages: the most mixed stages.
     rows: rows of every microbatch each member's group runs.
   """
   members: tuple[int, ...]
-  hosts: tuple[int, ...]
+  shapes: tuple[tuple[int, int], ...]
   stages: int
   rows: tuple[int, ...]
 
@@ -477,9 +481,14 @@ class Fusion:
 
   def group_shape(self, tables: CostTables, x: int) -> tuple[int, int]:
     """Member ``x``'s submesh in a mixed stage."""
-    h = self.hosts[x]
+    return self.shapes[x]
+
+  def reserved_hosts(self, tables: CostTables, x: int, stages: int | None = None) -> int:
+    """Hosts of member ``x`` that ``stages`` (default :attr:`stages`) mixed stages hold."""
+    c = self.stages if stages is None else stages
+    n, m = self.shapes[x]
     M = tables.devices_per_host[self.members[x]]
-    return (1, M) if h == 1 else (h, M)
+    return n * c if m == M else -(-c // (M // m))
 
 
 def _compositions(total: int, parts: int):
@@ -491,13 +500,11 @@ def _compositions(total: int, parts: int):
       yield (first,) + rest
 
 
-def _speed_splits(tables: CostTables, members, hosts, b: int) -> set[tuple[int, ...]]:
+def _speed_splits(tables: CostTables, members, shapes, b: int) -> set[tuple[int, ...]]:
   """The speed-proportional split of ``b`` rows (speed of each member's group over the whole
   model, single-layer entries added), in whole rows and in whole data-parallel quanta."""
   speed = []
-  for k, h in zip(members, hosts):
-    M = tables.devices_per_host[k]
-    shape = (1, M) if h == 1 else (h, M)
+  for k, shape in zip(members, shapes):
     if shape not in tables.submeshes[k]:
       return set()
     s = tables.submeshes[k].index(shape)
@@ -508,7 +515,7 @@ def _speed_splits(tables: CostTables, members, hosts, b: int) -> set[tuple[int, 
   shares = [max(1, round(1e6 * x / max(speed))) for x in speed]
   out = set()
   quanta = [(1,) * len(members),
-            tuple(h * tables.devices_per_host[k] for k, h in zip(members, hosts))]
+            tuple(n * m for n, m in shapes)]
   for q in quanta:
     try:
       out.add(row_shares(b, shares, q))
@@ -537,19 +544,31 @@ def candidate_fusions(tables: CostTables, options: MixedOptions, mode: str = "on
           ok = False
       if not ok or b < size:
         continue
-      for hosts in itertools.product(range(1, options.max_hosts_per_bundle + 1),
-                                     repeat=size):
-        if any(h > tables.num_hosts[k] for k, h in zip(members, hosts)):
-          continue
+      choices = [_group_shapes(tables, k, options) for k in members]
+      for shapes in itertools.product(*choices):
         if options.shares == "all":
           splits = sorted(_compositions(b, size))
         else:
-          splits = sorted(_speed_splits(tables, members, hosts, b))
-        top = min(tables.num_hosts[k] // h for k, h in zip(members, hosts))
+          splits = sorted(_speed_splits(tables, members, shapes, b))
+        probe = Fusion(tuple(members), tuple(shapes), 1, (1,) * size)
+        top = 1
+        while all(probe.reserved_hosts(tables, x, top + 1) <= tables.num_hosts[k]
+                  for x, k in enumerate(members)):
+          top += 1
         for n in range(1, top + 1):
           for rows in splits:
-            out.append(Fusion(tuple(members), tuple(hosts), n, tuple(rows)))
+            out.append(Fusion(tuple(members), tuple(shapes), n, tuple(rows)))
   return out
+
+
+def _group_shapes(tables: CostTables, k: int, options: MixedOptions) -> list[tuple[int, int]]:
+  """A member's group submeshes: ``1..max_hosts_per_bundle`` whole hosts, and with
+  ``sub_host`` the tables' single-host submeshes smaller than a host."""
+  N, M = tables.num_hosts[k], tables.devices_per_host[k]
+  out = [(1, M) if h == 1 else (h, M) for h in range(1, min(N, options.max_hosts_per_bundle) + 1)]
+  if options.sub_host:
+    out = [(1, m) for n, m in tables.submeshes[k] if n == 1 and m < M] + out
+  return [s for s in out if s in tables.submeshes[k]]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -634,8 +653,8 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
     e_v[:, :, 0] = np.where(ok, end + sync, 0.0)
   # The subclusters with the hosts left.
   left = list(tables.num_hosts)
-  for k, h in zip(f.members, f.hosts):
-    left[k] -= f.stages * h
+  for x, k in enumerate(f.members):
+    left[k] -= f.reserved_hosts(tables, x)
   keep = [k for k in range(K) if left[k] > 0]
   cols = {}
   for k in keep:
@@ -673,13 +692,13 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
         bw[x, y] = 1.0 if np.isfinite(arr).all() else 0.0
   peak = None
   if tables.peak_flops is not None:
-    peak = (sum(tables.peak_flops[k] * h * tables.devices_per_host[k]
-                for k, h in zip(f.members, f.hosts)),) + tuple(tables.peak_flops[k]
+    peak = (sum(tables.peak_flops[k] * n * m
+                for k, (n, m) in zip(f.members, f.shapes)),) + tuple(tables.peak_flops[k]
                                                                for k in keep)
   price = None
   if tables.price_per_gpu_hour is not None:
-    price = (sum(tables.price_per_gpu_hour[k] * h * tables.devices_per_host[k]
-                 for k, h in zip(f.members, f.hosts)),) + tuple(
+    price = (sum(tables.price_per_gpu_hour[k] * n * m
+                 for k, (n, m) in zip(f.members, f.shapes)),) + tuple(
                      tables.price_per_gpu_hour[k] for k in keep)
   return _FusedTables(
       num_layers=L, subcluster_names=names, num_hosts=(f.stages,) + tuple(left[k] for k in keep),

@@ -97,7 +97,8 @@ def _packable(N, M, shapes):
 
 
 def _mixed_shapes(tables, max_hosts, b):
-  """Every mixed-stage shape: members (pairwise linked both ways), hosts of each, rows."""
+  """Every mixed-stage shape: members (pairwise linked both ways), the submesh of each (whole
+  hosts, or inside one host), rows."""
   K = tables.num_subclusters
   out = []
   for size in range(2, K + 1):
@@ -105,19 +106,31 @@ def _mixed_shapes(tables, max_hosts, b):
       if any(tables.link_bandwidth_bytes_per_s[a][c] <= 0
              for a, c in itertools.permutations(members, 2)):
         continue
-      for hosts in itertools.product(range(1, max_hosts + 1), repeat=size):
-        if any(h > tables.num_hosts[k] for k, h in zip(members, hosts)):
-          continue
+      options = []
+      for k in members:
+        N, M = tables.num_hosts[k], tables.devices_per_host[k]
+        opts = [(h, M) for h in range(1, min(N, max_hosts) + 1)]
+        opts += [(1, m) for m in range(1, M)]
+        options.append([s for s in opts if s in tables.submeshes[k]])
+      for shapes in itertools.product(*options):
         for rows in itertools.product(range(1, b + 1), repeat=size):
           if sum(rows) == b:
-            out.append((members, hosts, rows))
+            out.append((members, shapes, rows))
   return out
+
+
+def _reserved(tables, k, shape, count):
+  """Hosts of ``k`` that ``count`` mixed groups of ``shape`` hold (no plain stage beside)."""
+  n, m = shape
+  M = tables.devices_per_host[k]
+  return n * count if m == M else math.ceil(count / (M // m))
 
 
 def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True):
   """The best simulated time over every plan: plain stages (each subcluster one contiguous
-  run) and, with ``mixed``, mixed stages of one shape (one contiguous run), in any order the
-  links allow. Returns ``(time, plan)``; ``(inf, None)`` if none fits."""
+  run) and, with ``mixed``, mixed stages of one shape (one contiguous run; hosts holding their
+  groups hold no plain stage), in any order the links allow. Returns ``(time, plan)``;
+  ``(inf, None)`` if none fits."""
   L, K = tables.num_layers, tables.num_subclusters
   b = mo.microbatch_rows
   shapes = [None] + (_mixed_shapes(tables, mo.max_hosts_per_bundle, b) if mixed else [])
@@ -125,18 +138,9 @@ def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True
   for shape in shapes:
     groups_of = None
     if shape is not None:
-      members, hosts, rows = shape
-      gs = []
-      for k, h, r in zip(members, hosts, rows):
-        M = tables.devices_per_host[k]
-        sh = (1, M) if h == 1 else (h, M)
-        if sh not in tables.submeshes[k]:
-          break
-        gs.append((k, tables.submeshes[k].index(sh), r))
-      else:
-        groups_of = gs
-      if groups_of is None:
-        continue
+      members, gshapes, rows = shape
+      groups_of = [(k, tables.submeshes[k].index(sh), r)
+                   for k, sh, r in zip(members, gshapes, rows)]
 
     def rec(i, unit, used, plain, nmixed, stages):
       for j in range(i, L):
@@ -153,7 +157,9 @@ def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True
             nm, pl = nmixed, {**plain, u: plain.get(u, []) + [tables.submeshes[u][s]]}
           ok = True
           for k in range(K):
-            used_h = nm * dict(zip(members, hosts)).get(k, 0) if shape is not None else 0
+            used_h = 0
+            if shape is not None and k in members:
+              used_h = _reserved(tables, k, gshapes[members.index(k)], nm)
             if used_h > tables.num_hosts[k] or not _packable(
                 tables.num_hosts[k] - used_h, tables.devices_per_host[k], pl.get(k, [])):
               ok = False
