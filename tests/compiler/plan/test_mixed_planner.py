@@ -205,14 +205,16 @@ def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True
   return float(times[q]), cands[q][4:]
 
 
-def random_mixed_tables(rng, K=None):
-  """A small instance: 2-3 subclusters of 1-3 hosts x 1-2 devices, 2-3 layers, fast links,
-  about half of them with the memory binding."""
+def random_mixed_tables(rng, K=None, wide=False):
+  """A small instance: 2-3 subclusters of 1-3 hosts x 1-2 devices (``wide``: some of one host
+  x 4), 2-3 layers, fast links, about half of them with the memory binding."""
   K = K or int(rng.choice([2, 2, 3]))
   L = int(rng.integers(2, 4))
   hosts, dph, shapes = [], [], []
   for _ in range(K):
     n, m = int(rng.integers(1, 4 if K == 2 else 3)), int(rng.choice([1, 2]))
+    if wide and rng.random() < 0.5:
+      n, m = 1, 4
     hosts.append(n)
     dph.append(m)
     shapes.append(paper_submeshes(n, m))
@@ -256,10 +258,10 @@ def random_mixed_tables(rng, K=None):
 # --------------------------------------------------------------------------- the search
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", range(40))
 def test_planner_matches_brute_force_with_mixed_stages(seed):
   rng = np.random.default_rng(1000 + seed)
-  tables = random_mixed_tables(rng)
+  tables = random_mixed_tables(rng, K=2, wide=True) if seed >= 30 else random_mixed_tables(rng)
   B = int(rng.integers(2, 7))
   mo = MixedOptions(microbatch_rows=int(rng.choice([2, 3, 4])), shares="all",
                     max_hosts_per_bundle=2, fixed_fraction=float(rng.choice([0.0, 0.1])))
@@ -420,3 +422,43 @@ def test_other_modes_are_never_worse(kw):
     assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
     if kw.get("use_all_devices"):
       assert ev.num_devices == tables.total_devices
+
+
+def test_groups_inside_one_host():
+  """One host of 4 fast devices and one of 2 slow ones; a device holds one layer of two: the
+  best plan is two mixed stages, each on half of every host ((1, 2) + (1, 1))."""
+  L = 2
+  shapes = (((1, 1), (1, 2), (1, 4)), ((1, 1), (1, 2)))
+  per_layer = ({(1, 1): 1.0, (1, 2): 0.5, (1, 4): 0.25}, {(1, 1): 2.0, (1, 2): 1.0})
+  st, pm, am = [], [], []
+  for k in range(2):
+    S = len(shapes[k])
+    t, p, a = np.full((L, L, S), np.inf), np.zeros((L, L, S)), np.zeros((L, L, S))
+    for i in range(L):
+      for j in range(i, L):
+        for s, sh in enumerate(shapes[k]):
+          t[i, j, s] = per_layer[k][sh] * (j - i + 1)
+          p[i, j, s] = 1.0 * (j - i + 1)
+          a[i, j, s] = 0.01
+    st.append(t)
+    pm.append(p)
+    am.append(a)
+  tables = CostTables(
+      num_layers=L, subcluster_names=("fast", "slow"), num_hosts=(1, 1),
+      devices_per_host=(4, 2), device_memory_bytes=(1.5, 1.5), submeshes=shapes,
+      stage_time_s=tuple(st), param_mem_bytes=tuple(pm), act_mem_bytes=tuple(am),
+      boundary_bytes=np.full(L, 0.01), intra_bandwidth_bytes_per_s=(100.0, 100.0),
+      intra_latency_s=(0.0, 0.0), inter_bandwidth_bytes_per_s=(100.0,),
+      inter_latency_s=(0.0,))
+  B = 8
+  mo = MixedOptions(microbatch_rows=10, shares="all", grad_fraction=0.0)
+  plain = planner.solve(tables, B)
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+  want, found = brute_force_mixed(tables, B, mo)
+  assert math.isclose(got.iteration_s, want, rel_tol=1e-9)
+  assert got.iteration_s < plain.iteration_s * 0.9
+  assert [tuple(g.submesh for g in s.all_groups) for s in got.plan.stages] == \
+      [((1, 2), (1, 1))] * 2
+  assert [s.group_rows(10) for s in got.plan.stages] == [(8, 2)] * 2
+  assert planner.solve(tables, B, mixed_stages="on", mixed_options=MixedOptions(
+      microbatch_rows=10, shares="all", sub_host=False)).iteration_s == plain.iteration_s
