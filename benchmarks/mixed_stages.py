@@ -2,9 +2,12 @@
 
 For each cluster and model: the planner's plan without mixed-type stages (every stage on one
 submesh of one subcluster) and with them (``SolveOptions(mixed_stages="on")``: a stage may
-also run on whole hosts of several subclusters, data-parallel, each microbatch's rows split
-by speed; :mod:`harpjax.compiler.plan.mixed`), both simulated (H-1F1B, the same cost tables),
-the devices each uses, the mixed stages of the winner and the search time.
+also run on hosts of several subclusters, data-parallel, each microbatch's rows split by
+speed; :mod:`harpjax.compiler.plan.mixed`), both simulated (H-1F1B, the same cost tables),
+with the GPUs each uses; then the same with every GPU in use (``use_all_devices``, HARP's
+rule: the contiguous-submesh plan that must place every GPU); the mixed stages of the plan
+with them and the search times. Groups inside one host are searched on clusters of up to 32
+GPUs (on cluster B's 8-GPU hosts they multiply the fusions: about a minute per search).
 
 Per-layer times are Zorse's published measurements (``/work/shared/data``, MIT licence): the
 linear fit of a LLaMA layer's forward+backward milliseconds against the microbatch size on
@@ -50,6 +53,7 @@ from harpjax.cluster import Link  # noqa: E402
 from harpjax.compiler import plan as planner  # noqa: E402
 from harpjax.compiler.profile import CostTables, LayerProfile, SubclusterSpec  # noqa: E402
 from harpjax.compiler.profile.calibration import default_zorse_dir, load_zorse  # noqa: E402
+from harpjax import errors as planner_errors  # noqa: E402
 
 GiB = 2.0 ** 30
 GBPS = 1e9 / 8
@@ -132,52 +136,84 @@ INSTANCES = [
 ]
 
 
+def _solve_both(tables, B, mo, **kw):
+  """``(plain, mixed, seconds of the mixed search)``; ``None`` where no plan fits."""
+  try:
+    plain = planner.solve(tables, B, **kw)
+  except planner_errors.InfeasiblePlanError:
+    plain = None
+  t0 = time.perf_counter()
+  try:
+    mixed = planner.solve(tables, B, mixed_stages="on", mixed_options=mo, **kw)
+  except planner_errors.InfeasiblePlanError:
+    mixed = None
+  return plain, mixed, time.perf_counter() - t0
+
+
+def _cell(res) -> str:
+  return "-" if res is None else f"{res.iteration_s:.3f} ({res.num_devices})"
+
+
+def _gain(plain, mixed) -> str:
+  if mixed is None:
+    return "-"
+  if plain is None:
+    return "only mixed"
+  return f"{100 * (plain.iteration_s / mixed.iteration_s - 1):+.1f}%"
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true",
-                  help="Only the first three clusters (no Zorse settings).")
+                  help="Only the first clusters (no Zorse settings).")
   ap.add_argument("-v", "--verbose", action="store_true")
   args = ap.parse_args()
   logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
   data = load_zorse()
   with open(os.path.join(default_zorse_dir(), "zorse_model_stats.json")) as f:
     stats = json.load(f)
-  rows_out = []
   instances = INSTANCES[:5] if args.quick else INSTANCES
   warm = llama_tables(*INSTANCES[0][1:3], 1024, 32, 32, 100.0, data, stats)[0]
   planner.solve(warm, 32)   # compile the kernels once
+  head = ("cluster", "model", "B x rows", "plain s (GPUs)", "mixed s (GPUs)", "faster",
+          "all GPUs: plain s", "all GPUs: mixed s", "faster", "TFLOPs", "Zorse TFLOPs",
+          "mixed stages (rows)", "mixed search s")
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  alphas = []
   for label, model, cluster, seq, rows, B, gbps, zorse in instances:
     tables, alpha, flops = llama_tables(model, cluster, seq, rows, B, gbps, data, stats)
-    t0 = time.perf_counter()
-    plain = planner.solve(tables, B)
-    t1 = time.perf_counter()
+    alphas.append(alpha)
+    # Sub-host groups multiply the fusions on 8-GPU hosts: whole hosts only on cluster B.
     mo = planner.MixedOptions(microbatch_rows=rows, fixed_fraction=alpha,
-                              max_hosts_per_bundle=3, max_members=3)
-    mixed = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
-    t2 = time.perf_counter()
-    ev = planner.evaluate_mixed(tables, mixed.plan, B, mo)
-    assert ev.iteration_s == mixed.plan.predicted_iteration_s
-    groups = [" + ".join(f"{g.subcluster}{list(g.submesh)}:{g.share}" for g in s.all_groups)
-              for s in mixed.plan.stages if s.groups]
-    rows_out.append((label, f"{tables.num_layers}x{model.split('_')[-1]}", B, rows,
-                     plain.iteration_s, plain.num_devices, mixed.iteration_s,
-                     mixed.num_devices, 100 * (plain.iteration_s / mixed.iteration_s - 1),
-                     flops / mixed.iteration_s / 1e12, zorse, "; ".join(groups) or "-",
-                     t1 - t0, t2 - t1, alpha, tables.total_devices))
-    print(f"{label}: plain {plain.iteration_s:.3f} s, mixed {mixed.iteration_s:.3f} s, "
-          f"search {t2 - t1:.1f} s", file=sys.stderr)
-    print(mixed.plan.table(), file=sys.stderr)
-  head = ("cluster", "model", "B", "rows", "plain s", "dev", "mixed s", "dev", "faster",
-          "TFLOPs", "Zorse TFLOPs", "mixed stages (rows)", "plan s", "mixed plan s")
-  print("| " + " | ".join(head) + " |")
-  print("|" + "---|" * len(head))
-  for (label, mdl, B, rows, ps, pd, ms, md, gain, tf, zt, groups, tp, tm, alpha,
-       total) in rows_out:
-    print(f"| {label} | {mdl} | {B} | {rows} | {ps:.3f} | {pd}/{total} | {ms:.3f} | "
-          f"{md}/{total} | {gain:+.1f}% | {tf:.0f} | {'-' if zt is None else f'{zt:.0f}'} | "
-          f"{groups} | {tp:.2f} | {tm:.1f} |")
-  alphas = ", ".join(f"{r[0].split(',')[0]}: {r[14]:.3f}" for r in rows_out)
-  print(f"\nfixed_fraction (Zorse intercepts at 4 rows per device): {alphas}")
+                              max_hosts_per_bundle=3, max_members=3,
+                              sub_host=tables.total_devices <= 32)
+    plain, mixed, secs = _solve_both(tables, B, mo)
+    plain_all, mixed_all, secs_all = _solve_both(tables, B, mo, use_all_devices=True)
+    for res in (mixed, mixed_all):
+      if res is not None:
+        ev = planner.evaluate_mixed(tables, res.plan, B, mo)
+        assert ev.iteration_s == res.plan.predicted_iteration_s
+    best = min((r for r in (plain, mixed) if r is not None), key=lambda r: r.iteration_s)
+    shown = mixed if mixed is not None and any(s.groups for s in mixed.plan.stages) else \
+        mixed_all
+    groups = [] if shown is None else [
+        " + ".join(f"{g.subcluster}{list(g.submesh)}:{g.share}" for g in s.all_groups)
+        for s in shown.plan.stages if s.groups]
+    lines.append(
+        f"| {label} | {tables.num_layers}x{model.split('_')[-1]} | {B} x {rows} | "
+        f"{_cell(plain)} | {_cell(mixed)} | {_gain(plain, mixed)} | {_cell(plain_all)} | "
+        f"{_cell(mixed_all)} | {_gain(plain_all, mixed_all)} | "
+        f"{flops / best.iteration_s / 1e12:.0f} | {'-' if zorse is None else f'{zorse:.0f}'} | "
+        f"{'; '.join(groups) or '-'}{'' if shown is not mixed_all or not groups else ' (all)'}"
+        f" | {secs:.1f} / {secs_all:.1f} |")
+    print(f"{label}, {model}, B={B} x {rows}: plain {_cell(plain)}, mixed {_cell(mixed)}; "
+          f"all GPUs {_cell(plain_all)}, {_cell(mixed_all)}", file=sys.stderr)
+    for res in (mixed, mixed_all):
+      if res is not None:
+        print(res.plan.table(), file=sys.stderr)
+  print("\n".join(lines))
+  print(f"\nfixed_fraction per instance (Zorse intercepts at 4 rows per device): "
+        f"{', '.join(f'{a:.3f}' for a in alphas)}")
 
 
 if __name__ == "__main__":

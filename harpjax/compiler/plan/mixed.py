@@ -35,8 +35,9 @@ groups once per iteration before the update. This module costs such stages on th
   the tables' cut.
 
 **Search** (:func:`solve_mixed`, ``SolveOptions(mixed_stages="auto"|"on")``): a *fusion*
-(:class:`Fusion`) is a shape of mixed stage: ``hosts[x]`` whole hosts of each of two or more
-subclusters linked to each other, and a split of every microbatch's rows among them
+(:class:`Fusion`) is a shape of mixed stage: a submesh of each of two or more subclusters
+linked to each other (whole hosts, or with ``sub_host`` a part of one host; a host holding
+mixed groups runs no plain stage), and a split of every microbatch's rows among them
 (``rows``), up to ``stages`` such stages. It becomes a virtual subcluster of ``stages``
 "devices", one per mixed stage; the hosts left to each member stay a (smaller) subcluster of
 their own. :func:`fused_tables` writes those tables exactly: stage times and end costs by the
