@@ -337,6 +337,8 @@ def test_no_cache_is_use_cache_false(monkeypatch, cluster_file, tmp_path, args, 
     (["--time-limit", "3"], ["--time-limit", "not use"]),
     (["--budget", "-3"], ["--budget"]),
     (["--objective", "max_throughput_per_dollar"], ["needs prices", "price_per_gpu_hour"]),
+    (["--mixed-stages", "sometimes"], ["--mixed-stages", "sometimes"]),
+    (["--mixed-stages", "on", "--use-all-devices"], ["--mixed-stages", "--use-all-devices"]),
 ])
 def test_plan_arguments_are_checked_first(no_long_work, cluster_file, tmp_path, args, needles):
   (tmp_path / "file").write_text("x")

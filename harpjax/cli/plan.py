@@ -220,6 +220,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   if time_limit is not None and objective != "min_cost_within_time":
     raise click.UsageError(f"--time-limit bounds min_cost_within_time; --objective "
                            f"{objective} does not use it")
+  if mixed_stages != "off" and use_all_devices:
+    raise click.UsageError("--mixed-stages needs the planner to choose the order of the "
+                           "subclusters, which --use-all-devices fixes; drop one of them")
   check_output_file(json_path, "--json")
   if not no_cache:
     check_output_dir(cache_dir, "--cache-dir")
