@@ -5,7 +5,9 @@ Modules: :mod:`~harpjax.compiler.plan.spec` (:class:`Plan`, :class:`StageSpec`, 
 :mod:`~harpjax.compiler.plan.index` (device states and the DP's sparse index),
 :mod:`~harpjax.compiler.plan.dp_kernel` (the DP at one ``t_max``: Numba kernel and NumPy
 twin), :mod:`~harpjax.compiler.plan.evaluate` (scoring any plan, diagnosing infeasibility) and
-:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``). The paper's
+:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``) and
+:mod:`~harpjax.compiler.plan.mixed` (mixed-type stages: their cost model,
+:func:`evaluate_mixed` and :func:`solve_mixed`, what ``solve(mixed_stages=...)`` runs). The paper's
 baseline planners, which the benchmarks compare with, are ``tools/baselines.py``.
 """
 
