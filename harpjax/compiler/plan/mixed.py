@@ -502,17 +502,18 @@ def _compositions(total: int, parts: int):
 
 
 def _speed_splits(tables: CostTables, members, shapes, b: int) -> set[tuple[int, ...]]:
-  """The speed-proportional split of ``b`` rows (speed of each member's group over the whole
-  model, single-layer entries added), in whole rows and in whole data-parallel quanta."""
+  """The speed-proportional split of ``b`` rows (speed of each member's group: layers per
+  second over its single-layer entries), in whole rows and in whole data-parallel quanta."""
   speed = []
   for k, shape in zip(members, shapes):
     if shape not in tables.submeshes[k]:
       return set()
     s = tables.submeshes[k].index(shape)
     t = np.array([tables.stage_time_s[k][i, i, s] for i in range(tables.num_layers)])
-    if not np.isfinite(t).all():
+    ok = np.isfinite(t)
+    if not ok.any():
       return set()
-    speed.append(1.0 / float(t.sum()))
+    speed.append(float(ok.sum()) / float(t[ok].sum()))   # layers it can hold, per second
   shares = [max(1, round(1e6 * x / max(speed))) for x in speed]
   out = set()
   quanta = [(1,) * len(members),
