@@ -78,11 +78,12 @@ def layer_ms(data: dict, model: str, gpu: str, seq: int, rows: int) -> tuple[flo
   return slope * rows + icpt, max(0.0, icpt) / (slope * 4 + icpt)
 
 
-def llama_tables(model: str, cluster: list[tuple[str, str, int, int]], seq: int, rows: int,
-                 B: int, inter_gbps: float, data: dict, stats: dict
+def llama_tables(model: str, cluster: list[tuple], seq: int, rows: int, B: int,
+                 inter_gbps: float, data: dict, stats: dict, cross_gbps: float = 5.0
                  ) -> tuple[CostTables, float, float]:
   """Tables of a LLaMA model (transformer layers only) on ``cluster`` = ``[(name, gpu, hosts,
-  devices per host)]``; returns ``(tables, fixed_fraction, model FLOPs per iteration)``."""
+  devices per host[, region])]`` (``inter_gbps`` between hosts of a region, ``cross_gbps``
+  between regions); returns ``(tables, fixed_fraction, model FLOPs per iteration)``."""
   st = stats[model]
   L, h, params = st["num_layers"], st["hidden_size"], st["parameters_per_layer"]
   x = rows * seq * h * 2.0
@@ -92,7 +93,7 @@ def llama_tables(model: str, cluster: list[tuple[str, str, int, int]], seq: int,
                       param_mem_bytes=np.full(L, 16.0 * params), act_bytes=np.full(L, x),
                       boundary_bytes=np.full(L, x))
   subs, times, shares = [], {}, []
-  for name, gpu, n, m in cluster:
+  for name, gpu, n, m, *_ in cluster:
     _, mem, peak, host_bw = GPUS[gpu]
     subs.append(SubclusterSpec(name, n, m, mem * GiB, inter_gbps * GBPS, peak_flops=peak,
                                latency_s=1e-5, host_bandwidth_bytes_per_s=host_bw,
@@ -100,8 +101,10 @@ def llama_tables(model: str, cluster: list[tuple[str, str, int, int]], seq: int,
     ms, share = layer_ms(data, model, gpu, seq, rows)
     times[name] = np.full(L, ms * 1e-3)
     shares.append(share)
-  tables = CostTables.from_layer_costs(prof, subs, Link(inter_gbps * GBPS, 1e-5),
-                                       layer_time_s=times, end_cost=True)
+  region = {c[0]: (c[4] if len(c) > 4 else 0) for c in cluster}
+  links = {(a, b): Link(inter_gbps * GBPS, 1e-5) if region[a] == region[b]
+           else Link(cross_gbps * GBPS, 1e-3) for a in region for b in region if a < b}
+  tables = CostTables.from_layer_costs(prof, subs, links, layer_time_s=times, end_cost=True)
   # Model FLOPs of one iteration (forward + backward, 6 per parameter per token), as Zorse.
   flops = 6.0 * params * L * tokens * B
   return tables, float(statistics.median(shares)), flops
@@ -113,6 +116,8 @@ _C3 = [("a100", "A100-40G", 1, 8), ("v100", "V100-16G", 1, 4), ("t4", "T4", 1, 2
 _ZA = [("h100", "H100-NVL", 2, 2), ("a100", "A100-80G", 2, 8)]
 _ZB = [("a100", "A100-40G", 1, 8), ("a10g", "A10G", 2, 8), ("v100", "V100-16G", 2, 8),
        ("t4", "T4", 3, 8)]
+_ZC = [("a10g", "A10G", 2, 8, 1), ("t4a", "T4", 6, 8, 1), ("v100", "V100-16G", 2, 8, 2),
+       ("t4b", "T4", 6, 8, 2)]   # two regions, 5 Gbps between them
 
 INSTANCES = [
     # (label, model, cluster, seq, rows, B, inter Gbps, Zorse TFLOPs or None); rows x B x seq
@@ -133,10 +138,12 @@ INSTANCES = [
      25.0, 3412.88),
     ("Zorse B: 8 A100 + 16 A10G + 16 V100 + 24 T4", "deepspeedllama_13b", _ZB, 1024, 32, 32,
      25.0, 2965.64),
+    ("Zorse C: 16 A10G + 48 T4 | 16 V100 + 48 T4", "deepspeedllama_7b", _ZC, 512, 64, 32, 25.0,
+     3936.94),
 ]
 
 
-def _solve_both(tables, B, mo, **kw):
+def _solve_both(tables, B, mo, mode, **kw):
   """``(plain, mixed, seconds of the mixed search)``; ``None`` where no plan fits."""
   try:
     plain = planner.solve(tables, B, **kw)
@@ -144,10 +151,15 @@ def _solve_both(tables, B, mo, **kw):
     plain = None
   t0 = time.perf_counter()
   try:
-    mixed = planner.solve(tables, B, mixed_stages="on", mixed_options=mo, **kw)
+    mixed = planner.solve(tables, B, mixed_stages=mode, mixed_options=mo, **kw)
   except planner_errors.InfeasiblePlanError:
     mixed = None
   return plain, mixed, time.perf_counter() - t0
+
+
+def _proved(*results) -> str:
+  """Whether each search proved its optimum (``y``/``n``): plain, mixed, and with all GPUs."""
+  return "".join("-" if r is None else "y" if r.stats.proved else "n" for r in results)
 
 
 def _cell(res) -> str:
@@ -177,7 +189,7 @@ def main() -> None:
   planner.solve(warm, 32)   # compile the kernels once
   head = ("cluster", "model", "B x rows", "plain s (GPUs)", "mixed s (GPUs)", "faster",
           "all GPUs: plain s", "all GPUs: mixed s", "faster", "TFLOPs", "Zorse TFLOPs",
-          "mixed stages (rows)", "mixed search s")
+          "mixed stages (rows)", "mixed search s", "proved")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   alphas = []
   for label, model, cluster, seq, rows, B, gbps, zorse in instances:
@@ -187,8 +199,10 @@ def main() -> None:
     mo = planner.MixedOptions(microbatch_rows=rows, fixed_fraction=alpha,
                               max_hosts_per_bundle=3, max_members=3,
                               sub_host=tables.total_devices <= 32)
-    plain, mixed, secs = _solve_both(tables, B, mo)
-    plain_all, mixed_all, secs_all = _solve_both(tables, B, mo, use_all_devices=True)
+    # Cluster C: only "auto" (fusions inside a region; across the 5 Gbps link they cannot pay).
+    mode = "auto" if tables.total_devices > 64 else "on"
+    plain, mixed, secs = _solve_both(tables, B, mo, mode)
+    plain_all, mixed_all, secs_all = _solve_both(tables, B, mo, mode, use_all_devices=True)
     for res in (mixed, mixed_all):
       if res is not None:
         ev = planner.evaluate_mixed(tables, res.plan, B, mo)
@@ -205,7 +219,7 @@ def main() -> None:
         f"{_cell(mixed_all)} | {_gain(plain_all, mixed_all)} | "
         f"{flops / best.iteration_s / 1e12:.0f} | {'-' if zorse is None else f'{zorse:.0f}'} | "
         f"{'; '.join(groups) or '-'}{'' if shown is not mixed_all or not groups else ' (all)'}"
-        f" | {secs:.1f} / {secs_all:.1f} |")
+        f" | {secs:.1f} / {secs_all:.1f} | {_proved(plain, mixed, plain_all, mixed_all)} |")
     print(f"{label}, {model}, B={B} x {rows}: plain {_cell(plain)}, mixed {_cell(mixed)}; "
           f"all GPUs {_cell(plain_all)}, {_cell(mixed_all)}", file=sys.stderr)
     for res in (mixed, mixed_all):

@@ -781,8 +781,9 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
 
   Solves the tables as they are, then :func:`fused_tables` of every
   :func:`candidate_fusions` fusion, and keeps the best by the objective (strictly better
-  only). A plan with mixed stages has them as :attr:`StageSpec.groups`; its
-  ``predicted_iteration_s`` is :func:`evaluate_mixed`'s simulated time of it.
+  only). ``stats.proved`` of the result: every one of those searches proved its optimum. A
+  plan with mixed stages has them as :attr:`StageSpec.groups`; its ``predicted_iteration_s``
+  is :func:`evaluate_mixed`'s simulated time of it.
 
   Raises:
     PlanError: ``mixed_stages="on"`` without ``MixedOptions.microbatch_rows``.
@@ -794,8 +795,10 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
   mopts = options.mixed_options or MixedOptions()
   plain = dataclasses.replace(options, mixed_stages="off")
   best, error = None, None
+  proofs = []   # SearchStats.proved of every search: the result's is all of them
   try:
     best = solve(tables, B, options=plain)
+    proofs.append(best.stats.proved)
   except InfeasiblePlanError as e:
     error = e
   if mopts.microbatch_rows is None:
@@ -817,6 +820,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
         res = solve(fused, B, options=plain)
       except InfeasiblePlanError:
         continue
+      proofs.append(res.stats.proved)
       if not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
       found += 1
@@ -829,7 +833,8 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
                            len(fusions))
   if best is None:
     raise error
-  return best
+  proved = None if any(p is None for p in proofs) else all(proofs)
+  return dataclasses.replace(best, stats=dataclasses.replace(best.stats, proved=proved))
 
 
 def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: MixedOptions,

@@ -275,6 +275,7 @@ def test_planner_matches_brute_force_with_mixed_stages(seed):
   assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.iteration_s, want)
   assert got.iteration_s <= plain * (1 + 1e-12)
   assert got.plan.predicted_iteration_s == got.iteration_s
+  assert got.stats.proved   # every search (plain and each fusion) proved its optimum
   ev = planner.evaluate_mixed(tables, got.plan, B, mo)
   assert ev.feasible and ev.iteration_s == got.iteration_s
   assert ev.warmups == got.plan.warmups
