@@ -23,12 +23,19 @@ Clusters:
 * ``6 A100 + 5 V100 + 3 T4``: A100-40G hosts of 2, V100-16G and T4 hosts of 1 (and with hosts
   of 2/1/3 devices), 100 Gbps between all hosts.
 * ``8 A100 + 4 V100 + 2 T4``: one host each (8, 4, 2 devices), 100 Gbps.
-* Zorse's cluster A (2 hosts x 2 H100-NVL + 2 hosts x 8 A100-80G, 50 Gbps between hosts) and
-  cluster B (8 A100-40G + 2 x 8 A10G + 2 x 8 V100-16G + 3 x 8 T4, 25 Gbps between hosts), at
-  its global batch of 1M tokens and sequence lengths 4096 (A) and 1024 (B); Zorse reports
-  TFLOPs of its own runs (Table 5), shown beside ours as the model FLOPs over the simulated
-  iteration (our plans use neither offloading nor interleaving, so the columns are not a
-  like-for-like comparison).
+* Zorse's cluster A (2 hosts x 2 H100-NVL + 2 hosts x 8 A100-80G, 50 Gbps between hosts),
+  cluster B (8 A100-40G + 2 x 8 A10G + 2 x 8 V100-16G + 3 x 8 T4, 25 Gbps between hosts) and
+  cluster C (two regions: 2 x 8 A10G + 6 x 8 T4, and 2 x 8 V100-16G + 6 x 8 T4; 25 Gbps inside
+  a region, 5 Gbps between them; ``mixed_stages="auto"``, which fuses only inside a region),
+  at its global batch of 1M tokens and sequence lengths 4096 (A), 1024 (B) and 512 (C); Zorse
+  reports TFLOPs of its own runs (Table 5), shown beside ours as the model FLOPs over the
+  simulated iteration (our plans use neither offloading nor interleaving, so the columns are
+  not a like-for-like comparison). The link speeds are ours: the paper gives 50 Gbps for A
+  only.
+
+The last column says which searches proved their optimum (plain, mixed, and the two with every
+GPU placed; ``y``/``n``): on the large instances none does, and a difference between two
+unproved searches may be the search's as much as the plans'.
 
 Usage::
 
@@ -138,7 +145,7 @@ INSTANCES = [
      25.0, 3412.88),
     ("Zorse B: 8 A100 + 16 A10G + 16 V100 + 24 T4", "deepspeedllama_13b", _ZB, 1024, 32, 32,
      25.0, 2965.64),
-    ("Zorse C: 16 A10G + 48 T4 | 16 V100 + 48 T4", "deepspeedllama_7b", _ZC, 512, 64, 32, 25.0,
+    ("Zorse C: 16 A10G + 48 T4, 16 V100 + 48 T4", "deepspeedllama_7b", _ZC, 512, 64, 32, 25.0,
      3936.94),
 ]
 
