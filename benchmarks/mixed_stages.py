@@ -204,7 +204,7 @@ def main() -> None:
     alphas.append(alpha)
     # Sub-host groups multiply the fusions on 8-GPU hosts: whole hosts only on cluster B.
     mo = planner.MixedOptions(microbatch_rows=rows, fixed_fraction=alpha,
-                              max_hosts_per_bundle=3, max_members=3,
+                              max_hosts_per_group=3, max_members=3,
                               sub_host=tables.total_devices <= 32)
     # Cluster C: only "auto" (fusions inside a region; across the 5 Gbps link they cannot pay).
     mode = "auto" if tables.total_devices > 64 else "on"

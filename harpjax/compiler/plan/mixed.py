@@ -97,7 +97,7 @@ class MixedOptions:
     grad_bytes: optional ``[L]`` gradient bytes of each layer (one replica).
     min_link_ratio: with ``mixed_stages="auto"``, two subclusters are fused only when the link
       between them is at least this times the bandwidth of the slower of their own links.
-    max_hosts_per_bundle: most whole hosts of one member in one mixed stage.
+    max_hosts_per_group: most whole hosts of one member in one mixed stage.
     sub_host: a member's group may also be a submesh inside one host (``(1, m)``, ``m < M``);
       the hosts that hold such groups then run no plain stage.
     max_members: most subclusters in one fusion.
@@ -109,7 +109,7 @@ class MixedOptions:
   grad_fraction: float = 0.25
   grad_bytes: tuple[float, ...] | None = None
   min_link_ratio: float = 1.0
-  max_hosts_per_bundle: int = 2
+  max_hosts_per_group: int = 2
   max_members: int = 3
   shares: str = "speed"
   sub_host: bool = True
@@ -130,8 +130,8 @@ class MixedOptions:
       object.__setattr__(self, "grad_bytes", g)
     if not self.min_link_ratio >= 0:
       raise PlanError(f"MixedOptions.min_link_ratio={self.min_link_ratio} must be >= 0")
-    if int(self.max_hosts_per_bundle) < 1 or int(self.max_members) < 2:
-      raise PlanError("MixedOptions: max_hosts_per_bundle must be >= 1 and max_members >= 2")
+    if int(self.max_hosts_per_group) < 1 or int(self.max_members) < 2:
+      raise PlanError("MixedOptions: max_hosts_per_group must be >= 1 and max_members >= 2")
     if self.shares not in ("speed", "all"):
       raise PlanError(f"MixedOptions.shares={self.shares!r}; choose 'speed' or 'all'")
 
@@ -480,7 +480,7 @@ class Fusion:
   def name(self, tables: CostTables) -> str:
     return "+".join(tables.subcluster_names[k] for k in self.members)
 
-  def group_shape(self, tables: CostTables, x: int) -> tuple[int, int]:
+  def group_shape(self, x: int) -> tuple[int, int]:
     """Member ``x``'s submesh in a mixed stage."""
     return self.shapes[x]
 
@@ -530,7 +530,7 @@ def candidate_fusions(tables: CostTables, options: MixedOptions, mode: str = "on
                       ) -> list[Fusion]:
   """The fusions :func:`solve_mixed` tries: every set of ``2..max_members`` subclusters linked
   to each other both ways (with ``mode="auto"``: by links at least ``min_link_ratio`` times
-  as fast as the slower of their own links), ``1..max_hosts_per_bundle`` hosts of each per
+  as fast as the slower of their own links), ``1..max_hosts_per_group`` hosts of each per
   mixed stage, every number of such stages the hosts allow, and the rows splits of
   :attr:`MixedOptions.shares`."""
   b = _rows(options)
@@ -564,10 +564,10 @@ def candidate_fusions(tables: CostTables, options: MixedOptions, mode: str = "on
 
 
 def _group_shapes(tables: CostTables, k: int, options: MixedOptions) -> list[tuple[int, int]]:
-  """A member's group submeshes: ``1..max_hosts_per_bundle`` whole hosts, and with
+  """A member's group submeshes: ``1..max_hosts_per_group`` whole hosts, and with
   ``sub_host`` the tables' single-host submeshes smaller than a host."""
   N, M = tables.num_hosts[k], tables.devices_per_host[k]
-  out = [(1, M) if h == 1 else (h, M) for h in range(1, min(N, options.max_hosts_per_bundle) + 1)]
+  out = [(1, M) if h == 1 else (h, M) for h in range(1, min(N, options.max_hosts_per_group) + 1)]
   if options.sub_host:
     out = [(1, m) for n, m in tables.submeshes[k] if n == 1 and m < M] + out
   return [s for s in out if s in tables.submeshes[k]]
@@ -617,7 +617,7 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
   bw_sync, lat_sync = _sync_link(tables, f.members)
   parts = []
   for x, k in enumerate(f.members):
-    shape = f.group_shape(tables, x)
+    shape = f.group_shape(x)
     if shape not in tables.submeshes[k]:
       parts = None
       break
@@ -755,7 +755,7 @@ def _plan_of(tables: CostTables, fused: CostTables, fusion: Fusion, result: Plan
       continue
     groups = []
     for x, k in enumerate(fusion.members):
-      shape = fusion.group_shape(tables, x)
+      shape = fusion.group_shape(x)
       s = tables.submeshes[k].index(shape)
       groups.append(StageGroup(
           subcluster=tables.subcluster_names[k], submesh=shape,

@@ -133,7 +133,7 @@ def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True
   ``(inf, None)`` if none fits."""
   L, K = tables.num_layers, tables.num_subclusters
   b = mo.microbatch_rows
-  shapes = [None] + (_mixed_shapes(tables, mo.max_hosts_per_bundle, b) if mixed else [])
+  shapes = [None] + (_mixed_shapes(tables, mo.max_hosts_per_group, b) if mixed else [])
   cands = []
   for shape in shapes:
     groups_of = None
@@ -264,7 +264,7 @@ def test_planner_matches_brute_force_with_mixed_stages(seed):
   tables = random_mixed_tables(rng, K=2, wide=True) if seed >= 30 else random_mixed_tables(rng)
   B = int(rng.integers(2, 7))
   mo = MixedOptions(microbatch_rows=int(rng.choice([2, 3, 4])), shares="all",
-                    max_hosts_per_bundle=2, fixed_fraction=float(rng.choice([0.0, 0.1])))
+                    max_hosts_per_group=2, fixed_fraction=float(rng.choice([0.0, 0.1])))
   want, _ = brute_force_mixed(tables, B, mo)
   plain, _ = brute_force_mixed(tables, B, mo, mixed=False)
   try:
@@ -316,7 +316,7 @@ def asymmetric_tables(B: int, inter_gbps: float = 100.0) -> CostTables:
 def test_mixed_stages_are_strictly_better_on_an_asymmetric_cluster():
   B = 32
   tables = asymmetric_tables(B)
-  mo = MixedOptions(microbatch_rows=64, max_hosts_per_bundle=5)
+  mo = MixedOptions(microbatch_rows=64, max_hosts_per_group=5)
   plain = planner.solve(tables, B)
   got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
   assert got.iteration_s < plain.iteration_s * (1 - 1e-3)
@@ -411,7 +411,7 @@ def test_other_modes_are_never_worse(kw):
   tables = asymmetric_tables(B)
   if "objective" in kw:
     tables = tables.replace(price_per_gpu_hour=(3.0, 1.5, 0.5))
-  mo = MixedOptions(microbatch_rows=64, max_hosts_per_bundle=5)
+  mo = MixedOptions(microbatch_rows=64, max_hosts_per_group=5)
   plain = planner.solve(tables, B, **kw)
   got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo, **kw)
   value = lambda r: r.objective_s * (r.rate_per_hour or 1.0)
