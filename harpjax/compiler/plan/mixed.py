@@ -14,7 +14,7 @@ groups once per iteration before the update. This module costs such stages on th
   ``t_g(r) = T_g (alpha + (1 - alpha) r / b)`` at ``r`` rows: compute, tensor-parallel
   collectives and the amortised data-parallel reduction scale with the rows, except a fixed
   share ``alpha`` (:attr:`MixedOptions.fixed_fraction`, default 0: the tables cannot tell a
-  kernel's fixed cost from its work; Zorse's per-layer fits give 2-10% at a few rows). The
+  kernel's fixed cost from its work; Zorse's per-layer fits give 0-20% at 4 rows). The
   stage's forward+backward time per microbatch is ``max_g t_g(r_g)`` (the groups run in
   parallel on their own devices). ``r_g`` must be a multiple of ``dp_g``.
 * *memory* per device of group ``g``: its entry's parameter bytes (a full copy of the state:
