@@ -811,6 +811,11 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     fusions = candidate_fusions(tables, mopts, mode)
     tried = found = 0
     chosen = None
+    if options.use_all_devices:   # every reserved host must be filled by the mixed groups
+      fusions = [f for f in fusions if all(
+          f.stages * f.shapes[x][0] * f.shapes[x][1]
+          == f.reserved_hosts(tables, x) * tables.devices_per_host[k]
+          for x, k in enumerate(f.members))]
     for fusion in fusions:
       fused = fused_tables(tables, fusion, B, mopts)
       if not np.isfinite(fused.stage_time_s[0]).any():
@@ -850,6 +855,7 @@ def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: Mixe
   assert math.isclose(ev.iteration_s, res.iteration_s, rel_tol=1e-12), (ev.iteration_s,
                                                                         res.iteration_s)
   assert ev.warmups == res.warmups, (ev.warmups, res.warmups)
+  assert ev.num_devices == tables.total_devices or not options.use_all_devices
   meta = dict(res.plan.meta)
   meta.update(planner="harpjax.dp+mixed", mixed_stages=options.mixed_stages,
               microbatch_rows=mopts.microbatch_rows, fixed_fraction=mopts.fixed_fraction,

@@ -126,7 +126,8 @@ def _reserved(tables, k, shape, count):
   return n * count if m == M else math.ceil(count / (M // m))
 
 
-def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True):
+def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True,
+                      use_all=False):
   """The best simulated time over every plan: plain stages (each subcluster one contiguous
   run) and, with ``mixed``, mixed stages of one shape (one contiguous run; hosts holding their
   groups hold no plain stage), in any order the links allow. Returns ``(time, plan)``;
@@ -184,6 +185,11 @@ def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True
           gs = groups_of if u2 == "m" else [(u2, s, b)]
           nums.append(_oracle_stage(tables, i, j, gs, b, mo))
         if any(x is None for x in nums):
+          continue
+        if use_all and sum(tables.submeshes[k][s2][0] * tables.submeshes[k][s2][1]
+                           for i, j, u2, s in plan
+                           for k, s2, _ in (groups_of if u2 == "m" else [(u2, s, b)])
+                           ) != tables.total_devices:
           continue
         t = [x[0] for x in nums]
         c = [_oracle_cut(tables, plan[x][1], nums[x][3], nums[x + 1][3], b)
@@ -463,3 +469,20 @@ def test_groups_inside_one_host():
   assert [s.group_rows(10) for s in got.plan.stages] == [(8, 2)] * 2
   assert planner.solve(tables, B, mixed_stages="on", mixed_options=MixedOptions(
       microbatch_rows=10, shares="all", sub_host=False)).iteration_s == plain.iteration_s
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_planner_matches_brute_force_using_every_device(seed):
+  rng = np.random.default_rng(3000 + seed)
+  tables = random_mixed_tables(rng, K=2, wide=seed % 2 == 1)
+  B = int(rng.integers(2, 7))
+  mo = MixedOptions(microbatch_rows=int(rng.choice([2, 4])), shares="all")
+  want, _ = brute_force_mixed(tables, B, mo, use_all=True)
+  try:
+    got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo,
+                        use_all_devices=True)
+  except InfeasiblePlanError:
+    assert want == math.inf
+    return
+  assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.iteration_s, want)
+  assert got.num_devices == tables.total_devices
