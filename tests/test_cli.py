@@ -715,3 +715,32 @@ def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   while any(_alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert not [p for p in pids if _alive(p)], "planner workers outlived the interrupted command"
+
+
+ASYMMETRIC_YAML = """
+name: asym
+subclusters:
+""" + "".join(f"""  - name: {name}
+    gpu: {gpu}
+    hosts: {hosts}
+    devices_per_host: {dph}
+    nics:
+      - {{name: eth0, kind: ethernet, gbps: 100, network: dc}}
+""" for name, gpu, hosts, dph in (("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1),
+                                  ("t4", "T4", 3, 1)))
+
+
+def test_plan_with_mixed_stages(tmp_path):
+  """6 A100 + 5 V100 + 3 T4: the plan has a stage on two GPU types, scored and saved."""
+  path = tmp_path / "asym.yaml"
+  path.write_text(ASYMMETRIC_YAML)
+  out = tmp_path / "plan.json"
+  res = _run("plan", "--cluster", path, "--model", "gpt-2.6b", "-B", "16",
+             "--microbatch-size", "32", "--mixed-stages", "on", "--no-cache", "--json", out)
+  assert res.exit_code == 0, res.output
+  assert "mixed-type stages: h1f1b" in res.output
+  plan = plan_pkg.load_plan(out)
+  mixed = [s for s in plan.stages if s.groups]
+  assert mixed and all(sum(s.group_rows(32)) == 32 for s in mixed)
+  assert {g.subcluster for s in mixed for g in s.all_groups} >= {"t4"}
+  assert dict(plan.meta)["mixed_stages"] == "on"
