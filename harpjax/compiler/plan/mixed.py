@@ -793,6 +793,9 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
   B = int(num_microbatches)
   mode = options.mixed_stages
   mopts = options.mixed_options or MixedOptions()
+  if not isinstance(mopts, MixedOptions):
+    raise PlanError(f"SolveOptions.mixed_options={mopts!r} must be a "
+                    "harpjax.compiler.plan.MixedOptions")
   plain = dataclasses.replace(options, mixed_stages="off")
   best, error = None, None
   proofs = []   # SearchStats.proved of every search: the result's is all of them

@@ -350,6 +350,10 @@ def test_off_is_the_plain_planner_and_on_needs_rows():
   assert planner.solve(tables, 8, mixed_stages="auto").plan == plain.plan
   with pytest.raises(PlanError, match="mixed_stages"):
     planner.SolveOptions(mixed_stages="yes")
+  with pytest.raises(PlanError, match="MixedOptions"):
+    planner.solve(tables, 8, mixed_stages="on", mixed_options={"microbatch_rows": 8})
+  with pytest.raises(PlanError, match="microbatch_rows"):
+    MixedOptions(microbatch_rows=0)
 
 
 # --------------------------------------------------------------------------- the cost model
