@@ -48,8 +48,9 @@ subclusters and the layer, as the DP needs). :func:`solve` on them is the planne
 over the plans whose mixed stages are the fusion's, in one contiguous run of the pipeline;
 :func:`solve_mixed` runs it for every candidate fusion and keeps the best plan, the plan
 without mixed stages always a candidate, so the result is never worse. The rows splits are
-the speed-proportional one (each member group's speed over the whole model) in whole rows
-and in whole data-parallel quanta, or every split (``shares="all"``, small microbatches).
+every split in whole data-parallel quanta for two members, for more the speed-proportional
+one and its neighbours (``shares="speed"``), or every split (``shares="all"``, small
+microbatches).
 ``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
 the slower of their own links; ``"on"`` any pair linked both ways.
 """
@@ -101,8 +102,9 @@ class MixedOptions:
     sub_host: a member's group may also be a submesh inside one host (``(1, m)``, ``m < M``);
       the hosts that hold such groups then run no plain stage.
     max_members: most subclusters in one fusion.
-    shares: ``"speed"`` (the speed-proportional split and its roundings) or ``"all"`` (every
-      split of the rows; small microbatches only).
+    shares: ``"speed"`` (splits in whole data-parallel quanta: all of them for two members,
+      for more the speed-proportional one and its neighbours) or ``"all"`` (every split of
+      the rows; small microbatches only).
   """
   microbatch_rows: int | None = None
   fixed_fraction: float = 0.0
@@ -501,9 +503,27 @@ def _compositions(total: int, parts: int):
       yield (first,) + rest
 
 
+def _min_dp(tables: CostTables, k: int, shape: tuple[int, int]) -> int:
+  """The smallest data-parallel degree of a finite entry of submesh ``shape`` of ``k``."""
+  n, m = shape
+  if tables.logical_mesh is None or shape not in tables.submeshes[k]:
+    return n * m
+  s = tables.submeshes[k].index(shape)
+  ok = np.isfinite(tables.stage_time_s[k][:, :, s])
+  return int(tables.logical_mesh[k][:, :, s, 0][ok].min()) if ok.any() else n * m
+
+
 def _speed_splits(tables: CostTables, members, shapes, b: int) -> set[tuple[int, ...]]:
-  """The speed-proportional split of ``b`` rows (speed of each member's group: layers per
-  second over its single-layer entries), in whole rows and in whole data-parallel quanta."""
+  """Rows splits of a fusion in whole data-parallel quanta: with two members every split in
+  multiples of each group's smallest data-parallel degree; with more (``n * m`` rows per
+  group: valid whatever the logical mesh), the
+  speed-proportional one (speed of each member's group: layers per second over its
+  single-layer entries) and its neighbours (a common multiple of two quanta moved from one
+  group to another); and the speed-proportional split in whole rows."""
+  quanta = tuple(n * m for n, m in shapes)
+  if len(members) == 2:   # every split in multiples of the smallest dp any entry has
+    q0, q1 = (_min_dp(tables, k, shape) for k, shape in zip(members, shapes))
+    return {(r, b - r) for r in range(q0, b - q1 + 1, q0) if (b - r) % q1 == 0}
   speed = []
   for k, shape in zip(members, shapes):
     if shape not in tables.submeshes[k]:
@@ -516,13 +536,22 @@ def _speed_splits(tables: CostTables, members, shapes, b: int) -> set[tuple[int,
     speed.append(float(ok.sum()) / float(t[ok].sum()))   # layers it can hold, per second
   shares = [max(1, round(1e6 * x / max(speed))) for x in speed]
   out = set()
-  quanta = [(1,) * len(members),
-            tuple(n * m for n, m in shapes)]
-  for q in quanta:
+  for q in ((1,) * len(members), quanta):
     try:
       out.add(row_shares(b, shares, q))
     except PlanError:
       pass
+  try:
+    base = row_shares(b, shares, quanta)
+  except PlanError:
+    return out
+  for x, y in itertools.permutations(range(len(members)), 2):
+    step = math.lcm(quanta[x], quanta[y])
+    if base[x] - step >= quanta[x]:
+      moved = list(base)
+      moved[x] -= step
+      moved[y] += step
+      out.add(tuple(moved))
   return out
 
 
