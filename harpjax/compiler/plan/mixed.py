@@ -48,9 +48,9 @@ subclusters and the layer, as the DP needs). :func:`solve` on them is the planne
 over the plans whose mixed stages are the fusion's, in one contiguous run of the pipeline;
 :func:`solve_mixed` runs it for every candidate fusion and keeps the best plan, the plan
 without mixed stages always a candidate, so the result is never worse. The rows splits are
-every split in whole data-parallel quanta for two members, for more the speed-proportional
-one and its neighbours (``shares="speed"``), or every split (``shares="all"``, small
-microbatches).
+splits in whole data-parallel quanta near the speed-proportional one for two members, for
+more that one and its neighbours (``shares="speed"``), or every split (``shares="all"``,
+small microbatches).
 ``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
 the slower of their own links; ``"on"`` any pair linked both ways.
 """
@@ -99,12 +99,14 @@ class MixedOptions:
     min_link_ratio: with ``mixed_stages="auto"``, two subclusters are fused only when the link
       between them is at least this times the bandwidth of the slower of their own links.
     max_hosts_per_group: most whole hosts of one member in one mixed stage.
+    split_radius: with ``shares="speed"`` and two members, the splits tried are those within
+      this many data-parallel quanta of the speed-proportional one.
     sub_host: a member's group may also be a submesh inside one host (``(1, m)``, ``m < M``);
       the hosts that hold such groups then run no plain stage.
     max_members: most subclusters in one fusion.
-    shares: ``"speed"`` (splits in whole data-parallel quanta: all of them for two members,
-      for more the speed-proportional one and its neighbours) or ``"all"`` (every split of
-      the rows; small microbatches only).
+    shares: ``"speed"`` (splits in whole data-parallel quanta: for two members those near the
+      speed-proportional one, for more the speed-proportional one and its neighbours) or
+      ``"all"`` (every split of the rows; small microbatches only).
   """
   microbatch_rows: int | None = None
   fixed_fraction: float = 0.0
@@ -115,6 +117,7 @@ class MixedOptions:
   max_members: int = 3
   shares: str = "speed"
   sub_host: bool = True
+  split_radius: int = 3
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (int(self.microbatch_rows) != self.microbatch_rows
@@ -134,6 +137,9 @@ class MixedOptions:
       raise PlanError(f"MixedOptions.min_link_ratio={self.min_link_ratio} must be >= 0")
     if int(self.max_hosts_per_group) < 1 or int(self.max_members) < 2:
       raise PlanError("MixedOptions: max_hosts_per_group must be >= 1 and max_members >= 2")
+    if int(self.split_radius) != self.split_radius or self.split_radius < 0:
+      raise PlanError(f"MixedOptions.split_radius={self.split_radius!r} must be an integer "
+                      ">= 0")
     if self.shares not in ("speed", "all"):
       raise PlanError(f"MixedOptions.shares={self.shares!r}; choose 'speed' or 'all'")
 
@@ -513,17 +519,16 @@ def _min_dp(tables: CostTables, k: int, shape: tuple[int, int]) -> int:
   return int(tables.logical_mesh[k][:, :, s, 0][ok].min()) if ok.any() else n * m
 
 
-def _speed_splits(tables: CostTables, members, shapes, b: int) -> set[tuple[int, ...]]:
+def _speed_splits(tables: CostTables, members, shapes, b: int, radius: int
+                  ) -> set[tuple[int, ...]]:
   """Rows splits of a fusion in whole data-parallel quanta: with two members every split in
-  multiples of each group's smallest data-parallel degree; with more (``n * m`` rows per
-  group: valid whatever the logical mesh), the
+  multiples of each group's smallest data-parallel degree within ``radius`` quanta of the
+  speed-proportional one; with more (``n * m`` rows per group: valid whatever the logical
+  mesh), the
   speed-proportional one (speed of each member's group: layers per second over its
   single-layer entries) and its neighbours (a common multiple of two quanta moved from one
   group to another); and the speed-proportional split in whole rows."""
   quanta = tuple(n * m for n, m in shapes)
-  if len(members) == 2:   # every split in multiples of the smallest dp any entry has
-    q0, q1 = (_min_dp(tables, k, shape) for k, shape in zip(members, shapes))
-    return {(r, b - r) for r in range(q0, b - q1 + 1, q0) if (b - r) % q1 == 0}
   speed = []
   for k, shape in zip(members, shapes):
     if shape not in tables.submeshes[k]:
@@ -535,6 +540,11 @@ def _speed_splits(tables: CostTables, members, shapes, b: int) -> set[tuple[int,
       return set()
     speed.append(float(ok.sum()) / float(t[ok].sum()))   # layers it can hold, per second
   shares = [max(1, round(1e6 * x / max(speed))) for x in speed]
+  if len(members) == 2:   # splits in multiples of the smallest dp any entry has, near speed
+    q0, q1 = (_min_dp(tables, k, shape) for k, shape in zip(members, shapes))
+    target = b * speed[0] / (speed[0] + speed[1])
+    return {(r, b - r) for r in range(q0, b - q1 + 1, q0)
+            if (b - r) % q1 == 0 and abs(r - target) <= radius * max(q0, q1)}
   out = set()
   for q in ((1,) * len(members), quanta):
     try:
@@ -580,7 +590,7 @@ def candidate_fusions(tables: CostTables, options: MixedOptions, mode: str = "on
         if options.shares == "all":
           splits = sorted(_compositions(b, size))
         else:
-          splits = sorted(_speed_splits(tables, members, shapes, b))
+          splits = sorted(_speed_splits(tables, members, shapes, b, options.split_radius))
         probe = Fusion(tuple(members), tuple(shapes), 1, (1,) * size)
         top = 1
         while all(probe.reserved_hosts(tables, x, top + 1) <= tables.num_hosts[k]
