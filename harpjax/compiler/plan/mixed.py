@@ -117,7 +117,7 @@ class MixedOptions:
   max_members: int = 3
   shares: str = "speed"
   sub_host: bool = True
-  split_radius: int = 3
+  split_radius: int = 6
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (int(self.microbatch_rows) != self.microbatch_rows
