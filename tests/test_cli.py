@@ -731,16 +731,16 @@ subclusters:
 
 
 def test_plan_with_mixed_stages(tmp_path):
-  """6 A100 + 5 V100 + 3 T4: the plan has a stage on two GPU types, scored and saved."""
+  """6 A100 + 5 V100 + 3 T4: the plan has stages on two GPU types, scored and saved."""
   path = tmp_path / "asym.yaml"
   path.write_text(ASYMMETRIC_YAML)
   out = tmp_path / "plan.json"
-  res = _run("plan", "--cluster", path, "--model", "gpt-2.6b", "-B", "16",
-             "--microbatch-size", "32", "--mixed-stages", "on", "--no-cache", "--json", out)
+  res = _run("plan", "--cluster", path, "--model", "gpt-tiny", "-B", "8",
+             "--microbatch-size", "16", "--mixed-stages", "on", "--no-cache", "--json", out)
   assert res.exit_code == 0, res.output
   assert "mixed-type stages: h1f1b" in res.output
   plan = plan_pkg.load_plan(out)
   mixed = [s for s in plan.stages if s.groups]
-  assert mixed and all(sum(s.group_rows(32)) == 32 for s in mixed)
-  assert {g.subcluster for s in mixed for g in s.all_groups} >= {"t4"}
+  assert mixed and all(sum(s.group_rows(16)) == 16 for s in mixed)
+  assert all(len({g.subcluster for g in s.all_groups}) > 1 for s in mixed)
   assert dict(plan.meta)["mixed_stages"] == "on"
