@@ -337,6 +337,8 @@ def test_no_cache_is_use_cache_false(monkeypatch, cluster_file, tmp_path, args, 
     (["--time-limit", "3"], ["--time-limit", "not use"]),
     (["--budget", "-3"], ["--budget"]),
     (["--objective", "max_throughput_per_dollar"], ["needs prices", "price_per_gpu_hour"]),
+    (["--mixed-stages", "sometimes"], ["--mixed-stages", "sometimes"]),
+    (["--mixed-stages", "on", "--use-all-devices"], ["--mixed-stages", "--use-all-devices"]),
 ])
 def test_plan_arguments_are_checked_first(no_long_work, cluster_file, tmp_path, args, needles):
   (tmp_path / "file").write_text("x")
@@ -723,3 +725,32 @@ def test_plan_with_zero_reads_the_cache_and_passes_the_optimizer_state(warm_cach
   res = _run(*args, "--zero")
   assert res.exit_code == 0 and " 0 computed" in res.output, res.output
   assert "Layer Range" in res.output
+
+
+ASYMMETRIC_YAML = """
+name: asym
+subclusters:
+""" + "".join(f"""  - name: {name}
+    gpu: {gpu}
+    hosts: {hosts}
+    devices_per_host: {dph}
+    nics:
+      - {{name: eth0, kind: ethernet, gbps: 100, network: dc}}
+""" for name, gpu, hosts, dph in (("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1),
+                                  ("t4", "T4", 3, 1)))
+
+
+def test_plan_with_mixed_stages(tmp_path):
+  """6 A100 + 5 V100 + 3 T4: the plan has stages on two GPU types, scored and saved."""
+  path = tmp_path / "asym.yaml"
+  path.write_text(ASYMMETRIC_YAML)
+  out = tmp_path / "plan.json"
+  res = _run("plan", "--cluster", path, "--model", "gpt-tiny", "-B", "8",
+             "--microbatch-size", "16", "--mixed-stages", "on", "--no-cache", "--json", out)
+  assert res.exit_code == 0, res.output
+  assert "mixed-type stages: h1f1b" in res.output
+  plan = plan_pkg.load_plan(out)
+  mixed = [s for s in plan.stages if s.groups]
+  assert mixed and all(sum(s.group_rows(16)) == 16 for s in mixed)
+  assert all(len({g.subcluster for g in s.all_groups}) > 1 for s in mixed)
+  assert dict(plan.meta)["mixed_stages"] == "on"

@@ -173,6 +173,11 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
 @click.option("--use-all-devices", is_flag=True,
               help="Use every device in the order given by --order (HARP's planner); by default "
                    "the plan may leave devices or subclusters unused and chooses the order.")
+@click.option("--mixed-stages", type=click.Choice(["off", "auto", "on"]), default="off",
+              show_default=True,
+              help="Also consider stages that run on hosts of several subclusters, "
+                   "data-parallel with each microbatch's rows split by speed (auto: only "
+                   "subclusters joined by links as fast as their own; on: any linked pair).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Profile database directory (default $HARPJAX_CACHE_DIR or "
                    "~/.cache/harpjax/profiles).")
@@ -195,10 +200,12 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
             source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
-            use_all_devices, cache_dir, no_cache, json_path, simulate, remat, progress, zero):
+            use_all_devices, mixed_stages, cache_dir, no_cache, json_path, simulate, remat,
+            progress, zero):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
+  from harpjax.compiler.plan import (MixedOptions, SolveOptions, evaluate_mixed, evaluate_plan,
+                                     solve)
   from harpjax.compiler.profile import ProfileOptions, profile_step
 
   # Every argument is checked before the long work (tracing, profiling, the search).
@@ -217,6 +224,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   if time_limit is not None and objective != "min_cost_within_time":
     raise click.UsageError(f"--time-limit bounds min_cost_within_time; --objective "
                            f"{objective} does not use it")
+  if mixed_stages != "off" and use_all_devices:
+    raise click.UsageError("--mixed-stages needs the planner to choose the order of the "
+                           "subclusters, which --use-all-devices fixes; drop one of them")
   check_output_file(json_path, "--json")
   if not no_cache:
     check_output_dir(cache_dir, "--cache-dir")
@@ -253,6 +263,10 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     click.echo(f"profile: {result.stats.describe()}", err=True)
     click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
                f"{result.tables.total_devices} devices ...", err=True)
+    if mixed_stages != "off":
+      solve_options = dataclasses.replace(
+          solve_options, mixed_stages=mixed_stages,
+          mixed_options=MixedOptions(microbatch_rows=spec.microbatch_size))
     solved = solve(result.tables, num_microbatches, options=solve_options)
     t2 = time.perf_counter()
   except HarpjaxError as e:
@@ -272,7 +286,13 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
              + ("" if solved.rate_per_hour is None else
                 f"; cost {solved.rate_per_hour:.2f} per hour, "
                 f"{solved.cost_per_iteration:.4f} per iteration"))
-  if simulate:
+  if simulate and any(s.groups for s in plan.stages):
+    ev = evaluate_mixed(result.tables, plan, num_microbatches, solve_options.mixed_options,
+                        eps=eps)
+    click.echo(f"\nmixed-type stages: h1f1b, warm-ups {list(ev.warmups)}, simulated "
+               f"{ev.iteration_s:.3f} s, fits memory {'yes' if ev.mem_ok else 'NO'} (the "
+               "other schedules are not evaluated for mixed stages)")
+  elif simulate:
     click.echo("\nschedule      warm-ups              simulated iteration (s)   fits memory")
     for name in ("gpipe", "1f1b", "eager_1f1b", "h1f1b"):
       ev = evaluate_plan(result.tables, plan, num_microbatches, schedule=name, eps=eps)

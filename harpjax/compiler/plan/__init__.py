@@ -7,7 +7,9 @@ Modules: :mod:`~harpjax.compiler.plan.spec` (:class:`Plan`, :class:`StageSpec`, 
 twin), :mod:`~harpjax.compiler.plan.evaluate` (scoring any plan, diagnosing infeasibility) and
 :mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``) and
 :mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level and optimizer-state offload as
-variants of its submesh). The paper's
+variants of its submesh) and :mod:`~harpjax.compiler.plan.mixed` (mixed-type stages: their cost
+model, :func:`evaluate_mixed` and :func:`solve_mixed`, what ``solve(mixed_stages=...)`` runs).
+The paper's
 baseline planners, which the benchmarks compare with, are ``tools/baselines.py``.
 """
 
@@ -19,11 +21,16 @@ from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, row_shares,
                                         StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
+from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
+                                         fused_tables, MIXED_MODES, MixedEvaluation,
+                                         MixedOptions, mixed_cut_s, mixed_stage_cost,
+                                         MixedStageCost, solve_mixed)
 
 __all__ = [
-    "COST_MODELS", "evaluate_candidates", "evaluate_plan", "load_plan", "ManualPlan",
+    "candidate_fusions", "COST_MODELS", "evaluate_candidates", "evaluate_mixed", "evaluate_plan",
+    "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan", "MIXED_MODES",
+    "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_stage_cost", "MixedStageCost",
     "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
     "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve",
-    "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "expand_variants",
-    "VariantOptions",
+    "solve_mixed", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
 ]

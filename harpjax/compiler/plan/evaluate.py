@@ -148,6 +148,11 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
   out = []
   for st in stages:
     if isinstance(st, StageSpec):
+      if st.groups:
+        raise PlanError(f"stage on layers {st.layers} runs on {len(st.groups) + 1} groups "
+                        "(a mixed-type stage): score the plan with "
+                        "harpjax.compiler.plan.evaluate_mixed(tables, plan, B, MixedOptions("
+                        "microbatch_rows=...))")
       k = tables.subcluster_index(st.subcluster)
       out.append((st.layers[0], st.layers[1], k,
                   variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload)))

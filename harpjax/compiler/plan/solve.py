@@ -62,7 +62,8 @@ from harpjax.errors import InfeasiblePlanError, PlanError, RuntimeFailure
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
-           "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS"]
+           "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS", "MIXED_MODES",
+           "register_mixed_search"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ OBJECTIVES = ("min_time", "max_throughput_per_dollar", "min_time_within_budget",
 
 COST_MODELS = ("simulator", "eq12")
 """How :func:`solve` ranks plans (:class:`SolveOptions`)."""
+
+MIXED_MODES = ("off", "auto", "on")
+"""Whether :func:`solve` considers mixed-type stages (:mod:`~harpjax.compiler.plan.mixed`)."""
 
 BACKENDS = ("auto", "sequential", "process", "thread")
 """Built-in ways of evaluating the candidates; more are registered by other packages
@@ -91,6 +95,15 @@ def register_parallel_backend(name: str, run_batches: BatchRunner) -> None:
       :class:`SparseIndex`).
   """
   _PARALLEL_BACKENDS[name] = run_batches
+
+
+_MIXED_SEARCH: list[Callable[..., "PlanResult"]] = []
+
+
+def register_mixed_search(search: Callable[..., "PlanResult"]) -> None:
+  """Makes ``SolveOptions(mixed_stages="auto"|"on")`` call ``search(tables, B, options)``
+  (:func:`harpjax.compiler.plan.mixed.solve_mixed` registers itself on import)."""
+  _MIXED_SEARCH[:] = [search]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +161,12 @@ class SolveOptions:
     offload: a stage may keep its optimizer state in host memory (where the tables also give
       ``offload_bandwidth_bytes_per_s``); chosen per stage (:mod:`~harpjax.compiler.plan.
       variants`).
+    mixed_stages: ``"off"`` (default), ``"auto"`` or ``"on"``: also consider stages that run
+      on groups of devices of several subclusters joined by a link (``"auto"``: only fast
+      links), data-parallel with rows split by speed; the plan without them stays a candidate
+      (:func:`harpjax.compiler.plan.mixed.solve_mixed`).
+    mixed_options: a :class:`~harpjax.compiler.plan.mixed.MixedOptions` (the microbatch's rows,
+      the cost model's knobs, which fusions to try).
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -169,10 +188,15 @@ class SolveOptions:
   hidden_share: float = 0.02
   zero_levels: tuple[int, ...] = (0, 1, 2, 3)
   offload: bool = True
+  mixed_stages: str = "off"
+  mixed_options: Any = None
 
   def __post_init__(self):
     variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload)
     object.__setattr__(self, "zero_levels", variant_opts.zero_levels)
+    if self.mixed_stages not in MIXED_MODES:
+      raise PlanError(f"SolveOptions.mixed_stages={self.mixed_stages!r}; choose one of "
+                      f"{MIXED_MODES}")
     if self.cost_model not in COST_MODELS:
       raise PlanError(f"SolveOptions.cost_model={self.cost_model!r}; choose one of "
                       f"{COST_MODELS}")
@@ -286,8 +310,8 @@ class PlanResult:
 
   @property
   def num_devices(self) -> int:
-    """Devices the plan uses."""
-    return sum(s.submesh[0] * s.submesh[1] for s in self.stages)
+    """Devices the plan uses (every group of a mixed stage)."""
+    return sum(s.num_devices for s in self.plan.stages)
 
   def table(self) -> str:
     return self.plan.table()
@@ -585,6 +609,8 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   B = int(num_microbatches)
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
+  if opts.mixed_stages != "off" and _MIXED_SEARCH:
+    return _MIXED_SEARCH[0](tables, B, opts)
   start = time.perf_counter()
   given = tables
   if variants_lib.has_variant_data(tables):

@@ -1,0 +1,921 @@
+"""Mixed-type stages: one pipeline stage on groups of devices of several subclusters.
+
+A mixed stage (:attr:`~harpjax.compiler.plan.StageSpec.groups`) runs its layers on a group of
+devices of each of several subclusters, data-parallel: every microbatch of ``b`` rows is split
+among the groups (group ``g`` runs ``r_g`` rows, a multiple of its data-parallel degree), each
+group runs its own executable on its rows, and the parameter gradients are summed across the
+groups once per iteration before the update. This module costs such stages on the
+:class:`~harpjax.compiler.profile.CostTables` and searches plans that use them.
+
+**Cost model** (:func:`mixed_stage_cost`, :func:`mixed_cut_s`; what the runtime does):
+
+* *time*: group ``g`` on layers ``i..j`` with the tables' entry of its submesh (time ``T_g``
+  at the full microbatch, logical mesh ``(dp_g, tp_g)``) takes
+  ``t_g(r) = T_g (alpha + (1 - alpha) r / b)`` at ``r`` rows: compute, tensor-parallel
+  collectives and the amortised data-parallel reduction scale with the rows, except a fixed
+  share ``alpha`` (:attr:`MixedOptions.fixed_fraction`, default 0: the tables cannot tell a
+  kernel's fixed cost from its work; Zorse's per-layer fits give 0-20% at 4 rows). The
+  stage's forward+backward time per microbatch is ``max_g t_g(r_g)`` (the groups run in
+  parallel on their own devices). ``r_g`` must be a multiple of ``dp_g``.
+* *memory* per device of group ``g``: its entry's parameter bytes (a full copy of the state:
+  no ZeRO on a mixed stage) plus, per microbatch in flight, its activation bytes times
+  ``r_g / b``; checked per group against its own device memory.
+* *end of iteration*: ``max_g e_g`` (each group's own reduction and update, the tables'
+  ``end_time_s``) plus a ring all-reduce of the stage's gradient bytes (one replica) across
+  the ``G`` groups over the slowest link between two of them,
+  ``2 (G - 1) / G * grad_bytes / bandwidth + 2 (G - 1) * latency``. The gradient bytes are
+  :attr:`MixedOptions.grad_bytes` summed over the layers when given, else
+  ``grad_fraction`` (0.25: weights, gradient and two Adam moments of one size) times the
+  largest per-replica state of the groups (``param_mem_bytes * tp``).
+* *cuts*: rows keep their order across the groups (group ``g`` holds rows
+  ``r_0 + ... + r_{g-1}`` on); each group of a stage sends to each group of the next the rows
+  both hold, in parallel over the link between their subclusters (the subcluster's own link
+  when they share one): ``c = max over pairs of latency + boundary_bytes * rows / b /
+  bandwidth``. A plain stage is one group of ``b`` rows, so between two plain stages this is
+  the tables' cut.
+
+**Search** (:func:`solve_mixed`, ``SolveOptions(mixed_stages="auto"|"on")``): a *fusion*
+(:class:`Fusion`) is a shape of mixed stage: a submesh of each of two or more subclusters
+linked to each other (whole hosts, or with ``sub_host`` a part of one host; a host holding
+mixed groups runs no plain stage), and a split of every microbatch's rows among them
+(``rows``), up to ``stages`` such stages. It becomes a virtual subcluster of ``stages``
+"devices", one per mixed stage; the hosts left to each member stay a (smaller) subcluster of
+their own. :func:`fused_tables` writes those tables exactly: stage times and end costs by the
+model above, the memory of every group folded into the virtual entry (the most microbatches
+in flight every group holds), the cuts to, from and between mixed stages by the rows they
+carry (every mixed stage of a fusion splits its rows alike, so a cut depends only on the two
+subclusters and the layer, as the DP needs). :func:`solve` on them is the planner's search
+over the plans whose mixed stages are the fusion's, in one contiguous run of the pipeline;
+:func:`solve_mixed` runs it for every candidate fusion and keeps the best plan, the plan
+without mixed stages always a candidate, so the result is never worse. The rows splits are
+splits in whole data-parallel quanta near the speed-proportional one for two members, for
+more that one and its neighbours (``shares="speed"``), or every split (``shares="all"``,
+small microbatches).
+``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
+the slower of their own links; ``"on"`` any pair linked both ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from harpjax.cluster import pack_submeshes
+from harpjax.compiler.plan.evaluate import PlannedStage
+from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
+                                         register_mixed_search, solve)
+from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
+from harpjax.compiler.profile import CostTables
+from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
+                                       warmup_delta)
+from harpjax.errors import InfeasiblePlanError, PlanError
+
+__all__ = ["MixedOptions", "Fusion", "GroupCost", "MixedStageCost", "MixedEvaluation",
+           "mixed_stage_cost", "mixed_cut_s", "evaluate_mixed", "candidate_fusions",
+           "fused_tables", "solve_mixed", "MIXED_MODES"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedOptions:
+  """How mixed-type stages are costed and searched (``SolveOptions.mixed_options``).
+
+  Attributes:
+    microbatch_rows: ``b``, rows (sequences) of one microbatch; the search needs it (the rows
+      are split among a mixed stage's groups in whole multiples of their data-parallel
+      degrees).
+    fixed_fraction: ``alpha``, the share of a group's time that does not shrink with its rows.
+    grad_fraction: gradient bytes of one replica as a share of its state bytes
+      (``param_mem_bytes * tp``), when ``grad_bytes`` is not given.
+    grad_bytes: optional ``[L]`` gradient bytes of each layer (one replica).
+    min_link_ratio: with ``mixed_stages="auto"``, two subclusters are fused only when the link
+      between them is at least this times the bandwidth of the slower of their own links.
+    max_hosts_per_group: most whole hosts of one member in one mixed stage.
+    split_radius: with ``shares="speed"`` and two members, the splits tried are those within
+      this many data-parallel quanta of the speed-proportional one.
+    sub_host: a member's group may also be a submesh inside one host (``(1, m)``, ``m < M``);
+      the hosts that hold such groups then run no plain stage.
+    max_members: most subclusters in one fusion.
+    shares: ``"speed"`` (splits in whole data-parallel quanta: for two members those near the
+      speed-proportional one, for more the speed-proportional one and its neighbours) or
+      ``"all"`` (every split of the rows; small microbatches only).
+  """
+  microbatch_rows: int | None = None
+  fixed_fraction: float = 0.0
+  grad_fraction: float = 0.25
+  grad_bytes: tuple[float, ...] | None = None
+  min_link_ratio: float = 1.0
+  max_hosts_per_group: int = 2
+  max_members: int = 3
+  shares: str = "speed"
+  sub_host: bool = True
+  split_radius: int = 6
+
+  def __post_init__(self):
+    if self.microbatch_rows is not None and (int(self.microbatch_rows) != self.microbatch_rows
+                                             or self.microbatch_rows < 1):
+      raise PlanError(f"MixedOptions.microbatch_rows={self.microbatch_rows!r} must be a "
+                      "positive integer (the rows of one microbatch)")
+    if not 0.0 <= self.fixed_fraction < 1.0:
+      raise PlanError(f"MixedOptions.fixed_fraction={self.fixed_fraction} must be in [0, 1)")
+    if not 0.0 <= self.grad_fraction <= 1.0:
+      raise PlanError(f"MixedOptions.grad_fraction={self.grad_fraction} must be in [0, 1]")
+    if self.grad_bytes is not None:
+      g = tuple(float(x) for x in self.grad_bytes)
+      if any(not (math.isfinite(x) and x >= 0) for x in g):
+        raise PlanError("MixedOptions.grad_bytes must be finite bytes >= 0 per layer")
+      object.__setattr__(self, "grad_bytes", g)
+    if not self.min_link_ratio >= 0:
+      raise PlanError(f"MixedOptions.min_link_ratio={self.min_link_ratio} must be >= 0")
+    if int(self.max_hosts_per_group) < 1 or int(self.max_members) < 2:
+      raise PlanError("MixedOptions: max_hosts_per_group must be >= 1 and max_members >= 2")
+    if int(self.split_radius) != self.split_radius or self.split_radius < 0:
+      raise PlanError(f"MixedOptions.split_radius={self.split_radius!r} must be an integer "
+                      ">= 0")
+    if self.shares not in ("speed", "all"):
+      raise PlanError(f"MixedOptions.shares={self.shares!r}; choose 'speed' or 'all'")
+
+
+# --------------------------------------------------------------------------- the cost model
+
+
+def _group_time(t_full, rows, b: int, alpha: float):
+  """``T (alpha + (1 - alpha) r / b)`` (scalars or arrays; one expression everywhere)."""
+  return t_full * (alpha + (1.0 - alpha) * (rows / b))
+
+
+def _ring_s(nbytes, groups: int, bandwidth: float, latency: float):
+  """Ring all-reduce of ``nbytes`` across ``groups`` participants on one link."""
+  if groups <= 1:
+    return 0.0 * nbytes
+  return 2.0 * (groups - 1) / groups * nbytes / bandwidth + 2.0 * (groups - 1) * latency
+
+
+def _link(tables: CostTables, a: int, b: int) -> tuple[float, float]:
+  """``(bandwidth, latency)`` from subcluster ``a`` to ``b`` (its own link when equal);
+  bandwidth ``0``: no link."""
+  if a == b:
+    return float(tables.intra_bandwidth_bytes_per_s[a]), float(tables.intra_latency_s[a])
+  return (float(tables.link_bandwidth_bytes_per_s[a][b]),
+          float(tables.link_latency_s[a][b]))
+
+
+def _sync_link(tables: CostTables, members: Sequence[int]) -> tuple[float, float]:
+  """The slowest link between two groups' subclusters (both directions): the ring's."""
+  bw, lat = math.inf, 0.0
+  for a, b in itertools.permutations(sorted(set(members)), 2):
+    x, y = _link(tables, a, b)
+    bw, lat = min(bw, x), max(lat, y)
+  if len(set(members)) == 1:
+    bw, lat = _link(tables, members[0], members[0])
+  return bw, lat
+
+
+def _cut(tables: CostTables, j: int, send: Sequence[tuple[int, int]],
+         recv: Sequence[tuple[int, int]], b: int) -> float:
+  """Seconds of the cut after layer ``j`` between groups ``send`` and ``recv``, each a list of
+  ``(subcluster, rows)`` in row order."""
+  if len(send) == 1 and len(recv) == 1:
+    return float(tables.pair_comm_s[send[0][0], recv[0][0], j])
+  worst, lo = 0.0, 0
+  nbytes = float(tables.boundary_bytes[j])
+  for ka, ra in send:
+    hi, lo2 = lo + ra, 0
+    for kb, rb in recv:
+      hi2 = lo2 + rb
+      ov = min(hi, hi2) - max(lo, lo2)
+      if ov > 0:
+        bw, lat = _link(tables, ka, kb)
+        if not bw > 0:
+          return math.inf
+        worst = max(worst, lat + nbytes * (ov / b) / bw)
+      lo2 = hi2
+    lo = hi
+  return worst
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+  """One group of a stage, costed (:func:`mixed_stage_cost`).
+
+  Attributes:
+    subcluster: index in the tables; ``submesh_index``, ``submesh``, ``logical_mesh`` its
+      entry.
+    rows: rows of every microbatch it runs.
+    time_s: forward+backward seconds per microbatch at those rows.
+    param_bytes: per device: parameters, gradients and optimizer state (a full copy).
+    act_bytes: per device, per microbatch in flight, at its rows.
+    end_s: its own end-of-iteration seconds (the tables').
+    device_memory_bytes: its device's memory.
+  """
+  subcluster: int
+  submesh_index: int
+  submesh: tuple[int, int]
+  logical_mesh: tuple[int, int]
+  rows: int
+  time_s: float
+  param_bytes: float
+  act_bytes: float
+  end_s: float
+  device_memory_bytes: float
+
+  def peak_bytes(self, inflight: int) -> float:
+    return self.param_bytes + inflight * self.act_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedStageCost:
+  """A (possibly mixed) stage, costed: ``time_s = max`` of its groups' times; ``end_s`` their
+  largest end time plus the cross-group gradient all-reduce ``sync_s``."""
+  layers: tuple[int, int]
+  groups: tuple[GroupCost, ...]
+  time_s: float
+  end_s: float
+  sync_s: float
+  grad_bytes: float
+
+  def max_inflight(self, cap: int) -> int:
+    """The most microbatches in flight (``<= cap``) every group's memory holds (0: none)."""
+    n = cap
+    for g in self.groups:
+      while n > 0 and not g.peak_bytes(n) <= g.device_memory_bytes:
+        n -= 1
+    return n
+
+
+def _grad_bytes(tables: CostTables, options: MixedOptions, i: int, j: int,
+                entries: Sequence[tuple[int, int]]) -> float:
+  if options.grad_bytes is not None:
+    if len(options.grad_bytes) != tables.num_layers:
+      raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
+                      f"{tables.num_layers} layers")
+    return float(sum(options.grad_bytes[i:j + 1]))
+  return max(options.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
+             * tables.logical_mesh_of(k, i, j, s)[1] for k, s in entries)
+
+
+def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
+                     groups: Sequence[tuple[int, int, int]], options: MixedOptions
+                     ) -> MixedStageCost:
+  """Costs one stage on groups ``(subcluster, submesh index, rows)`` (the model of the module
+  docstring; one group of ``b`` rows is a plain stage: the tables' numbers).
+
+  Raises:
+    PlanError: no ``microbatch_rows``, rows that do not add up to it or are not a multiple of
+      a group's data-parallel degree, or a group whose entry has no finite time.
+  """
+  b = _rows(options)
+  i, j = (int(x) for x in layers)
+  if sum(r for _, _, r in groups) != b or any(r < 1 for _, _, r in groups):
+    raise PlanError(f"stage on layers {layers}: rows {[r for _, _, r in groups]} must be >= 1 "
+                    f"and add up to the microbatch's {b} rows")
+  out = []
+  for k, s, r in groups:
+    k, s, r = int(k), int(s), int(r)
+    lm = tables.logical_mesh_of(k, i, j, s)
+    if len(groups) > 1 and r % lm[0]:
+      raise PlanError(f"stage on layers {layers}: {r} rows on {tables.subcluster_names[k]} "
+                      f"{tables.submeshes[k][s]} are not a multiple of its data-parallel "
+                      f"degree {lm[0]}; change the shares or the logical mesh")
+    t = float(tables.stage_time_s[k][i, j, s])
+    if not math.isfinite(t):
+      raise PlanError(f"stage on layers {layers}: {tables.subcluster_names[k]} "
+                      f"{tables.submeshes[k][s]} has no finite time in the tables")
+    single = len(groups) == 1
+    out.append(GroupCost(
+        subcluster=k, submesh_index=s, submesh=tables.submeshes[k][s], logical_mesh=lm, rows=r,
+        time_s=t if single else float(_group_time(t, r, b, options.fixed_fraction)),
+        param_bytes=float(tables.param_mem_bytes[k][i, j, s]),
+        act_bytes=float(tables.act_mem_bytes[k][i, j, s]) * (1.0 if single else r / b),
+        end_s=tables.end_of(k, i, j, s), device_memory_bytes=tables.device_memory_bytes[k]))
+  end = max(g.end_s for g in out)
+  sync = gb = 0.0
+  if len(out) > 1:
+    gb = _grad_bytes(tables, options, i, j, [(g.subcluster, g.submesh_index) for g in out])
+    bw, lat = _sync_link(tables, [g.subcluster for g in out])
+    sync = float(_ring_s(gb, len(out), bw, lat)) if bw > 0 else math.inf
+  return MixedStageCost(layers=(i, j), groups=tuple(out), time_s=max(g.time_s for g in out),
+                        end_s=end + sync, sync_s=sync, grad_bytes=gb)
+
+
+def mixed_cut_s(tables: CostTables, j: int, send: MixedStageCost, recv: MixedStageCost,
+                options: MixedOptions) -> float:
+  """Seconds of the cut after layer ``j`` from stage ``send`` to stage ``recv``: every pair of
+  their groups exchanges the rows both hold, in parallel (``inf`` without a link)."""
+  b = _rows(options)
+  return _cut(tables, j, [(g.subcluster, g.rows) for g in send.groups],
+              [(g.subcluster, g.rows) for g in recv.groups], b)
+
+
+def _rows(options: MixedOptions) -> int:
+  if options.microbatch_rows is None:
+    raise PlanError("mixed-type stages need the rows of one microbatch: give "
+                    "MixedOptions(microbatch_rows=...) (SolveOptions.mixed_options)")
+  return int(options.microbatch_rows)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedEvaluation:
+  """A plan with mixed stages scored on cost tables (:func:`evaluate_mixed`).
+
+  Attributes:
+    stages: :class:`MixedStageCost` per stage (every group's time and memory).
+    planned: :class:`~harpjax.compiler.plan.PlannedStage` per stage, of its first group (time
+      and cut of the stage; memory of the group closest to its device's limit).
+    time_s, comm_s, end_s: per stage; ``comm_s`` ends with 0.
+    warmups: H-1F1B warm-up counts at the plan's own period.
+    t_max_s, period_s, eq12_s, iteration_s: as in
+      :class:`~harpjax.compiler.plan.PlanEvaluation` (``iteration_s`` the simulator's).
+    mem_ok, devices_ok, comm_ok: every group fits; every subcluster's groups pack onto its
+      hosts; every cut has a link.
+    violations: what fails.
+    num_devices: devices of every group.
+  """
+  stages: tuple[MixedStageCost, ...]
+  planned: tuple[PlannedStage, ...]
+  time_s: tuple[float, ...]
+  comm_s: tuple[float, ...]
+  end_s: tuple[float, ...]
+  warmups: tuple[int, ...]
+  t_max_s: float
+  period_s: float
+  eq12_s: float
+  iteration_s: float
+  mem_ok: bool
+  devices_ok: bool
+  comm_ok: bool
+  violations: tuple[str, ...]
+  num_devices: int
+
+  @property
+  def feasible(self) -> bool:
+    return self.mem_ok and self.devices_ok and self.comm_ok
+
+
+def _simulated_s(t, c, warm, B: int, fwd_fraction: float, ends) -> float:
+  """The simulator's H-1F1B iteration time (as :func:`~harpjax.compiler.plan.evaluate_plan`
+  runs it: forward ``fwd_fraction`` of each stage's time)."""
+  fwd = [x * fwd_fraction for x in t]
+  bwd = [x - f for x, f in zip(t, fwd)]
+  sched = make_schedule("h1f1b", len(t), B, warm)
+  return float(simulate(fwd, bwd, list(c[:-1]), sched, end_cost=list(ends)).iteration_time)
+
+
+def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_microbatches: int,
+                   options: MixedOptions, *, eps: float = 0.1,
+                   fwd_fraction: float = 1.0 / 3.0) -> MixedEvaluation:
+  """Scores a plan whose stages may have groups (:attr:`StageSpec.groups`) under H-1F1B.
+
+  Each stage is costed by :func:`mixed_stage_cost` with its groups' rows
+  (:meth:`StageSpec.group_rows` of ``options.microbatch_rows``), each cut by
+  :func:`mixed_cut_s`; warm-ups, memory (``min(N_i, B)`` in flight, per group) and the
+  simulated iteration time as :func:`~harpjax.compiler.plan.evaluate_plan` does for a plan
+  without groups (the same numbers on such a plan).
+
+  Raises:
+    PlanError: stages that do not cover the layers, unknown subclusters or submeshes, rows
+      that cannot be split.
+  """
+  B = int(num_microbatches)
+  specs = plan.stages if isinstance(plan, Plan) else tuple(plan)
+  b = _rows(options)
+  L = tables.num_layers
+  if not specs or specs[0].layers[0] != 0 or specs[-1].layers[1] != L - 1 or any(
+      y.layers[0] != x.layers[1] + 1 for x, y in zip(specs, specs[1:])):
+    raise PlanError(f"stage layer ranges {[s.layers for s in specs]} must cover layers "
+                    f"0..{L - 1} contiguously")
+  costs = []
+  for st in specs:
+    rows = st.group_rows(b) if st.groups else (b,)
+    groups = []
+    for g, r in zip(st.all_groups, rows):
+      k = tables.subcluster_index(g.subcluster)
+      groups.append((k, tables.submesh_index(k, g.submesh), r))
+    costs.append(mixed_stage_cost(tables, st.layers, groups, options))
+  t = [c.time_s for c in costs]
+  comm = [mixed_cut_s(tables, a.layers[1], a, c, options) for a, c in zip(costs, costs[1:])]
+  comm.append(0.0)
+  violations = []
+  comm_ok = all(math.isfinite(x) for x in comm)
+  if not comm_ok:
+    violations.append(f"cuts {[x for x, y in enumerate(comm) if not math.isfinite(y)]} have no "
+                      "link between some of their groups")
+  t_max = max(t)
+  period = pipeline_period(comm, t_max) if comm_ok else math.inf
+  warm = [1]
+  for x in reversed(comm[:-1]):
+    warm.append(warm[-1] + (warmup_delta(x, period, eps) if math.isfinite(period) else 1))
+  warm = tuple(reversed(warm))
+  mem_ok = True
+  planned = []
+  for x, (st, c) in enumerate(zip(specs, costs)):
+    inflight = min(warm[x], B)
+    worst = max(c.groups, key=lambda g: g.peak_bytes(inflight) / g.device_memory_bytes)
+    for g in c.groups:
+      if not g.peak_bytes(inflight) <= g.device_memory_bytes:
+        mem_ok = False
+        violations.append(
+            f"stage {x} (layers {c.layers[0]}..{c.layers[1]}), group on "
+            f"{tables.subcluster_names[g.subcluster]} {g.submesh} with {g.rows} rows needs "
+            f"{g.peak_bytes(inflight) / 2**30:.3f} GiB > "
+            f"{g.device_memory_bytes / 2**30:.3f} GiB")
+    first = c.groups[0]
+    planned.append(PlannedStage(
+        layers=c.layers, subcluster=first.subcluster,
+        subcluster_name=tables.subcluster_names[first.subcluster],
+        submesh_index=first.submesh_index, submesh=first.submesh,
+        logical_mesh=first.logical_mesh, device_offset=-1, hosts=(), time_s=c.time_s,
+        comm_s=comm[x], warmup=int(warm[x]), inflight=int(inflight),
+        param_bytes=worst.param_bytes, act_bytes=worst.act_bytes,
+        peak_mem_bytes=worst.peak_bytes(inflight),
+        device_memory_bytes=worst.device_memory_bytes))
+  devices_ok = True
+  for k in range(tables.num_subclusters):
+    shapes = [g.submesh for c in costs for g in c.groups if g.subcluster == k]
+    if shapes and pack_submeshes(tables.num_hosts[k], tables.devices_per_host[k],
+                                 shapes) is None:
+      devices_ok = False
+      violations.append(f"subcluster {tables.subcluster_names[k]!r}: groups {shapes} do not "
+                        f"pack onto {tables.num_hosts[k]} hosts of "
+                        f"{tables.devices_per_host[k]}")
+  ends = [c.end_s for c in costs]
+  head = sum(x + 2.0 * y for x, y in zip(t, comm))
+  iteration = math.inf
+  if comm_ok and math.isfinite(t_max) and all(math.isfinite(e) for e in ends):
+    iteration = _simulated_s(t, comm, warm, B, fwd_fraction, ends)
+  return MixedEvaluation(
+      stages=tuple(costs), planned=tuple(planned), time_s=tuple(t), comm_s=tuple(comm),
+      end_s=tuple(ends), warmups=warm, t_max_s=t_max, period_s=period,
+      eq12_s=head + (B - 1) * t_max, iteration_s=iteration, mem_ok=mem_ok,
+      devices_ok=devices_ok, comm_ok=comm_ok, violations=tuple(violations),
+      num_devices=sum(g.submesh[0] * g.submesh[1] for c in costs for g in c.groups))
+
+
+# --------------------------------------------------------------------------- fusions
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+  """Mixed stages of one shape, planned as one virtual subcluster.
+
+  Every mixed stage of the fusion runs on submesh ``shapes[x]`` of member ``x`` (whole hosts
+  ``(h, M)``, or ``(1, m)`` inside one host) and splits every microbatch's rows as ``rows``;
+  at most ``stages`` of them. A host that runs a mixed stage's group runs no plain stage:
+  member ``x`` gives the fusion :meth:`reserved_hosts` hosts.
+
+  Attributes:
+    members: subcluster indices (in the tables), in row order.
+    shapes: each member's submesh in one mixed stage.
+    stages: the most mixed stages.
+    rows: rows of every microbatch each member's group runs.
+  """
+  members: tuple[int, ...]
+  shapes: tuple[tuple[int, int], ...]
+  stages: int
+  rows: tuple[int, ...]
+
+  def name(self, tables: CostTables) -> str:
+    return "+".join(tables.subcluster_names[k] for k in self.members)
+
+  def group_shape(self, x: int) -> tuple[int, int]:
+    """Member ``x``'s submesh in a mixed stage."""
+    return self.shapes[x]
+
+  def reserved_hosts(self, tables: CostTables, x: int, stages: int | None = None) -> int:
+    """Hosts of member ``x`` that ``stages`` (default :attr:`stages`) mixed stages hold."""
+    c = self.stages if stages is None else stages
+    n, m = self.shapes[x]
+    M = tables.devices_per_host[self.members[x]]
+    return n * c if m == M else -(-c // (M // m))
+
+
+def _compositions(total: int, parts: int):
+  if parts == 1:
+    yield (total,)
+    return
+  for first in range(1, total - parts + 2):
+    for rest in _compositions(total - first, parts - 1):
+      yield (first,) + rest
+
+
+def _min_dp(tables: CostTables, k: int, shape: tuple[int, int]) -> int:
+  """The smallest data-parallel degree of a finite entry of submesh ``shape`` of ``k``."""
+  n, m = shape
+  if tables.logical_mesh is None or shape not in tables.submeshes[k]:
+    return n * m
+  s = tables.submeshes[k].index(shape)
+  ok = np.isfinite(tables.stage_time_s[k][:, :, s])
+  return int(tables.logical_mesh[k][:, :, s, 0][ok].min()) if ok.any() else n * m
+
+
+def _speed_splits(tables: CostTables, members, shapes, b: int, radius: int
+                  ) -> set[tuple[int, ...]]:
+  """Rows splits of a fusion in whole data-parallel quanta: with two members every split in
+  multiples of each group's smallest data-parallel degree within ``radius`` quanta of the
+  speed-proportional one; with more (``n * m`` rows per group: valid whatever the logical
+  mesh), the
+  speed-proportional one (speed of each member's group: layers per second over its
+  single-layer entries) and its neighbours (a common multiple of two quanta moved from one
+  group to another); and the speed-proportional split in whole rows."""
+  quanta = tuple(n * m for n, m in shapes)
+  speed = []
+  for k, shape in zip(members, shapes):
+    if shape not in tables.submeshes[k]:
+      return set()
+    s = tables.submeshes[k].index(shape)
+    t = np.array([tables.stage_time_s[k][i, i, s] for i in range(tables.num_layers)])
+    ok = np.isfinite(t)
+    if not ok.any():
+      return set()
+    speed.append(float(ok.sum()) / float(t[ok].sum()))   # layers it can hold, per second
+  shares = [max(1, round(1e6 * x / max(speed))) for x in speed]
+  if len(members) == 2:   # splits in multiples of the smallest dp any entry has, near speed
+    q0, q1 = (_min_dp(tables, k, shape) for k, shape in zip(members, shapes))
+    target = b * speed[0] / (speed[0] + speed[1])
+    return {(r, b - r) for r in range(q0, b - q1 + 1, q0)
+            if (b - r) % q1 == 0 and abs(r - target) <= radius * max(q0, q1)}
+  out = set()
+  for q in ((1,) * len(members), quanta):
+    try:
+      out.add(row_shares(b, shares, q))
+    except PlanError:
+      pass
+  try:
+    base = row_shares(b, shares, quanta)
+  except PlanError:
+    return out
+  for x, y in itertools.permutations(range(len(members)), 2):
+    step = math.lcm(quanta[x], quanta[y])
+    if base[x] - step >= quanta[x]:
+      moved = list(base)
+      moved[x] -= step
+      moved[y] += step
+      out.add(tuple(moved))
+  return out
+
+
+def candidate_fusions(tables: CostTables, options: MixedOptions, mode: str = "on"
+                      ) -> list[Fusion]:
+  """The fusions :func:`solve_mixed` tries: every set of ``2..max_members`` subclusters linked
+  to each other both ways (with ``mode="auto"``: by links at least ``min_link_ratio`` times
+  as fast as the slower of their own links), ``1..max_hosts_per_group`` hosts of each per
+  mixed stage, every number of such stages the hosts allow, and the rows splits of
+  :attr:`MixedOptions.shares`."""
+  b = _rows(options)
+  K = tables.num_subclusters
+  out = []
+  for size in range(2, min(options.max_members, K) + 1):
+    for members in itertools.combinations(range(K), size):
+      ok = True
+      for a, c in itertools.permutations(members, 2):
+        bw = tables.link_bandwidth_bytes_per_s[a][c]
+        slow = min(tables.intra_bandwidth_bytes_per_s[a], tables.intra_bandwidth_bytes_per_s[c])
+        if not bw > 0 or (mode == "auto" and bw < options.min_link_ratio * slow):
+          ok = False
+      if not ok or b < size:
+        continue
+      choices = [_group_shapes(tables, k, options) for k in members]
+      for shapes in itertools.product(*choices):
+        if options.shares == "all":
+          splits = sorted(_compositions(b, size))
+        else:
+          splits = sorted(_speed_splits(tables, members, shapes, b, options.split_radius))
+        probe = Fusion(tuple(members), tuple(shapes), 1, (1,) * size)
+        top = 1
+        while all(probe.reserved_hosts(tables, x, top + 1) <= tables.num_hosts[k]
+                  for x, k in enumerate(members)):
+          top += 1
+        for n in range(1, top + 1):
+          for rows in splits:
+            out.append(Fusion(tuple(members), tuple(shapes), n, tuple(rows)))
+  return out
+
+
+def _group_shapes(tables: CostTables, k: int, options: MixedOptions) -> list[tuple[int, int]]:
+  """A member's group submeshes: ``1..max_hosts_per_group`` whole hosts, and with
+  ``sub_host`` the tables' single-host submeshes smaller than a host."""
+  N, M = tables.num_hosts[k], tables.devices_per_host[k]
+  out = [(1, M) if h == 1 else (h, M) for h in range(1, min(N, options.max_hosts_per_group) + 1)]
+  if options.sub_host:
+    out = [(1, m) for n, m in tables.submeshes[k] if n == 1 and m < M] + out
+  return [s for s in out if s in tables.submeshes[k]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FusedTables(CostTables):
+  """Cost tables with a virtual subcluster: cuts given per pair of subcluster names."""
+  cut_override: tuple = ()   # ((name_a, name_b, [L] seconds), ...)
+
+  @functools.cached_property
+  def pair_comm_s(self) -> np.ndarray:
+    out = np.array(CostTables.pair_comm_s.func(self))
+    names = self.subcluster_names
+    for a, b, arr in self.cut_override:
+      if a in names and b in names:
+        out[names.index(a), names.index(b)] = arr
+    out.setflags(write=False)
+    return out
+
+
+def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
+                 options: MixedOptions) -> CostTables:
+  """The tables with ``fusion``'s virtual subcluster first, then every subcluster with the
+  hosts the fusion leaves it (those left with none dropped).
+
+  The virtual subcluster has ``stages`` hosts of one device and one submesh, ``(1, 1)``: a
+  mixed stage (:meth:`Fusion.group_shape`), timed and with end costs by
+  :func:`mixed_stage_cost`. Its device memory is ``1`` and an entry's parameter bytes ``0``
+  and activation bytes ``1 / (n_max + 0.5)``, ``n_max`` the most microbatches in flight
+  (``<= B``) every group holds: the DP's memory check ``p + n a <= mem`` then says exactly
+  ``n <= n_max``. Cuts involving it are :func:`mixed_cut_s`'s with its rows split.
+  """
+  B = int(num_microbatches)
+  b = _rows(options)
+  alpha = options.fixed_fraction
+  L, K = tables.num_layers, tables.num_subclusters
+  f = fusion
+  G = len(f.members)
+  if sum(f.rows) != b:
+    raise PlanError(f"fusion rows {f.rows} must add up to the microbatch's {b} rows")
+  vname = f.name(tables)
+  t_v = np.full((L, L, 1), np.inf)
+  a_v = np.zeros((L, L, 1))
+  e_v = np.zeros((L, L, 1))
+  iu = np.triu(np.ones((L, L), bool))
+  bw_sync, lat_sync = _sync_link(tables, f.members)
+  parts = []
+  for x, k in enumerate(f.members):
+    shape = f.group_shape(x)
+    if shape not in tables.submeshes[k]:
+      parts = None
+      break
+    parts.append((k, tables.submeshes[k].index(shape), f.rows[x]))
+  if parts is not None:
+    t = np.full((L, L), -np.inf)
+    ok = iu.copy()
+    nmax = np.full((L, L), B, np.int64)
+    end = np.full((L, L), -np.inf)
+    gb = np.zeros((L, L))
+    for k, s, r in parts:
+      T = tables.stage_time_s[k][:, :, s]
+      dp = (tables.logical_mesh[k][:, :, s, 0] if tables.logical_mesh is not None
+            else np.full((L, L), tables.submeshes[k][s][0] * tables.submeshes[k][s][1]))
+      tp = (tables.logical_mesh[k][:, :, s, 1] if tables.logical_mesh is not None
+            else np.ones((L, L), np.int64))
+      ok &= np.isfinite(T) & (r % dp == 0)
+      t = np.maximum(t, _group_time(T, r, b, alpha))
+      p = tables.param_mem_bytes[k][:, :, s]
+      act = tables.act_mem_bytes[k][:, :, s] * (r / b)
+      nmax = np.minimum(nmax, _max_inflight(p, act, tables.device_memory_bytes[k], B))
+      e = (tables.end_time_s[k][:, :, s] if tables.end_time_s is not None
+           else np.zeros((L, L)))
+      end = np.maximum(end, e)
+      gb = np.maximum(gb, options.grad_fraction * p * tp)
+    if options.grad_bytes is not None:
+      if len(options.grad_bytes) != L:
+        raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
+                        f"{L} layers")
+      gb = _range_sums(options.grad_bytes)
+    ok &= nmax >= 1
+    sync = _ring_s(np.where(ok, gb, 0.0), G, bw_sync, lat_sync) if bw_sync > 0 else np.inf
+    t_v[:, :, 0] = np.where(ok, t, np.inf)
+    a_v[:, :, 0] = np.where(ok, 1.0 / (np.maximum(nmax, 1) + 0.5), 0.0)
+    e_v[:, :, 0] = np.where(ok, end + sync, 0.0)
+  # The subclusters with the hosts left.
+  left = list(tables.num_hosts)
+  for x, k in enumerate(f.members):
+    left[k] -= f.reserved_hosts(tables, x)
+  keep = [k for k in range(K) if left[k] > 0]
+  cols = {}
+  for k in keep:
+    cols[k] = [s for s, (n, m) in enumerate(tables.submeshes[k]) if n <= left[k]]
+  pick = lambda arrs, k: np.ascontiguousarray(arrs[k][:, :, cols[k]])
+  names = (vname,) + tuple(tables.subcluster_names[k] for k in keep)
+  idx = [None] + keep   # new position -> old subcluster (None: the virtual one)
+  has_end = True
+  end_arrays = [e_v] + [tables.end_time_s[k][:, :, cols[k]] if tables.end_time_s is not None
+                        else np.zeros((L, L, len(cols[k]))) for k in keep]
+  logical = [np.ones((L, L, 1, 2), np.int64)]
+  for k in keep:
+    if tables.logical_mesh is not None:
+      logical.append(np.ascontiguousarray(tables.logical_mesh[k][:, :, cols[k]]))
+    else:
+      sizes = np.array([n * m for n, m in tables.submeshes[k]])[cols[k]]
+      logical.append(np.stack([np.broadcast_to(sizes, (L, L, len(cols[k]))),
+                               np.ones((L, L, len(cols[k])), np.int64)], axis=-1))
+  Kn = len(names)
+  bw = np.zeros((Kn, Kn))
+  lat = np.zeros((Kn, Kn))
+  virtual = [(k, r) for k, r in zip(f.members, f.rows)]
+  groups_of = lambda x: virtual if idx[x] is None else [(idx[x], b)]
+  overrides = []
+  for x in range(Kn):
+    for y in range(Kn):
+      if idx[x] is not None and idx[y] is not None:
+        if x != y:
+          bw[x, y] = tables.link_bandwidth_bytes_per_s[idx[x]][idx[y]]
+          lat[x, y] = tables.link_latency_s[idx[x]][idx[y]]
+        continue
+      arr = np.array([_cut(tables, j, groups_of(x), groups_of(y), b) for j in range(L)])
+      overrides.append((names[x], names[y], arr))
+      if x != y:
+        bw[x, y] = 1.0 if np.isfinite(arr).all() else 0.0
+  peak = None
+  if tables.peak_flops is not None:
+    peak = (sum(tables.peak_flops[k] * n * m
+                for k, (n, m) in zip(f.members, f.shapes)),) + tuple(tables.peak_flops[k]
+                                                               for k in keep)
+  price = None
+  if tables.price_per_gpu_hour is not None:
+    price = (sum(tables.price_per_gpu_hour[k] * n * m
+                 for k, (n, m) in zip(f.members, f.shapes)),) + tuple(
+                     tables.price_per_gpu_hour[k] for k in keep)
+  return _FusedTables(
+      num_layers=L, subcluster_names=names, num_hosts=(f.stages,) + tuple(left[k] for k in keep),
+      devices_per_host=(1,) + tuple(tables.devices_per_host[k] for k in keep),
+      device_memory_bytes=(1.0,) + tuple(tables.device_memory_bytes[k] for k in keep),
+      submeshes=(((1, 1),),) + tuple(tuple(tables.submeshes[k][s] for s in cols[k])
+                                    for k in keep),
+      stage_time_s=(t_v,) + tuple(pick(tables.stage_time_s, k) for k in keep),
+      param_mem_bytes=(np.zeros((L, L, 1)),) + tuple(pick(tables.param_mem_bytes, k)
+                                                             for k in keep),
+      act_mem_bytes=(a_v,) + tuple(pick(tables.act_mem_bytes, k) for k in keep),
+      boundary_bytes=tables.boundary_bytes,
+      intra_bandwidth_bytes_per_s=(1.0,) + tuple(tables.intra_bandwidth_bytes_per_s[k]
+                                                 for k in keep),
+      intra_latency_s=(0.0,) + tuple(tables.intra_latency_s[k] for k in keep),
+      link_bandwidth_bytes_per_s=tuple(tuple(float(v) for v in r) for r in bw),
+      link_latency_s=tuple(tuple(float(v) for v in r) for r in lat),
+      logical_mesh=tuple(logical), peak_flops=peak, price_per_gpu_hour=price,
+      end_time_s=tuple(end_arrays) if has_end else None,
+      cut_override=tuple(overrides))
+
+
+def _max_inflight(p: np.ndarray, act: np.ndarray, mem: float, cap: int) -> np.ndarray:
+  """Per entry the most microbatches ``n <= cap`` with ``p + n act <= mem`` (0: none), by the
+  same predicate :func:`evaluate_mixed` checks."""
+  with np.errstate(divide="ignore", invalid="ignore"):
+    n = np.where(act > 0, np.floor((mem - p) / np.where(act > 0, act, 1.0)), cap)
+  n = np.clip(np.nan_to_num(n, nan=0.0, posinf=cap, neginf=0.0), 0, cap).astype(np.int64)
+  for _ in range(3):   # rounding at the boundary: settle on the predicate itself
+    up = (n < cap) & (p + (n + 1) * act <= mem)
+    n = n + up
+    down = (n > 0) & ~(p + n * act <= mem)
+    n = n - down
+  return np.where(p <= mem, n, 0)
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def _plan_of(tables: CostTables, fused: CostTables, fusion: Fusion, result: PlanResult,
+             options: MixedOptions) -> tuple[StageSpec, ...]:
+  """The real stages of a plan found on :func:`fused_tables`."""
+  vname = fusion.name(tables)
+  b = _rows(options)
+  specs = []
+  for st in result.stages:
+    i, j = st.layers
+    if st.subcluster_name != vname:
+      specs.append(StageSpec(layers=(i, j), subcluster=st.subcluster_name, submesh=st.submesh,
+                             logical_mesh=st.logical_mesh, warmup=st.warmup, time_s=st.time_s,
+                             comm_s=st.comm_s))
+      continue
+    groups = []
+    for x, k in enumerate(fusion.members):
+      shape = fusion.group_shape(x)
+      s = tables.submeshes[k].index(shape)
+      groups.append(StageGroup(
+          subcluster=tables.subcluster_names[k], submesh=shape,
+          logical_mesh=tables.logical_mesh_of(k, i, j, s), share=fusion.rows[x],
+          time_s=float(_group_time(float(tables.stage_time_s[k][i, j, s]), fusion.rows[x], b,
+                                   options.fixed_fraction))))
+    first = groups[0]
+    specs.append(StageSpec(layers=(i, j), subcluster=first.subcluster, submesh=first.submesh,
+                           logical_mesh=first.logical_mesh, warmup=st.warmup, time_s=st.time_s,
+                           comm_s=st.comm_s, share=first.share, groups=tuple(groups[1:])))
+  return tuple(specs)
+
+
+def _value(result: PlanResult) -> float:
+  if result.objective in ("min_time", "min_time_within_budget"):
+    return result.objective_s
+  return result.rate_per_hour * result.objective_s
+
+
+def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
+                ) -> PlanResult:
+  """The best plan with or without mixed-type stages (``options.mixed_stages``).
+
+  Solves the tables as they are, then :func:`fused_tables` of every
+  :func:`candidate_fusions` fusion, and keeps the best by the objective (strictly better
+  only). ``stats.proved`` of the result: every one of those searches proved its optimum. A
+  plan with mixed stages has them as :attr:`StageSpec.groups`; its ``predicted_iteration_s``
+  is :func:`evaluate_mixed`'s simulated time of it.
+
+  Raises:
+    PlanError: ``mixed_stages="on"`` without ``MixedOptions.microbatch_rows``.
+    InfeasiblePlanError: no plan fits, with or without mixed stages.
+  """
+  start = time.perf_counter()
+  B = int(num_microbatches)
+  mode = options.mixed_stages
+  mopts = options.mixed_options or MixedOptions()
+  if not isinstance(mopts, MixedOptions):
+    raise PlanError(f"SolveOptions.mixed_options={mopts!r} must be a "
+                    "harpjax.compiler.plan.MixedOptions")
+  plain = dataclasses.replace(options, mixed_stages="off")
+  best, error = None, None
+  proofs = []   # SearchStats.proved of every search: the result's is all of them
+  try:
+    best = solve(tables, B, options=plain)
+    proofs.append(best.stats.proved)
+  except InfeasiblePlanError as e:
+    error = e
+  if mopts.microbatch_rows is None:
+    if mode == "on":
+      _rows(mopts)
+    log.info("planner: no mixed-type stages (MixedOptions.microbatch_rows not given)")
+  elif options.keep_order:
+    log.info("planner: no mixed-type stages with keep_order=True")
+  else:
+    fusions = candidate_fusions(tables, mopts, mode)
+    tried = found = 0
+    chosen = None
+    if options.use_all_devices:   # every reserved host must be filled by the mixed groups
+      fusions = [f for f in fusions if all(
+          f.stages * f.shapes[x][0] * f.shapes[x][1]
+          == f.reserved_hosts(tables, x) * tables.devices_per_host[k]
+          for x, k in enumerate(f.members))]
+    for fusion in fusions:
+      fused = fused_tables(tables, fusion, B, mopts)
+      if not np.isfinite(fused.stage_time_s[0]).any():
+        continue
+      tried += 1
+      try:
+        res = solve(fused, B, options=plain)
+      except InfeasiblePlanError:
+        continue
+      proofs.append(res.stats.proved)
+      if not any(s.subcluster == 0 for s in res.stages):
+        continue   # no mixed stage: a plan the tables as they are already have
+      found += 1
+      if best is None or _value(res) < _value(best):
+        best, chosen = res, (fusion, fused)
+    log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, "
+             "%.2f s", len(fusions), tried, found, time.perf_counter() - start)
+    if chosen is not None:
+      best = _mixed_result(tables, B, options, mopts, best, *chosen, start,
+                           len(fusions))
+  if best is None:
+    raise error
+  proved = None if any(p is None for p in proofs) else all(proofs)
+  return dataclasses.replace(best, stats=dataclasses.replace(best.stats, proved=proved))
+
+
+def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: MixedOptions,
+                  res: PlanResult, fusion: Fusion, fused: CostTables, start: float,
+                  num_fusions: int) -> PlanResult:
+  """The result found on fused tables, in terms of the real tables."""
+  specs = _plan_of(tables, fused, fusion, res, mopts)
+  ev = evaluate_mixed(tables, specs, B, mopts, eps=options.eps,
+                      fwd_fraction=options.fwd_fraction)
+  # The fused tables and the evaluator must agree (an internal invariant: the same
+  # arithmetic, so the same bits; the plan carries the evaluator's time either way).
+  assert ev.feasible, ev.violations
+  assert math.isclose(ev.iteration_s, res.iteration_s, rel_tol=1e-12), (ev.iteration_s,
+                                                                        res.iteration_s)
+  assert ev.warmups == res.warmups, (ev.warmups, res.warmups)
+  assert ev.num_devices == tables.total_devices or not options.use_all_devices
+  meta = dict(res.plan.meta)
+  meta.update(planner="harpjax.dp+mixed", mixed_stages=options.mixed_stages,
+              microbatch_rows=mopts.microbatch_rows, fixed_fraction=mopts.fixed_fraction,
+              mixed_fusions=num_fusions, mixed_seconds=time.perf_counter() - start)
+  plan = res.plan.replace(stages=specs, meta=meta, predicted_iteration_s=ev.iteration_s)
+  stats = dataclasses.replace(res.stats, seconds=time.perf_counter() - start)
+  objective = ev.iteration_s if options.cost_model == "simulator" else res.objective_s
+  return dataclasses.replace(res, plan=plan, stages=ev.planned, stats=stats,
+                             iteration_s=ev.iteration_s, objective_s=objective)
+
+
+register_mixed_search(solve_mixed)
+
+
+def _range_sums(x: Sequence[float]) -> np.ndarray:
+  """``[L, L]`` sums of ``x[i..j]`` added left to right (as :func:`sum` adds them)."""
+  L = len(x)
+  out = np.zeros((L, L))
+  for i in range(L):
+    out[i, i:] = np.cumsum(np.asarray(x[i:], np.float64))
+  return out

@@ -1,0 +1,494 @@
+"""Mixed-type stages in the planner: the cost model, evaluate_mixed, and the search against an
+exhaustive enumeration of every plan with and without mixed stages (its own code below)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from harpjax.cluster import Link, paper_submeshes
+from harpjax.compiler import plan as planner
+from harpjax.compiler.plan import MixedOptions, Plan, StageGroup, StageSpec
+from harpjax.compiler.profile import CostTables, LayerProfile, SubclusterSpec
+from harpjax.compiler.schedule import h1f1b_warmups, iteration_times
+from harpjax.errors import InfeasiblePlanError, PlanError
+
+GiB = 2.0 ** 30
+GBPS = 1e9 / 8
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+def _link(tables, a, b):
+  if a == b:
+    return tables.intra_bandwidth_bytes_per_s[a], tables.intra_latency_s[a]
+  return tables.link_bandwidth_bytes_per_s[a][b], tables.link_latency_s[a][b]
+
+
+def _oracle_cut(tables, j, send, recv, b):
+  """Every pair of groups sends the rows both hold, in parallel; ``inf`` without a link."""
+  spans = lambda gs: [(k, sum(r for _, r in gs[:x]), sum(r for _, r in gs[:x + 1]))
+                      for x, (k, _) in enumerate(gs)]
+  worst = 0.0
+  for ka, a0, a1 in spans(send):
+    for kb, b0, b1 in spans(recv):
+      ov = min(a1, b1) - max(a0, b0)
+      if ov <= 0:
+        continue
+      bw, lat = _link(tables, ka, kb)
+      if bw <= 0:
+        return math.inf
+      worst = max(worst, lat + tables.boundary_bytes[j] * ov / b / bw)
+  return worst
+
+
+def _oracle_stage(tables, i, j, groups, b, mo):
+  """``(time, end, [(p, a, mem)], groups as (k, rows))`` of a stage on ``groups`` = ``[(k, s,
+  rows)]``, or ``None`` if it cannot run."""
+  out, times, ends, mems = [], [], [], []
+  for k, s, r in groups:
+    T = float(tables.stage_time_s[k][i, j, s])
+    if not math.isfinite(T):
+      return None
+    n, m = tables.submeshes[k][s]
+    dp, tp = tables.logical_mesh_of(k, i, j, s)
+    if len(groups) > 1 and r % dp:
+      return None
+    frac = r / b if len(groups) > 1 else 1.0
+    times.append(T * (mo.fixed_fraction + (1 - mo.fixed_fraction) * frac)
+                 if len(groups) > 1 else T)
+    ends.append(0.0 if tables.end_time_s is None else float(tables.end_time_s[k][i, j, s]))
+    mems.append((float(tables.param_mem_bytes[k][i, j, s]),
+                 float(tables.act_mem_bytes[k][i, j, s]) * frac, tables.device_memory_bytes[k]))
+    out.append((k, r))
+  end = max(ends)
+  if len(groups) > 1:
+    grad = max(mo.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
+               * tables.logical_mesh_of(k, i, j, s)[1] for k, s, _ in groups)
+    ks = sorted({k for k, _, _ in groups})
+    links = [_link(tables, a, c) for a in ks for c in ks if a != c]
+    bw, lat = min(x for x, _ in links), max(y for _, y in links)
+    G = len(groups)
+    end += 2 * (G - 1) / G * grad / bw + 2 * (G - 1) * lat
+  return max(times), end, mems, out
+
+
+def _packable(N, M, shapes):
+  """Exact: do these submeshes fit ``N`` hosts of ``M`` devices?"""
+  whole = sum(n for n, m in shapes if n > 1 or m == M)
+  if whole > N:
+    return False
+  items = sorted((m for n, m in shapes if n == 1 and m < M), reverse=True)
+  bins = [M] * (N - whole)
+
+  def place(x):
+    if x == len(items):
+      return True
+    for y in range(len(bins)):
+      if bins[y] >= items[x]:
+        bins[y] -= items[x]
+        if place(x + 1):
+          return True
+        bins[y] += items[x]
+    return False
+  return place(0)
+
+
+def _mixed_shapes(tables, max_hosts, b):
+  """Every mixed-stage shape: members (pairwise linked both ways), the submesh of each (whole
+  hosts, or inside one host), rows."""
+  K = tables.num_subclusters
+  out = []
+  for size in range(2, K + 1):
+    for members in itertools.combinations(range(K), size):
+      if any(tables.link_bandwidth_bytes_per_s[a][c] <= 0
+             for a, c in itertools.permutations(members, 2)):
+        continue
+      options = []
+      for k in members:
+        N, M = tables.num_hosts[k], tables.devices_per_host[k]
+        opts = [(h, M) for h in range(1, min(N, max_hosts) + 1)]
+        opts += [(1, m) for m in range(1, M)]
+        options.append([s for s in opts if s in tables.submeshes[k]])
+      for shapes in itertools.product(*options):
+        for rows in itertools.product(range(1, b + 1), repeat=size):
+          if sum(rows) == b:
+            out.append((members, shapes, rows))
+  return out
+
+
+def _reserved(tables, k, shape, count):
+  """Hosts of ``k`` that ``count`` mixed groups of ``shape`` hold (no plain stage beside)."""
+  n, m = shape
+  M = tables.devices_per_host[k]
+  return n * count if m == M else math.ceil(count / (M // m))
+
+
+def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True,
+                      use_all=False):
+  """The best simulated time over every plan: plain stages (each subcluster one contiguous
+  run) and, with ``mixed``, mixed stages of one shape (one contiguous run; hosts holding their
+  groups hold no plain stage), in any order the links allow. Returns ``(time, plan)``;
+  ``(inf, None)`` if none fits."""
+  L, K = tables.num_layers, tables.num_subclusters
+  b = mo.microbatch_rows
+  shapes = [None] + (_mixed_shapes(tables, mo.max_hosts_per_group, b) if mixed else [])
+  cands = []
+  for shape in shapes:
+    groups_of = None
+    if shape is not None:
+      members, gshapes, rows = shape
+      groups_of = [(k, tables.submeshes[k].index(sh), r)
+                   for k, sh, r in zip(members, gshapes, rows)]
+
+    def rec(i, unit, used, plain, nmixed, stages):
+      for j in range(i, L):
+        opts = []
+        if unit == "m":
+          opts.append(("m", None))
+        else:
+          for s, sh in enumerate(tables.submeshes[unit]):
+            opts.append((unit, s))
+        for u, s in opts:
+          if u == "m":
+            nm, pl = nmixed + 1, plain
+          else:
+            nm, pl = nmixed, {**plain, u: plain.get(u, []) + [tables.submeshes[u][s]]}
+          ok = True
+          for k in range(K):
+            used_h = 0
+            if shape is not None and k in members:
+              used_h = _reserved(tables, k, gshapes[members.index(k)], nm)
+            if used_h > tables.num_hosts[k] or not _packable(
+                tables.num_hosts[k] - used_h, tables.devices_per_host[k], pl.get(k, [])):
+              ok = False
+          if not ok:
+            continue
+          st = stages + [(i, j, u, s)]
+          if j == L - 1:
+            yield st
+            continue
+          yield from rec(j + 1, u, used, pl, nm, st)
+          nexts = [k for k in range(K) if k not in used] + (
+              ["m"] if shape is not None and "m" not in used else [])
+          for v in nexts:
+            if v != u:
+              yield from rec(j + 1, v, used | {v}, pl, nm, st)
+
+    starts = list(range(K)) + (["m"] if shape is not None else [])
+    for u in starts:
+      for plan in rec(0, u, frozenset([u]), {}, 0, []):
+        nums = []
+        for i, j, u2, s in plan:
+          gs = groups_of if u2 == "m" else [(u2, s, b)]
+          nums.append(_oracle_stage(tables, i, j, gs, b, mo))
+        if any(x is None for x in nums):
+          continue
+        if use_all and sum(tables.submeshes[k][s2][0] * tables.submeshes[k][s2][1]
+                           for i, j, u2, s in plan
+                           for k, s2, _ in (groups_of if u2 == "m" else [(u2, s, b)])
+                           ) != tables.total_devices:
+          continue
+        t = [x[0] for x in nums]
+        c = [_oracle_cut(tables, plan[x][1], nums[x][3], nums[x + 1][3], b)
+             for x in range(len(plan) - 1)]
+        if not all(math.isfinite(x) for x in c):
+          continue
+        warm = h1f1b_warmups(c, max(t), eps)
+        if not all(p + min(w, B) * a <= mem for x, w in zip(nums, warm) for p, a, mem in x[2]):
+          continue
+        cands.append((t, c + [0.0], [x[1] for x in nums], warm, plan, shape))
+  if not cands:
+    return math.inf, None
+  S = max(len(x[0]) for x in cands)
+  pad = lambda v, fill=0.0: list(v) + [fill] * (S - len(v))
+  times = iteration_times([pad(x[0]) for x in cands], [pad(x[1]) for x in cands],
+                          [pad(x[2]) for x in cands], [pad(x[3], 1) for x in cands],
+                          [len(x[0]) for x in cands], B, fwd_fraction)
+  q = int(np.argmin(times))
+  return float(times[q]), cands[q][4:]
+
+
+def random_mixed_tables(rng, K=None, wide=False):
+  """A small instance: 2-3 subclusters of 1-3 hosts x 1-2 devices (``wide``: some of one host
+  x 4), 2-3 layers, fast links, about half of them with the memory binding."""
+  K = K or int(rng.choice([2, 2, 3]))
+  L = int(rng.integers(2, 4))
+  hosts, dph, shapes = [], [], []
+  for _ in range(K):
+    n, m = int(rng.integers(1, 4 if K == 2 else 3)), int(rng.choice([1, 2]))
+    if wide and rng.random() < 0.5:
+      n, m = 1, 4
+    hosts.append(n)
+    dph.append(m)
+    shapes.append(paper_submeshes(n, m))
+  work = rng.uniform(0.5, 2.0, L)
+  speed = rng.uniform(0.3, 3.0, K)
+  pw = rng.uniform(0.5, 2.0, L)
+  st, pm, am = [], [], []
+  for k in range(K):
+    S = len(shapes[k])
+    t, p, a = np.full((L, L, S), np.inf), np.zeros((L, L, S)), np.zeros((L, L, S))
+    for i in range(L):
+      for j in range(i, L):
+        for s, (n, m) in enumerate(shapes[k]):
+          g = n * m
+          if rng.random() < 0.05:
+            continue
+          t[i, j, s] = round(work[i:j + 1].sum() / speed[k] / g ** rng.uniform(0.7, 1.0), 3) \
+              + 0.001
+          p[i, j, s] = pw[i:j + 1].sum()
+          a[i, j, s] = rng.uniform(0.1, 1.0) * (j - i + 1) / g
+    st.append(t)
+    pm.append(p)
+    am.append(a)
+  bw = rng.choice([2.0, 10.0, 50.0], size=(K, K))
+  bw = np.where(rng.random((K, K)) < 0.2, 0.0, bw)
+  for k in range(K - 1):
+    bw[k, k + 1] = bw[k + 1, k] = max(bw[k, k + 1], 2.0)
+  return CostTables(
+      num_layers=L, subcluster_names=tuple(f"c{k}" for k in range(K)), num_hosts=tuple(hosts),
+      devices_per_host=tuple(dph),
+      device_memory_bytes=tuple(float(rng.uniform(1.5, 7.0)) for _ in range(K)),
+      submeshes=tuple(shapes), stage_time_s=tuple(st), param_mem_bytes=tuple(pm),
+      act_mem_bytes=tuple(am), boundary_bytes=rng.uniform(0, 1.0, L),
+      intra_bandwidth_bytes_per_s=tuple(float(rng.choice([5.0, 20.0])) for _ in range(K)),
+      intra_latency_s=(0.002,) * K,
+      link_bandwidth_bytes_per_s=tuple(tuple(float(x) for x in r) for r in bw),
+      link_latency_s=((0.005,) * K,) * K,
+      end_time_s=tuple(np.where(np.isfinite(x), 0.01 * rng.random(x.shape), 0.0) for x in st))
+
+
+# --------------------------------------------------------------------------- the search
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planner_matches_brute_force_with_mixed_stages(seed):
+  rng = np.random.default_rng(1000 + seed)
+  tables = random_mixed_tables(rng, K=2, wide=True) if seed >= 30 else random_mixed_tables(rng)
+  B = int(rng.integers(2, 7))
+  mo = MixedOptions(microbatch_rows=int(rng.choice([2, 3, 4])), shares="all",
+                    max_hosts_per_group=2, fixed_fraction=float(rng.choice([0.0, 0.1])))
+  want, _ = brute_force_mixed(tables, B, mo)
+  plain, _ = brute_force_mixed(tables, B, mo, mixed=False)
+  try:
+    got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo)
+  except InfeasiblePlanError:
+    assert want == math.inf
+    return
+  assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.iteration_s, want)
+  assert got.iteration_s <= plain * (1 + 1e-12)
+  assert got.plan.predicted_iteration_s == got.iteration_s
+  assert got.stats.proved   # every search (plain and each fusion) proved its optimum
+  ev = planner.evaluate_mixed(tables, got.plan, B, mo)
+  assert ev.feasible and ev.iteration_s == got.iteration_s
+  assert ev.warmups == got.plan.warmups
+
+
+def test_brute_force_without_mixed_stages_is_the_plain_planner():
+  """The oracle's plain part agrees with the plain planner (so it checks what it should)."""
+  for seed in range(8):
+    rng = np.random.default_rng(seed)
+    tables = random_mixed_tables(rng)
+    mo = MixedOptions(microbatch_rows=2)
+    want, _ = brute_force_mixed(tables, 4, mo, mixed=False)
+    try:
+      got = planner.solve(tables, 4, backend="sequential").iteration_s
+    except InfeasiblePlanError:
+      got = math.inf
+    assert got == want or math.isclose(got, want, rel_tol=1e-9)
+
+
+def asymmetric_tables(B: int, inter_gbps: float = 100.0) -> CostTables:
+  """6 A100 (3 hosts x 2) + 5 V100 (5 x 1) + 3 T4 (3 x 1), a 0.3B model cut into 4 layers:
+  the A100s and V100s balance two stages and leave the T4s idle."""
+  L, params, tokens, hidden = 4, 0.3e9, 8 * 1024, 2048
+  x = tokens * hidden * 2.0
+  prof = LayerProfile(flops=np.full(L, 8 * params * tokens / L),
+                      param_bytes=np.full(L, 2 * params / L),
+                      param_mem_bytes=np.full(L, 16 * params / L), act_bytes=np.full(L, x),
+                      boundary_bytes=np.full(L, x))
+  sub = lambda name, n, m, mem, peak: SubclusterSpec(
+      name, n, m, mem * GiB, 100 * GBPS, peak_flops=peak, efficiency=0.5, latency_s=5e-6,
+      host_bandwidth_bytes_per_s=100e9, host_latency_s=2e-6)
+  subs = [sub("a100", 3, 2, 40, 312e12), sub("v100", 5, 1, 16, 125e12),
+          sub("t4", 3, 1, 16, 65e12)]
+  return CostTables.from_layer_costs(prof, subs, Link(inter_gbps * GBPS, 1e-5),
+                                     grad_sync_microbatches=B)
+
+
+def test_mixed_stages_are_strictly_better_on_an_asymmetric_cluster():
+  B = 32
+  tables = asymmetric_tables(B)
+  mo = MixedOptions(microbatch_rows=64, max_hosts_per_group=5)
+  plain = planner.solve(tables, B)
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+  assert got.iteration_s < plain.iteration_s * (1 - 1e-3)
+  assert any(s.groups for s in got.plan.stages)
+  assert got.num_devices > plain.num_devices   # the T4s join
+  ev = planner.evaluate_mixed(tables, got.plan, B, mo)
+  assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
+  # Every mixed stage's rows, as the runtime will split them, are the ones costed.
+  for st, cost in zip(got.plan.stages, ev.stages):
+    assert tuple(g.rows for g in cost.groups) == (st.group_rows(64) if st.groups else (64,))
+  # Over a slow link the fusion does not pay, and "auto" does not even try it.
+  slow = asymmetric_tables(B, inter_gbps=1.0)
+  auto = planner.solve(slow, B, mixed_stages="auto", mixed_options=mo)
+  assert auto.iteration_s == planner.solve(slow, B).iteration_s
+  assert not planner.candidate_fusions(slow, mo, "auto")
+
+
+def test_off_is_the_plain_planner_and_on_needs_rows():
+  tables = asymmetric_tables(8)
+  plain = planner.solve(tables, 8)
+  assert planner.solve(tables, 8, mixed_stages="off",
+                       mixed_options=MixedOptions(microbatch_rows=64)).plan == plain.plan
+  with pytest.raises(PlanError, match="microbatch_rows"):
+    planner.solve(tables, 8, mixed_stages="on")
+  assert planner.solve(tables, 8, mixed_stages="auto").plan == plain.plan
+  with pytest.raises(PlanError, match="mixed_stages"):
+    planner.SolveOptions(mixed_stages="yes")
+  with pytest.raises(PlanError, match="MixedOptions"):
+    planner.solve(tables, 8, mixed_stages="on", mixed_options={"microbatch_rows": 8})
+  with pytest.raises(PlanError, match="microbatch_rows"):
+    MixedOptions(microbatch_rows=0)
+
+
+# --------------------------------------------------------------------------- the cost model
+
+
+def test_stage_cost_by_hand():
+  tables = asymmetric_tables(8)
+  mo = MixedOptions(microbatch_rows=12, fixed_fraction=0.1, grad_fraction=0.25)
+  a, v = tables.subcluster_index("a100"), tables.subcluster_index("v100")
+  sa, sv = tables.submesh_index(a, (1, 2)), tables.submesh_index(v, (2, 1))
+  cost = planner.mixed_stage_cost(tables, (0, 1), [(a, sa, 8), (v, sv, 4)], mo)
+  Ta, Tv = tables.stage_time_s[a][0, 1, sa], tables.stage_time_s[v][0, 1, sv]
+  assert cost.groups[0].time_s == pytest.approx(Ta * (0.1 + 0.9 * 8 / 12))
+  assert cost.groups[1].time_s == pytest.approx(Tv * (0.1 + 0.9 * 4 / 12))
+  assert cost.time_s == max(g.time_s for g in cost.groups)
+  assert cost.groups[1].act_bytes == pytest.approx(tables.act_mem_bytes[v][0, 1, sv] / 3)
+  assert cost.groups[0].param_bytes == tables.param_mem_bytes[a][0, 1, sa]
+  grad = 0.25 * max(tables.param_mem_bytes[a][0, 1, sa], tables.param_mem_bytes[v][0, 1, sv])
+  bw = tables.link_bandwidth_bytes_per_s[a][v]
+  assert cost.sync_s == pytest.approx(grad / bw + 2 * 1e-5)   # 2 groups: 2 (G-1)/G = 1
+  assert cost.end_s == pytest.approx(max(tables.end_of(a, 0, 1, sa), tables.end_of(v, 0, 1, sv))
+                                     + cost.sync_s)
+  with pytest.raises(PlanError, match="data-parallel degree"):
+    planner.mixed_stage_cost(tables, (0, 1), [(a, sa, 7), (v, sv, 5)], mo)
+  # A cut from this stage to one on the T4s: each group sends its rows over its link.
+  t4 = tables.subcluster_index("t4")
+  nxt = planner.mixed_stage_cost(tables, (2, 3), [(t4, 0, 12)], mo)
+  c = planner.mixed_cut_s(tables, 1, cost, nxt, mo)
+  x = tables.boundary_bytes[1]
+  want = max(tables.link_latency_s[k][t4] + x * r / 12 / tables.link_bandwidth_bytes_per_s[k][t4]
+             for k, r in ((a, 8), (v, 4)))
+  assert c == pytest.approx(want)
+
+
+def test_evaluate_mixed_is_evaluate_plan_on_plain_plans_and_plain_refuses_mixed():
+  tables = asymmetric_tables(16)
+  res = planner.solve(tables, 16)
+  mo = MixedOptions(microbatch_rows=64)
+  ev = planner.evaluate_mixed(tables, res.plan, 16, mo)
+  assert ev.iteration_s == res.iteration_s and ev.warmups == res.warmups
+  mixed = Plan(stages=(
+      StageSpec((0, 1), "a100", (3, 2), share=5,
+                groups=(StageGroup("t4", (3, 1), share=1),)),
+      StageSpec((2, 3), "v100", (5, 1))), num_microbatches=16)
+  with pytest.raises(PlanError, match="evaluate_mixed"):
+    planner.evaluate_plan(tables, mixed, 16)
+  ev = planner.evaluate_mixed(tables, mixed, 16, MixedOptions(microbatch_rows=66))
+  assert ev.num_devices == 14 and [len(s.groups) for s in ev.stages] == [2, 1]
+  assert [g.rows for g in ev.stages[0].groups] == [54, 12]   # row_shares(66, [5, 1], [6, 3])
+  assert ev.iteration_s > 0 and math.isfinite(ev.iteration_s)
+  # A plan whose groups do not pack says so.
+  crowded = Plan(stages=(
+      StageSpec((0, 1), "a100", (3, 2), share=5, groups=(StageGroup("t4", (3, 1)),)),
+      StageSpec((2, 3), "t4", (1, 1))))
+  ev = planner.evaluate_mixed(tables, crowded, 16, MixedOptions(microbatch_rows=66))
+  assert not ev.devices_ok and not ev.feasible
+
+
+@pytest.mark.parametrize("kw", [dict(use_all_devices=True), dict(cost_model="eq12"),
+                                dict(objective="max_throughput_per_dollar"),
+                                dict(keep_order=True)])
+def test_other_modes_are_never_worse(kw):
+  """Every mode of solve takes mixed stages (keep_order: none) and is never worse."""
+  B = 16
+  tables = asymmetric_tables(B)
+  if "objective" in kw:
+    tables = tables.replace(price_per_gpu_hour=(3.0, 1.5, 0.5))
+  mo = MixedOptions(microbatch_rows=64, max_hosts_per_group=5)
+  plain = planner.solve(tables, B, **kw)
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo, **kw)
+  value = lambda r: r.objective_s * (r.rate_per_hour or 1.0)
+  assert value(got) <= value(plain) * (1 + 1e-12)
+  if kw.get("keep_order"):
+    assert got.plan == plain.plan
+  if any(s.groups for s in got.plan.stages):
+    ev = planner.evaluate_mixed(tables, got.plan, B, mo)
+    assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
+    if kw.get("use_all_devices"):
+      assert ev.num_devices == tables.total_devices
+  if kw.get("use_all_devices"):   # the T4s need not be a stage of their own
+    assert got.iteration_s < plain.iteration_s * 0.9
+
+
+def test_groups_inside_one_host():
+  """One host of 4 fast devices and one of 2 slow ones; a device holds one layer of two: the
+  best plan is two mixed stages, each on half of every host ((1, 2) + (1, 1))."""
+  L = 2
+  shapes = (((1, 1), (1, 2), (1, 4)), ((1, 1), (1, 2)))
+  per_layer = ({(1, 1): 1.0, (1, 2): 0.5, (1, 4): 0.25}, {(1, 1): 2.0, (1, 2): 1.0})
+  st, pm, am = [], [], []
+  for k in range(2):
+    S = len(shapes[k])
+    t, p, a = np.full((L, L, S), np.inf), np.zeros((L, L, S)), np.zeros((L, L, S))
+    for i in range(L):
+      for j in range(i, L):
+        for s, sh in enumerate(shapes[k]):
+          t[i, j, s] = per_layer[k][sh] * (j - i + 1)
+          p[i, j, s] = 1.0 * (j - i + 1)
+          a[i, j, s] = 0.01
+    st.append(t)
+    pm.append(p)
+    am.append(a)
+  tables = CostTables(
+      num_layers=L, subcluster_names=("fast", "slow"), num_hosts=(1, 1),
+      devices_per_host=(4, 2), device_memory_bytes=(1.5, 1.5), submeshes=shapes,
+      stage_time_s=tuple(st), param_mem_bytes=tuple(pm), act_mem_bytes=tuple(am),
+      boundary_bytes=np.full(L, 0.01), intra_bandwidth_bytes_per_s=(100.0, 100.0),
+      intra_latency_s=(0.0, 0.0), inter_bandwidth_bytes_per_s=(100.0,),
+      inter_latency_s=(0.0,))
+  B = 8
+  mo = MixedOptions(microbatch_rows=10, shares="all", grad_fraction=0.0)
+  plain = planner.solve(tables, B)
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+  want, found = brute_force_mixed(tables, B, mo)
+  assert math.isclose(got.iteration_s, want, rel_tol=1e-9)
+  assert got.iteration_s < plain.iteration_s * 0.9
+  assert [tuple(g.submesh for g in s.all_groups) for s in got.plan.stages] == \
+      [((1, 2), (1, 1))] * 2
+  assert [s.group_rows(10) for s in got.plan.stages] == [(8, 2)] * 2
+  assert planner.solve(tables, B, mixed_stages="on", mixed_options=MixedOptions(
+      microbatch_rows=10, shares="all", sub_host=False)).iteration_s == plain.iteration_s
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_planner_matches_brute_force_using_every_device(seed):
+  rng = np.random.default_rng(3000 + seed)
+  tables = random_mixed_tables(rng, K=2, wide=seed % 2 == 1)
+  B = int(rng.integers(2, 7))
+  mo = MixedOptions(microbatch_rows=int(rng.choice([2, 4])), shares="all")
+  want, _ = brute_force_mixed(tables, B, mo, use_all=True)
+  try:
+    got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo,
+                        use_all_devices=True)
+  except InfeasiblePlanError:
+    assert want == math.inf
+    return
+  assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.iteration_s, want)
+  assert got.num_devices == tables.total_devices
