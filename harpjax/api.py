@@ -29,7 +29,7 @@ from harpjax.runtime import (CheckpointOptions, Checkpointer, ElasticOptions, Fa
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      layers_like, traced_step_for)
-from harpjax.compiler.plan import Plan, SolveOptions, load_plan, solve
+from harpjax.compiler.plan import MixedOptions, Plan, SolveOptions, load_plan, solve
 from harpjax.compiler.profile import (ProfileOptions, ProfileResult, default_cache_dir,
                                      profile_step, progress_bar)
 from harpjax.compiler.schedule import Schedule, schedule_key
@@ -497,14 +497,20 @@ class ParallelStep:
     layers = layers_for_step(ts, self.options.layer_options)   # automatic, or a saved one
     return Traced(traced_step_for(ts, layers), layers)
 
+  def _batch_rows(self, args) -> int:
+    """Rows of the batch (the leading size of the batch arguments' array leaves)."""
+    leaves = [x for a in self.options.batch_argnums for x in jax.tree_util.tree_leaves(args[a])
+              if np.ndim(x) >= 1]
+    if not leaves:
+      raise MicrobatchError(f"the batch arguments {self.options.batch_argnums} hold no arrays")
+    return int(np.shape(leaves[0])[0])
+
   def _retrace(self, args, traced: Traced) -> Retrace:
     """The step traced again with other rows per microbatch (for stages that split them among
     groups of devices), cut into the same layers."""
     B = traced.step.num_microbatches
     argnums = self.options.batch_argnums
-    leaves = [x for a in argnums for x in jax.tree_util.tree_leaves(args[a])
-              if np.ndim(x) >= 1]
-    rows = int(np.shape(leaves[0])[0])
+    rows = self._batch_rows(args)
 
     @functools.lru_cache(maxsize=None)
     def at(r: int):
@@ -537,9 +543,15 @@ class ParallelStep:
                           batch_argnums=opts.batch_argnums, layer_options=opts.layer_options,
                           options=profile_opts, layers=traced.layers)
     log.info("profiled: %s", result.stats.describe())
+    solve_opts = opts.solve_options or SolveOptions(eps=opts.eps)
+    if solve_opts.mixed_stages != "off":   # mixed-type stages split the microbatch's rows
+      mixed = solve_opts.mixed_options or MixedOptions()
+      if mixed.microbatch_rows is None:
+        mixed = dataclasses.replace(mixed, microbatch_rows=self._batch_rows(args) // (
+            traced.step.num_microbatches))
+        solve_opts = dataclasses.replace(solve_opts, mixed_options=mixed)
     try:
-      plan = solve(result.tables, traced.step.num_microbatches,
-                   options=opts.solve_options or SolveOptions(eps=opts.eps)).plan
+      plan = solve(result.tables, traced.step.num_microbatches, options=solve_opts).plan
     except InfeasiblePlanError as e:
       st = result.stats
       if st.pruned_oom or st.pruned_tasks:

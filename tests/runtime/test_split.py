@@ -166,3 +166,32 @@ def test_split_stage_errors_name_what_to_change(x64):
   with pytest.raises(PlanError, match="device 0"):
     pstep.plan(case.state, case.batches[0])
   np.testing.assert_equal(len(pstep.trace(case.state, case.batches[0]).layers), L)
+
+
+ASYMMETRIC = """name: asym8
+subclusters:
+""" + "".join(f"""  - name: {name}
+    gpu: {gpu}
+    hosts: {hosts}
+    devices_per_host: {dph}
+    nics:
+      - {{name: eth0, kind: ethernet, gbps: 100, network: dc}}
+""" for name, gpu, hosts, dph in (("a100", "A100-40G", 2, 2), ("v100", "V100-16G", 3, 1),
+                                  ("t4", "T4", 1, 1)))
+
+
+def test_planner_chooses_mixed_stages_and_they_train_like_jit(x64, tmp_path):
+  # 4 A100 + 3 V100 + 1 T4 on a fast network: the automatic plan puts A100s and V100s in the
+  # same stages (rows split by speed); the step equals jax.jit.
+  path = tmp_path / "asym.yaml"
+  path.write_text(ASYMMETRIC)
+  step, state, batches, rngs = _gpt_case(batch=16)
+  pstep = harpjax.auto_parallel(step, cluster=str(path), num_microbatches=2,
+                                solve_options=harpjax.SolveOptions(mixed_stages="on"))
+  plan = pstep.plan(state, batches[0], *rngs[0])
+  mixed = [s for s in plan.stages if s.mixed]
+  assert mixed, plan
+  assert all(len({g.subcluster for g in s.all_groups}) == 2 for s in mixed)
+  assert all(len(set(s.group_rows(8))) > 1 for s in mixed), "uneven shares"
+  out_ref = jax.jit(step)(state, batches[0], *rngs[0])
+  assert max_rel_err(out_ref, pstep(state, batches[0], *rngs[0])) <= RTOL

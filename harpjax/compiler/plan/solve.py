@@ -161,10 +161,12 @@ class SolveOptions:
     offload: a stage may keep its optimizer state in host memory (where the tables also give
       ``offload_bandwidth_bytes_per_s``); chosen per stage (:mod:`~harpjax.compiler.plan.
       variants`).
-    mixed_stages: ``"off"`` (default), ``"auto"`` or ``"on"``: also consider stages that run
+    mixed_stages: ``"off"``, ``"auto"`` (default) or ``"on"``: also consider stages that run
       on groups of devices of several subclusters joined by a link (``"auto"``: only fast
       links), data-parallel with rows split by speed; the plan without them stays a candidate
-      (:func:`harpjax.compiler.plan.mixed.solve_mixed`).
+      (:func:`harpjax.compiler.plan.mixed.solve_mixed`). Only where ``mixed_options`` gives
+      the microbatch's rows (:func:`harpjax.auto_parallel` and ``harpjax plan`` do): without
+      them ``"auto"`` plans as ``"off"``.
     mixed_options: a :class:`~harpjax.compiler.plan.mixed.MixedOptions` (the microbatch's rows,
       the cost model's knobs, which fusions to try).
   """
@@ -188,7 +190,7 @@ class SolveOptions:
   hidden_share: float = 0.02
   zero_levels: tuple[int, ...] = (0, 1, 2, 3)
   offload: bool = True
-  mixed_stages: str = "off"
+  mixed_stages: str = "auto"
   mixed_options: Any = None
 
   def __post_init__(self):
