@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from harpjax.compiler.stages import StageExecutables, StepLayout
+from harpjax.compiler.stages import HOST_MEMORY, StageExecutables, StepLayout
 from harpjax.compiler.trace import Lit
 
 __all__ = ["MessageKey", "ACT", "CT", "GRAD", "VALUE", "Messenger", "LocalMessenger", "StageRun",
@@ -207,6 +207,7 @@ class StageRun:
     self.acc = stage.zeros()
     self.scale = 1.0 / self.B if layout.loss_reduction == "mean" else 1.0
     self.mb_index = [np.int32(m) for m in range(self.B)]
+    self.to_host = s in layout.host_residuals
 
   # ------------------------------------------------------------------ tasks
 
@@ -244,7 +245,17 @@ class StageRun:
     for v in sl.output_ids:
       if v in self.region_outs:
         self.fwd_outputs[m][v] = out_map[v]
+    if self.to_host:   # kept in host memory until the backward
+      residuals = jax.tree_util.tree_map(self._to_host, residuals)
     self.residuals[m] = residuals
+
+  @staticmethod
+  def _to_host(x):
+    return jax.device_put(x, x.sharding.with_memory_kind(HOST_MEMORY))
+
+  @staticmethod
+  def _to_device(x):
+    return jax.device_put(x, x.sharding.with_memory_kind("device"))
 
   def backward(self, m: int) -> None:
     """Task ``B m``: output cotangents in, backward, activation cotangents out."""
@@ -268,7 +279,10 @@ class StageRun:
         aval = sl.avals[v]
         ct = io.put(np.zeros(aval.shape, aval.dtype), st.sharding(v))
       present.append(ct)
-    self.acc, act_cts = st.bwd(self.params, self.residuals.pop(m), tuple(present), self.acc)
+    residuals = self.residuals.pop(m)
+    if self.to_host:
+      residuals = jax.tree_util.tree_map(self._to_device, residuals)
+    self.acc, act_cts = st.bwd(self.params, residuals, tuple(present), self.acc)
     ct_map = dict(zip(sl.act_ids, act_cts))
     cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}))
            for p in lay.ct_targets[s]]

@@ -264,3 +264,32 @@ links:
   out_par = pstep(case.state, case.batches[0])
   out_ref = jax.jit(case.step)(case.state, case.batches[0])
   assert max_rel_err(out_ref, out_par) <= RTOL
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_residuals_offloaded_to_host_memory_float64(x64, runtime, monkeypatch):
+  # Every stage keeps each microbatch's residuals in host memory between its forward and its
+  # backward: jax.jit's numbers, and every residual waiting for its backward is in host memory.
+  from harpjax.runtime import interpreter
+  seen = []
+  real = interpreter.StageRun._to_host
+  monkeypatch.setattr(interpreter.StageRun, "_to_host",
+                      staticmethod(lambda x: seen.append(real(x)) or seen[-1]))
+  case = _case("loop")
+  plan = zero_plan(6, [("v100", (1, 2), (2, 1), 0), ("a100", (1, 2), (2, 1), 1)])
+  kw = {"runtime": "ray", "runtime_options": {"num_cpus": 2}} if runtime == "ray" else {}
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
+                                offload=harpjax.OffloadOptions(activations=True), **kw)
+  ref = jax.jit(case.step)
+  s_ref = s_par = case.state
+  for batch in case.batches[:2]:
+    out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
+    assert max_rel_err(out_ref, out_par) <= RTOL
+    s_ref, s_par = out_ref[0], out_par[0]
+  assert pstep.layout(case.state, case.batches[0]).layout.host_residuals == {0, 1}
+  if runtime == "local":
+    assert seen and {x.sharding.memory_kind for x in seen} == {"pinned_host"}
+    cs = pstep.compile(case.state, case.batches[0])
+    for s in range(cs.num_stages):   # the model counts at most two residuals on the devices
+      report = memory_report(cs, s)
+      assert report.predicted.act_offloaded and abs(report.error) <= 0.15, (s, report.phases)

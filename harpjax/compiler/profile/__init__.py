@@ -22,14 +22,14 @@ from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, 
 from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
                                              memory_to_compute_order, SubclusterSpec,
                                              synthetic_gpt_profile)
-from harpjax.compiler.profile.zero import (offload_time_s, stage_memory, StageMemory,
-                                           ZERO_LEVELS,
+from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_time_s,
+                                           stage_memory, StageMemory, ZERO_LEVELS,
                                            zero_collectives, zero_layer_costs,
                                            zero_state_bytes_per_param, zero_sync_time_s,
                                            zero_tables)
 
 __all__ = [
-    "assemble_tables", "CACHE_DIR_ENV", "CostTables", "default_cache_dir", "LayerProfile",
+    "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables", "default_cache_dir", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "SOURCES", "stage_memory", "StageMemory", "SubclusterSpec", "synthetic_gpt_profile",

@@ -107,6 +107,9 @@ class StageMemory:
       share of ``grad_bytes``).
     opt_offloaded: the optimizer state stays in host memory between updates: the pipeline
       holds none of it on the device; the update brings it in and writes it back.
+    act_offloaded: the residuals of the microbatches in flight stay in host memory between
+      their forward and their backward: the device holds at most two (the one a forward
+      writes or a backward reads, and the one on its way).
   """
   param_bytes: float
   grad_bytes: float
@@ -117,6 +120,7 @@ class StageMemory:
   update_workspace_bytes: float
   shared_bytes: float = 0.0
   opt_offloaded: bool = False
+  act_offloaded: bool = False
 
   @property
   def state_bytes(self) -> float:
@@ -126,6 +130,8 @@ class StageMemory:
   def pipeline_bytes(self, in_flight: int) -> float:
     """Peak while the pipeline runs with ``in_flight`` microbatches' residuals held."""
     held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
+    if self.act_offloaded:
+      in_flight = min(in_flight, 2)
     return held + in_flight * self.act_bytes + max(self.fwd_workspace_bytes,
                                                    self.bwd_workspace_bytes)
 
@@ -144,7 +150,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
                  zero: int, grad_bytes: float | None = None, out_bytes: float = 0.0,
                  workspace_bytes: float = 0.0, reduce_scatter: bool = False,
                  shared_param_bytes: float = 0.0,
-                 offload_optimizer: bool = False) -> StageMemory:
+                 offload_optimizer: bool = False,
+                 offload_activations: bool = False) -> StageMemory:
   """Per-device memory of a stage at ZeRO level ``zero``.
 
   Args:
@@ -162,6 +169,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       their gradient, through the pipeline; updated by their owner).
     offload_optimizer: the optimizer state is kept in host memory between updates
       (:class:`harpjax.OffloadOptions`).
+    offload_activations: the residuals wait for their backward in host memory
+      (``OffloadOptions(activations=True)``; :func:`activation_offload_time_s`).
 
   Returns:
     The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
@@ -182,7 +191,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       bwd_workspace_bytes=G + max(reduced, gathered) + float(workspace_bytes),
       update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
       shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
-      opt_offloaded=bool(offload_optimizer))
+      opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations))
 
 
 def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
@@ -201,6 +210,26 @@ def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
   if opt_bytes <= 0:
     return 0.0
   return 2.0 * (latency_s + float(opt_bytes) / host_bandwidth_bytes_per_s)
+
+
+def activation_offload_time_s(act_bytes: float, host_bandwidth_bytes_per_s: float,
+                              latency_s: float = 0.0) -> float:
+  """Seconds per microbatch of a stage whose residuals wait for their backward in host memory:
+  written there after the forward and read back before the backward, ``2 * (latency +
+  act_bytes / bandwidth)`` (an upper bound on what it adds to the stage's time: the runtime
+  issues the copies asynchronously, so they overlap with other tasks where the schedule
+  leaves room).
+
+  Args:
+    act_bytes: residual bytes of one microbatch per device.
+    host_bandwidth_bytes_per_s: the device's link to host memory, one direction.
+    latency_s: per transfer.
+  """
+  if not host_bandwidth_bytes_per_s > 0:
+    raise HarpjaxError(f"host_bandwidth_bytes_per_s={host_bandwidth_bytes_per_s} must be > 0")
+  if act_bytes <= 0:
+    return 0.0
+  return 2.0 * (latency_s + float(act_bytes) / host_bandwidth_bytes_per_s)
 
 
 def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer_bytes: float,

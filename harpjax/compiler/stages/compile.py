@@ -98,6 +98,11 @@ class OffloadOptions:
     optimizer_state: keep the optimizer state (the step inputs :func:`state_successors` finds)
       in host memory: the update brings it to the devices, computes, and writes the new state
       back; between updates the devices hold none of it.
+    activations: keep what each microbatch's backward needs from its forward (the residuals,
+      boundary activations included) in host memory between the two: the forward's results
+      go to host memory, and the backward brings them back first. The devices then hold the
+      residuals of the microbatch being computed only, not of every one in flight; the cost
+      is two transfers of them over the host link per microbatch.
     stages: the stages that do (pipeline positions); ``None``: every stage.
 
   Raises:
@@ -106,11 +111,12 @@ class OffloadOptions:
   """
   optimizer_state: bool = False
   stages: tuple[int, ...] | None = None
+  activations: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.optimizer_state, bool):
-      raise PlanError(f"OffloadOptions.optimizer_state={self.optimizer_state!r} must be True or "
-                      "False")
+    for name in ("optimizer_state", "activations"):
+      if not isinstance(getattr(self, name), bool):
+        raise PlanError(f"OffloadOptions.{name}={getattr(self, name)!r} must be True or False")
     if self.stages is not None:
       stages = tuple(self.stages) if not isinstance(self.stages, (str, bytes)) else None
       if stages is None or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
@@ -122,6 +128,10 @@ class OffloadOptions:
   def offloads(self, stage: int) -> bool:
     """Whether ``stage`` keeps its optimizer state in host memory."""
     return self.optimizer_state and (self.stages is None or stage in self.stages)
+
+  def offloads_activations(self, stage: int) -> bool:
+    """Whether ``stage`` keeps its residuals in host memory between forward and backward."""
+    return self.activations and (self.stages is None or stage in self.stages)
 
 
 def check_host_memory(devices: Sequence, stage: int) -> None:
@@ -221,6 +231,9 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
                        preferred, loss_reduction, host)
   if splits:
     layout = dataclasses.replace(layout, splits=splits)
+  if offload is not None and offload.activations:
+    layout = dataclasses.replace(layout, host_residuals=frozenset(
+        s for s in range(plan.num_stages) if offload.offloads_activations(s)))
   log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
            len(placed.before), len(placed.after))
   fns = []
@@ -300,7 +313,7 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
     stage_devices: per stage, its JAX devices in submesh order.
   """
   lay = program.layout
-  for s in sorted({h for h, _ in lay.host}):
+  for s in sorted({h for h, _ in lay.host} | lay.host_residuals):
     check_host_memory(stage_devices[s], s)
   stages = tuple(jit_stage(sl, fn, sharding_lib.make_mesh(devs, sl.logical_mesh))
                  if s not in lay.splits else

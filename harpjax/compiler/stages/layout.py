@@ -191,6 +191,8 @@ class StepLayout:
     splits: stage -> its :class:`~harpjax.compiler.stages.split.SplitLayout`, for the stages
       that split their microbatches' rows among groups of devices (a mixed-type stage; its
       entry in ``stages`` is its home's layout).
+    host_residuals: the stages that keep each microbatch's residuals in host memory between
+      its forward and its backward (``OffloadOptions(activations=True)``).
   """
   num_stages: int
   num_microbatches: int
@@ -228,6 +230,7 @@ class StepLayout:
   outputs: tuple
   host: frozenset = frozenset()
   splits: dict = dataclasses.field(default_factory=dict)
+  host_residuals: frozenset = frozenset()
 
   @property
   def loss_vid(self):

@@ -151,6 +151,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   outs = sum(held(sl.avals[v], sl.specs[v]) for v in sl.output_ids)
   residual = max(ex["fwd"][1] - outs, 0.0)
   n = in_flight(cs.schedule, stage)
+  n_dev = min(n, 2) if stage in lay.host_residuals else n   # residuals held on the devices
   extra_in = sum(held(sl.avals[v], sl.specs[v]) for v in sl.act_ids + sl.act_int_ids
                  + sl.data_ids)
   cts = sum(held(sl.avals[v], sl.specs[v])
@@ -159,9 +160,9 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   phases = {}
   state_bytes = params + grads + opt - on_host   # on the devices through the pipeline
   _, f_out, _, f_temp = ex["fwd"]
-  phases["fwd"] = state_bytes + (n - 1) * residual + extra_in + f_out + f_temp
+  phases["fwd"] = state_bytes + (n_dev - 1) * residual + extra_in + f_out + f_temp
   _, b_out, b_alias, b_temp = ex["bwd"]
-  phases["bwd"] = state_bytes + n * residual + cts + (b_out - b_alias) + b_temp
+  phases["bwd"] = state_bytes + n_dev * residual + cts + (b_out - b_alias) + b_temp
 
   # The update: the step's state on this stage and its gradients, then each group's results.
   alive = {}
@@ -184,7 +185,8 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   predicted = stage_memory(param_bytes=params0, grad_bytes=grads0, opt_bytes=opt0,
                            act_bytes=residual, dp=dp, zero=sl.zero, out_bytes=outs,
                            reduce_scatter=reduce_scatter, shared_param_bytes=shared0,
-                           offload_optimizer=on_host > 0)
+                           offload_optimizer=on_host > 0,
+                           offload_activations=stage in lay.host_residuals)
   return StageMemoryReport(stage, sl.zero, dp, n, params, grads, opt, residual, ex, phases,
                            max(phases.values()), predicted)
 
