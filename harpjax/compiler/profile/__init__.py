@@ -29,7 +29,8 @@ from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_ti
                                            zero_tables)
 
 __all__ = [
-    "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables", "default_cache_dir", "LayerProfile",
+    "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables",
+    "default_cache_dir", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "SOURCES", "stage_memory", "StageMemory", "SubclusterSpec", "synthetic_gpt_profile",
