@@ -15,6 +15,18 @@ DEMO_CLUSTER = os.path.join(CONFIGS, "demo_local.yaml")
 RTOL = 1e-5
 
 
+def cluster_yaml(name: str, subclusters, gbps: float = 100) -> str:
+  """A cluster file of ``(name, gpu, hosts, devices per host)`` subclusters whose hosts share
+  one Ethernet network of ``gbps``."""
+  return f"name: {name}\nsubclusters:\n" + "".join(f"""  - name: {sub}
+    gpu: {gpu}
+    hosts: {hosts}
+    devices_per_host: {dph}
+    nics:
+      - {{name: eth0, kind: ethernet, gbps: {gbps}, network: dc}}
+""" for sub, gpu, hosts, dph in subclusters)
+
+
 def max_rel_err(a, b, floor: float = 0.0) -> float:
   """Largest |a-b| / max(max|a|, floor) over matching leaves (non-floats must match exactly).
 

@@ -39,6 +39,7 @@ from harpjax.compiler.plan import Plan, StageSpec, load_plan
 from harpjax.compiler.profile import ProfileDB
 from harpjax.compiler.profile import cache as cache_lib
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
+from tests.equivalence import cluster_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -727,17 +728,8 @@ def test_plan_with_zero_reads_the_cache_and_passes_the_optimizer_state(warm_cach
   assert "Layer Range" in res.output
 
 
-ASYMMETRIC_YAML = """
-name: asym
-subclusters:
-""" + "".join(f"""  - name: {name}
-    gpu: {gpu}
-    hosts: {hosts}
-    devices_per_host: {dph}
-    nics:
-      - {{name: eth0, kind: ethernet, gbps: 100, network: dc}}
-""" for name, gpu, hosts, dph in (("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1),
-                                  ("t4", "T4", 3, 1)))
+ASYMMETRIC_YAML = cluster_yaml("asym", (("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1),
+                                        ("t4", "T4", 3, 1)))
 
 
 def test_plan_with_mixed_stages(tmp_path):

@@ -22,7 +22,7 @@ from harpjax.compiler.plan import Plan, StageGroup, StageSpec, row_shares
 from harpjax.errors import PlanError
 from harpjax.models import GPT, GPTConfig
 from tests import zoo
-from tests.equivalence import DEMO_CLUSTER, max_rel_err
+from tests.equivalence import DEMO_CLUSTER, cluster_yaml, max_rel_err
 
 RTOL = 1e-12
 
@@ -168,16 +168,8 @@ def test_split_stage_errors_name_what_to_change(x64):
   np.testing.assert_equal(len(pstep.trace(case.state, case.batches[0]).layers), L)
 
 
-ASYMMETRIC = """name: asym8
-subclusters:
-""" + "".join(f"""  - name: {name}
-    gpu: {gpu}
-    hosts: {hosts}
-    devices_per_host: {dph}
-    nics:
-      - {{name: eth0, kind: ethernet, gbps: 100, network: dc}}
-""" for name, gpu, hosts, dph in (("a100", "A100-40G", 2, 2), ("v100", "V100-16G", 3, 1),
-                                  ("t4", "T4", 1, 1)))
+ASYMMETRIC = cluster_yaml("asym8", (("a100", "A100-40G", 2, 2), ("v100", "V100-16G", 3, 1),
+                                    ("t4", "T4", 1, 1)))
 
 
 def test_planner_chooses_mixed_stages_and_they_train_like_jit(x64, tmp_path):

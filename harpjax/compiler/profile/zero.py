@@ -225,11 +225,7 @@ def activation_offload_time_s(act_bytes: float, host_bandwidth_bytes_per_s: floa
     host_bandwidth_bytes_per_s: the device's link to host memory, one direction.
     latency_s: per transfer.
   """
-  if not host_bandwidth_bytes_per_s > 0:
-    raise HarpjaxError(f"host_bandwidth_bytes_per_s={host_bandwidth_bytes_per_s} must be > 0")
-  if act_bytes <= 0:
-    return 0.0
-  return 2.0 * (latency_s + float(act_bytes) / host_bandwidth_bytes_per_s)
+  return offload_time_s(act_bytes, host_bandwidth_bytes_per_s, latency_s)   # the same trips
 
 
 def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer_bytes: float,
