@@ -428,6 +428,9 @@ class SubCluster:
       planner's objectives with money.
     zone: optional zone or region label; a ``links`` entry between two zones sets the link
       between their subclusters.
+    host_memory_bytes_per_s: optional bandwidth between a device and its host's memory, one
+      direction (PCIe: ~12e9 for Gen3 x16, ~25e9 for Gen4); given for every subcluster, the
+      planner may keep a stage's optimizer state in host memory (YAML ``host_memory_gbps``).
     hosts: the ``N`` hosts (derived).
   """
   name: str
@@ -438,6 +441,7 @@ class SubCluster:
   intra_host_bytes_per_s: float | None = None
   price_per_gpu_hour: float | None = None
   zone: str | None = None
+  host_memory_bytes_per_s: float | None = None
   hosts: tuple[Host, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
@@ -463,6 +467,8 @@ class SubCluster:
           self.price_per_gpu_hour, f"{where}.price_per_gpu_hour", minimum=0.0))
     if self.zone is not None:
       check_str(self.zone, f"{where}.zone")
+    if self.host_memory_bytes_per_s is not None:
+      check_pos_number(self.host_memory_bytes_per_s, f"{where}.host_memory_bytes_per_s")
     object.__setattr__(self, "hosts", tuple(
         Host(f"{self.name}-{h}", self.name, h, self.gpu, self.devices_per_host, nics,
              self.intra_host_bytes_per_s) for h in range(self.num_hosts)))
@@ -521,6 +527,8 @@ class SubCluster:
       d["price_per_gpu_hour"] = _clean(self.price_per_gpu_hour)
     if self.zone is not None:
       d["zone"] = self.zone
+    if self.host_memory_bytes_per_s is not None:
+      d["host_memory_gbps"] = _clean(self.host_memory_bytes_per_s / GBPS)
     return d
 
 

@@ -73,7 +73,7 @@ def parse_yaml(text: str, source: str) -> Any:
 _TOP_KEYS = ("name", "gpus", "subclusters", "links")
 _GPU_KEYS = ("name", "tflops", "memory_gb", "mem_bandwidth_gbs", "intra_host_gbps")
 _SUB_KEYS = ("name", "gpu", "hosts", "devices_per_host", "intra_host_gbps", "nics",
-             "price_per_gpu_hour", "zone")
+             "price_per_gpu_hour", "zone", "host_memory_gbps")
 _NIC_KEYS = ("name", "kind", "gbps", "network", "latency_us")
 _LINK_KEYS = ("between", "gbps", "latency_us", "kind")
 _DEFAULT_GPU_INTRA_HOST_GBPS = 512  # PCIe Gen4 x16, 64 GB/s
@@ -120,6 +120,9 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     price = s.get("price_per_gpu_hour")
     if price is not None:
       price = check_number(price, f"{w}.price_per_gpu_hour", minimum=0.0)
+    host_memory = s.get("host_memory_gbps")
+    if host_memory is not None:
+      host_memory = check_pos_number(host_memory, f"{w}.host_memory_gbps") * GBPS
     zone = s.get("zone")
     if zone is not None:
       check_str(zone, f"{w}.zone")
@@ -128,7 +131,8 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
                                "subclusters need different names (links may name either)")
     subs.append(SubCluster(s["name"], gpu, hosts, per_host,
                            _nics_from_list(or_empty(s.get("nics")), f"{w}.nics"), intra,
-                           price_per_gpu_hour=price, zone=zone))
+                           price_per_gpu_hour=price, zone=zone,
+                           host_memory_bytes_per_s=host_memory))
   links = []
   for i, ln in enumerate(check_list(or_empty(data.get("links")), "links")):
     w = f"links[{i}]"

@@ -593,3 +593,29 @@ links:
     Cluster.from_yaml(text.replace("3.5", "-1"))
   with pytest.raises(ClusterSpecError, match="also a subcluster name"):
     Cluster.from_yaml(text.replace("zone: west", "zone: a"))
+
+
+def test_host_memory_bandwidth_reaches_the_cost_tables():
+  # host_memory_gbps on every subcluster: the automatic path's tables carry the offload
+  # bandwidth (so the planner may keep a stage's optimizer state in host memory).
+  from harpjax.compiler.profile import ProfileOptions, profile_step
+  from harpjax.models import BUILTIN_MODELS
+  text = """
+subclusters:
+  - {name: a, gpu: A100-40G, hosts: 1, devices_per_host: 2, host_memory_gbps: 200,
+     nics: [{name: e, kind: ethernet, gbps: 100, network: dc}]}
+  - {name: b, gpu: V100-32G, hosts: 1, devices_per_host: 2, host_memory_gbps: 100,
+     nics: [{name: e, kind: ethernet, gbps: 100, network: dc}]}
+"""
+  c = Cluster.from_yaml(text)
+  assert c.subcluster("a").host_memory_bytes_per_s == 25e9
+  assert Cluster.from_yaml(c.to_yaml()) == c
+  with pytest.raises(ClusterSpecError, match="host_memory_gbps"):
+    Cluster.from_yaml(text.replace("200", "-3"))
+  spec = BUILTIN_MODELS["gpt-tiny"](num_microbatches=2)
+  opts = ProfileOptions(progress=False, use_cache=False)
+  res = profile_step(spec.step_fn, spec.args, c, num_microbatches=2, options=opts)
+  assert res.tables.offload_bandwidth_bytes_per_s == (25e9, 12.5e9)
+  res = profile_step(spec.step_fn, spec.args, Cluster.from_yaml(text.replace(
+      ", host_memory_gbps: 100", "")), num_microbatches=2, options=opts)
+  assert res.tables.offload_bandwidth_bytes_per_s is None

@@ -529,6 +529,8 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
           for a in subs]
   prices = [getattr(sub, "price_per_gpu_hour", None) for sub in subs]
   prices = None if any(p is None for p in prices) else prices
+  host = [getattr(sub, "host_memory_bytes_per_s", None) for sub in subs]
+  host = None if zero is None or any(h is None for h in host) else host
   return assemble_tables(
       names=[sub.name for sub in subs], num_hosts=[sub.num_hosts for sub in subs],
       devices_per_host=[sub.devices_per_host for sub in subs],
@@ -537,7 +539,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
       imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
-      price_per_gpu_hour=prices)
+      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=host)
 
 
 def _link_or_none(cluster, a: str, b: str):
