@@ -448,11 +448,17 @@ class ParallelStep:
       return p
     if p.program is None:
       with _phase("layout"):
-        retrace = (self._retrace(args, p.traced)
-                   if any(s.mixed for s in p.planned.plan.stages) else None)
-        p.program = layout_step(p.traced.step, p.traced.layers, p.planned.plan,
-                                p.planned.schedule, self.options.loss_reduction,
-                                self.options.offload, retrace)
+        try:
+          p.program = self._layout(args, p)
+        except PlanError as e:
+          # A mixed-type stage the planner chose may not split this step's rows (a statistic
+          # over the batch inside the region): plan again without them.
+          if p.planned.profile is None or not any(s.mixed for s in p.planned.plan.stages):
+            raise
+          log.warning("the plan's mixed-type stages cannot split this step's rows (%s); "
+                      "planning without them", e)
+          p.planned = self._plan(args, p.traced, mixed=False)
+          p.program = self._layout(args, p)
         warn_shared_parameters(p.program, _leaf_paths(args))
     if until == "layout":
       return p
@@ -523,10 +529,16 @@ class ParallelStep:
       return ts, layers_like(ts, traced.layers)
     return Retrace(rows // B, at)
 
-  def _plan(self, args, traced: Traced) -> Planned:
+  def _layout(self, args, p: _Phases) -> StepProgram:
+    retrace = (self._retrace(args, p.traced)
+               if any(s.mixed for s in p.planned.plan.stages) else None)
+    return layout_step(p.traced.step, p.traced.layers, p.planned.plan, p.planned.schedule,
+                       self.options.loss_reduction, self.options.offload, retrace)
+
+  def _plan(self, args, traced: Traced, mixed: bool = True) -> Planned:
     plan, profile = self._given_plan(), None
     if plan is None:
-      plan, profile = self._solve(args, traced)
+      plan, profile = self._solve(args, traced, mixed)
     plan, schedule = resolve_plan(plan, self.cluster, len(traced.layers),
                                   traced.step.num_microbatches, self.options.schedule,
                                   self.options.eps)
@@ -534,7 +546,7 @@ class ParallelStep:
              len(traced.layers), schedule.name, schedule.num_microbatches)
     return Planned(traced, plan, schedule, profile)
 
-  def _solve(self, args, traced: Traced) -> tuple[Plan, ProfileResult]:
+  def _solve(self, args, traced: Traced, mixed: bool = True) -> tuple[Plan, ProfileResult]:
     """Automatic planning: cost tables from the layers, then the DP."""
     opts = self.options
     profile_opts = opts.profile_options or ProfileOptions()
@@ -544,6 +556,8 @@ class ParallelStep:
                           options=profile_opts, layers=traced.layers)
     log.info("profiled: %s", result.stats.describe())
     solve_opts = opts.solve_options or SolveOptions(eps=opts.eps)
+    if not mixed:
+      solve_opts = dataclasses.replace(solve_opts, mixed_stages="off")
     if solve_opts.mixed_stages != "off":   # mixed-type stages split the microbatch's rows
       mixed = solve_opts.mixed_options or MixedOptions()
       if mixed.microbatch_rows is None:

@@ -187,3 +187,22 @@ def test_planner_chooses_mixed_stages_and_they_train_like_jit(x64, tmp_path):
   assert all(len(set(s.group_rows(8))) > 1 for s in mixed), "uneven shares"
   out_ref = jax.jit(step)(state, batches[0], *rngs[0])
   assert max_rel_err(out_ref, pstep(state, batches[0], *rngs[0])) <= RTOL
+
+
+def test_automatic_plan_falls_back_when_rows_cannot_split(x64, tmp_path, monkeypatch, caplog):
+  # When the step cannot split a mixed stage's rows (simulated here), the automatic path plans
+  # again without mixed stages, warns, and still trains like jax.jit.
+  from harpjax.compiler.stages import compile as compile_lib
+
+  def refuse(*a, **k):
+    raise PlanError("stage 0 computes a value ... (a statistic over the batch)")
+  monkeypatch.setattr(compile_lib, "split_stage", refuse)
+  path = tmp_path / "asym.yaml"
+  path.write_text(ASYMMETRIC)
+  step, state, batches, rngs = _gpt_case(batch=16)
+  pstep = harpjax.auto_parallel(step, cluster=str(path), num_microbatches=2,
+                                solve_options=harpjax.SolveOptions(mixed_stages="on"))
+  out_ref = jax.jit(step)(state, batches[0], *rngs[0])
+  assert max_rel_err(out_ref, pstep(state, batches[0], *rngs[0])) <= RTOL
+  assert not any(s.mixed for s in pstep.plan(state, batches[0], *rngs[0]).stages)
+  assert "planning without them" in caplog.text
