@@ -59,7 +59,8 @@ import numpy as np  # noqa: E402
 from harpjax.cluster import Link  # noqa: E402
 from harpjax.compiler import plan as planner  # noqa: E402
 from harpjax.compiler.profile import CostTables, LayerProfile, SubclusterSpec  # noqa: E402
-from harpjax.compiler.profile.calibration import default_zorse_dir, load_zorse  # noqa: E402
+from harpjax.compiler.profile.calibration import (default_zorse_dir, load_zorse,  # noqa: E402
+                                                  zorse_fit_ms)
 from harpjax import errors as planner_errors  # noqa: E402
 
 GiB = 2.0 ** 30
@@ -80,9 +81,8 @@ def layer_ms(data: dict, model: str, gpu: str, seq: int, rows: int) -> tuple[flo
   """``(fwd+bwd ms of one layer at `rows` sequences, intercept share at 4 rows)`` from Zorse's
   linear fit (fp16)."""
   entry = data[model][GPUS[gpu][0]][str(seq)]["float16"]
-  (fs, fi), (bs, bi) = entry[0], entry[1]
-  slope, icpt = fs + bs, fi + bi
-  return slope * rows + icpt, max(0.0, icpt) / (slope * 4 + icpt)
+  icpt = zorse_fit_ms(entry, 0)
+  return zorse_fit_ms(entry, rows), max(0.0, icpt) / zorse_fit_ms(entry, 4)
 
 
 def llama_tables(model: str, cluster: list[tuple], seq: int, rows: int, B: int,

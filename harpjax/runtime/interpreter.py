@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from harpjax.compiler.stages import HOST_MEMORY, StageExecutables, StepLayout
+from harpjax.compiler.stages import HOST_MEMORY, StageExecutables, StepLayout, put, row_slice
 from harpjax.compiler.trace import Lit
 
 __all__ = ["MessageKey", "ACT", "CT", "GRAD", "VALUE", "Messenger", "LocalMessenger", "StageRun",
@@ -63,13 +63,6 @@ class MessageKey(NamedTuple):
 # --------------------------------------------------------------------------- values
 
 
-def put(x, sharding: NamedSharding):
-  """``x`` on ``sharding``, unless it is already there."""
-  if isinstance(x, jax.Array) and x.sharding == sharding:
-    return x
-  return jax.device_put(x, sharding)
-
-
 def place_on_mesh(x, mesh, preferred: NamedSharding | None = None):
   """``x`` on ``mesh``: kept as is when already on exactly its devices (in the ``preferred``
   memory, if any), else put in the ``preferred`` sharding (replicated when there is none)."""
@@ -82,10 +75,7 @@ def place_on_mesh(x, mesh, preferred: NamedSharding | None = None):
 
 def microbatch_slice(x, axis: int, m: int, num_microbatches: int):
   """Microbatch ``m`` of ``x``: its ``m``-th of ``num_microbatches`` equal parts along ``axis``."""
-  size = x.shape[axis] // num_microbatches
-  idx = [slice(None)] * np.ndim(x)
-  idx[axis] = slice(m * size, (m + 1) * size)
-  return x[tuple(idx)]
+  return row_slice(x, axis, m, 1, num_microbatches)
 
 
 @jax.jit
@@ -208,6 +198,7 @@ class StageRun:
     self.scale = 1.0 / self.B if layout.loss_reduction == "mean" else 1.0
     self.mb_index = [np.int32(m) for m in range(self.B)]
     self.to_host = s in layout.host_residuals
+    self._total = None   # the gradient accumulator, summed over a split stage's groups
 
   # ------------------------------------------------------------------ tasks
 
@@ -325,7 +316,7 @@ class StageRun:
   def gradients(self) -> tuple:
     """The stage's gradient accumulator, per parameter it reads (a stage that splits its rows
     among groups sums theirs here, once)."""
-    if not hasattr(self, "_total"):
+    if self._total is None:
       self._total = self.stage.total(self.acc)
     return self._total
 

@@ -24,7 +24,8 @@ from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
 from harpjax.compiler.stages.layout import HOST_MEMORY, StepLayout, stage_layout, step_layout
 from harpjax.compiler.stages.split import Retrace, SplitStageExecutables, split_stage
-from harpjax.compiler.stages.stage import (jit_stage, slice_stages, stage_functions)
+from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stages,
+                                           stage_functions)
 from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function, primitives
 from harpjax.errors import MemoryKindError, PlanError
 
@@ -339,8 +340,8 @@ def split_executables(layout: StepLayout, s: int, functions: Sequence, devices: 
   parts = []
   for g, sl, fn in zip(split.groups, split.device_slices(), functions):
     mesh = sharding_lib.make_mesh(list(devices)[sl], g.layout.logical_mesh)
-    parts.append(fn(g.layout, mesh) if callable(fn) and not hasattr(fn, "fwd")
-                 else jit_stage(g.layout, fn, mesh))
+    parts.append(jit_stage(g.layout, fn, mesh) if isinstance(fn, StageFunctions)
+                 else fn(g.layout, mesh))
   home = layout.stages[s]
   first = split.device_slices()[0]
   mesh = sharding_lib.make_mesh(list(devices)[first], home.logical_mesh)

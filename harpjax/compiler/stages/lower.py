@@ -122,18 +122,20 @@ class LoweredStep:
     else:
       mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
       executables = _load(lay, mesh, lowered.fwd, lowered.bwd, lowered.zeros)
-    call = lambda blob: export.deserialize(blob).call
     groups = {}
     for gi, blob in lowered.groups.items():
-      groups[gi] = jax.jit(call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
+      groups[gi] = jax.jit(_call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
     return executables, groups
 
 
+def _call(blob: bytes):
+  return export.deserialize(blob).call
+
+
 def _load(lay, mesh, fwd: bytes, bwd: bytes, zeros: bytes) -> StageExecutables:
-  call = lambda blob: export.deserialize(blob).call
   return StageExecutables(
-      lay, mesh, jax.jit(call(fwd)), jax.jit(call(bwd), donate_argnums=(3,)),
-      jax.jit(call(zeros), out_shardings=acc_shardings(lay, mesh)))
+      lay, mesh, jax.jit(_call(fwd)), jax.jit(_call(bwd), donate_argnums=(3,)),
+      jax.jit(_call(zeros), out_shardings=acc_shardings(lay, mesh)))
 
 
 def lower_step(program: StepProgram, platform: str | None = None,

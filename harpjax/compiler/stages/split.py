@@ -33,16 +33,14 @@ import dataclasses
 import fractions
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.plan import StageSpec
 from harpjax.compiler.stages.layout import StageLayout, stage_layout
 from harpjax.compiler.stages.stage import (StageExecutables, StageFunctions, StageProgram,
-                                           slice_stages, stage_functions)
+                                           put, row_slice, slice_stages, stage_functions)
 from harpjax.compiler.trace import Lit, TracedStep, primitives, regen_sites
 from harpjax.errors import PlanError
 
@@ -214,19 +212,6 @@ def _row_axis(s: int, v: int, shape, group_shapes, b: int) -> int | None:
 # --------------------------------------------------------------------------- running
 
 
-def _rows_of(x, axis: int, start: int, size: int, b: int):
-  per = x.shape[axis] // b
-  idx = [slice(None)] * x.ndim
-  idx[axis] = slice(start * per, (start + size) * per)
-  return x[tuple(idx)]
-
-
-def _put(x, sharding: NamedSharding):
-  if isinstance(x, jax.Array) and x.sharding == sharding:
-    return x
-  return jax.device_put(x, sharding)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitStageExecutables(StageExecutables):
   """A split stage behind the :class:`StageExecutables` interface.
@@ -252,7 +237,7 @@ class SplitStageExecutables(StageExecutables):
   def _group_params(self, params) -> list[tuple]:
     cached, out = self._params
     if cached is not params:
-      out = [tuple(_put(p, ex.sharding(v)) for p, v in zip(params, ex.layout.param_ids))
+      out = [tuple(put(p, ex.sharding(v)) for p, v in zip(params, ex.layout.param_ids))
              for ex in self.parts]
       self._params[:] = [params, out]
     return out
@@ -263,8 +248,8 @@ class SplitStageExecutables(StageExecutables):
     for v, x in zip(ids, values):
       axis = sp.axes[v]
       if axis is not None:
-        x = _rows_of(x, axis, grp.offset, grp.rows, sp.rows)
-      out.append(_put(x, ex.sharding(v)))
+        x = row_slice(x, axis, grp.offset, grp.rows, sp.rows)
+      out.append(put(x, ex.sharding(v)))
     return tuple(out)
 
   def _fwd(self, params, acts, acts_int, data, mb_index):
@@ -286,13 +271,13 @@ class SplitStageExecutables(StageExecutables):
   def _combine(self, v, parts, weights):
     sh, axis = self.sharding(v), self.split.axes[v]
     if axis is not None:
-      return _put(jnp.concatenate([_put(x, sh) for x in parts], axis=axis), sh)
+      return put(jnp.concatenate([put(x, sh) for x in parts], axis=axis), sh)
     how = self.split.combine.get(v, FIRST)
     if how == FIRST:
-      return _put(parts[0], sh)
+      return put(parts[0], sh)
     total = None
     for x, w in zip(parts, weights):
-      x = _put(x, sh)
+      x = put(x, sh)
       if how == WEIGHTED:
         x = (x * jnp.asarray(w, x.dtype)).astype(x.dtype)
       total = x if total is None else total + x
@@ -307,21 +292,21 @@ class SplitStageExecutables(StageExecutables):
       for v, ct in zip(present, cts_present):
         axis = sp.axes[v]
         if axis is not None:
-          ct = _rows_of(ct, axis, grp.offset, grp.rows, sp.rows)
+          ct = row_slice(ct, axis, grp.offset, grp.rows, sp.rows)
         elif sp.combine.get(v, FIRST) == WEIGHTED:
           ct = (ct * jnp.asarray(grp.weight, ct.dtype)).astype(ct.dtype)
         elif g > 0:
           ct = jnp.zeros_like(ct)
-        cts.append(_put(ct, ex.sharding(v)))
+        cts.append(put(ct, ex.sharding(v)))
       a, c = ex.bwd(p, residuals[g], tuple(cts), acc[g])
       accs.append(a)
       act_cts.append(c)
     out = []
     for i, v in enumerate(lay.act_ids):
       sh, axis = self.sharding(v), sp.axes[v]
-      parts = [_put(c[i], sh) for c in act_cts]
+      parts = [put(c[i], sh) for c in act_cts]
       if axis is not None:
-        out.append(_put(jnp.concatenate(parts, axis=axis), sh))
+        out.append(put(jnp.concatenate(parts, axis=axis), sh))
       else:
         total = parts[0]
         for x in parts[1:]:
@@ -338,8 +323,8 @@ class SplitStageExecutables(StageExecutables):
     out = []
     for i, v in enumerate(self.layout.param_ids):
       sh = self.acc_sharding(v)
-      x = _put(acc[0][i], sh)
+      x = put(acc[0][i], sh)
       for a in acc[1:]:
-        x = x + _put(a[i], sh)
+        x = x + put(a[i], sh)
       out.append(x)
     return tuple(out)

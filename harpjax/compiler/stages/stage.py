@@ -43,7 +43,7 @@ from harpjax.compiler.trace import (Lit, Op, Program, TracedStep, apply_site, op
 log = logging.getLogger(__name__)
 
 __all__ = ["StageProgram", "StageFunctions", "StageExecutables", "slice_stages",
-           "stage_functions", "fwd_in_specs", "acc_shardings", "jit_stage"]
+           "stage_functions", "fwd_in_specs", "acc_shardings", "jit_stage", "put", "row_slice"]
 
 _NEVER_CLONE = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
                           "random_wrap", "rng_bit_generator", "rng_uniform"})
@@ -284,6 +284,25 @@ def fwd_in_specs(layout: StageLayout) -> tuple:
           tuple(layout.specs[v] for v in layout.act_ids),
           tuple(layout.specs[v] for v in layout.act_int_ids),
           tuple(layout.specs[v] for v in layout.data_ids), P())
+
+
+# --------------------------------------------------------------------------- values
+
+
+def put(x, sharding: NamedSharding):
+  """``x`` on ``sharding``, unless it is already there."""
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  return jax.device_put(x, sharding)
+
+
+def row_slice(x, axis: int, start: int, size: int, rows: int):
+  """Rows ``start .. start + size - 1`` of ``x``, whose ``axis`` holds ``rows`` rows (each of
+  ``x.shape[axis] // rows`` entries)."""
+  per = x.shape[axis] // rows
+  idx = [slice(None)] * np.ndim(x)
+  idx[axis] = slice(start * per, (start + size) * per)
+  return x[tuple(idx)]
 
 
 # --------------------------------------------------------------------------- executables
