@@ -1048,7 +1048,7 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   else:
     cover = cover_rates(index, px.price)
     ok &= cover <= rate_max * (1.0 + BOUND_SLACK)
-    floor = B * cand if kind == proof_kernel.KIND_TIME else np.maximum(r_min, cover) * B * cand
+    floor = B * cand if kind == proof_kernel.KIND_TIME else cover * B * cand
   keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & ok)
   value, pos, path, nodes, n_sim, complete = proof_kernel.bounded_search(
       index.arrays, px, cand[keep], B, scoring.eps, scoring.fwd_fraction, scoring.nmax, kind,
@@ -1070,8 +1070,9 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
   stage ``<= t_S`` (monotone in ``tau``), then the exact DP at every candidate from ``t_S``
   up, sequentially, until no later candidate can win: the time is at least ``B tau``, so
   ``B tau`` beyond the best time (or the time limit) ends the search; for cost, ``R T >=
-  R_min B tau`` with ``R_min`` the cheapest single stage's rate. With ``cost_model="eq12"``
-  the DP is exact for Eq. 12 and the bound tightens as it goes. With the simulator as the
+  R(tau) B tau`` with ``R(tau)`` the cheapest cover of the layers at ``tau``
+  (:func:`cover_rates`; above the budget, no plan). With ``cost_model="eq12"`` the DP is exact
+  for Eq. 12 and the bound tightens as it goes. With the simulator as the
   judge the DP proposes, per candidate, the best plan by Eq. 12 among those whose lower bound
   on the simulated time (``T - phi tau (n_max - 1)``) can still win; each is simulated, and
   the bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) ends it.
@@ -1119,7 +1120,6 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
            math.inf, kind, index.link_bound, 0.0)[0]):
       raise _budget_error(tables, B, opts)
     raise infeasible()
-  r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
   best = None   # (value, rate, candidate index, path)
   bound = beat
   n_sim = 0
@@ -1132,7 +1132,7 @@ def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOpt
     tau = float(cand[idx])
     if B * tau > t_limit * (1 + BOUND_SLACK) or cover[idx] > rate_max * (1 + BOUND_SLACK):
       return math.inf
-    return B * tau if kind == rate_kernel.KIND_TIME else max(r_min, cover[idx]) * B * tau
+    return B * tau if kind == rate_kernel.KIND_TIME else cover[idx] * B * tau
 
   def keep(found):
     nonlocal best, bound
