@@ -146,8 +146,9 @@ def test_split_stage_round_trips_through_a_plan_file(tmp_path):
     Plan.from_json({"stages": [{"layers": [0, 1], "subcluster": "a", "submesh": [1, 1],
                                 "groups": [{"subcluster": "b", "submesh": [1, 1],
                                             "share": 0}]}]})
-  with pytest.raises(PlanError, match="cannot also use zero"):
-    StageSpec((0, 1), "a", (1, 2), zero=1, groups=(StageGroup("b", (1, 1)),))
+  zeroed = StageSpec((0, 1), "a", (1, 2), zero=2, offload=True,
+                     groups=(StageGroup("b", (1, 1)),))
+  assert StageSpec.from_json(zeroed.to_json()) == zeroed
 
 
 def test_split_stage_errors_name_what_to_change(x64):

@@ -206,7 +206,10 @@ class StageSpec:
       either says so). Written to a plan file only when true.
     groups: more groups of devices running the stage, data-parallel, each on its share of
       every microbatch's rows (a mixed-type stage, :class:`StageGroup`); the fields above
-      describe the stage's first group. Written to a plan file only when not empty.
+      describe the stage's first group. With ``zero``, every group shards its parameters
+      (level 3) and gradient accumulator (level 2) over its own ``dp`` axis; the optimizer
+      state lives on the first group (sharded over its ``dp`` from level 1, in host memory
+      with ``offload``). Written to a plan file only when not empty.
     share: the first group's relative rows per microbatch (used with ``groups``).
   """
   layers: tuple[int, int]
@@ -249,8 +252,6 @@ class StageSpec:
                    for g in self.groups)
     object.__setattr__(self, "groups", groups)
     object.__setattr__(self, "share", _int(self.share, f"{where}: share", 1))
-    if groups and zero:
-      raise PlanError(f"{where}: a stage with groups cannot also use zero={zero}")
 
   @property
   def mixed(self) -> bool:

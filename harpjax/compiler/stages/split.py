@@ -152,7 +152,7 @@ def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
     draws.update(regen)
     bd = prog_r.dependents((prog_r.invars[k] for k, inp in enumerate(ts_r.inputs)
                             if inp.kind == "split"), ts_r.regen_ops)
-    lay = stage_layout(sp, ts_r, layers_r, bd, grp.logical_mesh, 0)
+    lay = stage_layout(sp, ts_r, layers_r, bd, grp.logical_mesh, spec.zero)
     functions.append(stage_functions(sp, ts_r, layers_r, remat, lay, rows=r))
     weight = r / b if loss_reduction == "mean" else 1.0
     groups.append(SplitGroup(lay, r, offset, grp.num_devices, weight))
