@@ -20,6 +20,14 @@ default when actors are pinned to hosts or use GPUs), one actor per host: the me
 ``jax.distributed`` world and run the stage as one SPMD program; the first member talks to the
 other stages (:mod:`harpjax.runtime.spmd`). Such actors are not reused by later runners.
 
+A mixed-type stage (groups of several GPU types, :mod:`harpjax.compiler.stages.split`) runs its
+groups on the stage's first host in the stage's actor, and, with ``group_processes`` (the
+default when actors are pinned to hosts or use GPUs), each group on another host in an actor of
+its own (:class:`~harpjax.runtime.group_worker.GroupWorker`), which the stage's actor drives
+with ordered calls; their values cross through Ray's object store (Ray's own connection
+between the nodes, not the NIC the cluster model picks for messages between stages). Such
+actors are not reused either.
+
 Usage::
 
     step = harpjax.auto_parallel(train_step, cluster=..., plan=..., runtime="ray",
@@ -41,8 +49,9 @@ from typing import Any
 import ray
 
 from harpjax.errors import HarpjaxError, RuntimeFailure, UnsupportedError
-from harpjax.runtime import transport
+from harpjax.runtime import codec, transport
 from harpjax.runtime.channels import Channel
+from harpjax.runtime.group_worker import GroupWorker
 from harpjax.runtime.handles import RemoteArray, gather, load_tree, save_tree
 from harpjax.runtime.measure import MeasuredStep
 from harpjax.runtime.runner import PipelineRunner, RunnerOptions, ThreadBackend
@@ -166,6 +175,9 @@ class RayBackend:
     self.options = options
     self.actors: list[list] = []     # per stage, its members (leader first)
     self.keys: list[tuple | None] = []
+    self.remote_groups: dict[int, tuple] = {}   # mixed stage -> groups in actors of their own
+    self.group_hosts: dict[tuple, str] = {}     # (stage, group) -> its host
+    self.group_actors: dict[int, dict] = {}     # stage -> group -> actor
     self.healthy = True
     self.pin = self.gpu = False
     self.platform = "cpu"   # what the stages are lowered for (set by prepare)
@@ -187,7 +199,19 @@ class RayBackend:
     mixed = {s for s, st in enumerate(runner.program.plan.stages) if st.mixed}
     split = frozenset(s for s, g in enumerate(runner.host_groups)
                       if spmd and len(g) > 1 and s not in mixed)
-    _check_placement(runner, self.pin, self.gpu, split)
+    procs = opts.group_processes
+    if procs is None:
+      procs = self.pin or self.gpu
+    self.remote_groups, self.group_hosts = {}, {}
+    for s in sorted(mixed) if procs else ():
+      st = runner.program.plan.stages[s]
+      hosts = [_group_hosts(runner.cluster, s, g, grp) for g, grp in enumerate(st.all_groups)]
+      for g, h in enumerate(hosts):
+        if g and h != hosts[0]:
+          self.remote_groups.setdefault(s, ())
+          self.remote_groups[s] += (g,)
+          self.group_hosts[(s, g)] = h
+    _check_placement(runner, self.pin, self.gpu, split, self.remote_groups)
     return split
 
   def start(self, runner: PipelineRunner, specs) -> None:
@@ -197,7 +221,7 @@ class RayBackend:
     reused = 0
     for spec in specs:
       if spec.device_layout is None:
-        members = [(spec.host, spec.lowered.plan.stages[spec.stage].num_devices)]
+        members = [(spec.host, spec.num_devices)]
       else:
         members = [(h, len(devs)) for h, devs in runner.host_groups[spec.stage]]
       group_env = _group_env(runner, spec.stage) if (spec.device_layout and self.gpu) else {}
@@ -217,8 +241,9 @@ class RayBackend:
                                "pin_hosts=False")
           actor_opts["resources"] = {res: 0.001}
         actor = None
-        # A group's processes join a jax.distributed world: they are not reused.
-        if spec.device_layout is None:
+        # A group's processes join a jax.distributed world: they are not reused; nor are
+        # those of a stage that drives groups in processes of their own.
+        if spec.device_layout is None and not spec.remote_groups:
           key = (tuple(sorted(env.items())), actor_opts.get("num_gpus", 0),
                  tuple(sorted(actor_opts.get("resources", {}).items())))
           with _POOL_LOCK:
@@ -231,10 +256,44 @@ class RayBackend:
     groups = [s for s, spec in enumerate(specs) if spec.device_layout is not None]
     if groups:
       self._join_groups(runner, groups)
+    self._start_group_workers(specs, resources)
     log.info("launched %d stage actors (%d reused; %s devices%s%s)",
              sum(map(len, self.actors)), reused, "GPU" if self.gpu else "CPU",
              ", pinned to hosts" if self.pin else "",
              f"; stages {groups} as groups of one process per host" if groups else "")
+
+  def _start_group_workers(self, specs, resources) -> None:
+    """Starts and builds an actor for each group of a mixed-type stage that runs in a process
+    of its own (one call at a time: the stage's actor relies on their order)."""
+    opts = self.options
+    cls = ray.remote(GroupWorker)
+    builds = []
+    for spec in specs:
+      split = spec.lowered.layout.splits.get(spec.stage)
+      for g in spec.remote_groups:
+        n = split.groups[g].num_devices
+        host = self.group_hosts[(spec.stage, g)]
+        env = _actor_env(n, self.gpu, dict(opts.actor_env or {}))
+        actor_opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=1,
+                                          runtime_env={"env_vars": env})
+        if self.gpu:
+          actor_opts["num_gpus"] = n
+        if self.pin:
+          res = HOST_RESOURCE_PREFIX + host
+          if res not in resources:
+            raise HarpjaxError(f"group {g} of stage {spec.stage} runs on host {host!r}, but "
+                               f"no Ray node advertises the resource {res!r}; start each node "
+                               f"with --resources='{{\"{res}\": 1}}' (docker/launch.sh) or "
+                               "pass pin_hosts=False")
+          actor_opts["resources"] = {res: 0.001}
+        actor = cls.options(**actor_opts).remote()
+        self.group_actors.setdefault(spec.stage, {})[g] = actor
+        builds.append((spec.stage, actor.build.remote(spec, g)))
+    for s, ref in builds:
+      self._get([ref], opts.start_timeout_s, s, "starting a group of its devices")
+    if builds:
+      log.info("started %d actors for groups of mixed-type stages %s", len(builds),
+               sorted(self.group_actors))
 
   def _join_groups(self, runner: PipelineRunner, stages: list[int]) -> None:
     """Starts each group's ``jax.distributed`` world: the coordinator on the leader, at its
@@ -277,7 +336,11 @@ class RayBackend:
       raise (cause if isinstance(cause, BaseException) else e) from None
 
   def build_args(self, spec) -> tuple:
-    return (spec,)
+    if not spec.remote_groups:
+      return (spec,)
+    clients = {g: GroupClient(a, spec.stage, g, self.options.recv_timeout_s)
+               for g, a in self.group_actors[spec.stage].items()}
+    return (spec, None, clients)
 
   def single_machine(self, infos) -> bool:
     me = socket.gethostname()
@@ -348,7 +411,9 @@ class RayBackend:
   def alive(self, stage: int) -> bool:
     """Whether every actor of the stage answers within a few seconds."""
     try:
-      ray.get([a.ping.remote() for a in self.actors[stage]], timeout=_PING_S)
+      ray.get([a.ping.remote() for a in self.actors[stage]]
+              + [a.ping.remote() for a in self.group_actors.get(stage, {}).values()],
+              timeout=_PING_S)
       return True
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
       return False
@@ -356,8 +421,10 @@ class RayBackend:
   def shutdown(self) -> None:
     """Returns healthy single-process actors to the pool (reset), kills the others."""
     actors, keys, self.actors, self.keys = self.actors, self.keys, [], []
+    group_actors, self.group_actors = self.group_actors, {}
     if not actors or not ray.is_initialized():
       return
+    actors = actors + [list(g.values()) for g in group_actors.values()]
     keep = []
     if self.healthy:
       single = [(m[0], k) for m, k in zip(actors, keys) if k is not None]
@@ -388,17 +455,47 @@ def _group_env(runner, stage: int) -> dict[str, str]:
   return transport.nccl_env(runner.cluster.link_between_hosts(hosts[0], hosts[1]))
 
 
-def _check_placement(runner, pin: bool, gpu: bool, split: frozenset) -> None:
+def _group_hosts(cluster, s: int, g: int, group) -> str:
+  """The host of group ``g`` of mixed-type stage ``s`` (a group spans one host)."""
+  hosts = list(dict.fromkeys(cluster.host_of_device(d).name for d in group.devices))
+  if len(hosts) > 1:
+    raise UnsupportedError(
+        f"group {g} of stage {s} ({group.subcluster} {group.submesh}) spans the hosts "
+        f"{', '.join(hosts)}; a group of a mixed-type stage runs in one process, so its devices "
+        "must share a host: use submeshes (1, m) for the groups")
+  return hosts[0]
+
+
+def _check_placement(runner, pin: bool, gpu: bool, split: frozenset,
+                     remote_groups: dict | None = None) -> None:
   """Clear errors for plans the actors cannot be placed for, warnings for mismatched nodes."""
   nodes = [n for n in ray.nodes() if n.get("Alive")]
+  remote_groups = remote_groups or {}
   for s, st in enumerate(runner.program.plan.stages):
     groups = runner.host_groups[s]
-    if (pin or gpu) and len(groups) > 1 and st.mixed:
-      raise UnsupportedError(
-          f"stage {s} runs on groups of devices of {len(groups)} hosts ({st.subcluster} and "
-          f"{', '.join(g.subcluster for g in st.groups)}); a stage that splits its rows among "
-          "groups runs in one process, so its groups must share a host (or, on one machine "
-          "with fake devices, pass pin_hosts=False)")
+    if st.mixed:
+      remote = set(remote_groups.get(s, ()))
+      if not (pin or gpu or remote):
+        continue   # one process holds every group (fake devices on one machine)
+      hosts = [_group_hosts(runner.cluster, s, g, grp) for g, grp in enumerate(st.all_groups)]
+      away = [g for g in range(1, len(hosts)) if hosts[g] != hosts[0] and g not in remote]
+      if (pin or gpu) and away:
+        raise UnsupportedError(
+            f"stage {s} runs groups {away} on other hosts than its first group "
+            f"({', '.join(hosts)}) but group_processes=False runs them in the stage's process: "
+            "allow group_processes (an actor per such group), or, on one machine with fake "
+            "devices, pass pin_hosts=False")
+      if gpu:
+        most = max((n["Resources"].get("GPU", 0) for n in nodes), default=0)
+        local = sum(g.num_devices for i, g in enumerate(st.all_groups) if i not in remote)
+        need = max([local] + [st.all_groups[g].num_devices for g in remote])
+        if need > most:
+          raise UnsupportedError(f"stage {s} needs {need} GPUs in one process, but no Ray "
+                                 f"node has more than {most:g}")
+      if pin:
+        for g, grp in enumerate(st.all_groups):
+          _check_gpu_type(runner, nodes, s, hosts[g], grp.subcluster)
+      continue
     if (pin or gpu) and len(groups) > 1 and s not in split:
       raise UnsupportedError(
           f"stage {s} spans {len(groups)} hosts (submesh {st.submesh}) but spmd_hosts=False "
@@ -412,15 +509,49 @@ def _check_placement(runner, pin: bool, gpu: bool, split: frozenset) -> None:
         raise UnsupportedError(f"stage {s} needs {need} GPUs in one process, but no Ray "
                                f"node has more than {most:g}")
     if pin:
-      want = GPU_TYPE_RESOURCE_PREFIX + runner.cluster.subcluster(st.subcluster).gpu.name
       for host, _ in groups:
-        for n in nodes:
-          res = n["Resources"]
-          if HOST_RESOURCE_PREFIX + host in res:
-            types = [k for k in res if k.startswith(GPU_TYPE_RESOURCE_PREFIX)]
-            if types and want not in types:
-              log.warning("stage %d: host %s advertises %s but the cluster file says %s",
-                          s, host, types, want)
+        _check_gpu_type(runner, nodes, s, host, st.subcluster)
+
+
+def _check_gpu_type(runner, nodes, s: int, host: str, subcluster: str) -> None:
+  want = GPU_TYPE_RESOURCE_PREFIX + runner.cluster.subcluster(subcluster).gpu.name
+  for n in nodes:
+    res = n["Resources"]
+    if HOST_RESOURCE_PREFIX + host in res:
+      types = [k for k in res if k.startswith(GPU_TYPE_RESOURCE_PREFIX)]
+      if types and want not in types:
+        log.warning("stage %d: host %s advertises %s but the cluster file says %s",
+                    s, host, types, want)
+
+
+class GroupClient:
+  """Reaches a :class:`~harpjax.runtime.group_worker.GroupWorker` actor from its stage's actor
+  (the ``client`` of :class:`~harpjax.compiler.stages.split.RemoteGroup`); every wait bounded
+  by ``timeout_s``, a failure a :class:`~harpjax.errors.RuntimeFailure` naming the group."""
+
+  def __init__(self, actor, stage: int, group: int, timeout_s: float):
+    self.actor, self.stage, self.group, self.timeout_s = actor, stage, group, timeout_s
+
+  def submit(self, method: str, *args):
+    """Calls the worker's ``method``; the arrays in tuple arguments cross encoded
+    (:func:`harpjax.runtime.codec.encode`)."""
+    args = [tuple(codec.encode(x) for x in a) if isinstance(a, tuple) else a for a in args]
+    return getattr(self.actor, method).remote(*args)
+
+  def wait(self, ref):
+    """The call's value (a tuple of arrays comes back decoded)."""
+    who = f"stage {self.stage}: group {self.group}"
+    try:
+      value = ray.get(ref, timeout=self.timeout_s)
+      return tuple(codec.decode(e) for e in value) if isinstance(value, tuple) else value
+    except ray.exceptions.GetTimeoutError:
+      raise RuntimeFailure(f"{who} did not answer within {self.timeout_s:g} s") from None
+    except ray.exceptions.RayActorError as e:
+      raise RuntimeFailure(f"{who}: its actor died: {str(e).strip().splitlines()[0]}") \
+          from None
+    except ray.exceptions.RayTaskError as e:
+      cause = getattr(e, "cause", None)
+      raise RuntimeFailure(f"{who} failed: {cause!r}") from None
 
 
 def release_pool() -> None:

@@ -84,6 +84,10 @@ class RunnerOptions:
       process per host (``jax.distributed``, :mod:`harpjax.runtime.spmd`); ``None``: when
       actors are pinned to hosts or use GPUs (on one machine with fake CPU devices a single
       process can hold all of the stage's devices instead).
+    group_processes: run each group of a mixed-type stage that sits on other hosts than the
+      stage's first group in a process of its own (:mod:`harpjax.runtime.group_worker`);
+      ``None``: when actors are pinned to hosts or use GPUs (on one machine with fake CPU
+      devices one process can hold every group).
     bind_device: also ``SO_BINDTODEVICE`` TCP sockets to the NIC (root).
     ray_init: extra keyword arguments of ``ray.init``.
   """
@@ -102,6 +106,7 @@ class RunnerOptions:
   actor_env: Any = None
   pin_hosts: bool | None = None
   spmd_hosts: bool | None = None
+  group_processes: bool | None = None
   bind_device: bool = False
   ray_init: Any = None
 
@@ -189,7 +194,8 @@ class PipelineRunner:
                         device_layout=(group_layout(self.host_groups[s],
                                                     program.plan.stages[s].all_devices)
                                        if s in split else None),
-                        take_settings=backend.own_processes, env_settings=kept)
+                        take_settings=backend.own_processes, env_settings=kept,
+                        remote_groups=tuple(backend.remote_groups.get(s, ())))
              for s in range(S)]
     out_tree = program.traced.out_tree
     self._fetch = _fetch_indices(out_tree, out_tree.num_leaves, options.fetch)
@@ -544,6 +550,7 @@ class ThreadBackend:
   over loopback TCP with ``transport="tcp"``. The workers share the driver's JAX settings.
   """
   own_processes = False
+  remote_groups: dict = {}   # every group of a mixed-type stage runs in its stage's thread
 
   def __init__(self, options: RunnerOptions):
     self.options = options

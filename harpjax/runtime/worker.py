@@ -77,6 +77,9 @@ class WorkerSpec:
       (:attr:`~harpjax.compiler.stages.LoweredStep.jax_settings`; :func:`apply_settings`).
     env_settings: names among those settings that the worker's environment sets on purpose
       (``runtime_options`` ``actor_env``): left as they are, an error if they differ.
+    remote_groups: for a stage that splits its rows among groups, the groups that run in
+      processes of their own (:mod:`harpjax.runtime.group_worker`); this worker runs the
+      others and holds only their devices.
   """
   stage: int
   lowered: LoweredStep
@@ -87,6 +90,15 @@ class WorkerSpec:
   device_layout: tuple | None = None
   take_settings: bool = False
   env_settings: frozenset = frozenset()
+  remote_groups: tuple = ()
+
+  @property
+  def num_devices(self) -> int:
+    """The devices of the stage this worker's process holds."""
+    split = self.lowered.layout.splits.get(self.stage)
+    if split is None or not self.remote_groups:
+      return self.lowered.plan.stages[self.stage].num_devices
+    return sum(g.num_devices for i, g in enumerate(split.groups) if i not in self.remote_groups)
 
 
 def apply_settings(spec: WorkerSpec) -> None:
@@ -152,11 +164,12 @@ class StageWorker:
     if spec is not None:
       self.build(spec, devices)
 
-  def build(self, spec: WorkerSpec, devices=None) -> float:
+  def build(self, spec: WorkerSpec, devices=None, remote: dict | None = None) -> float:
     """Loads this stage's executables and compiles them; returns the seconds it took.
 
     A worker process can be rebuilt for another step (after :meth:`reset`): the runtime
-    reuses its processes.
+    reuses its processes. ``remote``: group -> client of the groups of a stage that splits
+    its rows that run in processes of their own (``spec.remote_groups``).
     """
     t0 = time.time()
     self.reset()
@@ -170,7 +183,10 @@ class StageWorker:
     self._tasks = []
     apply_settings(spec)   # before anything is loaded or put on a device
     lowered = spec.lowered
-    n = lowered.plan.stages[s].num_devices
+    n = spec.num_devices
+    if set(remote or {}) != set(spec.remote_groups):
+      raise RuntimeFailure(f"stage {s}: groups {sorted(spec.remote_groups)} run in processes "
+                           f"of their own but clients reach {sorted(remote or {})}")
     if devices is None and self.group is not None:
       devices = spmd.group_devices(spec.device_layout, s)
     if devices is None:
@@ -182,7 +198,7 @@ class StageWorker:
     self.devices = list(devices)
     self.lay = lay = lowered.layout
     self.schedule = lowered.schedule
-    self.exe, self.group_fns = lowered.load(s, self.devices)
+    self.exe, self.group_fns = lowered.load(s, self.devices, remote)
     self.mesh = self.exe.mesh
     self.preferred = {v: lay.preferred_sharding(s, v, self.mesh) for (h, v) in lay.preferred
                       if h == s}

@@ -17,6 +17,7 @@ import harpjax
 from harpjax.errors import PlanError, RuntimeFailure, UnsupportedError
 from harpjax.models import GPT, MLP, GPTConfig
 from tests.equivalence import DEMO_CLUSTER, ScanNet, max_rel_err
+from tests.runtime.test_split import _gpt_case, _num_layers, split_plan
 
 ray = pytest.importorskip("ray")
 from harpjax.runtime import ray_runtime  # noqa: E402  (after the importorskip)
@@ -397,3 +398,27 @@ def test_zero_stages_on_actors_match_jit_float64(offload_by):
     assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= 1e-10
   finally:
     jax.config.update("jax_enable_x64", prev)
+
+
+def test_mixed_stage_groups_on_other_hosts_run_in_processes_of_their_own(x64):
+  # Both stages of the float64 GPT (dropout, tied embeddings, aux outputs) split every
+  # microbatch between a V100 group (the home, in the stage's actor on its V100 host) and an
+  # A100 group on an A100 host, which runs in an actor of its own, pinned to that host.
+  step, state, batches, rngs = _gpt_case()
+  plan = split_plan(_num_layers(step, state, batches[0], 1, *rngs[0]))
+  _, vs_jit, pstep = _three_ways(step, state, batches, plan=plan, num_microbatches=1,
+                                 extra=rngs, local=False)
+  assert vs_jit <= 1e-12, vs_jit
+  runner = pstep.runner(state, batches[0], *rngs[0])
+  be = runner._backend
+  assert be.remote_groups == {0: (1,), 1: (1,)}
+  for s, home_devices, group_devices in [(0, 1, 2), (1, 2, 1)]:
+    home = ray.get(be.actors[s][0].info.remote())
+    group = ray.get(be.group_actors[s][1].info.remote())
+    assert home["pid"] != group["pid"]
+    assert len(home["devices"]) == home_devices and len(group["devices"]) == group_devices
+  # A group's process that dies fails the step with a message naming it.
+  ray.kill(be.group_actors[1][1], no_restart=True)
+  with pytest.raises(RuntimeFailure, match="stage 1: group 1"):
+    pstep(state, batches[0], *rngs[0])
+  runner.shutdown()

@@ -23,7 +23,8 @@ from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
 from harpjax.compiler.stages.layout import HOST_MEMORY, StepLayout, stage_layout, step_layout
-from harpjax.compiler.stages.split import Retrace, SplitStageExecutables, split_stage
+from harpjax.compiler.stages.split import (RemoteGroup, Retrace, SplitStageExecutables,
+                                           split_stage)
 from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stages,
                                            stage_functions)
 from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function, primitives
@@ -327,24 +328,37 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
   return CompiledStep(program, stages, group_fns)
 
 
-def split_executables(layout: StepLayout, s: int, functions: Sequence, devices: Sequence
-                      ) -> SplitStageExecutables:
+def split_executables(layout: StepLayout, s: int, functions: Sequence, devices: Sequence,
+                      remote: dict | None = None) -> SplitStageExecutables:
   """Stage ``s``, which splits its rows among groups, on ``devices`` (every group's, in
   order), behind the stage's interface. ``functions``: per group, its
   :class:`~harpjax.compiler.stages.stage.StageFunctions` (jitted here on the group's mesh),
-  or ``load(group layout, mesh) -> StageExecutables`` (a worker loading lowered ones)."""
+  or ``load(group layout, mesh) -> StageExecutables`` (a worker loading lowered ones).
+  ``remote``: group -> client of the groups that run in processes of their own
+  (:class:`~harpjax.compiler.stages.split.RemoteGroup`; never the first); ``devices`` are
+  then the other groups' only."""
   split = layout.splits[s]
-  if len(devices) != split.num_devices:
-    raise PlanError(f"stage {s} runs on {split.num_devices} devices (its groups') but got "
+  remote = dict(remote or {})
+  if 0 in remote:
+    raise PlanError(f"stage {s}: its first group holds the stage's state and cannot run in "
+                    "another process")
+  local = [g for g in range(len(split.groups)) if g not in remote]
+  need = sum(split.groups[g].num_devices for g in local)
+  if len(devices) != need:
+    raise PlanError(f"stage {s} runs on {need} devices (its groups' in this process) but got "
                     f"{len(devices)}")
-  parts = []
-  for g, sl, fn in zip(split.groups, split.device_slices(), functions):
-    mesh = sharding_lib.make_mesh(list(devices)[sl], g.layout.logical_mesh)
-    parts.append(jit_stage(g.layout, fn, mesh) if isinstance(fn, StageFunctions)
-                 else fn(g.layout, mesh))
+  parts, start = [], 0
+  for g, (grp, fn) in enumerate(zip(split.groups, functions)):
+    if g in remote:
+      parts.append(RemoteGroup(grp.layout, remote[g]))
+      continue
+    mesh = sharding_lib.make_mesh(list(devices)[start:start + grp.num_devices],
+                                  grp.layout.logical_mesh)
+    start += grp.num_devices
+    parts.append(jit_stage(grp.layout, fn, mesh) if isinstance(fn, StageFunctions)
+                 else fn(grp.layout, mesh))
   home = layout.stages[s]
-  first = split.device_slices()[0]
-  mesh = sharding_lib.make_mesh(list(devices)[first], home.logical_mesh)
+  mesh = sharding_lib.make_mesh(list(devices)[:split.groups[0].num_devices], home.logical_mesh)
   return SplitStageExecutables(home, mesh, None, None, None, parts=tuple(parts), split=split)
 
 

@@ -89,8 +89,14 @@ class LoweredStep:
     return dataclasses.replace(self, stages=tuple(
         st if s == stage else None for s, st in enumerate(self.stages)))
 
-  def load(self, stage: int, devices: Sequence) -> tuple[StageExecutables, dict]:
+  def load(self, stage: int, devices: Sequence, remote: dict | None = None
+           ) -> tuple[StageExecutables, dict]:
     """Compiles-to-be ``stage``'s executables on ``devices`` (its submesh, in order).
+
+    A stage that splits its rows among groups (:attr:`StepLayout.splits`) may have groups
+    that run in processes of their own: ``remote`` maps each such group to the client that
+    reaches it (:class:`~harpjax.compiler.stages.split.RemoteGroup`), and ``devices`` are then
+    the other groups' only.
 
     Returns:
       ``(stage executables, {group index: jitted function})``; both compile on first call
@@ -117,7 +123,7 @@ class LoweredStep:
     if stage in self.layout.splits:
       loaders = [lambda g_lay, mesh, blobs=blobs: _load(g_lay, mesh, *blobs)
                  for blobs in lowered.parts]
-      executables = split_executables(self.layout, stage, loaders, devices)
+      executables = split_executables(self.layout, stage, loaders, devices, remote)
       mesh = executables.mesh
     else:
       mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
@@ -126,6 +132,20 @@ class LoweredStep:
     for gi, blob in lowered.groups.items():
       groups[gi] = jax.jit(_call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
     return executables, groups
+
+
+  def load_group(self, stage: int, group: int, devices: Sequence) -> StageExecutables:
+    """Group ``group`` of a stage that splits its rows, on ``devices`` (the group's own): what
+    a process running only that group loads
+    (:class:`~harpjax.runtime.group_worker.GroupWorker`)."""
+    lowered = self.stages[stage]
+    if lowered is None or not lowered.parts:
+      raise ValueError(f"this lowered step does not hold stage {stage}'s groups")
+    g_lay = self.layout.splits[stage].groups[group].layout
+    if any(h == stage for h, _ in self.layout.host) or stage in self.layout.host_residuals:
+      check_host_memory(devices, stage)
+    mesh = sharding_lib.make_mesh(list(devices), g_lay.logical_mesh)
+    return _load(g_lay, mesh, *lowered.parts[group])
 
 
 def _call(blob: bytes):

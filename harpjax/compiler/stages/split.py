@@ -33,6 +33,7 @@ import dataclasses
 import fractions
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,7 +46,7 @@ from harpjax.compiler.trace import Lit, TracedStep, primitives, regen_sites
 from harpjax.errors import PlanError
 
 __all__ = ["Retrace", "SplitGroup", "SplitLayout", "split_stage", "SplitStageExecutables",
-           "FIRST", "WEIGHTED", "SUMMED"]
+           "RemoteGroup", "RemoteResidual", "FIRST", "WEIGHTED", "SUMMED"]
 
 WEIGHTED, SUMMED, FIRST = "weighted", "summed", "first"
 """How an output without a row axis combines over the groups: their weighted sum (floating
@@ -212,6 +213,36 @@ def _row_axis(s: int, v: int, shape, group_shapes, b: int) -> int | None:
 # --------------------------------------------------------------------------- running
 
 
+@dataclasses.dataclass(frozen=True)
+class RemoteGroup:
+  """A group of a split stage that runs in a process of its own (on another host): its
+  executables live there, in a :class:`~harpjax.runtime.group_worker.GroupWorker`, which keeps
+  the group's parameters, residuals and gradient accumulator; the home process sends it each
+  microbatch's rows and receives its outputs.
+
+  Attributes:
+    layout: the group's stage layout (its values at its rows).
+    client: reaches the group's process: ``client.submit(method, *args)`` starts a call of
+      the worker's method (arrays in tuples of ``args`` cross as host copies) and returns a
+      handle, ``client.wait(handle)`` its value (raising
+      :class:`~harpjax.errors.RuntimeFailure` when the process failed or died). Calls run in
+      the order they were submitted.
+  """
+  layout: StageLayout
+  client: object
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteResidual:
+  """Stands for a remote group's residuals of one microbatch (kept in its process); a pytree
+  without leaves, so the schedule interpreter passes it through untouched."""
+  key: int
+
+
+jax.tree_util.register_pytree_node(RemoteResidual, lambda r: ((), r.key),
+                                   lambda key, _: RemoteResidual(key))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitStageExecutables(StageExecutables):
   """A split stage behind the :class:`StageExecutables` interface.
@@ -232,36 +263,56 @@ class SplitStageExecutables(StageExecutables):
 
   @property
   def executables(self) -> tuple:
-    return self.parts
+    """The groups' executables in this process (a remote group's are in its own)."""
+    return tuple(ex for ex in self.parts if not isinstance(ex, RemoteGroup))
 
-  def _group_params(self, params) -> list[tuple]:
+  def _group_params(self, params) -> list:
+    """Per group, the parameters on its devices; a remote group receives them (once per
+    version of ``params``: per step) and gets ``None`` here."""
     cached, out = self._params
     if cached is not params:
-      out = [tuple(put(p, ex.sharding(v)) for p, v in zip(params, ex.layout.param_ids))
-             for ex in self.parts]
+      out, sent = [], []
+      for ex in self.parts:
+        if isinstance(ex, RemoteGroup):
+          sent.append(ex.client.submit("set_params", tuple(params)))
+          out.append(None)
+        else:
+          out.append(tuple(put(p, ex.sharding(v)) for p, v in zip(params, ex.layout.param_ids)))
+      for ex, call in zip((x for x in self.parts if isinstance(x, RemoteGroup)), sent):
+        ex.client.wait(call)
       self._params[:] = [params, out]
     return out
 
   def _inputs(self, ids, values, g: int) -> tuple:
     sp, grp, ex = self.split, self.split.groups[g], self.parts[g]
+    remote = isinstance(ex, RemoteGroup)
     out = []
     for v, x in zip(ids, values):
       axis = sp.axes[v]
       if axis is not None:
         x = row_slice(x, axis, grp.offset, grp.rows, sp.rows)
-      out.append(put(x, ex.sharding(v)))
+      out.append(x if remote else put(x, ex.sharding(v)))
     return tuple(out)
 
   def _fwd(self, params, acts, acts_int, data, mb_index):
     sp, lay = self.split, self.layout
     first_row = int(mb_index) * sp.rows
-    per_group, residuals = [], []
-    for g, (grp, ex, p) in enumerate(zip(sp.groups, self.parts, self._group_params(params))):
-      outs, res = ex.fwd(p, self._inputs(lay.act_ids, acts, g),
-                         self._inputs(lay.act_int_ids, acts_int, g),
-                         self._inputs(lay.data_ids, data, g), np.int32(first_row + grp.offset))
-      per_group.append(outs)
-      residuals.append(res)
+    params_g = self._group_params(params)
+    calls = {}   # the remote groups start first and run while the local ones do
+    for g, (grp, ex) in enumerate(zip(sp.groups, self.parts)):
+      if isinstance(ex, RemoteGroup):
+        calls[g] = ex.client.submit(
+            "fwd", first_row + grp.offset, self._inputs(lay.act_ids, acts, g),
+            self._inputs(lay.act_int_ids, acts_int, g), self._inputs(lay.data_ids, data, g))
+    per_group, residuals = [None] * len(self.parts), [None] * len(self.parts)
+    for g, (grp, ex, p) in enumerate(zip(sp.groups, self.parts, params_g)):
+      if g not in calls:
+        per_group[g], residuals[g] = ex.fwd(
+            p, self._inputs(lay.act_ids, acts, g), self._inputs(lay.act_int_ids, acts_int, g),
+            self._inputs(lay.data_ids, data, g), np.int32(first_row + grp.offset))
+    for g, call in calls.items():
+      per_group[g] = self.parts[g].client.wait(call)
+      residuals[g] = RemoteResidual(first_row + sp.groups[g].offset)
     outs = []
     for i, v in enumerate(lay.output_ids):
       parts = [o[i] for o in per_group]
@@ -286,8 +337,12 @@ class SplitStageExecutables(StageExecutables):
   def _bwd(self, params, residuals, cts_present, acc):
     sp, lay = self.split, self.layout
     present = [v for v, has in zip(lay.output_ids, lay.ct_present) if has]
-    accs, act_cts = [], []
-    for g, (grp, ex, p) in enumerate(zip(sp.groups, self.parts, self._group_params(params))):
+    params_g = self._group_params(params)
+    n = len(self.parts)
+    accs, act_cts, calls = [None] * n, [None] * n, {}
+    for g in sorted(range(n), key=lambda g: not isinstance(self.parts[g], RemoteGroup)):
+      grp, ex = sp.groups[g], self.parts[g]
+      remote = isinstance(ex, RemoteGroup)
       cts = []
       for v, ct in zip(present, cts_present):
         axis = sp.axes[v]
@@ -297,10 +352,13 @@ class SplitStageExecutables(StageExecutables):
           ct = (ct * jnp.asarray(grp.weight, ct.dtype)).astype(ct.dtype)
         elif g > 0:
           ct = jnp.zeros_like(ct)
-        cts.append(put(ct, ex.sharding(v)))
-      a, c = ex.bwd(p, residuals[g], tuple(cts), acc[g])
-      accs.append(a)
-      act_cts.append(c)
+        cts.append(ct if remote else put(ct, ex.sharding(v)))
+      if remote:   # its accumulator stays in its process
+        calls[g] = ex.client.submit("bwd", residuals[g].key, tuple(cts))
+      else:
+        accs[g], act_cts[g] = ex.bwd(params_g[g], residuals[g], tuple(cts), acc[g])
+    for g, call in calls.items():
+      act_cts[g] = self.parts[g].client.wait(call)
     out = []
     for i, v in enumerate(lay.act_ids):
       sh, axis = self.sharding(v), sp.axes[v]
@@ -315,11 +373,19 @@ class SplitStageExecutables(StageExecutables):
     return tuple(accs), tuple(out)
 
   def _zeros(self):
-    return tuple(ex.zeros() for ex in self.parts)
+    calls = {g: ex.client.submit("zeros") for g, ex in enumerate(self.parts)
+             if isinstance(ex, RemoteGroup)}
+    out = tuple(None if g in calls else ex.zeros() for g, ex in enumerate(self.parts))
+    for g, call in calls.items():
+      self.parts[g].client.wait(call)
+    return out
 
   def total(self, acc) -> tuple:
     """The stage's gradient accumulator: every group's summed on the home, in group order
-    (the reduction across the groups)."""
+    (the reduction across the groups; a remote group sends its accumulator here)."""
+    calls = {g: ex.client.submit("accumulator") for g, ex in enumerate(self.parts)
+             if isinstance(ex, RemoteGroup)}
+    acc = [self.parts[g].client.wait(calls[g]) if g in calls else a for g, a in enumerate(acc)]
     out = []
     for i, v in enumerate(self.layout.param_ids):
       sh = self.acc_sharding(v)
