@@ -17,7 +17,7 @@ import harpjax
 from harpjax.errors import PlanError, RuntimeFailure, UnsupportedError
 from harpjax.models import GPT, MLP, GPTConfig
 from tests.equivalence import DEMO_CLUSTER, ScanNet, max_rel_err
-from tests.runtime.test_split import _gpt_case, _num_layers, split_plan
+from tests.runtime.test_split import _gpt_case, _num_layers, host_spanning_plan, split_plan
 
 ray = pytest.importorskip("ray")
 from harpjax.runtime import ray_runtime  # noqa: E402  (after the importorskip)
@@ -421,4 +421,18 @@ def test_mixed_stage_groups_on_other_hosts_run_in_processes_of_their_own(x64):
   ray.kill(be.group_actors[1][1], no_restart=True)
   with pytest.raises(RuntimeFailure, match="stage 1: group 1"):
     pstep(state, batches[0], *rngs[0])
+  runner.shutdown()
+
+
+def test_mixed_stage_group_over_two_hosts_runs_in_an_actor_per_host():
+  # The A100 group spans both A100 hosts: it runs as two groups, each in its own actor.
+  step, state, batches = _mlp_setup()
+  plan = host_spanning_plan(4)
+  vs_local, vs_jit, pstep = _three_ways(step, state, batches[:2], plan=plan,
+                                        num_microbatches=2)   # 8 rows: 2 + 4 + 2
+  assert vs_local <= 1e-6 and vs_jit <= RTOL, (vs_local, vs_jit)
+  runner = pstep.runner(state, batches[0])
+  assert runner._backend.remote_groups == {0: (1, 2)}
+  infos = [ray.get(a.info.remote()) for a in runner._backend.group_actors[0].values()]
+  assert [len(i["devices"]) for i in infos] == [2, 2] and infos[0]["pid"] != infos[1]["pid"]
   runner.shutdown()

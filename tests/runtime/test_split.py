@@ -207,3 +207,27 @@ def test_automatic_plan_falls_back_when_rows_cannot_split(x64, tmp_path, monkeyp
   assert max_rel_err(out_ref, pstep(state, batches[0], *rngs[0])) <= RTOL
   assert not any(s.mixed for s in pstep.plan(state, batches[0], *rngs[0]).stages)
   assert "planning without them" in caplog.text
+
+
+def host_spanning_plan(num_layers: int) -> Plan:
+  """Stage 0 on a V100 pair and an A100 group over both A100 hosts; stage 1 on V100s."""
+  half = num_layers // 2
+  return dataclasses.replace(harpjax.ManualPlan([
+      dict(layers=(0, half - 1), subcluster="v100", submesh=(1, 2), share=1,
+           groups=[dict(subcluster="a100", submesh=(2, 2), share=3)]),
+      dict(layers=(half, num_layers - 1), subcluster="v100", submesh=(1, 2))]),
+      meta={"layers": "auto"})
+
+
+def test_group_over_two_hosts_runs_as_one_group_per_host(x64):
+  case = zoo.linen("loop")
+  B = 2
+  plan = host_spanning_plan(_num_layers(case.step, case.state, case.batches[0], B))
+  pstep = run_both(case.step, case.state, case.batches[:2], plan, B)
+  stage = pstep.plan(case.state, case.batches[0]).stages[0]
+  cluster = harpjax.Cluster.load(DEMO_CLUSTER)
+  hosts = [{cluster.host_of_device(d).name for d in g.devices} for g in stage.all_groups]
+  assert hosts == [{"v100-0"}, {"a100-0"}, {"a100-1"}]
+  assert [g.submesh for g in stage.all_groups] == [(1, 2)] * 3
+  assert [g.share for g in stage.all_groups] == [2, 3, 3]   # the A100 share, halved per host
+  assert sum(stage.group_rows(8)) == 8

@@ -4,18 +4,24 @@ A plan names each stage's subcluster and submesh shape; :func:`resolve_devices` 
 concrete global devices (the plan's own where it lists them, else packed onto the hosts by
 :meth:`harpjax.cluster.Cluster.allocate_submeshes`), and :func:`resolve_plan` fills in the
 rest of what runs: the warm-up counts of the schedule and the task tables.
+
+A group of a mixed-type stage (:attr:`~harpjax.compiler.plan.StageSpec.groups`) runs in one
+process, so it spans one host: :func:`resolve_plan` runs a group whose submesh spans ``n``
+hosts as ``n`` groups of one host each, every one with ``1/n`` of its share
+(:func:`per_host_groups`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from harpjax.cluster import Cluster
-from harpjax.compiler.plan import Plan
+from harpjax.compiler.plan import Plan, StageGroup, StageSpec
 from harpjax.compiler.schedule import Schedule, make_schedule, plan_warmups, schedule_key
 from harpjax.errors import PlanError
 
-__all__ = ["resolve_devices", "resolve_group_devices", "resolve_plan"]
+__all__ = ["resolve_devices", "resolve_group_devices", "resolve_plan", "per_host_groups"]
 
 
 def resolve_devices(cluster: Cluster, plan: Plan) -> list[tuple[int, ...]]:
@@ -109,5 +115,38 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
                           groups=tuple(dataclasses.replace(grp, devices=tuple(d))
                                        for grp, d in zip(s.groups, idx[1:])))
       for s, idx, w in zip(plan.stages, devices, sched.warmups))
+  stages = tuple(per_host_groups(s, cluster) if s.groups else s for s in stages)
   return plan.replace(stages=stages, num_microbatches=num_microbatches, schedule=name,
                       num_layers=num_layers), sched
+
+
+def per_host_groups(stage: StageSpec, cluster: Cluster) -> StageSpec:
+  """A mixed-type stage (its devices resolved) whose every group spans one host: a group on
+  a submesh ``(n, m)`` over ``n`` hosts becomes ``n`` groups ``(1, m)``, one per host in the
+  group's device order, each with logical mesh ``(dp / n, tp)`` and ``1/n`` of its share (all
+  shares scaled by the same integer, so the rows stay proportional). The arithmetic is the
+  same (every row is still computed once, the gradients summed); each group can then run in
+  a process of its own (:mod:`harpjax.runtime.group_worker`). A group whose tensor-parallel
+  degree does not divide its devices per host stays whole.
+  """
+  groups = stage.all_groups
+  parts, scale = [], 1
+  for grp in groups:
+    hosts: dict[str, list[int]] = {}
+    for d in grp.devices:
+      hosts.setdefault(cluster.host_of_device(d).name, []).append(int(d))
+    n, m = len(hosts), grp.num_devices // max(len(hosts), 1)
+    tp = grp.logical_mesh[1] if grp.logical_mesh else 1
+    if n == 1 or any(len(v) != m for v in hosts.values()) or m % tp:
+      parts.append([grp])
+      continue
+    lm = None if grp.logical_mesh is None else (m // tp, tp)
+    parts.append([StageGroup(grp.subcluster, (1, m), lm, tuple(v), grp.share, grp.time_s)
+                  for v in hosts.values()])
+    scale = scale * n // math.gcd(scale, n)
+  if all(len(p) == 1 for p in parts):
+    return stage
+  flat = [dataclasses.replace(g, share=g.share * scale // len(p)) for p in parts for g in p]
+  home, rest = flat[0], tuple(flat[1:])
+  return dataclasses.replace(stage, submesh=home.submesh, logical_mesh=home.logical_mesh,
+                             devices=home.devices, share=home.share, groups=rest)
