@@ -592,6 +592,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
       opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
   tables, counts = tables_from_layer_costs(layers, cluster, subs, found.configs, costs,
                                            opts.imbalance, zero)
+  if microbatch_size(layers) is not None:
+    tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),

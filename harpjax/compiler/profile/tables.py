@@ -182,6 +182,9 @@ class CostTables:
     offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
       memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
       stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration.
+    microbatch_rows: optional rows (sequences) of the microbatch the tables cost (the
+      profiler fills it in); mixed-type stages split them among their groups, and the planner
+      takes it where :class:`~harpjax.compiler.plan.MixedOptions` gives none.
     variants: set only on tables whose submesh choices are (submesh, ZeRO level, offload)
       variants (:func:`harpjax.compiler.plan.variants.expand_variants`): ``[K]`` tuples of
       ``(zero, offload)``, one per entry of ``submeshes[k]`` (whose shapes then repeat, once
@@ -212,6 +215,7 @@ class CostTables:
   gather_time_s: tuple[np.ndarray, ...] | None = None
   offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
   variants: tuple[tuple[tuple[int, bool], ...], ...] | None = None
+  microbatch_rows: int | None = None
 
   def __post_init__(self):
     L = _int(self.num_layers, "num_layers")
@@ -226,6 +230,11 @@ class CostTables:
     set_ = functools.partial(object.__setattr__, self)
     set_("num_layers", L)
     set_("subcluster_names", names)
+    if self.microbatch_rows is not None:
+      rows = _int(self.microbatch_rows, "microbatch_rows")
+      if rows < 1:
+        raise CostTablesError(f"microbatch_rows={self.microbatch_rows} must be >= 1")
+      set_("microbatch_rows", rows)
     for field in ("num_hosts", "devices_per_host"):
       vals = tuple(_int(v, f"{field}[{k}]") for k, v in enumerate(_seq(getattr(self, field),
                                                                          field, K)))
