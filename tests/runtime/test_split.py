@@ -231,3 +231,29 @@ def test_group_over_two_hosts_runs_as_one_group_per_host(x64):
   assert [g.submesh for g in stage.all_groups] == [(1, 2)] * 3
   assert [g.share for g in stage.all_groups] == [2, 3, 3]   # the A100 share, halved per host
   assert sum(stage.group_rows(8)) == 8
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_memory_model_of_each_group_of_a_mixed_stage(x64, zero):
+  # Every group's peak per device, XLA's account of its executables beside the model: the
+  # first group holds the optimizer state and runs the update, the others do not.
+  from harpjax.compiler.stages import memory_report
+  case = zoo.linen("loop")
+  B = 2
+  L = _num_layers(case.step, case.state, case.batches[0], B)
+  plan = dataclasses.replace(harpjax.ManualPlan([
+      dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 2), share=1, zero=zero,
+           groups=[dict(subcluster="a100", submesh=(1, 2), share=3)]),
+      dict(layers=(L // 2, L - 1), subcluster="v100", submesh=(1, 2), zero=zero)]),
+      meta={"layers": "auto"})
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
+  cs = pstep.compile(case.state, case.batches[0])
+  home, other = memory_report(cs, 0, group=0), memory_report(cs, 0, group=1)
+  assert home.opt_bytes > 0 and other.opt_bytes == 0
+  assert any(k.startswith("update") for k in home.phases)
+  assert not any(k.startswith("update") for k in other.phases)
+  assert other.act_bytes > home.act_bytes   # 6 rows of every 8 against 2
+  for r in (home, other):
+    assert abs(r.error) <= 0.10, (r.phases, r.predicted)
+  with pytest.raises(harpjax.errors.UnsupportedError, match="has 2 groups"):
+    memory_report(cs, 0, group=2)

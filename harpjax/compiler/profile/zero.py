@@ -110,6 +110,8 @@ class StageMemory:
     act_offloaded: the residuals of the microbatches in flight stay in host memory between
       their forward and their backward: the device holds at most two (the one a forward
       writes or a backward reads, and the one on its way).
+    updates: the devices run the optimizer update (not so a mixed-type stage's groups but
+      the first, which receive the parameters the first group updated).
   """
   param_bytes: float
   grad_bytes: float
@@ -121,6 +123,7 @@ class StageMemory:
   shared_bytes: float = 0.0
   opt_offloaded: bool = False
   act_offloaded: bool = False
+  updates: bool = True
 
   @property
   def state_bytes(self) -> float:
@@ -143,6 +146,8 @@ class StageMemory:
 
   def peak_bytes(self, in_flight: int) -> float:
     """The stage's per-device peak over a step."""
+    if not self.updates:
+      return self.pipeline_bytes(in_flight)
     return max(self.pipeline_bytes(in_flight), self.update_bytes())
 
 
@@ -151,7 +156,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
                  workspace_bytes: float = 0.0, reduce_scatter: bool = False,
                  shared_param_bytes: float = 0.0,
                  offload_optimizer: bool = False,
-                 offload_activations: bool = False) -> StageMemory:
+                 offload_activations: bool = False, updates: bool = True) -> StageMemory:
   """Per-device memory of a stage at ZeRO level ``zero``.
 
   Args:
@@ -171,6 +176,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       (:class:`harpjax.OffloadOptions`).
     offload_activations: the residuals wait for their backward in host memory
       (``OffloadOptions(activations=True)``; :func:`activation_offload_time_s`).
+    updates: the devices run the optimizer update (:attr:`StageMemory.updates`).
 
   Returns:
     The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
@@ -191,7 +197,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       bwd_workspace_bytes=G + max(reduced, gathered) + float(workspace_bytes),
       update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
       shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
-      opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations))
+      opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
+      updates=bool(updates))
 
 
 def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,

@@ -106,7 +106,7 @@ def _analysis(compiled) -> tuple[float, float, float, float]:
 
 
 def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = None,
-                  reduce_scatter: bool = False) -> StageMemoryReport:
+                  reduce_scatter: bool = False, group: int = 0) -> StageMemoryReport:
   """Stage ``stage``'s per-device memory over a step, from XLA and from the model.
 
   Args:
@@ -115,16 +115,27 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
     compiled: its executables already compiled by
       :func:`~harpjax.compiler.stages.compile_stage` (saves compiling them again).
     reduce_scatter: the model's assumption for the backend (XLA:CPU: ``False``).
+    group: of a stage that splits its rows among groups (a mixed-type stage), the group to
+      follow: its executables at its rows on its devices. The first group holds the optimizer
+      state and runs the update; the others hold parameters, accumulator and residuals only.
 
   Returns:
     The :class:`StageMemoryReport`.
   """
   lay, st = cs.layout, cs.stages[stage]
-  if stage in lay.splits:
-    raise UnsupportedError(
-        f"stage {stage} splits its rows among {len(lay.splits[stage].groups)} groups of "
-        "devices; the memory report covers stages on one group (compile a group's "
-        "executables with compile_stage(cs.stages[stage].executables[g]) for XLA's account)")
+  split = lay.splits.get(stage)
+  if split is None and group:
+    raise UnsupportedError(f"stage {stage} runs on one group of devices; group={group} "
+                           "names none")
+  if split is not None:
+    if not 0 <= group < len(split.groups):
+      raise UnsupportedError(f"stage {stage} has {len(split.groups)} groups; group={group} "
+                             "names none")
+    part = st.parts[group]
+    if not hasattr(part, "fwd"):
+      raise UnsupportedError(f"stage {stage}'s group {group} runs in another process")
+    st = part
+  home = group == 0
   sl, mesh = st.layout, st.mesh
   traced = cs.traced
   outer = traced.outer
@@ -144,7 +155,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   grads0 = sum(held(sl.avals[v], sharding_lib.without_dp(sl.acc_spec(v))) for v in sl.param_ids)
   _, state = state_successors(traced)
   pref = lambda v: lay.preferred.get((stage, v), P())
-  opt_vids = [v for v in state if (stage, v) in lay.preferred]
+  opt_vids = [v for v in state if (stage, v) in lay.preferred and home]
   opt = sum(held(outer.avals[v], pref(v)) for v in opt_vids)
   opt0 = sum(held(outer.avals[v], sharding_lib.without_dp(pref(v))) for v in opt_vids)
   on_host = sum(held(outer.avals[v], pref(v)) for v in opt_vids if (stage, v) in lay.host)
@@ -170,7 +181,8 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
     if s == stage and (v in outer.invars or lay.home.get(v) == stage and v in
                        lay.region_results):
       alive[v] = held(outer.avals[v], spec)
-  after = [gi for gi in range(lay.num_before, len(lay.groups)) if lay.groups[gi].home == stage]
+  after = [gi for gi in range(lay.num_before, len(lay.groups))
+           if lay.groups[gi].home == stage and home]
   for k, gi in enumerate(after):
     g = lay.groups[gi]
     name = f"update{k}"
@@ -186,7 +198,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
                            act_bytes=residual, dp=dp, zero=sl.zero, out_bytes=outs,
                            reduce_scatter=reduce_scatter, shared_param_bytes=shared0,
                            offload_optimizer=on_host > 0,
-                           offload_activations=stage in lay.host_residuals)
+                           offload_activations=stage in lay.host_residuals, updates=home)
   return StageMemoryReport(stage, sl.zero, dp, n, params, grads, opt, residual, ex, phases,
                            max(phases.values()), predicted)
 
