@@ -17,9 +17,9 @@ groups once per iteration before the update. This module costs such stages on th
   kernel's fixed cost from its work; Zorse's per-layer fits give 0-20% at 4 rows). The
   stage's forward+backward time per microbatch is ``max_g t_g(r_g)`` (the groups run in
   parallel on their own devices). ``r_g`` must be a multiple of ``dp_g``.
-* *memory* per device of group ``g``: its entry's parameter bytes (a full copy of the state:
-  no ZeRO on a mixed stage) plus, per microbatch in flight, its activation bytes times
-  ``r_g / b``; checked per group against its own device memory.
+* *memory* per device of group ``g``: its entry's parameter bytes (parameters, gradients and
+  optimizer state) plus, per microbatch in flight, its activation bytes times ``r_g / b``;
+  checked per group against its own device memory.
 * *end of iteration*: ``max_g e_g`` (each group's own reduction and update, the tables'
   ``end_time_s``) plus a ring all-reduce of the stage's gradient bytes (one replica) across
   the ``G`` groups over the slowest link between two of them,
@@ -33,6 +33,22 @@ groups once per iteration before the update. This module costs such stages on th
   when they share one): ``c = max over pairs of latency + boundary_bytes * rows / b /
   bandwidth``. A plain stage is one group of ``b`` rows, so between two plain stages this is
   the tables' cut.
+* *ZeRO and offload* (a stage's :attr:`~harpjax.compiler.plan.StageSpec.zero` and
+  :attr:`~harpjax.compiler.plan.StageSpec.offload`, mixed or plain): every group is priced by
+  its entry's variant, the numbers of :func:`~harpjax.compiler.plan.variants.variant_arrays`
+  (``dp_g`` the group's own data-parallel degree): state ``W_z + G_z + O_z`` per device in
+  place of the parameter bytes (``W_z + G_z`` with offload, and ``W_z + G_z + O_z`` must fit
+  the device for the update), its end time plus the weights' gather at levels 1 and 2 and
+  ``2 O_z / offload_bandwidth`` with offload, and, at level 3, ``2 g`` added to its time per
+  microbatch (the weights gathered in the forward and the backward: the same bytes whatever
+  the rows, so not scaled by ``r_g / b``). This is conservative for the groups other than
+  the first: the runtime keeps the optimizer state on the first group only
+  (:mod:`harpjax.compiler.stages.split`), but every group is charged as if it held its own
+  copy, split over its own ``dp`` from level 1, and ran its own update. The cross-group sum
+  moves one replica's gradient whatever the level. A level above 0 or offload needs the
+  tables' ``opt_mem_bytes`` (and ``offload_bandwidth_bytes_per_s``), before
+  :func:`~harpjax.compiler.plan.variants.expand_variants`; at level 0 without offload the
+  numbers are the ones above, unchanged.
 
 **Search** (:func:`solve_mixed`, ``SolveOptions(mixed_stages="auto"|"on")``): a *fusion*
 (:class:`Fusion`) is a shape of mixed stage: a submesh of each of two or more subclusters
@@ -52,7 +68,12 @@ splits in whole data-parallel quanta near the speed-proportional one for two mem
 more that one and its neighbours (``shares="speed"``), or every split (``shares="all"``,
 small microbatches).
 ``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
-the slower of their own links; ``"on"`` any pair linked both ways.
+the slower of their own links; ``"on"`` any pair linked both ways. The search prices the
+plans with mixed stages at ZeRO level 0 without offload (the fused tables carry no optimizer
+state's share, so neither their mixed nor their plain stages choose a level); the plan
+without mixed stages, always a candidate, is searched with the tables' variants. A plan with
+ZeRO or offload on its mixed stages (hand-made, or edited) is scored by
+:func:`evaluate_mixed`.
 """
 
 from __future__ import annotations
@@ -72,6 +93,7 @@ from harpjax.compiler.plan.evaluate import PlannedStage
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
+from harpjax.compiler.plan.variants import variant_arrays
 from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
                                        warmup_delta)
@@ -210,11 +232,18 @@ class GroupCost:
     subcluster: index in the tables; ``submesh_index``, ``submesh``, ``logical_mesh`` its
       entry.
     rows: rows of every microbatch it runs.
-    time_s: forward+backward seconds per microbatch at those rows.
-    param_bytes: per device: parameters, gradients and optimizer state (a full copy).
+    time_s: forward+backward seconds per microbatch at those rows (with the weights' gathers
+      at ZeRO-3).
+    param_bytes: per device: parameters, gradients and optimizer state as the stage's ZeRO
+      level holds them over the group's ``dp`` (level 0: a full copy), without the optimizer
+      state with offload (the module docstring: each group charged as if it held its own).
     act_bytes: per device, per microbatch in flight, at its rows.
-    end_s: its own end-of-iteration seconds (the tables').
+    end_s: its own end-of-iteration seconds (the tables', with the level's gather and the
+      offload's transfers).
     device_memory_bytes: its device's memory.
+    zero, offload: the stage's ZeRO level and optimizer-state offload the numbers are for.
+    update_bytes: with offload, the state per device while the update runs (``W_z + G_z +
+      O_z``: the optimizer state brought in), which must fit the device too; else ``None``.
   """
   subcluster: int
   submesh_index: int
@@ -226,9 +255,17 @@ class GroupCost:
   act_bytes: float
   end_s: float
   device_memory_bytes: float
+  zero: int = 0
+  offload: bool = False
+  update_bytes: float | None = None
 
   def peak_bytes(self, inflight: int) -> float:
     return self.param_bytes + inflight * self.act_bytes
+
+  @property
+  def update_fits(self) -> bool:
+    """Whether the state the update holds fits the device (always, without offload)."""
+    return self.update_bytes is None or self.update_bytes <= self.device_memory_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +281,7 @@ class MixedStageCost:
 
   def max_inflight(self, cap: int) -> int:
     """The most microbatches in flight (``<= cap``) every group's memory holds (0: none)."""
-    n = cap
+    n = cap if all(g.update_fits for g in self.groups) else 0
     for g in self.groups:
       while n > 0 and not g.peak_bytes(n) <= g.device_memory_bytes:
         n -= 1
@@ -262,18 +299,52 @@ def _grad_bytes(tables: CostTables, options: MixedOptions, i: int, j: int,
              * tables.logical_mesh_of(k, i, j, s)[1] for k, s in entries)
 
 
+def _zero_numbers(tables: CostTables, layers: tuple[int, int], k: int, s: int, zero: int,
+                  offload: bool) -> tuple[float, float, float, float, float | None]:
+  """``(time, state bytes, end, gathers per microbatch, update bytes)`` of entry ``(k, layers,
+  s)`` under ``zero`` / ``offload``: :func:`~harpjax.compiler.plan.variants.variant_arrays`'
+  numbers (``gathers``: what level 3 adds to the time; ``update bytes`` with offload only)."""
+  where = f"stage on layers {layers[0]}..{layers[1]} (zero={zero}, offload={offload})"
+  if tables.opt_mem_bytes is None:
+    expanded = (" these tables are expanded into variants (expand_variants): score the plan "
+                "on the tables before the expansion;" if tables.variants is not None else "")
+    raise PlanError(f"{where}: pricing ZeRO or offload needs the tables' opt_mem_bytes (the "
+                    f"optimizer state's part of param_mem_bytes);{expanded} build the tables "
+                    "with CostTables.from_layer_costs(..., optimizer_share=...) (or "
+                    "ProfileOptions(optimizer_bytes_per_param=...)), or set the stage's zero "
+                    "to 0 and offload to False")
+  if offload and tables.offload_bandwidth_bytes_per_s is None:
+    raise PlanError(f"{where}: pricing offload needs the tables' "
+                    "offload_bandwidth_bytes_per_s (the device's link to host memory: "
+                    "SubclusterSpec.offload_bandwidth_bytes_per_s, a cluster file's "
+                    "host_memory_gbps), or set the stage's offload to False")
+  i, j = layers
+  t, p, e, _ = variant_arrays(tables, k, zero, offload)
+  g = float(tables.gather_time_s[k][i, j, s]) if tables.gather_time_s is not None else 0.0
+  update = float(variant_arrays(tables, k, zero, False)[1][i, j, s]) if offload else None
+  return (float(t[i, j, s]), float(p[i, j, s]), float(e[i, j, s]),
+          2.0 * g if zero >= 3 else 0.0, update)
+
+
 def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
-                     groups: Sequence[tuple[int, int, int]], options: MixedOptions
-                     ) -> MixedStageCost:
-  """Costs one stage on groups ``(subcluster, submesh index, rows)`` (the model of the module
-  docstring; one group of ``b`` rows is a plain stage: the tables' numbers).
+                     groups: Sequence[tuple[int, int, int]], options: MixedOptions,
+                     *, zero: int = 0, offload: bool = False) -> MixedStageCost:
+  """Costs one stage on groups ``(subcluster, submesh index, rows)`` at ZeRO level ``zero``
+  with or without ``offload`` (the model of the module docstring; one group of ``b`` rows is
+  a plain stage: the tables' numbers, or its variant's,
+  :func:`~harpjax.compiler.plan.variants.variant_arrays`).
 
   Raises:
     PlanError: no ``microbatch_rows``, rows that do not add up to it or are not a multiple of
-      a group's data-parallel degree, or a group whose entry has no finite time.
+      a group's data-parallel degree, a group whose entry has no finite time, or a level above
+      0 or offload on tables without ``opt_mem_bytes`` (offload: without
+      ``offload_bandwidth_bytes_per_s``).
   """
   b = _rows(options)
   i, j = (int(x) for x in layers)
+  zero, offload = int(zero), bool(offload)
+  if zero not in (0, 1, 2, 3):
+    raise PlanError(f"stage on layers {layers}: zero={zero} must be 0, 1, 2 or 3")
   if sum(r for _, _, r in groups) != b or any(r < 1 for _, _, r in groups):
     raise PlanError(f"stage on layers {layers}: rows {[r for _, _, r in groups]} must be >= 1 "
                     f"and add up to the microbatch's {b} rows")
@@ -290,12 +361,19 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
       raise PlanError(f"stage on layers {layers}: {tables.subcluster_names[k]} "
                       f"{tables.submeshes[k][s]} has no finite time in the tables")
     single = len(groups) == 1
+    time_s = t if single else float(_group_time(t, r, b, options.fixed_fraction))
+    param_bytes = float(tables.param_mem_bytes[k][i, j, s])
+    end_s, update = tables.end_of(k, i, j, s), None
+    if zero or offload:
+      tz, param_bytes, end_s, gathers, update = _zero_numbers(tables, (i, j), k, s, zero,
+                                                              offload)
+      time_s = tz if single else time_s + gathers
     out.append(GroupCost(
         subcluster=k, submesh_index=s, submesh=tables.submeshes[k][s], logical_mesh=lm, rows=r,
-        time_s=t if single else float(_group_time(t, r, b, options.fixed_fraction)),
-        param_bytes=float(tables.param_mem_bytes[k][i, j, s]),
+        time_s=time_s, param_bytes=param_bytes,
         act_bytes=float(tables.act_mem_bytes[k][i, j, s]) * (1.0 if single else r / b),
-        end_s=tables.end_of(k, i, j, s), device_memory_bytes=tables.device_memory_bytes[k]))
+        end_s=end_s, device_memory_bytes=tables.device_memory_bytes[k], zero=zero,
+        offload=offload, update_bytes=update))
   end = max(g.end_s for g in out)
   sync = gb = 0.0
   if len(out) > 1:
@@ -378,14 +456,18 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
   """Scores a plan whose stages may have groups (:attr:`StageSpec.groups`) under H-1F1B.
 
   Each stage is costed by :func:`mixed_stage_cost` with its groups' rows
-  (:meth:`StageSpec.group_rows` of ``options.microbatch_rows``), each cut by
-  :func:`mixed_cut_s`; warm-ups, memory (``min(N_i, B)`` in flight, per group) and the
-  simulated iteration time as :func:`~harpjax.compiler.plan.evaluate_plan` does for a plan
-  without groups (the same numbers on such a plan).
+  (:meth:`StageSpec.group_rows` of ``options.microbatch_rows``) at its ZeRO level and offload
+  (:attr:`StageSpec.zero`, :attr:`StageSpec.offload`: every group priced by its entry's
+  variant, as if it held its own optimizer state: the module docstring), each cut by
+  :func:`mixed_cut_s`; warm-ups, memory (``min(N_i, B)`` in flight, per group; with offload
+  the update's state too) and the simulated iteration time as
+  :func:`~harpjax.compiler.plan.evaluate_plan` does for a plan without groups (the same
+  numbers on such a plan).
 
   Raises:
     PlanError: stages that do not cover the layers, unknown subclusters or submeshes, rows
-      that cannot be split.
+      that cannot be split, or a stage with ``zero`` or ``offload`` on tables that lack the
+      optimizer state's bytes (``opt_mem_bytes``; with offload the host link's bandwidth).
   """
   B = int(num_microbatches)
   specs = plan.stages if isinstance(plan, Plan) else tuple(plan)
@@ -402,7 +484,8 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
     for g, r in zip(st.all_groups, rows):
       k = tables.subcluster_index(g.subcluster)
       groups.append((k, tables.submesh_index(k, g.submesh), r))
-    costs.append(mixed_stage_cost(tables, st.layers, groups, options))
+    costs.append(mixed_stage_cost(tables, st.layers, groups, options, zero=st.zero,
+                                  offload=st.offload))
   t = [c.time_s for c in costs]
   comm = [mixed_cut_s(tables, a.layers[1], a, c, options) for a, c in zip(costs, costs[1:])]
   comm.append(0.0)
@@ -430,6 +513,14 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
             f"{tables.subcluster_names[g.subcluster]} {g.submesh} with {g.rows} rows needs "
             f"{g.peak_bytes(inflight) / 2**30:.3f} GiB > "
             f"{g.device_memory_bytes / 2**30:.3f} GiB")
+      if not g.update_fits:
+        mem_ok = False
+        violations.append(
+            f"stage {x} (layers {c.layers[0]}..{c.layers[1]}), group on "
+            f"{tables.subcluster_names[g.subcluster]} {g.submesh}: the update brings its "
+            f"offloaded optimizer state in and needs {g.update_bytes / 2**30:.3f} GiB > "
+            f"{g.device_memory_bytes / 2**30:.3f} GiB; use a higher zero level or more "
+            "devices")
     first = c.groups[0]
     planned.append(PlannedStage(
         layers=c.layers, subcluster=first.subcluster,
@@ -439,7 +530,7 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
         comm_s=comm[x], warmup=int(warm[x]), inflight=int(inflight),
         param_bytes=worst.param_bytes, act_bytes=worst.act_bytes,
         peak_mem_bytes=worst.peak_bytes(inflight),
-        device_memory_bytes=worst.device_memory_bytes))
+        device_memory_bytes=worst.device_memory_bytes, zero=st.zero, offload=st.offload))
   devices_ok = True
   for k in range(tables.num_subclusters):
     shapes = [g.submesh for c in costs for g in c.groups if g.subcluster == k]

@@ -9,6 +9,16 @@ leave there (in the stage's :class:`~harpjax.compiler.stages.layout.StageLayout`
 rows, on the first group's mesh), its parameters and optimizer state live there, and the
 gradients of the other groups are summed into its own, in group order, once per step.
 
+With a ZeRO level (:attr:`~harpjax.compiler.plan.StageSpec.zero`) every group lays itself out
+at that level over its own ``dp`` axis: from level 2 each group's gradient accumulator is
+split over its ``dp``, at level 3 the parameters its executables take too (gathered where
+used). The step's state stays on the home: the parameters in the home's layout (split over
+the home's ``dp`` at level 3), put once per step into each other group's sharding; the
+optimizer state split over the home's ``dp`` from level 1, or in host memory with
+:attr:`~harpjax.compiler.plan.StageSpec.offload`, and updated there only. The other groups
+hold no optimizer state; their accumulators are summed into the home's sharding once per step
+(:meth:`SplitStageExecutables.total`).
+
 The arithmetic is ``jax.jit``'s: a group's program is the step traced again with ``r`` rows
 per microbatch (op for op the same program, or a :class:`~harpjax.errors.PlanError` says the
 step's structure depends on the batch size); values with a row axis are sliced and
@@ -250,7 +260,9 @@ class SplitStageExecutables(StageExecutables):
   ``layout``, ``mesh`` and the shardings are the home's (the first group's devices, the
   stage's values at ``b`` rows); ``fwd``, ``bwd`` and ``zeros`` run every group's executables
   (``parts``) on its rows and combine their results there. The gradient accumulator is one
-  per group; :meth:`total` sums them on the home, in group order.
+  per group, on its devices in its own layout (split over its ``dp`` from ZeRO-2 on);
+  :meth:`total` sums them on the home, in group order, in the home's accumulator sharding.
+  The parameters arrive in the home's layout and are put into each group's once per step.
   """
   parts: tuple = ()
   split: SplitLayout | None = None

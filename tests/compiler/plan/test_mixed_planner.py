@@ -301,9 +301,11 @@ def test_brute_force_without_mixed_stages_is_the_plain_planner():
     assert got == want or math.isclose(got, want, rel_tol=1e-9)
 
 
-def asymmetric_tables(B: int, inter_gbps: float = 100.0) -> CostTables:
+def asymmetric_tables(B: int, inter_gbps: float = 100.0, optimizer_share=None,
+                      offload_bps=None) -> CostTables:
   """6 A100 (3 hosts x 2) + 5 V100 (5 x 1) + 3 T4 (3 x 1), a 0.3B model cut into 4 layers:
-  the A100s and V100s balance two stages and leave the T4s idle."""
+  the A100s and V100s balance two stages and leave the T4s idle. ``optimizer_share`` and
+  ``offload_bps`` add the optimizer state's bytes and the host link (ZeRO and offload)."""
   L, params, tokens, hidden = 4, 0.3e9, 8 * 1024, 2048
   x = tokens * hidden * 2.0
   prof = LayerProfile(flops=np.full(L, 8 * params * tokens / L),
@@ -312,11 +314,12 @@ def asymmetric_tables(B: int, inter_gbps: float = 100.0) -> CostTables:
                       boundary_bytes=np.full(L, x))
   sub = lambda name, n, m, mem, peak: SubclusterSpec(
       name, n, m, mem * GiB, 100 * GBPS, peak_flops=peak, efficiency=0.5, latency_s=5e-6,
-      host_bandwidth_bytes_per_s=100e9, host_latency_s=2e-6)
+      host_bandwidth_bytes_per_s=100e9, host_latency_s=2e-6,
+      offload_bandwidth_bytes_per_s=offload_bps)
   subs = [sub("a100", 3, 2, 40, 312e12), sub("v100", 5, 1, 16, 125e12),
           sub("t4", 3, 1, 16, 65e12)]
   return CostTables.from_layer_costs(prof, subs, Link(inter_gbps * GBPS, 1e-5),
-                                     grad_sync_microbatches=B)
+                                     grad_sync_microbatches=B, optimizer_share=optimizer_share)
 
 
 def test_mixed_stages_are_strictly_better_on_an_asymmetric_cluster():
@@ -410,6 +413,122 @@ def test_evaluate_mixed_is_evaluate_plan_on_plain_plans_and_plain_refuses_mixed(
       StageSpec((2, 3), "t4", (1, 1))))
   ev = planner.evaluate_mixed(tables, crowded, 16, MixedOptions(microbatch_rows=66))
   assert not ev.devices_ok and not ev.feasible
+
+
+def _zero_plan(zero, offload=False, first=None):
+  """A mixed stage (A100 (3, 2) at share 5 beside T4 (3, 1) at share 1) then a plain V100
+  stage; both at ``zero`` / ``offload`` (the first at ``first`` when given)."""
+  z0, o0 = first if first is not None else (zero, offload)
+  return Plan(stages=(
+      StageSpec((0, 1), "a100", (3, 2), share=5, zero=z0, offload=o0,
+                groups=(StageGroup("t4", (3, 1), share=1),)),
+      StageSpec((2, 3), "v100", (5, 1), zero=zero, offload=offload)), num_microbatches=16)
+
+
+def _want(tables, k, i, j, s, zero, offload):
+  """``(state bytes, gathers per microbatch, added end seconds, update bytes)`` of an entry by
+  the variant equations (W = G = (P - O) / 2, each split over the entry's dp by the level)."""
+  P, O = tables.param_mem_bytes[k][i, j, s], tables.opt_mem_bytes[k][i, j, s]
+  g = tables.gather_time_s[k][i, j, s]
+  dp = tables.logical_mesh_of(k, i, j, s)[0]
+  W = G = (P - O) / 2
+  Oz, Gz, Wz = O / dp if zero >= 1 else O, G / dp if zero >= 2 else G, W / dp if zero == 3 else W
+  end = g if zero in (1, 2) else 0.0
+  if offload:
+    end += 2 * Oz / tables.offload_bandwidth_bytes_per_s[k]
+  return (Wz + Gz if offload else Wz + Gz + Oz), (2 * g if zero == 3 else 0.0), end, \
+      (Wz + Gz + Oz if offload else None)
+
+
+def test_evaluate_mixed_prices_zero_and_offload_per_group():
+  tables = asymmetric_tables(16, optimizer_share=0.75, offload_bps=25e9)
+  mo = MixedOptions(microbatch_rows=66, fixed_fraction=0.1)
+  base = planner.evaluate_mixed(tables, _zero_plan(0), 16, mo)
+  # Level 0 is what it was: the optimizer share in the tables changes nothing.
+  bare = tables.replace(opt_mem_bytes=None, gather_time_s=None,
+                        offload_bandwidth_bytes_per_s=None)
+  assert planner.evaluate_mixed(bare, _zero_plan(0), 16, mo) == base
+  assert [len(c.groups) for c in base.stages] == [2, 1] and base.feasible
+  prev = None
+  for zero, offload in [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)]:
+    ev = planner.evaluate_mixed(tables, _zero_plan(zero, offload), 16, mo)
+    assert ev.feasible, ev.violations
+    for c, c0 in zip(ev.stages, base.stages):
+      i, j = c.layers
+      for g, g0 in zip(c.groups, c0.groups):
+        state, gathers, end, update = _want(tables, g.subcluster, i, j, g.submesh_index, zero,
+                                            offload)
+        assert (g.zero, g.offload) == (zero, offload)
+        assert g.param_bytes == pytest.approx(state, rel=1e-12)
+        assert g.update_bytes == (None if update is None else pytest.approx(update, rel=1e-12))
+        # The gathers are added whole (not scaled by the group's rows), the rest is level 0's.
+        assert g.time_s == pytest.approx(g0.time_s + gathers, rel=1e-12)
+        assert g.end_s == pytest.approx(g0.end_s + end, rel=1e-12)
+        assert g.act_bytes == g0.act_bytes and g.rows == g0.rows
+      assert c.sync_s == c0.sync_s   # one replica's gradient crosses the groups at any level
+      assert c.end_s == pytest.approx(max(g.end_s for g in c.groups) + c.sync_s, rel=1e-12)
+    if not offload:
+      # Every group's state falls with the level (every entry here has dp > 1).
+      states = [g.param_bytes for c in ev.stages for g in c.groups]
+      if prev is not None:
+        assert all(x < y for x, y in zip(states, prev)), (zero, states, prev)
+      prev = states
+    if zero == 3:   # level 3 is slower per microbatch, its time in the iteration
+      assert ev.t_max_s > base.t_max_s and ev.iteration_s > base.iteration_s
+  # Offload moves the optimizer state out and pays its transfer at the end of the iteration.
+  z2 = planner.evaluate_mixed(tables, _zero_plan(2), 16, mo)
+  off = planner.evaluate_mixed(tables, _zero_plan(2, True), 16, mo)
+  assert off.iteration_s > z2.iteration_s and off.time_s == z2.time_s
+  assert all(g.param_bytes < g2.param_bytes for c, c2 in zip(off.stages, z2.stages)
+             for g, g2 in zip(c.groups, c2.groups))
+
+
+def test_evaluate_mixed_with_zero_agrees_with_evaluate_plan_on_plain_stages():
+  tables = asymmetric_tables(16, optimizer_share=0.75, offload_bps=25e9)
+  mo = MixedOptions(microbatch_rows=64)
+  for zero, offload in [(1, False), (3, False), (2, True)]:
+    plan = Plan(stages=(StageSpec((0, 1), "a100", (3, 2), zero=zero, offload=offload),
+                        StageSpec((2, 3), "v100", (5, 1), zero=zero, offload=offload)))
+    ev, ref = planner.evaluate_mixed(tables, plan, 16, mo), planner.evaluate_plan(tables, plan,
+                                                                                  16)
+    assert ev.iteration_s == ref.iteration_s and ev.warmups == ref.warmups
+    assert ev.end_s == ref.end_s and ev.time_s == tuple(st.time_s for st in ref.stages)
+    assert [st.param_bytes for st in ev.planned] == [st.param_bytes for st in ref.stages]
+    assert [(st.zero, st.offload) for st in ev.planned] == [(zero, offload)] * 2
+  # Whatever solve returns (its plain search chooses levels, its mixed search does not),
+  # evaluate_mixed gives the plan's predicted time.
+  got = planner.solve(tables, 16, mixed_stages="on",
+                      mixed_options=MixedOptions(microbatch_rows=64, max_hosts_per_group=5))
+  ev = planner.evaluate_mixed(tables, got.plan, 16, MixedOptions(microbatch_rows=64))
+  assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
+
+
+def test_evaluate_mixed_offload_update_must_fit_and_errors_without_the_data():
+  tables = asymmetric_tables(16, optimizer_share=0.75, offload_bps=25e9)
+  mo = MixedOptions(microbatch_rows=66)
+  # A T4 too small for the update at level 0 with offload (the whole state comes in), big
+  # enough without the optimizer state: the violation names the update.
+  ev = planner.evaluate_mixed(tables, _zero_plan(0, True), 16, mo)
+  t4 = ev.stages[0].groups[1]
+  mem = (t4.param_bytes + t4.update_bytes) / 2
+  small = tables.replace(device_memory_bytes=(40 * GiB, 16 * GiB, mem))
+  ev = planner.evaluate_mixed(small, _zero_plan(0, True), 16, mo)
+  assert not ev.mem_ok and not ev.stages[0].groups[1].update_fits
+  assert ev.stages[0].max_inflight(16) == 0
+  assert any("brings its offloaded optimizer state" in v for v in ev.violations), ev.violations
+  bare = asymmetric_tables(16)
+  with pytest.raises(PlanError, match="opt_mem_bytes.*optimizer_share"):
+    planner.evaluate_mixed(bare, _zero_plan(2), 16, mo)
+  with pytest.raises(PlanError, match="offload_bandwidth_bytes_per_s"):
+    planner.evaluate_mixed(asymmetric_tables(16, optimizer_share=0.75),
+                           _zero_plan(1, True), 16, mo)
+  expanded = planner.variants.expand_variants(tables)
+  with pytest.raises(PlanError, match="expanded into variants"):
+    planner.evaluate_mixed(expanded, _zero_plan(3), 16, mo)
+  # Only the stage that asks needs the data: level 0 everywhere scores on bare tables.
+  planner.evaluate_mixed(bare, _zero_plan(0), 16, mo)
+  with pytest.raises(PlanError, match="zero=1"):
+    planner.evaluate_mixed(bare, _zero_plan(0, first=(1, False)), 16, mo)
 
 
 @pytest.mark.parametrize("kw", [dict(use_all_devices=True), dict(cost_model="eq12"),
