@@ -15,24 +15,27 @@ groups once per iteration before the update. This module costs such stages on th
   collectives and the amortised data-parallel reduction scale with the rows, except a fixed
   share ``alpha`` (:attr:`MixedOptions.fixed_fraction`, default 0: the tables cannot tell a
   kernel's fixed cost from its work; Zorse's per-layer fits give 0-20% at 4 rows). The
-  stage's forward+backward time per microbatch is ``max_g t_g(r_g)`` (the groups run in
-  parallel on their own devices). ``r_g`` must be a multiple of ``dp_g``.
+  stage's values arrive at and leave from its first group, the *home* (the runtime,
+  :mod:`harpjax.compiler.stages.split`), so every other group also waits for its rows of the
+  stage's inputs and outputs to cross the link from and to the home, forward and backward:
+  ``route_g = 2 (in_i + out_j) r / b / bw + 4 lat`` (``in_i`` the boundary bytes of the cut
+  before layer ``i``, ``out_j`` of the cut after ``j``; none at the ends of the model). The
+  stage's forward+backward time per microbatch is ``max_g (t_g(r_g) + route_g)`` (the groups
+  run in parallel on their own devices). ``r_g`` must be a multiple of ``dp_g``.
 * *memory* per device of group ``g``: its entry's parameter bytes (parameters, gradients and
   optimizer state) plus, per microbatch in flight, its activation bytes times ``r_g / b``;
   checked per group against its own device memory.
 * *end of iteration*: ``max_g e_g`` (each group's own reduction and update, the tables'
-  ``end_time_s``) plus a ring all-reduce of the stage's gradient bytes (one replica) across
-  the ``G`` groups over the slowest link between two of them,
-  ``2 (G - 1) / G * grad_bytes / bandwidth + 2 (G - 1) * latency``. The gradient bytes are
+  ``end_time_s``) plus the cross-group sum as the runtime does it: every other group sends
+  its gradient (one replica's bytes) to the home, which sums them, updates, and sends the
+  parameters back, one group after the other over the link between them,
+  ``sum over g != home of 2 (grad_bytes / bandwidth + latency)``. The gradient bytes are
   :attr:`MixedOptions.grad_bytes` summed over the layers when given, else
   ``grad_fraction`` (0.25: weights, gradient and two Adam moments of one size) times the
   largest per-replica state of the groups (``param_mem_bytes * tp``).
-* *cuts*: rows keep their order across the groups (group ``g`` holds rows
-  ``r_0 + ... + r_{g-1}`` on); each group of a stage sends to each group of the next the rows
-  both hold, in parallel over the link between their subclusters (the subcluster's own link
-  when they share one): ``c = max over pairs of latency + boundary_bytes * rows / b /
-  bandwidth``. A plain stage is one group of ``b`` rows, so between two plain stages this is
-  the tables' cut.
+* *cuts*: between the homes of two stages, at the full ``b`` rows: the tables' cut between
+  the two home subclusters (the other groups' rows travel inside the stage time above). A
+  plain stage is its own home, so between two plain stages this is the tables' cut.
 * *ZeRO and offload* (a stage's :attr:`~harpjax.compiler.plan.StageSpec.zero` and
   :attr:`~harpjax.compiler.plan.StageSpec.offload`, mixed or plain): every group is priced by
   its entry's variant, the numbers of :func:`~harpjax.compiler.plan.variants.variant_arrays`
@@ -113,7 +116,7 @@ class MixedOptions:
   Attributes:
     microbatch_rows: ``b``, rows (sequences) of one microbatch; the search needs it (the rows
       are split among a mixed stage's groups in whole multiples of their data-parallel
-      degrees).
+      degrees). ``None``: the tables' (:attr:`CostTables.microbatch_rows`), if they carry it.
     fixed_fraction: ``alpha``, the share of a group's time that does not shrink with its rows.
     grad_fraction: gradient bytes of one replica as a share of its state bytes
       (``param_mem_bytes * tp``), when ``grad_bytes`` is not given.
@@ -174,11 +177,31 @@ def _group_time(t_full, rows, b: int, alpha: float):
   return t_full * (alpha + (1.0 - alpha) * (rows / b))
 
 
-def _ring_s(nbytes, groups: int, bandwidth: float, latency: float):
-  """Ring all-reduce of ``nbytes`` across ``groups`` participants on one link."""
-  if groups <= 1:
-    return 0.0 * nbytes
-  return 2.0 * (groups - 1) / groups * nbytes / bandwidth + 2.0 * (groups - 1) * latency
+def _route_s(tables: CostTables, home: int, k: int, rows: int, b: int, i, j):
+  """Seconds a group on subcluster ``k`` with ``rows`` of ``b`` rows waits per microbatch for
+  its rows of a stage on layers ``i..j`` (scalars or index arrays) to cross from and to the
+  home on ``home``: inputs and outputs forward, their cotangents backward."""
+  bw, lat = _link(tables, home, k) if home != k else _link(tables, k, k)
+  L = tables.num_layers
+  bb = np.asarray(tables.boundary_bytes, float)
+  i, j = np.asarray(i), np.asarray(j)
+  into = np.where(i > 0, bb[np.maximum(i - 1, 0)], 0.0)
+  out = np.where(j < L - 1, bb[np.minimum(j, L - 1)], 0.0)
+  if not bw > 0:
+    return np.full(np.broadcast(into, out).shape, np.inf)
+  return 2.0 * (into + out) * (rows / b) / bw + 4.0 * lat
+
+
+def _home_sync_s(tables: CostTables, home: int, others: Sequence[int], nbytes):
+  """The cross-group sum: each other group's gradient to the home and the parameters back,
+  one group after the other."""
+  total = 0.0 * nbytes
+  for k in others:
+    bw, lat = _link(tables, home, k) if home != k else _link(tables, k, k)
+    if not bw > 0:
+      return math.inf + total
+    total = total + 2.0 * (nbytes / bw + lat)
+  return total
 
 
 def _link(tables: CostTables, a: int, b: int) -> tuple[float, float]:
@@ -190,38 +213,12 @@ def _link(tables: CostTables, a: int, b: int) -> tuple[float, float]:
           float(tables.link_latency_s[a][b]))
 
 
-def _sync_link(tables: CostTables, members: Sequence[int]) -> tuple[float, float]:
-  """The slowest link between two groups' subclusters (both directions): the ring's."""
-  bw, lat = math.inf, 0.0
-  for a, b in itertools.permutations(sorted(set(members)), 2):
-    x, y = _link(tables, a, b)
-    bw, lat = min(bw, x), max(lat, y)
-  if len(set(members)) == 1:
-    bw, lat = _link(tables, members[0], members[0])
-  return bw, lat
-
-
 def _cut(tables: CostTables, j: int, send: Sequence[tuple[int, int]],
-         recv: Sequence[tuple[int, int]], b: int) -> float:
-  """Seconds of the cut after layer ``j`` between groups ``send`` and ``recv``, each a list of
-  ``(subcluster, rows)`` in row order."""
-  if len(send) == 1 and len(recv) == 1:
-    return float(tables.pair_comm_s[send[0][0], recv[0][0], j])
-  worst, lo = 0.0, 0
-  nbytes = float(tables.boundary_bytes[j])
-  for ka, ra in send:
-    hi, lo2 = lo + ra, 0
-    for kb, rb in recv:
-      hi2 = lo2 + rb
-      ov = min(hi, hi2) - max(lo, lo2)
-      if ov > 0:
-        bw, lat = _link(tables, ka, kb)
-        if not bw > 0:
-          return math.inf
-        worst = max(worst, lat + nbytes * (ov / b) / bw)
-      lo2 = hi2
-    lo = hi
-  return worst
+         recv: Sequence[tuple[int, int]]) -> float:
+  """Seconds of the cut after layer ``j`` between stages on groups ``send`` and ``recv``, each
+  a list of ``(subcluster, rows)``, home first: the tables' cut between the homes (``b``
+  rows; the other groups' rows cross inside the stages' times, :func:`_route_s`)."""
+  return float(tables.pair_comm_s[send[0][0], recv[0][0], j])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +337,7 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
       0 or offload on tables without ``opt_mem_bytes`` (offload: without
       ``offload_bandwidth_bytes_per_s``).
   """
+  options = with_table_rows(options, tables)
   b = _rows(options)
   i, j = (int(x) for x in layers)
   zero, offload = int(zero), bool(offload)
@@ -349,7 +347,8 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
     raise PlanError(f"stage on layers {layers}: rows {[r for _, _, r in groups]} must be >= 1 "
                     f"and add up to the microbatch's {b} rows")
   out = []
-  for k, s, r in groups:
+  home = int(groups[0][0])
+  for x, (k, s, r) in enumerate(groups):
     k, s, r = int(k), int(s), int(r)
     lm = tables.logical_mesh_of(k, i, j, s)
     if len(groups) > 1 and r % lm[0]:
@@ -368,6 +367,8 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
       tz, param_bytes, end_s, gathers, update = _zero_numbers(tables, (i, j), k, s, zero,
                                                               offload)
       time_s = tz if single else time_s + gathers
+    if x:
+      time_s += float(_route_s(tables, home, k, r, b, i, j))
     out.append(GroupCost(
         subcluster=k, submesh_index=s, submesh=tables.submeshes[k][s], logical_mesh=lm, rows=r,
         time_s=time_s, param_bytes=param_bytes,
@@ -378,25 +379,33 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
   sync = gb = 0.0
   if len(out) > 1:
     gb = _grad_bytes(tables, options, i, j, [(g.subcluster, g.submesh_index) for g in out])
-    bw, lat = _sync_link(tables, [g.subcluster for g in out])
-    sync = float(_ring_s(gb, len(out), bw, lat)) if bw > 0 else math.inf
+    sync = float(_home_sync_s(tables, home, [g.subcluster for g in out[1:]], gb))
   return MixedStageCost(layers=(i, j), groups=tuple(out), time_s=max(g.time_s for g in out),
                         end_s=end + sync, sync_s=sync, grad_bytes=gb)
 
 
 def mixed_cut_s(tables: CostTables, j: int, send: MixedStageCost, recv: MixedStageCost,
                 options: MixedOptions) -> float:
-  """Seconds of the cut after layer ``j`` from stage ``send`` to stage ``recv``: every pair of
-  their groups exchanges the rows both hold, in parallel (``inf`` without a link)."""
-  b = _rows(options)
+  """Seconds of the cut after layer ``j`` from stage ``send`` to stage ``recv``: between their
+  homes, at the full rows (``inf`` without a link)."""
   return _cut(tables, j, [(g.subcluster, g.rows) for g in send.groups],
-              [(g.subcluster, g.rows) for g in recv.groups], b)
+              [(g.subcluster, g.rows) for g in recv.groups])
+
+
+def with_table_rows(options: MixedOptions, tables: CostTables) -> MixedOptions:
+  """``options`` with the tables' :attr:`~harpjax.compiler.profile.CostTables.microbatch_rows`
+  where it gives no ``microbatch_rows`` of its own."""
+  rows = getattr(tables, "microbatch_rows", None)
+  if options.microbatch_rows is None and rows is not None:
+    return dataclasses.replace(options, microbatch_rows=int(rows))
+  return options
 
 
 def _rows(options: MixedOptions) -> int:
   if options.microbatch_rows is None:
     raise PlanError("mixed-type stages need the rows of one microbatch: give "
-                    "MixedOptions(microbatch_rows=...) (SolveOptions.mixed_options)")
+                    "MixedOptions(microbatch_rows=...) (SolveOptions.mixed_options), or tables "
+                    "that carry them (CostTables.microbatch_rows; the profiler's do)")
   return int(options.microbatch_rows)
 
 
@@ -471,6 +480,7 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
   """
   B = int(num_microbatches)
   specs = plan.stages if isinstance(plan, Plan) else tuple(plan)
+  options = with_table_rows(options, tables)
   b = _rows(options)
   L = tables.num_layers
   if not specs or specs[0].layers[0] != 0 or specs[-1].layers[1] != L - 1 or any(
@@ -732,11 +742,11 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
   ``n <= n_max``. Cuts involving it are :func:`mixed_cut_s`'s with its rows split.
   """
   B = int(num_microbatches)
+  options = with_table_rows(options, tables)
   b = _rows(options)
   alpha = options.fixed_fraction
   L, K = tables.num_layers, tables.num_subclusters
   f = fusion
-  G = len(f.members)
   if sum(f.rows) != b:
     raise PlanError(f"fusion rows {f.rows} must add up to the microbatch's {b} rows")
   vname = f.name(tables)
@@ -744,7 +754,7 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
   a_v = np.zeros((L, L, 1))
   e_v = np.zeros((L, L, 1))
   iu = np.triu(np.ones((L, L), bool))
-  bw_sync, lat_sync = _sync_link(tables, f.members)
+  ii, jj = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
   parts = []
   for x, k in enumerate(f.members):
     shape = f.group_shape(x)
@@ -758,14 +768,16 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
     nmax = np.full((L, L), B, np.int64)
     end = np.full((L, L), -np.inf)
     gb = np.zeros((L, L))
-    for k, s, r in parts:
+    home = parts[0][0]
+    for x, (k, s, r) in enumerate(parts):
       T = tables.stage_time_s[k][:, :, s]
       dp = (tables.logical_mesh[k][:, :, s, 0] if tables.logical_mesh is not None
             else np.full((L, L), tables.submeshes[k][s][0] * tables.submeshes[k][s][1]))
       tp = (tables.logical_mesh[k][:, :, s, 1] if tables.logical_mesh is not None
             else np.ones((L, L), np.int64))
       ok &= np.isfinite(T) & (r % dp == 0)
-      t = np.maximum(t, _group_time(T, r, b, alpha))
+      t = np.maximum(t, _group_time(T, r, b, alpha)
+                     + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
       p = tables.param_mem_bytes[k][:, :, s]
       act = tables.act_mem_bytes[k][:, :, s] * (r / b)
       nmax = np.minimum(nmax, _max_inflight(p, act, tables.device_memory_bytes[k], B))
@@ -779,7 +791,7 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
                         f"{L} layers")
       gb = _range_sums(options.grad_bytes)
     ok &= nmax >= 1
-    sync = _ring_s(np.where(ok, gb, 0.0), G, bw_sync, lat_sync) if bw_sync > 0 else np.inf
+    sync = _home_sync_s(tables, home, [k for k, _, _ in parts[1:]], np.where(ok, gb, 0.0))
     t_v[:, :, 0] = np.where(ok, t, np.inf)
     a_v[:, :, 0] = np.where(ok, 1.0 / (np.maximum(nmax, 1) + 0.5), 0.0)
     e_v[:, :, 0] = np.where(ok, end + sync, 0.0)
@@ -818,7 +830,7 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
           bw[x, y] = tables.link_bandwidth_bytes_per_s[idx[x]][idx[y]]
           lat[x, y] = tables.link_latency_s[idx[x]][idx[y]]
         continue
-      arr = np.array([_cut(tables, j, groups_of(x), groups_of(y), b) for j in range(L)])
+      arr = np.array([_cut(tables, j, groups_of(x), groups_of(y)) for j in range(L)])
       overrides.append((names[x], names[y], arr))
       if x != y:
         bw[x, y] = 1.0 if np.isfinite(arr).all() else 0.0
@@ -926,6 +938,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
   if not isinstance(mopts, MixedOptions):
     raise PlanError(f"SolveOptions.mixed_options={mopts!r} must be a "
                     "harpjax.compiler.plan.MixedOptions")
+  mopts = with_table_rows(mopts, tables)
   plain = dataclasses.replace(options, mixed_stages="off")
   best, error = None, None
   proofs = []   # SearchStats.proved of every search: the result's is all of them

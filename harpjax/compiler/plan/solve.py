@@ -164,9 +164,9 @@ class SolveOptions:
     mixed_stages: ``"off"``, ``"auto"`` (default) or ``"on"``: also consider stages that run
       on groups of devices of several subclusters joined by a link (``"auto"``: only fast
       links), data-parallel with rows split by speed; the plan without them stays a candidate
-      (:func:`harpjax.compiler.plan.mixed.solve_mixed`). Only where ``mixed_options`` gives
-      the microbatch's rows (:func:`harpjax.auto_parallel` and ``harpjax plan`` do): without
-      them ``"auto"`` plans as ``"off"``.
+      (:func:`harpjax.compiler.plan.mixed.solve_mixed`). Only where ``mixed_options`` or the
+      tables (:attr:`~harpjax.compiler.profile.CostTables.microbatch_rows`, which the profiler
+      fills in) give the microbatch's rows: without them ``"auto"`` plans as ``"off"``.
     mixed_options: a :class:`~harpjax.compiler.plan.mixed.MixedOptions` (the microbatch's rows,
       the cost model's knobs, which fusions to try).
   """

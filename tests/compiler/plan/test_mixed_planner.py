@@ -28,20 +28,13 @@ def _link(tables, a, b):
 
 
 def _oracle_cut(tables, j, send, recv, b):
-  """Every pair of groups sends the rows both hold, in parallel; ``inf`` without a link."""
-  spans = lambda gs: [(k, sum(r for _, r in gs[:x]), sum(r for _, r in gs[:x + 1]))
-                      for x, (k, _) in enumerate(gs)]
-  worst = 0.0
-  for ka, a0, a1 in spans(send):
-    for kb, b0, b1 in spans(recv):
-      ov = min(a1, b1) - max(a0, b0)
-      if ov <= 0:
-        continue
-      bw, lat = _link(tables, ka, kb)
-      if bw <= 0:
-        return math.inf
-      worst = max(worst, lat + tables.boundary_bytes[j] * ov / b / bw)
-  return worst
+  """The values go from home to home (each stage's first group), all ``b`` rows."""
+  (ka, _), (kb, _) = send[0], recv[0]
+  if ka == kb:
+    bw, lat = tables.intra_bandwidth_bytes_per_s[ka], tables.intra_latency_s[ka]
+  else:
+    bw, lat = tables.link_bandwidth_bytes_per_s[ka][kb], tables.link_latency_s[ka][kb]
+  return math.inf if bw <= 0 else lat + tables.boundary_bytes[j] / bw
 
 
 def _oracle_stage(tables, i, j, groups, b, mo):
@@ -57,7 +50,15 @@ def _oracle_stage(tables, i, j, groups, b, mo):
     if len(groups) > 1 and r % dp:
       return None
     frac = r / b if len(groups) > 1 else 1.0
-    times.append(T * (mo.fixed_fraction + (1 - mo.fixed_fraction) * frac)
+    route = 0.0
+    if out:   # not the home: its rows of the inputs and outputs cross from and to the home
+      bw, lat = _link(tables, groups[0][0], k)
+      if bw <= 0:
+        return None
+      nbytes = ((tables.boundary_bytes[i - 1] if i > 0 else 0.0)
+                + (tables.boundary_bytes[j] if j < tables.num_layers - 1 else 0.0))
+      route = 2 * nbytes * frac / bw + 4 * lat
+    times.append(T * (mo.fixed_fraction + (1 - mo.fixed_fraction) * frac) + route
                  if len(groups) > 1 else T)
     ends.append(0.0 if tables.end_time_s is None else float(tables.end_time_s[k][i, j, s]))
     mems.append((float(tables.param_mem_bytes[k][i, j, s]),
@@ -67,11 +68,9 @@ def _oracle_stage(tables, i, j, groups, b, mo):
   if len(groups) > 1:
     grad = max(mo.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
                * tables.logical_mesh_of(k, i, j, s)[1] for k, s, _ in groups)
-    ks = sorted({k for k, _, _ in groups})
-    links = [_link(tables, a, c) for a in ks for c in ks if a != c]
-    bw, lat = min(x for x, _ in links), max(y for _, y in links)
-    G = len(groups)
-    end += 2 * (G - 1) / G * grad / bw + 2 * (G - 1) * lat
+    for k, _, _ in groups[1:]:   # to the home and back, one group after the other
+      bw, lat = _link(tables, groups[0][0], k)
+      end += math.inf if bw <= 0 else 2 * (grad / bw + lat)
   return max(times), end, mems, out
 
 
@@ -324,7 +323,9 @@ def asymmetric_tables(B: int, inter_gbps: float = 100.0, optimizer_share=None,
 
 def test_mixed_stages_are_strictly_better_on_an_asymmetric_cluster():
   B = 32
-  tables = asymmetric_tables(B)
+  # 200 Gbps between the subclusters: a group's rows cross from and to its stage's home
+  # fast enough for the T4s to pay (at 100 Gbps they do not).
+  tables = asymmetric_tables(B, inter_gbps=200.0)
   mo = MixedOptions(microbatch_rows=64, max_hosts_per_group=5)
   plain = planner.solve(tables, B)
   got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
@@ -370,25 +371,25 @@ def test_stage_cost_by_hand():
   cost = planner.mixed_stage_cost(tables, (0, 1), [(a, sa, 8), (v, sv, 4)], mo)
   Ta, Tv = tables.stage_time_s[a][0, 1, sa], tables.stage_time_s[v][0, 1, sv]
   assert cost.groups[0].time_s == pytest.approx(Ta * (0.1 + 0.9 * 8 / 12))
-  assert cost.groups[1].time_s == pytest.approx(Tv * (0.1 + 0.9 * 4 / 12))
+  bw, lat = tables.link_bandwidth_bytes_per_s[a][v], tables.link_latency_s[a][v]
+  route = 2 * tables.boundary_bytes[1] * 4 / 12 / bw + 4 * lat   # layer 0 starts the model
+  assert cost.groups[1].time_s == pytest.approx(Tv * (0.1 + 0.9 * 4 / 12) + route)
   assert cost.time_s == max(g.time_s for g in cost.groups)
   assert cost.groups[1].act_bytes == pytest.approx(tables.act_mem_bytes[v][0, 1, sv] / 3)
   assert cost.groups[0].param_bytes == tables.param_mem_bytes[a][0, 1, sa]
   grad = 0.25 * max(tables.param_mem_bytes[a][0, 1, sa], tables.param_mem_bytes[v][0, 1, sv])
-  bw = tables.link_bandwidth_bytes_per_s[a][v]
-  assert cost.sync_s == pytest.approx(grad / bw + 2 * 1e-5)   # 2 groups: 2 (G-1)/G = 1
+  assert cost.sync_s == pytest.approx(2 * (grad / bw + lat))   # to the home and back
   assert cost.end_s == pytest.approx(max(tables.end_of(a, 0, 1, sa), tables.end_of(v, 0, 1, sv))
                                      + cost.sync_s)
   with pytest.raises(PlanError, match="data-parallel degree"):
     planner.mixed_stage_cost(tables, (0, 1), [(a, sa, 7), (v, sv, 5)], mo)
-  # A cut from this stage to one on the T4s: each group sends its rows over its link.
+  # A cut from this stage to one on the T4s: from its home (the A100 group), all the rows.
   t4 = tables.subcluster_index("t4")
   nxt = planner.mixed_stage_cost(tables, (2, 3), [(t4, 0, 12)], mo)
   c = planner.mixed_cut_s(tables, 1, cost, nxt, mo)
   x = tables.boundary_bytes[1]
-  want = max(tables.link_latency_s[k][t4] + x * r / 12 / tables.link_bandwidth_bytes_per_s[k][t4]
-             for k, r in ((a, 8), (v, 4)))
-  assert c == pytest.approx(want)
+  assert c == pytest.approx(tables.link_latency_s[a][t4]
+                            + x / tables.link_bandwidth_bytes_per_s[a][t4])
 
 
 def test_evaluate_mixed_is_evaluate_plan_on_plain_plans_and_plain_refuses_mixed():
