@@ -1,20 +1,23 @@
-"""The ZeRO level and the optimizer state's place as per-stage choices of the planner.
+"""The ZeRO level, the optimizer state's place and the residuals' place as per-stage choices of
+the planner.
 
 Tables that carry :attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes` (and optionally
-:attr:`~harpjax.compiler.profile.CostTables.gather_time_s` and
-:attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s`) describe, for every
+:attr:`~harpjax.compiler.profile.CostTables.gather_time_s`) and/or
+:attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s` describe, for every
 (layer range, subcluster, submesh) entry, what each ZeRO level and host offload would cost.
 :func:`expand_variants` turns them into tables whose submesh choices are *variants*
-(submesh, ZeRO level, offload): a submesh's shape repeats once per variant, so the device
-states, the DP, the bounded exact search, the simulator and the brute force see one more
-choice per stage and nothing else changes; the plan's stages carry the level and the offload
-of the variant they use (:attr:`~harpjax.compiler.plan.StageSpec.zero`,
-:attr:`~harpjax.compiler.plan.StageSpec.offload`).
+(submesh, ZeRO level, offload, residual offload): a submesh's shape repeats once per variant,
+so the device states, the DP, the bounded exact search, the simulator and the brute force see
+one more choice per stage and nothing else changes; the plan's stages carry the level and the
+offloads of the variant they use (:attr:`~harpjax.compiler.plan.StageSpec.zero`,
+:attr:`~harpjax.compiler.plan.StageSpec.offload`,
+:attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
 
 **A variant's numbers** (:func:`variant_arrays`; per device, ``dp`` the entry's data-parallel
 degree, ``P`` its ``param_mem_bytes``, ``O`` its ``opt_mem_bytes``, weights and gradients
-``W = G = (P - O) / 2``, ``g`` its ``gather_time_s``, ``t`` and ``e`` its stage and end
-times; :mod:`harpjax.compiler.profile.zero` for the levels):
+``W = G = (P - O) / 2``, ``A`` its ``act_mem_bytes``, ``g`` its ``gather_time_s``, ``t`` and
+``e`` its stage and end times, ``bw`` the subcluster's ``offload_bandwidth_bytes_per_s``;
+:mod:`harpjax.compiler.profile.zero` for the levels):
 
 * state held: ``W_z + G_z + O_z`` with ``O_z = O / dp`` from level 1, ``G_z = G / dp`` from
   level 2, ``W_z = W / dp`` at level 3; with offload the pipeline holds ``W_z + G_z`` only,
@@ -24,22 +27,37 @@ times; :mod:`harpjax.compiler.profile.zero` for the levels):
   and again in the backward). Level 2's reduce-scatter is charged as the all-reduce the
   tables already hold (an upper bound: it moves half the bytes);
 * end of iteration (the simulator's end cost): ``e``, plus ``g`` at levels 1 and 2 (the
-  updated weights gathered once), plus ``2 O_z / offload_bandwidth`` with offload (the state
-  brought in for the update and written back, :func:`~harpjax.compiler.profile.offload_time_s`);
-* activations per in-flight microbatch: unchanged.
+  updated weights gathered once), plus ``2 O_z / bw`` with offload (the state brought in for
+  the update and written back, :func:`~harpjax.compiler.profile.offload_time_s`);
+* activations per in-flight microbatch: ``A``;
+* with the residuals' offload (any level, with or without the optimizer state's; only where
+  the tables give ``bw``, and ``opt_mem_bytes`` are not needed): the residuals wait for their
+  backward in host memory and the device holds at most two microbatches' worth
+  (:func:`~harpjax.compiler.profile.stage_memory` with ``offload_activations=True``). In the
+  tables' form, (fixed bytes, bytes per microbatch in flight), that is ``2 A`` more fixed
+  bytes and ``0`` per microbatch: exact with two or more microbatches in flight, ``A`` too
+  many with one (conservative: such a stage gains nothing from it anyway). The time per
+  microbatch grows by ``2 A / bw``
+  (:func:`~harpjax.compiler.profile.activation_offload_time_s`: written after the forward,
+  read back before the backward; an upper bound, the copies are asynchronous).
 
 **Only the variants that can matter** are kept (:func:`expand_variants` with
 ``num_microbatches``): a variant is dropped at an entry when another variant of the same
-entry has the same time per microbatch, no more activation bytes, no larger end time and
-holds at least as many microbatches in flight (at most ``B``, and ``1 + 3 S`` with ``S`` the
-most stages that can follow it: one per later layer and per device left). This is exact:
-swapping the dropped variant for that one leaves the plan's period and warm-ups as they were,
-fits wherever it fitted, and simulates no slower (the simulated time does not decrease when
-an end time grows). Variants with a different time per microbatch (level 3) are all kept
-where they fit: a slower bottleneck stage can lower the warm-ups of the others and so make a
-plan fit (the planner's bottleneck rule). The first variant (level 0 without offload, unless
-excluded) keeps every entry as it is. Where level 0 already holds every microbatch a stage
-can need, only level 3 is added.
+entry has the same time per microbatch, no larger end time and holds at least as many
+microbatches in flight (each by its own fixed and per-microbatch bytes, at most ``B`` and
+``1 + 3 S`` with ``S`` the most stages that can follow it: one per later layer and per device
+left). This is exact: swapping the dropped variant for that one leaves the plan's period and
+warm-ups as they were, fits wherever it fitted, and simulates no slower (the simulated time
+does not decrease when an end time grows). Variants with a different time per microbatch
+(level 3, the residuals' offload) are all kept where they fit: a slower bottleneck stage can
+lower the warm-ups of the others and so make a plan fit (the planner's bottleneck rule). Among
+the residuals' variants of an entry (all ``0`` bytes per microbatch, so all holding every
+microbatch where they fit) this keeps one per time per microbatch: the least end time, so
+level 0 without the optimizer state's offload wherever it fits, and level 3's. The first
+variant (level 0 without offload, unless excluded) keeps every entry as it is. Where level 0
+already holds every microbatch a stage can need, only level 3 and the residuals' offload are
+added; tables without ``offload_bandwidth_bytes_per_s`` get no residual variant at all (the
+same expanded tables and plans as without the option).
 """
 
 from __future__ import annotations
@@ -174,11 +192,13 @@ def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
 
 def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions(),
                     num_microbatches: int | None = None) -> CostTables:
-  """Tables whose submesh choices are (submesh, ZeRO level, offload) variants.
+  """Tables whose submesh choices are (submesh, ZeRO level, offload, residual offload)
+  variants.
 
   Args:
-    tables: tables with :attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes` (else
-      they are returned as they are).
+    tables: tables with :attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes` or
+      :attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s` (else they
+      are returned as they are).
     options: the variants allowed.
     num_microbatches: ``B``; given, only the variants that can matter are kept (module
       docstring); ``None`` keeps every variant that fits one microbatch (what the tests'
