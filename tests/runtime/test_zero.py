@@ -371,16 +371,19 @@ links:
   tables = tables_at(2**30)
   assert tables.offload_bandwidth_bytes_per_s == (12.5e9, 12.5e9)
 
-  def least(**kw):   # bytes, to 0.5%
-    lo, hi = 1e2, 1e9
-    while hi / lo > 1.005:
+  def least(**kw):   # bytes, to 1%
+    lo, hi = 1e3, 1e7
+    assert _fits(hi, **kw) and not _fits(lo, **kw)
+    while hi / lo > 1.01:
       mid = (lo * hi) ** 0.5
-      try:
-        solve(tables.replace(device_memory_bytes=(mid, mid)), B, **kw)
-        hi = mid
-      except InfeasiblePlanError:
-        lo = mid
+      lo, hi = (lo, mid) if _fits(mid, **kw) else (mid, hi)
     return hi
+
+  def _fits(memory_bytes, **kw):
+    try:
+      return solve(tables.replace(device_memory_bytes=(memory_bytes,) * 2), B, **kw)
+    except InfeasiblePlanError:
+      return None
 
   with_it, without = least(), least(offload_activations=False)
   assert with_it < without / 1.05, (with_it, without)
