@@ -17,7 +17,9 @@ bisection); the table gives the largest model, its plan and the simulated iterat
   offload=False``);
 * ZeRO chosen by the planner (levels 0-3 per stage, no offload);
 * ZeRO + offload chosen by the planner (levels 0-3 and host offload of the optimizer state,
-  per stage).
+  per stage);
+* residuals in host memory chosen by the planner (per stage, level 0, the optimizer state on
+  the devices), and with ZeRO and both offloads.
 
 Usage::
 
@@ -44,12 +46,15 @@ GBPS = 1e9 / 8
 B = 8
 SEQ, MICROBATCH, VOCAB = 2048, 2, 51200
 
+NO_RES = dict(offload_activations=False)
 MODES = [
-    ("no sharding", dict(zero_levels=(0,), offload=False), 1),
-    ("tensor parallel (tp <= 8)", dict(zero_levels=(0,), offload=False), None),
-    ("ZeRO (planner's choice)", dict(offload=False), 1),
-    ("ZeRO + offload (planner's choice)", dict(), 1),
-    ("ZeRO + offload, tp <= 8", dict(), None),
+    ("no sharding", dict(zero_levels=(0,), offload=False, **NO_RES), 1),
+    ("tensor parallel (tp <= 8)", dict(zero_levels=(0,), offload=False, **NO_RES), None),
+    ("ZeRO (planner's choice)", dict(offload=False, **NO_RES), 1),
+    ("ZeRO + offload (planner's choice)", dict(NO_RES), 1),
+    ("ZeRO + offload, tp <= 8", dict(NO_RES), None),
+    ("residuals in host memory (planner's choice)", dict(zero_levels=(0,), offload=False), 1),
+    ("ZeRO + both offloads (planner's choice)", dict(), 1),
 ]
 
 
@@ -122,7 +127,8 @@ def describe(plan) -> str:
   parts = []
   for s in plan.stages:
     tp = f"tp{s.logical_mesh[1]}" if s.logical_mesh[1] > 1 else ""
-    state = f"z{s.zero}" + ("+off" if s.offload else "")
+    state = f"z{s.zero}" + ("+off" if s.offload else "") + (
+        "+res" if s.offload_activations else "")
     parts.append(f"{s.subcluster}({s.submesh[0]},{s.submesh[1]}){tp}:"
                  f"{s.layers[1] - s.layers[0] + 1}:{state}")
   out, x = [], 0

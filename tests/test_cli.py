@@ -728,6 +728,29 @@ def test_plan_with_zero_reads_the_cache_and_passes_the_optimizer_state(warm_cach
   assert "Layer Range" in res.output
 
 
+def test_plan_offload_activations_is_opt_in_and_needs_the_host_link(warm_cache, tmp_path,
+                                                                   monkeypatch):
+  # --offload-activations lets the planner keep residuals in host memory: refused on a
+  # cluster without host_memory_gbps (before any work), passed to the planner where it has
+  # one, and off without the flag.
+  args = ("plan", "--model", "gpt-tiny", "-B", 4, "--no-simulate", "--no-progress",
+          "--cache-dir", warm_cache[0])
+  res = _run(*args, "--cluster", warm_cache[1], "--offload-activations")
+  assert res.exit_code == 2 and "host_memory_gbps" in res.output, res.output
+  host = tmp_path / "host.yaml"
+  host.write_text(CLUSTER_YAML.replace("devices_per_host: 2}",
+                                       "devices_per_host: 2, host_memory_gbps: 100}"))
+  seen = []
+  real = plan_pkg.solve
+  monkeypatch.setattr(plan_pkg, "solve", lambda t, b, options: seen.append(
+      (options.offload_activations, t.offload_bandwidth_bytes_per_s)) or real(t, b,
+                                                                     options=options))
+  for flag in ("--offload-activations", "--no-offload-activations"):
+    res = _run(*args, "--cluster", host, flag)
+    assert res.exit_code == 0 and "Layer Range" in res.output, res.output
+  assert seen == [(True, (12.5e9,)), (False, (12.5e9,))], seen
+
+
 ASYMMETRIC_YAML = cluster_yaml("asym", (("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1),
                                         ("t4", "T4", 3, 1)))
 

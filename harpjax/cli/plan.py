@@ -197,11 +197,16 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Let the planner shard each stage's training state over its data-parallel "
                    "devices (ZeRO level 0-3 per stage; mixed-precision Adam: 12 of the 16 "
                    "bytes per parameter are optimizer state).")
+@click.option("--offload-activations/--no-offload-activations", default=False,
+              show_default=True,
+              help="Let the planner keep a stage's residuals (the activations waiting for "
+                   "their backward) in host memory, per stage; needs host_memory_gbps on "
+                   "every subcluster of the cluster file.")
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
             source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
             use_all_devices, mixed_stages, cache_dir, no_cache, json_path, simulate, remat,
-            progress, zero):
+            progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
   from harpjax.compiler.plan import (MixedOptions, SolveOptions, evaluate_mixed, evaluate_plan,
@@ -245,8 +250,14 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     profile_options = ProfileOptions(**profile_kw)
     solve_options = SolveOptions(eps=eps, objective=objective, budget_per_hour=budget,
                                  time_limit_s=time_limit, use_all_devices=use_all_devices,
-                                 keep_order=use_all_devices, cost_model=cost_model)
+                                 keep_order=use_all_devices, cost_model=cost_model,
+                                 offload_activations=offload_activations)
     cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
+    no_host = [s.name for s in cluster.subclusters if s.host_memory_bytes_per_s is None]
+    if offload_activations and no_host:
+      raise click.UsageError(f"--offload-activations needs host_memory_gbps (the link to host "
+                             f"memory) on every subcluster; {no_host} of {cluster_path} have "
+                             "none: add it, or drop --offload-activations")
     unpriced = [s.name for s in cluster.subclusters if s.price_per_gpu_hour is None]
     if unpriced and (objective != "min_time" or budget is not None):
       raise click.UsageError(f"--objective {objective} needs prices: subclusters {unpriced} of "

@@ -430,7 +430,8 @@ class SubCluster:
       between their subclusters.
     host_memory_bytes_per_s: optional bandwidth between a device and its host's memory, one
       direction (PCIe: ~12e9 for Gen3 x16, ~25e9 for Gen4); given for every subcluster, the
-      planner may keep a stage's optimizer state in host memory (YAML ``host_memory_gbps``).
+      planner may keep a stage's optimizer state, or its residuals between forward and
+      backward, in host memory (YAML ``host_memory_gbps``).
     hosts: the ``N`` hosts (derived).
   """
   name: str

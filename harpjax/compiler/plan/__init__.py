@@ -6,9 +6,10 @@ Modules: :mod:`~harpjax.compiler.plan.spec` (:class:`Plan`, :class:`StageSpec`, 
 :mod:`~harpjax.compiler.plan.dp_kernel` (the DP at one ``t_max``: Numba kernel and NumPy
 twin), :mod:`~harpjax.compiler.plan.evaluate` (scoring any plan, diagnosing infeasibility) and
 :mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``) and
-:mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level and optimizer-state offload as
-variants of its submesh) and :mod:`~harpjax.compiler.plan.mixed` (mixed-type stages: their cost
-model, :func:`evaluate_mixed` and :func:`solve_mixed`, what ``solve(mixed_stages=...)`` runs).
+:mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level, optimizer-state offload and
+residual offload as variants of its submesh) and :mod:`~harpjax.compiler.plan.mixed`
+(mixed-type stages: their cost model, :func:`evaluate_mixed` and :func:`solve_mixed`, what
+``solve(mixed_stages=...)`` runs).
 The paper's
 baseline planners, which the benchmarks compare with, are ``tools/baselines.py``.
 """

@@ -54,9 +54,12 @@ class PlannedStage:
     warmup: H-1F1B warm-up count ``N_i``; ``inflight = min(N_i, B)``.
     param_bytes, act_bytes: per device; ``peak_mem_bytes = param + inflight * act``.
     device_memory_bytes: the device's memory.
-    zero: the stage's ZeRO level; offload: its optimizer state kept in host memory (the
-      variant of tables with :attr:`~harpjax.compiler.profile.CostTables.variants`;
-      ``submesh_index`` is then the variant's index in those tables).
+    zero: the stage's ZeRO level; offload: its optimizer state kept in host memory;
+      offload_activations: its residuals kept in host memory between forward and backward
+      (the variant of tables with :attr:`~harpjax.compiler.profile.CostTables.variants`;
+      ``submesh_index`` is then the variant's index in those tables, and ``param_bytes`` and
+      ``act_bytes`` are the variant's: with ``offload_activations`` two microbatches'
+      residuals in the former, none in the latter).
   """
   layers: tuple[int, int]
   subcluster: int
@@ -76,6 +79,7 @@ class PlannedStage:
   device_memory_bytes: float
   zero: int = 0
   offload: bool = False
+  offload_activations: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +159,13 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
                         "microbatch_rows=...))")
       k = tables.subcluster_index(st.subcluster)
       out.append((st.layers[0], st.layers[1], k,
-                  variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload)))
+                  variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
+                                            st.offload_activations)))
     elif isinstance(st, PlannedStage):
       s = st.submesh_index
-      if tables.variants is not None or st.zero or st.offload:
-        s = variants_lib.variant_slot(tables, st.subcluster, st.submesh, st.zero, st.offload)
+      if tables.variants is not None or st.zero or st.offload or st.offload_activations:
+        s = variants_lib.variant_slot(tables, st.subcluster, st.submesh, st.zero, st.offload,
+                                      st.offload_activations)
       out.append((st.layers[0], st.layers[1], st.subcluster, s))
     else:
       i, j, k, s = st
@@ -196,7 +202,9 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
 
   Args:
     tables: the cost tables. A stage with a ZeRO level or host offload is scored by its
-      variant (:mod:`~harpjax.compiler.plan.variants`: the tables need ``opt_mem_bytes``).
+      variant (:mod:`~harpjax.compiler.plan.variants`: the tables need ``opt_mem_bytes``
+      for a level or the optimizer state's offload, ``offload_bandwidth_bytes_per_s`` for
+      either offload).
     stages: a :class:`~harpjax.compiler.plan.Plan`, its :class:`StageSpec` list, a
       :class:`PlannedStage` list, or tuples ``(first_layer, last_layer, subcluster, submesh
       index)`` (subcluster by index or name; the index of a variant in expanded tables).
@@ -284,7 +292,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
         warmup=int(warm[x]), inflight=int(inflight[x]), param_bytes=p, act_bytes=a,
         peak_mem_bytes=peak, device_memory_bytes=dev_mem,
         zero=variants_lib.variant_of(tables, k, s)[0],
-        offload=variants_lib.variant_of(tables, k, s)[1]))
+        offload=variants_lib.variant_of(tables, k, s)[1],
+        offload_activations=variants_lib.variant_of(tables, k, s)[2]))
   comm_ok = all(x <= t_max for x in c)
   ends = [tables.end_of(k, i, j, s) for i, j, k, s in quads]
   head = sum(x + 2.0 * y for x, y in zip(t, c))

@@ -161,6 +161,9 @@ class SolveOptions:
     offload: a stage may keep its optimizer state in host memory (where the tables also give
       ``offload_bandwidth_bytes_per_s``); chosen per stage (:mod:`~harpjax.compiler.plan.
       variants`).
+    offload_activations: a stage may keep its residuals in host memory between forward and
+      backward (where the tables give ``offload_bandwidth_bytes_per_s``); chosen per stage
+      (:attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
     mixed_stages: ``"off"``, ``"auto"`` (default) or ``"on"``: also consider stages that run
       on groups of devices of several subclusters joined by a link (``"auto"``: only fast
       links), data-parallel with rows split by speed; the plan without them stays a candidate
@@ -190,11 +193,13 @@ class SolveOptions:
   hidden_share: float = 0.02
   zero_levels: tuple[int, ...] = (0, 1, 2, 3)
   offload: bool = True
+  offload_activations: bool = True
   mixed_stages: str = "auto"
   mixed_options: Any = None
 
   def __post_init__(self):
-    variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload)
+    variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload,
+                                               self.offload_activations)
     object.__setattr__(self, "zero_levels", variant_opts.zero_levels)
     if self.mixed_stages not in MIXED_MODES:
       raise PlanError(f"SolveOptions.mixed_stages={self.mixed_stages!r}; choose one of "
@@ -617,7 +622,8 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   given = tables
   if variants_lib.has_variant_data(tables):
     tables = variants_lib.expand_variants(
-        tables, variants_lib.VariantOptions(opts.zero_levels, opts.offload), B)
+        tables, variants_lib.VariantOptions(opts.zero_levels, opts.offload,
+                                            opts.offload_activations), B)
   result = _search(tables, B, opts, start)
   if (opts.cost_model == "simulator" and not opts.use_all_devices
       and tables.num_subclusters > 1 and not result.stats.proved):
@@ -639,9 +645,10 @@ def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: So
   if result.stats.proved:
     return result
   # Without offload first; that search (unless it proves its optimum) tries level 0 alone.
-  fewer = [dict(zero_levels=(0,), offload=False)]
-  if opts.offload and given.offload_bandwidth_bytes_per_s is not None:
-    fewer = [dict(offload=False)]
+  fewer = [dict(zero_levels=(0,), offload=False, offload_activations=False)]
+  if given.offload_bandwidth_bytes_per_s is not None and (opts.offload
+                                                          or opts.offload_activations):
+    fewer = [dict(offload=False, offload_activations=False)]
   for change in fewer:
     try:
       alt = solve(given, B, options=dataclasses.replace(opts, **change))
@@ -1010,7 +1017,8 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
   stages = ev.stages
   specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
                           logical_mesh=s.logical_mesh, warmup=s.warmup, time_s=s.time_s,
-                          comm_s=s.comm_s, zero=s.zero, offload=s.offload) for s in stages)
+                          comm_s=s.comm_s, zero=s.zero, offload=s.offload,
+                          offload_activations=s.offload_activations) for s in stages)
   plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
               t_max_s=ev.t_max_s, predicted_iteration_s=iteration, eta=ev.eta,
               meta={"planner": "harpjax.dp", "eps": opts.eps, "cost_model": opts.cost_model,

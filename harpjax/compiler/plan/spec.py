@@ -211,6 +211,10 @@ class StageSpec:
       state lives on the first group (sharded over its ``dp`` from level 1, in host memory
       with ``offload``). Written to a plan file only when not empty.
     share: the first group's relative rows per microbatch (used with ``groups``).
+    offload_activations: the stage keeps each microbatch's residuals (the activations its
+      backward needs) in host memory between its forward and its backward (as
+      ``harpjax.OffloadOptions(activations=True)`` asks for its stages; the runtime does so
+      when either says so). Written to a plan file only when true.
   """
   layers: tuple[int, int]
   subcluster: str
@@ -224,6 +228,7 @@ class StageSpec:
   groups: tuple[StageGroup, ...] = ()
   share: int = 1
   offload: bool = False
+  offload_activations: bool = False
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -243,9 +248,11 @@ class StageSpec:
     if zero > 3:
       raise PlanError(f"{where}: zero={self.zero!r} must be 0, 1, 2 or 3")
     object.__setattr__(self, "zero", zero)
-    if not isinstance(self.offload, bool) and type(self.offload).__name__ != "bool_":
-      raise PlanError(f"{where}: offload={self.offload!r} must be true or false")
-    object.__setattr__(self, "offload", bool(self.offload))
+    for name in ("offload", "offload_activations"):
+      v = getattr(self, name)
+      if not isinstance(v, bool) and type(v).__name__ != "bool_":
+        raise PlanError(f"{where}: {name}={v!r} must be true or false")
+      object.__setattr__(self, name, bool(v))
     if isinstance(self.groups, (str, bytes, dict)) or not isinstance(self.groups, Sequence):
       raise PlanError(f"{where}: groups={self.groups!r} must be a list of StageGroup")
     groups = tuple(g if isinstance(g, StageGroup) else StageGroup.from_json(g, f"{where}: group")
@@ -297,7 +304,7 @@ class StageSpec:
       elif f.name == "share":
         if self.groups:
           out["share"] = v
-      elif f.name not in ("zero", "offload") or v:
+      elif f.name not in ("zero", "offload", "offload_activations") or v:
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
 
@@ -317,10 +324,11 @@ class StageSpec:
           "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s"),
           "zero": _optional(data, "zero", where, _int, 0) or 0,
           "share": _optional(data, "share", where, _int, 1) or 1}
-    if "offload" in data:
-      if not isinstance(data["offload"], bool):
-        raise PlanError(f"{where}.offload={data['offload']!r} must be true or false")
-      kw["offload"] = data["offload"]
+    for name in ("offload", "offload_activations"):
+      if name in data:
+        if not isinstance(data[name], bool):
+          raise PlanError(f"{where}.{name}={data[name]!r} must be true or false")
+        kw[name] = data[name]
     groups = data.get("groups") or []
     if not isinstance(groups, list):
       raise PlanError(f"{where}.groups={groups!r} must be a list of group objects")
@@ -408,10 +416,11 @@ class Plan:
                    "-" if s.warmup is None else str(s.warmup),
                    "-" if s.time_s is None else f"{s.time_s * 1e3:.3f}",
                    "-" if s.comm_s is None else f"{s.comm_s * 1e3:.3f}"])
-    if any(st.zero or st.offload for st in self.stages):   # the training state's place
-      head.append("State")
+    if any(st.zero or st.offload or st.offload_activations for st in self.stages):
+      head.append("State")   # the training state's place, and the residuals'
       for r, st in zip(rows, self.stages):
-        r.append("+".join([f"ZeRO-{st.zero}"] + (["offload"] if st.offload else [])))
+        r.append("+".join([f"ZeRO-{st.zero}"] + (["offload"] if st.offload else [])
+                          + (["host-residuals"] if st.offload_activations else [])))
     widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
     lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]

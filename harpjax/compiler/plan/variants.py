@@ -1,20 +1,23 @@
-"""The ZeRO level and the optimizer state's place as per-stage choices of the planner.
+"""The ZeRO level, the optimizer state's place and the residuals' place as per-stage choices of
+the planner.
 
 Tables that carry :attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes` (and optionally
-:attr:`~harpjax.compiler.profile.CostTables.gather_time_s` and
-:attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s`) describe, for every
+:attr:`~harpjax.compiler.profile.CostTables.gather_time_s`) and/or
+:attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s` describe, for every
 (layer range, subcluster, submesh) entry, what each ZeRO level and host offload would cost.
 :func:`expand_variants` turns them into tables whose submesh choices are *variants*
-(submesh, ZeRO level, offload): a submesh's shape repeats once per variant, so the device
-states, the DP, the bounded exact search, the simulator and the brute force see one more
-choice per stage and nothing else changes; the plan's stages carry the level and the offload
-of the variant they use (:attr:`~harpjax.compiler.plan.StageSpec.zero`,
-:attr:`~harpjax.compiler.plan.StageSpec.offload`).
+(submesh, ZeRO level, offload, residual offload): a submesh's shape repeats once per variant,
+so the device states, the DP, the bounded exact search, the simulator and the brute force see
+one more choice per stage and nothing else changes; the plan's stages carry the level and the
+offloads of the variant they use (:attr:`~harpjax.compiler.plan.StageSpec.zero`,
+:attr:`~harpjax.compiler.plan.StageSpec.offload`,
+:attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
 
 **A variant's numbers** (:func:`variant_arrays`; per device, ``dp`` the entry's data-parallel
 degree, ``P`` its ``param_mem_bytes``, ``O`` its ``opt_mem_bytes``, weights and gradients
-``W = G = (P - O) / 2``, ``g`` its ``gather_time_s``, ``t`` and ``e`` its stage and end
-times; :mod:`harpjax.compiler.profile.zero` for the levels):
+``W = G = (P - O) / 2``, ``A`` its ``act_mem_bytes``, ``g`` its ``gather_time_s``, ``t`` and
+``e`` its stage and end times, ``bw`` the subcluster's ``offload_bandwidth_bytes_per_s``;
+:mod:`harpjax.compiler.profile.zero` for the levels):
 
 * state held: ``W_z + G_z + O_z`` with ``O_z = O / dp`` from level 1, ``G_z = G / dp`` from
   level 2, ``W_z = W / dp`` at level 3; with offload the pipeline holds ``W_z + G_z`` only,
@@ -24,22 +27,37 @@ times; :mod:`harpjax.compiler.profile.zero` for the levels):
   and again in the backward). Level 2's reduce-scatter is charged as the all-reduce the
   tables already hold (an upper bound: it moves half the bytes);
 * end of iteration (the simulator's end cost): ``e``, plus ``g`` at levels 1 and 2 (the
-  updated weights gathered once), plus ``2 O_z / offload_bandwidth`` with offload (the state
-  brought in for the update and written back, :func:`~harpjax.compiler.profile.offload_time_s`);
-* activations per in-flight microbatch: unchanged.
+  updated weights gathered once), plus ``2 O_z / bw`` with offload (the state brought in for
+  the update and written back, :func:`~harpjax.compiler.profile.offload_time_s`);
+* activations per in-flight microbatch: ``A``;
+* with the residuals' offload (any level, with or without the optimizer state's; only where
+  the tables give ``bw``, and ``opt_mem_bytes`` are not needed): the residuals wait for their
+  backward in host memory and the device holds at most two microbatches' worth
+  (:func:`~harpjax.compiler.profile.stage_memory` with ``offload_activations=True``). In the
+  tables' form, (fixed bytes, bytes per microbatch in flight), that is ``2 A`` more fixed
+  bytes and ``0`` per microbatch: exact with two or more microbatches in flight, ``A`` too
+  many with one (conservative: such a stage gains nothing from it anyway). The time per
+  microbatch grows by ``2 A / bw``
+  (:func:`~harpjax.compiler.profile.activation_offload_time_s`: written after the forward,
+  read back before the backward; an upper bound, the copies are asynchronous).
 
 **Only the variants that can matter** are kept (:func:`expand_variants` with
 ``num_microbatches``): a variant is dropped at an entry when another variant of the same
-entry has the same time per microbatch, no more activation bytes, no larger end time and
-holds at least as many microbatches in flight (at most ``B``, and ``1 + 3 S`` with ``S`` the
-most stages that can follow it: one per later layer and per device left). This is exact:
-swapping the dropped variant for that one leaves the plan's period and warm-ups as they were,
-fits wherever it fitted, and simulates no slower (the simulated time does not decrease when
-an end time grows). Variants with a different time per microbatch (level 3) are all kept
-where they fit: a slower bottleneck stage can lower the warm-ups of the others and so make a
-plan fit (the planner's bottleneck rule). The first variant (level 0 without offload, unless
-excluded) keeps every entry as it is. Where level 0 already holds every microbatch a stage
-can need, only level 3 is added.
+entry has the same time per microbatch, no larger end time and holds at least as many
+microbatches in flight (each by its own fixed and per-microbatch bytes, at most ``B`` and
+``1 + 3 S`` with ``S`` the most stages that can follow it: one per later layer and per device
+left). This is exact: swapping the dropped variant for that one leaves the plan's period and
+warm-ups as they were, fits wherever it fitted, and simulates no slower (the simulated time
+does not decrease when an end time grows). Variants with a different time per microbatch
+(level 3, the residuals' offload) are all kept where they fit: a slower bottleneck stage can
+lower the warm-ups of the others and so make a plan fit (the planner's bottleneck rule). Among
+the residuals' variants of an entry (all ``0`` bytes per microbatch, so all holding every
+microbatch where they fit) this keeps one per time per microbatch: the least end time, so
+level 0 without the optimizer state's offload wherever it fits, and level 3's. The first
+variant (level 0 without offload, unless excluded) keeps every entry as it is. Where level 0
+already holds every microbatch a stage can need, only level 3 and the residuals' offload are
+added; tables without ``offload_bandwidth_bytes_per_s`` get no residual variant at all (the
+same expanded tables and plans as without the option).
 """
 
 from __future__ import annotations
@@ -65,9 +83,12 @@ class VariantOptions:
       ``opt_mem_bytes`` for anything but ``(0,)``).
     offload: a stage may keep its optimizer state in host memory (needs the tables'
       ``offload_bandwidth_bytes_per_s`` too).
+    offload_activations: a stage may keep its residuals in host memory between forward and
+      backward (needs the tables' ``offload_bandwidth_bytes_per_s``; not ``opt_mem_bytes``).
   """
   zero_levels: tuple[int, ...] = (0, 1, 2, 3)
   offload: bool = True
+  offload_activations: bool = True
 
   def __post_init__(self):
     try:
@@ -79,71 +100,85 @@ class VariantOptions:
       raise PlanError(f"zero_levels={self.zero_levels!r} must be a non-empty subset of "
                       "(0, 1, 2, 3)")
     object.__setattr__(self, "zero_levels", levels)
-    if not isinstance(self.offload, bool):
-      raise PlanError(f"offload={self.offload!r} must be True or False")
+    for name in ("offload", "offload_activations"):
+      if not isinstance(getattr(self, name), bool):
+        raise PlanError(f"{name}={getattr(self, name)!r} must be True or False")
 
-  def pairs(self, tables: CostTables) -> list[tuple[int, bool]]:
-    """The ``(zero, offload)`` variants these options allow on ``tables`` (level 0 without
-    offload first when allowed)."""
+  def pairs(self, tables: CostTables) -> list[tuple[int, bool, bool]]:
+    """The ``(zero, offload, offload_activations)`` variants these options allow on
+    ``tables`` (level 0 without offload first when allowed)."""
     levels = self.zero_levels if tables.opt_mem_bytes is not None else (0,)
-    offload = [False]
-    if self.offload and tables.opt_mem_bytes is not None and \
-        tables.offload_bandwidth_bytes_per_s is not None:
-      offload.append(True)
-    return [(z, o) for o in offload for z in levels]
+    host = tables.offload_bandwidth_bytes_per_s is not None
+    offload = [False] + ([True] if self.offload and host and tables.opt_mem_bytes is not None
+                         else [])
+    residuals = [False] + ([True] if self.offload_activations and host else [])
+    return [(z, o, r) for r in residuals for o in offload for z in levels]
 
 
 def has_variant_data(tables: CostTables) -> bool:
-  """Whether ``tables`` carry what the ZeRO/offload variants need (and are not expanded)."""
-  return tables.opt_mem_bytes is not None and tables.variants is None
+  """Whether ``tables`` carry what a variant needs (the optimizer state's bytes, or the link
+  to host memory for the residuals) and are not expanded."""
+  return tables.variants is None and (tables.opt_mem_bytes is not None
+                                      or tables.offload_bandwidth_bytes_per_s is not None)
 
 
-def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """``(time, param bytes, end time, allowed)`` ``[L, L, S_k]`` of every entry of subcluster
-  ``k`` under ZeRO level ``zero`` and ``offload`` (the module docstring's equations;
-  activations are the entry's own). ``allowed`` is ``False`` where the stage time is not
-  finite, and with offload where the state does not fit the device for the update.
+def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
+                   offload_activations: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """``(time, state bytes, activation bytes, end time, allowed)`` ``[L, L, S_k]`` of every
+  entry of subcluster ``k`` under ZeRO level ``zero``, ``offload`` (the optimizer state) and
+  ``offload_activations`` (the residuals; the module docstring's equations). ``allowed`` is
+  ``False`` where the stage time is not finite, and with offload where the state does not fit
+  the device for the update.
 
   Raises:
     PlanError: the tables lack ``opt_mem_bytes`` (and the level is not 0, or ``offload``), or
-      ``offload_bandwidth_bytes_per_s`` with ``offload``.
+      ``offload_bandwidth_bytes_per_s`` with either offload.
   """
   t0 = tables.stage_time_s[k]
   P = tables.param_mem_bytes[k]
+  a = tables.act_mem_bytes[k]
   e0 = tables.end_time_s[k] if tables.end_time_s is not None else np.zeros_like(P)
   finite = np.isfinite(t0)
-  if zero == 0 and not offload:
-    return t0, P, e0, finite
-  if tables.opt_mem_bytes is None:
+  if zero == 0 and not offload and not offload_activations:
+    return t0, P, a, e0, finite
+  if (zero or offload) and tables.opt_mem_bytes is None:
     raise PlanError(f"zero={zero}, offload={offload} needs the tables' opt_mem_bytes (the "
                     "optimizer state's part of param_mem_bytes); build the tables with "
                     "optimizer_share=..., or plan with zero 0 and no offload")
-  if offload and tables.offload_bandwidth_bytes_per_s is None:
+  if (offload or offload_activations) and tables.offload_bandwidth_bytes_per_s is None:
     raise PlanError("offload needs the tables' offload_bandwidth_bytes_per_s (the device's "
-                    "link to host memory); give SubclusterSpec.offload_bandwidth_bytes_per_s")
-  O = tables.opt_mem_bytes[k]
-  W = G = (P - O) / 2.0
-  L = tables.num_layers
-  S = len(tables.submeshes[k])
-  if tables.logical_mesh is not None:
-    dp = tables.logical_mesh[k][..., 0].astype(np.float64)
-  else:
-    dp = np.broadcast_to(np.array([n * m for n, m in tables.submeshes[k]], np.float64),
-                         (L, L, S))
-  g = tables.gather_time_s[k] if tables.gather_time_s is not None else np.zeros_like(P)
-  O_z = O / dp if zero >= 1 else O
-  G_z = G / dp if zero >= 2 else G
-  W_z = W / dp if zero >= 3 else W
-  state = W_z + G_z + O_z
-  t = t0 + 2.0 * g if zero >= 3 else t0
-  e = e0 + g if zero in (1, 2) else e0
-  allowed = finite
-  if offload:
-    e = e + 2.0 * O_z / tables.offload_bandwidth_bytes_per_s[k]
-    allowed = finite & (state <= tables.device_memory_bytes[k])
-    state = W_z + G_z
-  return t, state, e, allowed
+                    "link to host memory); give SubclusterSpec.offload_bandwidth_bytes_per_s "
+                    "(host_memory_gbps in a cluster file)")
+  t, state, e, allowed = t0, P, e0, finite
+  if zero or offload:
+    O = tables.opt_mem_bytes[k]
+    W = G = (P - O) / 2.0
+    L = tables.num_layers
+    S = len(tables.submeshes[k])
+    if tables.logical_mesh is not None:
+      dp = tables.logical_mesh[k][..., 0].astype(np.float64)
+    else:
+      dp = np.broadcast_to(np.array([n * m for n, m in tables.submeshes[k]], np.float64),
+                           (L, L, S))
+    g = tables.gather_time_s[k] if tables.gather_time_s is not None else np.zeros_like(P)
+    O_z = O / dp if zero >= 1 else O
+    G_z = G / dp if zero >= 2 else G
+    W_z = W / dp if zero >= 3 else W
+    state = W_z + G_z + O_z
+    t = t0 + 2.0 * g if zero >= 3 else t0
+    e = e0 + g if zero in (1, 2) else e0
+    if offload:
+      e = e + 2.0 * O_z / tables.offload_bandwidth_bytes_per_s[k]
+      allowed = finite & (state <= tables.device_memory_bytes[k])
+      state = W_z + G_z
+  if offload_activations:
+    # At most two microbatches' residuals on the device, as fixed bytes; none per microbatch
+    # in flight; both trips over the host link per microbatch (activation_offload_time_s).
+    t = t + 2.0 * a / tables.offload_bandwidth_bytes_per_s[k]
+    state = state + 2.0 * a
+    a = np.zeros_like(a)
+  return t, state, a, e, allowed
 
 
 def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
@@ -157,11 +192,13 @@ def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
 
 def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions(),
                     num_microbatches: int | None = None) -> CostTables:
-  """Tables whose submesh choices are (submesh, ZeRO level, offload) variants.
+  """Tables whose submesh choices are (submesh, ZeRO level, offload, residual offload)
+  variants.
 
   Args:
-    tables: tables with :attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes` (else
-      they are returned as they are).
+    tables: tables with :attr:`~harpjax.compiler.profile.CostTables.opt_mem_bytes` or
+      :attr:`~harpjax.compiler.profile.CostTables.offload_bandwidth_bytes_per_s` (else they
+      are returned as they are).
     options: the variants allowed.
     num_microbatches: ``B``; given, only the variants that can matter are kept (module
       docstring); ``None`` keeps every variant that fits one microbatch (what the tests'
@@ -174,31 +211,30 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
   if tables.variants is not None:
     raise PlanError("the tables are already expanded into variants")
   pairs = options.pairs(tables)
-  if pairs == [(0, False)]:
+  if pairs == [(0, False, False)]:
     return tables
   L, K = tables.num_layers, tables.num_subclusters
   B = None if num_microbatches is None else int(num_microbatches)
-  changed = pairs[0] != (0, False)
+  changed = pairs[0] != (0, False, False)
   new = {f: [] for f in ("submeshes", "stage_time_s", "param_mem_bytes", "act_mem_bytes",
                          "end_time_s", "logical_mesh", "variants")}
   for k in range(K):
     mem = tables.device_memory_bytes[k]
-    a = tables.act_mem_bytes[k]
-    arrs = [variant_arrays(tables, k, z, o) for z, o in pairs]
-    keep = [ok & (p + a <= mem) for _, p, _, ok in arrs]
+    arrs = [variant_arrays(tables, k, *var) for var in pairs]
+    keep = [ok & (p + a <= mem) for _, p, a, _, ok in arrs]
     if B is not None:
       # The most microbatches a stage on layers i..j can hold: B, and 1 + 3 per later stage
       # (at most one per later layer and per device left).
       after = (L - 1 - np.arange(L))[None, :, None]
       left = tables.total_devices - np.array([n * m for n, m in tables.submeshes[k]])
       cap = np.minimum(B, 1 + 3 * np.minimum(after, left[None, None, :]))
-      n = [_capacity(p, a, mem, cap) for _, p, _, _ in arrs]
+      n = [_capacity(p, a, mem, cap) for _, p, a, _, _ in arrs]
       for v in range(len(pairs)):
         dominated = np.zeros_like(keep[v])
         for u in range(len(pairs)):
           if u == v:
             continue
-          (tu, _, eu, _), (tv, _, ev, _) = arrs[u], arrs[v]
+          (tu, _, _, eu, _), (tv, _, _, ev, _) = arrs[u], arrs[v]
           strict = (eu < ev) | (n[u] > n[v])
           dom = keep[u] & (tu == tv) & (eu <= ev) & (n[u] >= n[v]) & (strict | (u < v))
           dominated |= dom
@@ -207,17 +243,17 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
     shapes, labels, parts = [], [], {f: [] for f in new if f not in ("submeshes", "variants")}
     lm = tables.logical_mesh[k] if tables.logical_mesh is not None else np.broadcast_to(
         np.array([[n * m, 1] for n, m in shapes_k]), (L, L, len(shapes_k), 2))
-    for v, (z, o) in enumerate(pairs):
+    for v, var in enumerate(pairs):
       # The first variant keeps every entry as it is (what no plan can use, the index drops;
       # an infeasible instance is explained by its footprints); the others only what matters.
       slots = [s for s in range(len(shapes_k)) if v == 0 or keep[v][:, :, s].any()]
       if not slots:
         continue
       changed |= v > 0
-      t, p, e, ok = arrs[v]
+      t, p, a, e, ok = arrs[v]
       mask = (ok if v == 0 else keep[v])[:, :, slots]
       shapes += [shapes_k[s] for s in slots]
-      labels += [(z, o)] * len(slots)
+      labels += [var] * len(slots)
       parts["stage_time_s"].append(np.where(mask, t[:, :, slots], np.inf))
       parts["param_mem_bytes"].append(np.where(mask, p[:, :, slots], 0.0))
       parts["act_mem_bytes"].append(a[:, :, slots])
@@ -234,25 +270,29 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
 
 
 def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0,
-                 offload: bool = False) -> int:
-  """Index in ``tables.submeshes[k]`` of submesh ``shape`` under ``(zero, offload)``.
+                 offload: bool = False, offload_activations: bool = False) -> int:
+  """Index in ``tables.submeshes[k]`` of submesh ``shape`` under ``(zero, offload,
+  offload_activations)``.
 
   Raises:
     PlanError: the tables have no such entry (not expanded, or the variant was not kept).
   """
   shape = tuple(int(x) for x in shape)
+  want = (int(zero), bool(offload), bool(offload_activations))
   if tables.variants is None:
-    if zero or offload:
-      raise PlanError(f"zero={zero}, offload={offload}: these tables cannot price it; they "
-                      "need opt_mem_bytes (the optimizer state's bytes: "
-                      "CostTables.from_layer_costs(..., optimizer_share=...)) and, for "
-                      "offload, offload_bandwidth_bytes_per_s")
+    if want != (0, False, False):
+      _cannot_price(*want)
     return tables.submesh_index(k, shape)
   for s, (sh, var) in enumerate(zip(tables.submeshes[k], tables.variants[k])):
-    if sh == shape and var == (int(zero), bool(offload)):
+    if sh == shape and var == want:
       return s
+  hint = ""
+  if (offload or offload_activations) and tables.offload_bandwidth_bytes_per_s is None:
+    hint = ("; offload needs the tables' offload_bandwidth_bytes_per_s (the device's link to "
+            "host memory: host_memory_gbps in a cluster file)")
   raise PlanError(f"subcluster {tables.subcluster_names[k]!r}: submesh {shape} has no variant "
-                  f"zero={zero}, offload={offload} in these tables")
+                  f"zero={zero}, offload={offload}, offload_activations={offload_activations} "
+                  f"in these tables{hint}")
 
 
 def tables_for_stages(tables: CostTables, stages) -> CostTables:
@@ -261,16 +301,30 @@ def tables_for_stages(tables: CostTables, stages) -> CostTables:
   if tables.variants is not None or not has_variant_data(tables):
     return tables
   stages = getattr(stages, "stages", stages)
-  wants = any(getattr(st, "zero", 0) or getattr(st, "offload", False) for st in stages)
-  if not wants:
+  wants = [(getattr(st, "zero", 0), getattr(st, "offload", False),
+            getattr(st, "offload_activations", False)) for st in stages]
+  if not any(z or o or r for z, o, r in wants):
     return tables
+  for z, o, r in wants:   # what these tables cannot price says what they lack
+    if (z or o) and tables.opt_mem_bytes is None or (o or r) and \
+        tables.offload_bandwidth_bytes_per_s is None:
+      _cannot_price(z, o, r)
   return expand_variants(tables, VariantOptions(), None)
 
 
-def variant_of(tables: CostTables, k: int, s: int) -> tuple[int, bool]:
-  """``(zero, offload)`` of submesh choice ``s`` of subcluster ``k``."""
+def _cannot_price(zero: int, offload: bool, offload_activations: bool) -> None:
+  raise PlanError(f"zero={zero}, offload={offload}, offload_activations={offload_activations}: "
+                  "these tables cannot price it; they need opt_mem_bytes (the optimizer "
+                  "state's bytes: CostTables.from_layer_costs(..., optimizer_share=...)) for a "
+                  "ZeRO level or the optimizer state's offload, and "
+                  "offload_bandwidth_bytes_per_s (host_memory_gbps in a cluster file) for "
+                  "either offload")
+
+
+def variant_of(tables: CostTables, k: int, s: int) -> tuple[int, bool, bool]:
+  """``(zero, offload, offload_activations)`` of submesh choice ``s`` of subcluster ``k``."""
   if tables.variants is None:
-    return (0, False)
+    return (0, False, False)
   return tables.variants[k][s]
 
 
@@ -281,4 +335,3 @@ def base_index(tables: CostTables, k: int, s: int) -> int:
     return s
   distinct = list(dict.fromkeys(tables.submeshes[k]))
   return distinct.index(tables.submeshes[k][s])
-

@@ -530,7 +530,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   prices = [getattr(sub, "price_per_gpu_hour", None) for sub in subs]
   prices = None if any(p is None for p in prices) else prices
   host = [getattr(sub, "host_memory_bytes_per_s", None) for sub in subs]
-  host = None if zero is None or any(h is None for h in host) else host
+  host = None if any(h is None for h in host) else host
   return assemble_tables(
       names=[sub.name for sub in subs], num_hosts=[sub.num_hosts for sub in subs],
       devices_per_host=[sub.devices_per_host for sub in subs],

@@ -181,14 +181,16 @@ class CostTables:
       per microbatch); ``None`` with ``opt_mem_bytes``: free.
     offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
       memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
-      stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration.
+      stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration, and
+      (with or without ``opt_mem_bytes``) a stage's residuals between forward and backward,
+      ``2 A / bandwidth`` seconds per microbatch.
     microbatch_rows: optional rows (sequences) of the microbatch the tables cost (the
       profiler fills it in); mixed-type stages split them among their groups, and the planner
       takes it where :class:`~harpjax.compiler.plan.MixedOptions` gives none.
-    variants: set only on tables whose submesh choices are (submesh, ZeRO level, offload)
-      variants (:func:`harpjax.compiler.plan.variants.expand_variants`): ``[K]`` tuples of
-      ``(zero, offload)``, one per entry of ``submeshes[k]`` (whose shapes then repeat, once
-      per variant).
+    variants: set only on tables whose submesh choices are (submesh, ZeRO level, offload,
+      residual offload) variants (:func:`harpjax.compiler.plan.variants.expand_variants`):
+      ``[K]`` tuples of ``(zero, offload, offload_activations)``, one per entry of
+      ``submeshes[k]`` (whose shapes then repeat, once per variant).
   """
   num_layers: int
   subcluster_names: tuple[str, ...]
@@ -214,7 +216,7 @@ class CostTables:
   opt_mem_bytes: tuple[np.ndarray, ...] | None = None
   gather_time_s: tuple[np.ndarray, ...] | None = None
   offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
-  variants: tuple[tuple[tuple[int, bool], ...], ...] | None = None
+  variants: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None
   microbatch_rows: int | None = None
 
   def __post_init__(self):
@@ -329,17 +331,23 @@ class CostTables:
       set_("layer_names", tuple(str(n) for n in self.layer_names))
 
   def _set_variants(self, K: int) -> None:
-    """Checks :attr:`variants`: one ``(zero, offload)`` per submesh entry, no (shape, zero,
-    offload) twice."""
+    """Checks :attr:`variants`: one ``(zero, offload, offload_activations)`` per submesh entry
+    (a pair means no residual offload), no (shape, variant) twice."""
     rows = []
     for k, row in enumerate(_seq(self.variants, "variants", K)):
-      row = tuple((int(z), bool(o)) for z, o in row)
-      if len(row) != len(self.submeshes[k]) or any(z not in (0, 1, 2, 3) for z, _ in row):
-        raise CostTablesError(f"variants[{k}] must give (zero in 0..3, offload) for each of "
-                              f"the {len(self.submeshes[k])} submesh entries")
+      try:
+        row = tuple((int(v[0]), bool(v[1]), bool(v[2]) if len(v) == 3 else False)
+                    for v in row if 2 <= len(v) <= 3)
+      except (TypeError, ValueError):
+        row = ()
+      if len(row) != len(self.submeshes[k]) or any(z not in (0, 1, 2, 3) for z, _, _ in row):
+        raise CostTablesError(f"variants[{k}] must give (zero in 0..3, offload, "
+                              f"offload_activations) for each of the "
+                              f"{len(self.submeshes[k])} submesh entries")
       keys = list(zip(self.submeshes[k], row))
       if len(set(keys)) != len(keys):
-        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload) repeats")
+        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload, offload_activations) "
+                              "repeats")
       rows.append(row)
     object.__setattr__(self, "variants", tuple(rows))
 

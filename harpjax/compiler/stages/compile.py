@@ -136,19 +136,22 @@ class OffloadOptions:
     return self.activations and (self.stages is None or stage in self.stages)
 
 
-def check_host_memory(devices: Sequence, stage: int) -> None:
+def check_host_memory(devices: Sequence, stage: int, residuals: bool = False) -> None:
   """Raises :class:`~harpjax.errors.MemoryKindError` unless every device of ``stage`` has the
-  host memory kind (:data:`~harpjax.compiler.stages.layout.HOST_MEMORY`)."""
+  host memory kind (:data:`~harpjax.compiler.stages.layout.HOST_MEMORY`); ``residuals``: what
+  the stage keeps there is its residuals (else its optimizer state)."""
+  what, option = (("its residuals", "offload_activations") if residuals
+                  else ("its optimizer state", "offload"))
   for d in devices:
     kinds = [m.kind for m in d.addressable_memories()] \
         if hasattr(d, "addressable_memories") else []
     if HOST_MEMORY not in kinds:
       raise MemoryKindError(
-          f"stage {stage} keeps its optimizer state in host memory, but device {d} "
+          f"stage {stage} keeps {what} in host memory, but device {d} "
           f"({getattr(d, 'platform', '?')}) has the memory kinds {kinds}, not "
           f"{HOST_MEMORY!r}; leave the stage out of OffloadOptions.stages (or plan with "
-          "SolveOptions(offload=False)), or run on a "
-          "backend with host memory")
+          f"SolveOptions({option}=False), or set the stage's StageSpec.{option} to false), "
+          "or run on a backend with host memory")
 
 
 def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule: Schedule,
@@ -233,9 +236,10 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
                        preferred, loss_reduction, host)
   if splits:
     layout = dataclasses.replace(layout, splits=splits)
-  if offload is not None and offload.activations:
-    layout = dataclasses.replace(layout, host_residuals=frozenset(
-        s for s in range(plan.num_stages) if offload.offloads_activations(s)))
+  residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations or (
+      offload is not None and offload.offloads_activations(s)))
+  if residuals:   # the plan's choice or the caller's (OffloadOptions(activations=True))
+    layout = dataclasses.replace(layout, host_residuals=residuals)
   log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
            len(placed.before), len(placed.after))
   fns = []
@@ -315,8 +319,10 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
     stage_devices: per stage, its JAX devices in submesh order.
   """
   lay = program.layout
-  for s in sorted({h for h, _ in lay.host} | lay.host_residuals):
+  for s in sorted({h for h, _ in lay.host}):
     check_host_memory(stage_devices[s], s)
+  for s in sorted(lay.host_residuals):
+    check_host_memory(stage_devices[s], s, residuals=True)
   stages = tuple(jit_stage(sl, fn, sharding_lib.make_mesh(devs, sl.logical_mesh))
                  if s not in lay.splits else
                  split_executables(lay, s, program.split_functions[s], devs)

@@ -118,8 +118,10 @@ class LoweredStep:
           + "; set them here first (jax.config.update), globally rather than in a context "
           "manager of the lowering thread")
     lay = self.layout.stages[stage]
-    if any(h == stage for h, _ in self.layout.host) or stage in self.layout.host_residuals:
+    if any(h == stage for h, _ in self.layout.host):
       check_host_memory(devices, stage)
+    if stage in self.layout.host_residuals:
+      check_host_memory(devices, stage, residuals=True)
     if stage in self.layout.splits:
       loaders = [lambda g_lay, mesh, blobs=blobs: _load(g_lay, mesh, *blobs)
                  for blobs in lowered.parts]

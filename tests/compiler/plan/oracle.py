@@ -323,66 +323,86 @@ def random_tables(rng: np.random.Generator, num_layers: int | None = None,
 
 # --------------------------------------------------------------------------- ZeRO and offload
 
-ZERO_PAIRS = tuple((z, o) for o in (False, True) for z in (0, 1, 2, 3))
+ZERO_PAIRS = tuple((z, o, False) for o in (False, True) for z in (0, 1, 2, 3))
+
+
+def residual_pairs(levels=(0, 1, 2, 3)) -> tuple[tuple[int, bool, bool], ...]:
+  """Every (level of ``levels``, offload, residual offload)."""
+  return tuple((z, o, r) for r in (False, True) for o in (False, True) for z in levels)
 
 
 def variant_numbers(tables: CostTables, k: int, i: int, j: int, s: int, zero: int,
-                    offload: bool) -> tuple[float, float, float] | None:
-  """``(time, state bytes, end time)`` of one entry under a ZeRO level and offload, from the
-  tables' fields by the rules written out once more (``None``: not allowed): the state is
-  weights ``W``, gradients ``G`` (half each of what is not optimizer state) and optimizer
-  state ``O``; level 1 splits ``O`` over the ``dp`` devices, level 2 ``G`` too, level 3 ``W``
-  too; level 3 gathers the weights twice per microbatch, levels 1 and 2 once per iteration;
-  offload moves ``O`` (as split) to the device and back once per iteration, and the device
-  must still hold the whole state for the update."""
+                    offload: bool, offload_activations: bool = False
+                    ) -> tuple[float, float, float, float] | None:
+  """``(time, state bytes, activation bytes per in-flight microbatch, end time)`` of one entry
+  under a ZeRO level and offload, from the tables' fields by the rules written out once more
+  (``None``: not allowed): the state is weights ``W``, gradients ``G`` (half each of what is
+  not optimizer state) and optimizer state ``O``; level 1 splits ``O`` over the ``dp``
+  devices, level 2 ``G`` too, level 3 ``W`` too; level 3 gathers the weights twice per
+  microbatch, levels 1 and 2 once per iteration; offload moves ``O`` (as split) to the device
+  and back once per iteration, and the device must still hold the whole state for the update.
+  Residual offload (``offload_activations``): a microbatch's residuals ``A`` go to the host
+  after its forward and come back before its backward (two trips per microbatch over the host
+  link), and the device holds two microbatches' residuals at most, counted as state: ``2 A``
+  more state, none per microbatch in flight."""
   t = float(tables.stage_time_s[k][i, j, s])
   if not math.isfinite(t):
     return None
   P = float(tables.param_mem_bytes[k][i, j, s])
-  O = float(tables.opt_mem_bytes[k][i, j, s])
-  g = 0.0 if tables.gather_time_s is None else float(tables.gather_time_s[k][i, j, s])
+  A = float(tables.act_mem_bytes[k][i, j, s])
   e = 0.0 if tables.end_time_s is None else float(tables.end_time_s[k][i, j, s])
-  dp = tables.logical_mesh_of(k, i, j, s)[0]
-  parts = [(P - O) / 2.0, (P - O) / 2.0, O]            # weights, gradients, optimizer state
-  split = {1: (2,), 2: (1, 2), 3: (0, 1, 2)}.get(zero, ())
-  held = [x / dp if n in split else x for n, x in enumerate(parts)]
-  if zero == 3:
-    t += 2.0 * g
-  elif zero:
-    e += g
-  state = sum(held)
-  if offload:
-    if state > tables.device_memory_bytes[k]:
-      return None
-    e += 2.0 * held[2] / tables.offload_bandwidth_bytes_per_s[k]
-    state -= held[2]
-  return t, state, e
+  state = P
+  if zero or offload:
+    O = float(tables.opt_mem_bytes[k][i, j, s])
+    g = 0.0 if tables.gather_time_s is None else float(tables.gather_time_s[k][i, j, s])
+    dp = tables.logical_mesh_of(k, i, j, s)[0]
+    parts = [(P - O) / 2.0, (P - O) / 2.0, O]            # weights, gradients, optimizer state
+    split = {1: (2,), 2: (1, 2), 3: (0, 1, 2)}.get(zero, ())
+    held = [x / dp if n in split else x for n, x in enumerate(parts)]
+    if zero == 3:
+      t += 2.0 * g
+    elif zero:
+      e += g
+    state = sum(held)
+    if offload:
+      if state > tables.device_memory_bytes[k]:
+        return None
+      e += 2.0 * held[2] / tables.offload_bandwidth_bytes_per_s[k]
+      state -= held[2]
+  if offload_activations:
+    t += 2.0 * A / tables.offload_bandwidth_bytes_per_s[k]
+    state += 2.0 * A
+    A = 0.0
+  return t, state, A, e
 
 
 def all_variants(tables: CostTables, pairs=ZERO_PAIRS) -> CostTables:
-  """Tables whose submesh choices are every (submesh, level, offload) of ``pairs``, none
-  dropped (what :func:`brute_force` enumerates with the new freedom)."""
+  """Tables whose submesh choices are every (submesh, level, offload, residual offload) of
+  ``pairs``, none dropped (what :func:`brute_force` enumerates with the new freedom)."""
   if tables.offload_bandwidth_bytes_per_s is None:
-    pairs = [(z, o) for z, o in pairs if not o]
+    pairs = [(z, o, r) for z, o, r in pairs if not o and not r]
+  if tables.opt_mem_bytes is None:
+    pairs = [(z, o, r) for z, o, r in pairs if not z and not o]
   L = tables.num_layers
   fields = {f: [] for f in ("submeshes", "stage_time_s", "param_mem_bytes", "act_mem_bytes",
                             "end_time_s", "logical_mesh", "variants")}
   for k in range(tables.num_subclusters):
     cols = {f: [] for f in fields}
-    for z, o in pairs:
+    for var in pairs:
       for s, shape in enumerate(tables.submeshes[k]):
-        t, p, e = np.full((L, L), np.inf), np.zeros((L, L)), np.zeros((L, L))
+        t, p, a, e = (np.full((L, L), np.inf), np.zeros((L, L)), np.zeros((L, L)),
+                      np.zeros((L, L)))
         for i in range(L):
           for j in range(i, L):
-            nums = variant_numbers(tables, k, i, j, s, z, o)
+            nums = variant_numbers(tables, k, i, j, s, *var)
             if nums is not None:
-              t[i, j], p[i, j], e[i, j] = nums
+              t[i, j], p[i, j], a[i, j], e[i, j] = nums
         cols["submeshes"].append(shape)
-        cols["variants"].append((z, o))
+        cols["variants"].append(var)
         cols["stage_time_s"].append(t)
         cols["param_mem_bytes"].append(p)
         cols["end_time_s"].append(e)
-        cols["act_mem_bytes"].append(tables.act_mem_bytes[k][:, :, s])
+        cols["act_mem_bytes"].append(a)
         lm = np.zeros((L, L, 2), np.int64)
         for i in range(L):
           for j in range(L):
@@ -397,10 +417,12 @@ def all_variants(tables: CostTables, pairs=ZERO_PAIRS) -> CostTables:
                         **{f: tuple(v) for f, v in fields.items()})
 
 
-def random_zero_tables(rng: np.random.Generator, **kw) -> CostTables:
+def random_zero_tables(rng: np.random.Generator, host_share: float = 0.6,
+                       **kw) -> CostTables:
   """:func:`random_tables` with the optimizer state's share of each entry's state (0.3-0.8),
   the weights' all-gather seconds (up to a third of the stage time), end times, sometimes a
-  host link for offload, and device memory drawn tighter (often nothing fits at level 0)."""
+  host link for offload (in a ``host_share`` of the instances), and device memory drawn
+  tighter (often nothing fits at level 0)."""
   base = random_tables(rng, **kw)
   K, L = base.num_subclusters, base.num_layers
   share = rng.uniform(0.3, 0.8, L)
@@ -417,7 +439,7 @@ def random_zero_tables(rng: np.random.Generator, **kw) -> CostTables:
         finite, t, 0.0), 3), 0.0))
     end.append(np.where(finite, np.round(rng.uniform(0, 0.5, t.shape), 2), 0.0))
   offload = None
-  if rng.random() < 0.6:
+  if rng.random() < host_share:
     offload = tuple(float(rng.choice([1.0, 4.0, 20.0])) for _ in range(K))
   mem = tuple(float(m) * float(rng.choice([0.4, 0.6, 1.0])) for m in base.device_memory_bytes)
   return base.replace(opt_mem_bytes=tuple(opt), gather_time_s=tuple(gat),

@@ -10,13 +10,15 @@ import pytest
 
 from harpjax.cluster import Link
 from harpjax.compiler.plan import evaluate_plan, Plan, solve, StageSpec, variants
-from harpjax.compiler.profile import (CostTables, offload_time_s, SubclusterSpec,
-                                     synthetic_gpt_profile, zero_state_bytes_per_param)
+from harpjax.compiler.profile import (activation_offload_time_s, CostTables, offload_time_s,
+                                     stage_memory, SubclusterSpec, synthetic_gpt_profile,
+                                     zero_state_bytes_per_param)
 from harpjax.errors import CostTablesError, InfeasiblePlanError, PlanError
 from tests.compiler.plan import oracle
 
 GiB = 2.0 ** 30
-OFF = dict(zero_levels=(0,), offload=False)
+OFF = dict(zero_levels=(0,), offload=False, offload_activations=False)
+NORES = dict(offload_activations=False)   # the variants of oracle.ZERO_PAIRS
 
 
 def _obj(tables, B, **kw):
@@ -54,7 +56,7 @@ def test_optimum_with_zero_and_offload_matches_brute_force(chunk):
     bf = oracle.brute_force(oracle.all_variants(tables), B, eps=eps)
     plain = oracle.brute_force(tables.replace(opt_mem_bytes=None, gather_time_s=None), B,
                                eps=eps)
-    res = _obj(tables, B, eps=eps)
+    res = _obj(tables, B, eps=eps, **NORES)
     without = _obj(tables, B, eps=eps, **OFF)
     assert _close(_value(res), bf.objective_s), (bf, res)
     assert _close(_value(without), plain.objective_s), (plain, without)
@@ -67,12 +69,13 @@ def test_optimum_with_zero_and_offload_matches_brute_force(chunk):
     assert ev.iteration_s == res.plan.predicted_iteration_s == res.iteration_s
     assert ev.feasible, ev.violations
     for spec, st, evs in zip(res.plan.stages, res.stages, ev.stages):
-      assert (spec.zero, spec.offload) == (st.zero, st.offload) == (evs.zero, evs.offload)
+      var = (st.zero, st.offload, st.offload_activations)
+      assert (spec.zero, spec.offload, spec.offload_activations) == var == (
+          evs.zero, evs.offload, evs.offload_activations)
       assert tables.submeshes[st.subcluster][st.submesh_index] == st.submesh
-      nums = oracle.variant_numbers(tables, st.subcluster, *st.layers, st.submesh_index,
-                                    st.zero, st.offload)
+      nums = oracle.variant_numbers(tables, st.subcluster, *st.layers, st.submesh_index, *var)
       assert nums is not None
-      got = (st.time_s, st.param_bytes, ev.end_s[res.stages.index(st)])
+      got = (st.time_s, st.param_bytes, st.act_bytes, ev.end_s[res.stages.index(st)])
       assert all(_close(x, y) for x, y in zip(got, nums)), (got, nums)
   assert better >= 4, better
 
@@ -88,7 +91,7 @@ def test_pruned_variants_keep_the_brute_force_optimum_in_every_mode():
     B = int(rng.choice([2, 8]))
     mode = modes[x % len(modes)]
     bf = oracle.brute_force(oracle.all_variants(tables), B, **mode)
-    assert _close(_value(_obj(tables, B, **mode)), bf.objective_s), mode
+    assert _close(_value(_obj(tables, B, **mode, **NORES)), bf.objective_s), mode
 
 
 def _gpt_tables(mem_gib, offload_bw=None, share=0.75, blocks=8, **kw):
@@ -118,8 +121,8 @@ def test_a_model_that_fits_only_with_zero_or_offload():
   assert [s.zero for s in back.stages] == [s.zero for s in res.plan.stages]
   small = _gpt_tables(1.2, offload_bw=12e9)
   with pytest.raises(InfeasiblePlanError):
-    solve(small, 8, offload=False)
-  res = solve(small, 8)
+    solve(small, 8, offload=False, **NORES)
+  res = solve(small, 8, **NORES)
   assert any(s.offload for s in res.plan.stages)
   ev = evaluate_plan(small, res.plan, 8)
   assert ev.iteration_s == res.plan.predicted_iteration_s and ev.feasible
@@ -129,15 +132,19 @@ def test_a_model_that_fits_only_with_zero_or_offload():
 
 def test_room_to_spare_plans_as_before():
   """Where level 0 holds every microbatch a stage can need, the variants of the same time per
-  microbatch (levels 1, 2, offload) are all dropped; only level 3 (slower per microbatch) is
-  kept, and the plan is the one without the variants, at level 0."""
+  microbatch (levels 1, 2, offload) are all dropped; only level 3 and the residuals' offload
+  (slower per microbatch) are kept, each at its least end time, and the plan is the one
+  without the variants, at level 0."""
   tables = _gpt_tables(40.0, offload_bw=12e9)
-  plain = tables.replace(opt_mem_bytes=None, gather_time_s=None)
+  plain = tables.replace(opt_mem_bytes=None, gather_time_s=None,
+                         offload_bandwidth_bytes_per_s=None)
   expanded = variants.expand_variants(tables, variants.VariantOptions(), 8)
-  assert {v for row in expanded.variants for v in row} == {(0, False), (3, False)}
-  a, b = solve(tables, 8), solve(plain, 8)
-  assert a.objective_s == b.objective_s and a.stats.proved
-  assert not any(s.zero or s.offload for s in a.plan.stages)
+  assert {v for row in expanded.variants for v in row} == {
+      (0, False, False), (3, False, False), (0, False, True), (3, False, True)}
+  a, b, c = solve(tables, 8), solve(plain, 8), solve(tables, 8, **NORES)
+  assert a.objective_s == b.objective_s == c.objective_s and b.stats.proved
+  assert c.stats.proved   # (with the residuals' variants too the proof needs more nodes)
+  assert not any(s.zero or s.offload or s.offload_activations for s in a.plan.stages)
   assert [s.layers for s in a.plan.stages] == [s.layers for s in b.plan.stages]
 
 
@@ -155,7 +162,7 @@ def test_variant_numbers_follow_the_memory_model():
   assert g > 0
   for zero in range(4):
     for off in (False, True):
-      t, p, e, ok = variants.variant_arrays(tables, k, zero, off)
+      t, p, _, e, ok = variants.variant_arrays(tables, k, zero, off)
       want = n * zero_state_bytes_per_param(2.0, 2.0, 12.0, dp, zero)
       O_z = n * 12.0 / (dp if zero else 1)
       if off:
@@ -184,6 +191,10 @@ def test_tables_fields_and_options():
     solve(tables, 8, zero_levels=(4,))
   with pytest.raises(PlanError, match="offload"):
     StageSpec((0, 1), "v100", (1, 4), offload="yes")
+  with pytest.raises(PlanError, match="offload_activations"):
+    StageSpec((0, 1), "v100", (1, 4), offload_activations=1)
+  with pytest.raises(PlanError, match="offload_activations"):
+    solve(tables, 8, offload_activations="yes")
   # A plan asking for a level the tables cannot price says what to change.
   plain = tables.replace(opt_mem_bytes=None, gather_time_s=None)
   spec = StageSpec((0, tables.num_layers - 1), "v100", (1, 4), zero=2)
@@ -207,9 +218,169 @@ def test_money_objectives_and_the_numpy_twin_see_the_variants():
                       (dict(objective="min_cost_within_time", time_limit_s=20.0),
                        dict(objective="min_cost", time_limit_s=20.0))):
       bf = oracle.brute_force(full, B, **bf_kw)
-      res = _obj(tables, B, **kw)
+      res = _obj(tables, B, **kw, **NORES)
       got = math.inf if res is None else (
           res.objective_s if "objective" not in kw else res.rate_per_hour * res.objective_s)
       assert _close(got, bf.objective_s), (kw, got, bf)
     bf = oracle.brute_force(full, B)
-    assert _close(_value(_obj(tables, B, kernel="numpy")), bf.objective_s)
+    assert _close(_value(_obj(tables, B, kernel="numpy", **NORES)), bf.objective_s)
+
+
+# --------------------------------------------------------------------------- residual offload
+
+
+def _residual_tables(rng):
+  """:func:`oracle.random_zero_tables` with a host link everywhere, 3 layers (4 on one
+  subcluster), and the residuals outweighing the training state (a third of its bytes, 60%
+  of the memory): stages hold microbatches in flight that a device cannot keep."""
+  K = int(rng.integers(1, 3))
+  tables = oracle.random_zero_tables(rng, host_share=1.0, num_subclusters=K,
+                                     num_layers=int(rng.integers(3, 5)) if K == 1 else 3)
+  return tables.replace(
+      param_mem_bytes=tuple(p * 0.3 for p in tables.param_mem_bytes),
+      opt_mem_bytes=tuple(o * 0.3 for o in tables.opt_mem_bytes),
+      device_memory_bytes=tuple(m * 0.6 for m in tables.device_memory_bytes),
+      offload_bandwidth_bytes_per_s=tuple(float(rng.choice([4.0, 20.0, 100.0]))
+                                          for _ in range(tables.num_subclusters)))
+
+
+@pytest.mark.parametrize("chunk", _chunks(1, 1))
+def test_optimum_with_residual_offload_matches_brute_force(chunk):
+  """25 random memory-tight instances per chunk, every one with a host link: the planner's
+  optimum with the residuals' offload among the variants (beside a few ZeRO levels and the
+  optimizer state's offload, in every resource mode) equals brute force over every variant;
+  never worse than without it, strictly better on some; the plans that use it carry it."""
+  rng = np.random.default_rng(4300 + chunk)
+  modes = [dict(), dict(use_all_devices=True, keep_order=True), dict(keep_order=True)]
+  better = used = 0
+  for x in range(25):
+    tables = _residual_tables(rng)
+    B = int(rng.choice([2, 4, 8, 32]))
+    eps = float(rng.choice([0.0, 0.1]))
+    levels = [(0,), (0, 2), (0, 3)][x % 3]
+    mode = modes[(x // 3) % len(modes)]
+    bf = oracle.brute_force(oracle.all_variants(tables, oracle.residual_pairs(levels)), B,
+                            eps=eps, **mode)
+    res = _obj(tables, B, eps=eps, zero_levels=levels, **mode)
+    without = _obj(tables, B, eps=eps, zero_levels=levels, **mode, **NORES)
+    assert _close(_value(res), bf.objective_s), (x, bf, res)
+    assert _value(res) <= _value(without) * (1 + 1e-12)
+    better += _value(res) < _value(without) * (1 - 1e-9)
+    if res is None:
+      continue
+    ev = evaluate_plan(tables, res.plan, B, eps=eps)
+    assert ev.iteration_s == res.plan.predicted_iteration_s and ev.feasible, ev.violations
+    back = Plan.from_json(res.plan.to_json())
+    assert [s.offload_activations for s in back.stages] == [
+        s.offload_activations for s in res.stages]
+    for st in res.stages:
+      used += st.offload_activations
+      if st.offload_activations:
+        assert st.act_bytes == 0.0
+        nums = oracle.variant_numbers(tables, st.subcluster, *st.layers, st.submesh_index,
+                                      st.zero, st.offload, True)
+        assert all(_close(a, b) for a, b in zip((st.time_s, st.param_bytes), nums[:2]))
+  assert better >= 2 and used >= 2, (better, used)
+
+
+def test_residual_variant_follows_the_memory_model():
+  """The residuals' variant of an entry: its time per microbatch plus
+  activation_offload_time_s of the entry's residuals; none of them per microbatch in flight,
+  two in its fixed bytes, which is profile.zero's account of the residuals on the device
+  with any two or more microbatches in flight (one more than it with one)."""
+  tables = _gpt_tables(16.0, offload_bw=12e9)
+  k, i, j = 0, 1, 5
+  s = tables.submesh_index(k, (1, 4))
+  dp = tables.logical_mesh_of(k, i, j, s)[0]
+  A = tables.act_mem_bytes[k][i, j, s]
+  O = tables.opt_mem_bytes[k][i, j, s]
+  P = tables.param_mem_bytes[k][i, j, s]
+  assert A > 0
+  for zero in range(4):
+    for off in (False, True):
+      t0, p0, a0, e0, ok0 = variants.variant_arrays(tables, k, zero, off)
+      t, p, a, e, ok = variants.variant_arrays(tables, k, zero, off, True)
+      assert a0[i, j, s] == A and a[i, j, s] == 0.0
+      assert t[i, j, s] == t0[i, j, s] + activation_offload_time_s(A, 12e9)
+      assert e[i, j, s] == e0[i, j, s] and ok[i, j, s] == ok0[i, j, s]
+      model = dict(param_bytes=(P - O) / 2, grad_bytes=(P - O) / 2, opt_bytes=O,
+                   act_bytes=A, dp=dp, zero=zero, offload_optimizer=off)
+      on = stage_memory(**model, offload_activations=True)
+      held = on.pipeline_bytes(0)
+      for n in (2, 3, 8):
+        assert math.isclose(on.pipeline_bytes(n) - held, p[i, j, s] - p0[i, j, s],
+                            rel_tol=1e-12)
+        assert math.isclose(stage_memory(**model).pipeline_bytes(n) - held, n * A,
+                            rel_tol=1e-12)
+      assert math.isclose(on.pipeline_bytes(1) - held + A, p[i, j, s] - p0[i, j, s],
+                          rel_tol=1e-12)
+  # A plan file and the plan's table keep the choice; a stage without it writes nothing.
+  spec = StageSpec((0, tables.num_layers - 1), "v100", (1, 4), offload_activations=True)
+  assert StageSpec.from_json(spec.to_json()).offload_activations
+  assert "offload_activations" not in StageSpec((0, 1), "v100", (1, 4)).to_json()
+  assert "host-residuals" in Plan((spec,)).table()
+  with pytest.raises(PlanError, match="offload_activations"):
+    StageSpec.from_json({**spec.to_json(), "offload_activations": "yes"})
+  ev = evaluate_plan(tables, [spec], 8)
+  assert ev.stages[0].offload_activations and ev.stages[0].act_bytes == 0.0
+  plain = tables.replace(offload_bandwidth_bytes_per_s=None)
+  with pytest.raises(PlanError, match="offload_bandwidth_bytes_per_s"):
+    evaluate_plan(plain, [spec], 8)
+
+
+def test_without_a_host_link_nothing_changes():
+  """Tables without offload_bandwidth_bytes_per_s: no residual variant, the same expanded
+  tables and the same plan whether the option is on or off; with a host link but no
+  optimizer state bytes, the residuals' variant alone is added."""
+  for mem in (1.4, 16.0):
+    tables = _gpt_tables(mem)
+    on = variants.expand_variants(tables, variants.VariantOptions(), 8)
+    off = variants.expand_variants(tables, variants.VariantOptions(offload_activations=False),
+                                   8)
+    assert on.variants == off.variants and not any(r for row in on.variants for _, _, r in row)
+    for f in ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "end_time_s"):
+      assert all(np.array_equal(x, y) for x, y in zip(getattr(on, f), getattr(off, f)))
+    a, b = solve(tables, 8), solve(tables, 8, **NORES)
+    assert a.objective_s == b.objective_s and a.plan.stages == b.plan.stages
+  bare = _gpt_tables(16.0, offload_bw=12e9).replace(opt_mem_bytes=None, gather_time_s=None)
+  expanded = variants.expand_variants(bare, variants.VariantOptions(), 8)
+  assert {v for row in expanded.variants for v in row} == {(0, False, False),
+                                                           (0, False, True)}
+  assert variants.expand_variants(bare, variants.VariantOptions(offload_activations=False),
+                                  8) is bare
+
+
+def test_only_the_residuals_offload_makes_it_fit():
+  """GPT blocks whose residuals outweigh their training state (small hidden size, long
+  sequences): the least device memory with a plan is lower with the residuals' offload among
+  the variants than with every other one (ZeRO levels, the optimizer state in host memory);
+  between the two no plan fits without it, the planner picks it on a stage that holds more
+  than one microbatch, and the plan simulates what it predicts within the device memory."""
+  prof = synthetic_gpt_profile(num_blocks=4, hidden=512, seq_len=2048, microbatch=8,
+                               vocab=1024)
+
+  def tables_at(mem_gib):
+    specs = [SubclusterSpec(name, 1, n, mem_gib * GiB, 12.5e9, peak_flops=flops,
+                            host_bandwidth_bytes_per_s=32e9, offload_bandwidth_bytes_per_s=12e9)
+             for name, n, flops in (("v100", 4, 125e12), ("t4", 2, 65e12))]
+    return CostTables.from_layer_costs(prof, specs, Link.from_gbps(10), max_tp=1,
+                                       end_cost=True, optimizer_share=0.75)
+
+  def least(**kw):   # GiB, to 0.5%
+    lo, hi = 1e-3, 64.0
+    while hi / lo > 1.005:
+      mid = (lo * hi) ** 0.5
+      lo, hi = (lo, mid) if _obj(tables_at(mid), 8, **kw) else (mid, hi)
+    return hi
+
+  with_it, without = least(), least(**NORES)
+  assert with_it < without / 1.02, (with_it, without)
+  tables = tables_at((with_it * without) ** 0.5)
+  assert _obj(tables, 8, **NORES) is None
+  res = solve(tables, 8)
+  ev = evaluate_plan(tables, res.plan, 8)
+  assert ev.feasible and ev.iteration_s == res.plan.predicted_iteration_s
+  chosen = [st for st in ev.stages if st.offload_activations]
+  assert chosen and max(st.inflight for st in chosen) >= 2
+  for st in chosen:
+    assert st.act_bytes == 0.0 and st.peak_mem_bytes <= st.device_memory_bytes
