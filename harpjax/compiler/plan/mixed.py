@@ -51,7 +51,9 @@ groups once per iteration before the update. This module costs such stages on th
   moves one replica's gradient whatever the level. A level above 0 or offload needs the
   tables' ``opt_mem_bytes`` (and ``offload_bandwidth_bytes_per_s``), before
   :func:`~harpjax.compiler.plan.variants.expand_variants`; at level 0 without offload the
-  numbers are the ones above, unchanged.
+  numbers are the ones above, unchanged. A stage's ``offload_activations`` (residuals in
+  host memory) is priced alike: each group holds two microbatches' residuals at its rows and
+  pays the variant's trips to host memory (those of the full microbatch: an upper bound).
 
 **Search** (:func:`solve_mixed`, ``SolveOptions(mixed_stages="auto"|"on")``): a *fusion*
 (:class:`Fusion`) is a shape of mixed stage: a submesh of each of two or more subclusters
@@ -297,12 +299,18 @@ def _grad_bytes(tables: CostTables, options: MixedOptions, i: int, j: int,
 
 
 def _zero_numbers(tables: CostTables, layers: tuple[int, int], k: int, s: int, zero: int,
-                  offload: bool) -> tuple[float, float, float, float, float | None]:
-  """``(time, state bytes, end, gathers per microbatch, update bytes)`` of entry ``(k, layers,
-  s)`` under ``zero`` / ``offload``: :func:`~harpjax.compiler.plan.variants.variant_arrays`'
-  numbers (``gathers``: what level 3 adds to the time; ``update bytes`` with offload only)."""
+                  offload: bool, offload_activations: bool = False
+                  ) -> tuple[float, float, float, float, float, float | None]:
+  """``(time, state bytes, activation bytes, end, time added per microbatch, update bytes)``
+  of entry ``(k, layers, s)`` under ``zero`` / ``offload`` / ``offload_activations``:
+  :func:`~harpjax.compiler.plan.variants.variant_arrays`' numbers (``time added``: level 3's
+  gathers and the residuals' trips to host memory; ``update bytes`` with offload only)."""
   where = f"stage on layers {layers[0]}..{layers[1]} (zero={zero}, offload={offload})"
-  if tables.opt_mem_bytes is None:
+  if offload_activations and tables.offload_bandwidth_bytes_per_s is None:
+    raise PlanError(f"{where}: pricing residuals in host memory needs the tables' "
+                    "offload_bandwidth_bytes_per_s (a cluster file's host_memory_gbps), or "
+                    "set the stage's offload_activations to False")
+  if (zero or offload) and tables.opt_mem_bytes is None:
     expanded = (" these tables are expanded into variants (expand_variants): score the plan "
                 "on the tables before the expansion;" if tables.variants is not None else "")
     raise PlanError(f"{where}: pricing ZeRO or offload needs the tables' opt_mem_bytes (the "
@@ -316,16 +324,17 @@ def _zero_numbers(tables: CostTables, layers: tuple[int, int], k: int, s: int, z
                     "SubclusterSpec.offload_bandwidth_bytes_per_s, a cluster file's "
                     "host_memory_gbps), or set the stage's offload to False")
   i, j = layers
-  t, p, e, _ = variant_arrays(tables, k, zero, offload)
-  g = float(tables.gather_time_s[k][i, j, s]) if tables.gather_time_s is not None else 0.0
-  update = float(variant_arrays(tables, k, zero, False)[1][i, j, s]) if offload else None
-  return (float(t[i, j, s]), float(p[i, j, s]), float(e[i, j, s]),
-          2.0 * g if zero >= 3 else 0.0, update)
+  t, p, a, e, _ = variant_arrays(tables, k, zero, offload, offload_activations)
+  added = float(t[i, j, s]) - float(tables.stage_time_s[k][i, j, s])
+  update = (float(variant_arrays(tables, k, zero, False)[1][i, j, s]) if offload else None)
+  return (float(t[i, j, s]), float(p[i, j, s]), float(a[i, j, s]), float(e[i, j, s]), added,
+          update)
 
 
 def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
                      groups: Sequence[tuple[int, int, int]], options: MixedOptions,
-                     *, zero: int = 0, offload: bool = False) -> MixedStageCost:
+                     *, zero: int = 0, offload: bool = False,
+                     offload_activations: bool = False) -> MixedStageCost:
   """Costs one stage on groups ``(subcluster, submesh index, rows)`` at ZeRO level ``zero``
   with or without ``offload`` (the model of the module docstring; one group of ``b`` rows is
   a plain stage: the tables' numbers, or its variant's,
@@ -362,19 +371,24 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
     single = len(groups) == 1
     time_s = t if single else float(_group_time(t, r, b, options.fixed_fraction))
     param_bytes = float(tables.param_mem_bytes[k][i, j, s])
+    act = float(tables.act_mem_bytes[k][i, j, s])
+    frac = 1.0 if single else r / b
+    act_bytes = act * frac
     end_s, update = tables.end_of(k, i, j, s), None
-    if zero or offload:
-      tz, param_bytes, end_s, gathers, update = _zero_numbers(tables, (i, j), k, s, zero,
-                                                              offload)
-      time_s = tz if single else time_s + gathers
+    if zero or offload or offload_activations:
+      tz, param_bytes, a_v, end_s, added, update = _zero_numbers(
+          tables, (i, j), k, s, zero, offload, offload_activations)
+      time_s = tz if single else time_s + added
+      if offload_activations:   # two microbatches' residuals (at the group's rows) stay
+        param_bytes += 2.0 * act * (frac - 1.0)
+      act_bytes = a_v * frac
     if x:
       time_s += float(_route_s(tables, home, k, r, b, i, j))
     out.append(GroupCost(
         subcluster=k, submesh_index=s, submesh=tables.submeshes[k][s], logical_mesh=lm, rows=r,
-        time_s=time_s, param_bytes=param_bytes,
-        act_bytes=float(tables.act_mem_bytes[k][i, j, s]) * (1.0 if single else r / b),
-        end_s=end_s, device_memory_bytes=tables.device_memory_bytes[k], zero=zero,
-        offload=offload, update_bytes=update))
+        time_s=time_s, param_bytes=param_bytes, act_bytes=act_bytes, end_s=end_s,
+        device_memory_bytes=tables.device_memory_bytes[k], zero=zero, offload=offload,
+        update_bytes=update))
   end = max(g.end_s for g in out)
   sync = gb = 0.0
   if len(out) > 1:
@@ -495,7 +509,8 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
       k = tables.subcluster_index(g.subcluster)
       groups.append((k, tables.submesh_index(k, g.submesh), r))
     costs.append(mixed_stage_cost(tables, st.layers, groups, options, zero=st.zero,
-                                  offload=st.offload))
+                                  offload=st.offload,
+                                  offload_activations=st.offload_activations))
   t = [c.time_s for c in costs]
   comm = [mixed_cut_s(tables, a.layers[1], a, c, options) for a, c in zip(costs, costs[1:])]
   comm.append(0.0)
@@ -540,7 +555,8 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
         comm_s=comm[x], warmup=int(warm[x]), inflight=int(inflight),
         param_bytes=worst.param_bytes, act_bytes=worst.act_bytes,
         peak_mem_bytes=worst.peak_bytes(inflight),
-        device_memory_bytes=worst.device_memory_bytes, zero=st.zero, offload=st.offload))
+        device_memory_bytes=worst.device_memory_bytes, zero=st.zero, offload=st.offload,
+        offload_activations=st.offload_activations))
   devices_ok = True
   for k in range(tables.num_subclusters):
     shapes = [g.submesh for c in costs for g in c.groups if g.subcluster == k]

@@ -1,6 +1,7 @@
 """Mixed-type stages in the planner: the cost model, evaluate_mixed, and the search against an
 exhaustive enumeration of every plan with and without mixed stages (its own code below)."""
 
+import dataclasses
 import itertools
 import math
 
@@ -10,7 +11,12 @@ import pytest
 from harpjax.cluster import Link, paper_submeshes
 from harpjax.compiler import plan as planner
 from harpjax.compiler.plan import MixedOptions, Plan, StageGroup, StageSpec
-from harpjax.compiler.profile import CostTables, LayerProfile, SubclusterSpec
+from harpjax.compiler.profile import (
+  CostTables,
+  LayerProfile,
+  SubclusterSpec,
+  activation_offload_time_s,
+)
 from harpjax.compiler.schedule import h1f1b_warmups, iteration_times
 from harpjax.errors import InfeasiblePlanError, PlanError
 
@@ -612,3 +618,29 @@ def test_planner_matches_brute_force_using_every_device(seed):
     return
   assert math.isclose(got.iteration_s, want, rel_tol=1e-9), (got.iteration_s, want)
   assert got.num_devices == tables.total_devices
+
+
+def test_evaluate_mixed_prices_residual_offload_like_evaluate_plan():
+  # A plain plan with residuals in host memory scores as evaluate_plan scores it; on a mixed
+  # stage each group keeps two microbatches' residuals at its rows and pays the trips.
+  B = 16
+  tables = asymmetric_tables(B, optimizer_share=0.75, offload_bps=25e9)
+  mo = MixedOptions(microbatch_rows=64)
+  res = planner.solve(tables, B, zero_levels=(0,), offload=False, offload_activations=False)
+  plain = res.plan.replace(stages=tuple(dataclasses.replace(s, offload_activations=True)
+                                        for s in res.plan.stages))
+  ev, ref = planner.evaluate_mixed(tables, plain, B, mo), planner.evaluate_plan(tables, plain, B)
+  assert ev.iteration_s == ref.iteration_s and ev.time_s == tuple(s.time_s for s in ref.stages)
+  a, v = tables.subcluster_index("a100"), tables.subcluster_index("v100")
+  sa, sv = tables.submesh_index(a, (1, 2)), tables.submesh_index(v, (2, 1))
+  base = planner.mixed_stage_cost(tables, (0, 1), [(a, sa, 48), (v, sv, 16)], mo)
+  off = planner.mixed_stage_cost(tables, (0, 1), [(a, sa, 48), (v, sv, 16)], mo,
+                                 offload_activations=True)
+  for g0, g1, k, s in zip(base.groups, off.groups, (a, v), (sa, sv)):
+    A = tables.act_mem_bytes[k][0, 1, s] * g0.rows / 64
+    assert g1.act_bytes == 0 and g1.param_bytes == pytest.approx(g0.param_bytes + 2 * A)
+    assert g1.time_s == pytest.approx(
+        g0.time_s + activation_offload_time_s(tables.act_mem_bytes[k][0, 1, s], 25e9))
+  with pytest.raises(PlanError, match="offload_activations"):
+    planner.mixed_stage_cost(asymmetric_tables(B), (0, 1), [(a, sa, 48), (v, sv, 16)], mo,
+                             offload_activations=True)
