@@ -98,7 +98,8 @@ from harpjax.compiler.plan.evaluate import PlannedStage
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
-from harpjax.compiler.plan.variants import variant_arrays
+from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
+                                           variant_arrays)
 from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
                                        warmup_delta)
@@ -746,7 +747,7 @@ class _FusedTables(CostTables):
 
 
 def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
-                 options: MixedOptions) -> CostTables:
+                 options: MixedOptions, variants: CostTables | None = None) -> CostTables:
   """The tables with ``fusion``'s virtual subcluster first, then every subcluster with the
   hosts the fusion leaves it (those left with none dropped).
 
@@ -756,6 +757,11 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
   and activation bytes ``1 / (n_max + 0.5)``, ``n_max`` the most microbatches in flight
   (``<= B``) every group holds: the DP's memory check ``p + n a <= mem`` then says exactly
   ``n <= n_max``. Cuts involving it are :func:`mixed_cut_s`'s with its rows split.
+
+  ``variants``: ``tables`` expanded into (submesh, ZeRO level, offload, residual offload)
+  variants (:func:`~harpjax.compiler.plan.variants.expand_variants`); given, the subclusters
+  left keep every variant of their shapes, so the plain stages of a plan with mixed stages
+  choose their level and offload as in a plan without (the mixed stages stay at level 0).
   """
   B = int(num_microbatches)
   options = with_table_rows(options, tables)
@@ -816,21 +822,22 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
   for x, k in enumerate(f.members):
     left[k] -= f.reserved_hosts(tables, x)
   keep = [k for k in range(K) if left[k] > 0]
+  src = tables if variants is None else variants   # the plain stages' choices
   cols = {}
   for k in keep:
-    cols[k] = [s for s, (n, m) in enumerate(tables.submeshes[k]) if n <= left[k]]
+    cols[k] = [s for s, (n, m) in enumerate(src.submeshes[k]) if n <= left[k]]
   pick = lambda arrs, k: np.ascontiguousarray(arrs[k][:, :, cols[k]])
   names = (vname,) + tuple(tables.subcluster_names[k] for k in keep)
   idx = [None] + keep   # new position -> old subcluster (None: the virtual one)
   has_end = True
-  end_arrays = [e_v] + [tables.end_time_s[k][:, :, cols[k]] if tables.end_time_s is not None
+  end_arrays = [e_v] + [src.end_time_s[k][:, :, cols[k]] if src.end_time_s is not None
                         else np.zeros((L, L, len(cols[k]))) for k in keep]
   logical = [np.ones((L, L, 1, 2), np.int64)]
   for k in keep:
-    if tables.logical_mesh is not None:
-      logical.append(np.ascontiguousarray(tables.logical_mesh[k][:, :, cols[k]]))
+    if src.logical_mesh is not None:
+      logical.append(np.ascontiguousarray(src.logical_mesh[k][:, :, cols[k]]))
     else:
-      sizes = np.array([n * m for n, m in tables.submeshes[k]])[cols[k]]
+      sizes = np.array([n * m for n, m in src.submeshes[k]])[cols[k]]
       logical.append(np.stack([np.broadcast_to(sizes, (L, L, len(cols[k]))),
                                np.ones((L, L, len(cols[k])), np.int64)], axis=-1))
   Kn = len(names)
@@ -864,12 +871,12 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
       num_layers=L, subcluster_names=names, num_hosts=(f.stages,) + tuple(left[k] for k in keep),
       devices_per_host=(1,) + tuple(tables.devices_per_host[k] for k in keep),
       device_memory_bytes=(1.0,) + tuple(tables.device_memory_bytes[k] for k in keep),
-      submeshes=(((1, 1),),) + tuple(tuple(tables.submeshes[k][s] for s in cols[k])
+      submeshes=(((1, 1),),) + tuple(tuple(src.submeshes[k][s] for s in cols[k])
                                     for k in keep),
-      stage_time_s=(t_v,) + tuple(pick(tables.stage_time_s, k) for k in keep),
-      param_mem_bytes=(np.zeros((L, L, 1)),) + tuple(pick(tables.param_mem_bytes, k)
+      stage_time_s=(t_v,) + tuple(pick(src.stage_time_s, k) for k in keep),
+      param_mem_bytes=(np.zeros((L, L, 1)),) + tuple(pick(src.param_mem_bytes, k)
                                                              for k in keep),
-      act_mem_bytes=(a_v,) + tuple(pick(tables.act_mem_bytes, k) for k in keep),
+      act_mem_bytes=(a_v,) + tuple(pick(src.act_mem_bytes, k) for k in keep),
       boundary_bytes=tables.boundary_bytes,
       intra_bandwidth_bytes_per_s=(1.0,) + tuple(tables.intra_bandwidth_bytes_per_s[k]
                                                  for k in keep),
@@ -878,6 +885,8 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
       link_latency_s=tuple(tuple(float(v) for v in r) for r in lat),
       logical_mesh=tuple(logical), peak_flops=peak, price_per_gpu_hour=price,
       end_time_s=tuple(end_arrays) if has_end else None,
+      variants=None if src.variants is None else (((0, False, False),),) + tuple(
+          tuple(src.variants[k][s] for s in cols[k]) for k in keep),
       cut_override=tuple(overrides))
 
 
@@ -909,7 +918,8 @@ def _plan_of(tables: CostTables, fused: CostTables, fusion: Fusion, result: Plan
     if st.subcluster_name != vname:
       specs.append(StageSpec(layers=(i, j), subcluster=st.subcluster_name, submesh=st.submesh,
                              logical_mesh=st.logical_mesh, warmup=st.warmup, time_s=st.time_s,
-                             comm_s=st.comm_s))
+                             comm_s=st.comm_s, zero=st.zero, offload=st.offload,
+                             offload_activations=st.offload_activations))
       continue
     groups = []
     for x, k in enumerate(fusion.members):
@@ -978,8 +988,12 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
           f.stages * f.shapes[x][0] * f.shapes[x][1]
           == f.reserved_hosts(tables, x) * tables.devices_per_host[k]
           for x, k in enumerate(f.members))]
+    expanded = None   # the plain stages' ZeRO and offload choices (mixed stages: level 0)
+    if has_variant_data(tables):
+      expanded = expand_variants(tables, VariantOptions(
+          plain.zero_levels, plain.offload, plain.offload_activations), B)
     for fusion in fusions:
-      fused = fused_tables(tables, fusion, B, mopts)
+      fused = fused_tables(tables, fusion, B, mopts, expanded)
       if not np.isfinite(fused.stage_time_s[0]).any():
         continue
       tried += 1

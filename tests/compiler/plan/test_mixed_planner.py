@@ -307,11 +307,11 @@ def test_brute_force_without_mixed_stages_is_the_plain_planner():
 
 
 def asymmetric_tables(B: int, inter_gbps: float = 100.0, optimizer_share=None,
-                      offload_bps=None) -> CostTables:
+                      offload_bps=None, params: float = 0.3e9) -> CostTables:
   """6 A100 (3 hosts x 2) + 5 V100 (5 x 1) + 3 T4 (3 x 1), a 0.3B model cut into 4 layers:
   the A100s and V100s balance two stages and leave the T4s idle. ``optimizer_share`` and
   ``offload_bps`` add the optimizer state's bytes and the host link (ZeRO and offload)."""
-  L, params, tokens, hidden = 4, 0.3e9, 8 * 1024, 2048
+  L, tokens, hidden = 4, 8 * 1024, 2048
   x = tokens * hidden * 2.0
   prof = LayerProfile(flops=np.full(L, 8 * params * tokens / L),
                       param_bytes=np.full(L, 2 * params / L),
@@ -644,3 +644,30 @@ def test_evaluate_mixed_prices_residual_offload_like_evaluate_plan():
   with pytest.raises(PlanError, match="offload_activations"):
     planner.mixed_stage_cost(asymmetric_tables(B), (0, 1), [(a, sa, 48), (v, sv, 16)], mo,
                              offload_activations=True)
+
+
+@pytest.mark.parametrize("memory, seed", [(0.3, 26), (0.5, 52)])
+def test_plain_stages_of_a_mixed_plan_choose_zero(memory, seed):
+  # Memory-tight random instances (tables with the optimizer state's bytes): the best plan
+  # has a mixed stage next to a plain stage at ZeRO > 0, strictly faster than both the best
+  # plan without mixed stages (every variant) and the best with them at level 0 only.
+  rng = np.random.default_rng(7000 + seed)
+  t0 = random_mixed_tables(rng, wide=bool(seed % 2))
+  B = int(rng.integers(2, 7))
+  t0 = dataclasses.replace(t0, device_memory_bytes=tuple(x * memory
+                                                         for x in t0.device_memory_bytes))
+  tables = dataclasses.replace(t0, opt_mem_bytes=tuple(0.75 * p for p in t0.param_mem_bytes))
+  mo = MixedOptions(microbatch_rows=4, shares="all")
+
+  def best(tb, mode):
+    try:
+      return planner.solve(tb, B, mixed_stages=mode, mixed_options=mo).iteration_s
+    except InfeasiblePlanError:
+      return math.inf
+
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+  assert got.iteration_s < min(best(tables, "off"), best(t0, "on")) * (1 - 1e-6)
+  stages = got.plan.stages
+  assert any(s.groups for s in stages) and any(s.zero for s in stages if not s.groups)
+  ev = planner.evaluate_mixed(tables, got.plan, B, mo)
+  assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
