@@ -74,11 +74,10 @@ more that one and its neighbours (``shares="speed"``), or every split (``shares=
 small microbatches).
 ``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
 the slower of their own links; ``"on"`` any pair linked both ways. The search prices the
-plans with mixed stages at ZeRO level 0 without offload (the fused tables carry no optimizer
-state's share, so neither their mixed nor their plain stages choose a level); the plan
-without mixed stages, always a candidate, is searched with the tables' variants. A plan with
-ZeRO or offload on its mixed stages (hand-made, or edited) is scored by
-:func:`evaluate_mixed`.
+mixed stages at ZeRO level 0 without offload; the plain stages around them choose their
+level and offloads from the tables' variants (:func:`fused_tables` with ``variants``), as the
+plan without mixed stages, always a candidate, does. A plan with ZeRO or offload on its mixed
+stages (hand-made, or edited) is scored by :func:`evaluate_mixed`.
 """
 
 from __future__ import annotations
