@@ -63,12 +63,13 @@ mixed groups runs no plain stage), and a split of every microbatch's rows among 
 "devices", one per mixed stage; the hosts left to each member stay a (smaller) subcluster of
 their own. :func:`fused_tables` writes those tables exactly: stage times and end costs by the
 model above, the memory of every group folded into the virtual entry (the most microbatches
-in flight every group holds), the cuts to, from and between mixed stages by the rows they
-carry (every mixed stage of a fusion splits its rows alike, so a cut depends only on the two
-subclusters and the layer, as the DP needs). :func:`solve` on them is the planner's search
+in flight every group holds), the cuts to, from and between mixed stages home to home (so a
+cut depends only on the two subclusters and the layer, as the DP needs). :func:`solve` on them is the planner's search
 over the plans whose mixed stages are the fusion's, in one contiguous run of the pipeline;
 :func:`solve_mixed` runs it for every candidate fusion and keeps the best plan, the plan
-without mixed stages always a candidate, so the result is never worse. The rows splits are
+without mixed stages always a candidate, so the result is never worse; then every pair of
+the :attr:`MixedOptions.pair_candidates` best fusions whose hosts fit together, as two
+virtual subclusters (mixed stages of two shapes in one plan). The rows splits are
 splits in whole data-parallel quanta near the speed-proportional one for two members, for
 more that one and its neighbours (``shares="speed"``), or every split (``shares="all"``,
 small microbatches).
@@ -134,6 +135,9 @@ class MixedOptions:
     shares: ``"speed"`` (splits in whole data-parallel quanta: for two members those near the
       speed-proportional one, for more the speed-proportional one and its neighbours) or
       ``"all"`` (every split of the rows; small microbatches only).
+    pair_candidates: plans with two shapes of mixed stage are searched for every pair of the
+      this many best fusions (by the plan each found alone) whose hosts do not overlap; ``0``
+      or ``1``: one shape per plan.
   """
   microbatch_rows: int | None = None
   fixed_fraction: float = 0.0
@@ -145,6 +149,7 @@ class MixedOptions:
   shares: str = "speed"
   sub_host: bool = True
   split_radius: int = 6
+  pair_candidates: int = 4
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (int(self.microbatch_rows) != self.microbatch_rows
@@ -167,6 +172,9 @@ class MixedOptions:
     if int(self.split_radius) != self.split_radius or self.split_radius < 0:
       raise PlanError(f"MixedOptions.split_radius={self.split_radius!r} must be an integer "
                       ">= 0")
+    if int(self.pair_candidates) != self.pair_candidates or self.pair_candidates < 0:
+      raise PlanError(f"MixedOptions.pair_candidates={self.pair_candidates!r} must be an "
+                      "integer >= 0")
     if self.shares not in ("speed", "all"):
       raise PlanError(f"MixedOptions.shares={self.shares!r}; choose 'speed' or 'all'")
 
@@ -745,93 +753,59 @@ class _FusedTables(CostTables):
     return out
 
 
-def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
+def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_microbatches: int,
                  options: MixedOptions, variants: CostTables | None = None) -> CostTables:
-  """The tables with ``fusion``'s virtual subcluster first, then every subcluster with the
-  hosts the fusion leaves it (those left with none dropped).
+  """The tables with a virtual subcluster per fusion first (``fusion``: one, or several of
+  other shapes), then every subcluster with the hosts the fusions leave it (those left with
+  none dropped).
 
-  The virtual subcluster has ``stages`` hosts of one device and one submesh, ``(1, 1)``: a
+  A virtual subcluster has ``stages`` hosts of one device and one submesh, ``(1, 1)``: a
   mixed stage (:meth:`Fusion.group_shape`), timed and with end costs by
   :func:`mixed_stage_cost`. Its device memory is ``1`` and an entry's parameter bytes ``0``
   and activation bytes ``1 / (n_max + 0.5)``, ``n_max`` the most microbatches in flight
   (``<= B``) every group holds: the DP's memory check ``p + n a <= mem`` then says exactly
-  ``n <= n_max``. Cuts involving it are :func:`mixed_cut_s`'s with its rows split.
+  ``n <= n_max``. Cuts involving it are :func:`mixed_cut_s`'s (home to home).
 
   ``variants``: ``tables`` expanded into (submesh, ZeRO level, offload, residual offload)
   variants (:func:`~harpjax.compiler.plan.variants.expand_variants`); given, the subclusters
   left keep every variant of their shapes, so the plain stages of a plan with mixed stages
   choose their level and offload as in a plan without (the mixed stages stay at level 0).
+
+  Raises:
+    PlanError: a fusion's rows do not add up to the microbatch's, or the fusions reserve more
+      hosts of a subcluster than it has.
   """
   B = int(num_microbatches)
   options = with_table_rows(options, tables)
   b = _rows(options)
-  alpha = options.fixed_fraction
   L, K = tables.num_layers, tables.num_subclusters
-  f = fusion
-  if sum(f.rows) != b:
-    raise PlanError(f"fusion rows {f.rows} must add up to the microbatch's {b} rows")
-  vname = f.name(tables)
-  t_v = np.full((L, L, 1), np.inf)
-  a_v = np.zeros((L, L, 1))
-  e_v = np.zeros((L, L, 1))
-  iu = np.triu(np.ones((L, L), bool))
-  ii, jj = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
-  parts = []
-  for x, k in enumerate(f.members):
-    shape = f.group_shape(x)
-    if shape not in tables.submeshes[k]:
-      parts = None
-      break
-    parts.append((k, tables.submeshes[k].index(shape), f.rows[x]))
-  if parts is not None:
-    t = np.full((L, L), -np.inf)
-    ok = iu.copy()
-    nmax = np.full((L, L), B, np.int64)
-    end = np.full((L, L), -np.inf)
-    gb = np.zeros((L, L))
-    home = parts[0][0]
-    for x, (k, s, r) in enumerate(parts):
-      T = tables.stage_time_s[k][:, :, s]
-      dp = (tables.logical_mesh[k][:, :, s, 0] if tables.logical_mesh is not None
-            else np.full((L, L), tables.submeshes[k][s][0] * tables.submeshes[k][s][1]))
-      tp = (tables.logical_mesh[k][:, :, s, 1] if tables.logical_mesh is not None
-            else np.ones((L, L), np.int64))
-      ok &= np.isfinite(T) & (r % dp == 0)
-      t = np.maximum(t, _group_time(T, r, b, alpha)
-                     + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
-      p = tables.param_mem_bytes[k][:, :, s]
-      act = tables.act_mem_bytes[k][:, :, s] * (r / b)
-      nmax = np.minimum(nmax, _max_inflight(p, act, tables.device_memory_bytes[k], B))
-      e = (tables.end_time_s[k][:, :, s] if tables.end_time_s is not None
-           else np.zeros((L, L)))
-      end = np.maximum(end, e)
-      gb = np.maximum(gb, options.grad_fraction * p * tp)
-    if options.grad_bytes is not None:
-      if len(options.grad_bytes) != L:
-        raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
-                        f"{L} layers")
-      gb = _range_sums(options.grad_bytes)
-    ok &= nmax >= 1
-    sync = _home_sync_s(tables, home, [k for k, _, _ in parts[1:]], np.where(ok, gb, 0.0))
-    t_v[:, :, 0] = np.where(ok, t, np.inf)
-    a_v[:, :, 0] = np.where(ok, 1.0 / (np.maximum(nmax, 1) + 0.5), 0.0)
-    e_v[:, :, 0] = np.where(ok, end + sync, 0.0)
+  fusions = [fusion] if isinstance(fusion, Fusion) else list(fusion)
+  F = len(fusions)
+  virtual = [_virtual_entry(tables, f, B, options) for f in fusions]
   # The subclusters with the hosts left.
   left = list(tables.num_hosts)
-  for x, k in enumerate(f.members):
-    left[k] -= f.reserved_hosts(tables, x)
+  for f in fusions:
+    for x, k in enumerate(f.members):
+      left[k] -= f.reserved_hosts(tables, x)
+  if min(left) < 0:
+    raise PlanError(f"fusions {[f.name(tables) for f in fusions]} reserve more hosts than "
+                    "their subclusters have")
   keep = [k for k in range(K) if left[k] > 0]
   src = tables if variants is None else variants   # the plain stages' choices
   cols = {}
   for k in keep:
     cols[k] = [s for s, (n, m) in enumerate(src.submeshes[k]) if n <= left[k]]
   pick = lambda arrs, k: np.ascontiguousarray(arrs[k][:, :, cols[k]])
-  names = (vname,) + tuple(tables.subcluster_names[k] for k in keep)
-  idx = [None] + keep   # new position -> old subcluster (None: the virtual one)
-  has_end = True
-  end_arrays = [e_v] + [src.end_time_s[k][:, :, cols[k]] if src.end_time_s is not None
-                        else np.zeros((L, L, len(cols[k]))) for k in keep]
-  logical = [np.ones((L, L, 1, 2), np.int64)]
+  vnames = []
+  for f in fusions:   # unique names: fusions of the same members differ in shape
+    name = f.name(tables)
+    vnames.append(name if name not in vnames else f"{name}#{len(vnames) + 1}")
+  names = tuple(vnames) + tuple(tables.subcluster_names[k] for k in keep)
+  idx = [None] * F + keep   # new position -> old subcluster (None: a virtual one)
+  end_arrays = [e for _, _, e in virtual] + [
+      src.end_time_s[k][:, :, cols[k]] if src.end_time_s is not None
+      else np.zeros((L, L, len(cols[k]))) for k in keep]
+  logical = [np.ones((L, L, 1, 2), np.int64)] * F
   for k in keep:
     if src.logical_mesh is not None:
       logical.append(np.ascontiguousarray(src.logical_mesh[k][:, :, cols[k]]))
@@ -842,8 +816,8 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
   Kn = len(names)
   bw = np.zeros((Kn, Kn))
   lat = np.zeros((Kn, Kn))
-  virtual = [(k, r) for k, r in zip(f.members, f.rows)]
-  groups_of = lambda x: virtual if idx[x] is None else [(idx[x], b)]
+  groups_of = lambda x: (list(zip(fusions[x].members, fusions[x].rows)) if idx[x] is None
+                         else [(idx[x], b)])
   overrides = []
   for x in range(Kn):
     for y in range(Kn):
@@ -858,35 +832,92 @@ def fused_tables(tables: CostTables, fusion: Fusion, num_microbatches: int,
         bw[x, y] = 1.0 if np.isfinite(arr).all() else 0.0
   peak = None
   if tables.peak_flops is not None:
-    peak = (sum(tables.peak_flops[k] * n * m
-                for k, (n, m) in zip(f.members, f.shapes)),) + tuple(tables.peak_flops[k]
-                                                               for k in keep)
+    peak = tuple(sum(tables.peak_flops[k] * n * m for k, (n, m) in zip(f.members, f.shapes))
+                 for f in fusions) + tuple(tables.peak_flops[k] for k in keep)
   price = None
   if tables.price_per_gpu_hour is not None:
-    price = (sum(tables.price_per_gpu_hour[k] * n * m
-                 for k, (n, m) in zip(f.members, f.shapes)),) + tuple(
-                     tables.price_per_gpu_hour[k] for k in keep)
+    price = tuple(sum(tables.price_per_gpu_hour[k] * n * m
+                      for k, (n, m) in zip(f.members, f.shapes))
+                  for f in fusions) + tuple(tables.price_per_gpu_hour[k] for k in keep)
   return _FusedTables(
-      num_layers=L, subcluster_names=names, num_hosts=(f.stages,) + tuple(left[k] for k in keep),
-      devices_per_host=(1,) + tuple(tables.devices_per_host[k] for k in keep),
-      device_memory_bytes=(1.0,) + tuple(tables.device_memory_bytes[k] for k in keep),
-      submeshes=(((1, 1),),) + tuple(tuple(src.submeshes[k][s] for s in cols[k])
-                                    for k in keep),
-      stage_time_s=(t_v,) + tuple(pick(src.stage_time_s, k) for k in keep),
-      param_mem_bytes=(np.zeros((L, L, 1)),) + tuple(pick(src.param_mem_bytes, k)
-                                                             for k in keep),
-      act_mem_bytes=(a_v,) + tuple(pick(src.act_mem_bytes, k) for k in keep),
+      num_layers=L, subcluster_names=names,
+      num_hosts=tuple(f.stages for f in fusions) + tuple(left[k] for k in keep),
+      devices_per_host=(1,) * F + tuple(tables.devices_per_host[k] for k in keep),
+      device_memory_bytes=(1.0,) * F + tuple(tables.device_memory_bytes[k] for k in keep),
+      submeshes=(((1, 1),),) * F + tuple(tuple(src.submeshes[k][s] for s in cols[k])
+                                         for k in keep),
+      stage_time_s=tuple(t for t, _, _ in virtual) + tuple(pick(src.stage_time_s, k)
+                                                           for k in keep),
+      param_mem_bytes=(np.zeros((L, L, 1)),) * F + tuple(pick(src.param_mem_bytes, k)
+                                                         for k in keep),
+      act_mem_bytes=tuple(a for _, a, _ in virtual) + tuple(pick(src.act_mem_bytes, k)
+                                                            for k in keep),
       boundary_bytes=tables.boundary_bytes,
-      intra_bandwidth_bytes_per_s=(1.0,) + tuple(tables.intra_bandwidth_bytes_per_s[k]
-                                                 for k in keep),
-      intra_latency_s=(0.0,) + tuple(tables.intra_latency_s[k] for k in keep),
+      intra_bandwidth_bytes_per_s=(1.0,) * F + tuple(tables.intra_bandwidth_bytes_per_s[k]
+                                                     for k in keep),
+      intra_latency_s=(0.0,) * F + tuple(tables.intra_latency_s[k] for k in keep),
       link_bandwidth_bytes_per_s=tuple(tuple(float(v) for v in r) for r in bw),
       link_latency_s=tuple(tuple(float(v) for v in r) for r in lat),
       logical_mesh=tuple(logical), peak_flops=peak, price_per_gpu_hour=price,
-      end_time_s=tuple(end_arrays) if has_end else None,
-      variants=None if src.variants is None else (((0, False, False),),) + tuple(
+      end_time_s=tuple(end_arrays),
+      variants=None if src.variants is None else (((0, False, False),),) * F + tuple(
           tuple(src.variants[k][s] for s in cols[k]) for k in keep),
       cut_override=tuple(overrides))
+
+
+def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOptions
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``(time, activation bytes, end time)`` ``[L, L, 1]`` of fusion ``f``'s virtual
+  subcluster (:func:`fused_tables`)."""
+  b = _rows(options)
+  alpha = options.fixed_fraction
+  L = tables.num_layers
+  if sum(f.rows) != b:
+    raise PlanError(f"fusion rows {f.rows} must add up to the microbatch's {b} rows")
+  t_v = np.full((L, L, 1), np.inf)
+  a_v = np.zeros((L, L, 1))
+  e_v = np.zeros((L, L, 1))
+  iu = np.triu(np.ones((L, L), bool))
+  ii, jj = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
+  parts = []
+  for x, k in enumerate(f.members):
+    shape = f.group_shape(x)
+    if shape not in tables.submeshes[k]:
+      return t_v, a_v, e_v
+    parts.append((k, tables.submeshes[k].index(shape), f.rows[x]))
+  t = np.full((L, L), -np.inf)
+  ok = iu.copy()
+  nmax = np.full((L, L), B, np.int64)
+  end = np.full((L, L), -np.inf)
+  gb = np.zeros((L, L))
+  home = parts[0][0]
+  for x, (k, s, r) in enumerate(parts):
+    T = tables.stage_time_s[k][:, :, s]
+    dp = (tables.logical_mesh[k][:, :, s, 0] if tables.logical_mesh is not None
+          else np.full((L, L), tables.submeshes[k][s][0] * tables.submeshes[k][s][1]))
+    tp = (tables.logical_mesh[k][:, :, s, 1] if tables.logical_mesh is not None
+          else np.ones((L, L), np.int64))
+    ok &= np.isfinite(T) & (r % dp == 0)
+    t = np.maximum(t, _group_time(T, r, b, alpha)
+                   + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
+    p = tables.param_mem_bytes[k][:, :, s]
+    act = tables.act_mem_bytes[k][:, :, s] * (r / b)
+    nmax = np.minimum(nmax, _max_inflight(p, act, tables.device_memory_bytes[k], B))
+    e = (tables.end_time_s[k][:, :, s] if tables.end_time_s is not None
+         else np.zeros((L, L)))
+    end = np.maximum(end, e)
+    gb = np.maximum(gb, options.grad_fraction * p * tp)
+  if options.grad_bytes is not None:
+    if len(options.grad_bytes) != L:
+      raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
+                      f"{L} layers")
+    gb = _range_sums(options.grad_bytes)
+  ok &= nmax >= 1
+  sync = _home_sync_s(tables, home, [k for k, _, _ in parts[1:]], np.where(ok, gb, 0.0))
+  t_v[:, :, 0] = np.where(ok, t, np.inf)
+  a_v[:, :, 0] = np.where(ok, 1.0 / (np.maximum(nmax, 1) + 0.5), 0.0)
+  e_v[:, :, 0] = np.where(ok, end + sync, 0.0)
+  return t_v, a_v, e_v
 
 
 def _max_inflight(p: np.ndarray, act: np.ndarray, mem: float, cap: int) -> np.ndarray:
@@ -906,20 +937,22 @@ def _max_inflight(p: np.ndarray, act: np.ndarray, mem: float, cap: int) -> np.nd
 # --------------------------------------------------------------------------- the search
 
 
-def _plan_of(tables: CostTables, fused: CostTables, fusion: Fusion, result: PlanResult,
-             options: MixedOptions) -> tuple[StageSpec, ...]:
-  """The real stages of a plan found on :func:`fused_tables`."""
-  vname = fusion.name(tables)
+def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
+             result: PlanResult, options: MixedOptions) -> tuple[StageSpec, ...]:
+  """The real stages of a plan found on :func:`fused_tables` of ``fusions`` (the fused
+  tables' first subclusters, in order)."""
+  options = with_table_rows(options, tables)
   b = _rows(options)
   specs = []
   for st in result.stages:
     i, j = st.layers
-    if st.subcluster_name != vname:
+    if st.subcluster >= len(fusions):
       specs.append(StageSpec(layers=(i, j), subcluster=st.subcluster_name, submesh=st.submesh,
                              logical_mesh=st.logical_mesh, warmup=st.warmup, time_s=st.time_s,
                              comm_s=st.comm_s, zero=st.zero, offload=st.offload,
                              offload_activations=st.offload_activations))
       continue
+    fusion = fusions[st.subcluster]
     groups = []
     for x, k in enumerate(fusion.members):
       shape = fusion.group_shape(x)
@@ -991,6 +1024,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     if has_variant_data(tables):
       expanded = expand_variants(tables, VariantOptions(
           plain.zero_levels, plain.offload, plain.offload_activations), B)
+    mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
     for fusion in fusions:
       fused = fused_tables(tables, fusion, B, mopts, expanded)
       if not np.isfinite(fused.stage_time_s[0]).any():
@@ -1004,10 +1038,28 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       if not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
       found += 1
+      mixed_plans.append((_value(res), len(mixed_plans), fusion))
       if best is None or _value(res) < _value(best):
-        best, chosen = res, (fusion, fused)
-    log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, "
-             "%.2f s", len(fusions), tried, found, time.perf_counter() - start)
+        best, chosen = res, ((fusion,), fused)
+    # Two shapes of mixed stage in one plan: pairs of the best fusions that leave each other
+    # the hosts they reserve.
+    top = [f for _, _, f in sorted(mixed_plans)[:mopts.pair_candidates]]
+    pairs = 0
+    for f1, f2 in itertools.combinations(top, 2):
+      try:
+        fused = fused_tables(tables, (f1, f2), B, mopts, expanded)
+      except PlanError:
+        continue   # together they need more hosts than there are
+      pairs += 1
+      try:
+        res = solve(fused, B, options=plain)
+      except InfeasiblePlanError:
+        continue
+      proofs.append(res.stats.proved)
+      if {0, 1} <= {s.subcluster for s in res.stages} and _value(res) < _value(best):
+        best, chosen = res, ((f1, f2), fused)
+    log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, %d "
+             "pairs, %.2f s", len(fusions), tried, found, pairs, time.perf_counter() - start)
     if chosen is not None:
       best = _mixed_result(tables, B, options, mopts, best, *chosen, start,
                            len(fusions))
@@ -1018,10 +1070,10 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
 
 
 def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: MixedOptions,
-                  res: PlanResult, fusion: Fusion, fused: CostTables, start: float,
+                  res: PlanResult, fusions: tuple, fused: CostTables, start: float,
                   num_fusions: int) -> PlanResult:
   """The result found on fused tables, in terms of the real tables."""
-  specs = _plan_of(tables, fused, fusion, res, mopts)
+  specs = _plan_of(tables, fused, fusions, res, mopts)
   ev = evaluate_mixed(tables, specs, B, mopts, eps=options.eps,
                       fwd_fraction=options.fwd_fraction)
   # The fused tables and the evaluator must agree (an internal invariant: the same

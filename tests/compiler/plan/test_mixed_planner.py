@@ -275,7 +275,8 @@ def test_planner_matches_brute_force_with_mixed_stages(seed):
   tables = random_mixed_tables(rng, K=2, wide=True) if seed >= 30 else random_mixed_tables(rng)
   B = int(rng.integers(2, 7))
   mo = MixedOptions(microbatch_rows=int(rng.choice([2, 3, 4])), shares="all",
-                    max_hosts_per_group=2, fixed_fraction=float(rng.choice([0.0, 0.1])))
+                    max_hosts_per_group=2, fixed_fraction=float(rng.choice([0.0, 0.1])),
+                    pair_candidates=0)   # the oracle's plans: one shape of mixed stage
   want, _ = brute_force_mixed(tables, B, mo)
   plain, _ = brute_force_mixed(tables, B, mo, mixed=False)
   try:
@@ -608,7 +609,8 @@ def test_planner_matches_brute_force_using_every_device(seed):
   rng = np.random.default_rng(3000 + seed)
   tables = random_mixed_tables(rng, K=2, wide=seed % 2 == 1)
   B = int(rng.integers(2, 7))
-  mo = MixedOptions(microbatch_rows=int(rng.choice([2, 4])), shares="all")
+  mo = MixedOptions(microbatch_rows=int(rng.choice([2, 4])), shares="all",
+                    pair_candidates=0)   # the oracle's plans: one shape of mixed stage
   want, _ = brute_force_mixed(tables, B, mo, use_all=True)
   try:
     got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo,
@@ -671,3 +673,24 @@ def test_plain_stages_of_a_mixed_plan_choose_zero(memory, seed):
   assert any(s.groups for s in stages) and any(s.zero for s in stages if not s.groups)
   ev = planner.evaluate_mixed(tables, got.plan, B, mo)
   assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
+
+
+@pytest.mark.parametrize("seed", [35, 92])
+def test_two_shapes_of_mixed_stage_in_one_plan(seed):
+  # Three subclusters: the best plan has mixed stages of two shapes (two fusions), strictly
+  # faster than the best with one shape; the evaluator agrees with the search to the bit.
+  rng = np.random.default_rng(9000 + seed)
+  tables = random_mixed_tables(rng, K=3, wide=not seed % 3)
+  B = int(rng.integers(2, 7))
+  one = MixedOptions(microbatch_rows=4, shares="all", pair_candidates=0)
+  two = dataclasses.replace(one, pair_candidates=6)
+  single = planner.solve(tables, B, mixed_stages="on", mixed_options=one)
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=two)
+  assert got.iteration_s < single.iteration_s * (1 - 1e-6)
+  shapes = {tuple((g.subcluster, g.submesh) for g in s.all_groups)
+            for s in got.plan.stages if s.groups}
+  assert len(shapes) == 2, got.plan.table()
+  ev = planner.evaluate_mixed(tables, got.plan, B, two)
+  assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s == got.iteration_s
+  with pytest.raises(PlanError, match="pair_candidates"):
+    MixedOptions(pair_candidates=-1)
