@@ -62,17 +62,17 @@ mixed groups runs no plain stage), and a split of every microbatch's rows among 
 (``rows``), up to ``stages`` such stages. It becomes a virtual subcluster of ``stages``
 "devices", one per mixed stage; the hosts left to each member stay a (smaller) subcluster of
 their own. :func:`fused_tables` writes those tables exactly: stage times and end costs by the
-model above, the memory of every group folded into the virtual entry (the most microbatches
-in flight every group holds), the cuts to, from and between mixed stages home to home (so a
-cut depends only on the two subclusters and the layer, as the DP needs). :func:`solve` on them is the planner's search
-over the plans whose mixed stages are the fusion's, in one contiguous run of the pipeline;
-:func:`solve_mixed` runs it for every candidate fusion and keeps the best plan, the plan
-without mixed stages always a candidate, so the result is never worse; then every pair of
-the :attr:`MixedOptions.pair_candidates` best fusions whose hosts fit together, as two
-virtual subclusters (mixed stages of two shapes in one plan). The rows splits are
-splits in whole data-parallel quanta near the speed-proportional one for two members, for
-more that one and its neighbours (``shares="speed"``), or every split (``shares="all"``,
-small microbatches).
+model above, the memory of every group folded into the virtual entry (the most microbatches in
+flight every group holds), the cuts to, from and between mixed stages home to home (so a cut
+depends only on the two subclusters and the layer, as the DP needs). :func:`solve` on them is
+the planner's search over the plans whose mixed stages are the fusion's, in one contiguous run
+of the pipeline; :func:`solve_mixed` runs it for every candidate fusion and keeps the best
+plan, the plan without mixed stages always a candidate, so the result is never worse; then
+every pair of the :attr:`MixedOptions.pair_candidates` best fusions whose hosts fit together,
+as two virtual subclusters (mixed stages of two shapes in one plan). The rows splits are splits
+in whole data-parallel quanta near the speed-proportional one for two members, for more that
+one and its neighbours (``shares="speed"``), or every split (``shares="all"``, small
+microbatches).
 ``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
 the slower of their own links; ``"on"`` any pair linked both ways. The search prices the
 mixed stages at ZeRO level 0 without offload; the plain stages around them choose their
