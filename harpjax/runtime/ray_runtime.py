@@ -228,18 +228,7 @@ class RayBackend:
       actors, key = [], None
       for host, n in members:
         env = _actor_env(n, self.gpu, {**group_env, **dict(opts.actor_env or {})})
-        actor_opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=16,
-                                          runtime_env={"env_vars": env})
-        if self.gpu:
-          actor_opts["num_gpus"] = n
-        if self.pin:
-          res = HOST_RESOURCE_PREFIX + host
-          if res not in resources:
-            raise HarpjaxError(f"stage {spec.stage} runs on host {host!r}, but no Ray node "
-                               f"advertises the resource {res!r}; start each node with "
-                               f"--resources='{{\"{res}\": 1}}' (docker/launch.sh) or pass "
-                               "pin_hosts=False")
-          actor_opts["resources"] = {res: 0.001}
+        actor_opts = self._actor_options(env, n, host, resources, 16, f"stage {spec.stage}")
         actor = None
         # A group's processes join a jax.distributed world: they are not reused; nor are
         # those of a stage that drives groups in processes of their own.
@@ -262,6 +251,24 @@ class RayBackend:
              ", pinned to hosts" if self.pin else "",
              f"; stages {groups} as groups of one process per host" if groups else "")
 
+  def _actor_options(self, env: dict, n: int, host: str, resources: dict,
+                     concurrency: int, who: str) -> dict[str, Any]:
+    """Ray options of an actor with ``n`` devices on ``host`` (its GPUs, its host's resource
+    when actors are pinned)."""
+    out: dict[str, Any] = dict(num_cpus=0, max_concurrency=concurrency,
+                               runtime_env={"env_vars": env})
+    if self.gpu:
+      out["num_gpus"] = n
+    if self.pin:
+      res = HOST_RESOURCE_PREFIX + host
+      if res not in resources:
+        raise HarpjaxError(f"{who} runs on host {host!r}, but no Ray node advertises the "
+                           f"resource {res!r}; start each node with "
+                           f"--resources='{{\"{res}\": 1}}' (docker/launch.sh) or pass "
+                           "pin_hosts=False")
+      out["resources"] = {res: 0.001}
+    return out
+
   def _start_group_workers(self, specs, resources) -> None:
     """Starts and builds an actor for each group of a mixed-type stage that runs in a process
     of its own (one call at a time: the stage's actor relies on their order)."""
@@ -274,18 +281,8 @@ class RayBackend:
         n = split.groups[g].num_devices
         host = self.group_hosts[(spec.stage, g)]
         env = _actor_env(n, self.gpu, dict(opts.actor_env or {}))
-        actor_opts: dict[str, Any] = dict(num_cpus=0, max_concurrency=1,
-                                          runtime_env={"env_vars": env})
-        if self.gpu:
-          actor_opts["num_gpus"] = n
-        if self.pin:
-          res = HOST_RESOURCE_PREFIX + host
-          if res not in resources:
-            raise HarpjaxError(f"group {g} of stage {spec.stage} runs on host {host!r}, but "
-                               f"no Ray node advertises the resource {res!r}; start each node "
-                               f"with --resources='{{\"{res}\": 1}}' (docker/launch.sh) or "
-                               "pass pin_hosts=False")
-          actor_opts["resources"] = {res: 0.001}
+        actor_opts = self._actor_options(env, n, host, resources, 1,
+                                         f"group {g} of stage {spec.stage}")
         actor = cls.options(**actor_opts).remote()
         self.group_actors.setdefault(spec.stage, {})[g] = actor
         builds.append((spec.stage, actor.build.remote(spec, g)))

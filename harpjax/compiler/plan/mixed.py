@@ -1024,18 +1024,23 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     if has_variant_data(tables):
       expanded = expand_variants(tables, VariantOptions(
           plain.zero_levels, plain.offload, plain.offload_activations), B)
+
+    def attempt(fused: CostTables) -> PlanResult | None:
+      try:
+        res = solve(fused, B, options=plain)
+      except InfeasiblePlanError:
+        return None
+      proofs.append(res.stats.proved)
+      return res
+
     mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
     for fusion in fusions:
       fused = fused_tables(tables, fusion, B, mopts, expanded)
       if not np.isfinite(fused.stage_time_s[0]).any():
         continue
       tried += 1
-      try:
-        res = solve(fused, B, options=plain)
-      except InfeasiblePlanError:
-        continue
-      proofs.append(res.stats.proved)
-      if not any(s.subcluster == 0 for s in res.stages):
+      res = attempt(fused)
+      if res is None or not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
       found += 1
       mixed_plans.append((_value(res), len(mixed_plans), fusion))
@@ -1051,12 +1056,9 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       except PlanError:
         continue   # together they need more hosts than there are
       pairs += 1
-      try:
-        res = solve(fused, B, options=plain)
-      except InfeasiblePlanError:
-        continue
-      proofs.append(res.stats.proved)
-      if {0, 1} <= {s.subcluster for s in res.stages} and _value(res) < _value(best):
+      res = attempt(fused)
+      if res is not None and {0, 1} <= {s.subcluster for s in res.stages} \
+          and _value(res) < _value(best):
         best, chosen = res, ((f1, f2), fused)
     log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, %d "
              "pairs, %.2f s", len(fusions), tried, found, pairs, time.perf_counter() - start)
