@@ -116,12 +116,11 @@ def test_zero_levels_match_jit_float64_and_split_the_state(x64, name, caplog):
       assert par_held == par_whole, (spec, par_held, par_whole)
 
   # The memory model's peak per device against XLA's account of the compiled stage (within 6%
-  # on these, 9.4% at most in benchmarks/memory.py; the bound leaves room for other XLA
-  # versions' buffer assignment).
+  # on these, 9.4% at most in benchmarks/memory.py).
   cs = pstep.compile(case.state, case.batches[0])
   for s in range(cs.num_stages):
     report = memory_report(cs, s)
-    assert abs(report.error) <= 0.15, (s, report.phases, report.predicted)
+    assert abs(report.error) <= 0.10, (s, report.phases, report.predicted)
 
 
 def test_optimizer_state_offloaded_to_host_memory_float64(x64, caplog):
@@ -157,7 +156,7 @@ def test_optimizer_state_offloaded_to_host_memory_float64(x64, caplog):
   assert r1.predicted.pipeline_bytes(n) == on_device.pipeline_bytes(n) - on_device.opt_bytes
   assert r1.predicted.update_bytes() == on_device.update_bytes()
   for r in (r0, r1):
-    assert abs(r.error) <= 0.15, (r.stage, r.phases, r.predicted)
+    assert abs(r.error) <= 0.10, (r.stage, r.phases, r.predicted)
 
 
 def test_offload_chosen_in_the_plan_float64(x64):
@@ -292,7 +291,7 @@ def test_residuals_offloaded_to_host_memory_float64(x64, runtime, monkeypatch):
     cs = pstep.compile(case.state, case.batches[0])
     for s in range(cs.num_stages):   # the model counts at most two residuals on the devices
       report = memory_report(cs, s)
-      assert report.predicted.act_offloaded and abs(report.error) <= 0.15, (s, report.phases)
+      assert report.predicted.act_offloaded and abs(report.error) <= 0.10, (s, report.phases)
 
 
 def test_residuals_offloaded_where_the_plan_says_float64(x64, monkeypatch):
@@ -327,7 +326,7 @@ def test_residuals_offloaded_where_the_plan_says_float64(x64, monkeypatch):
   assert n == 3
   assert r0.predicted.pipeline_bytes(n) == on_device.pipeline_bytes(n) - on_device.act_bytes
   for r in (r0, r1):
-    assert abs(r.error) <= 0.15, (r.stage, r.phases, r.predicted)
+    assert abs(r.error) <= 0.10, (r.stage, r.phases, r.predicted)
 
 
 def test_planner_keeps_residuals_in_host_memory_on_small_devices_float64(x64, tmp_path):
@@ -405,4 +404,6 @@ links:
   for s in chosen:
     report = memory_report(cs, s)
     assert report.predicted.act_offloaded and report.in_flight > 2, (s, report.in_flight)
+    # A stage of 5 KiB of parameters: the forward's inputs and temporaries, which the model
+    # leaves out, are a tenth of its peak here (-11%); the other checks hold 10%.
     assert abs(report.error) <= 0.15, (s, report.phases, report.predicted)
