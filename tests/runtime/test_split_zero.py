@@ -10,16 +10,14 @@ mutable collection is a batch mean, with SGD and momentum; one case on the Ray r
 """
 
 import dataclasses
-import logging
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import harpjax
-from tests import zoo
 from tests.equivalence import DEMO_CLUSTER, max_rel_err
+from tests.runtime.test_zero import _case, train_twice_like_jit
 
 RTOL = 1e-10
 B = 2   # 8 rows per microbatch
@@ -31,16 +29,6 @@ CASES = {
     "adafactor:z3": ("adafactor", 1, 3, False),
     "adamw:z2+offload": ("loop", 1, 2, True),
 }
-
-
-def _case(name):
-  if name == "batch_stats":
-    return zoo.batch_stats()
-  if name == "adafactor":
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adafactor(1e-2, min_dim_size_to_factor=8))
-    return zoo.linen("loop", tx)
-  return zoo.linen(name)
 
 
 def mixed_zero_plan(num_layers: int, zero: int, offload: bool):
@@ -71,26 +59,8 @@ def _big(tree) -> list:
 
 
 def _train(case, plan, caplog, **kw):
-  """Two steps pipelined and under ``jax.jit``; asserts equal outputs and that the second
-  pipelined step compiles nothing. Returns the step and its last output."""
-  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
-                                **kw)
-  ref = jax.jit(case.step)
-  s_ref = s_par = case.state
-  for i, batch in enumerate(case.batches[:2]):
-    if i == 1:   # the state comes back in the shardings the step was compiled for
-      caplog.clear()
-      with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        out_par = jax.block_until_ready(pstep(s_par, batch))
-      compiled = [r.getMessage()[:90] for r in caplog.records if "Compiling" in r.getMessage()]
-      assert not compiled, compiled
-    else:
-      out_par = pstep(s_par, batch)
-    out_ref = ref(s_ref, batch)
-    err = max_rel_err(out_ref, out_par)
-    assert err <= RTOL, f"step {i}: {err:.3g}"
-    s_ref, s_par = out_ref[0], out_par[0]
-  return pstep, out_par
+  """Two steps pipelined and under ``jax.jit`` (equal outputs, nothing compiled again)."""
+  return train_twice_like_jit(case, plan, caplog, B, RTOL, **kw)
 
 
 def _num_layers(case):

@@ -52,6 +52,30 @@ def zero_plan(num_layers, stages):
       for r, (sc, sm, lm, z) in zip(ranges, stages)]), meta={"layers": "auto"})
 
 
+def train_twice_like_jit(case, plan, caplog, num_microbatches: int, rtol: float, **kw):
+  """Two steps pipelined and under ``jax.jit``: asserts equal outputs (``rtol``) and that the
+  second pipelined step compiles nothing (the state comes back in the shardings the step was
+  compiled for). Returns the step and its last output."""
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER,
+                                num_microbatches=num_microbatches, plan=plan, **kw)
+  ref = jax.jit(case.step)
+  s_ref = s_par = case.state
+  for i, batch in enumerate(case.batches[:2]):
+    if i == 1:
+      caplog.clear()
+      with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        out_par = jax.block_until_ready(pstep(s_par, batch))
+      compiled = [r.getMessage()[:90] for r in caplog.records if "Compiling" in r.getMessage()]
+      assert not compiled, compiled
+    else:
+      out_par = pstep(s_par, batch)
+    out_ref = ref(s_ref, batch)
+    err = max_rel_err(out_ref, out_par)
+    assert err <= rtol, f"step {i}: {err:.3g}"
+    s_ref, s_par = out_ref[0], out_par[0]
+  return pstep, out_par
+
+
 def per_device_bytes(tree) -> dict:
   """Device -> bytes of ``tree``'s array leaves held on it."""
   out: dict = {}
@@ -82,22 +106,8 @@ def test_zero_levels_match_jit_float64_and_split_the_state(x64, name, caplog):
   case = _case(model)
   probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B)
   plan = zero_plan(len(probe.trace(case.state, case.batches[0]).layers), stages)
-  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
-  ref = jax.jit(case.step)
-  s_ref = s_par = case.state
-  for i, batch in enumerate(case.batches[:2]):
-    if i == 1:   # the state comes back in the shardings the step was compiled for
-      caplog.clear()
-      with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        out_par = jax.block_until_ready(pstep(s_par, batch))
-      compiled = [r.getMessage()[:90] for r in caplog.records if "Compiling" in r.getMessage()]
-      assert not compiled, compiled
-    else:
-      out_par = pstep(s_par, batch)
-    out_ref = ref(s_ref, batch)
-    err = max_rel_err(out_ref, out_par)
-    assert err <= RTOL, f"step {i}: {err:.3g}"
-    s_ref, s_par = out_ref[0], out_par[0]
+  pstep, out_par = train_twice_like_jit(case, plan, caplog, B, RTOL)
+  s_par = out_par[0]
 
   # Bytes per device: the optimizer state from ZeRO-1 on, the parameters at ZeRO-3, split dp
   # ways (a few small leaves do not divide: a [5] bias on dp = 4 stays whole).
@@ -209,6 +219,30 @@ def test_offload_options_and_devices_without_host_memory():
     harpjax.auto_parallel(lambda s, b: s, cluster=DEMO_CLUSTER, offload=True)
 
 
+def small_cluster(tmp_path, memory_bytes: float, host_memory_gbps=None) -> str:
+  """The demo cluster's shape (4 V100 on one host, 2 hosts of 2 A100) with devices of
+  ``memory_bytes`` each (and a link to host memory), as a cluster file."""
+  gib = memory_bytes / 2**30
+  host = f" host_memory_gbps: {host_memory_gbps}," if host_memory_gbps else ""
+  path = tmp_path / f"small_{memory_bytes:.0f}_{host_memory_gbps}.yaml"
+  path.write_text(f"""name: small
+gpus:
+  - {{name: small-v100, tflops: 125, memory_gb: {gib!r}, mem_bandwidth_gbs: 900,
+      intra_host_gbps: 2400}}
+  - {{name: small-a100, tflops: 312, memory_gb: {gib!r}, mem_bandwidth_gbs: 1555,
+      intra_host_gbps: 4800}}
+subclusters:
+  - {{name: v100, gpu: small-v100, hosts: 1, devices_per_host: 4,{host}
+      nics: [{{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
+  - {{name: a100, gpu: small-a100, hosts: 2, devices_per_host: 2,{host}
+      nics: [{{name: ib0, kind: rdma, gbps: 200, network: a100-ib}},
+             {{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
+links:
+  - {{between: [v100, a100], gbps: 5}}
+""")
+  return str(path)
+
+
 def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
   # The automatic path with the optimizer state in the cost tables
   # (ProfileOptions.optimizer_bytes_per_param) on devices with too little memory for any plan
@@ -220,25 +254,7 @@ def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
   popts = ProfileOptions(use_cache=False, progress=False, state_bytes_per_param=32.0,
                          optimizer_bytes_per_param=16.0)   # float64 Adam: 8 + 8 + 16
 
-  def cluster_file(memory_bytes):
-    path = tmp_path / f"small_{memory_bytes:.0f}.yaml"
-    gib = memory_bytes / 2**30
-    path.write_text(f"""name: small
-gpus:
-  - {{name: small-v100, tflops: 125, memory_gb: {gib!r}, mem_bandwidth_gbs: 900,
-      intra_host_gbps: 2400}}
-  - {{name: small-a100, tflops: 312, memory_gb: {gib!r}, mem_bandwidth_gbs: 1555,
-      intra_host_gbps: 4800}}
-subclusters:
-  - {{name: v100, gpu: small-v100, hosts: 1, devices_per_host: 4,
-      nics: [{{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
-  - {{name: a100, gpu: small-a100, hosts: 2, devices_per_host: 2,
-      nics: [{{name: ib0, kind: rdma, gbps: 200, network: a100-ib}},
-             {{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
-links:
-  - {{between: [v100, a100], gbps: 5}}
-""")
-    return str(path)
+  cluster_file = lambda memory_bytes: small_cluster(tmp_path, memory_bytes)
 
   def plans(memory_bytes, **kw):
     path = cluster_file(memory_bytes)
@@ -265,15 +281,21 @@ links:
   assert max_rel_err(out_ref, out_par) <= RTOL
 
 
-@pytest.mark.parametrize("runtime", ["local", "ray"])
-def test_residuals_offloaded_to_host_memory_float64(x64, runtime, monkeypatch):
-  # Every stage keeps each microbatch's residuals in host memory between its forward and its
-  # backward: jax.jit's numbers, and every residual waiting for its backward is in host memory.
+def _spy_host_residuals(monkeypatch) -> list:
+  """Every residual the interpreter moves to host memory, as it is there."""
   from harpjax.runtime import interpreter
   seen = []
   real = interpreter.StageRun._to_host
   monkeypatch.setattr(interpreter.StageRun, "_to_host",
                       staticmethod(lambda x: seen.append(real(x)) or seen[-1]))
+  return seen
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_residuals_offloaded_to_host_memory_float64(x64, runtime, monkeypatch):
+  # Every stage keeps each microbatch's residuals in host memory between its forward and its
+  # backward: jax.jit's numbers, and every residual waiting for its backward is in host memory.
+  seen = _spy_host_residuals(monkeypatch)
   case = _case("loop")
   plan = zero_plan(6, [("v100", (1, 2), (2, 1), 0), ("a100", (1, 2), (2, 1), 1)])
   kw = {"runtime": "ray", "runtime_options": {"num_cpus": 2}} if runtime == "ray" else {}
@@ -300,11 +322,7 @@ def test_residuals_offloaded_where_the_plan_says_float64(x64, monkeypatch):
   # jax.jit's numbers, only stage 0's residuals go to host memory, and the memory model (two
   # microbatches' residuals on stage 0's devices instead of three) is within 15% of XLA's
   # account.
-  from harpjax.runtime import interpreter
-  seen = []
-  real = interpreter.StageRun._to_host
-  monkeypatch.setattr(interpreter.StageRun, "_to_host",
-                      staticmethod(lambda x: seen.append(real(x)) or seen[-1]))
+  seen = _spy_host_residuals(monkeypatch)
   case = _case("loop")
   plan = zero_plan(6, [("v100", (1, 2), (2, 1), 0), ("a100", (1, 2), (2, 1), 1)])
   plan = dataclasses.replace(plan, stages=(dataclasses.replace(
@@ -342,25 +360,8 @@ def test_planner_keeps_residuals_in_host_memory_on_small_devices_float64(x64, tm
   popts = ProfileOptions(use_cache=False, progress=False, state_bytes_per_param=32.0,
                          optimizer_bytes_per_param=None)   # no ZeRO: the residuals alone
 
-  def cluster_file(memory_bytes):
-    path = tmp_path / f"host_{memory_bytes:.0f}.yaml"
-    gib = memory_bytes / 2**30
-    path.write_text(f"""name: small
-gpus:
-  - {{name: small-v100, tflops: 125, memory_gb: {gib!r}, mem_bandwidth_gbs: 900,
-      intra_host_gbps: 2400}}
-  - {{name: small-a100, tflops: 312, memory_gb: {gib!r}, mem_bandwidth_gbs: 1555,
-      intra_host_gbps: 4800}}
-subclusters:
-  - {{name: v100, gpu: small-v100, hosts: 1, devices_per_host: 4, host_memory_gbps: 100,
-      nics: [{{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
-  - {{name: a100, gpu: small-a100, hosts: 2, devices_per_host: 2, host_memory_gbps: 100,
-      nics: [{{name: ib0, kind: rdma, gbps: 200, network: a100-ib}},
-             {{name: eth0, kind: ethernet, gbps: 10, network: dc}}]}}
-links:
-  - {{between: [v100, a100], gbps: 5}}
-""")
-    return str(path)
+  cluster_file = lambda memory_bytes: small_cluster(tmp_path, memory_bytes,
+                                                    host_memory_gbps=100)
 
   def tables_at(memory_bytes):
     return profile_step(case.step, (case.state, case.batches[0]),
