@@ -74,11 +74,12 @@ in whole data-parallel quanta near the speed-proportional one for two members, f
 one and its neighbours (``shares="speed"``), or every split (``shares="all"``, small
 microbatches).
 ``"auto"`` fuses only subclusters whose link is at least ``min_link_ratio`` times as fast as
-the slower of their own links; ``"on"`` any pair linked both ways. The search prices the
-mixed stages at ZeRO level 0 without offload; the plain stages around them choose their
-level and offloads from the tables' variants (:func:`fused_tables` with ``variants``), as the
-plan without mixed stages, always a candidate, does. A plan with ZeRO or offload on its mixed
-stages (hand-made, or edited) is scored by :func:`evaluate_mixed`.
+the slower of their own links; ``"on"`` any pair linked both ways. With the tables'
+``opt_mem_bytes`` the mixed stages choose their ZeRO level (one virtual choice per level,
+without offload), and the plain stages around them their level and offloads from the tables'
+variants (:func:`fused_tables` with ``variants``), as the plan without mixed stages, always a
+candidate, does. A plan with offload on its mixed stages (hand-made, or edited) is scored by
+:func:`evaluate_mixed`.
 """
 
 from __future__ import annotations
@@ -754,7 +755,8 @@ class _FusedTables(CostTables):
 
 
 def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_microbatches: int,
-                 options: MixedOptions, variants: CostTables | None = None) -> CostTables:
+                 options: MixedOptions, variants: CostTables | None = None,
+                 zero_levels: Sequence[int] = (0,)) -> CostTables:
   """The tables with a virtual subcluster per fusion first (``fusion``: one, or several of
   other shapes), then every subcluster with the hosts the fusions leave it (those left with
   none dropped).
@@ -769,7 +771,9 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
   ``variants``: ``tables`` expanded into (submesh, ZeRO level, offload, residual offload)
   variants (:func:`~harpjax.compiler.plan.variants.expand_variants`); given, the subclusters
   left keep every variant of their shapes, so the plain stages of a plan with mixed stages
-  choose their level and offload as in a plan without (the mixed stages stay at level 0).
+  choose their level and offload as in a plan without. ``zero_levels``: the ZeRO levels a
+  mixed stage may use (a level above 0 needs the tables' ``opt_mem_bytes``): the virtual
+  subcluster then has one ``(1, 1)`` choice per level, labelled as a variant.
 
   Raises:
     PlanError: a fusion's rows do not add up to the microbatch's, or the fusions reserve more
@@ -781,7 +785,14 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
   L, K = tables.num_layers, tables.num_subclusters
   fusions = [fusion] if isinstance(fusion, Fusion) else list(fusion)
   F = len(fusions)
-  virtual = [_virtual_entry(tables, f, B, options) for f in fusions]
+  levels = tuple(sorted({int(z) for z in zero_levels}))
+  if tables.opt_mem_bytes is None:
+    levels = (0,)
+  Z = len(levels)
+  virtual = []
+  for f in fusions:
+    entries = [_virtual_entry(tables, f, B, options, z) for z in levels]
+    virtual.append(tuple(np.concatenate([e[n] for e in entries], axis=2) for n in range(3)))
   # The subclusters with the hosts left.
   left = list(tables.num_hosts)
   for f in fusions:
@@ -805,7 +816,7 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
   end_arrays = [e for _, _, e in virtual] + [
       src.end_time_s[k][:, :, cols[k]] if src.end_time_s is not None
       else np.zeros((L, L, len(cols[k]))) for k in keep]
-  logical = [np.ones((L, L, 1, 2), np.int64)] * F
+  logical = [np.ones((L, L, Z, 2), np.int64)] * F
   for k in keep:
     if src.logical_mesh is not None:
       logical.append(np.ascontiguousarray(src.logical_mesh[k][:, :, cols[k]]))
@@ -844,11 +855,11 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
       num_hosts=tuple(f.stages for f in fusions) + tuple(left[k] for k in keep),
       devices_per_host=(1,) * F + tuple(tables.devices_per_host[k] for k in keep),
       device_memory_bytes=(1.0,) * F + tuple(tables.device_memory_bytes[k] for k in keep),
-      submeshes=(((1, 1),),) * F + tuple(tuple(src.submeshes[k][s] for s in cols[k])
-                                         for k in keep),
+      submeshes=(((1, 1),) * Z,) * F + tuple(tuple(src.submeshes[k][s] for s in cols[k])
+                                               for k in keep),
       stage_time_s=tuple(t for t, _, _ in virtual) + tuple(pick(src.stage_time_s, k)
                                                            for k in keep),
-      param_mem_bytes=(np.zeros((L, L, 1)),) * F + tuple(pick(src.param_mem_bytes, k)
+      param_mem_bytes=(np.zeros((L, L, Z)),) * F + tuple(pick(src.param_mem_bytes, k)
                                                          for k in keep),
       act_mem_bytes=tuple(a for _, a, _ in virtual) + tuple(pick(src.act_mem_bytes, k)
                                                             for k in keep),
@@ -860,15 +871,18 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
       link_latency_s=tuple(tuple(float(v) for v in r) for r in lat),
       logical_mesh=tuple(logical), peak_flops=peak, price_per_gpu_hour=price,
       end_time_s=tuple(end_arrays),
-      variants=None if src.variants is None else (((0, False, False),),) * F + tuple(
-          tuple(src.variants[k][s] for s in cols[k]) for k in keep),
+      variants=None if src.variants is None and Z == 1 else (
+          (tuple((z, False, False) for z in levels),) * F
+          + tuple(tuple(src.variants[k][s] for s in cols[k]) if src.variants is not None
+                  else ((0, False, False),) * len(cols[k]) for k in keep)),
       cut_override=tuple(overrides))
 
 
-def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOptions
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOptions,
+                   zero: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """``(time, activation bytes, end time)`` ``[L, L, 1]`` of fusion ``f``'s virtual
-  subcluster (:func:`fused_tables`)."""
+  subcluster (:func:`fused_tables`), its mixed stages at ZeRO level ``zero`` (every group
+  by its entry's variant, as :func:`mixed_stage_cost` prices it)."""
   b = _rows(options)
   alpha = options.fixed_fraction
   L = tables.num_layers
@@ -898,15 +912,19 @@ def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOption
     tp = (tables.logical_mesh[k][:, :, s, 1] if tables.logical_mesh is not None
           else np.ones((L, L), np.int64))
     ok &= np.isfinite(T) & (r % dp == 0)
-    t = np.maximum(t, _group_time(T, r, b, alpha)
-                   + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
-    p = tables.param_mem_bytes[k][:, :, s]
-    act = tables.act_mem_bytes[k][:, :, s] * (r / b)
-    nmax = np.minimum(nmax, _max_inflight(p, act, tables.device_memory_bytes[k], B))
+    p0 = tables.param_mem_bytes[k][:, :, s]
     e = (tables.end_time_s[k][:, :, s] if tables.end_time_s is not None
          else np.zeros((L, L)))
+    T_g, p, act = _group_time(T, r, b, alpha), p0, tables.act_mem_bytes[k][:, :, s]
+    if zero:
+      tz, pz, az, ez, _ = variant_arrays(tables, k, zero, False)
+      with np.errstate(invalid="ignore"):
+        T_g = T_g + np.where(np.isfinite(T), tz[:, :, s] - T, 0.0)
+      p, act, e = pz[:, :, s], az[:, :, s], ez[:, :, s]
+    t = np.maximum(t, T_g + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
+    nmax = np.minimum(nmax, _max_inflight(p, act * (r / b), tables.device_memory_bytes[k], B))
     end = np.maximum(end, e)
-    gb = np.maximum(gb, options.grad_fraction * p * tp)
+    gb = np.maximum(gb, options.grad_fraction * p0 * tp)
   if options.grad_bytes is not None:
     if len(options.grad_bytes) != L:
       raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
@@ -953,6 +971,8 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
                              offload_activations=st.offload_activations))
       continue
     fusion = fusions[st.subcluster]
+    zero = (fused.variants[st.subcluster][st.submesh_index][0] if fused.variants is not None
+            else 0)
     groups = []
     for x, k in enumerate(fusion.members):
       shape = fusion.group_shape(x)
@@ -965,7 +985,8 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
     first = groups[0]
     specs.append(StageSpec(layers=(i, j), subcluster=first.subcluster, submesh=first.submesh,
                            logical_mesh=first.logical_mesh, warmup=st.warmup, time_s=st.time_s,
-                           comm_s=st.comm_s, share=first.share, groups=tuple(groups[1:])))
+                           comm_s=st.comm_s, share=first.share, groups=tuple(groups[1:]),
+                           zero=zero))
   return tuple(specs)
 
 
@@ -1020,7 +1041,8 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
           f.stages * f.shapes[x][0] * f.shapes[x][1]
           == f.reserved_hosts(tables, x) * tables.devices_per_host[k]
           for x, k in enumerate(f.members))]
-    expanded = None   # the plain stages' ZeRO and offload choices (mixed stages: level 0)
+    expanded = None   # the plain stages' ZeRO and offload choices
+    levels = plain.zero_levels if tables.opt_mem_bytes is not None else (0,)   # mixed ones'
     if has_variant_data(tables):
       expanded = expand_variants(tables, VariantOptions(
           plain.zero_levels, plain.offload, plain.offload_activations), B)
@@ -1035,7 +1057,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
 
     mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
     for fusion in fusions:
-      fused = fused_tables(tables, fusion, B, mopts, expanded)
+      fused = fused_tables(tables, fusion, B, mopts, expanded, levels)
       if not np.isfinite(fused.stage_time_s[0]).any():
         continue
       tried += 1
@@ -1052,7 +1074,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     pairs = 0
     for f1, f2 in itertools.combinations(top, 2):
       try:
-        fused = fused_tables(tables, (f1, f2), B, mopts, expanded)
+        fused = fused_tables(tables, (f1, f2), B, mopts, expanded, levels)
       except PlanError:
         continue   # together they need more hosts than there are
       pairs += 1

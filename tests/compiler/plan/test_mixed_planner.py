@@ -694,3 +694,26 @@ def test_two_shapes_of_mixed_stage_in_one_plan(seed):
   assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s == got.iteration_s
   with pytest.raises(PlanError, match="pair_candidates"):
     MixedOptions(pair_candidates=-1)
+
+
+@pytest.mark.parametrize("memory, seed", [(0.5, 72), (0.5, 8)])
+def test_mixed_stages_choose_zero(memory, seed):
+  # Memory-tight random instances: the best plan shards a mixed stage's training state
+  # (StageSpec.zero on a stage with groups), faster than every plan without mixed stages; the
+  # evaluator prices it exactly as the search did.
+  rng = np.random.default_rng(7000 + seed)
+  t0 = random_mixed_tables(rng, wide=bool(seed % 2))
+  B = int(rng.integers(2, 7))
+  t0 = dataclasses.replace(t0, device_memory_bytes=tuple(x * memory
+                                                         for x in t0.device_memory_bytes))
+  tables = dataclasses.replace(t0, opt_mem_bytes=tuple(0.75 * p for p in t0.param_mem_bytes))
+  mo = MixedOptions(microbatch_rows=4, shares="all")
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+  assert any(s.zero for s in got.plan.stages if s.groups), got.plan.table()
+  try:
+    plain = planner.solve(tables, B, mixed_stages="off").iteration_s
+  except InfeasiblePlanError:
+    plain = math.inf
+  assert got.iteration_s < plain
+  ev = planner.evaluate_mixed(tables, got.plan, B, mo)
+  assert ev.feasible and ev.iteration_s == got.plan.predicted_iteration_s
