@@ -648,17 +648,23 @@ def test_evaluate_mixed_prices_residual_offload_like_evaluate_plan():
                              offload_activations=True)
 
 
-@pytest.mark.parametrize("memory, seed", [(0.3, 26), (0.5, 52)])
-def test_plain_stages_of_a_mixed_plan_choose_zero(memory, seed):
-  # Memory-tight random instances (tables with the optimizer state's bytes): the best plan
-  # has a mixed stage next to a plain stage at ZeRO > 0, strictly faster than both the best
-  # plan without mixed stages (every variant) and the best with them at level 0 only.
+def _tight_instance(memory: float, seed: int):
+  """A random instance with ``memory`` times its devices' memory: ``(tables, the tables with
+  the optimizer state's bytes (ZeRO), B)``."""
   rng = np.random.default_rng(7000 + seed)
   t0 = random_mixed_tables(rng, wide=bool(seed % 2))
   B = int(rng.integers(2, 7))
   t0 = dataclasses.replace(t0, device_memory_bytes=tuple(x * memory
                                                          for x in t0.device_memory_bytes))
-  tables = dataclasses.replace(t0, opt_mem_bytes=tuple(0.75 * p for p in t0.param_mem_bytes))
+  return t0, dataclasses.replace(t0, opt_mem_bytes=tuple(0.75 * p for p in t0.param_mem_bytes)), B
+
+
+@pytest.mark.parametrize("memory, seed", [(0.3, 26), (0.5, 52)])
+def test_plain_stages_of_a_mixed_plan_choose_zero(memory, seed):
+  # Memory-tight random instances (tables with the optimizer state's bytes): the best plan
+  # has a mixed stage next to a plain stage at ZeRO > 0, strictly faster than both the best
+  # plan without mixed stages (every variant) and the best with them at level 0 only.
+  t0, tables, B = _tight_instance(memory, seed)
   mo = MixedOptions(microbatch_rows=4, shares="all")
 
   def best(tb, mode):
@@ -701,12 +707,7 @@ def test_mixed_stages_choose_zero(memory, seed):
   # Memory-tight random instances: the best plan shards a mixed stage's training state
   # (StageSpec.zero on a stage with groups), faster than every plan without mixed stages; the
   # evaluator prices it exactly as the search did.
-  rng = np.random.default_rng(7000 + seed)
-  t0 = random_mixed_tables(rng, wide=bool(seed % 2))
-  B = int(rng.integers(2, 7))
-  t0 = dataclasses.replace(t0, device_memory_bytes=tuple(x * memory
-                                                         for x in t0.device_memory_bytes))
-  tables = dataclasses.replace(t0, opt_mem_bytes=tuple(0.75 * p for p in t0.param_mem_bytes))
+  t0, tables, B = _tight_instance(memory, seed)
   mo = MixedOptions(microbatch_rows=4, shares="all")
   got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
   assert any(s.zero for s in got.plan.stages if s.groups), got.plan.table()
