@@ -135,14 +135,13 @@ def per_host_groups(stage: StageSpec, cluster: Cluster) -> StageSpec:
     hosts: dict[str, list[int]] = {}
     for d in grp.devices:
       hosts.setdefault(cluster.host_of_device(d).name, []).append(int(d))
-    n, m = len(hosts), grp.num_devices // max(len(hosts), 1)
-    tp = grp.logical_mesh[1] if grp.logical_mesh else 1
+    n, m = len(hosts), grp.num_devices // len(hosts)
+    tp = grp.logical_mesh[1]
     if n == 1 or any(len(v) != m for v in hosts.values()) or m % tp:
       parts.append([grp])
       continue
-    lm = None if grp.logical_mesh is None else (m // tp, tp)
-    parts.append([StageGroup(grp.subcluster, (1, m), lm, tuple(v), grp.share, grp.time_s)
-                  for v in hosts.values()])
+    parts.append([StageGroup(grp.subcluster, (1, m), (m // tp, tp), tuple(v), grp.share,
+                             grp.time_s) for v in hosts.values()])
     scale = scale * n // math.gcd(scale, n)
   if all(len(p) == 1 for p in parts):
     return stage

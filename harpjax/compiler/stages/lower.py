@@ -118,10 +118,7 @@ class LoweredStep:
           + "; set them here first (jax.config.update), globally rather than in a context "
           "manager of the lowering thread")
     lay = self.layout.stages[stage]
-    if any(h == stage for h, _ in self.layout.host):
-      check_host_memory(devices, stage)
-    if stage in self.layout.host_residuals:
-      check_host_memory(devices, stage, residuals=True)
+    self._check_host_memory(stage, devices)
     if stage in self.layout.splits:
       loaders = [lambda g_lay, mesh, blobs=blobs: _load(g_lay, mesh, *blobs)
                  for blobs in lowered.parts]
@@ -135,6 +132,13 @@ class LoweredStep:
       groups[gi] = jax.jit(_call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
     return executables, groups
 
+  def _check_host_memory(self, stage: int, devices: Sequence) -> None:
+    """The stage's devices have host memory where it keeps its optimizer state or residuals
+    there."""
+    if any(h == stage for h, _ in self.layout.host):
+      check_host_memory(devices, stage)
+    if stage in self.layout.host_residuals:
+      check_host_memory(devices, stage, residuals=True)
 
   def load_group(self, stage: int, group: int, devices: Sequence) -> StageExecutables:
     """Group ``group`` of a stage that splits its rows, on ``devices`` (the group's own): what
@@ -144,8 +148,7 @@ class LoweredStep:
     if lowered is None or not lowered.parts:
       raise ValueError(f"this lowered step does not hold stage {stage}'s groups")
     g_lay = self.layout.splits[stage].groups[group].layout
-    if any(h == stage for h, _ in self.layout.host) or stage in self.layout.host_residuals:
-      check_host_memory(devices, stage)
+    self._check_host_memory(stage, devices)
     mesh = sharding_lib.make_mesh(list(devices), g_lay.logical_mesh)
     return _load(g_lay, mesh, *lowered.parts[group])
 

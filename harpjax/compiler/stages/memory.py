@@ -36,6 +36,7 @@ from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.profile import StageMemory, stage_memory
 from harpjax.compiler.stages.aot import compile_group, compile_stage
 from harpjax.compiler.stages.compile import CompiledStep, state_successors
+from harpjax.compiler.stages.split import RemoteGroup
 from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import UnsupportedError
 
@@ -132,7 +133,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
       raise UnsupportedError(f"stage {stage} has {len(split.groups)} groups; group={group} "
                              "names none")
     part = st.parts[group]
-    if not hasattr(part, "fwd"):
+    if isinstance(part, RemoteGroup):
       raise UnsupportedError(f"stage {stage}'s group {group} runs in another process")
     st = part
   home = group == 0
