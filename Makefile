@@ -7,7 +7,7 @@ STAMP := $(VENV)/.harpjax-installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-slow bench venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile tests
+
+# The long cases (marked slow), which the fast suite leaves out.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow" -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/schedules.py

@@ -23,6 +23,8 @@ from harpjax.compiler.stages import OffloadOptions as OffloadOptions
 from harpjax.compiler.trace import grad as grad
 from harpjax.compiler.trace import mark_layer_boundary as mark_layer_boundary
 from harpjax.compiler.trace import value_and_grad as value_and_grad
+from harpjax.errors import BatchCouplingError as BatchCouplingError
+from harpjax.errors import BatchCouplingWarning as BatchCouplingWarning
 from harpjax.errors import HarpjaxError as HarpjaxError
 from harpjax.runtime import CheckpointOptions as CheckpointOptions
 from harpjax.runtime import Checkpointer as Checkpointer
@@ -34,7 +36,7 @@ from harpjax.runtime import restore_checkpoint as restore_checkpoint
 from harpjax.runtime import save_checkpoint as save_checkpoint
 
 __all__ = [
-    "CheckpointOptions", "Checkpointer", "Cluster", "CostTables", "ElasticOptions", "Failure",
+    "BatchCouplingError", "BatchCouplingWarning", "CheckpointOptions", "Checkpointer", "Cluster", "CostTables", "ElasticOptions", "Failure",
     "GPU_CATALOG", "GPUType",
     "HarpjaxError", "LayerOptions", "LayerSequence", "ManualPlan", "OffloadOptions",
     "ParallelStep", "Plan",

@@ -17,7 +17,8 @@ import numpy as np
 
 __all__ = [
     "JAX_VERSION", "Primitive", "Literal", "Var", "DropVar", "ClosedJaxpr", "Jaxpr",
-    "is_literal", "is_dropvar", "literal_value", "bind_eqn", "eqn_name_stack", "CALL_PRIMITIVES",
+    "is_literal", "is_dropvar", "literal_value", "bind_eqn", "eqn_name_stack", "eqn_source_info",
+    "describe_source", "mul_eqn", "CALL_PRIMITIVES",
     "REMAT_PRIMITIVES",
     "subjaxpr_of_call", "float0", "aval_of", "make_float0_zeros", "register_identity_primitive",
     "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
@@ -71,6 +72,80 @@ def eqn_name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
   except AttributeError:  # pragma: no cover - older JAX
     return ""
+
+
+def eqn_source_info(eqn):
+  """The equation's source information (kept as is: summarised only for messages)."""
+  return getattr(eqn, "source_info", None)
+
+
+_LIBRARY_DIRS: tuple[str, ...] | None = None
+
+
+def _library_dirs() -> tuple[str, ...]:
+  global _LIBRARY_DIRS
+  if _LIBRARY_DIRS is None:
+    import importlib
+    dirs = []
+    for name in ("flax", "optax", "harpjax", "numpy", "jax"):
+      try:
+        mod = importlib.import_module(name)
+      except ImportError:  # pragma: no cover - an optional library
+        continue
+      dirs.append(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep)
+    _LIBRARY_DIRS = tuple(dirs)
+  return _LIBRARY_DIRS
+
+
+def describe_source(source_info) -> str:
+  """Where an equation comes from, for messages: the innermost frame outside JAX, Flax, optax
+  and harpjax (``model.py:42 (loss_fn)``), with the library frame it went through, if any
+  (``model.py:42 (loss_fn), via flax/linen/linear.py:287 (Dense.__call__)``); ``""`` if
+  unknown. ``source_info`` may be a sequence of them, innermost first (an equation inlined
+  from calls): the first that names a frame wins."""
+  from jax._src import source_info_util
+  if isinstance(source_info, (tuple, list)):
+    for info in source_info:
+      got = describe_source(info)
+      if got:
+        return got
+    return ""
+  try:
+    frames = list(source_info_util.user_frames(source_info.traceback))
+  except (AttributeError, TypeError):
+    return ""
+  libs = _library_dirs()
+  fmt = lambda f: f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
+  for i, f in enumerate(frames):
+    if not os.path.abspath(f.file_name).startswith(libs):
+      inner = frames[0] if i > 0 else None
+      return fmt(f) + (f", via {fmt(inner)}" if inner is not None else "")
+  return fmt(frames[0]) if frames else ""
+
+
+def _short_path(path: str) -> str:
+  parts = os.path.abspath(path).split(os.sep)
+  for lib in ("flax", "optax", "harpjax", "numpy", "jax"):
+    if lib in parts[:-1]:
+      return "/".join(parts[len(parts) - 1 - parts[::-1].index(lib):])
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:  # pragma: no cover - another drive
+    return path
+  return rel if not rel.startswith("..") else os.path.basename(path)
+
+
+_MUL = None
+
+
+def mul_eqn() -> tuple:
+  """``(primitive, params)`` of an elementwise multiplication by a scalar, as this JAX version
+  writes it in a jaxpr (its parameters change between releases)."""
+  global _MUL
+  if _MUL is None:
+    eqn = jax.make_jaxpr(lambda x: x * np.float32(2))(np.ones((2,), np.float32)).jaxpr.eqns[0]
+    _MUL = (eqn.primitive, dict(eqn.params))
+  return _MUL
 
 
 def subjaxpr_of_call(eqn):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import fractions
 import functools
 import logging
 import os
@@ -37,7 +38,7 @@ from harpjax.compiler.stages import (LOSS_REDUCTIONS, CompiledStep, LoweredStep,
                                      OffloadOptions, StepProgram, compile_step, default_workers,
                                      layout_step, lower_step, precompile, resolve_plan,
                                      Retrace, warn_shared_parameters)
-from harpjax.compiler.trace import TracedStep, abstractify, trace_step
+from harpjax.compiler.trace import BATCH_COUPLING, TracedStep, abstractify, trace_step
 from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
                             RuntimeFailure, ScheduleError)
 
@@ -59,6 +60,7 @@ class ParallelOptions:
   schedule: str | None = None
   batch_argnums: tuple[int, ...] = (1,)
   loss_reduction: str = "mean"
+  batch_coupling: str | None = None
   runtime: str = "local"
   eps: float = 0.1
   runtime_options: tuple = ()
@@ -92,6 +94,9 @@ class ParallelOptions:
                       "harpjax.CheckpointOptions")
     if self.loss_reduction not in LOSS_REDUCTIONS:
       raise PlanError(f"loss_reduction={self.loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
+    if self.batch_coupling not in BATCH_COUPLING:
+      raise PlanError(f"batch_coupling={self.batch_coupling!r}; choose one of "
+                      f"{BATCH_COUPLING}")
     if self.runtime not in RUNTIMES:
       raise PlanError(f"runtime={self.runtime!r}; choose one of {RUNTIMES}")
     if self.schedule is not None:
@@ -122,7 +127,7 @@ class ParallelOptions:
 def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int | None = None,
                   plan: Plan | None = None, schedule: str | None = None,
                   batch_argnums: Sequence[int] = (1,), loss_reduction: str = "mean",
-                  runtime: str = "local", eps: float = 0.1,
+                  batch_coupling: str | None = None, runtime: str = "local", eps: float = 0.1,
                   runtime_options: dict | None = None, layer_options=None,
                   profile_options=None, solve_options=None, checkpoint=None, elastic=None,
                   compilation_cache=True, offload=None):
@@ -131,7 +136,12 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
   ``fun(state, batch, ...)`` is an ordinary train step that computes its gradients with
   :func:`harpjax.value_and_grad` (or :func:`harpjax.grad`) and applies them however it likes.
   The decorated step returns the same pytree structure; its numbers equal ``jax.jit(fun)``'s
-  (up to float summation order) when the loss is a mean over the batch.
+  (up to float summation order) whenever the microbatches can reproduce the batch: losses and
+  auxiliary outputs that are sums or means over the examples, normalised by anything computed
+  from the batch's data alone (a padded batch's token count is computed on the whole batch).
+  Where examples of different microbatches meet (an in-batch contrastive loss, batch
+  statistics, a capacity decided over the batch's tokens), each microbatch computes those over
+  its own examples and ``batch_coupling`` says what happens.
 
   Args:
     fun: the train step.
@@ -144,8 +154,17 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       picks stages, submeshes, logical meshes and H-1F1B warm-up counts.
     schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``; default the plan's.
     batch_argnums: positions of the step's batch arguments (split along axis 0).
-    loss_reduction: ``"mean"`` if the loss (and scalar aux outputs) average over the batch,
-      ``"sum"`` if they add up.
+    loss_reduction: for a step whose examples meet, how the microbatches' losses (and
+      auxiliary outputs without a batch axis) combine: ``"mean"`` averages them, ``"sum"``
+      adds them up. Elsewhere the data flow decides: a mean over the examples comes out a mean
+      and a sum a sum, whatever this says.
+    batch_coupling: where examples of different microbatches meet in the step, ``None``
+      (default) computes them per microbatch and warns once
+      (:class:`~harpjax.errors.BatchCouplingWarning`, naming each place and the model's
+      source line), ``"per_microbatch"`` does the same without the warning, ``"error"``
+      raises :class:`~harpjax.errors.BatchCouplingError` instead. Values from the batch's data
+      used as positions of its examples (labels of an in-batch loss passed in with the data)
+      are refused in every mode: a microbatch's result would be meaningless.
     runtime: ``"local"`` (one process, the default) or ``"ray"`` (one Ray actor per stage).
     eps: H-1F1B tolerance of :func:`harpjax.compiler.schedule.warmup_delta`.
     runtime_options: keyword options of the runtime. ``"local"`` takes ``compile_workers``:
@@ -181,7 +200,8 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
   """
   options = ParallelOptions(cluster=cluster, num_microbatches=num_microbatches, plan=plan,
                             schedule=schedule, batch_argnums=tuple(batch_argnums),
-                            loss_reduction=loss_reduction, runtime=runtime, eps=eps,
+                            loss_reduction=loss_reduction, batch_coupling=batch_coupling,
+                            runtime=runtime, eps=eps,
                             runtime_options=dict(runtime_options or {}),
                             layer_options=layer_options, profile_options=profile_options,
                             solve_options=solve_options, checkpoint=checkpoint,
@@ -496,7 +516,8 @@ class ParallelStep:
 
   def _trace(self, args) -> Traced:
     ts = trace_step(self._fun, args, num_microbatches=self._num_microbatches(),
-                    batch_argnums=self.options.batch_argnums)
+                    batch_argnums=self.options.batch_argnums,
+                    batch_coupling=self.options.batch_coupling)
     plan = self._given_plan()
     if plan is not None and dict(plan.meta).get("layers") != "auto":
       return Traced(ts, layers_from_boundaries(ts.region, ts.boundary_cuts))
@@ -525,7 +546,8 @@ class ParallelStep:
         scaled[a] = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct((B * r,) + tuple(x.shape[1:]), x.dtype)
             if len(x.shape) >= 1 and x.shape[0] == rows else x, scaled[a])
-      ts = trace_step(self._fun, tuple(scaled), num_microbatches=B, batch_argnums=argnums)
+      ts = trace_step(self._fun, tuple(scaled), num_microbatches=B, batch_argnums=argnums,
+                      like=traced.step, factor=fractions.Fraction(rows, r))
       return ts, layers_like(ts, traced.layers)
     return Retrace(rows // B, at)
 

@@ -52,6 +52,29 @@ class TraceError(HarpjaxError, ValueError):
   """
 
 
+class BatchCouplingError(TraceError):
+  """The step's examples meet in a way microbatches cannot reproduce, and exactness was asked
+  for (``auto_parallel(batch_coupling="error")``), or the per-microbatch result would be
+  meaningless (values from the batch's data used as positions of the batch's examples, such as
+  the labels of an in-batch contrastive loss passed in with the data).
+
+  The message names each place (operation, the model's source line, module path) and what
+  differs. Make the loss a sum or mean over examples (a denominator computed from the batch's
+  data alone is fine: harpjax computes it on the whole batch), compute in-batch targets from
+  positions inside the loss function, or accept per-microbatch semantics with
+  ``batch_coupling="per_microbatch"``.
+  """
+
+
+class BatchCouplingWarning(UserWarning):
+  """The step's examples meet where microbatches cannot reproduce the whole batch (an in-batch
+  contrastive loss, batch statistics, a capacity decided over the batch's tokens): each
+  microbatch computes those over its own examples, as any pipeline does, and the step equals
+  the average of ``jax.jit`` run on each microbatch rather than ``jax.jit`` of the batch. The
+  message names each place. Silence it with ``auto_parallel(batch_coupling="per_microbatch")``
+  once this is what you want."""
+
+
 class UnsupportedError(HarpjaxError, NotImplementedError):
   """The model uses a construct harpjax does not support yet; the message names it."""
 

@@ -88,19 +88,23 @@ def _sum(xs):
   return jnp.sum(jnp.stack(xs), axis=0).astype(xs[0].dtype)
 
 
-def combine_microbatches(per_mb: list, axis, reduction: str):
-  """One region output from its per-microbatch values: concatenated along ``axis`` (per-example
-  values), else averaged (``"mean"``) or summed; integer values are summed (or kept when every
-  microbatch has the same one)."""
-  if axis is not None:
-    return jnp.concatenate(per_mb, axis=axis)
+def combine_microbatches(per_mb: list, rule):
+  """One region output from its per-microbatch values, by its rule
+  (:func:`harpjax.compiler.trace.combine_rules`): concatenated along an axis (``("concat",
+  axis)``: per-example values), averaged (``"mean"``: each microbatch's value is in
+  mean-exact form), summed (``"sum"``) or the first (``"first"``: the same in every
+  microbatch)."""
+  if isinstance(rule, tuple):
+    return jnp.concatenate(per_mb, axis=rule[1])
+  if rule == "first":
+    return per_mb[0]
   dev = per_mb[0]
   if isinstance(dev, jax.Array):
     per_mb = [put(x, dev.sharding) if isinstance(x, jax.Array) else x for x in per_mb]
   xs = tuple(per_mb)
-  if not jnp.issubdtype(jnp.result_type(xs[0]), jnp.inexact):
-    return xs[0] if all(x is xs[0] for x in xs) else _sum(xs)
-  return _mean(xs) if reduction == "mean" else _sum(xs)
+  if rule == "mean" and jnp.issubdtype(jnp.result_type(xs[0]), jnp.inexact):
+    return _mean(xs)
+  return _sum(xs)
 
 
 # --------------------------------------------------------------------------- messages
@@ -195,7 +199,7 @@ class StageRun:
     self.fwd_outputs: list[dict[int, Any]] = [dict() for _ in range(self.B)]
     self.residuals: dict[int, Any] = {}
     self.acc = stage.zeros()
-    self.scale = 1.0 / self.B if layout.loss_reduction == "mean" else 1.0
+    self.scale = 1.0 if layout.combine[0] == "sum" else 1.0 / self.B
     self.mb_index = [np.int32(m) for m in range(self.B)]
     self.to_host = s in layout.host_residuals
     self._total = None   # the gradient accumulator, summed over a split stage's groups
@@ -309,8 +313,7 @@ class StageRun:
       if lay.region_out_home[k] != self.s or vid < 0:
         continue
       per_mb = [self._region_output(ref, m) for m in range(self.B)]
-      axis = None if k == 0 else lay.aux_concat_axes[k - 1]
-      out[vid] = combine_microbatches(per_mb, axis, lay.loss_reduction)
+      out[vid] = combine_microbatches(per_mb, lay.combine[k])
     return out
 
   def gradients(self) -> tuple:

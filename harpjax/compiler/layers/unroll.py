@@ -89,7 +89,7 @@ def unroll_scans(program: Program, *, z: int = 1, max_length: int = 512,
         outs.append(env[o] if o >= 0 else -1)
       remat = tuple(scopes.setdefault(sc.id, sc.renumbered()) for sc in op.remat)
       ops.append(Op(len(ops), op.primitive, op.params, tuple(ins), tuple(outs),
-                    stack(op.name_stack), outer_remat + remat))
+                    stack(op.name_stack), outer_remat + remat, op.source))
       origin.append(-1)
     return [r if isinstance(r, Lit) else env[r] for r in sub.outvars]
 

@@ -27,7 +27,8 @@ from harpjax.compiler.stages.split import (RemoteGroup, Retrace, SplitStageExecu
                                            split_stage)
 from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stages,
                                            stage_functions)
-from harpjax.compiler.trace import Lit, TracedStep, aval_nbytes, ops_function, primitives
+from harpjax.compiler.trace import (Lit, TracedStep, aval_nbytes, combine_rules, ops_function,
+                                   primitives)
 from harpjax.errors import MemoryKindError, PlanError
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,9 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     layers: the region's layers; the plan's ranges index them.
     plan: stages with logical meshes.
     schedule: the task tables (one row per stage).
-    loss_reduction: how microbatch losses combine into the step's loss.
+    loss_reduction: how the microbatches' values of a loss or auxiliary output combine where
+      examples of different microbatches meet (``traced.couplings``): averaged or added up.
+      Elsewhere the data flow decides (:func:`~harpjax.compiler.trace.combine_rules`).
     offload: what stages keep in host memory (:class:`OffloadOptions`).
     retrace: the step traced at other microbatch sizes
       (:class:`~harpjax.compiler.stages.split.Retrace`); needed when a stage splits its rows
@@ -199,8 +202,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
         raise PlanError(f"stage {s} runs on {len(spec.all_groups)} groups of devices; laying "
                         "it out needs the step traced at their rows (retrace=...)")
       splits[s], split_functions[s] = split_stage(
-          s, plan.stages, programs[s], layouts[s], traced, layers, retrace, loss_reduction,
-          remat)
+          s, plan.stages, programs[s], layouts[s], traced, layers, retrace, remat)
 
   # Parameters: owner = first stage that reads them.
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
@@ -232,8 +234,9 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   _propagate_preferred(groups, outer, preferred)
   host = _offloaded(traced, placed, preferred, offload, plan.num_stages,
                     tuple(st.offload for st in plan.stages))
+  combine = combine_rules(traced.output_flows, prog, loss_reduction)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
-                       preferred, loss_reduction, host)
+                       preferred, combine, host)
   if splits:
     layout = dataclasses.replace(layout, splits=splits)
   residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations or (

@@ -142,7 +142,6 @@ class StepLayout:
 
   Attributes:
     num_stages, num_microbatches, num_params: ``S``, ``B`` and the differentiated leaves.
-    loss_reduction: ``"mean"`` or ``"sum"``.
     stages: per stage, its :class:`StageLayout`.
     groups: the placement groups, those before the pipeline first (``num_before`` of them).
     num_before: how many groups run before the pipeline.
@@ -169,8 +168,9 @@ class StepLayout:
     region_results: the region op's results in the step program (outer value ids, ``-1`` when
       unused): loss, auxiliary values, then one gradient per parameter.
     region_out_home: per region result, the stage computing it.
-    aux_concat_axes: per auxiliary output, the axis microbatches concatenate along, or
-      ``None`` to average (or sum) them.
+    combine: per region output (the loss first), how the microbatches' values make the
+      step's (:func:`~harpjax.compiler.trace.combine_rules`): ``("concat", axis)``,
+      ``"mean"``, ``"sum"`` or ``"first"``.
     param_vids: per parameter, its region value id.
     param_avals: per parameter, its ``jax.ShapeDtypeStruct``.
     param_owner: per parameter, its owner stage (the first reader).
@@ -197,7 +197,6 @@ class StepLayout:
   num_stages: int
   num_microbatches: int
   num_params: int
-  loss_reduction: str
   stages: tuple
   groups: tuple
   num_before: int
@@ -216,7 +215,7 @@ class StepLayout:
   region_outvars: tuple
   region_results: tuple
   region_out_home: tuple
-  aux_concat_axes: tuple
+  combine: tuple
   param_vids: tuple
   param_avals: tuple
   param_owner: tuple
@@ -277,7 +276,7 @@ class StepLayout:
 
 def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, placement,
                 param_owner, param_users, output_stage, preferred: dict,
-                loss_reduction: str, host: frozenset = frozenset()) -> StepLayout:
+                combine: tuple, host: frozenset = frozenset()) -> StepLayout:
   """Derives the :class:`StepLayout` of a step cut into ``programs`` (see the module
   docstring).
 
@@ -289,7 +288,7 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
     param_owner, param_users: per parameter, its owner and readers.
     output_stage: per region output, the stage computing it (``-1``: none).
     preferred: ``(stage, outer value id) -> PartitionSpec``.
-    loss_reduction: ``"mean"`` or ``"sum"``.
+    combine: per region output, how the microbatches' values combine.
     host: ``(stage, outer value id)`` of the values kept in host memory.
   """
   ts = traced
@@ -385,7 +384,7 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
   frozen_readers = {v: frozenset(rs) for v, rs in readers.items()}
   return StepLayout(
       num_stages=S, num_microbatches=ts.num_microbatches, num_params=ts.num_params,
-      loss_reduction=loss_reduction, stages=tuple(stages),
+      stages=tuple(stages),
       groups=tuple(GroupLayout(g.home, tuple(g.in_ids), tuple(g.out_ids)) for g in groups),
       num_before=n_before, preferred=dict(preferred), outer_avals=outer_avals,
       const_vids=const_vids, leaf_vids=leaf_vids,
@@ -397,7 +396,7 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
       input_kinds={prog.invars[k]: (inp.kind, inp.axis) for k, inp in enumerate(ts.inputs)
                    if inp.kind != "param"},
       region_outvars=tuple(prog.outvars), region_results=tuple(region_eqn.outvars),
-      region_out_home=tuple(region_out_home), aux_concat_axes=tuple(ts.aux_concat_axes),
+      region_out_home=tuple(region_out_home), combine=tuple(combine),
       param_vids=param_vids, param_avals=tuple(aval(prog.avals[v]) for v in param_vids),
       param_owner=tuple(param_owner), param_users=tuple(tuple(u) for u in param_users),
       grad_users=grad_users,

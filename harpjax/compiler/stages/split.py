@@ -21,15 +21,16 @@ hold no optimizer state; their accumulators are summed into the home's sharding 
 
 The arithmetic is ``jax.jit``'s: a group's program is the step traced again with ``r`` rows
 per microbatch (op for op the same program, or a :class:`~harpjax.errors.PlanError` says the
-step's structure depends on the batch size); values with a row axis are sliced and
-concatenated along it; the random numbers a group draws are its rows' slice of the full
+step's structure depends on the batch size), rewritten as the microbatch's is
+(:func:`~harpjax.compiler.trace.trace_step` with ``like``: the whole batch's hoisted values,
+sums over the examples in mean-exact form for ``r`` rows); values with a row axis are sliced
+and concatenated along it; the random numbers a group draws are its rows' slice of the full
 batch's (:func:`~harpjax.compiler.trace.apply_site` with ``rows``); the values without a row
 axis that depend on the rows (the loss, averaged auxiliary outputs) are the groups' weighted
-sum, with weights ``r / b`` under a mean loss (``1`` under a sum), and their cotangents
-weighted alike; a value that does not depend on the rows is the first group's (each computes
-the same), and only the first group receives its cotangent. This is exact for the steps
-microbatching is exact for: every example's loss depends on its own row only (no batch
-statistics inside the pipelined region).
+sum, with weights ``r / b``, and their cotangents weighted alike; a value that does not
+depend on the rows is the first group's (each computes the same), and only the first group
+receives its cotangent. This is exact for the steps microbatching is exact for; a step whose
+examples meet (``TracedStep.couplings``) does not split rows.
 
 :class:`SplitLayout` is the plain data (it pickles to a Ray worker); :func:`split_stage` builds
 it with each group's functions; :class:`SplitStageExecutables` runs them behind the
@@ -128,15 +129,21 @@ class SplitLayout:
 
 def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StageProgram,
                 home: StageLayout, traced: TracedStep, layers: LayerSequence,
-                retrace: Retrace, loss_reduction: str,
+                retrace: Retrace,
                 remat: bool = False) -> tuple[SplitLayout, tuple[StageFunctions, ...]]:
   """The split layout of stage ``s`` and each group's functions.
 
   Raises:
     PlanError: the microbatch's rows do not split among the groups, the step traced at a
-      group's rows is not the same program, or an output mixes the rows of a microbatch
-      without being a region output (a batch statistic).
+      group's rows is not the same program, an output mixes the rows of a microbatch
+      without being a region output (a batch statistic), or examples of different
+      microbatches meet in the step (``traced.couplings``: a part of a microbatch would
+      compute them over its own rows only).
   """
+  if traced.couplings:
+    raise PlanError(f"stage {s} cannot split its rows among groups of devices: examples of "
+                    "the batch meet in this step (" + traced.couplings[0].describe() + "), "
+                    "which a group computing part of each microbatch cannot reproduce")
   spec = plan_stages[s]
   b = int(retrace.rows)
   rows = spec.group_rows(b)
@@ -165,7 +172,7 @@ def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
                             if inp.kind == "split"), ts_r.regen_ops)
     lay = stage_layout(sp, ts_r, layers_r, bd, grp.logical_mesh, spec.zero)
     functions.append(stage_functions(sp, ts_r, layers_r, remat, lay, rows=r))
-    weight = r / b if loss_reduction == "mean" else 1.0
+    weight = r / b   # values without a row axis are in mean-exact form at every size
     groups.append(SplitGroup(lay, r, offset, grp.num_devices, weight))
     offset += r
   axes = {}
@@ -176,7 +183,7 @@ def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
                         b)
   outvars = traced.region.outvars
   region_outs = {v for k, v in enumerate(outvars) if not isinstance(v, Lit)
-                 and (k == 0 or traced.aux_concat_axes[k - 1] is None)}
+                 and not (k < len(traced.output_flows) and traced.output_flows[k].kind == "rows")}
   row_dependent = prog.dependents(row_inputs, draws)
   combine = {}
   for v in home.output_ids:

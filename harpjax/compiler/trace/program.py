@@ -65,6 +65,8 @@ class Op:
     outvars: result ids; ``-1`` for results nobody reads (JAX's ``_``).
     name_stack: module path from the jaxpr's name stack (``"block_3/attn"``), may be ``""``.
     remat: the :class:`RematScope` s the op sat in, outermost first (``()``: none).
+    source: the equation's source information, then that of the calls it was inlined from,
+      innermost first (for messages: :func:`harpjax._compat.describe_source`).
   """
   index: int
   primitive: Any
@@ -73,6 +75,7 @@ class Op:
   outvars: tuple
   name_stack: str = ""
   remat: tuple = ()
+  source: tuple = ()
 
   @property
   def name(self) -> str:
@@ -159,7 +162,7 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
       return Lit(_compat.literal_value(v))
     return env[v]
 
-  def walk(jaxpr, env, stack: str, scopes: tuple):
+  def walk(jaxpr, env, stack: str, scopes: tuple, sources: tuple = ()):
     for eqn in jaxpr.eqns:
       eqn_stack = _join(stack, _compat.eqn_name_stack(eqn))
       body = _compat.subjaxpr_of_call(eqn) if inline(eqn) else None
@@ -174,7 +177,8 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
           inner_scopes = scopes + (RematScope(next(_scope_ids),
                                               bool(eqn.params.get("prevent_cse", True)),
                                               eqn.params.get("policy")),)
-        walk(body.jaxpr, inner, eqn_stack, inner_scopes)
+        walk(body.jaxpr, inner, eqn_stack, inner_scopes,
+             (_compat.eqn_source_info(eqn),) + sources)
         for ov, bv in zip(eqn.outvars, body.jaxpr.outvars):
           if not _compat.is_dropvar(ov):
             env[ov] = read(inner, bv)
@@ -189,7 +193,7 @@ def from_closed_jaxpr(closed, inline: Callable[[Any], bool] | None = None) -> Pr
           env[v] = vid
           outs.append(vid)
       ops.append(Op(len(ops), eqn.primitive, dict(eqn.params), ins, tuple(outs), eqn_stack,
-                    scopes))
+                    scopes, (_compat.eqn_source_info(eqn),) + sources))
 
   env: dict = {}
   invars = []

@@ -7,6 +7,12 @@ over the batch) is therefore found by comparing the full-batch trace with the mi
 equation by equation, and replaced when a stage runs: it draws the full batch's value and takes
 the microbatch's slice (:class:`Redraw`).
 
+An ``iota`` over the batch is redrawn only where its numbers are used as data (per-example
+positions feeding arithmetic or random keys: ``jax.jit``'s values are the full batch's
+positions). Where they only index (``x[jnp.arange(n), labels]``, the labels of an in-batch
+similarity matrix, a one-hot over the batch) they are the microbatch's own positions, which
+index the microbatch's own rows (:func:`index_iotas`).
+
 Draws inside sub-jaxprs are found the same way, recursively (:class:`Inside`): a ``scan``,
 ``while`` or ``cond`` body, a ``jit`` or ``jax.checkpoint`` body that was not inlined. Such an
 equation is re-issued through the public API (``lax.scan``, ``lax.while_loop``,
@@ -35,7 +41,7 @@ from harpjax.errors import TraceError
 log = logging.getLogger(__name__)
 
 __all__ = ["Redraw", "Inside", "regen_sites", "apply_site", "split_axis", "REGEN_PRIMITIVES",
-           "RANDOM_PRIMITIVES"]
+           "RANDOM_PRIMITIVES", "index_iotas", "eqn_items"]
 
 REGEN_PRIMITIVES = frozenset({"random_bits", "random_split", "iota", "rng_bit_generator",
                               "rng_uniform"})
@@ -85,7 +91,11 @@ def regen_sites(full: Program, mb: Program, num_microbatches: int) -> tuple[dict
   if len(full.ops) != len(mb.ops) or any(a.name != b.name for a, b in zip(full.ops, mb.ops)):
     return {}, not any(_draws(op.name, op.params) for op in mb.ops)
   sites = {}
+  local = index_iotas([(op.name, op.params, tuple(op.invars), op.outvars) for op in mb.ops],
+                      mb.outvars)
   for fo, mo in zip(full.ops, mb.ops):
+    if mo.index in local:
+      continue
     site = _site(mo.name, fo.params, mo.params,
                  [_aval(full, a) for a in fo.invars], [_aval(mb, b) for b in mo.invars],
                  [full.avals[o] if o >= 0 else None for o in fo.outvars],
@@ -155,7 +165,10 @@ def _body_sites(full_jaxpr, mb_jaxpr, B, where) -> dict:
                   "numbers are not aligned with jax.jit's", where)
     return {}
   out = {}
+  local = index_iotas(eqn_items(me), tuple(mb_jaxpr.outvars))
   for i, (f, m) in enumerate(zip(fe, me)):
+    if i in local:
+      continue
     stack = _compat.eqn_name_stack(m)
     site = _site(m.primitive.name, f.params, m.params, [v.aval for v in f.invars],
                  [v.aval for v in m.invars],
@@ -165,6 +178,122 @@ def _body_sites(full_jaxpr, mb_jaxpr, B, where) -> dict:
     if site is not None:
       out[i] = site
   return out
+
+
+# --------------------------------------------------------------------------- iota: index or data
+
+_PASS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type",
+                   "transpose", "copy", "copy_p", "concatenate", "select_n"})
+"""Ops an index passes through unchanged in meaning."""
+_PASS_WITH_LITERALS = frozenset({"lt", "le", "gt", "ge", "add", "sub", "clamp", "max", "min"})
+"""Ops an index passes through when its other operands are literals (the normalisation of
+negative indices: ``where(i < 0, i + n, i)``)."""
+_INDEX_OPERANDS = {"gather": (1,), "dynamic_slice": None, "dynamic_update_slice": None,
+                   "scatter": (1,), "scatter-add": (1,), "scatter_add": (1,), "scatter_mul": (1,),
+                   "scatter_min": (1,), "scatter_max": (1,)}
+"""Primitive -> operand positions that are indices (``None``: every operand after the first, or
+after the first two for ``dynamic_update_slice``)."""
+_CALLS = _compat.CALL_PRIMITIVES | {"custom_jvp_call", "custom_vjp_call"}
+
+
+def _is_index_operand(name: str, pos: int) -> bool:
+  if name not in _INDEX_OPERANDS:
+    return False
+  where = _INDEX_OPERANDS[name]
+  if where is None:
+    return pos >= (2 if name == "dynamic_update_slice" else 1)
+  return pos in where
+
+
+def eqn_items(eqns) -> list:
+  """A jaxpr's equations as ``(name, params, operands, results)`` (literals as ``Lit``)."""
+  lit = lambda v: Lit(_compat.literal_value(v)) if _compat.is_literal(v) else v
+  return [(e.primitive.name, e.params, tuple(lit(v) for v in e.invars),
+           tuple(None if _compat.is_dropvar(v) else v for v in e.outvars)) for e in eqns]
+
+
+def index_iotas(items, outvars) -> frozenset:
+  """Positions of the ``iota`` equations among ``items`` whose values are only ever used as
+  indices: operands of the index of a gather, scatter or dynamic slice, or compared for
+  equality with another array (a one-hot), possibly through reshapes, broadcasts,
+  concatenations, conversions and the normalisation of negative indices, and through the
+  bodies of nested calls. Such an iota over the batch stays the microbatch's own (its positions
+  index the microbatch's rows); any other use makes it data (redrawn at full size and sliced).
+
+  Args:
+    items: ``(primitive name, params, operands, results)`` per equation (operands may be
+      :class:`Lit`; results ``None`` or negative where dropped).
+    outvars: the level's outputs (a use as data).
+  """
+  uses: dict = {}
+  for i, (name, params, ins, _) in enumerate(items):
+    for p, v in enumerate(ins):
+      if not isinstance(v, Lit):
+        uses.setdefault(v, []).append((i, p))
+  outs = {v for v in outvars if not isinstance(v, Lit)}
+  return frozenset(i for i, (name, _, _, res) in enumerate(items)
+                   if name == "iota" and _only_indexes(items, uses, outs, res[0], set()))
+
+
+def _only_indexes(items, uses, outs, value, seen) -> bool:
+  if value is None or (isinstance(value, int) and value < 0):
+    return True
+  if value in outs:
+    return False
+  for i, p in uses.get(value, ()):
+    if (i, p) in seen:
+      continue
+    seen.add((i, p))
+    name, params, ins, res = items[i]
+    if _is_index_operand(name, p):
+      continue
+    others_literal = all(isinstance(v, Lit) for k, v in enumerate(ins) if k != p)
+    if name in ("eq", "ne") and not others_literal:
+      continue
+    if name in _PASS or (name in _PASS_WITH_LITERALS and others_literal):
+      if all(_only_indexes(items, uses, outs, r, seen) for r in res):
+        continue
+      return False
+    if name in _CALLS:
+      body = _call_body(params)
+      if body is None or p >= len(body.invars):
+        return False
+      inner = eqn_items(body.eqns)
+      inner_uses: dict = {}
+      for j, (_, _, bins, _) in enumerate(inner):
+        for q, v in enumerate(bins):
+          if not isinstance(v, Lit):
+            inner_uses.setdefault(v, []).append((j, q))
+      body_outs = list(body.outvars)
+      if not _only_indexes(inner, inner_uses, set(), body.invars[p], set()):
+        return False
+      # What the body returns of the index is an index again, outside.
+      reached = _compat_reach(inner, body.invars[p])
+      for k, bo in enumerate(body_outs):
+        if bo in reached and k < len(res) and not _only_indexes(items, uses, outs, res[k], seen):
+          return False
+      continue
+    return False
+  return True
+
+
+def _call_body(params):
+  for key in ("jaxpr", "call_jaxpr"):
+    body = params.get(key)
+    if isinstance(body, _compat.ClosedJaxpr):
+      return body.jaxpr
+    if isinstance(body, _compat.Jaxpr):
+      return body
+  return None
+
+
+def _compat_reach(items, start) -> set:
+  """Values of ``items`` that depend on ``start`` (``start`` included)."""
+  reached = {start}
+  for _, _, ins, res in items:
+    if any(not isinstance(v, Lit) and v in reached for v in ins):
+      reached.update(r for r in res if r is not None)
+  return reached
 
 
 def split_axis(full, mb, B):

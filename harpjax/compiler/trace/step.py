@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fractions
 import functools
+import logging
 import threading
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -27,12 +30,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from harpjax import _compat
+from harpjax.compiler.trace import batchflow, microbatch
+from harpjax.compiler.trace.batchflow import BatchFlow, Flow
 from harpjax.compiler.trace.program import Lit, Program, from_closed_jaxpr, strip_markers
 from harpjax.compiler.trace.regen import regen_sites, split_axis
-from harpjax.errors import MicrobatchError, TraceError
+from harpjax.errors import (BatchCouplingError, BatchCouplingWarning, MicrobatchError,
+                            TraceError)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["value_and_grad", "grad", "mark_layer_boundary", "TracedStep", "trace_step",
-           "RegionInput", "REGION_PRIMITIVE_NAME", "BOUNDARY_PRIMITIVE_NAME"]
+           "RegionInput", "REGION_PRIMITIVE_NAME", "BOUNDARY_PRIMITIVE_NAME", "BATCH_COUPLING"]
+
+BATCH_COUPLING = (None, "per_microbatch", "error")
+"""Values of ``batch_coupling``: ``None`` (a step whose examples meet runs per microbatch and
+a :class:`~harpjax.errors.BatchCouplingWarning` says so), ``"per_microbatch"`` (the same,
+acknowledged: logged only) and ``"error"`` (a
+:class:`~harpjax.errors.BatchCouplingError` instead)."""
 
 REGION_PRIMITIVE_NAME = "harpjax_pipeline_region"
 BOUNDARY_PRIMITIVE_NAME = "harpjax_layer_boundary"
@@ -201,6 +215,9 @@ class RegionInput:
     kind: ``"param"`` (differentiated; ``param_index`` into the gradient list), ``"split"``
       (sliced per microbatch along ``axis``), ``"whole"`` (the same value for every
       microbatch, computed by the step) or ``"static"`` (a constant known at trace time).
+      Values the region computes from the batch's data alone (a mask's token count) are
+      hoisted out of it: computed on the whole batch before the pipeline, they enter the
+      region as further ``"whole"`` (or ``"split"``) inputs.
     outer_ref: where the value lives in the outer program (id or literal).
     axis: split axis for ``"split"``.
     static_value: the constant for ``"static"``.
@@ -236,6 +253,15 @@ class TracedStep:
     rng_exact: false when the two traces do not correspond op for op and the region draws
       random numbers (microbatch ``m`` then draws from ``fold_in(key, m)``).
     num_microbatches, microbatch_size: B and the batch leaves' leading size divided by B.
+    boundary_cuts: op positions in ``region`` before which a layer marker stood.
+    output_flows: per region output (the loss first), its
+      :class:`~harpjax.compiler.trace.batchflow.Flow`: how the microbatches' values make the
+      batch's (:func:`~harpjax.compiler.trace.microbatch.combine_rules`).
+    couplings: where examples of different microbatches meet
+      (:class:`~harpjax.compiler.trace.batchflow.Coupling`): such values are computed per
+      microbatch.
+    flow / structure: the analysis of the region and the structure of its rewrite, to apply
+      to the region traced at other microbatch sizes (``None`` when the two traces differ).
   """
   outer: Program
   outer_consts: tuple
@@ -252,23 +278,45 @@ class TracedStep:
   num_microbatches: int
   rng_exact: bool
   boundary_cuts: tuple = ()
+  output_flows: tuple = ()
+  couplings: tuple = ()
+  flow: BatchFlow | None = None
+  structure: microbatch.Structure | None = None
 
 
 def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
-               batch_argnums: Sequence[int] = (1,)) -> TracedStep:
+               batch_argnums: Sequence[int] = (1,), batch_coupling: str | None = None,
+               like: TracedStep | None = None, factor=None) -> TracedStep:
   """Traces ``step_fn(*args)`` at full batch and at microbatch size.
+
+  The region is then rewritten into the program one microbatch runs so that the
+  microbatches' results make the batch's (:mod:`~harpjax.compiler.trace.batchflow`,
+  :mod:`~harpjax.compiler.trace.microbatch`): what depends on the batch's data alone is
+  computed once on the whole batch, sums over the examples come out in mean-exact form, and
+  where examples of different microbatches meet, the step says so (``batch_coupling``).
 
   Args:
     step_fn: the user's train step.
     args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
     num_microbatches: B.
     batch_argnums: which arguments hold the batch; their array leaves are split along axis 0.
+    batch_coupling: what to do where examples of different microbatches meet
+      (:data:`BATCH_COUPLING`).
+    like: a step traced earlier from the same function at another batch size: the region is
+      rewritten with ``like``'s analysis (its prelude and hoisted inputs), for groups of
+      devices that compute part of each microbatch; ``factor`` is then the full batch's rows
+      over this trace's microbatch rows.
 
   Raises:
     MicrobatchError: a batch leaf does not split into ``num_microbatches`` parts.
     TraceError: the step has no (or more than one) pipelined region, or behaves differently at
       microbatch size in a way harpjax cannot reconcile.
+    BatchCouplingError: examples of different microbatches meet and ``batch_coupling`` is
+      ``"error"``, or the batch's data index the batch's examples (labels of an in-batch loss
+      given with the data), which a microbatch cannot reproduce.
   """
+  if batch_coupling not in BATCH_COUPLING:
+    raise TraceError(f"batch_coupling={batch_coupling!r}; choose one of {BATCH_COUPLING}")
   if int(num_microbatches) != num_microbatches or num_microbatches < 1:
     raise MicrobatchError(f"num_microbatches must be a positive integer, got {num_microbatches}")
   B = int(num_microbatches)
@@ -356,12 +404,173 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
                          f"{ma.shape} for a microbatch; it cannot be reassembled")
       aux_axes.append(axis)
 
+  if like is not None:
+    return _like(like, region, cuts, factor)
+  flow, structure = _analysis(step_fn, abstract, batch_argnums, region_full, region, inputs,
+                              B)
+  if B > 1:
+    _report(flow, B, batch_coupling)
+  out_flows = tuple(Flow(batchflow.ROWS, a) if a is not None else Flow(batchflow.COUPLED)
+                    for a in [None] + aux_axes)
+  if flow.aligned:
+    region, structure, new_index = microbatch.rewrite(flow, region, B, structure)
+    region_full, _, _ = microbatch.rewrite(flow, region_full, 1, structure)
+    cuts = sorted({new_index[c] for c in cuts} - {0, len(region.ops)})
+    out_flows = flow.output_flows()
+    aux_axes = [r[1] if isinstance(r, tuple) else None
+                for r in microbatch.combine_rules(flow.output_flows(), region)[1:]]
+    if structure.hoisted:
+      outer, region_op, new_inputs = _with_prelude(outer, region_ops[0], flow, structure)
+      inputs.extend(new_inputs)
+      region_ops = [region_op]
+  else:
+    flow = None
+
   regen, rng_exact = regen_sites(region_full, region, B)
   return TracedStep(outer=outer, outer_consts=tuple(full_closed.consts), in_tree=in_tree,
                     out_tree=out_tree, region_op=region_ops[0], region=region,
                     region_full=region_full, inputs=tuple(inputs), num_params=nd,
                     has_aux=rec_mb.has_aux, aux_concat_axes=tuple(aux_axes), regen_ops=regen,
-                    num_microbatches=B, rng_exact=rng_exact, boundary_cuts=tuple(cuts))
+                    num_microbatches=B, rng_exact=rng_exact, boundary_cuts=tuple(cuts),
+                    output_flows=tuple(out_flows),
+                    couplings=flow.couplings if flow is not None else (),
+                    flow=flow, structure=structure)
+
+
+def _analysis(step_fn, abstract, batch_argnums, region_full: Program, region: Program,
+              inputs: list, B: int) -> tuple[BatchFlow, microbatch.Structure | None]:
+  """The batch flow of the region and, for one microbatch, the structure of its rewrite.
+
+  With one microbatch the two traces are the same program and cannot tell what carries the
+  examples; the step is traced once more with twice the batch to find out (the flows, what to
+  hoist and where a part of the batch would need rescaling), so that groups of devices
+  computing part of the microbatch rewrite their programs alike."""
+  if B > 1:
+    in_flows = [_input_flow(inp, region_full.avals[v], region.avals[v])
+                for inp, v in zip(inputs, region.invars)]
+    return batchflow.analyze(region_full, region, in_flows, B), None
+  probe = list(abstract)
+  for a in batch_argnums:
+    probe[a] = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((2 * x.shape[0],) + tuple(x.shape[1:]), x.dtype)
+        if len(x.shape) else x, abstract[a])
+  closed, cap, _ = _trace(step_fn, tuple(probe))
+  if len(cap.regions) != 1:
+    return batchflow.analyze(region_full, region, [], 2), None   # not aligned
+  twice, _ = strip_markers(from_closed_jaxpr(cap.regions[0].closed), BOUNDARY_PRIMITIVE_NAME)
+  in_flows = []
+  for inp, v in zip(inputs, region.invars):
+    if inp.kind != "param" and v < len(twice.avals) and \
+        tuple(twice.avals[v].shape) != tuple(region.avals[v].shape):
+      axis = split_axis(tuple(twice.avals[v].shape), tuple(region.avals[v].shape), 2)
+      inp = RegionInput("split", inp.outer_ref, axis=axis if axis is not None else 0)
+    in_flows.append(_input_flow(inp, region.avals[v], region.avals[v]))
+  probed = batchflow.analyze(twice, region, in_flows, 2)
+  if not probed.aligned:
+    return probed, None
+  _, structure, _ = microbatch.rewrite(probed, region, 2)
+  return dataclasses.replace(probed, full=region_full, num_microbatches=1), structure
+
+
+def _input_flow(inp: RegionInput, full_aval, mb_aval) -> Flow:
+  """How a region input relates to the examples."""
+  if inp.kind == "param":
+    return Flow(batchflow.FREE, param=True)
+  if inp.kind == "split":
+    return Flow(batchflow.ROWS, inp.axis, data=True)
+  varies = tuple(full_aval.shape) != tuple(mb_aval.shape)   # a constant of the batch's length
+  return Flow(batchflow.FREE, varies=varies)
+
+
+def _report(flow: BatchFlow, B: int, mode: str | None) -> None:
+  """Refuses, warns or logs where the microbatches cannot reproduce the batch."""
+  if flow.refusals:
+    raise BatchCouplingError(
+        "this step cannot be split into microbatches: " + "; ".join(flow.refusals))
+  if not flow.aligned:
+    msg = ("the train step traced with one microbatch is not the same program as with the "
+           "whole batch (its structure depends on the batch size), so harpjax cannot tell "
+           "which values carry the examples; each of the B=%d microbatches runs the step as "
+           "it traces for one microbatch, and the results may differ from jax.jit of the "
+           "whole batch" % B)
+  elif flow.couplings:
+    sites = "\n".join(f"  - {c.describe()}" for c in flow.couplings)
+    msg = (f"in this step, examples of different microbatches meet where the {B} "
+           f"microbatches cannot reproduce the whole batch:\n{sites}\nEach microbatch "
+           "computes these over its own examples (as any pipeline does), so the loss, the "
+           "gradients and what depends on them differ from jax.jit of the whole batch; they "
+           "equal the average of jax.jit run on each microbatch. Pass "
+           "batch_coupling='per_microbatch' to auto_parallel to accept this without a "
+           "warning, or batch_coupling='error' to refuse such steps.")
+  else:
+    return
+  if mode == "error":
+    raise BatchCouplingError(msg)
+  if mode == "per_microbatch":
+    log.info("%s", msg)
+    return
+  warnings.warn(msg, BatchCouplingWarning, stacklevel=4)
+  if log.hasHandlers():   # also to the logs where they are configured (no second print else)
+    log.warning("%s", msg)
+
+
+def _with_prelude(outer: Program, region_op: int, flow: BatchFlow,
+                  structure: microbatch.Structure):
+  """``outer`` with the ops computing the hoisted values inserted before the region, which
+  takes them as further inputs. Returns the program, the region op's new index and the new
+  :class:`RegionInput` s."""
+  region_eqn = outer.ops[region_op]
+  ops, _, refs = microbatch.prelude_ops(flow, structure.hoisted, region_eqn.invars)
+  avals = list(outer.avals)
+  ids: dict = {}
+
+  def new_ref(r):
+    if isinstance(r, tuple) and not isinstance(r, Lit) and r[0] == "v":
+      if r not in ids:
+        avals.append(flow.full.avals[r[1]])
+        ids[r] = len(avals) - 1
+      return ids[r]
+    return r
+
+  prelude = []
+  for op in ops:
+    prelude.append(dataclasses.replace(
+        op, invars=tuple(new_ref(v) if isinstance(v, tuple) and not isinstance(v, Lit) else v
+                         for v in op.invars),
+        outvars=tuple(new_ref(v) if v != -1 else -1 for v in op.outvars)))
+  hoisted_refs = [new_ref(r) for r in refs]
+  before = list(outer.ops[:region_op])
+  new_region = dataclasses.replace(region_eqn,
+                                   invars=tuple(region_eqn.invars) + tuple(hoisted_refs))
+  after = list(outer.ops[region_op + 1:])
+  all_ops = before + prelude + [new_region] + after
+  all_ops = [dataclasses.replace(op, index=i) for i, op in enumerate(all_ops)]
+  new_outer = Program(tuple(avals), outer.invars, outer.outvars, tuple(all_ops),
+                      outer.num_consts)
+  inputs = [RegionInput("whole" if axis < 0 else "split", ref, axis=axis)
+            for ref, axis in zip(hoisted_refs, structure.hoist_axes)]
+  log.info("computing %d value(s) of the batch's data up front (the whole batch's), before "
+           "the pipeline", len(inputs))
+  return new_outer, len(before) + len(prelude), inputs
+
+
+def _like(like: TracedStep, region: Program, cuts, factor) -> TracedStep:
+  """``like`` with its region traced at another microbatch size, rewritten as ``like``'s."""
+  if like.flow is None:
+    return dataclasses.replace(like, region=region, boundary_cuts=tuple(cuts))
+  mb = like.flow.mb
+  if len(region.ops) != len(mb.ops) or any(a.name != b.name for a, b in zip(region.ops,
+                                                                            mb.ops)):
+    raise TraceError("the train step traced with another microbatch size is not the same "
+                     "program; its structure depends on the batch size")
+  try:
+    new, _, new_index = microbatch.rewrite(like.flow, region, fractions.Fraction(factor),
+                                           like.structure)
+  except microbatch.RewriteError as e:
+    raise TraceError(f"the step at another microbatch size needs another rewrite ({e})") \
+        from None
+  cuts = sorted({new_index[c] for c in cuts} - {0, len(new.ops)})
+  return dataclasses.replace(like, region=new, boundary_cuts=tuple(cuts))
 
 
 def _trace(step_fn, args):
