@@ -94,6 +94,13 @@ def test_in_batch_contrastive_loss_runs_per_microbatch_and_says_so(x64):
   assert "dot_general" in message and "zoo.py" in message and "in-batch" in message
 
 
+def test_ntxent_with_targets_from_positions_runs_per_microbatch_and_says_so(x64):
+  # Targets (arange(2n) + n) % 2n index the microbatch's own 2b rows (not refused), and the
+  # two views concatenated along the batch are the microbatch's, as jax.jit of it has them.
+  message = _coupled("ntxent")
+  assert "concatenate" in message
+
+
 def test_batch_norm_runs_per_microbatch_and_says_so(x64):
   message = _coupled("batch_norm")
   assert "BatchNorm" in message and "zoo.py" in message

@@ -484,6 +484,26 @@ def contrastive(tx=None, labels_from_data: bool = False) -> CoupledCase:
                      loss_fn, tx, exact=False)
 
 
+def ntxent(tx=None) -> CoupledCase:
+  """SimCLR's NT-Xent: both views' embeddings concatenated along the batch, similarities of
+  every pair but oneself, each example's positive the other view of it (targets
+  ``(arange(2n) + n) % 2n`` computed from positions): coupled."""
+  model = Tower()
+  batches = _pair_batches()
+  params = _f64(model.init(jax.random.key(1), batches[0]["x"]))["params"]
+  tx = tx or optax.adam(1e-2)
+
+  def loss_fn(p, extra, batch):
+    z = model.apply({"params": p}, jnp.concatenate([batch["x"], batch["y"]], 0))
+    z = z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+    n = batch["x"].shape[0]
+    sim = z @ z.T / 0.5 - 1e9 * jnp.eye(2 * n)
+    targets = (jnp.arange(2 * n) + n) % (2 * n)
+    return optax.softmax_cross_entropy_with_integer_labels(sim, targets).mean(), (extra, {})
+  return CoupledCase(_coupled_step(loss_fn, tx), (params, {}, tx.init(params)), batches,
+                     loss_fn, tx, exact=False)
+
+
 class NormNet(nn.Module):
   """Dense (no bias: batch norm removes it, so its gradient would be rounding noise), batch
   norm in training mode, tanh, dense."""
@@ -577,7 +597,7 @@ def moe_capacity(drops: bool, tx=None) -> CoupledCase:
 
 
 COUPLED = {"masked_lm": masked_lm, "label_smoothing": label_smoothing,
-           "weighted_sequences": weighted_sequences, "contrastive": contrastive,
+           "weighted_sequences": weighted_sequences, "contrastive": contrastive, "ntxent": ntxent,
            "batch_norm": batch_norm, "moe_no_drops": lambda: moe_capacity(False),
            "moe_drops": lambda: moe_capacity(True)}
 """The zoo of coupled steps, by name."""

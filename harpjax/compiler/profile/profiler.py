@@ -675,7 +675,7 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
     try:
       t1 = time.perf_counter()
       ts_dp = trace_step(step_fn, args, num_microbatches=num_microbatches * dp,
-                         batch_argnums=batch_argnums)
+                         batch_argnums=batch_argnums, batch_coupling="per_microbatch")
       program = ts_dp.region
       if layers.origin is not None:
         program, _ = unroll_scans(program, z=lopts.z, max_length=lopts.max_unroll)

@@ -209,6 +209,9 @@ def analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatch
             body: bool = False) -> BatchFlow:
   """The batch flow of a region traced at the full batch (``full``) and at one microbatch.
 
+  A value is hoisted only where nothing coupled depends on it: what a coupled op reads is
+  the microbatch's own (the reference of a coupled step is ``jax.jit`` of each microbatch).
+
   Args:
     full / mb: the two traces (values addressed alike when they correspond op for op).
     in_flows: per input of the programs, its :class:`Flow`.
@@ -216,13 +219,30 @@ def analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatch
     body: the programs are the body of a loop, branch or custom function: nothing can be
       hoisted out of it, and a sum over the examples may not be offset by a constant.
   """
+  keep: frozenset = frozenset()
+  while True:
+    flow = _analyze(full, mb, in_flows, num_microbatches, body, keep)
+    if not flow.aligned or not flow.hoistable or not flow.coupled_ops:
+      return flow
+    coupled_out = {v for i in flow.coupled_ops for v in mb.ops[i].outvars if v >= 0}
+    more = {v for v in flow.hoistable if mb.dependents([v]) & coupled_out}
+    if not more - keep:
+      return flow
+    keep = keep | more
+
+
+def _analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatches,
+             body: bool, keep: frozenset) -> BatchFlow:
+  """:func:`analyze` with the values of ``keep`` not hoisted."""
   if len(full.ops) != len(mb.ops) or any(a.name != b.name for a, b in zip(full.ops, mb.ops)) \
       or len(full.avals) != len(mb.avals):
     return BatchFlow(full, mb, num_microbatches, {}, {}, {}, frozenset(), (), (), frozenset(),
                      aligned=False)
   M = num_microbatches
   local = index_iotas([(op.name, op.params, tuple(op.invars), op.outvars) for op in mb.ops],
-                      mb.outvars)
+                      mb.outvars, {fo.index for fo, mo in zip(full.ops, mb.ops) if fo.name ==
+                                   "iota" and full.avals[fo.outvars[0]].shape
+                                   != mb.avals[mo.outvars[0]].shape})
   flows: dict[int, Flow] = dict(zip(full.invars, in_flows))
   natural: dict[int, Flow] = {}
   hoistable: dict[int, int] = {}
@@ -255,7 +275,7 @@ def analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatch
         continue
       f, why = _settle(outs[k], ctx.out_b[k], M)
       origin = origin or why
-      if not body and f.data_only and f.kind in (SUM, COUPLED):
+      if not body and f.data_only and f.kind in (SUM, COUPLED) and v not in keep:
         # From the batch's data alone: computed up front on the whole batch.
         axis = _hoist_axis(ctx.out_b[k], full.avals[v].shape, mb.avals[v].shape, M)
         if axis is not None:

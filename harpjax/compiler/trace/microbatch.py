@@ -92,11 +92,24 @@ def hoisted_ids(flow: BatchFlow) -> tuple:
 
 
 def _mb_semantics(flow: BatchFlow) -> frozenset:
-  """Ops that run as the microbatch alone runs them: coupled ones, and those computing hoisted
-  values (still run for the coupled ops that read them)."""
-  hoisted_ops = {op.index for op in flow.mb.ops
-                 if any(v in flow.hoistable for v in op.outvars if v >= 0)}
-  return flow.coupled_ops | frozenset(hoisted_ops)
+  """Ops that run as the microbatch alone runs them (its own constants, its values before any
+  rescaling): coupled ones, those computing hoisted values (still run for the coupled ops that
+  read them), and the ops of values without examples that only those read (the labels
+  ``(jnp.arange(2 * n) + n) % (2 * n)`` of an in-batch loss are the microbatch's)."""
+  mb = set(flow.coupled_ops)
+  mb.update(op.index for op in flow.mb.ops
+            if any(v in flow.hoistable for v in op.outvars if v >= 0))
+  consumers = flow.mb.consumers()
+  outputs = {v for v in flow.mb.outvars if not isinstance(v, Lit)}
+  for op in reversed(flow.mb.ops):
+    outs = [v for v in op.outvars if v >= 0]
+    if op.index in mb or not outs or any(v in outputs for v in outs):
+      continue
+    readers = [c for v in outs for c in consumers.get(v, ())]
+    if readers and all(flow.flows[v].kind == FREE for v in outs) and all(c in mb
+                                                                          for c in readers):
+      mb.add(op.index)
+  return frozenset(mb)
 
 
 def rewrite(flow: BatchFlow, program: Program, factor, structure: Structure | None = None
@@ -120,8 +133,11 @@ def rewrite(flow: BatchFlow, program: Program, factor, structure: Structure | No
   """
   F = fractions.Fraction(factor)
   full = flow.full
-  mb_sem = _mb_semantics(flow)
   fixing = structure is None
+  if not fixing and F == 1 and not (structure.hoisted or structure.rescales
+                                    or structure.literals):
+    return program, structure, list(range(len(program.ops) + 1))   # nothing to change
+  mb_sem = _mb_semantics(flow)
   if fixing:
     hoisted = hoisted_ids(flow)
     structure = Structure(hoisted, tuple(flow.hoistable[v] for v in hoisted), frozenset(),
@@ -182,7 +198,7 @@ def rewrite(flow: BatchFlow, program: Program, factor, structure: Structure | No
     new_index.append(len(ops))
     i = op.index
     if i in mb_sem:
-      ops.append(dataclasses.replace(op, index=len(ops)))
+      ops.append(_moved(op, len(ops)))
       for v in op.outvars:
         if v >= 0:
           r[v] = fractions.Fraction(1)
@@ -190,7 +206,9 @@ def rewrite(flow: BatchFlow, program: Program, factor, structure: Structure | No
     ins = [hoist_new.get(v, v) if not isinstance(v, Lit) else v for v in op.invars]
     ins, out_r = _rescale_op(op, fo, ins, flow, F, scale_of, normalized, literals, structure,
                              fixing, avals.__getitem__)
-    ops.append(dataclasses.replace(op, index=len(ops), invars=tuple(ins)))
+    ins = tuple(ins)
+    ops.append(_moved(op, len(ops)) if ins == op.invars else
+               dataclasses.replace(op, index=len(ops), invars=ins))
     for v, scale in zip(op.outvars, out_r):
       if v >= 0:
         r[v] = scale if primitives.is_float(program.avals[v]) else _int_scale(flow, v, F)
@@ -209,12 +227,21 @@ def rewrite(flow: BatchFlow, program: Program, factor, structure: Structure | No
     outvars.append(v2)
   new_index.append(len(ops))
   new = Program(tuple(avals), tuple(invars), tuple(outvars), tuple(ops), program.num_consts)
-  new, kept = _drop_dead(new, program)
-  new_index = [kept[k] for k in new_index]
+  if structure.hoisted:
+    new, kept = _drop_dead(new, program)
+    new_index = [kept[k] for k in new_index]
+  elif len(ops) == len(program.ops) and all(a is b for a, b in zip(ops, program.ops)) and \
+      tuple(outvars) == tuple(program.outvars):
+    new = program   # unchanged
   if fixing:
     structure = dataclasses.replace(structure, rescales=frozenset(rescales),
                                     literals=frozenset(literals))
   return new, structure, new_index
+
+
+def _moved(op: Op, index: int) -> Op:
+  """``op`` at position ``index`` (itself where it stays)."""
+  return op if op.index == index else dataclasses.replace(op, index=index)
 
 
 def _int_scale(flow: BatchFlow, v: int, F) -> fractions.Fraction:
@@ -350,7 +377,7 @@ def _drop_dead(new: Program, old: Program) -> tuple[Program, list[int]]:
     dead = _pure(op) and outs and not any(v in live_new for v in outs) and \
         any(v in live_old for v in outs)
     if not dead:
-      ops.append(dataclasses.replace(op, index=len(ops)))
+      ops.append(_moved(op, len(ops)))
   pos.append(len(ops))
   return Program(new.avals, new.invars, new.outvars, tuple(ops), new.num_consts), pos
 

@@ -92,7 +92,7 @@ def regen_sites(full: Program, mb: Program, num_microbatches: int) -> tuple[dict
     return {}, not any(_draws(op.name, op.params) for op in mb.ops)
   sites = {}
   local = index_iotas([(op.name, op.params, tuple(op.invars), op.outvars) for op in mb.ops],
-                      mb.outvars)
+                      mb.outvars, _batch_iotas(full, mb))
   for fo, mo in zip(full.ops, mb.ops):
     if mo.index in local:
       continue
@@ -104,6 +104,12 @@ def regen_sites(full: Program, mb: Program, num_microbatches: int) -> tuple[dict
     if site is not None:
       sites[mo.index] = site
   return sites, True
+
+
+def _batch_iotas(full: Program, mb: Program) -> set:
+  """Positions of the iotas whose shape follows the batch."""
+  return {fo.index for fo, mo in zip(full.ops, mb.ops) if fo.name == "iota"
+          and full.avals[fo.outvars[0]].shape != mb.avals[mo.outvars[0]].shape}
 
 
 def _aval(program: Program, ref):
@@ -185,9 +191,11 @@ def _body_sites(full_jaxpr, mb_jaxpr, B, where) -> dict:
 _PASS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type",
                    "transpose", "copy", "copy_p", "concatenate", "select_n"})
 """Ops an index passes through unchanged in meaning."""
-_PASS_WITH_LITERALS = frozenset({"lt", "le", "gt", "ge", "add", "sub", "clamp", "max", "min"})
+_PASS_WITH_LITERALS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "mul", "rem",
+                                 "div", "clamp", "max", "min", "neg", "sign", "abs", "and",
+                                 "or", "not"})
 """Ops an index passes through when its other operands are literals (the normalisation of
-negative indices: ``where(i < 0, i + n, i)``)."""
+negative indices ``where(i < 0, i + n, i)``, shifted positions ``(i + n) % (2 * n)``)."""
 _INDEX_OPERANDS = {"gather": (1,), "dynamic_slice": None, "dynamic_update_slice": None,
                    "scatter": (1,), "scatter-add": (1,), "scatter_add": (1,), "scatter_mul": (1,),
                    "scatter_min": (1,), "scatter_max": (1,)}
@@ -212,30 +220,63 @@ def eqn_items(eqns) -> list:
            tuple(None if _compat.is_dropvar(v) else v for v in e.outvars)) for e in eqns]
 
 
-def index_iotas(items, outvars) -> frozenset:
+def index_iotas(items, outvars, candidates=None) -> frozenset:
   """Positions of the ``iota`` equations among ``items`` whose values are only ever used as
   indices: operands of the index of a gather, scatter or dynamic slice, or compared for
   equality with another array (a one-hot), possibly through reshapes, broadcasts,
-  concatenations, conversions and the normalisation of negative indices, and through the
-  bodies of nested calls. Such an iota over the batch stays the microbatch's own (its positions
-  index the microbatch's rows); any other use makes it data (redrawn at full size and sliced).
+  concatenations, conversions and integer arithmetic with constants (the normalisation of
+  negative indices, shifted positions), and through the bodies of nested calls. Such an iota
+  over the batch stays the microbatch's own (its positions index the microbatch's rows); any
+  other use makes it data (redrawn at full size and sliced).
 
   Args:
     items: ``(primitive name, params, operands, results)`` per equation (operands may be
       :class:`Lit`; results ``None`` or negative where dropped).
     outvars: the level's outputs (a use as data).
+    candidates: the positions to consider (``None``: every iota).
   """
+  if candidates is not None and not candidates:
+    return frozenset()
+  uses = _uses(items)
+  static = _static_values(items)
+  outs = {v for v in outvars if not isinstance(v, Lit)}
+  out = set()
+  for i, (name, _, _, res) in enumerate(items):
+    if name == "iota" and (candidates is None or i in candidates):
+      reach = _reach(items[i + 1:], res[0])
+      if _only_indexes(items, uses, outs, static, reach, res[0], set()):
+        out.add(i)
+  return frozenset(out)
+
+
+def _uses(items) -> dict:
   uses: dict = {}
-  for i, (name, params, ins, _) in enumerate(items):
+  for i, (_, _, ins, _) in enumerate(items):
     for p, v in enumerate(ins):
       if not isinstance(v, Lit):
         uses.setdefault(v, []).append((i, p))
-  outs = {v for v in outvars if not isinstance(v, Lit)}
-  return frozenset(i for i, (name, _, _, res) in enumerate(items)
-                   if name == "iota" and _only_indexes(items, uses, outs, res[0], set()))
+  return uses
 
 
-def _only_indexes(items, uses, outs, value, seen) -> bool:
+def _static_values(items) -> set:
+  """Values computed from literals alone."""
+  static: set = set()
+  for name, _, ins, res in items:
+    if name != "iota" and all(isinstance(v, Lit) or v in static for v in ins):
+      static.update(r for r in res if r is not None)
+  return static
+
+
+def _reach(items, start) -> set:
+  """Values of ``items`` that depend on ``start`` (``start`` included)."""
+  reached = {start}
+  for _, _, ins, res in items:
+    if any(not isinstance(v, Lit) and v in reached for v in ins):
+      reached.update(r for r in res if r is not None)
+  return reached
+
+
+def _only_indexes(items, uses, outs, static, reach, value, seen) -> bool:
   if value is None or (isinstance(value, int) and value < 0):
     return True
   if value in outs:
@@ -247,11 +288,12 @@ def _only_indexes(items, uses, outs, value, seen) -> bool:
     name, params, ins, res = items[i]
     if _is_index_operand(name, p):
       continue
-    others_literal = all(isinstance(v, Lit) for k, v in enumerate(ins) if k != p)
-    if name in ("eq", "ne") and not others_literal:
+    others = [v for k, v in enumerate(ins) if k != p]
+    constant = all(isinstance(v, Lit) or v in static or v in reach for v in others)
+    if name in ("eq", "ne") and not constant:
       continue
-    if name in _PASS or (name in _PASS_WITH_LITERALS and others_literal):
-      if all(_only_indexes(items, uses, outs, r, seen) for r in res):
+    if name in _PASS or (name in _PASS_WITH_LITERALS and constant):
+      if all(_only_indexes(items, uses, outs, static, reach, r, seen) for r in res):
         continue
       return False
     if name in _CALLS:
@@ -259,18 +301,15 @@ def _only_indexes(items, uses, outs, value, seen) -> bool:
       if body is None or p >= len(body.invars):
         return False
       inner = eqn_items(body.eqns)
-      inner_uses: dict = {}
-      for j, (_, _, bins, _) in enumerate(inner):
-        for q, v in enumerate(bins):
-          if not isinstance(v, Lit):
-            inner_uses.setdefault(v, []).append((j, q))
-      body_outs = list(body.outvars)
-      if not _only_indexes(inner, inner_uses, set(), body.invars[p], set()):
+      start = body.invars[p]
+      reached = _reach(inner, start)
+      if not _only_indexes(inner, _uses(inner), set(), _static_values(inner), reached, start,
+                           set()):
         return False
       # What the body returns of the index is an index again, outside.
-      reached = _compat_reach(inner, body.invars[p])
-      for k, bo in enumerate(body_outs):
-        if bo in reached and k < len(res) and not _only_indexes(items, uses, outs, res[k], seen):
+      for k, bo in enumerate(body.outvars):
+        if bo in reached and k < len(res) and not _only_indexes(items, uses, outs, static,
+                                                               reach, res[k], seen):
           return False
       continue
     return False
@@ -285,15 +324,6 @@ def _call_body(params):
     if isinstance(body, _compat.Jaxpr):
       return body
   return None
-
-
-def _compat_reach(items, start) -> set:
-  """Values of ``items`` that depend on ``start`` (``start`` included)."""
-  reached = {start}
-  for _, _, ins, res in items:
-    if any(not isinstance(v, Lit) and v in reached for v in ins):
-      reached.update(r for r in res if r is not None)
-  return reached
 
 
 def split_axis(full, mb, B):
