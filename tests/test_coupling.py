@@ -253,3 +253,22 @@ def test_a_microbatch_of_the_whole_batch_is_exact_whatever_the_step(x64):
     ts = trace_step(case.step, (case.state, case.batches[0]), num_microbatches=1)
   assert ts.couplings   # known, for stages that would split the rows among groups
   np.testing.assert_equal(len(ts.region.ops), len(ts.flow.mb.ops))
+
+
+def test_a_step_whose_structure_follows_the_batch_size_is_told():
+  def loss(p, b):
+    h = b["x"] @ p
+    if b["x"].shape[0] > N // 2:   # only at the full batch
+      h = jnp.tanh(h)
+    return jnp.mean(h)
+  with pytest.warns(harpjax.BatchCouplingWarning, match="not the same program"):
+    ts = trace_step(_step_of(loss), (jnp.ones((D, V)), {"x": jnp.ones((N, D))}),
+                    num_microbatches=2)
+  assert ts.flow is None
+
+
+def test_a_batch_size_written_as_a_number_is_a_clear_error():
+  loss = lambda p, b: jnp.mean((b["x"] @ p) * jnp.arange(N)[:, None])
+  with pytest.raises(harpjax.HarpjaxError, match="shapes must follow the batch"):
+    trace_step(_step_of(loss), (jnp.ones((D, V)), {"x": jnp.ones((N, D))}),
+               num_microbatches=2)

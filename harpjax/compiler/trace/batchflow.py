@@ -30,7 +30,6 @@ Rules are per primitive, conservative: an unknown primitive over per-example val
 from __future__ import annotations
 
 import dataclasses
-import fractions
 from typing import Any, Sequence
 
 import numpy as np
@@ -40,8 +39,8 @@ from harpjax.compiler.trace import primitives
 from harpjax.compiler.trace.program import Lit, Program, from_closed_jaxpr
 from harpjax.compiler.trace.regen import RANDOM_PRIMITIVES, index_iotas, split_axis
 
-__all__ = ["Flow", "Coupling", "BatchFlow", "analyze", "FREE", "ROWS", "SUM", "COUPLED",
-           "ELEMENTWISE"]
+__all__ = ["Flow", "Coupling", "BatchFlow", "analyze", "unaligned", "FREE", "ROWS", "SUM",
+           "COUPLED", "ELEMENTWISE"]
 
 FREE, ROWS, SUM, COUPLED = "free", "rows", "sum", "coupled"
 
@@ -149,9 +148,13 @@ class Coupling:
   reason: str
 
   def describe(self) -> str:
-    at = f" at {self.source}" if self.source else ""
-    inside = f" in {self.where}" if self.where else ""
-    return f"{self.primitive}{at}{inside}: {self.reason}"
+    return f"{_place(self.primitive, self.source, self.where)}: {self.reason}"
+
+
+def _place(primitive: str, source: str, where: str) -> str:
+  at = f" at {source}" if source else ""
+  inside = f" in {where}" if where else ""
+  return f"{primitive}{at}{inside}"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -162,7 +165,6 @@ class BatchFlow:
     full / mb: the region at the full batch and at one microbatch (as traced).
     num_microbatches: B.
     flows: value id -> :class:`Flow` as its consumers see it (a hoisted value: as hoisted).
-    natural: value id -> :class:`Flow` before hoisting, where it differs.
     hoistable: value id -> ``-1`` (whole) or its row axis (split per microbatch): values
       computed from the batch's data alone that the whole batch can compute up front.
     coupled_ops: indices of the ops whose results are ``coupled`` (they compute what the
@@ -176,7 +178,6 @@ class BatchFlow:
   mb: Program
   num_microbatches: int
   flows: dict
-  natural: dict
   hoistable: dict
   coupled_ops: frozenset
   couplings: tuple
@@ -192,6 +193,12 @@ class BatchFlow:
   def exact(self) -> bool:
     """Whether every output is exact (no coupling reaches one)."""
     return self.aligned and not self.couplings
+
+
+def unaligned(full: Program, mb: Program, num_microbatches) -> BatchFlow:
+  """The analysis of two traces that are not the same program: nothing known."""
+  return BatchFlow(full, mb, num_microbatches, {}, {}, frozenset(), (), (), frozenset(),
+                   aligned=False)
 
 
 class _Couple(Exception):
@@ -236,15 +243,13 @@ def _analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatc
   """:func:`analyze` with the values of ``keep`` not hoisted."""
   if len(full.ops) != len(mb.ops) or any(a.name != b.name for a, b in zip(full.ops, mb.ops)) \
       or len(full.avals) != len(mb.avals):
-    return BatchFlow(full, mb, num_microbatches, {}, {}, {}, frozenset(), (), (), frozenset(),
-                     aligned=False)
+    return unaligned(full, mb, num_microbatches)
   M = num_microbatches
   local = index_iotas([(op.name, op.params, tuple(op.invars), op.outvars) for op in mb.ops],
                       mb.outvars, {fo.index for fo, mo in zip(full.ops, mb.ops) if fo.name ==
                                    "iota" and full.avals[fo.outvars[0]].shape
                                    != mb.avals[mo.outvars[0]].shape})
   flows: dict[int, Flow] = dict(zip(full.invars, in_flows))
-  natural: dict[int, Flow] = {}
   hoistable: dict[int, int] = {}
   coupled_ops, origins, refusals = set(), [], []
 
@@ -279,7 +284,6 @@ def _analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatc
         # From the batch's data alone: computed up front on the whole batch.
         axis = _hoist_axis(ctx.out_b[k], full.avals[v].shape, mb.avals[v].shape, M)
         if axis is not None:
-          natural[v] = f
           hoistable[v] = axis
           f = Flow(ROWS, axis, data=True) if axis >= 0 else _free()
       flows[v] = f
@@ -298,15 +302,13 @@ def _analyze(full: Program, mb: Program, in_flows: Sequence[Flow], num_microbatc
       couplings.append(c)
   couplings = tuple(couplings)
   refusals = list(dict.fromkeys(refusals))
-  return BatchFlow(full, mb, M, flows, natural, hoistable, frozenset(coupled_ops), couplings,
+  return BatchFlow(full, mb, M, flows, hoistable, frozenset(coupled_ops), couplings,
                    tuple(refusals), local)
 
 
 def _hoist_axis(bshape, full_shape, mb_shape, M):
-  if not bshape:
-    return -1
-  axis = split_axis(tuple(full_shape), tuple(mb_shape), M)
-  return axis
+  """``-1`` (hoisted whole), the row axis (hoisted and split per microbatch) or ``None``."""
+  return -1 if not bshape else split_axis(tuple(full_shape), tuple(mb_shape), M)
 
 
 def _reaching_outputs(program: Program, op_indices) -> set:
@@ -321,10 +323,7 @@ def _reaching_outputs(program: Program, op_indices) -> set:
 
 
 def _where(op) -> str:
-  src = _compat.describe_source(op.source)
-  at = f" at {src}" if src else ""
-  inside = f" in {op.name_stack}" if op.name_stack else ""
-  return f"{op.name}{at}{inside}"
+  return _place(op.name, _compat.describe_source(op.source), op.name_stack)
 
 
 def _lit_flow(v: Lit) -> Flow:
@@ -368,17 +367,15 @@ class _Ctx:
   def params(self) -> dict:
     return self.fo.params
 
-  def in_shape(self, k: int, which: str = "full") -> tuple:
-    prog = self.full if which == "full" else self.mb
-    v = (self.fo if which == "full" else self.mo).invars[k]
-    if isinstance(v, Lit):
-      return tuple(np.shape(v.value))
-    return tuple(prog.avals[v].shape)
+  def in_shape(self, k: int) -> tuple:
+    """Operand ``k``'s shape at the full batch."""
+    v = self.fo.invars[k]
+    return tuple(np.shape(v.value)) if isinstance(v, Lit) else tuple(self.full.avals[v].shape)
 
-  def out_shape(self, k: int, which: str = "full") -> tuple:
-    prog = self.full if which == "full" else self.mb
-    v = (self.fo if which == "full" else self.mo).outvars[k]
-    return tuple(prog.avals[v].shape) if v >= 0 else ()
+  def out_shape(self, k: int) -> tuple:
+    """Result ``k``'s shape at the full batch."""
+    v = self.fo.outvars[k]
+    return tuple(self.full.avals[v].shape) if v >= 0 else ()
 
 
 # --------------------------------------------------------------------------- transfer rules

@@ -40,8 +40,6 @@ from harpjax.compiler.trace.program import Lit, Op, Program
 
 __all__ = ["Structure", "rewrite", "prelude_ops", "RewriteError", "combine_rules", "hoisted_ids"]
 
-_SAME = frozenset({"add", "sub", "add_any", "add_jaxvals", "select_n", "concatenate",
-                   "dynamic_update_slice", "pad", "max", "min"})
 _SAME_LINEAR = frozenset({"add", "sub", "add_any", "add_jaxvals", "select_n", "concatenate",
                           "dynamic_update_slice", "pad"})
 """Ops linear in their (non-index) operands jointly: equal scales pass through."""
@@ -151,7 +149,6 @@ def rewrite(flow: BatchFlow, program: Program, factor, structure: Structure | No
     hoist_new[v] = len(avals) - 1
     invars.append(len(avals) - 1)
   r: dict[int, fractions.Fraction] = {}   # value id -> scale relative to its mean-exact form
-  zero: dict[int, bool] = {}
   cache: dict[tuple, int] = {}
   ops: list[Op] = []
   new_index: list[int] = []

@@ -330,7 +330,16 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
     mb_args[a] = _split_batch(abstract[a], B, a)
 
   full_closed, full_cap, out_shape = _trace(step_fn, abstract)
-  mb_closed, mb_cap, _ = _trace(step_fn, tuple(mb_args))
+  try:
+    mb_closed, mb_cap, _ = _trace(step_fn, tuple(mb_args))
+  except (TraceError, MicrobatchError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (the user's code, at another size)
+    raise TraceError(
+        f"the train step fails when traced with one microbatch (the batch split into {B}): "
+        f"{type(e).__name__}: {e}. harpjax runs the step on each microbatch, so shapes must "
+        "follow the batch: read the batch size from the arrays (x.shape[0]) instead of "
+        "writing it as a number") from e
   in_tree = jax.tree_util.tree_structure(args)
   out_tree = jax.tree_util.tree_structure(out_shape)
 
@@ -454,9 +463,12 @@ def _analysis(step_fn, abstract, batch_argnums, region_full: Program, region: Pr
     probe[a] = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((2 * x.shape[0],) + tuple(x.shape[1:]), x.dtype)
         if len(x.shape) else x, abstract[a])
-  closed, cap, _ = _trace(step_fn, tuple(probe))
+  try:
+    closed, cap, _ = _trace(step_fn, tuple(probe))
+  except Exception:  # pylint: disable=broad-except  (a step written for one batch size)
+    return batchflow.unaligned(region_full, region, 1), None
   if len(cap.regions) != 1:
-    return batchflow.analyze(region_full, region, [], 2), None   # not aligned
+    return batchflow.unaligned(region_full, region, 1), None
   twice, _ = strip_markers(from_closed_jaxpr(cap.regions[0].closed), BOUNDARY_PRIMITIVE_NAME)
   in_flows = []
   for inp, v in zip(inputs, region.invars):
