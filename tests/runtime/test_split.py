@@ -257,3 +257,12 @@ def test_memory_model_of_each_group_of_a_mixed_stage(x64, zero):
     assert abs(r.error) <= 0.10, (r.phases, r.predicted)
   with pytest.raises(harpjax.errors.UnsupportedError, match="has 2 groups"):
     memory_report(cs, 0, group=2)
+
+
+def test_split_stages_with_a_loss_normalised_by_the_batch_match_jit_float64(x64):
+  # The token count is the whole batch's (computed before the pipeline); each group's part of
+  # the masked sum comes out in mean-exact form for its own rows.
+  case = zoo.masked_lm()
+  B = 2
+  plan = split_plan(_num_layers(case.step, case.state, case.batches[0], B))
+  run_both(case.step, case.state, case.batches, plan, B)
