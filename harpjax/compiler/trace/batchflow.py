@@ -44,19 +44,9 @@ __all__ = ["Flow", "Coupling", "BatchFlow", "analyze", "unaligned", "FREE", "ROW
 
 FREE, ROWS, SUM, COUPLED = "free", "rows", "sum", "coupled"
 
-ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor", "ceil",
-    "round", "is_finite", "abs", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
-    "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
-    "atanh", "sqrt", "rsqrt", "cbrt", "square", "integer_pow", "erf", "erfc", "erf_inv",
-    "lgamma", "digamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e", "nextafter",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "select_n", "clamp",
-    "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
-    "add_any", "add_jaxvals", "conj", "real", "imag", "complex", "reduce_precision",
+ELEMENTWISE = primitives.ELEMENTWISE | {
     "convert_element_type", "stop_gradient", "copy", "copy_p", "bitcast_convert_type",
-    "polygamma", "zeta", "regularized_incomplete_beta", "random_gamma", "random_fold_in",
-    "threefry2x32", "random_wrap", "random_unwrap", "sharding_constraint", "name",
-})
+    "random_wrap", "random_unwrap", "sharding_constraint", "name"}
 """Primitives applied element by element (operands of one shape, or scalars)."""
 
 LINEAR = frozenset({"add", "sub", "neg", "add_any", "add_jaxvals", "convert_element_type",

@@ -26,7 +26,7 @@ from harpjax import _compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrimitiveInfo", "PRIMITIVES", "info", "is_compute_heavy", "is_view", "eqn_flops",
+__all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "info", "is_compute_heavy", "is_view", "eqn_flops",
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
            "aval_nbytes", "aval_size", "is_float"]
 
@@ -118,7 +118,7 @@ def _register(names: Iterable[str], **kw) -> None:
 
 _register(["dot_general", "ragged_dot", "ragged_dot_general"], flops=_dot_flops, heavy=True)
 _register(["conv_general_dilated"], flops=_conv_flops, heavy=True)
-_register([  # elementwise arithmetic: one FLOP per output element
+ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor", "ceil",
     "round", "is_finite", "abs", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
     "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
@@ -127,9 +127,14 @@ _register([  # elementwise arithmetic: one FLOP per output element
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "select_n", "clamp",
     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
     "add_any", "add_jaxvals", "conj", "real", "imag", "complex", "reduce_precision",
-    "random_bits", "random_split", "random_fold_in", "threefry2x32", "rng_uniform",
-    "rng_bit_generator", "polygamma", "zeta", "regularized_incomplete_beta", "random_gamma",
-], flops=_out_elems)
+    "random_fold_in", "threefry2x32", "polygamma", "zeta", "regularized_incomplete_beta",
+    "random_gamma",
+})
+"""Arithmetic applied element by element (operands of one shape, or scalars)."""
+
+_register(sorted(ELEMENTWISE | {"random_bits", "random_split", "rng_uniform",
+                                "rng_bit_generator"}),
+          flops=_out_elems)   # one FLOP per output element
 _register([  # reductions and scans over an axis: one FLOP per input element
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
     "reduce_xor", "argmax", "argmin", "reduce", "cumsum", "cumprod", "cummax", "cummin",
