@@ -552,8 +552,7 @@ class ParallelStep:
     return Retrace(rows // B, at)
 
   def _layout(self, args, p: _Phases) -> StepProgram:
-    retrace = (self._retrace(args, p.traced)
-               if any(s.mixed for s in p.planned.plan.stages) else None)
+    retrace = self._retrace(args, p.traced)   # traces again only where a stage needs it
     return layout_step(p.traced.step, p.traced.layers, p.planned.plan, p.planned.schedule,
                        self.options.loss_reduction, self.options.offload, retrace)
 

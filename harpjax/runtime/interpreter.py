@@ -321,6 +321,8 @@ class StageRun:
     among groups sums theirs here, once)."""
     if self._total is None:
       self._total = self.stage.total(self.acc)
+      if self.stage.layout.replicas:
+        self.acc = None   # the replicas' parts, summed: not kept through the update
     return self._total
 
   def send_gradient_parts(self) -> None:

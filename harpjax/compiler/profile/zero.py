@@ -112,6 +112,9 @@ class StageMemory:
       writes or a backward reads, and the one on its way).
     updates: the devices run the optimizer update (not so a mixed-type stage's groups but
       the first, which receive the parameters the first group updated).
+    replicas: the ``dp`` replicas accumulate their own gradients and reduce them once per
+      step (:mod:`harpjax.compiler.stages.replicas`): the backward writes no reduction, and the
+      step's reduction writes the reduced gradients beside the accumulator.
   """
   param_bytes: float
   grad_bytes: float
@@ -124,6 +127,7 @@ class StageMemory:
   opt_offloaded: bool = False
   act_offloaded: bool = False
   updates: bool = True
+  replicas: bool = False
 
   @property
   def state_bytes(self) -> float:
@@ -144,11 +148,20 @@ class StageMemory:
     return (2 * own * self.param_bytes + own * self.grad_bytes + 2 * self.opt_bytes
             + self.update_workspace_bytes)
 
+  def reduce_bytes(self) -> float:
+    """Peak of the replicas' reduction after the last backward: the state, and the reduced
+    gradients (0 without :attr:`replicas`)."""
+    if not self.replicas:
+      return 0.0
+    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
+    return held + self.grad_bytes
+
   def peak_bytes(self, in_flight: int) -> float:
     """The stage's per-device peak over a step."""
+    pipeline = max(self.pipeline_bytes(in_flight), self.reduce_bytes())
     if not self.updates:
-      return self.pipeline_bytes(in_flight)
-    return max(self.pipeline_bytes(in_flight), self.update_bytes())
+      return pipeline
+    return max(pipeline, self.update_bytes())
 
 
 def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: int,
@@ -156,7 +169,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
                  workspace_bytes: float = 0.0, reduce_scatter: bool = False,
                  shared_param_bytes: float = 0.0,
                  offload_optimizer: bool = False,
-                 offload_activations: bool = False, updates: bool = True) -> StageMemory:
+                 offload_activations: bool = False, updates: bool = True,
+                 replicas: bool = False) -> StageMemory:
   """Per-device memory of a stage at ZeRO level ``zero``.
 
   Args:
@@ -177,6 +191,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
     offload_activations: the residuals wait for their backward in host memory
       (``OffloadOptions(activations=True)``; :func:`activation_offload_time_s`).
     updates: the devices run the optimizer update (:attr:`StageMemory.updates`).
+    replicas: the replicas reduce their gradients once per step (:attr:`StageMemory.replicas`;
+      levels 0 and 1 only).
 
   Returns:
     The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
@@ -187,7 +203,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
   G = P if grad_bytes is None else float(grad_bytes)
   O = float(opt_bytes)
   gathered = P if zero >= 3 and dp > 1 else 0.0
-  reduced = 0.0 if dp <= 1 else (G / dp if zero >= 2 and reduce_scatter else G)
+  replicas = bool(replicas) and dp > 1 and zero <= 1
+  reduced = 0.0 if dp <= 1 or replicas else (G / dp if zero >= 2 and reduce_scatter else G)
   return StageMemory(
       param_bytes=P / dp if zero >= 3 else P,
       grad_bytes=G / dp if zero >= 2 else G,
@@ -198,7 +215,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
       shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
-      updates=bool(updates))
+      updates=bool(updates), replicas=replicas)
 
 
 def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,

@@ -6,6 +6,8 @@ resolved plan and its schedule), :mod:`~harpjax.compiler.stages.stage` (slicing 
 into stages; their functions and executables), :mod:`~harpjax.compiler.stages.placement` (the
 ops around the pipeline, placed by data flow), :mod:`~harpjax.compiler.stages.split`
 (stages that split their microbatches' rows among groups of devices: mixed-type stages),
+:mod:`~harpjax.compiler.stages.replicas` (data-parallel replicas that accumulate their own
+gradients, reduced once per step),
 :mod:`~harpjax.compiler.stages.layout` (what goes where: the picklable
 :class:`StepLayout` every runtime routes by),
 :mod:`~harpjax.compiler.stages.compile` (:func:`layout_step` -> :class:`StepProgram`;

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.stages.layout import StepLayout
-from harpjax.compiler.stages.stage import StageExecutables
+from harpjax.compiler.stages.stage import StageExecutables, acc_shardings
 
 __all__ = ["precompile", "default_workers", "compile_stage", "compile_group"]
 
@@ -104,7 +104,8 @@ def compile_stage(st: StageExecutables) -> dict:
   """Compiles a stage's forward, zeros and backward in the runtime's argument shardings.
 
   Returns:
-    ``{"fwd": compiled, "bwd": compiled, "zeros": compiled}`` (``jax.stages.Compiled``: their
+    ``{"fwd": compiled, "bwd": compiled, "zeros": compiled}`` and ``"reduce"`` where the
+    replicas accumulate their own gradients (``jax.stages.Compiled``: their
     ``memory_analysis()`` is XLA's account of each executable's memory per device).
   """
   lay = st.layout
@@ -117,8 +118,8 @@ def compile_stage(st: StageExecutables) -> dict:
   residuals = _outputs(st.fwd, args, lowered)[1]
   out = {"fwd": lowered.compile(), "zeros": st.zeros.lower().compile()}
   cts = tuple(spec(v) for v, has in zip(lay.output_ids, lay.ct_present) if has)
-  acc = tuple(_spec(lay.avals[v], st.acc_sharding(v))   # what the zeros executable returns
-              for v in lay.param_ids)
+  acc = tuple(_spec(lay.held_acc_aval(v), sh)   # what the zeros executable returns
+              for v, sh in zip(lay.param_ids, acc_shardings(lay, st.mesh)))
   for _ in range(3):   # the accumulator comes back in the backward's output shardings
     args = (params, residuals, cts, acc)
     lowered = st.bwd.lower(*args)
@@ -127,6 +128,8 @@ def compile_stage(st: StageExecutables) -> dict:
     if all(a.sharding == o.sharding for a, o in zip(acc, got)):
       break
     acc = got
+  if st.reduce is not None:
+    out["reduce"] = st.reduce.lower(acc).compile()
   return out
 
 

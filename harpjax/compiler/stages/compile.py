@@ -23,13 +23,14 @@ from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import placement as placement_lib
 from harpjax.compiler.stages.layout import HOST_MEMORY, StepLayout, stage_layout, step_layout
-from harpjax.compiler.stages.split import (RemoteGroup, Retrace, SplitStageExecutables,
-                                           split_stage)
+from harpjax.compiler.stages.replicas import replica_functions
+from harpjax.compiler.stages.split import (RemoteGroup, Retrace, SplitStageExecutables, part_at,
+                                           rows_of, split_stage)
 from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stages,
                                            stage_functions)
 from harpjax.compiler.trace import (Lit, TracedStep, aval_nbytes, combine_rules, ops_function,
                                    primitives)
-from harpjax.errors import MemoryKindError, PlanError
+from harpjax.errors import HarpjaxError, MemoryKindError, PlanError
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,10 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     offload: what stages keep in host memory (:class:`OffloadOptions`).
     retrace: the step traced at other microbatch sizes
       (:class:`~harpjax.compiler.stages.split.Retrace`); needed when a stage splits its rows
-      among groups of devices (:attr:`~harpjax.compiler.plan.StageSpec.groups`).
+      among groups of devices (:attr:`~harpjax.compiler.plan.StageSpec.groups`). With it, the
+      replicas of a data-parallel stage at ZeRO level 0 or 1 accumulate their own gradients,
+      reduced once per step (:mod:`~harpjax.compiler.stages.replicas`); without it they are
+      all-reduced every microbatch.
 
   Raises:
     PlanError: the plan does not cover the layers, or disagrees with the schedule, or
@@ -195,6 +199,11 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
              for sp, spec in zip(programs, plan.stages)]
   functions = [stage_functions(sp, traced, layers, remat, lay)
                for sp, lay in zip(programs, layouts)]
+  if retrace is not None:
+    for s, spec in enumerate(plan.stages):
+      got = _replicas(s, plan, programs[s], layouts[s], traced, layers, retrace, remat)
+      if got is not None:
+        layouts[s], functions[s] = got
   splits, split_functions = {}, {}
   for s, spec in enumerate(plan.stages):
     if spec.mixed:
@@ -254,6 +263,32 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
                                   for i, v in enumerate(g.in_ids) if (g.home, v) in host}))
   return StepProgram(traced, layers, plan, schedule, tuple(programs), tuple(functions), placed,
                      tuple(fns), layout, split_functions)
+
+
+def _replicas(s: int, plan: Plan, sp, layout, traced: TracedStep, layers: LayerSequence,
+              retrace: Retrace, remat: bool):
+  """Stage ``s``'s layout and functions with its data-parallel replicas accumulating their own
+  gradients (reduced once per step), or ``None`` where it cannot: one replica, ZeRO level 2
+  or more, a mixed-type stage, examples that meet in the step, a step that traces otherwise
+  at the replica's rows."""
+  spec = plan.stages[s]
+  dp, tp = spec.logical_mesh
+  b = int(retrace.rows)
+  if dp <= 1 or spec.zero >= 2 or spec.mixed or traced.couplings or b % dp:
+    return None
+  try:
+    part = part_at(s, plan.stages, sp, traced, layers, retrace, b // dp, (1, tp), remat)
+    axes, combine = rows_of(s, layout, traced, layers, [part], b)
+  except HarpjaxError as e:   # the step traces otherwise at the replica's rows
+    log.info("stage %d all-reduces its gradients every microbatch: %s", s, e)
+    return None
+  specs = dict(layout.specs)
+  for v, axis in axes.items():
+    if v in specs and (v in layout.act_ids or v in layout.act_int_ids or v in layout.output_ids
+                       or v in layout.data_ids):
+      specs[v] = P() if axis is None else P(*([None] * axis + [sharding_lib.DP]))
+  layout = dataclasses.replace(layout, specs=specs, replicas=True)
+  return layout, replica_functions(layout, part, axes, combine, b)
 
 
 def group_function(group: placement_lib.Group, to_device: dict | None = None) -> Callable:

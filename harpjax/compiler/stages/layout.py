@@ -61,6 +61,10 @@ class StageLayout:
       parameter's own below ZeRO-2, split on ``dp`` from ZeRO-2 on).
     gather_specs: parameter id -> the ``PartitionSpec`` the forward and backward gather it
       to where it is used (ZeRO-3, parameters split on ``dp`` only); absent: used as held.
+    replicas: the stage's ``dp`` replicas each accumulate their own gradients, reduced once
+      per step (:mod:`~harpjax.compiler.stages.replicas`): the accumulator is held as
+      ``[dp, ...]`` per parameter (:meth:`held_acc_spec`), and ``acc_specs`` are the reduced
+      gradients'.
   """
   index: int
   logical_mesh: tuple[int, int]
@@ -75,10 +79,24 @@ class StageLayout:
   zero: int = 0
   acc_specs: dict = dataclasses.field(default_factory=dict)
   gather_specs: dict = dataclasses.field(default_factory=dict)
+  replicas: bool = False
 
   def acc_spec(self, vid: int) -> P:
-    """The ``PartitionSpec`` of parameter ``vid``'s gradient accumulator."""
+    """The ``PartitionSpec`` of parameter ``vid``'s gradient (the accumulator reduced over the
+    replicas, with :attr:`replicas`)."""
     return self.acc_specs.get(vid, self.specs[vid])
+
+  def held_acc_spec(self, vid: int) -> P:
+    """The ``PartitionSpec`` of parameter ``vid``'s accumulator as the backward holds it."""
+    spec = self.acc_spec(vid)
+    return P(sharding_lib.DP, *spec) if self.replicas else spec
+
+  def held_acc_aval(self, vid: int) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of parameter ``vid``'s accumulator as the backward holds it."""
+    aval = self.avals[vid]
+    if not self.replicas:
+      return aval
+    return jax.ShapeDtypeStruct((self.logical_mesh[0],) + tuple(aval.shape), aval.dtype)
 
 
 def stage_layout(sp, ts: TracedStep, layers: LayerSequence,

@@ -35,7 +35,8 @@ from harpjax.compiler.plan import Plan
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages.compile import StepProgram, check_host_memory, split_executables
 from harpjax.compiler.stages.layout import StepLayout
-from harpjax.compiler.stages.stage import StageExecutables, acc_shardings, fwd_in_specs
+from harpjax.compiler.stages.stage import (StageExecutables, acc_shardings, fwd_in_specs,
+                                           gradient_shardings)
 from harpjax.errors import RuntimeFailure, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class LoweredStage:
   Attributes:
     index: the stage.
     fwd, bwd, zeros: the serialised forward, backward and zeros functions.
+    reduce: the serialised reduction of the replicas' accumulators (``b""``: none).
     groups: placement group index (into :attr:`StepLayout.groups`) -> serialised function,
       for the groups this stage runs.
     parts: a stage that splits its rows among groups of devices
@@ -61,6 +63,7 @@ class LoweredStage:
   zeros: bytes
   groups: dict
   parts: tuple = ()
+  reduce: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +129,7 @@ class LoweredStep:
       mesh = executables.mesh
     else:
       mesh = sharding_lib.make_mesh(devices, lay.logical_mesh)
-      executables = _load(lay, mesh, lowered.fwd, lowered.bwd, lowered.zeros)
+      executables = _load(lay, mesh, lowered.fwd, lowered.bwd, lowered.zeros, lowered.reduce)
     groups = {}
     for gi, blob in lowered.groups.items():
       groups[gi] = jax.jit(_call(blob), out_shardings=self.layout.group_out_shardings(gi, mesh))
@@ -157,10 +160,13 @@ def _call(blob: bytes):
   return export.deserialize(blob).call
 
 
-def _load(lay, mesh, fwd: bytes, bwd: bytes, zeros: bytes) -> StageExecutables:
+def _load(lay, mesh, fwd: bytes, bwd: bytes, zeros: bytes, reduce: bytes = b""
+          ) -> StageExecutables:
+  held = acc_shardings(lay, mesh)
   return StageExecutables(
       lay, mesh, jax.jit(_call(fwd)), jax.jit(_call(bwd), donate_argnums=(3,)),
-      jax.jit(_call(zeros), out_shardings=acc_shardings(lay, mesh)))
+      jax.jit(_call(zeros), out_shardings=held),
+      jax.jit(_call(reduce), out_shardings=gradient_shardings(lay, mesh)) if reduce else None)
 
 
 def lower_step(program: StepProgram, platform: str | None = None,
@@ -197,9 +203,18 @@ def lower_step(program: StepProgram, platform: str | None = None,
 def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
   lay = program.layout.stages[s]
   split = program.layout.splits.get(s)
+  reduce = b""
   if split is None:
     fwd, bwd, zeros = _lower_functions(lay, program.functions[s], platform)
     parts = ()
+    if program.functions[s].reduce is not None:
+      mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+      held = tuple(jax.ShapeDtypeStruct(lay.held_acc_aval(v).shape, lay.avals[v].dtype)
+                   for v in lay.param_ids)
+      reduce = export.export(jax.jit(program.functions[s].reduce,
+                                     in_shardings=(acc_shardings(lay, mesh),),
+                                     out_shardings=gradient_shardings(lay, mesh)),
+                             platforms=(platform,))(held).serialize()
   else:   # the groups' executables do the work
     fwd = bwd = zeros = b""
     parts = tuple(_lower_functions(g.layout, fns, platform)
@@ -217,7 +232,7 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
                                 out_shardings=step_lay.group_out_shardings(gi, mesh)),
                         platforms=(platform,))
     groups[gi] = exp(*in_args).serialize()
-  return LoweredStage(s, fwd, bwd, zeros, groups, parts)
+  return LoweredStage(s, fwd, bwd, zeros, groups, parts, reduce)
 
 
 def _lower_functions(lay, fns, platform: str) -> tuple[bytes, bytes, bytes]:
@@ -235,9 +250,11 @@ def _lower_functions(lay, fns, platform: str) -> tuple[bytes, bytes, bytes]:
   cts = tuple(lay.avals[v] for v, has in zip(lay.output_ids, lay.ct_present) if has)
   ct_sh = tuple(sharded(lay.specs[v]) for v, has in zip(lay.output_ids, lay.ct_present) if has)
   acc_sh = acc_shardings(lay, mesh)
-  bwd = exp(fns.bwd, in_shardings=(in_sh[0], None, ct_sh, acc_sh))(
+  held = tuple(lay.held_acc_aval(v) for v in lay.param_ids)
+  bwd = exp(fns.bwd, in_shardings=(in_sh[0], None, ct_sh, acc_sh),
+            out_shardings=(acc_sh, None) if lay.replicas else None)(
       args[0],
       tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in residuals),
-      cts, args[0])
+      cts, held)
   zeros = exp(fns.zeros, out_shardings=acc_sh)()
   return fwd.serialize(), bwd.serialize(), zeros.serialize()

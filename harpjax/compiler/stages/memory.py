@@ -13,6 +13,8 @@ groups after the pipeline) with the shardings the runtime passes, reads XLA's
 * during the ``N``-th forward: that state with ``N - 1`` residuals, plus the forward's outputs
   and temporaries (XLA); during a backward: the state with ``N`` residuals, plus its new
   outputs (not aliased to the donated accumulator) and temporaries (XLA);
+* where the replicas accumulate their own gradients, their sum after the last backward: the
+  state plus the reduced gradients (XLA);
 * during the update, group after group: everything alive (the state, the gradients, the
   results of earlier groups; the optimizer state brought from host memory included), plus the
   group's outputs and temporaries (XLA; XLA:CPU counts results bound for host memory among
@@ -175,6 +177,10 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   phases["fwd"] = state_bytes + (n_dev - 1) * residual + extra_in + f_out + f_temp
   _, b_out, b_alias, b_temp = ex["bwd"]
   phases["bwd"] = state_bytes + n_dev * residual + cts + (b_out - b_alias) + b_temp
+  if "reduce" in c:   # the replicas' gradients summed once, after the last backward
+    ex["reduce"] = _analysis(c["reduce"])
+    _, r_out, r_alias, r_temp = ex["reduce"]
+    phases["reduce"] = state_bytes + r_out - r_alias + r_temp
 
   # The update: the step's state on this stage and its gradients, then each group's results.
   alive = {}
@@ -199,7 +205,8 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
                            act_bytes=residual, dp=dp, zero=sl.zero, out_bytes=outs,
                            reduce_scatter=reduce_scatter, shared_param_bytes=shared0,
                            offload_optimizer=on_host > 0,
-                           offload_activations=stage in lay.host_residuals, updates=home)
+                           offload_activations=stage in lay.host_residuals, updates=home,
+                           replicas=sl.replicas)
   return StageMemoryReport(stage, sl.zero, dp, n, params, grads, opt, residual, ex, phases,
                            max(phases.values()), predicted)
 

@@ -57,7 +57,8 @@ from harpjax.compiler.trace import Lit, TracedStep, primitives, regen_sites
 from harpjax.errors import PlanError
 
 __all__ = ["Retrace", "SplitGroup", "SplitLayout", "split_stage", "SplitStageExecutables",
-           "RemoteGroup", "RemoteResidual", "FIRST", "WEIGHTED", "SUMMED"]
+           "RemoteGroup", "RemoteResidual", "FIRST", "WEIGHTED", "SUMMED", "Part", "part_at",
+           "rows_of"]
 
 WEIGHTED, SUMMED, FIRST = "weighted", "summed", "first"
 """How an output without a row axis combines over the groups: their weighted sum (floating
@@ -147,44 +148,99 @@ def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
   spec = plan_stages[s]
   b = int(retrace.rows)
   rows = spec.group_rows(b)
-  ranges = [st.layers for st in plan_stages]
-  prog = layers.program
-  row_inputs, draws = set(), set()   # what carries the rows: inputs whose shape follows them,
-  groups, functions, offset = [], [], 0   # and the draws of batch-sized random numbers
-  for g, (grp, r) in enumerate(zip(spec.all_groups, rows)):
-    ts_r, layers_r = retrace.at(r)
-    _check_same_program(s, layers.program, layers_r.program, b, r)
-    # The draws to redraw: the full batch's (B b rows) against this group's r rows.
-    regen, exact = regen_sites(traced.region_full, layers_r.program,
-                               fractions.Fraction(traced.num_microbatches * b, r))
-    ts_r = dataclasses.replace(ts_r, region=layers_r.program, region_full=traced.region_full,
-                               regen_ops=regen, rng_exact=exact)
-    sp = slice_stages(layers_r, ranges, ts_r)[s]
-    for name in ("param_ids", "data_ids", "act_ids", "act_int_ids", "output_ids", "ct_present"):
-      if getattr(sp, name) != getattr(home_program, name):
-        raise PlanError(f"stage {s}: traced with {r} rows per microbatch, its {name} differ "
-                        f"from those at {b} rows; the step's structure depends on the batch "
-                        "size, so the stage cannot split its rows among groups")
-    prog_r = layers_r.program
-    row_inputs.update(v for v in prog.invars if prog.avals[v].shape != prog_r.avals[v].shape)
-    draws.update(regen)
-    bd = prog_r.dependents((prog_r.invars[k] for k, inp in enumerate(ts_r.inputs)
-                            if inp.kind == "split"), ts_r.regen_ops)
-    lay = stage_layout(sp, ts_r, layers_r, bd, grp.logical_mesh, spec.zero)
-    functions.append(stage_functions(sp, ts_r, layers_r, remat, lay, rows=r))
-    weight = r / b   # values without a row axis are in mean-exact form at every size
-    groups.append(SplitGroup(lay, r, offset, grp.num_devices, weight))
+  parts = {}
+  for grp, r in zip(spec.all_groups, rows):
+    if (r, grp.logical_mesh) not in parts:
+      parts[(r, grp.logical_mesh)] = part_at(s, plan_stages, home_program, traced, layers,
+                                             retrace, r, grp.logical_mesh, remat)
+  groups, functions, offset = [], [], 0
+  for grp, r in zip(spec.all_groups, rows):
+    part = parts[(r, grp.logical_mesh)]
+    functions.append(part.functions)
+    groups.append(SplitGroup(part.layout, r, offset, grp.num_devices, r / b))
     offset += r
+  axes, combine = rows_of(s, home, traced, layers, list(parts.values()), b)
+  return SplitLayout(s, b, tuple(groups), axes, combine), tuple(functions)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Part:
+  """A stage traced at ``rows`` of each microbatch's rows (a group's, or a replica's).
+
+  Attributes:
+    rows: its rows per microbatch.
+    layout: its :class:`~harpjax.compiler.stages.layout.StageLayout` (values at its rows).
+    functions: its :class:`~harpjax.compiler.stages.stage.StageFunctions`; their forward's
+      last argument is the index in the full batch of the first row it computes.
+    row_inputs: region inputs whose shape follows the rows.
+    draws: op indices of the draws of batch-sized random numbers.
+  """
+  rows: int
+  layout: StageLayout
+  functions: StageFunctions
+  row_inputs: frozenset
+  draws: frozenset
+
+
+def part_at(s: int, plan_stages: Sequence[StageSpec], home_program: StageProgram,
+            traced: TracedStep, layers: LayerSequence, retrace: Retrace, r: int,
+            logical_mesh, remat: bool = False) -> Part:
+  """Stage ``s`` traced at ``r`` rows per microbatch, on a ``logical_mesh`` of its own.
+
+  Raises:
+    PlanError: the step traced at ``r`` rows is not the same program (its structure depends
+      on the batch size).
+  """
+  b = int(retrace.rows)
+  spec = plan_stages[s]
+  ts_r, layers_r = retrace.at(r)
+  _check_same_program(s, layers.program, layers_r.program, b, r)
+  # The draws to redraw: the full batch's (B b rows) against these r rows.
+  regen, exact = regen_sites(traced.region_full, layers_r.program,
+                             fractions.Fraction(traced.num_microbatches * b, r))
+  ts_r = dataclasses.replace(ts_r, region=layers_r.program, region_full=traced.region_full,
+                             regen_ops=regen, rng_exact=exact)
+  sp = slice_stages(layers_r, [st.layers for st in plan_stages], ts_r)[s]
+  for name in ("param_ids", "data_ids", "act_ids", "act_int_ids", "output_ids", "ct_present"):
+    if getattr(sp, name) != getattr(home_program, name):
+      raise PlanError(f"stage {s}: traced with {r} rows per microbatch, its {name} differ "
+                      f"from those at {b} rows; the step's structure depends on the batch "
+                      "size, so the stage cannot split its rows")
+  prog, prog_r = layers.program, layers_r.program
+  row_inputs = frozenset(v for v in prog.invars if prog.avals[v].shape != prog_r.avals[v].shape)
+  bd = prog_r.dependents((prog_r.invars[k] for k, inp in enumerate(ts_r.inputs)
+                          if inp.kind == "split"), ts_r.regen_ops)
+  lay = stage_layout(sp, ts_r, layers_r, bd, tuple(logical_mesh), spec.zero)
+  return Part(r, lay, stage_functions(sp, ts_r, layers_r, remat, lay, rows=r), row_inputs,
+              frozenset(regen))
+
+
+def rows_of(s: int, home: StageLayout, traced: TracedStep, layers: LayerSequence, parts,
+            b: int) -> tuple[dict, dict]:
+  """Where a stage's values hold the microbatch's rows, and how its outputs without them
+  combine over parts that compute some of the rows each.
+
+  Returns:
+    ``(axes, combine)``: value id -> row axis (``None``: none) of every value the stage reads
+    or writes but its parameters; output id -> :data:`WEIGHTED`, :data:`SUMMED` or
+    :data:`FIRST` of the outputs without a row axis.
+
+  Raises:
+    PlanError: a value does not split along one axis in proportion to the rows, or an output
+      mixes the rows without being a region output (a statistic over the batch).
+  """
+  prog = layers.program
   axes = {}
   for v, aval in home.avals.items():
     if v in home.param_ids:
       continue
-    axes[v] = _row_axis(s, v, aval.shape, [(g.layout.avals[v].shape, g.rows) for g in groups],
+    axes[v] = _row_axis(s, v, aval.shape, [(p.layout.avals[v].shape, p.rows) for p in parts],
                         b)
   outvars = traced.region.outvars
   region_outs = {v for k, v in enumerate(outvars) if not isinstance(v, Lit)
                  and not (k < len(traced.output_flows) and traced.output_flows[k].kind == "rows")}
-  row_dependent = prog.dependents(row_inputs, draws)
+  row_dependent = prog.dependents(set().union(*(p.row_inputs for p in parts)),
+                                  set().union(*(p.draws for p in parts)))
   combine = {}
   for v in home.output_ids:
     if axes[v] is not None:
@@ -197,9 +253,8 @@ def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
       raise PlanError(
           f"stage {s} computes a value of shape {home.avals[v].shape} from the rows of a "
           "microbatch that has no row axis and is not the loss or an auxiliary output (a "
-          "statistic over the batch); it cannot split its rows among groups: run the stage "
-          "on one group")
-  return SplitLayout(s, b, tuple(groups), axes, combine), tuple(functions)
+          "statistic over the batch); it cannot split its rows among parts of its devices")
+  return axes, combine
 
 
 def _check_same_program(s: int, home, other, b: int, r: int) -> None:

@@ -43,7 +43,8 @@ from harpjax.compiler.trace import (Lit, Op, Program, TracedStep, apply_site, op
 log = logging.getLogger(__name__)
 
 __all__ = ["StageProgram", "StageFunctions", "StageExecutables", "slice_stages",
-           "stage_functions", "fwd_in_specs", "acc_shardings", "jit_stage", "put", "row_slice"]
+           "stage_functions", "fwd_in_specs", "acc_shardings", "gradient_shardings", "jit_stage",
+           "put", "row_slice"]
 
 _NEVER_CLONE = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
                           "random_wrap", "rng_bit_generator", "rng_uniform"})
@@ -169,7 +170,10 @@ class StageFunctions:
   * ``bwd(params, residuals, cotangents, grad_acc) -> (grad_acc + grads,
     activation_cotangents)``, ``cotangents`` for the outputs whose ``ct_present`` is true
     (the parameters again: they are not among the residuals);
-  * ``zeros() -> grad_acc`` of zeros.
+  * ``zeros() -> grad_acc`` of zeros;
+  * ``reduce(grad_acc) -> gradients`` (``None``: the accumulator is the gradients), once per
+    step, where replicas accumulate their own
+    (:func:`~harpjax.compiler.stages.replicas.replica_functions`).
 
   ``bwd`` rebuilds the closure from the residuals with the tree structure ``fwd`` recorded
   when it was traced: trace ``fwd`` first (every runtime runs a forward before its backward).
@@ -177,6 +181,7 @@ class StageFunctions:
   fwd: Callable
   bwd: Callable
   zeros: Callable
+  reduce: Callable | None = None
 
 
 def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
@@ -274,7 +279,12 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
 
 def acc_shardings(layout: StageLayout, mesh) -> tuple:
   """The gradient accumulators' shardings on ``mesh`` (concrete or abstract), in parameter
-  order."""
+  order, as the backward holds them."""
+  return tuple(NamedSharding(mesh, layout.held_acc_spec(v)) for v in layout.param_ids)
+
+
+def gradient_shardings(layout: StageLayout, mesh) -> tuple:
+  """The gradients' shardings on ``mesh`` (the accumulators reduced), in parameter order."""
   return tuple(NamedSharding(mesh, layout.acc_spec(v)) for v in layout.param_ids)
 
 
@@ -321,6 +331,7 @@ class StageExecutables:
   fwd: Callable
   bwd: Callable
   zeros: Callable
+  reduce: Callable | None = None
 
   @functools.cached_property
   def _shardings(self) -> dict:
@@ -349,8 +360,9 @@ class StageExecutables:
     return (self,)
 
   def total(self, acc) -> tuple:
-    """The stage's gradient accumulator from what ``bwd`` returned (here: itself)."""
-    return acc
+    """The stage's gradients from what ``bwd`` returned: the accumulator itself, or, where
+    the replicas accumulate their own, their sum (once per step)."""
+    return acc if self.reduce is None else self.reduce(acc)
 
 
 def jit_stage(layout: StageLayout, functions: StageFunctions, mesh: Mesh) -> StageExecutables:
@@ -359,9 +371,14 @@ def jit_stage(layout: StageLayout, functions: StageFunctions, mesh: Mesh) -> Sta
   in_sh = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), fwd_in_specs(layout),
                                  is_leaf=lambda x: isinstance(x, P))
   fwd = jax.jit(functions.fwd, in_shardings=in_sh)
-  bwd = jax.jit(functions.bwd, donate_argnums=(3,))
-  zeros = jax.jit(functions.zeros, out_shardings=acc_shardings(layout, mesh))
-  return StageExecutables(layout, mesh, fwd, bwd, zeros)
+  held = acc_shardings(layout, mesh)
+  bwd = jax.jit(functions.bwd, donate_argnums=(3,),
+                out_shardings=(held, None) if layout.replicas else None)
+  zeros = jax.jit(functions.zeros, out_shardings=held)
+  reduce = (jax.jit(functions.reduce, in_shardings=(held,),
+                    out_shardings=gradient_shardings(layout, mesh))
+            if functions.reduce is not None else None)
+  return StageExecutables(layout, mesh, fwd, bwd, zeros, reduce)
 
 
 def _make_hook(ts: TracedStep, rows: int | None = None):
