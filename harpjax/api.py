@@ -269,6 +269,8 @@ class ParallelStep:
     self._origin: Any = None              # the first call's state, if it is plain arrays
     self._replanned = False               # the given plan no longer applies
     self._plan_file: Plan | bool | None = None   # the plan file read (False: damaged)
+    self._recovery: tuple | None = None   # (failed step, error, lost hosts, detect s) underway
+    self._retired: list = []              # runners of the cluster before replan()
 
   @property
   def cluster(self) -> Cluster:
@@ -336,6 +338,7 @@ class ParallelStep:
       for old in [k for k in self._replay if k <= done - ck.every]:
         del self._replay[old]   # covered by the checkpoint before this one
     self.steps_done = done
+    self._release_retired()
     return result
 
   # ------------------------------------------------------------------ elastic
@@ -346,34 +349,42 @@ class ParallelStep:
         isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(args[argnum])):
       self._origin = args[argnum]
     t_start = time.perf_counter()
-    try:
-      result = self._call(args)
-    except RuntimeFailure as err:
-      if len(self.recoveries) >= self.options.elastic.max_recoveries:
-        raise
-      result = self._recover(args, err, t_start)
+    if self._recovery is not None:   # Ctrl-C interrupted a recovery: this call resumes it
+      result = self._recover(args, self._recovery[1], t_start)
+    else:
+      try:
+        result = self._call(args)
+      except RuntimeFailure as err:
+        if len(self.recoveries) >= self.options.elastic.max_recoveries:
+          raise
+        result = self._recover(args, err, t_start)
     self._replay[self.steps_done] = args[:argnum] + (None,) + args[argnum + 1:]
     return result
 
   def _recover(self, args, err: RuntimeFailure, t_start: float):
     """Re-plans after lost workers, restores, replays, and runs the failed call (see
-    :mod:`harpjax.runtime.elastic`)."""
+    :mod:`harpjax.runtime.elastic`). Interrupted after the workers were given up, the next
+    call takes it up from the restore."""
     ck, argnum = self.options.checkpoint, _STATE_ARGNUM
-    failed = self.steps_done + 1
-    runners = [p.runner for p in self._cache.values() if p.runner is not None]
-    lost = sorted({h for r in runners for h in r.lost_hosts()})
-    detect_s = time.perf_counter() - t_start   # the failing attempt, then the probes
-    target = self.options.elastic.decide(Failure(failed, err, tuple(lost), self.cluster))
-    if target == "stop":
-      raise err
-    log.warning("step %d failed (%s); lost hosts %s: continuing on %d devices", failed,
-                str(err).splitlines()[0], lost or "none", target.num_devices)
-    for r in runners:
-      try:
-        r.shutdown()
-      except Exception as e:  # noqa: BLE001 -- a broken runner may fail to shut down
-        log.info("shutting down the failed runner: %s", e)
-    self._cluster, self._cache, self._replanned = target, {}, True
+    if self._recovery is None:
+      failed = self.steps_done + 1
+      runners = [p.runner for p in self._cache.values() if p.runner is not None]
+      lost = tuple(sorted({h for r in runners for h in r.lost_hosts()}))
+      detect_s = time.perf_counter() - t_start   # the failing attempt, then the probes
+      target = self.options.elastic.decide(Failure(failed, err, lost, self.cluster))
+      if target == "stop":
+        raise err
+      log.warning("step %d failed (%s); lost hosts %s: continuing on %d devices", failed,
+                  str(err).splitlines()[0], list(lost) or "none", target.num_devices)
+      for r in runners:
+        try:
+          r.shutdown()
+        except Exception as e:  # noqa: BLE001 -- a broken runner may fail to shut down
+          log.info("shutting down the failed runner: %s", e)
+      self._cluster, self._cache, self._replanned, self._recovery = (
+          target, {}, True, (failed, err, lost, detect_s))
+    failed, err, lost, detect_s = self._recovery
+    target = self.cluster
 
     t1 = time.perf_counter()
     like = jax.tree_util.tree_map(
@@ -405,7 +416,8 @@ class ParallelStep:
     t5 = time.perf_counter()
     result = self._call(with_state(args, state))
     t6 = time.perf_counter()
-    self.recoveries.append(Recovery(failed, tuple(lost), target.num_devices, detect_s, t3 - t2,
+    self._recovery = None
+    self.recoveries.append(Recovery(failed, lost, target.num_devices, detect_s, t3 - t2,
                                     t4 - t3, restore_s, t5 - t4, t6 - t5, ck_step,
                                     failed - 1 - ck_step))
     log.warning("recovered in %.1f s: %s", self.recoveries[-1].total_s, self.recoveries[-1])
@@ -427,12 +439,17 @@ class ParallelStep:
     """
     new = _load_cluster(cluster)
     state = None if state is None else runtime.gather(state)
-    for p in self._cache.values():
-      if p.runner is not None:
-        p.runner.shutdown()
     log.info("re-planning on %s (%d devices)", new.name, new.num_devices)
+    # The old workers are shut down after the next step completes: until then the handles
+    # passed here stay valid, so a replan interrupted anywhere can be called again.
+    self._retired += [p.runner for p in self._cache.values() if p.runner is not None]
     self._cluster, self._cache, self._replanned = new, {}, True
     return state
+
+  def _release_retired(self) -> None:
+    while self._retired:
+      self._retired[-1].shutdown()
+      self._retired.pop()
 
   # ------------------------------------------------------------------ checkpoints
 
