@@ -587,6 +587,7 @@ from harpjax.cli import run
 
 mode = sys.argv[1]
 solve_mod = sys.modules["harpjax.compiler.plan.solve"]
+real_solve = plan_pkg.solve
 
 def say(line):
   # One write per line: the forked workers' lines must not interleave.
@@ -611,6 +612,13 @@ def stuck_solve(tables, num_microbatches, options=None, **kw):
         forever()
       except KeyboardInterrupt:
         say("swallowed")
+  if mode == "swallow_once":   # dropped (as CPython drops it in a GC callback), then done
+    say("stuck swallowing once")
+    try:
+      forever()
+    except KeyboardInterrupt:
+      say("swallowed")
+    return real_solve(tables, num_microbatches, options=options, **kw)
   if mode == "numba":
     import numba
     @numba.njit(nogil=True)
@@ -668,7 +676,8 @@ def _worker_pids(seen: list[str]) -> list[int]:
   return [int(pid) for pid in re.findall(r"worker (\d+) busy", "".join(seen))]
 
 
-@pytest.mark.parametrize("mode", ["python", "swallow", "numba", "process", "thread", "compile"])
+@pytest.mark.parametrize("mode", ["python", "swallow", "swallow_once", "numba", "process",
+                                  "thread", "compile"])
 def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   db_dir, cluster = warm_cache
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
@@ -769,3 +778,29 @@ def test_plan_with_mixed_stages(tmp_path):
   assert mixed and all(sum(s.group_rows(16)) == 16 for s in mixed)
   assert all(len({g.subcluster for g in s.all_groups}) > 1 for s in mixed)
   assert dict(plan.meta)["mixed_stages"] == "on"
+
+
+# Imported at start-up (sitecustomize): Ctrl-C the moment `python -m harpjax` starts to import
+# JAX, i.e. while the package itself is being imported, before the command runs.
+_CTRL_C_WHILE_IMPORTING = r"""
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+class CtrlC:
+  def find_spec(self, name, path=None, target=None):
+    if name == "jax":
+      sys.meta_path.remove(self)
+      os.kill(os.getpid(), signal.SIGINT)
+    return None
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+def test_ctrl_c_while_the_command_imports_its_packages_exits_130(tmp_path):
+  (tmp_path / "sitecustomize.py").write_text(_CTRL_C_WHILE_IMPORTING)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)] + sys.path))
+  res = subprocess.run([sys.executable, "-m", "harpjax", "plan", "--help"], env=env,
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+  assert res.returncode == INTERRUPTED, res.stderr[-2000:]
+  assert res.stderr.strip() == INTERRUPT_MESSAGE and not res.stdout, res.stderr[-2000:]

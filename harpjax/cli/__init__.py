@@ -23,14 +23,10 @@ import threading
 import click
 
 from harpjax.cli import plan, simulate
+from harpjax.errors import INTERRUPT_MESSAGE, INTERRUPTED
 
 __all__ = ["main", "run", "INTERRUPTED", "INTERRUPT_MESSAGE", "INTERRUPT_GRACE_S"]
 
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT, what shells report)."""
-
-INTERRUPT_MESSAGE = "interrupted (Ctrl-C): stopped"
-"""The one line printed on Ctrl-C."""
 
 INTERRUPT_GRACE_S = 1.0
 """Seconds the command has to unwind after Ctrl-C before the process is ended regardless."""
@@ -49,6 +45,7 @@ class _Watcher:
   def __init__(self):
     self._lock = threading.Lock()
     self._announced = False
+    self.seen = 0   # Ctrl-Cs so far
     self.done = threading.Event()
     self._rsock, self._wsock = socket.socketpair()
     self._wsock.setblocking(False)
@@ -78,6 +75,7 @@ class _Watcher:
       if not data:
         return
       seen += data.count(signal.SIGINT)
+      self.seen = seen
       if seen and (seen > 1 or not self.done.wait(INTERRUPT_GRACE_S)):
         self.announce()
         _stop(INTERRUPTED)
@@ -158,6 +156,9 @@ def run(args: list[str] | None = None) -> None:
     status = INTERRUPTED
   if _WATCHER is not None:
     _WATCHER.done.set()
+    if _WATCHER.seen and status != INTERRUPTED:   # Ctrl-C the command dropped somewhere
+      _WATCHER.announce()
+      status = INTERRUPTED
   if status == INTERRUPTED:
     _stop(INTERRUPTED)
   if _WATCHER is not None:

@@ -43,6 +43,8 @@ import jax
 import numpy as np
 
 import harpjax
+from harpjax.errors import INTERRUPT_MESSAGE
+from harpjax.runtime import handles
 from tests import zoo
 from tests.equivalence import DEMO_CLUSTER, max_rel_err
 
@@ -229,7 +231,11 @@ def train(scn: Scenario, directory: str, retry: Callable = _plain,
     state = retry(step, state, batches[k])[0]
     if on_step is not None:
       on_step(step)
-  return step, retry(harpjax.gather, state)
+  return step, retry(_gather, state)
+
+
+def _gather(state):
+  return handles.gather(state)   # looked up at each call: the "gather" phase patches it
 
 
 def prepare(scn: Scenario, directory: str) -> None:
@@ -284,6 +290,8 @@ class Injector:
     self._runs = self._calls = 0
     self._timer: threading.Timer | None = None
     self._handled = threading.Event()
+    self.calls = 0            # main-thread calls of the run struck at (all of it if missed)
+    self.seconds = 0.0        # how long that run lasted
 
   def _fire(self) -> None:
     with self._lock:
@@ -325,12 +333,14 @@ class Injector:
         injector._timer = threading.Timer(injector.moment.seconds, injector._fire)
         injector._timer.daemon = True
         injector._timer.start()
-      if injector.moment.calls is not None:
-        sys.setprofile(injector._profile)
+      if injector.moment.calls is not None or injector.moment.seconds is None:
+        sys.setprofile(injector._profile)   # (without a moment: counting, to calibrate)
+      t0 = time.monotonic()
       try:
         return real(*args, **kwargs)
       finally:
         sys.setprofile(None)
+        injector.calls, injector.seconds = injector._calls, time.monotonic() - t0
         with injector._lock:
           injector._active = False
         if injector._timer is not None:
@@ -393,11 +403,27 @@ def _threads() -> set:
 
 
 def _children() -> set[int]:
+  """Child processes still running (an exited one not yet reaped is not)."""
   try:
     with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
-      return {int(p) for p in f.read().split()}
+      pids = {int(p) for p in f.read().split()}
   except OSError:
     return set()
+  return {p for p in pids if _running(p)}
+
+
+def _running(pid: int) -> bool:
+  """Running, and not one of multiprocessing's per-process servers (its fork server and
+  resource tracker, started on first use and kept until exit)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      if "\nState:\tZ" in f.read():
+        return False
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      cmdline = f.read()
+  except OSError:
+    return False
+  return not re.search(rb"multiprocessing\.(forkserver|resource_tracker)", cmdline)
 
 
 def leftovers(threads_before: set, children_before: set, wait_s: float = 120.0) -> tuple:
@@ -420,6 +446,27 @@ def _ignored(t: threading.Thread) -> bool:
 
 
 # --------------------------------------------------------------------------- trials
+
+
+def calibrate(phase: str, scn: Scenario, nth: int = 1) -> tuple[int, float]:
+  """``(main-thread calls, seconds)`` of the ``nth`` run of ``phase`` in an undisturbed
+  trial: the range moments are drawn from."""
+  if scn.runtime == "ray":
+    ensure_ray()
+  root = tempfile.mkdtemp(prefix="harpjax-faults-")
+  directory = os.path.join(root, "ck")
+  injector = Injector(phase, Moment(nth=nth))
+  step = None
+  try:
+    prepare(scn, directory)
+    with injector.installed():
+      step, _ = train(scn, directory)
+    step.checkpointer.wait()
+  finally:
+    if step is not None:
+      _shutdown(step)
+    shutil.rmtree(root, ignore_errors=True)
+  return injector.calls, injector.seconds
 
 
 def ensure_ray() -> None:
@@ -627,21 +674,36 @@ def _stragglers(root: str) -> list[int]:
 # --------------------------------------------------------------------------- the command line
 
 
-INTERRUPT_LINE = "interrupted (Ctrl-C): stopped"
+INTERRUPT_LINE = INTERRUPT_MESSAGE
 
 
-def cli_trial(seed: int, delay_s: float, extra: tuple = (), timeout_s: float = 300.0) -> Outcome:
+def _plan_command(root: str) -> list[str]:
+  return [sys.executable, "-m", "harpjax", "plan", "--cluster", DEMO_CLUSTER, "--model",
+          "gpt-tiny", "-B", "4", "--no-progress", "--json", os.path.join(root, "plan.json")]
+
+
+def cli_seconds() -> float:
+  """Seconds ``python -m harpjax plan`` takes here undisturbed (what Ctrl-C delays range
+  over)."""
+  root = tempfile.mkdtemp(prefix="harpjax-faults-")
+  t0 = time.monotonic()
+  try:
+    subprocess.run(_plan_command(root), env=child_env(), capture_output=True, cwd=ROOT,
+                   check=True, timeout=600)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return time.monotonic() - t0
+
+
+def cli_trial(seed: int, delay_s: float, timeout_s: float = 300.0) -> Outcome:
   """``python -m harpjax plan`` sent SIGINT ``delay_s`` after it started: exit 130 with one
-  line (or 0 when the plan was done first), and no process left."""
+  line (or 0 when the plan was done first), the plan file whole or absent, no process left."""
   out = Outcome("cli", "sigint", seed)
   root = tempfile.mkdtemp(prefix="harpjax-faults-")
   t0 = time.monotonic()
   try:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harpjax", "plan", "--cluster", DEMO_CLUSTER, "--model",
-         "gpt-tiny", "-B", "4", "--no-progress", "--json", os.path.join(root, "plan.json"),
-         *extra], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=ROOT)
+    proc = subprocess.Popen(_plan_command(root), env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
     time.sleep(delay_s)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -666,24 +728,3 @@ def cli_trial(seed: int, delay_s: float, extra: tuple = (), timeout_s: float = 3
     shutil.rmtree(root, ignore_errors=True)
     out.seconds = time.monotonic() - t0
   return out
-
-
-def summary(outcomes: list[Outcome]) -> list[dict]:
-  """Per (phase, fault): trials, landed, recovered, worst state error, lost checkpoints,
-  temporaries and leftovers, longest Ctrl-C latency."""
-  rows: dict[tuple, dict] = {}
-  for o in outcomes:
-    r = rows.setdefault((o.phase, o.fault), dict(phase=o.phase, fault=o.fault, trials=0,
-                                                 landed=0, recovered=0, max_err=0.0, lost=0,
-                                                 temporary=0, leaked=0, latency_s=0.0, ok=0))
-    r["trials"] += 1
-    r["landed"] += o.landed
-    r["recovered"] += o.recovered
-    r["max_err"] = max(r["max_err"], o.max_err, o.checkpoints_err)
-    r["lost"] += len(o.lost)
-    r["temporary"] += len(o.temporary)
-    r["leaked"] += len(o.leaked)
-    r["latency_s"] = max(r["latency_s"], o.latency_s or 0.0)
-    r["ok"] += o.ok
-  return list(rows.values())
-

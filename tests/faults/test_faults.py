@@ -70,6 +70,47 @@ def test_kill_9_of_the_process_then_a_new_one_resumes():
   assert out.landed and out.ok, out.row()
 
 
+def test_ctrl_c_inside_a_nogil_numba_kernel_is_a_keyboard_interrupt(sigint):
+  # Ctrl-C while a kernel that released the GIL runs: Numba's dispatcher, boxing the arrays
+  # it returns (as the planner's kernels do), runs the signal's handler and returns with the
+  # interrupt pending, which CPython turns into a SystemError; the planner's kernels are
+  # called through interruptible_kernel, which raises the KeyboardInterrupt itself.
+  import os
+  import signal
+  import threading
+  import numba
+  import numpy as np
+  from harpjax.errors import interruptible_kernel
+
+  @numba.njit(nogil=True, cache=True)
+  def spin(flags, n):
+    flags[0] = 1   # started: the GIL is released
+    x = np.uint64(88172645463325252)
+    for _ in range(n):   # xorshift64: nothing the compiler can fold
+      x ^= x << np.uint64(13)
+      x ^= x >> np.uint64(7)
+      x ^= x << np.uint64(17)
+    return x, np.zeros(3)
+
+  flags = np.zeros(1, np.int64)
+  spin(flags, 1)
+  flags[0] = 0
+
+  def ctrl_c():
+    while not flags[0]:
+      threading.Event().wait(0.001)
+    os.kill(os.getpid(), signal.SIGINT)
+
+  for fn, expected in [(spin, SystemError), (interruptible_kernel(spin), KeyboardInterrupt)]:
+    flags[0] = 0
+    sender = threading.Thread(target=ctrl_c)
+    sender.start()
+    with pytest.raises(expected):
+      fn(flags, 2**29)
+      sender.join()
+    sender.join()
+
+
 # --------------------------------------------------------------------------- the long part
 
 
@@ -146,3 +187,37 @@ def test_kill_9_of_a_stage_actor_then_elastic_recovery(ray_instance, after_s):
   out = h.in_process_trial("run", h.Scenario(runtime="ray", elastic=True, steps=4),
                            _seed("actor", after_s), fault="kill_worker", kill_after_s=after_s)
   assert out.landed and out.recoveries == 1 and out.ok, out.row()
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_planners_search_on_a_large_model(sigint):
+  # The exact search for GPT-39B on 64 GPUs (Numba kernels that release the GIL, in this
+  # process), interrupted at five moments of it: a KeyboardInterrupt each time it strikes,
+  # never Numba's SystemError.
+  import time
+  from harpjax import api
+  from harpjax.cluster import Cluster
+  from harpjax.compiler.plan import SolveOptions
+  from harpjax.compiler.profile import ProfileOptions, profile_step
+  from harpjax.models import BUILTIN_MODELS
+  spec = BUILTIN_MODELS["gpt-39b"](num_microbatches=128)
+  tables = profile_step(spec.step_fn, spec.args, Cluster.load(f"{h.ROOT}/benchmarks/configs/"
+                                                              "hetero_64.yaml"),
+                        num_microbatches=128, batch_argnums=spec.batch_argnums,
+                        options=ProfileOptions(progress=False)).tables
+  opts = SolveOptions(backend="sequential")
+  t0 = time.monotonic()
+  api.solve(tables, 128, options=opts)
+  whole = time.monotonic() - t0
+  struck = 0
+  for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
+    injector = h.Injector("plan", h.Moment(seconds=frac * whole))
+    raised = None
+    with injector.installed():
+      try:
+        api.solve(tables, 128, options=opts)
+      except BaseException as e:  # noqa: BLE001 -- what it raises is the point
+        raised = e
+    assert raised is None or type(raised) is KeyboardInterrupt, repr(raised)
+    struck += raised is not None
+  assert struck >= 3, struck
