@@ -263,3 +263,16 @@ def test_ctrl_c_while_compiling_cancels_the_stages_not_started(monkeypatch, sigi
     assert len(started) <= 2, started
   finally:
     release.set()
+
+
+def test_an_unwritable_profile_cache_is_one_warning(tmp_path, caplog):
+  from harpjax.compiler.profile import ProfileOptions
+  step, state, batch = _setup()
+  (tmp_path / "file").write_text("x")   # the cache directory would be inside a file
+  options = ProfileOptions(cache_dir=str(tmp_path / "file" / "cache"), progress=False)
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                profile_options=options)
+  assert pstep.profile(state, batch).stats.computed > 1
+  warned = [r for r in caplog.records if r.levelname == "WARNING"
+            and "could not write profile cache" in r.getMessage()]
+  assert len(warned) == 1, [r.getMessage() for r in warned]

@@ -338,6 +338,8 @@ def test_no_cache_is_use_cache_false(monkeypatch, cluster_file, tmp_path, args, 
     (["--time-limit", "3"], ["--time-limit", "not use"]),
     (["--budget", "-3"], ["--budget"]),
     (["--objective", "max_throughput_per_dollar"], ["needs prices", "price_per_gpu_hour"]),
+    (["--budget", "120"], ["--budget needs prices", "price_per_gpu_hour"]),
+    (["--order", "given"], ["--order", "--use-all-devices"]),
     (["--mixed-stages", "sometimes"], ["--mixed-stages", "sometimes"]),
     (["--mixed-stages", "on", "--use-all-devices"], ["--mixed-stages", "--use-all-devices"]),
 ])

@@ -278,9 +278,9 @@ class Checkpointer:
       raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: "
                             f"{e.strerror or e}; choose another directory") from None
     if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK | os.X_OK):
-      raise CheckpointError(f"cannot write checkpoints to {self.directory}: "
-                            f"{'not a directory' if not os.path.isdir(self.directory) else 'permission denied'}; "
-                            "choose another directory")
+      why = "permission denied" if os.path.isdir(self.directory) else "not a directory"
+      raise CheckpointError(f"cannot write checkpoints to {self.directory}: {why}; choose "
+                            "another directory")
     self._work = _DiskWork(self.directory)
     self._pending: list[tuple[int, cf.Future]] = []   # asynchronous saves not yet waited for
     if not _busy(self.directory):
