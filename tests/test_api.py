@@ -276,3 +276,21 @@ def test_an_unwritable_profile_cache_is_one_warning(tmp_path, caplog):
   warned = [r for r in caplog.records if r.levelname == "WARNING"
             and "could not write profile cache" in r.getMessage()]
   assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
+def test_an_interrupted_plan_save_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+  import json
+  import os
+  path = tmp_path / "plan.json"
+  PLAN.save(path)
+  before = path.read_bytes()
+
+  def cut(obj, f, **kwargs):
+    f.write('{"stages": [')
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(json, "dump", cut)
+  with pytest.raises(KeyboardInterrupt):
+    PLAN.replace(num_microbatches=8).save(path)
+  monkeypatch.undo()
+  assert path.read_bytes() == before and os.listdir(tmp_path) == ["plan.json"]
