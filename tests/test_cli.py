@@ -614,6 +614,16 @@ def stuck_solve(tables, num_microbatches, options=None, **kw):
         forever()
       except KeyboardInterrupt:
         say("swallowed")
+  if mode == "gc":   # Ctrl-C inside a garbage-collection callback (JAX has one): dropped
+    import gc
+    def callback(phase, info):
+      if phase == "start":
+        gc.callbacks.remove(callback)
+        say("stuck in a gc callback")
+        time.sleep(600)
+    gc.callbacks.append(callback)
+    gc.collect()
+    forever()
   if mode == "swallow_once":   # dropped (as CPython drops it in a GC callback), then done
     say("stuck swallowing once")
     try:
@@ -678,8 +688,8 @@ def _worker_pids(seen: list[str]) -> list[int]:
   return [int(pid) for pid in re.findall(r"worker (\d+) busy", "".join(seen))]
 
 
-@pytest.mark.parametrize("mode", ["python", "swallow", "swallow_once", "numba", "process",
-                                  "thread", "compile"])
+@pytest.mark.parametrize("mode", ["python", "swallow", "swallow_once", "gc", "numba",
+                                  "process", "thread", "compile"])
 def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   db_dir, cluster = warm_cache
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))

@@ -53,6 +53,10 @@ class _Watcher:
     self._old_handler = signal.getsignal(signal.SIGINT)
     if self._old_handler is not signal.SIG_IGN:   # ignored (a background job): keep it so
       signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A KeyboardInterrupt raised in a garbage-collection callback (JAX has one) is printed and
+    # dropped by CPython: not printed here, the watcher ends the command with its one line.
+    self._old_hook = sys.unraisablehook
+    sys.unraisablehook = self._unraisable
     thread = threading.Thread(target=self._watch, name="harpjax-interrupt", daemon=True)
     thread.fork_safe = True
     thread.start()
@@ -80,9 +84,14 @@ class _Watcher:
         self.announce()
         _stop(INTERRUPTED)
 
+  def _unraisable(self, unraisable) -> None:
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+      self._old_hook(unraisable)
+
   def close(self) -> None:
     signal.set_wakeup_fd(self._old_fd)
     signal.signal(signal.SIGINT, self._old_handler)
+    sys.unraisablehook = self._old_hook
 
 
 _WATCHER: _Watcher | None = None

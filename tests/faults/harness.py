@@ -137,6 +137,7 @@ class Outcome:
   temporary: tuple = ()           # temporary entries left in the checkpoint directory
   leaked: tuple = ()              # threads, processes, actors still alive
   seconds: float = 0.0
+  detail: str = ""                # what went wrong (the command line: its status and output)
 
   @property
   def ok(self) -> bool:
@@ -720,6 +721,8 @@ def cli_trial(seed: int, delay_s: float, timeout_s: float = 300.0) -> Outcome:
         proc.returncode == 0 or (proc.returncode == 130 and lines.count(INTERRUPT_LINE) == 1))
     out.recovered = quiet
     out.max_err = 0.0 if quiet else float("inf")
+    if not quiet:
+      out.detail = f"exit status {proc.returncode}; stderr: {stderr[-3000:]}"
     plan_file = os.path.join(root, "plan.json")
     if os.path.exists(plan_file):   # written whole or not at all
       harpjax.load_plan(plan_file)
