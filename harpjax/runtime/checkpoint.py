@@ -305,7 +305,7 @@ class Checkpointer:
     for name in os.listdir(self.directory):
       if _TMP.fullmatch(name):
         log.info("%s: removing %s, left by an interrupted save", self.directory, name)
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        _remove(os.path.join(self.directory, name))
 
   # ------------------------------------------------------------------ save
 
@@ -392,9 +392,9 @@ class Checkpointer:
   def _delete(self, step: int) -> None:
     """Removes checkpoint ``step``: first renamed (so it is no longer listed), then deleted."""
     aside = f"{self._path(step)}.harpjax-deleting-tmp"
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove(aside)
     os.replace(self._path(step), aside)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove(aside)
 
   def wait(self) -> None:
     """Blocks until every save is complete (Ctrl-C stops the wait, not the saves).
@@ -451,7 +451,7 @@ class Checkpointer:
       if found is None:
         raise CheckpointError(f"{self.directory} holds no complete checkpoint")
       return found[1]
-    self.wait()
+    self._work.join()   # what is being written first (a failed save is the next save's error)
     if not os.path.lexists(self._path(step)):
       raise CheckpointError(f"{self.directory} holds no checkpoint of step {step} "
                             f"(complete ones: {self._complete_steps()})")
@@ -472,7 +472,7 @@ class Checkpointer:
       CheckpointError: the newest readable checkpoint's leaves differ from ``like``'s, or
         every checkpoint is damaged.
     """
-    self.wait()
+    self._work.join()   # what is being written first (a failed save is the next save's error)
     damaged = []
     try:
       for step in sorted((int(n) for n in os.listdir(self.directory) if n.isdigit()),
@@ -571,6 +571,13 @@ def _quiet_abandoned_reads() -> None:
     hook.harpjax_quiet = True
     sys.unraisablehook = hook
   time.sleep(0.2)
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  elif os.path.lexists(path):
+    os.remove(path)
 
 
 def _identity(entry: dict) -> tuple:

@@ -299,6 +299,10 @@ def test_restore_skips_a_damaged_newest_checkpoint_with_one_warning(tmp_path, ca
     assert step == 2 and max_rel_err(back, bumped(2)) == 0.0, kind
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "step 3 (" in warned[0].getMessage(), (kind, caplog.text)
+    with Checkpointer(where, keep=None) as ckpt:   # training goes on: step 3 is written again
+      ckpt.save(3, bumped(3))
+      assert max_rel_err(ckpt.restore(state), bumped(3)) == 0.0, kind
+    assert sorted(os.listdir(where)) == ["1", "2", "3"], kind
 
 
 def test_step_restore_starts_fresh_then_resumes_past_a_damaged_checkpoint(x64, tmp_path,
