@@ -32,7 +32,8 @@ from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
                                        warmup_delta)
 from harpjax.errors import InfeasiblePlanError, PlanError
 
-__all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error"]
+__all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error",
+           "check_logical_mesh"]
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +159,10 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
                         "harpjax.compiler.plan.evaluate_mixed(tables, plan, B, MixedOptions("
                         "microbatch_rows=...))")
       k = tables.subcluster_index(st.subcluster)
-      out.append((st.layers[0], st.layers[1], k,
-                  variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
-                                            st.offload_activations)))
+      slot = variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
+                                       st.offload_activations)
+      check_logical_mesh(tables, st, k, slot)
+      out.append((st.layers[0], st.layers[1], k, slot))
     elif isinstance(st, PlannedStage):
       s = st.submesh_index
       if tables.variants is not None or st.zero or st.offload or st.offload_activations:
@@ -193,6 +195,22 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
                       f"one on {tables.subcluster_names[a[2]]!r}, but the tables have no link "
                       "between them")
   return out
+
+
+def check_logical_mesh(tables: CostTables, st: StageSpec, k: int, s: int) -> None:
+  """Refuses a stage whose logical mesh is not the one the tables cost its entry with (the
+  tables hold one mesh per entry; scoring another would be silently wrong)."""
+  i, j = st.layers
+  if not (0 <= i <= j < tables.num_layers) or not np.isfinite(tables.stage_time_s[k][i, j, s]):
+    return   # the layer ranges and feasibility are reported elsewhere
+  have = tables.logical_mesh_of(k, i, j, s)
+  if tuple(st.logical_mesh) != have:
+    raise PlanError(
+        f"stage on layers {st.layers} ({st.subcluster} {tuple(st.submesh)}) runs logical mesh "
+        f"(dp, tp) = {tuple(st.logical_mesh)}, but the cost tables cost that range on that "
+        f"submesh with {have} only: set the stage's logical_mesh to {have}, or cost the plan "
+        "on its own meshes (harpjax simulate plan.json --cluster ... --model ..., or "
+        "harpjax.compiler.profile.tables_for_plan)")
 
 
 def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: str = "h1f1b",

@@ -95,7 +95,7 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import pack_submeshes
-from harpjax.compiler.plan.evaluate import PlannedStage
+from harpjax.compiler.plan.evaluate import PlannedStage, check_logical_mesh
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
@@ -517,6 +517,8 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
     for g, r in zip(st.all_groups, rows):
       k = tables.subcluster_index(g.subcluster)
       groups.append((k, tables.submesh_index(k, g.submesh), r))
+    if not st.groups:   # a plain stage: costed on the tables' mesh, as evaluate_plan
+      check_logical_mesh(tables, st, *groups[0][:2])
     costs.append(mixed_stage_cost(tables, st.layers, groups, options, zero=st.zero,
                                   offload=st.offload,
                                   offload_activations=st.offload_activations))
