@@ -96,7 +96,7 @@ def test_plan_cli_bad_model(tmp_path):
 
 def test_model_that_cannot_fit_is_explained(tmp_path):
   tiny = harpjax.Cluster.from_dict({
-      "gpus": [{"name": "toy", "tflops": 1, "memory_gb": 0.00001, "mem_bandwidth_gbs": 10}],
+      "gpus": [{"name": "toy", "tflops": 1, "memory_gb": 0.0001, "mem_bandwidth_gbs": 10}],
       "subclusters": [{"name": "a", "gpu": "toy", "hosts": 1, "devices_per_host": 2,
                        "nics": [{"name": "e", "kind": "ethernet", "gbps": 10,
                                  "network": "n"}]}]})

@@ -800,7 +800,7 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   for field in ("eps", "cost_model", "objective", "use_all_devices", "keep_order",
                 "zero_levels", "offload", "offload_activations", "mixed_stages"):
     assert getattr(seen["solve"], field) == getattr(api_solve, field), field
-  assert api_profile.remat and api_profile.optimizer_bytes_per_param == 12.0
+  assert not api_profile.remat and api_profile.optimizer_bytes_per_param == 12.0
   assert api_solve.mixed_stages == "auto" and api_solve.offload_activations
 
 

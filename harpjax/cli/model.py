@@ -108,11 +108,11 @@ def config_problem(name: str, value, default) -> str | None:
 
 
 def profile_options(*, source: str = "jaxpr", cache_dir=None, no_cache: bool = False,
-                    progress=None, remat: bool = True, order: str = "memory_to_compute",
+                    progress=None, remat: bool = False, order: str = "memory_to_compute",
                     zero: bool = True, data_dir=None):
   """The :class:`~harpjax.compiler.profile.ProfileOptions` of the command-line options (their
-  defaults give ``ProfileOptions()``'s choices: remat on, the optimizer state's share given so
-  the planner chooses a ZeRO level per stage)."""
+  defaults give ``ProfileOptions()``'s choices: no rematerialisation, the optimizer state's
+  share given so that the planner chooses a ZeRO level per stage)."""
   from harpjax.compiler.profile import ProfileOptions
   return ProfileOptions(source=source, cache_dir=cache_dir, use_cache=not no_cache,
                         progress=progress, remat=remat,

@@ -44,9 +44,9 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               type=click.Path(exists=True, dir_okay=False),
               help="Cluster YAML file (see docs/cluster.md).")
 @click.option("--model", required=True,
-              help="Built-in model (gpt-39b, gpt-15b, gpt-2.6b, gpt-tiny, moe-tiny) or a YAML/JSON file "
-                   "of GPT config fields (family: gpt|moe, hidden, num_blocks, num_heads, "
-                   "seq_len, vocab_size, microbatch_size, ...).")
+              help="Built-in model (gpt-39b, gpt-15b, gpt-2.6b, gpt-tiny, moe-tiny) or a "
+                   "YAML/JSON file of GPT config fields (family: gpt|moe, hidden, num_blocks, "
+                   "num_heads, seq_len, vocab_size, microbatch_size, ...).")
 @click.option("-B", "--microbatches", "num_microbatches",
               type=click.IntRange(1, MAX_MICROBATCHES),
               default=128, show_default=True, help="Number of microbatches per iteration.")
@@ -103,10 +103,10 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Write the plan here (load it with harpjax.load_plan).")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
               help="Also simulate the plan under GPipe, 1F1B, Eager-1F1B and H-1F1B.")
-@click.option("--remat/--no-remat", default=True, show_default=True,
-              help="Cost activation recomputation (as HARP and Alpa train large GPTs): only "
-                   "stage inputs are kept per in-flight microbatch; plans carry it to the "
-                   "runtime.")
+@click.option("--remat/--no-remat", default=False, show_default=True,
+              help="Cost activation recomputation (as HARP and Alpa train large GPTs; "
+                   "GPT-39B needs it): only stage inputs are kept per in-flight microbatch; "
+                   "plans carry it to the runtime. Off by default, as auto_parallel's.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar while profiling (default: when stderr is a terminal).")
 @click.option("--zero/--no-zero", default=True, show_default=True,

@@ -298,7 +298,7 @@ def _cost_plan(plan, cluster_path: str, model: str, num_microbatches: int | None
   meta = dict(plan.meta)
   mbs = microbatch_size or meta.get("microbatch_size")
   spec = model_spec(model, num_microbatches, mbs)
-  remat = bool(meta.get("remat", True))
+  remat = bool(meta.get("remat", False))
   result = profile_model(spec, Cluster.load(cluster_path),
                          profile_options(remat=remat, progress=False, **profile_kw))
   if plan.stages[-1].layers[1] != result.tables.num_layers - 1:

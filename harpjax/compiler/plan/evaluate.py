@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from harpjax.cluster import pack_submeshes
+from harpjax.cluster import place_stages
 from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
@@ -48,10 +48,13 @@ class PlannedStage:
     submesh_index: ``s``; ``submesh`` its shape ``(n, m)``; ``logical_mesh`` ``(dp, tp)``.
     device_offset: first device of the stage in the tables' numbering (subcluster by
       subcluster, each subcluster's stages in pipeline order from its first device).
-    hosts: ``((host, first_device, num_devices), ...)`` inside the subcluster: a packing of
-      the subcluster's stages onto its hosts.
+    hosts: ``((host, first_device, num_devices), ...)`` inside the subcluster: where the
+      stage sits (:func:`harpjax.cluster.place_stages`, the placement its cuts are priced
+      by and the allocator hands out, up to the hosts' numbering).
     time_s: forward+backward seconds per microbatch ``t_i``.
-    comm_s: seconds of the cut after the stage ``c_i`` (0 for the last stage).
+    comm_s: seconds of the cut after the stage ``c_i`` (0 for the last stage): on the link
+      inside a host when the next stage shares the stage's host
+      (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`).
     warmup: H-1F1B warm-up count ``N_i``; ``inflight = min(N_i, B)``.
     param_bytes, act_bytes: per device; ``peak_mem_bytes = param + inflight * act``.
     device_memory_bytes: the device's memory.
@@ -246,10 +249,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
   S = len(quads)
   key = schedule.lower().replace("-", "_")
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
-  c = []
-  for a, b in zip(quads, quads[1:]):
-    c.append(float(tables.pair_comm_s[a[2], b[2], a[1]]))
-  c.append(0.0)
+  c = [float(x) for x in tables.cut_costs(quads)]   # where the stages sit
   t_max = max(t)
   period = pipeline_period(c, t_max)
   violations = []
@@ -279,7 +279,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
     shapes = [tables.submeshes[k][quads[x][3]] for x in mine]
     used = sum(n * m for n, m in shapes)
     uses_all &= used == tables.subcluster_devices[k]
-    packed = pack_submeshes(tables.num_hosts[k], tables.devices_per_host[k], shapes)
+    packed = place_stages(tables.num_hosts[k], tables.devices_per_host[k], shapes)
     if packed is None:
       devices_ok = False
       violations.append(f"subcluster {tables.subcluster_names[k]!r}: submeshes {shapes} "

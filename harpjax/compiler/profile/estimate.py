@@ -34,9 +34,11 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
   a view (gather, scatter, concatenate, pad...); elementwise ops are fused into their
   neighbours. Every term is a sum over ops.
 
-The forward's outputs are results of the costed program, as they are of the stage's forward
-the runtime runs (they cross the cut to the next stage): the ops that compute them cost their
-time however finely the model is cut.
+The work is read off the forward+backward that also returns the forward's outputs, as the
+stage's forward the runtime runs does (they cross the cut to the next stage): the ops that
+compute them cost their time however finely the model is cut. The bytes, workspace and
+residuals are read off the forward+backward without them, as XLA's memory statistics of the
+piece count them.
 
 The data-parallel share needs no trace at the local microbatch: which values and ops depend on
 a batch-split input is known from the program. A value that depends on the batch but has a
@@ -87,7 +89,10 @@ class TracedPiece:
 
   Attributes:
     piece: the piece.
-    fwd_bwd: ``(params, acts, aux, cts) -> (outputs, param grads, act grads)`` as a program.
+    fwd_bwd: ``(params, acts, aux, cts) -> (param grads, act grads)`` as a program (what XLA's
+      memory statistics of the piece describe: the bytes and workspace).
+    live: the same returning the forward's outputs too, ``-> (outputs, param grads, act
+      grads)``: its ops are the work (:func:`jaxpr_work`).
     fwd_res: ``(params, acts, aux) -> (outputs, residual leaves)`` as a program.
     num_outputs: outputs of ``fwd_res`` before its residuals.
     trace_s: seconds spent tracing.
@@ -97,6 +102,7 @@ class TracedPiece:
   fwd_res: Program
   num_outputs: int
   trace_s: float
+  live: Program | None = None
 
 
 def _flatten(closed) -> Program:
@@ -129,15 +135,17 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
   t0 = time.perf_counter()
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
 
-  def fwd_bwd(params, acts, aux, cts):
+  def live(params, acts, aux, cts):
     outs, vjp = jax.vjp(lambda p, a: run(*p, *a, *aux), params, acts)
     return outs, vjp(cts)
 
+  fwd_bwd, _ = pieces_lib.make_functions(piece, False)
   _, fwd_res = pieces_lib.make_functions(piece, remat)
   args = pieces_lib.abstract_inputs(piece)
   fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
+  lv = _dce(_flatten(jax.make_jaxpr(live)(*args)))
   fr = _flatten(jax.make_jaxpr(fwd_res)(*args[:3]))
-  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0)
+  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv)
 
 
 def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
@@ -282,7 +290,12 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   params, batch = _input_roles(piece, fb, with_cts=True)
   sizes = _Sizes(fb, params, batch, dp, tp)
   read = _read(fb)
-  work = _work(fb, sizes, read)
+  lv = traced.live if traced.live is not None else fb
+  if lv is fb:
+    work = _work(fb, sizes, read)
+  else:
+    lv_params, lv_batch = _input_roles(piece, lv, with_cts=True)
+    work = _work(lv, _Sizes(lv, lv_params, lv_batch, dp, tp), _read(lv))
   nbytes = _bytes_accessed(fb, sizes, read)
   temp = _peak_live(fb, sizes, read)
   colls = {}

@@ -103,8 +103,9 @@ class ProfileOptions:
     workers: threads compiling analytic tasks in parallel.
     remat: cost layers whose forward is rematerialised in the backward (activation
       recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
-      in-flight microbatch. The runtime then rematerialises too (the plan says so). On by
-      default, as ``harpjax plan`` (docs/planner.md, "One set of defaults").
+      in-flight microbatch. The runtime then rematerialises too (the plan says so). Off by
+      default, as ``harpjax plan`` (docs/planner.md, "One set of defaults"): large models
+      (GPT-39B on 32 GB devices) need it on.
     optimizer_bytes_per_param: the optimizer state's part of ``state_bytes_per_param`` (12 of
       16 for mixed-precision Adam, 8 of 16 for float32 Adam); given, the tables carry it
       (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
@@ -127,7 +128,7 @@ class ProfileOptions:
   imported_module: str | None = None
   imported_data_dir: str | None = None
   workers: int = 1
-  remat: bool = True
+  remat: bool = False
   optimizer_bytes_per_param: float | None = 12.0
 
   def __post_init__(self):
@@ -553,7 +554,8 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
       imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
-      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=host)
+      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=host,
+      host_links=[Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S) for sub in subs])
 
 
 def _link_or_none(cluster, a: str, b: str):
