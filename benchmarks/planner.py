@@ -19,9 +19,7 @@ Prints these tables:
    Eager-1F1B and H-1F1B.
 
 Iteration times come from the simulator (:func:`harpjax.compiler.schedule.simulate`); Eq. 12
-is shown beside them. The tables synchronise each stage's gradients once per iteration, after
-its last backward (``from_layer_costs(..., end_cost=True)``: the stages' end times), as the
-runtime does, and price a cut between two stages on one host at the host link.
+is shown beside them.
 
 Usage::
 
@@ -62,7 +60,7 @@ def gpt39b_tables(num_microbatches: int = 128, inter_gbps: float = 10.0,
                         efficiency=0.5, latency_s=5e-6, host_bandwidth_bytes_per_s=300e9,
                         host_latency_s=2e-6)
   return CostTables.from_layer_costs(prof, [a100, v100], Link(inter_gbps * GBPS, 1e-4),
-                                     end_cost=True,
+                                     grad_sync_microbatches=num_microbatches,
                                      order="memory_to_compute")
 
 
@@ -92,7 +90,7 @@ def case_study_tables(num_layers: int = 128, inter_gbps: float = 5.0,
   v100 = SubclusterSpec("v100", 1, 2, 32 * GiB, 200 * GBPS, peak_flops=125e12, efficiency=0.5,
                         host_bandwidth_bytes_per_s=32e9)
   return CostTables.from_layer_costs(prof, [a100, v100], Link(inter_gbps * GBPS, 1e-4),
-                                     end_cost=True,
+                                     grad_sync_microbatches=num_microbatches,
                                      order="memory_to_compute")
 
 
@@ -182,7 +180,7 @@ def big_tables(gbps: float, num_microbatches: int = 128) -> CostTables:
            SubclusterSpec("h100", 32, 8, 80 * GiB, 400 * GBPS, peak_flops=989e12,
                           host_bandwidth_bytes_per_s=900e9, **kw)]
   return CostTables.from_layer_costs(prof, specs, Link(gbps * GBPS, 1e-4),
-                                     end_cost=True,
+                                     grad_sync_microbatches=num_microbatches,
                                      order="memory_to_compute")
 
 

@@ -60,7 +60,7 @@ def three_type_tables(num_gpus: int, num_layers: int = 146, gbps: float = 100.0
   specs = [_spec("v100", q, 32, 125, 200, 150e9), _spec("a100", q, 40, 312, 200, 300e9),
            _spec("h100", 2 * q, 80, 989, 400, 900e9)]
   return CostTables.from_layer_costs(prof, specs, Link(gbps * GBPS, 1e-4),
-                                     end_cost=True, order="memory_to_compute")
+                                     grad_sync_microbatches=B, order="memory_to_compute")
 
 
 def _row(tables: CostTables, backend: str, eq12: bool) -> list[str]:
