@@ -128,15 +128,18 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
   """Traces a piece's forward+backward (from ``jax.ShapeDtypeStruct`` s; nothing compiled).
 
   The forward+backward returns the forward's outputs too, so the ops computing them are
-  costed (the stage's forward sends them on). With ``remat`` only the residuals change: the
-  forward+backward computes the forward once either way (inside the backward when
-  rematerialised).
+  costed (the stage's forward sends them on). With ``remat`` the backward recomputes the
+  forward as the runtime's does (``jax.checkpoint``): the work counted is the forward, its
+  recomputation and the backward, and the residuals are the inputs alone.
   """
   t0 = time.perf_counter()
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
+  primal = lambda p, a, aux: run(*p, *a, *aux)
+  if remat:
+    primal = jax.checkpoint(primal)
 
   def live(params, acts, aux, cts):
-    outs, vjp = jax.vjp(lambda p, a: run(*p, *a, *aux), params, acts)
+    outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
     return outs, vjp(cts)
 
   fwd_bwd, _ = pieces_lib.make_functions(piece, False)
