@@ -127,6 +127,17 @@ class CostTablesError(HarpjaxError, ValueError):
   """Cost tables are malformed (wrong shapes, negative times, ...)."""
 
 
+class PublishedDataError(HarpjaxError, FileNotFoundError):
+  """Published measurements (the Zorse per-layer data behind ``source="imported"`` and the
+  calibration) are missing, unreadable, or hold none for the model asked.
+
+  ``ProfileOptions(imported_data_dir=...)`` (``harpjax plan --data-dir``) names the directory
+  of ``zorse_model_latencies.json`` and ``zorse_model_stats.json`` (by default
+  ``../shared/data`` beside the repository); the models they measure are listed in the
+  message. Profile with ``source="jaxpr"`` (the default) when there are none for your model.
+  """
+
+
 class RuntimeFailure(HarpjaxError, RuntimeError):
   """A stage worker failed or timed out; the message names the stage."""
 

@@ -749,11 +749,11 @@ def test_plan_with_zero_reads_the_cache_and_passes_the_optimizer_state(warm_cach
   assert "Layer Range" in res.output
 
 
-def test_plan_offload_activations_is_opt_in_and_needs_the_host_link(warm_cache, tmp_path,
-                                                                   monkeypatch):
+def test_plan_offload_activations_needs_the_host_link(warm_cache, tmp_path, monkeypatch):
   # --offload-activations lets the planner keep residuals in host memory: refused on a
   # cluster without host_memory_gbps (before any work), passed to the planner where it has
-  # one, and off without the flag.
+  # one, off with --no-offload-activations, and by default the planner's choice (as
+  # auto_parallel's) wherever the cluster gives the host link.
   args = ("plan", "--model", "gpt-tiny", "-B", 4, "--no-simulate", "--no-progress",
           "--cache-dir", warm_cache[0])
   res = _run(*args, "--cluster", warm_cache[1], "--offload-activations")
@@ -766,10 +766,10 @@ def test_plan_offload_activations_is_opt_in_and_needs_the_host_link(warm_cache, 
   monkeypatch.setattr(plan_pkg, "solve", lambda t, b, options: seen.append(
       (options.offload_activations, t.offload_bandwidth_bytes_per_s)) or real(t, b,
                                                                      options=options))
-  for flag in ("--offload-activations", "--no-offload-activations"):
-    res = _run(*args, "--cluster", host, flag)
+  for flag in ("--offload-activations", "--no-offload-activations", None):
+    res = _run(*args, "--cluster", host, *([flag] if flag else []))
     assert res.exit_code == 0 and "Layer Range" in res.output, res.output
-  assert seen == [(True, (12.5e9,)), (False, (12.5e9,))], seen
+  assert seen == [(True, (12.5e9,)), (False, (12.5e9,)), (True, (12.5e9,))], seen
 
 
 ASYMMETRIC_YAML = cluster_yaml("asym", (("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1),
@@ -816,3 +816,128 @@ def test_ctrl_c_while_the_command_imports_its_packages_exits_130(tmp_path):
                        cwd=str(ROOT), capture_output=True, text=True, timeout=300)
   assert res.returncode == INTERRUPTED, res.stderr[-2000:]
   assert res.stderr.strip() == INTERRUPT_MESSAGE and not res.stdout, res.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- one set of defaults
+
+
+def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, cluster_file):
+  """``harpjax plan`` without options plans as ``auto_parallel`` does without options: the
+  same remat, ZeRO, offload and mixed-stage choices (docs/planner.md, "One set of
+  defaults")."""
+  from harpjax.compiler.plan import SolveOptions
+  from harpjax.compiler.profile import ProfileOptions
+  seen = {}
+  real_profile = profile_pkg.profile_step
+
+  def profile_step(*a, options=None, **kw):
+    seen["profile"] = options
+    return real_profile(*a, options=dataclasses.replace(options, use_cache=False), **kw)
+
+  def solve(tables, b, options):
+    seen["solve"] = options
+    raise HarpjaxError("stopped after the options")
+  monkeypatch.setattr(profile_pkg, "profile_step", profile_step)
+  monkeypatch.setattr(plan_pkg, "solve", solve)
+  _refused(_run("plan", "--cluster", cluster_file, "--model", "gpt-tiny", "-B", 4),
+           "stopped after the options", status=1)
+  api_profile, api_solve = ProfileOptions(), SolveOptions(eps=0.1)   # what auto_parallel uses
+  for field in ("source", "remat", "state_bytes_per_param", "optimizer_bytes_per_param"):
+    assert getattr(seen["profile"], field) == getattr(api_profile, field), field
+  for field in ("eps", "cost_model", "objective", "use_all_devices", "keep_order",
+                "zero_levels", "offload", "offload_activations", "mixed_stages"):
+    assert getattr(seen["solve"], field) == getattr(api_solve, field), field
+  assert not api_profile.remat and api_profile.optimizer_bytes_per_param == 12.0
+  assert api_solve.mixed_stages == "auto" and api_solve.offload_activations
+
+
+def test_plan_times_tracing_and_costing_apart(warm_cache):
+  res = _run("plan", "--cluster", warm_cache[1], "--model", "gpt-tiny", "-B", 4,
+             "--no-simulate", "--no-progress", "--cache-dir", warm_cache[0])
+  assert res.exit_code == 0, res.output
+  got = re.search(r"tracing ([0-9.]+) s, costing ([0-9.]+) s, search ([0-9.]+) s", res.output)
+  assert got, res.output
+
+
+def test_imported_source_errors_are_one_line(tmp_path, cluster_file):
+  empty = tmp_path / "nodata"
+  empty.mkdir()
+  res = _run("plan", "--cluster", cluster_file, "--model", "gpt-tiny", "-B", 4, "--no-cache",
+             "--source", "imported", "--data-dir", empty)
+  _refused(res, "no published measurements at", status=1)
+  from harpjax.compiler.profile import calibration
+  if not (calibration.default_zorse_dir() / "zorse_model_stats.json").exists():
+    pytest.skip("published measurements not found beside the repo")
+  res = _run("plan", "--cluster", cluster_file, "--model", "gpt-tiny", "-B", 4, "--no-cache",
+             "--source", "imported")
+  _refused(res, "no published measurements of a block of hidden 32", status=1)
+
+
+# --------------------------------------------------------------------------- costing a plan file
+
+
+def test_simulate_costs_a_hand_written_plan(warm_cache, tmp_path):
+  """``simulate plan.json --cluster --model``: each stage on its own submesh and logical mesh
+  (not the tables' fastest), what evaluate_plan says of the profile's tables for that plan."""
+  db, cluster = warm_cache
+  mine = Plan(stages=(StageSpec((0, 6), "a100", (1, 1)),
+                      StageSpec((7, 13), "a100", (1, 1))), num_microbatches=4)
+  path = tmp_path / "hand.json"
+  mine.save(path)
+  base = ("simulate", path, "--cluster", cluster, "--model", "gpt-tiny", "--cache-dir", db)
+  res = _run(*base, "--json")
+  assert res.exit_code == 0, res.output
+  got = json.loads(res.stdout)[0]
+  prof = profile_pkg.profile_step(
+      *_tiny_step(), Cluster.load(cluster), num_microbatches=4,
+      options=profile_pkg.ProfileOptions(cache_dir=str(db), progress=False))
+  ev = plan_pkg.evaluate_plan(profile_pkg.tables_for_plan(prof, mine), mine, 4)
+  assert got["iteration_time_s"] == pytest.approx(ev.iteration_s, rel=1e-9)
+  assert got["warmups"] == list(ev.warmups)
+  # one stage on both devices, as (2, 1) and as (1, 2): each costed on its own mesh
+  times = {}
+  for mesh in ((2, 1), (1, 2)):
+    one = Plan(stages=(StageSpec((0, 13), "a100", (1, 2), mesh),), num_microbatches=4)
+    one.save(path)
+    res = _run(*base, "--json")
+    assert res.exit_code == 0, res.output
+    times[mesh] = json.loads(res.stdout)[0]["iteration_time_s"]
+    ev = plan_pkg.evaluate_plan(profile_pkg.tables_for_plan(prof, one), one, 4)
+    assert times[mesh] == pytest.approx(ev.iteration_s, rel=1e-9)
+  assert times[(2, 1)] != times[(1, 2)]
+  # the profile's own tables hold one mesh per entry: the other one is refused, not rescored
+  wrong = [m for m in times if m != prof.tables.logical_mesh_of(0, 0, 13, 1)][0]
+  with pytest.raises(PlanError, match="logical mesh"):
+    plan_pkg.evaluate_plan(prof.tables, Plan(stages=(StageSpec((0, 13), "a100", (1, 2),
+                                                               wrong),)), 4)
+
+
+def test_simulate_costing_arguments_are_checked(tmp_path, warm_cache):
+  db, cluster = warm_cache
+  path = tmp_path / "hand.json"
+  Plan(stages=(StageSpec((0, 13), "a100", (1, 2)),), num_microbatches=4).save(path)
+  res = _run("simulate", path, "--cluster", cluster)
+  _refused(res, "--cluster and --model together")
+  res = _run("simulate", path, "--cluster", cluster, "--model", "gpt-tiny", "--time", "1,1")
+  _refused(res, "--time would replace")
+  res = _run("simulate", path, "--source", "analytic")
+  _refused(res, "only apply with --cluster and --model")
+  Plan(stages=(StageSpec((0, 5), "a100", (1, 2)),), num_microbatches=4).save(path)
+  res = _run("simulate", path, "--cluster", cluster, "--model", "gpt-tiny", "--cache-dir", db)
+  _refused(res, "has 14 layers")
+
+
+def _tiny_step():
+  from harpjax.models import BUILTIN_MODELS
+  spec = BUILTIN_MODELS["gpt-tiny"](num_microbatches=4)
+  return spec.step_fn, spec.args
+
+
+def test_builtin_gpt_15b_is_alpa_and_harps_size():
+  from harpjax.models import BUILTIN_MODELS
+  spec = BUILTIN_MODELS["gpt-15b"](num_microbatches=2)
+  cfg = spec.config
+  assert (cfg.num_blocks, cfg.hidden) == (48, 5120)
+  import jax
+  n = sum(x.size for x in jax.tree_util.tree_leaves(spec.args[0].params))
+  assert 15.0e9 < n < 15.8e9

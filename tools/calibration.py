@@ -1,13 +1,15 @@
 """Calibrating the analytic time model against published per-layer measurements.
 
-A developer tool (not part of the library): fits the per-GPU-type efficiency factors of
-:mod:`harpjax.compiler.profile.calibration` to the Zorse repository's
-``zorse_model_latencies.json`` (MIT licence; one transformer layer, forward and backward
-milliseconds by microbatch size). Each Zorse model's block is rebuilt in Flax
+A developer tool (not part of the library): fits the per-GPU-type factors of
+:mod:`harpjax.compiler.profile.calibration` (``compute``, ``memory``, ``kernel_s``) to the
+Zorse repository's ``zorse_model_latencies.json`` (MIT licence; one transformer layer, forward
+and backward milliseconds by microbatch size). Each Zorse model's block is rebuilt in Flax
 (:data:`ZORSE_MODELS`, :mod:`harpjax.models`), traced at the measured sequence length, cut into
-layers by the same layer construction and costed per layer by the same XLA analysis the
-profiler uses, on one device. Statistics are linear in the microbatch size (weights are read
-once, activations scale), so microbatch sizes 1 and 2 are compiled and the rest extrapolated.
+layers by the same layer construction, and each layer's
+:class:`~harpjax.compiler.profile.calibration.Work` read off its jaxpr as the default cost
+source reads it, on one device. FLOPs and bytes are linear in the microbatch size (weights are
+read once, activations scale), so microbatch sizes 1 and 2 are traced and the rest
+interpolated.
 
 ``python benchmarks/profile.py --calibrate`` runs :func:`calibrate` and prints the
 ``CALIBRATION`` literal to paste into :mod:`harpjax.compiler.profile.calibration`.
@@ -27,7 +29,7 @@ import numpy as np
 from harpjax.cluster import GPU_CATALOG
 from harpjax.compiler.layers import LayerOptions, construct_layers
 from harpjax.compiler.profile import calibration as calib
-from harpjax.compiler.profile import cache as cache_lib
+from harpjax.compiler.profile import estimate
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.trace import from_closed_jaxpr
 from harpjax.models import gpt
@@ -35,10 +37,11 @@ from tools import llama
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZORSE_MODELS", "block_program", "block_layer_stats", "Sample",
-           "calibration_samples", "fit", "CalibrationReport", "calibrate"]
+__all__ = ["ZORSE_MODELS", "block_program", "block_work", "Sample", "calibration_samples",
+           "fit", "errors", "CalibrationReport", "calibrate"]
 
 Efficiency = calib.Efficiency
+Work = calib.Work
 ZORSE_GPU_KEYS = calib.ZORSE_GPU_KEYS
 
 ZORSE_MODELS: dict[str, tuple[str, int, int, int]] = {
@@ -78,38 +81,29 @@ def block_program(model: str, seq: int, mbs: int, dtype=jnp.float16):
   return program, kinds
 
 
-def block_layer_stats(cache_dir=None, progress: bool | None = None):
-  """``stats(model, seq, mbs) -> [(flops, bytes_accessed)]`` per layer of the block."""
-  db = cache_lib.ProfileDB(cache_dir if cache_dir is not None
-                                else cache_lib.default_cache_dir())
+def block_work():
+  """``work(model, seq, mbs) -> Work`` of one block (its layers' jaxpr work, summed)."""
   memo: dict = {}
 
-  def at(model: str, seq: int, mbs: int):
-    key = {"what": "zorse-block", "model": model, "seq": seq, "mbs": mbs, "dtype": "float16"}
-    k = tuple(sorted(key.items()))
-    if k in memo:
-      return memo[k]
-    got = db.get(key)
-    if got is None:
+  def at(model: str, seq: int, mbs: int) -> Work:
+    k = (model, seq, mbs)
+    if k not in memo:
       program, kinds = block_program(model, seq, mbs)
       layers = construct_layers(program, kinds, options=LayerOptions())
       dep = pieces_lib.batch_dependent(program, kinds)
-      dev = jax.devices()[:1]
-      rows = []
+      total = Work()
       for i in range(len(layers)):
-        st = pieces_lib.xla_stats(pieces_lib.build_piece(layers, i, i, dep), dev)
-        rows.append([st.flops, st.bytes_accessed])
-      got = {"layers": rows}
-      db.put(key, got)
-      log.info("block stats %s seq=%d mbs=%d: %d layers", model, seq, mbs, len(rows))
-    memo[k] = [tuple(r) for r in got["layers"]]
+        traced = estimate.trace_piece(pieces_lib.build_piece(layers, i, i, dep))
+        total = total + estimate.jaxpr_work(traced, (1, 1))
+      memo[k] = total
+      log.info("block work %s seq=%d mbs=%d: %d layers, %d kernels", model, seq, mbs,
+               len(layers), total.kernels)
     return memo[k]
 
-  def stats(model: str, seq: int, mbs: int):
-    one, two = at(model, seq, 1), at(model, seq, 2)
-    return [tuple(a + (b - a) * (mbs - 1) for a, b in zip(r1, r2)) for r1, r2 in zip(one, two)]
+  def work(model: str, seq: int, mbs: int) -> Work:
+    return at(model, seq, 1).interpolate(at(model, seq, 2), mbs - 1)
 
-  return stats
+  return work
 
 
 # --------------------------------------------------------------------------- the fit
@@ -122,17 +116,16 @@ class Sample:
   seq: int
   mbs: int
   measured_s: float
-  flops: tuple      # per layer of the block
-  bytes: tuple
+  work: Work        # of the block's forward+backward, one device
 
 
-def calibration_samples(data: dict, layer_stats, gpu_keys: Sequence[str] | None = None,
+def calibration_samples(data: dict, block_work_fn, gpu_keys: Sequence[str] | None = None,
                         max_mbs: int = 8) -> list[Sample]:
-  """Measurements paired with the analytic stats of the rebuilt block.
+  """Measurements paired with the work of the rebuilt block.
 
   Args:
     data: parsed Zorse latencies.
-    layer_stats: ``layer_stats(model, seq, mbs) -> [(flops, bytes)]`` per layer of the block.
+    block_work_fn: ``(model, seq, mbs) -> Work`` of the block (:func:`block_work`).
     gpu_keys: Zorse GPU keys to use (default: every key of :data:`ZORSE_GPU_KEYS`).
     max_mbs: largest microbatch size used.
   """
@@ -147,78 +140,78 @@ def calibration_samples(data: dict, layer_stats, gpu_keys: Sequence[str] | None 
         if not times:
           continue
         for mbs, ms in sorted(times.items()):
-          if mbs > max_mbs:
-            continue
-          stats = layer_stats(model, int(seq), mbs)
-          out.append(Sample(gk, model, int(seq), mbs, ms * 1e-3,
-                            tuple(s[0] for s in stats), tuple(s[1] for s in stats)))
+          if mbs <= max_mbs:
+            out.append(Sample(gk, model, int(seq), mbs, ms * 1e-3,
+                              block_work_fn(model, int(seq), mbs)))
   return out
+
+
+_COMPUTE = np.geomspace(0.05, 1.0, 60)
+_MEMORY = np.geomspace(0.05, 20.0, 70)
+_KERNEL = np.concatenate([[0.0], np.geomspace(1e-7, 5e-3, 61)])
 
 
 def fit(samples: Sequence[Sample], peak_flops: float, mem_bandwidth: float,
         source: str = "") -> Efficiency:
-  """Grid-search ``compute``, ``memory``, ``overhead_s`` minimising mean |log error|."""
-  ec = np.geomspace(0.05, 1.0, 60)
-  em = np.geomspace(0.05, 20.0, 70)
-  ov = np.concatenate([[0.0], np.geomspace(5e-6, 5e-3, 31)])
+  """Grid-searches ``compute``, ``memory``, ``kernel_s`` minimising the mean |log error|;
+  errors on the samples and leave-one-model-out (:func:`errors`) recorded."""
 
-  def err_grid(subset):
-    tot = np.zeros((len(ec), len(em), len(ov)))
+  # Per sample, the time without kernels on the (compute, memory) grid: computed once.
+  comp, mem = _COMPUTE[:, None], _MEMORY[None, :]
+  base = {id(s): calib.predict_time_s(s.work, peak_flops, mem_bandwidth,
+                                      calib.DEFAULT_EFFICIENCY, comp, mem, 0.0)
+          for s in samples}
+
+  def best(subset) -> Efficiency:
+    tot = np.zeros((len(_COMPUTE), len(_MEMORY), len(_KERNEL)))
     for s in subset:
-      f = np.asarray(s.flops)[:, None, None]
-      b = np.asarray(s.bytes)[:, None, None]
-      tc = f / (peak_flops * ec[None, :, None])           # [layers, ec, 1]
-      tm = b / (mem_bandwidth * em[None, None, :])        # [layers, 1, em]
-      t = np.maximum(tc, tm).sum(0)[:, :, None] + len(s.flops) * ov[None, None, :]
+      t = base[id(s)][:, :, None] + _KERNEL[None, None, :] * s.work.kernels
       tot += np.abs(np.log(t / s.measured_s))
-    return tot / max(len(subset), 1)
-
-  def best(subset):
-    g = err_grid(subset)
-    i, j, k = np.unravel_index(np.argmin(g), g.shape)
-    return Efficiency(float(ec[i]), float(em[j]), float(ov[k]))
+    i, j, k = np.unravel_index(np.argmin(tot), tot.shape)
+    return Efficiency(float(_COMPUTE[i]), float(_MEMORY[j]), float(_KERNEL[k]))
 
   e = best(samples)
-  mape = _mape(samples, e, peak_flops, mem_bandwidth)
+  errs = errors(samples, e, peak_flops, mem_bandwidth)
   models = sorted({s.model for s in samples})
   cv = None
   if len(models) > 1:
-    errs = []
+    held = []
     for m in models:
-      held = [s for s in samples if s.model == m]
       e_m = best([s for s in samples if s.model != m])
-      errs += _errors(held, e_m, peak_flops, mem_bandwidth)
-    cv = float(np.mean(errs))
-  return dataclasses.replace(e, mape=mape, cv_mape=cv, samples=len(samples), source=source)
+      held += errors([s for s in samples if s.model == m], e_m, peak_flops, mem_bandwidth)
+    cv = float(np.mean(np.abs(held)))
+  return dataclasses.replace(e, mape=float(np.mean(np.abs(errs))), cv_mape=cv,
+                             samples=len(samples), source=source,
+                             max_error=float(np.max(np.abs(errs))))
 
 
-def _errors(samples, e: Efficiency, peak, bw) -> list[float]:
-  out = []
-  for s in samples:
-    t = float(np.sum(calib.predict_layer_time_s(np.asarray(s.flops), np.asarray(s.bytes), peak,
-                                                bw, e)))
-    out.append(abs(t - s.measured_s) / s.measured_s)
-  return out
-
-
-def _mape(samples, e, peak, bw) -> float:
-  return float(np.mean(_errors(samples, e, peak, bw))) if samples else float("nan")
+def errors(samples: Sequence[Sample], e: Efficiency, peak: float, bw: float) -> list[float]:
+  """Signed relative errors ``predicted / measured - 1`` of ``e`` on ``samples``."""
+  return [float(calib.predict_time_s(s.work, peak, bw, e)) / s.measured_s - 1
+          for s in samples]
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationReport:
-  """Result of :func:`calibrate`: fitted factors and per-sample errors per GPU type."""
+  """Result of :func:`calibrate`: fitted factors and the samples per GPU type."""
   efficiencies: dict
   samples: dict
 
   def table(self) -> str:
-    rows = ["| GPU type | Zorse data | samples | compute eff | memory eff | overhead/layer "
-            "| MAPE | leave-one-model-out MAPE |", "|---|---|---|---|---|---|---|---|"]
+    """The per-GPU error table (markdown) of docs/cost_model.md."""
+    rows = ["| GPU type | Zorse data | samples | models | compute | memory | per kernel | "
+            "mean error | median | 90th pct. | leave-one-model-out |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in self.efficiencies.items():
+      g = GPU_CATALOG[name]
+      errs = np.abs(errors(self.samples[name], e, g.peak_flops, g.mem_bandwidth_bytes_per_s))
       keys = ",".join(ZORSE_GPU_KEYS.get(name, ()))
       cv = f"{100 * e.cv_mape:.1f}%" if e.cv_mape is not None else "-"
-      rows.append(f"| {name} | {keys} | {e.samples} | {e.compute:.3f} | {e.memory:.3f} | "
-                  f"{e.overhead_s * 1e6:.0f} us | {100 * e.mape:.1f}% | {cv} |")
+      models = len({s.model for s in self.samples[name]})
+      rows.append(f"| {name} | {keys} | {e.samples} | {models} | {e.compute:.3f} | "
+                  f"{e.memory:.2f} | {e.kernel_s * 1e6:.0f} us | {100 * e.mape:.1f}% | "
+                  f"{100 * np.median(errs):.1f}% | {100 * np.percentile(errs, 90):.1f}% | "
+                  f"{cv} |")
     return "\n".join(rows)
 
   def as_python(self) -> str:
@@ -227,36 +220,33 @@ class CalibrationReport:
     for name, e in self.efficiencies.items():
       cv = None if e.cv_mape is None else round(e.cv_mape, 4)
       lines.append(f"    {name!r}: Efficiency(\n        compute={e.compute:.4f}, "
-                   f"memory={e.memory:.4f}, overhead_s={e.overhead_s:.1e}, "
+                   f"memory={e.memory:.4f}, kernel_s={e.kernel_s:.3e}, "
                    f"mape={e.mape:.4f}, cv_mape={cv},\n        samples={e.samples}, "
-                   f"source={e.source!r}),")
+                   f"max_error={e.max_error:.4f}, source={e.source!r}),")
     lines.append("}")
     return "\n".join(lines)
 
 
-def calibrate(data_dir: str | os.PathLike | None = None, *, cache_dir=None,
-              gpu_names: Sequence[str] | None = None, max_mbs: int = 8,
-              progress: bool | None = None) -> CalibrationReport:
+def calibrate(data_dir: str | os.PathLike | None = None, *,
+              gpu_names: Sequence[str] | None = None, max_mbs: int = 8) -> CalibrationReport:
   """Fits :class:`Efficiency` per GPU type against the Zorse measurements.
 
   Args:
     data_dir: directory of ``zorse_model_latencies.json`` (default
       :func:`~harpjax.compiler.profile.calibration.default_zorse_dir`).
-    cache_dir: profile cache for the blocks' XLA statistics (``None``: the default directory).
     gpu_names: catalog GPU names to fit (default: every key of :data:`ZORSE_GPU_KEYS`).
     max_mbs: largest microbatch size used.
-    progress: show a progress bar (default: when stderr is a TTY).
 
   Returns:
     A :class:`CalibrationReport`.
   """
   data = calib.load_zorse(data_dir)
   names = list(gpu_names or ZORSE_GPU_KEYS)
-  stats_fn = block_layer_stats(cache_dir=cache_dir, progress=progress)
+  work_fn = block_work()
   effs, samples = {}, {}
   for name in names:
     gpu = GPU_CATALOG[name]
-    ss = calibration_samples(data, stats_fn, ZORSE_GPU_KEYS[name], max_mbs=max_mbs)
+    ss = calibration_samples(data, work_fn, ZORSE_GPU_KEYS[name], max_mbs=max_mbs)
     if not ss:
       continue
     models = sorted({s.model for s in ss})

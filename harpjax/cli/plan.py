@@ -8,104 +8,18 @@ the load-balance score; ``--json`` saves the plan for ``auto_parallel(plan=...)`
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import time
 
 import click
 
 from harpjax.cli.checks import MAX_MICROBATCHES, Finite, check_output_dir, check_output_file, given
+from harpjax.cli.model import (DATA_DIR_HELP, model_spec, profile_model, profile_options,
+                               solve_options)
 from harpjax.errors import HarpjaxError
 
 log = logging.getLogger(__name__)
-
-
-def _model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
-  from harpjax.models import BUILTIN_MODELS, make_lm_spec
-  if model in BUILTIN_MODELS:
-    return BUILTIN_MODELS[model](num_microbatches=num_microbatches,
-                                 microbatch_size=microbatch_size)
-  if not os.path.exists(model):
-    raise click.BadParameter(f"{model!r} is neither a built-in model "
-                             f"({', '.join(sorted(BUILTIN_MODELS))}) nor a config file",
-                             param_hint="--model")
-  if os.path.isdir(model):
-    raise click.BadParameter(f"{model!r} is a directory; give a YAML/JSON file of GPT config "
-                             "fields", param_hint="--model")
-  import yaml
-  from harpjax.models import GPT, GPT_39B, MoEConfig, MoETransformer
-  try:
-    with open(model) as f:
-      cfg = yaml.safe_load(f) or {}
-  except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
-    raise click.BadParameter(f"{model}: not valid YAML/JSON: {e}", param_hint="--model")
-  if not isinstance(cfg, dict):
-    raise click.BadParameter(f"{model}: expected a mapping of GPT config fields",
-                             param_hint="--model")
-  cfg = dict(cfg)
-  family = cfg.pop("family", "gpt")
-  if "microbatch_size" in cfg and microbatch_size is not None and \
-      cfg["microbatch_size"] != microbatch_size:
-    raise click.UsageError(f"{model} sets microbatch_size: {cfg['microbatch_size']!r} and "
-                           f"--microbatch-size is {microbatch_size}; give it once")
-  mbs = cfg.pop("microbatch_size", microbatch_size or 8)
-  if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
-    raise click.BadParameter(f"{model}: microbatch_size={mbs!r} must be an integer >= 1",
-                             param_hint="--model")
-  # Fields not given are GPT-39B's (the paper's model: fp16, automatic layers).
-  classes = {"gpt": (GPT_39B, GPT),
-             "moe": (MoEConfig(**dataclasses.asdict(GPT_39B)), MoETransformer)}
-  if not isinstance(family, str) or family not in classes:
-    raise click.BadParameter(f"{model}: family {family!r}; choose one of {sorted(classes)}",
-                             param_hint="--model")
-  base, model_cls = classes[family]
-  fields = {f.name for f in dataclasses.fields(base)}
-  unknown = sorted(set(cfg) - fields)
-  if unknown:
-    raise click.BadParameter(f"{model}: unknown fields {unknown}; known: {sorted(fields)}",
-                             param_hint="--model")
-  for name, value in cfg.items():
-    problem = _config_problem(name, value, getattr(base, name))
-    if problem:
-      raise click.BadParameter(f"{model}: {name}={value!r} {problem}", param_hint="--model")
-  try:
-    config = dataclasses.replace(base, **cfg)
-  except (TypeError, ValueError) as e:
-    raise click.BadParameter(f"{model}: {e}", param_hint="--model") from None
-  if config.hidden % config.num_heads:
-    raise click.BadParameter(f"{model}: hidden={config.hidden} must be a multiple of "
-                             f"num_heads={config.num_heads}", param_hint="--model")
-  name = os.path.splitext(os.path.basename(model))[0]
-  return make_lm_spec(name, model_cls(config), config, microbatch_size=int(mbs),
-                      num_microbatches=num_microbatches)
-
-
-def _config_problem(name: str, value, default) -> str | None:
-  """What is wrong with a model config field's value (its type is the default's)."""
-  if name.endswith("dtype"):
-    if value is None and default is None:
-      return None
-    import jax.numpy as jnp
-    try:
-      jnp.dtype(value)
-    except TypeError:
-      return "is not a dtype name (float32, bfloat16, float16, ...)"
-    return None if isinstance(value, str) else "must be a dtype name"
-  if isinstance(default, bool):
-    return None if isinstance(value, bool) else "must be true or false"
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    return "must be a number"
-  if isinstance(default, int) and not isinstance(value, int):
-    return "must be an integer"
-  if not math.isfinite(value):
-    return "must be finite"
-  if name == "dropout":
-    return None if 0 <= value < 1 else "must be in [0, 1)"
-  if name == "layer_marks":
-    return None if value in (0, 1, 2) else "must be 0, 1 or 2"
-  return None if value > 0 else "must be > 0"
 
 
 def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
@@ -130,9 +44,9 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               type=click.Path(exists=True, dir_okay=False),
               help="Cluster YAML file (see docs/cluster.md).")
 @click.option("--model", required=True,
-              help="Built-in model (gpt-39b, gpt-2.6b, gpt-tiny, moe-tiny) or a YAML/JSON file "
-                   "of GPT config fields (family: gpt|moe, hidden, num_blocks, num_heads, "
-                   "seq_len, vocab_size, microbatch_size, ...).")
+              help="Built-in model (gpt-39b, gpt-15b, gpt-2.6b, gpt-tiny, moe-tiny) or a "
+                   "YAML/JSON file of GPT config fields (family: gpt|moe, hidden, num_blocks, "
+                   "num_heads, seq_len, vocab_size, microbatch_size, ...).")
 @click.option("-B", "--microbatches", "num_microbatches",
               type=click.IntRange(1, MAX_MICROBATCHES),
               default=128, show_default=True, help="Number of microbatches per iteration.")
@@ -173,11 +87,13 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
 @click.option("--use-all-devices", is_flag=True,
               help="Use every device in the order given by --order (HARP's planner); by default "
                    "the plan may leave devices or subclusters unused and chooses the order.")
-@click.option("--mixed-stages", type=click.Choice(["off", "auto", "on"]), default="off",
+@click.option("--mixed-stages", type=click.Choice(["off", "auto", "on"]), default="auto",
               show_default=True,
               help="Also consider stages that run on hosts of several subclusters, "
                    "data-parallel with each microbatch's rows split by speed (auto: only "
                    "subclusters joined by links as fast as their own; on: any linked pair).")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help=DATA_DIR_HELP)
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Profile database directory (default $HARPJAX_CACHE_DIR or "
                    "~/.cache/harpjax/profiles).")
@@ -187,31 +103,30 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Write the plan here (load it with harpjax.load_plan).")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
               help="Also simulate the plan under GPipe, 1F1B, Eager-1F1B and H-1F1B.")
-@click.option("--remat/--no-remat", default=True, show_default=True,
-              help="Cost activation recomputation (as HARP and Alpa train large GPTs): only "
-                   "stage inputs are kept per in-flight microbatch; plans carry it to the "
-                   "runtime.")
+@click.option("--remat/--no-remat", default=False, show_default=True,
+              help="Cost activation recomputation (as HARP and Alpa train large GPTs; "
+                   "GPT-39B needs it): only stage inputs are kept per in-flight microbatch; "
+                   "plans carry it to the runtime. Off by default, as auto_parallel's.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar while profiling (default: when stderr is a terminal).")
-@click.option("--zero/--no-zero", default=False, show_default=True,
+@click.option("--zero/--no-zero", default=True, show_default=True,
               help="Let the planner shard each stage's training state over its data-parallel "
                    "devices (ZeRO level 0-3 per stage; mixed-precision Adam: 12 of the 16 "
-                   "bytes per parameter are optimizer state).")
-@click.option("--offload-activations/--no-offload-activations", default=False,
-              show_default=True,
+                   "bytes per parameter are optimizer state) and, where the cluster file "
+                   "gives host_memory_gbps, keep it in host memory.")
+@click.option("--offload-activations/--no-offload-activations", default=None,
               help="Let the planner keep a stage's residuals (the activations waiting for "
-                   "their backward) in host memory, per stage; needs host_memory_gbps on "
-                   "every subcluster of the cluster file.")
+                   "their backward) in host memory, per stage. Default: wherever the cluster "
+                   "file gives host_memory_gbps; --offload-activations needs it on every "
+                   "subcluster.")
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
             source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
-            use_all_devices, mixed_stages, cache_dir, no_cache, json_path, simulate, remat,
-            progress, zero, offload_activations):
+            use_all_devices, mixed_stages, data_dir, cache_dir, no_cache, json_path, simulate,
+            remat, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.plan import (MixedOptions, SolveOptions, evaluate_mixed, evaluate_plan,
-                                     solve)
-  from harpjax.compiler.profile import ProfileOptions, profile_step
+  from harpjax.compiler.plan import evaluate_mixed, evaluate_plan, solve
 
   # Every argument is checked before the long work (tracing, profiling, the search).
   if latency_us is not None and bandwidth is None:
@@ -233,8 +148,10 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     raise click.UsageError("--order is the order --use-all-devices keeps; without it the "
                            "planner chooses the order: add --use-all-devices or drop --order")
   if mixed_stages != "off" and use_all_devices:
-    raise click.UsageError("--mixed-stages needs the planner to choose the order of the "
-                           "subclusters, which --use-all-devices fixes; drop one of them")
+    if given(ctx, "mixed_stages"):
+      raise click.UsageError("--mixed-stages needs the planner to choose the order of the "
+                             "subclusters, which --use-all-devices fixes; drop one of them")
+    mixed_stages = "off"   # HARP's planner: every device, the order given, no mixed stages
   check_output_file(json_path, "--json")
   if not no_cache:
     check_output_dir(cache_dir, "--cache-dir")
@@ -245,16 +162,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     if target_layers is not None:
       layer_kw["target_layers"] = target_layers
     layer_options = LayerOptions(**layer_kw)
-    profile_kw = dict(source=source, cache_dir=cache_dir, use_cache=not no_cache,
-                      progress=progress, remat=remat, order=None if order == "given" else order,
-                      optimizer_bytes_per_param=12.0 if zero else None)
-    if source == "imported":
-      profile_kw["imported_model"] = "deepspeedgpt_2.7b"
-    profile_options = ProfileOptions(**profile_kw)
-    solve_options = SolveOptions(eps=eps, objective=objective, budget_per_hour=budget,
-                                 time_limit_s=time_limit, use_all_devices=use_all_devices,
-                                 keep_order=use_all_devices, cost_model=cost_model,
-                                 offload_activations=offload_activations)
+    profile_opts = profile_options(source=source, cache_dir=cache_dir, no_cache=no_cache,
+                                   progress=progress, remat=remat, order=order, zero=zero,
+                                   data_dir=data_dir)
     cluster = _with_bandwidth(Cluster.load(cluster_path), bandwidth, latency_us)
     no_host = [s.name for s in cluster.subclusters if s.host_memory_bytes_per_s is None]
     if offload_activations and no_host:
@@ -266,23 +176,17 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
       what = "--budget" if objective == "min_time" else f"--objective {objective}"
       raise click.UsageError(f"{what} needs prices: subclusters {unpriced} of "
                              f"{cluster_path} have no price_per_gpu_hour")
-    spec = _model_spec(model, num_microbatches, microbatch_size)
-    t0 = time.perf_counter()
+    spec = model_spec(model, num_microbatches, microbatch_size)
+    solve_opts = solve_options(eps=eps, objective=objective, budget=budget,
+                               time_limit=time_limit, use_all_devices=use_all_devices,
+                               cost_model=cost_model, offload_activations=offload_activations,
+                               mixed_stages=mixed_stages, microbatch_rows=spec.microbatch_size)
     click.echo(f"cluster: {cluster.summary()}", err=True)
-    click.echo(f"model {spec.name}: tracing, building layers and profiling ...", err=True)
-    result = profile_step(spec.step_fn, spec.args, cluster, num_microbatches=num_microbatches,
-                          batch_argnums=spec.batch_argnums, layer_options=layer_options,
-                          options=profile_options)
-    t1 = time.perf_counter()
-    click.echo(f"layers: {result.layers.summary}", err=True)
-    click.echo(f"profile: {result.stats.describe()}", err=True)
+    result = profile_model(spec, cluster, profile_opts, layer_options)
     click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
                f"{result.tables.total_devices} devices ...", err=True)
-    if mixed_stages != "off":
-      solve_options = dataclasses.replace(
-          solve_options, mixed_stages=mixed_stages,
-          mixed_options=MixedOptions(microbatch_rows=spec.microbatch_size))
-    solved = solve(result.tables, num_microbatches, options=solve_options)
+    t1 = time.perf_counter()
+    solved = solve(result.tables, num_microbatches, options=solve_opts)
     t2 = time.perf_counter()
   except HarpjaxError as e:
     raise click.ClickException(str(e)) from None
@@ -295,14 +199,14 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
              f"{solved.eq12_s:.3f} s), t_max {plan.t_max_s * 1e3:.2f} ms"
              + (f", link-bound at {solved.period_s * 1e3:.2f} ms" if solved.period_s >
                 plan.t_max_s else "")
-             + f", eta {plan.eta * 100:.1f}%; "
-             f"profiling {t1 - t0:.1f} s, search {t2 - t1:.2f} s")
+             + f", eta {plan.eta * 100:.1f}%; tracing {result.stats.trace_s:.1f} s, "
+             f"costing {result.stats.cost_s:.1f} s, search {t2 - t1:.2f} s")
   click.echo(f"devices: {solved.num_devices} of {result.tables.total_devices}"
              + ("" if solved.rate_per_hour is None else
                 f"; cost {solved.rate_per_hour:.2f} per hour, "
                 f"{solved.cost_per_iteration:.4f} per iteration"))
   if simulate and any(s.groups for s in plan.stages):
-    ev = evaluate_mixed(result.tables, plan, num_microbatches, solve_options.mixed_options,
+    ev = evaluate_mixed(result.tables, plan, num_microbatches, solve_opts.mixed_options,
                         eps=eps)
     click.echo(f"\nmixed-type stages: h1f1b, warm-ups {list(ev.warmups)}, simulated "
                f"{ev.iteration_s:.3f} s, fits memory {'yes' if ev.mem_ok else 'NO'} (the "

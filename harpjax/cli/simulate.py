@@ -3,12 +3,17 @@
 Examples::
 
   python -m harpjax simulate plan.json --out out/sim
+  python -m harpjax simulate plan.json --cluster cluster.yaml --model gpt-15b -B 64
   python -m harpjax simulate --fwd 1,1,1 --bwd 2,2,2 --comm 0.5,0.1 -B 16 \\
       --schedule h1f1b,1f1b --out out/sim
   python -m harpjax simulate --time 135ms,132ms,132ms --comm 107ms,3ms -B 32 --schedule all
 
 Times are seconds unless they carry a unit (``ms``, ``us``, ``s``). A single value stands for
-every stage (or link). Prints each schedule's per-stage breakdown (compute / exposed
+every stage (or link). With ``--cluster`` and ``--model`` a plan file (written by hand or by
+``harpjax plan``) is costed anew: the model is traced and costed on the cluster as ``harpjax
+plan`` does, each stage on its own submesh and logical mesh, its cuts on the links between
+the hosts its stages sit on, its warm-ups and end-of-iteration times from those costs; the
+times the file holds are not used. Prints each schedule's per-stage breakdown (compute / exposed
 communication / idle per phase, bubble, peak in-flight microbatches, link overlap) and a
 comparison; with ``--out`` writes ``<schedule>.trace.json`` (open in https://ui.perfetto.dev),
 ``<schedule>.png`` and ``summary.json``.
@@ -16,6 +21,7 @@ comparison; with ``--out`` writes ``<schedule>.trace.json`` (open in https://ui.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +30,7 @@ import re
 import click
 
 from harpjax.cli.checks import MAX_MICROBATCHES, Finite, check_output_dir, given
+from harpjax.cli.model import DATA_DIR_HELP
 from harpjax.errors import HarpjaxError
 
 _UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -118,9 +125,23 @@ def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
               help="Directory for <schedule>.trace.json, <schedule>.png and summary.json.")
 @click.option("--no-png", is_flag=True, help="With --out, skip the PNG charts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
+@click.option("--cluster", "cluster_path", type=click.Path(exists=True, dir_okay=False),
+              help="With --model: cost the plan file's stages on this cluster (YAML).")
+@click.option("--model", help="With --cluster: the plan's model (as harpjax plan --model).")
+@click.option("--microbatch-size", type=click.IntRange(min=1), default=None,
+              help="With --model: sequences per microbatch (default: the plan's, else the "
+                   "model's).")
+@click.option("--source", type=click.Choice(["jaxpr", "analytic", "imported"]),
+              default="jaxpr", show_default=True, help="With --model: the cost source.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help=DATA_DIR_HELP)
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="With --model: the profile database (as harpjax plan --cache-dir).")
+@click.option("--no-cache", is_flag=True, help="With --model: cost every layer afresh.")
 @click.pass_context
 def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microbatches,
-            schedules, warmups, table_file, eps, end_cost, act_bytes, out_dir, no_png, as_json):
+            schedules, warmups, table_file, eps, end_cost, act_bytes, out_dir, no_png, as_json,
+            cluster_path, model, microbatch_size, source, data_dir, cache_dir, no_cache):
   """Simulate one iteration of a pipeline plan (or of given stage/link times)."""
   # pylint: disable=import-outside-toplevel
   from harpjax.compiler import schedule as sched
@@ -133,11 +154,38 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
     raise click.UsageError("--no-png only applies with --out (which writes the charts); give "
                            "--out or drop --no-png")
   check_output_dir(out_dir, "--out")
+  costing = cluster_path is not None or model is not None
+  if costing:
+    if cluster_path is None or model is None or plan_file is None:
+      raise click.UsageError("costing a plan needs the plan file, --cluster and --model "
+                             "together")
+    clash = [f"--{n.replace('_', '-')}" for n in ("fwd", "bwd", "fb_time", "comm", "comm_bwd",
+                                                 "end_cost", "act_bytes", "warmups", "table_file")
+             if given(ctx, n)]
+    if clash:
+      raise click.UsageError(f"{', '.join(clash).replace('fb-time', 'time')} would replace "
+                             "what --cluster and --model cost; drop them or the costing")
+    if no_cache and given(ctx, "cache_dir"):
+      raise click.UsageError("--no-cache and --cache-dir contradict each other; give one")
+    if not no_cache:
+      check_output_dir(cache_dir, "--cache-dir")
+  elif any(given(ctx, n) for n in ("microbatch_size", "source", "data_dir", "cache_dir",
+                                   "no_cache")):
+    raise click.UsageError("--microbatch-size, --source, --data-dir, --cache-dir and "
+                           "--no-cache only apply with --cluster and --model")
   try:
     plan = load_plan(plan_file) if plan_file else None
+    costed = None
+    if costing:
+      plan, costed = _cost_plan(plan, cluster_path, model, microbatches or
+                                plan.num_microbatches, microbatch_size, eps,
+                                dict(source=source, data_dir=data_dir, cache_dir=cache_dir,
+                                     no_cache=no_cache))
     fwd_l, bwd_l = parse_times(fwd, "--fwd", True), parse_times(bwd, "--bwd", True)
     time_l = parse_times(fb_time, "--time", True)
     comm_l, comm_b_l = parse_times(comm, "--comm"), parse_times(comm_bwd, "--comm-bwd")
+    if costed is not None:
+      time_l, comm_l = costed["time"], costed["comm"] or None
     table = None
     if table_file:
       try:
@@ -202,6 +250,8 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
     names = _schedule_names(schedules, plan, table)
     end_l = _fit(parse_times(end_cost, "--end-cost"), S, "--end-cost") or 0.0
     ab = _fit(_numbers(act_bytes, "--act-bytes"), S, "--act-bytes")
+    if costed is not None:
+      end_l, ab = costed["end"], costed["act"]
     given_w = _counts(warmups, "--warmups")
     if given_w is not None:
       if "h1f1b" not in names:
@@ -229,6 +279,45 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
   _report(results, as_json)
   if out_dir:
     _write(results, out_dir, no_png)
+
+
+def _cost_plan(plan, cluster_path: str, model: str, num_microbatches: int | None,
+               microbatch_size: int | None, eps: float, profile_kw: dict):
+  """Costs a plan file's stages on a cluster: ``(plan with the costed warm-ups, per-stage
+  times)`` (``time``, ``comm``, ``end``, ``act``: forward+backward, cut, end-of-iteration
+  seconds and activation bytes per stage)."""
+  from harpjax.cli.model import model_spec, profile_model, profile_options
+  from harpjax.cluster import Cluster
+  from harpjax.compiler.plan import evaluate_plan
+  from harpjax.compiler.profile import tables_for_plan
+  if any(s.groups for s in plan.stages):
+    raise click.UsageError("the plan has mixed-type stages: score it with "
+                           "harpjax.compiler.plan.evaluate_mixed")
+  if not num_microbatches:
+    raise click.UsageError("give the number of microbatches with -B")
+  meta = dict(plan.meta)
+  mbs = microbatch_size or meta.get("microbatch_size")
+  spec = model_spec(model, num_microbatches, mbs)
+  remat = bool(meta.get("remat", False))
+  result = profile_model(spec, Cluster.load(cluster_path),
+                         profile_options(remat=remat, progress=False, **profile_kw))
+  if plan.stages[-1].layers[1] != result.tables.num_layers - 1:
+    raise click.UsageError(f"the plan covers layers 0..{plan.stages[-1].layers[1]}, but "
+                           f"{model} has {result.tables.num_layers} layers "
+                           f"({result.layers.summary}): write the plan for these layers")
+  tables = tables_for_plan(result, plan)
+  ev = evaluate_plan(tables, plan, num_microbatches, eps=eps)
+  click.echo(f"costed on {cluster_path}: predicted {ev.iteration_s:.4f} s per iteration, "
+             f"fits memory: {'yes' if ev.mem_ok else 'NO'}"
+             + ("" if ev.devices_ok else "; the stages do not fit the hosts"), err=True)
+  for v in ev.violations:
+    click.echo(f"  {v}", err=True)
+  stages = [dataclasses.replace(s, warmup=w, time_s=p.time_s, comm_s=p.comm_s)
+            for s, w, p in zip(plan.stages, ev.warmups, ev.stages)]
+  return plan.with_stages(stages).replace(num_microbatches=num_microbatches), {
+      "time": [p.time_s for p in ev.stages], "comm": [p.comm_s for p in ev.stages[:-1]],
+      "end": list(ev.end_s) or [0.0] * len(ev.stages),
+      "act": [p.act_bytes for p in ev.stages]}
 
 
 def _schedule_names(schedules: str | None, plan, table) -> list[str]:

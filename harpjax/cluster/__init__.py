@@ -12,14 +12,16 @@ from harpjax.cluster.hardware import (DeviceInfo, GBPS, GBPS_BOUNDS, GBS, GIB, G
                                       LinkOverride, lookup_gpu, MAX_DEVICES,
                                       MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS, NIC,
                                       NIC_LATENCY_S, SubCluster, TFLOPS)
-from harpjax.cluster.packing import (allocate_submeshes, bin_pack, is_divisibility_chain,
-                                     pack_submeshes, paper_submeshes, submesh_shapes)
+from harpjax.cluster.packing import (allocate_submeshes, bin_pack, host_joins,
+                                     is_divisibility_chain, pack_submeshes, paper_submeshes,
+                                     place_stages, submesh_shapes)
 from harpjax.cluster.topology import Cluster, load_cluster
 
 __all__ = [
     "Cluster", "DeviceInfo", "GBPS", "GBPS_BOUNDS", "GBS", "GIB", "GPUType", "GPU_ALIASES",
     "GPU_CATALOG", "Host", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "MAX_DEVICES",
     "MAX_DEVICES_PER_HOST", "MAX_HOSTS", "MEMORY_GB_BOUNDS", "NIC", "NIC_LATENCY_S", "SubCluster",
-    "TFLOPS", "allocate_submeshes", "bin_pack", "is_divisibility_chain", "load_cluster",
-    "lookup_gpu", "pack_submeshes", "paper_submeshes", "submesh_shapes",
+    "TFLOPS", "allocate_submeshes", "bin_pack", "host_joins", "is_divisibility_chain",
+    "load_cluster", "lookup_gpu", "pack_submeshes", "paper_submeshes", "place_stages",
+    "submesh_shapes",
 ]

@@ -8,6 +8,18 @@ states (:mod:`harpjax.compiler.plan`), its plan evaluation (:func:`pack_submeshe
 device allocator of a :class:`~harpjax.cluster.Cluster` (:func:`allocate_submeshes`) all ask
 it, so they cannot disagree on whether stages fit.
 
+Where the stages sit decides which link a cut between two of them uses: the link inside a host
+when both share it. :func:`place_stages` is the one placement of a subcluster's run of stages
+(pipeline order) that the planner prices and the allocator hands out, when the single-host
+widths divide each other and ``M`` (the usual case): single-host stages fill hosts one after
+the other from the first host, whole-host stages take hosts from the last one, so a stage
+shares its predecessor's host exactly when both are single-host and it fits in what that host
+has left (:func:`host_joins`). A single-host stage that does not fit there ends this *clean*
+part: it and every later stage of the run are packed exactly into what is left, and their cuts
+are taken as between hosts (two of them may still share one: then they run faster than
+priced). This placement fits every set of stages whose devices add up to at most ``N M``
+(:func:`place_stages`), so the planner's device count stays exact.
+
 Device indices here are local to the subcluster: host ``h``'s devices are
 ``h * M .. h * M + M - 1``.
 """
@@ -19,7 +31,7 @@ from typing import Sequence
 from harpjax.errors import PlanError
 
 __all__ = ["WIDTHS", "submesh_shapes", "paper_submeshes", "is_divisibility_chain", "bin_pack",
-           "pack_submeshes", "allocate_submeshes"]
+           "pack_submeshes", "place_stages", "host_joins", "allocate_submeshes"]
 
 WIDTHS = ("chain", "powers", "all")
 """Single-host widths of :func:`submesh_shapes`."""
@@ -156,12 +168,111 @@ def pack_submeshes(num_hosts: int, devices_per_host: int, shapes: Sequence[tuple
   return out
 
 
+def host_joins(devices_per_host: int, shapes: Sequence[tuple[int, int]]) -> list[bool]:
+  """Which cuts of a subcluster's run of stages stay inside a host, by :func:`place_stages`'s
+  rule (the module docstring): entry ``x`` is the cut after stage ``x`` (``len(shapes) - 1``
+  entries). Needs single-host widths that divide each other and ``M``."""
+  M = devices_per_host
+  out = []
+  fill, clean, last_single = 0, True, False   # the open host's devices used; the run so far
+  for x, (n, m) in enumerate(shapes):
+    single = n == 1 and m < M
+    join = False
+    if clean and single:
+      if fill + m > M:
+        clean = False                        # a straddle: the packed part begins
+      else:
+        join = last_single and fill > 0      # its predecessor's host has room for it
+        fill = (fill + m) % M
+    if x:
+      out.append(join)
+    last_single = single and clean
+  return out
+
+
+def place_stages(num_hosts: int, devices_per_host: int, shapes: Sequence[tuple[int, int]]
+                 ) -> list[tuple[tuple[int, int, int], ...]] | None:
+  """The placement the planner prices (module docstring), or ``None`` if the stages do not fit.
+
+  With single-host widths that divide each other and ``M``: single-host stages fill hosts
+  ``0, 1, ...`` in pipeline order, whole-host stages take hosts ``N - 1, N - 2, ...``; from the
+  first single-host stage that does not fit the open host on, the rest are packed exactly
+  (:func:`pack_submeshes`) into what is left. Any set of stages of at most ``N M`` devices fits
+  (first-fit decreasing on divisible widths). Other widths: :func:`pack_submeshes`.
+
+  Returns:
+    Per stage ``((host, first_device, num_devices), ...)``.
+  """
+  N, M = num_hosts, devices_per_host
+  if not is_divisibility_chain(M, shapes):
+    return pack_submeshes(N, M, shapes)
+  out: list = [None] * len(shapes)
+  fill, low, high = 0, 0, N       # the open host's devices used; next host from each end
+  rest = len(shapes)
+  for x, (n, m) in enumerate(shapes):
+    if n > 1 or m == M:
+      if high - n < low:
+        return None
+      high -= n
+      out[x] = tuple((h, 0, m) for h in range(high, high + n))
+    elif fill + m <= M:
+      if fill == 0:
+        if low >= high:
+          return None
+        low += 1
+      out[x] = ((low - 1, fill, m),)
+      fill = (fill + m) % M
+    else:
+      rest = x
+      break
+  if rest == len(shapes):
+    return out
+  # The packed part: into the open host's free devices and the hosts left between the ends.
+  tail = list(shapes[rest:])
+  whole = [x for x, (n, m) in enumerate(tail) if n > 1 or m == M]
+  part = [x for x, (n, m) in enumerate(tail) if not (n > 1 or m == M)]
+  free_hosts = list(range(low, high))
+  for x in whole:
+    n = tail[x][0]
+    if len(free_hosts) < n:
+      return None
+    out[rest + x] = tuple((h, 0, M) for h in free_hosts[:n])
+    free_hosts = free_hosts[n:]
+  bins = ([(low - 1, fill)] if fill > 0 else []) + [(h, 0) for h in free_hosts]
+  got = _pack_into([tail[x][1] for x in part], [M - f for _, f in bins])
+  if got is None:
+    return None
+  used = {h: f for h, f in bins}
+  for x, b in zip(part, got):
+    h = bins[b][0]
+    out[rest + x] = ((h, used[h], tail[x][1]),)
+    used[h] += tail[x][1]
+  return out
+
+
+def _pack_into(sizes: Sequence[int], capacities: Sequence[int]) -> list[int] | None:
+  """First-fit decreasing of ``sizes`` into bins of the given free ``capacities`` (exact for
+  sizes that divide each other when every bin but the first has capacity ``M``): a bin per
+  item, or ``None``."""
+  free = list(capacities)
+  out = [0] * len(sizes)
+  for x in sorted(range(len(sizes)), key=lambda x: -sizes[x]):
+    b = next((b for b, f in enumerate(free) if f >= sizes[x]), None)
+    if b is None:
+      return None
+    free[b] -= sizes[x]
+    out[x] = b
+  return out
+
+
 def allocate_submeshes(name: str, num_hosts: int, devices_per_host: int,
                        requests: Sequence[tuple[int, tuple[int, int]]]) -> dict[int, list[int]]:
   """Concrete devices of one subcluster for pipeline stages, ascending with the stages.
 
-  The submeshes are packed by :func:`pack_submeshes`; the hosts are then renumbered so that
-  each whole-host stage and each shared host come in the order of their first stage.
+  The submeshes are placed by :func:`place_stages` (the placement the planner prices: a stage
+  shares its predecessor's host where :func:`host_joins` says so); the hosts are then
+  renumbered so that each whole-host stage and each shared host come in the order of their
+  first stage.
 
   Args:
     name: the subcluster's name (for messages).
@@ -182,12 +293,11 @@ def allocate_submeshes(name: str, num_hosts: int, devices_per_host: int,
       raise PlanError(f"stage {i}: submesh ({n}, {m}) does not fit on subcluster {name!r}: the "
                       f"stages before it already take {used - n * m} of its {N * M} devices "
                       f"({N} hosts x {M}), {N * M - used + n * m} left")
-  whole = [(i, (n, m)) for i, (n, m) in requests if n > 1 or m == M]
-  part = sorted(((i, (n, m)) for i, (n, m) in requests if n == 1 and m < M),
-                key=lambda r: (-r[1][1], r[0]))
-  reqs = whole + part
-  placed = pack_submeshes(N, M, [shape for _, shape in reqs])
+  placed = place_stages(N, M, [shape for _, shape in requests])
   if placed is None:
+    whole = [(i, (n, m)) for i, (n, m) in requests if n > 1 or m == M]
+    part = sorted(((i, (n, m)) for i, (n, m) in requests if n == 1 and m < M),
+                  key=lambda r: (-r[1][1], r[0]))
     taken = sum(n for _, (n, _) in whole)
     free = [M] * (N - taken)
     for i, (_, m) in part:  # replay first-fit decreasing to name the stage that does not fit
@@ -200,6 +310,7 @@ def allocate_submeshes(name: str, num_hosts: int, devices_per_host: int,
             "submeshes cannot span hosts")
       free[fit] -= m
     raise AssertionError("first-fit decreasing packed what the exact search could not")
+  reqs = list(requests)
   on_host: dict[int, list[tuple[int, int]]] = {}   # packed host -> its (stage, width)
   for (i, (n, m)), where in zip(reqs, placed):
     for h, _, count in where:

@@ -1,8 +1,8 @@
 """Built-in models: the GPT of the examples and of the paper, MLPs and MoE blocks.
 
-:data:`BUILTIN_MODELS` maps a name (``"gpt-39b"``, ``"gpt-2.6b"``, ``"gpt-tiny"``,
-``"moe-tiny"``) to a factory ``factory(*, microbatch_size=None, num_microbatches=1,
-abstract=True, **config_overrides) -> ModelSpec``. With ``abstract=True`` (the default) the
+:data:`BUILTIN_MODELS` maps a name (``"gpt-39b"``, ``"gpt-15b"``, ``"gpt-2.6b"``,
+``"gpt-tiny"``, ``"moe-tiny"``) to a factory ``factory(*, microbatch_size=None,
+num_microbatches=1, abstract=True, **config_overrides) -> ModelSpec``. With ``abstract=True`` (the default) the
 train state and batch are ``jax.ShapeDtypeStruct`` s, so a 39B-parameter model is traced and
 costed without allocating it (what ``python -m harpjax plan --model gpt-39b`` needs)::
 
@@ -23,12 +23,13 @@ import optax
 from flax.training import train_state
 
 from harpjax.models import gpt, moe
-from harpjax.models.gpt import GPT, GPT_2_6B, GPT_39B, GPT_TINY, GPTConfig
+from harpjax.models.gpt import GPT, GPT_2_6B, GPT_15B, GPT_39B, GPT_TINY, GPTConfig
 from harpjax.models.mlp import MLP, DropoutMLP
 from harpjax.models.moe import MOE_TINY, MoEConfig, MoETransformer
 
 __all__ = ["ModelSpec", "BUILTIN_MODELS", "make_lm_spec", "GPT", "GPTConfig", "GPT_39B",
-           "GPT_2_6B", "GPT_TINY", "MLP", "DropoutMLP", "MoEConfig", "MoETransformer", "MOE_TINY"]
+           "GPT_15B", "GPT_2_6B", "GPT_TINY", "MLP", "DropoutMLP", "MoEConfig", "MoETransformer",
+           "MOE_TINY"]
 
 
 class ModelSpec(NamedTuple):
@@ -99,6 +100,7 @@ def _gpt_factory(name: str, base, default_mbs: int, cls=None):
 
 BUILTIN_MODELS: dict[str, Callable[..., ModelSpec]] = {
     "gpt-39b": _gpt_factory("gpt-39b", gpt.GPT_39B, 8),
+    "gpt-15b": _gpt_factory("gpt-15b", gpt.GPT_15B, 8),
     "gpt-2.6b": _gpt_factory("gpt-2.6b", gpt.GPT_2_6B, 8),
     "gpt-tiny": _gpt_factory("gpt-tiny", gpt.GPT_TINY, 2),
     "moe-tiny": _gpt_factory("moe-tiny", moe.MOE_TINY, 2, cls=moe.MoETransformer),

@@ -5,7 +5,8 @@ One model for every use. By default it is a small fp32 GPT that marks its layer 
 with ``layer_marks=2``), has dropout when asked, and runs under plain ``jax.jit`` too (the
 markers are the identity outside :func:`harpjax.auto_parallel`). The paper's GPT-39B (48 blocks,
 hidden 8192, 64 heads, sequence 1024) and GPT-2.6B (32 blocks, hidden 2560, 32 heads) are
-:data:`GPT_39B` and :data:`GPT_2_6B`: fp16, fused or separate QKV with biases, softmax in fp32,
+:data:`GPT_39B`, :data:`GPT_15B` (48 blocks of hidden 5120, the size Alpa and HARP report) and
+:data:`GPT_2_6B`: fp16, fused or separate QKV with biases, softmax in fp32,
 no markers (harpjax finds the layers). Blocks are pre-LayerNorm with a GELU MLP; the LM head is
 tied to the token embedding.
 """
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 
 from harpjax.compiler.trace import mark_layer_boundary
 
-__all__ = ["GPTConfig", "GPT", "Block", "Attention", "GPT_39B", "GPT_2_6B", "GPT_TINY",
-           "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "Block", "Attention", "GPT_39B", "GPT_15B", "GPT_2_6B",
+           "GPT_TINY", "lm_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,7 @@ class GPTConfig:
 GPT_39B = GPTConfig(vocab_size=51200, seq_len=1024, hidden=8192, num_heads=64, num_blocks=48,
                     dtype="float16", param_dtype="float16", key_bias=True,
                     softmax_dtype="float32", layer_marks=0)
+GPT_15B = dataclasses.replace(GPT_39B, hidden=5120, num_heads=40)
 GPT_2_6B = dataclasses.replace(GPT_39B, hidden=2560, num_heads=32, num_blocks=32)
 GPT_TINY = dataclasses.replace(GPT_39B, vocab_size=256, seq_len=16, hidden=32, num_heads=4,
                                num_blocks=4, dtype="float32", param_dtype="float32")

@@ -18,8 +18,8 @@ from harpjax.compiler.plan.evaluate import evaluate_plan, PlanEvaluation, Planne
 from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJECTIVES,
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
-from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, row_shares, StageGroup,
-                                        StageSpec)
+from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, REMAT_MODES, row_shares,
+                                        StageGroup, StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
@@ -31,7 +31,7 @@ __all__ = [
     "candidate_fusions", "COST_MODELS", "evaluate_candidates", "evaluate_mixed", "evaluate_plan",
     "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan", "MIXED_MODES",
     "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_stage_cost", "MixedStageCost",
-    "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult",
+    "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult", "REMAT_MODES",
     "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve",
     "solve_mixed", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
 ]

@@ -30,11 +30,12 @@ the runtime derives from the plan's own ``t_max``. The stage count ``s`` of the 
 Kernel. Per state ``(i, d)`` only the Pareto frontier over ``n`` is kept (a point with smaller
 ``n`` and no larger cost dominates: every earlier stage then has fewer warm-ups); a point with
 ``h = 1`` also dominates ``h = 0`` points with larger ``n`` and cost. The frontiers live in one
-growing pool (:class:`Frontier`): state ``(i, d, h)`` owns points ``first[i, d, h] ..
-first + count - 1``, ``n`` increasing and cost decreasing along them. A forward pass computes
-a lower bound ``lb(i, d)`` on the cost of any prefix reaching ``(i, d)``; states no prefix
-reaches are skipped and points with ``lb + cost + (B - 1) tau > bound`` are dropped (``bound``
-is the best objective found so far, so only worse plans are pruned).
+growing pool (:class:`Frontier`): state ``(i, d, h)`` owns points ``first[i, d', h] ..
+first + count - 1`` (``d'``: ``d``'s number among the states some prefix reaches), ``n``
+increasing and cost decreasing along them. A forward pass computes a lower bound ``lb(i, d)``
+on the cost of any prefix reaching ``(i, d)``; states no prefix reaches are skipped and points
+with ``lb + cost + (B - 1) tau > bound`` are dropped (``bound`` is the best objective found so
+far, so only worse plans are pruned).
 
 Twin. The same recurrence over the dense array ``F[i, d, n, h]``, vectorised over ``d`` and
 ``n``, without frontiers or bounds except the final comparison with ``bound``; it cross-checks
@@ -55,10 +56,9 @@ try:  # Numba is a hard dependency; the twin keeps the planner usable without it
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["DPArrays", "Frontier", "moves", "fitting_submeshes", "prefix_bound",
-           "prefix_bound_kernel", "suffix_bound", "hit_possible", "active_entries", "solve_tau",
-           "solve_tau_numpy",
-           "HAVE_NUMBA", "BOUND_SLACK"]
+__all__ = ["DPArrays", "Frontier", "moves", "cut_cost", "link_rows", "fitting_submeshes",
+           "prefix_bound", "prefix_bound_kernel", "suffix_bound", "hit_possible",
+           "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
 
@@ -95,6 +95,11 @@ class DPArrays(NamedTuple):
       (``st_stay`` and ``st_leave`` listed) are ``mv_ptr[g * S_max + s] ..`` ``mv_ptr[g *
       S_max + s + 1] - 1``.
     mv_state: ``[V]`` int64 the state of each move; ``mv_sub``: ``[V]`` its subcluster.
+    mv_link: ``[V]`` int64 the row of ``c_link`` that prices the move's cut: ``a K + b`` for a
+      cut from subcluster ``a`` to ``b`` (``c_pair``), ``K K + k`` for one that stays inside
+      a host of ``k`` (where the stages sit: :func:`harpjax.cluster.host_joins`).
+    c_link: ``[K K + K, L]`` float64 those cuts' seconds after layer ``j``: one lookup per
+      move in the kernels.
     ent_e: ``[E]`` float64 end-of-iteration seconds of each entry (gradient synchronisation
       inside its submesh and the optimizer update; zeros when the tables have none).
     sp_ptr: ``[K * L * S_max + 1]`` int64: the entries of (``k``, ``i``, submesh ``s``) are
@@ -126,6 +131,25 @@ class DPArrays(NamedTuple):
   sp_mono: np.ndarray
   fs_ptr: np.ndarray
   fs_s: np.ndarray
+  mv_link: np.ndarray
+  c_link: np.ndarray
+
+
+def cut_cost(ix, k, x, j):
+  """Seconds of the cut after layer ``j`` of a stage on subcluster ``k`` followed by move
+  ``x`` (the twins; the kernels read ``c_link[mv_link[x], j]`` inline)."""
+  del k
+  return ix.c_link[ix.mv_link[x], j]
+
+
+def link_rows(mv_sub: np.ndarray, mv_host: np.ndarray, st_sub: np.ndarray, mv_ptr: np.ndarray,
+              num_submeshes: int, c_pair: np.ndarray, c_host: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """``(mv_link, c_link)`` of :class:`DPArrays` from each move's subcluster and host flag."""
+  K, _, L = c_pair.shape
+  src = st_sub[np.repeat(np.arange(mv_ptr.size - 1) // num_submeshes, np.diff(mv_ptr))]
+  rows = np.where(mv_host, K * K + src, src * K + mv_sub).astype(np.int64)
+  return rows, np.ascontiguousarray(np.concatenate([c_pair.reshape(K * K, L), c_host]))
 
 
 def fitting_submeshes(mv_ptr: np.ndarray, st_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -136,22 +160,23 @@ def fitting_submeshes(mv_ptr: np.ndarray, st_end: np.ndarray) -> tuple[np.ndarra
   return ptr, np.nonzero(ok)[1].astype(np.int64)
 
 
-def moves(st_stay: np.ndarray, st_leave: np.ndarray, st_sub: np.ndarray
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The moves of :class:`DPArrays` (``mv_ptr``, ``mv_state``, ``mv_sub``) as flat lists."""
-  G, S, K = st_leave.shape
-  ptr, state, sub = [0], [], []
-  for g in range(G):
-    for s in range(S):
-      if st_stay[g, s] >= 0:
-        state.append(int(st_stay[g, s]))
-        sub.append(int(st_sub[g]))
-      for k2 in range(K):
-        if st_leave[g, s, k2] >= 0:
-          state.append(int(st_leave[g, s, k2]))
-          sub.append(k2)
-      ptr.append(len(state))
-  return (np.asarray(ptr, np.int64), np.asarray(state, np.int64), np.asarray(sub, np.int64))
+def moves(states) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The moves of :class:`DPArrays` (``mv_ptr``, ``mv_state``, ``mv_sub``, ``mv_host``) as
+  flat lists, from :class:`~harpjax.compiler.plan.index.DeviceStates`: per (state, submesh)
+  the stays (``stay``, then ``stay_b``), then the leaves by subcluster."""
+  G, S, K = states.leave.shape
+  sub = np.asarray(states.sub, np.int64)
+  # [G, S, 2 + K] candidate targets, their subclusters and host flags, in that order.
+  to = np.concatenate([states.stay[:, :, None], states.stay_b[:, :, None], states.leave],
+                      axis=2)
+  subs = np.concatenate([np.broadcast_to(sub[:, None, None], (G, S, 2)),
+                         np.broadcast_to(np.arange(K)[None, None, :], (G, S, K))], axis=2)
+  host = np.concatenate([states.stay_host[:, :, None], states.stay_b_host[:, :, None],
+                         np.zeros((G, S, K), np.bool_)], axis=2)
+  ok = to >= 0
+  ptr = np.concatenate([[0], np.cumsum(ok.reshape(G * S, -1).sum(axis=1))]).astype(np.int64)
+  return (ptr, to[ok].astype(np.int64), subs[ok].astype(np.int64),
+          host[ok].astype(np.bool_))
 
 
 class Frontier(NamedTuple):
@@ -224,7 +249,7 @@ def _prefix_bound_impl(ix, tau, check_comm):
             continue
           for x in range(m0, m1):
             d2 = ix.mv_state[x]
-            c = ix.c_pair[k, ix.mv_sub[x], j]
+            c = ix.c_link[ix.mv_link[x], j]
             if check_comm and c > tau:
               continue
             v = base + t + 2.0 * c
@@ -300,7 +325,7 @@ def _suffix_bound_impl(ix, tau, check_comm, lb):
             rest = sb[j + 1, d2]
             if rest == inf:
               continue
-            c = ix.c_pair[k, ix.mv_sub[x], j]
+            c = ix.c_link[ix.mv_link[x], j]
             if check_comm and c > tau:
               continue
             v = t + 2.0 * c + rest
@@ -336,7 +361,7 @@ def _hit_possible_impl(ix, lb, sb, hits, ent_i, ent_k, tau, check_comm):
       for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
         if sb[j + 1, ix.mv_state[x]] == np.inf:
           continue
-        if check_comm and ix.c_pair[k, ix.mv_sub[x], j] > tau:
+        if check_comm and ix.c_link[ix.mv_link[x], j] > tau:
           continue
         return True
   return False
@@ -364,8 +389,17 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   if hit_cap < nmax:
     nmax = hit_cap
   disc_max = discount * tau * (nmax - 1) if require_hit else 0.0
-  first = np.zeros((L + 1, G, H), np.int64)
-  count = np.zeros((L + 1, G, H), np.int64)
+  # The frontiers are kept for the states some prefix reaches only (their own numbering).
+  act = np.full(G, -1, np.int64)
+  n_act = 0
+  for d in range(G):
+    for i in range(L + 1):
+      if lb[i, d] < inf:
+        act[d] = n_act
+        n_act += 1
+        break
+  first = np.zeros((L + 1, n_act, H), np.int64)
+  count = np.zeros((L + 1, n_act, H), np.int64)
   pool = _new_frontier(1024)
   used = 0
   # Best suffix per (n, h) found for the current state: cost, entry, successor point.
@@ -425,10 +459,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
           p = ix.ent_p[e]
           a = ix.ent_a[e]
           for x in range(m0, m1):
-            d2 = ix.mv_state[x]
-            if count[j + 1, d2, 0] == 0 and (H == 1 or count[j + 1, d2, 1] == 0):
+            a2 = act[ix.mv_state[x]]
+            if a2 < 0 or (count[j + 1, a2, 0] == 0 and (H == 1 or count[j + 1, a2, 1] == 0)):
               continue
-            c = ix.c_pair[k, ix.mv_sub[x], j]
+            c = ix.c_link[ix.mv_link[x], j]
             if check_comm and c > tau:
               continue
             dl = _warmup_delta(c, tau, eps)
@@ -439,8 +473,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
               # This stage is the last hit of the plan: the round trip below it hides under
               # its warm-up forwards (the lower bound of the discount, see solve_tau).
               own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
-              q0 = first[j + 1, d2, h2]
-              for q in range(q0, q0 + count[j + 1, d2, h2]):
+              q0 = first[j + 1, a2, h2]
+              for q in range(q0, q0 + count[j + 1, a2, h2]):
                 n = pool.n[q] + dl
                 if n > B:
                   n = B
@@ -464,7 +498,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
       # its hit stage further up: its frontier is over (n, cost - discount * tau * n).
       pool = _grow_frontier(pool, used, used + H * (nhi - nlo + 1))
       for h in range(H - 1, -1, -1):
-        first[i, d, h] = used
+        first[i, act[d], h] = used
         best_same = inf
         best_hit = inf
         slope = discount * tau if (h == 0 and H == 2) else 0.0
@@ -479,8 +513,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             pool.entry[used] = te[n, h]
             pool.succ[used] = ts[n, h]
             used += 1
-        count[i, d, h] = used - first[i, d, h]
-        if count[i, d, h] > 0:
+        count[i, act[d], h] = used - first[i, act[d], h]
+        if count[i, act[d], h] > 0:
           jmin[d] = i
       for n in range(nlo, nhi + 1):
         for h in range(H):
@@ -489,10 +523,12 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   best_q = -1
   value = inf
   for r in ix.roots:
-    m = count[0, r, hf]
+    if act[r] < 0:
+      continue
+    m = count[0, act[r], hf]
     if m == 0:
       continue
-    q = first[0, r, hf] + m - 1  # costs fall along the frontier: the last is the cheapest
+    q = first[0, act[r], hf] + m - 1  # costs fall along the frontier: the last is the cheapest
     if pool.cost[q] < value:
       value = pool.cost[q]
       best_q = q
@@ -641,7 +677,6 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
    c_pair) = ix[:13]
   ent_e = ix.ent_e
   L, B = ent_ptr.shape[1] - 1, int(num_microbatches)
-  K = ent_ptr.shape[0]
   G = int(st_sub.size)
   H = 2 if require_hit else 1
   NC = int(n_cap)
@@ -668,11 +703,10 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
           continue
         p, a, mk = float(ent_p[e]), float(ent_a[e]), float(mem[k])
         n_ok = (n_idx >= 1) & (p + n_idx * a <= mk)
-        moves = [(k, int(st_stay[d, s]))] + [(k2, int(st_leave[d, s, k2])) for k2 in range(K)]
-        for k2, d2 in moves:
-          if d2 < 0:
-            continue
-          c = float(c_pair[k, k2, j])
+        mp = d * st_stay.shape[1] + s
+        for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
+          d2 = int(ix.mv_state[x])
+          c = float(cut_cost(ix, k, x, j))
           if check_comm and c > tau:
             continue
           dl = warmup_delta(c, tau, eps)

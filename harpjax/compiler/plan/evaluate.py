@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from harpjax.cluster import pack_submeshes
+from harpjax.cluster import place_stages
 from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
@@ -32,7 +32,8 @@ from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
                                        warmup_delta)
 from harpjax.errors import InfeasiblePlanError, PlanError
 
-__all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error"]
+__all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error",
+           "check_logical_mesh"]
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,13 @@ class PlannedStage:
     submesh_index: ``s``; ``submesh`` its shape ``(n, m)``; ``logical_mesh`` ``(dp, tp)``.
     device_offset: first device of the stage in the tables' numbering (subcluster by
       subcluster, each subcluster's stages in pipeline order from its first device).
-    hosts: ``((host, first_device, num_devices), ...)`` inside the subcluster: a packing of
-      the subcluster's stages onto its hosts.
+    hosts: ``((host, first_device, num_devices), ...)`` inside the subcluster: where the
+      stage sits (:func:`harpjax.cluster.place_stages`, the placement its cuts are priced
+      by and the allocator hands out, up to the hosts' numbering).
     time_s: forward+backward seconds per microbatch ``t_i``.
-    comm_s: seconds of the cut after the stage ``c_i`` (0 for the last stage).
+    comm_s: seconds of the cut after the stage ``c_i`` (0 for the last stage): on the link
+      inside a host when the next stage shares the stage's host
+      (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`).
     warmup: H-1F1B warm-up count ``N_i``; ``inflight = min(N_i, B)``.
     param_bytes, act_bytes: per device; ``peak_mem_bytes = param + inflight * act``.
     device_memory_bytes: the device's memory.
@@ -158,9 +162,10 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
                         "harpjax.compiler.plan.evaluate_mixed(tables, plan, B, MixedOptions("
                         "microbatch_rows=...))")
       k = tables.subcluster_index(st.subcluster)
-      out.append((st.layers[0], st.layers[1], k,
-                  variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
-                                            st.offload_activations)))
+      slot = variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
+                                       st.offload_activations)
+      check_logical_mesh(tables, st, k, slot)
+      out.append((st.layers[0], st.layers[1], k, slot))
     elif isinstance(st, PlannedStage):
       s = st.submesh_index
       if tables.variants is not None or st.zero or st.offload or st.offload_activations:
@@ -193,6 +198,22 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
                       f"one on {tables.subcluster_names[a[2]]!r}, but the tables have no link "
                       "between them")
   return out
+
+
+def check_logical_mesh(tables: CostTables, st: StageSpec, k: int, s: int) -> None:
+  """Refuses a stage whose logical mesh is not the one the tables cost its entry with (the
+  tables hold one mesh per entry; scoring another would be silently wrong)."""
+  i, j = st.layers
+  if not (0 <= i <= j < tables.num_layers) or not np.isfinite(tables.stage_time_s[k][i, j, s]):
+    return   # the layer ranges and feasibility are reported elsewhere
+  have = tables.logical_mesh_of(k, i, j, s)
+  if tuple(st.logical_mesh) != have:
+    raise PlanError(
+        f"stage on layers {st.layers} ({st.subcluster} {tuple(st.submesh)}) runs logical mesh "
+        f"(dp, tp) = {tuple(st.logical_mesh)}, but the cost tables cost that range on that "
+        f"submesh with {have} only: set the stage's logical_mesh to {have}, or cost the plan "
+        "on its own meshes (harpjax simulate plan.json --cluster ... --model ..., or "
+        "harpjax.compiler.profile.tables_for_plan)")
 
 
 def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: str = "h1f1b",
@@ -228,10 +249,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
   S = len(quads)
   key = schedule.lower().replace("-", "_")
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
-  c = []
-  for a, b in zip(quads, quads[1:]):
-    c.append(float(tables.pair_comm_s[a[2], b[2], a[1]]))
-  c.append(0.0)
+  c = [float(x) for x in tables.cut_costs(quads)]   # where the stages sit
   t_max = max(t)
   period = pipeline_period(c, t_max)
   violations = []
@@ -261,7 +279,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
     shapes = [tables.submeshes[k][quads[x][3]] for x in mine]
     used = sum(n * m for n, m in shapes)
     uses_all &= used == tables.subcluster_devices[k]
-    packed = pack_submeshes(tables.num_hosts[k], tables.devices_per_host[k], shapes)
+    packed = place_stages(tables.num_hosts[k], tables.devices_per_host[k], shapes)
     if packed is None:
       devices_ok = False
       violations.append(f"subcluster {tables.subcluster_names[k]!r}: submeshes {shapes} "

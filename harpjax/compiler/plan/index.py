@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -48,6 +48,8 @@ class SparseIndex:
       slowest stage are admitted).
     by_t: ``[E]`` entries in the order of ``sorted_t``.
     cut_values: sorted unique cut costs (with ``link_bound``).
+    cuts: ``(first layer, last layer, subcluster, submesh) list -> [S]`` cut seconds of a
+      plan where its stages sit (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`).
   """
   num_layers: int
   offsets: np.ndarray
@@ -63,6 +65,7 @@ class SparseIndex:
   link_bound: bool = False
   by_t: np.ndarray | None = None
   cut_values: np.ndarray | None = None
+  cuts: Callable | None = None
 
   @classmethod
   def build(cls, tables: CostTables, mem_scale: float = 1.0, *, use_all_devices: bool = False,
@@ -103,18 +106,23 @@ class SparseIndex:
     np.add.at(falls, sp_keys[1:][same & (np.diff(c["j"]) <= 0)], 1)
     sp_mono = falls == 0
     st = device_states(tables, use_all_devices=use_all_devices, keep_order=keep_order)
-    mv = dp_kernel.moves(st.stay, st.leave, st.sub)
+    mv_ptr, mv_state, mv_sub, mv_host = dp_kernel.moves(st)
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
-        np.ascontiguousarray(tables.pair_comm_s), *mv, c["e"].astype(np.float64), sp_ptr,
-        sp_mono, *dp_kernel.fitting_submeshes(mv[0], st.end))
+        np.ascontiguousarray(tables.pair_comm_s), mv_ptr, mv_state, mv_sub,
+        c["e"].astype(np.float64), sp_ptr, sp_mono,
+        *dp_kernel.fitting_submeshes(mv_ptr, st.end),
+        *dp_kernel.link_rows(mv_sub, mv_host, st.sub, mv_ptr, S_max, tables.pair_comm_s,
+                             tables.host_comm_s))
     cand = c["t"]
     cut_values = np.zeros(0)
     if link_bound and L > 1:
       cuts = tables.pair_comm_s[:, :, :L - 1]
       linked = np.array([[a == b or tables.linked(a, b) for b in range(K)] for a in range(K)])
       cut_values = cuts[linked].ravel()
+      hosts = [k for k in range(K) if tables.host_priced[k]]
+      cut_values = np.concatenate([cut_values, tables.host_comm_s[hosts, :L - 1].ravel()])
       cut_values = np.unique(cut_values[np.isfinite(cut_values) & (cut_values > 0)])
       cand = np.concatenate([cand, cut_values])
     by_t = np.argsort(c["t"], kind="stable")
@@ -122,7 +130,7 @@ class SparseIndex:
                ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(cand),
                sorted_t=c["t"][by_t], use_all_devices=use_all_devices,
                keep_order=keep_order, link_bound=link_bound, by_t=by_t.astype(np.int64),
-               cut_values=cut_values)
+               cut_values=cut_values, cuts=tables.cut_costs)
 
   @functools.cached_property
   def proof(self) -> proof_kernel.ProofArrays:
@@ -133,6 +141,12 @@ class SparseIndex:
   @property
   def num_entries(self) -> int:
     return int(self.ent_k.size)
+
+  def path_cuts(self, path: np.ndarray) -> np.ndarray:
+    """``[S]`` seconds of the cut after each stage of a DP path (entry indices), ``0`` after
+    the last: where the stages sit, as :func:`~harpjax.compiler.plan.evaluate_plan` prices
+    them."""
+    return np.asarray(self.cuts([self.entry(int(e)) for e in path]), np.float64)
 
   def entry(self, e: int) -> tuple[int, int, int, int]:
     """Entry ``e`` as a plan stage: ``(first layer, last layer, subcluster, submesh)``."""
@@ -228,20 +242,25 @@ class SparseIndex:
 
 
 def _local_states(tables: CostTables, k: int, use_all_devices: bool, max_states: int
-                  ) -> tuple[list[dict[int, int]], list[int], list[bool]]:
+                  ) -> tuple[list[dict[int, tuple[int, list[tuple[int, bool]]]]], list[int],
+                             list[bool]]:
   """One subcluster's device states: what the stages so far took of it.
 
-  Returns ``(after, used, full)``: per local state ``u`` (``0`` is "nothing used") the state
-  after a stage on submesh ``s`` (``after[u][s]``; missing: it does not fit), the devices it
-  holds and whether it holds every device. With ``use_all_devices`` only states that can still
-  be completed to fill the subcluster are kept.
+  Returns ``(after, used, full)``: per local state ``u`` (``0`` is "nothing used") and submesh
+  ``s`` of a stage that fits, ``after[u][s] = (held, nexts)``: the state whose devices the
+  stages then hold, and the states the next stage on this subcluster may start from, each with
+  whether the cut to it stays inside the stage's host (none: the stage must be the last of
+  the subcluster's run); the devices each state holds and whether it holds every device. With
+  ``use_all_devices`` only states that can still be completed to fill the subcluster are kept.
   """
   N, M = tables.num_hosts[k], tables.devices_per_host[k]
   shapes = tables.submeshes[k]
   cap = N * M
+  if tables.host_priced[k]:
+    return _placed_states(shapes, M, cap)
   if is_divisibility_chain(M, shapes):
-    after = [{s: u + n * m for s, (n, m) in enumerate(shapes) if u + n * m <= cap}
-             for u in range(cap + 1)]
+    after = [{s: (u + n * m, [(u + n * m, False)]) for s, (n, m) in enumerate(shapes)
+              if u + n * m <= cap} for u in range(cap + 1)]
     return after, list(range(cap + 1)), [u == cap for u in range(cap + 1)]
   widths = sorted({m for n, m in shapes if n == 1 and m < M})
 
@@ -287,9 +306,55 @@ def _local_states(tables: CostTables, k: int, use_all_devices: bool, max_states:
               f"subcluster {tables.subcluster_names[k]!r}: submeshes {list(shapes)} on "
               f"{N} hosts of {M} have more than {max_states} packing states; use "
               "single-host widths that divide each other and M")
-      row[s] = ids[nxt]
+      row[s] = (ids[nxt], [(ids[nxt], False)])
     after.append(row)
   used = [total(key) for key in order]
+  return after, used, [u == cap for u in used]
+
+
+# Modes of a subcluster's states where the stages sit as harpjax.cluster.place_stages places
+# them (devices used u, the open host's fill f = u mod M): _OPEN: nothing open (f = 0), any
+# stage next; _FIT: the next stage is single-host and fits the open host; _MISS: it does not
+# (a whole-host stage, or a single-host one that then ends the subcluster's run).
+_OPEN, _FIT, _MISS = range(3)
+
+
+def _placed_states(shapes, M: int, cap: int):
+  """:func:`_local_states` of a subcluster whose cuts inside a host are priced at the host
+  link (:attr:`CostTables.host_priced`): the state is the device count and the mode of the
+  placement (above), so that the cut after a stage knows whether the next stage joins its
+  host (:func:`harpjax.cluster.host_joins`) from the state the stage leads to. A single-host
+  stage that does not fit the open host may only be the last of the run (it takes a free
+  host; placed that way, every cut is priced where its stages sit)."""
+  keys = [(u, mode) for u in range(cap + 1) for mode in range(3)
+          if (mode == _OPEN) == (u % M == 0)]
+  ids = {key: x for x, key in enumerate(keys)}
+
+  def nexts(u2: int, single: bool):
+    """The state after a stage ending at ``u2`` (whose devices it holds) and the states the
+    next stage may start from, each with its cut's host flag: the next stage joins this
+    stage's host when this stage is single-host, its host has room and the next one fits."""
+    if u2 % M == 0:
+      return ids[(u2, _OPEN)], [(ids[(u2, _OPEN)], False)]
+    return ids[(u2, _FIT)], [(ids[(u2, _FIT)], single), (ids[(u2, _MISS)], False)]
+
+  after = []
+  for u, mode in keys:
+    f = u % M
+    row = {}
+    for s, (n, m) in enumerate(shapes):
+      u2 = u + n * m
+      if u2 > cap:
+        continue
+      single = n == 1 and m < M
+      if single and f + m <= M and mode in (_OPEN, _FIT):
+        row[s] = nexts(u2, True)
+      elif single and f + m > M and mode == _MISS:
+        row[s] = (nexts(u2, False)[0], [])    # the run's last stage
+      elif not single and mode in (_OPEN, _MISS):
+        row[s] = nexts(u2, False)
+    after.append(row)
+  used = [u for u, _ in keys]
   return after, used, [u == cap for u in used]
 
 
@@ -305,6 +370,10 @@ class DeviceStates(NamedTuple):
     used: ``[G]`` devices of the current subcluster the stages before hold.
     stay: ``[G, S_max]`` state after a stage on submesh ``s`` when the next stage stays on the
       same subcluster (``-1``: not allowed).
+    stay_b: ``[G, S_max]`` a second such state (``-1``: none): where the stages sit decides
+      the next stage's link, the state says what may come next (``_placed_states``).
+    stay_host, stay_b_host: ``[G, S_max]`` whether the cut of the move to ``stay`` (and to
+      ``stay_b``) stays inside the stage's host.
     leave: ``[G, S_max, K]`` state after a stage on ``s`` when the next stage runs on
       subcluster ``k2`` (``-1``: not allowed).
     end: ``[G, S_max]`` whether a stage on ``s`` may be the last one.
@@ -320,6 +389,9 @@ class DeviceStates(NamedTuple):
   end: np.ndarray
   held: np.ndarray
   roots: np.ndarray
+  stay_b: np.ndarray
+  stay_host: np.ndarray
+  stay_b_host: np.ndarray
 
 
 def device_states(tables: CostTables, *, use_all_devices: bool = False,
@@ -385,10 +457,10 @@ def device_states(tables: CostTables, *, use_all_devices: bool = False,
     after, used, full = local[k]
     stay, leave, end, held = {}, {}, {}, {}
     last = (mask == full_mask) if not keep_order else (k == K - 1)
-    for s, u2 in after[u].items():
+    for s, (u2, targets) in after[u].items():
       held[s] = used[u2]
-      if not full[u2]:
-        stay[s] = gid((mask, k, u2))
+      if not full[u2] and targets:
+        stay[s] = [(gid((mask, k, v)), host) for v, host in targets]
       if use_all_devices and not full[u2]:
         continue
       for k2 in successors(mask, k):
@@ -403,10 +475,14 @@ def device_states(tables: CostTables, *, use_all_devices: bool = False,
       used=np.array([local[k][1][u] for _, k, u in order], np.int64),
       stay=np.full((G, S_max), -1, np.int64), leave=np.full((G, S_max, K), -1, np.int64),
       end=np.zeros((G, S_max), np.bool_), held=np.full((G, S_max), -1, np.int64),
-      roots=np.array([ids[r] for r in roots], np.int64))
+      roots=np.array([ids[r] for r in roots], np.int64),
+      stay_b=np.full((G, S_max), -1, np.int64), stay_host=np.zeros((G, S_max), np.bool_),
+      stay_b_host=np.zeros((G, S_max), np.bool_))
   for g, (stay, leave, end, held) in enumerate(rows):
-    for s, v in stay.items():
-      st.stay[g, s] = v
+    for s, targets in stay.items():
+      st.stay[g, s], st.stay_host[g, s] = targets[0]
+      if len(targets) > 1:
+        st.stay_b[g, s], st.stay_b_host[g, s] = targets[1]
     for (s, k2), v in leave.items():
       st.leave[g, s, k2] = v
     for s, v in end.items():

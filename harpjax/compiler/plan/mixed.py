@@ -95,7 +95,7 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import pack_submeshes
-from harpjax.compiler.plan.evaluate import PlannedStage
+from harpjax.compiler.plan.evaluate import PlannedStage, check_logical_mesh
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
@@ -510,19 +510,26 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
       y.layers[0] != x.layers[1] + 1 for x, y in zip(specs, specs[1:])):
     raise PlanError(f"stage layer ranges {[s.layers for s in specs]} must cover layers "
                     f"0..{L - 1} contiguously")
-  costs = []
+  costs, groups_of = [], []
   for st in specs:
     rows = st.group_rows(b) if st.groups else (b,)
     groups = []
     for g, r in zip(st.all_groups, rows):
       k = tables.subcluster_index(g.subcluster)
       groups.append((k, tables.submesh_index(k, g.submesh), r))
+    if not st.groups:   # a plain stage: costed on the tables' mesh, as evaluate_plan
+      check_logical_mesh(tables, st, *groups[0][:2])
+    groups_of.append(groups)
     costs.append(mixed_stage_cost(tables, st.layers, groups, options, zero=st.zero,
                                   offload=st.offload,
                                   offload_activations=st.offload_activations))
   t = [c.time_s for c in costs]
-  comm = [mixed_cut_s(tables, a.layers[1], a, c, options) for a, c in zip(costs, costs[1:])]
-  comm.append(0.0)
+  if any(st.groups for st in specs):
+    comm = [mixed_cut_s(tables, a.layers[1], a, c, options) for a, c in zip(costs, costs[1:])]
+    comm.append(0.0)
+  else:   # plain stages: where they sit, as evaluate_plan prices them
+    comm = [float(x) for x in tables.cut_costs([(st.layers[0], st.layers[1], *g[0][:2])
+                                                for st, g in zip(specs, groups_of)])]
   violations = []
   comm_ok = all(math.isfinite(x) for x in comm)
   if not comm_ok:

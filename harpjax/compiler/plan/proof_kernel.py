@@ -68,6 +68,7 @@ class ProofArrays(NamedTuple):
     ent_i: ``[E]`` first layer of each entry; ``ent_k``: its subcluster; ``ent_m``: its
       devices.
     price: ``[K]`` price of a device per hour (zeros without prices).
+    rv_link: ``[V]`` the row of ``c_link`` pricing the move's cut (``mv_link``).
   """
   rv_ptr: np.ndarray
   rv_state: np.ndarray
@@ -79,6 +80,7 @@ class ProofArrays(NamedTuple):
   ent_k: np.ndarray
   ent_m: np.ndarray
   price: np.ndarray
+  rv_link: np.ndarray
 
 
 def proof_arrays(ix: DPArrays, ent_i: np.ndarray, ent_k: np.ndarray, ent_m: np.ndarray,
@@ -100,7 +102,8 @@ def proof_arrays(ix: DPArrays, ent_i: np.ndarray, ent_k: np.ndarray, ent_m: np.n
                      grp_ptr=grp_ptr.astype(np.int64), grp_ent=grp.astype(np.int64),
                      ent_i=np.asarray(ent_i, np.int64), ent_k=np.asarray(ent_k, np.int64),
                      ent_m=np.asarray(ent_m, np.int64),
-                     price=np.zeros(K) if price is None else np.asarray(price, np.float64))
+                     price=np.zeros(K) if price is None else np.asarray(price, np.float64),
+                     rv_link=np.ascontiguousarray(ix.mv_link[order]))
 
 
 def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_limit,
@@ -231,7 +234,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
               pre = lb[i2, d2]
               if pre == inf:
                 continue
-              c = ix.c_pair[k2, ix.st_sub[d], i - 1]
+              c = ix.c_link[px.rv_link[x], i - 1]
               if c > tau:
                 f_y[depth] = f_yend[depth]   # the same cut for every entry of this move
                 continue

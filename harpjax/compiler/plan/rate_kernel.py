@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays
+from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, cut_cost
 from harpjax.compiler.plan.dp_kernel import active_entries as _active
 from harpjax.compiler.schedule import warmup_delta
 from harpjax.errors import interruptible_kernel
@@ -60,8 +60,8 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
                          bound, rate_max, t_limit, kind, link_hits, relief):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau_rate`."""
   L = ix.ent_ptr.shape[1] - 1
-  K = ix.ent_ptr.shape[0]
   G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
   B = num_microbatches
   H = 2 if require_hit else 1
   inf = np.inf
@@ -83,12 +83,10 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
         if j == L - 1:
           continue
         s = ix.ent_s[e]
-        for x in range(K + 1):
-          k2 = k if x == 0 else x - 1
-          d2 = ix.st_stay[d, s] if x == 0 else ix.st_leave[d, s, k2]
-          if d2 < 0:
-            continue
-          c = ix.c_pair[k, k2, j]
+        mp = d * S_max + s
+        for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+          d2 = ix.mv_state[x]
+          c = ix.c_link[ix.mv_link[x], j]
           if check_comm and c > tau:
             continue
           v = base + t + 2.0 * c
@@ -130,9 +128,11 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
         p = ix.ent_p[e]
         a = ix.ent_a[e]
         t_end = t + ix.ent_e[e] if i == 0 else t   # the first stage pays its end time
-        for x in range(K + 2):
-          # x = 0: last stage; x = 1: stay on k; x >= 2: leave to subcluster x - 2.
-          if x == 0:
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        for x in range(m0 - 1, ix.mv_ptr[mp + 1]):
+          # x = m0 - 1: the last stage; then the moves (staying on k, or leaving it).
+          if x == m0 - 1:
             if j != L - 1 or not ix.st_end[d, s]:
               continue
             v = t_end
@@ -148,16 +148,13 @@ def _solve_tau_rate_impl(ix, rx, tau, num_microbatches, eps, n_cap, require_hit,
             continue
           if j == L - 1:
             break
-          k2 = k if x == 1 else x - 2
-          d2 = ix.st_stay[d, s] if x == 1 else ix.st_leave[d, s, k2]
-          if d2 < 0:
-            continue
-          c = ix.c_pair[k, k2, j]
+          d2 = ix.mv_state[x]
+          c = ix.c_link[ix.mv_link[x], j]
           if check_comm and c > tau:
             continue
           dl = _warmup_delta(c, tau, eps)
           step = t_end + 2.0 * c
-          add = 0.0 if x == 1 else charge
+          add = 0.0 if ix.mv_sub[x] == k else charge
           hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
             h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
@@ -367,12 +364,11 @@ def solve_tau_rate_numpy(ix: DPArrays, rx: RateArrays, tau: float, num_microbatc
           continue
         p, a, mk = float(ent_p[e]), float(ent_a[e]), float(mem[k])
         n_ok = (n_idx >= 1) & (p + n_idx * a <= mk)
-        moves = [(k, int(st_stay[d, s]), 0.0)] + [(k2, int(st_leave[d, s, k2]), charge)
-                                                  for k2 in range(K)]
-        for k2, d2, add in moves:
-          if d2 < 0:
-            continue
-          c = float(c_pair[k, k2, j])
+        mp = d * st_stay.shape[1] + s
+        for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
+          d2 = int(ix.mv_state[x])
+          add = 0.0 if ix.mv_sub[x] == k else charge
+          c = float(cut_cost(ix, k, x, j))
           if check_comm and c > tau:
             continue
           dl = warmup_delta(c, tau, eps)

@@ -380,10 +380,8 @@ def plan_arrays(index: SparseIndex, path: np.ndarray, eps: float
   path (entry indices), as :func:`~harpjax.compiler.plan.evaluate_plan` computes them."""
   e = np.asarray(path, np.int64)
   ix = index.arrays
-  k = index.ent_k[e]
   t = ix.ent_t[e]
-  c = np.zeros(e.size)
-  c[:-1] = ix.c_pair[k[:-1], k[1:], ix.ent_j[e[:-1]]]
+  c = index.path_cuts(e)
   period = pipeline_period(c, float(t.max()))
   warm = np.ones(e.size, np.int64)
   for x in range(e.size - 2, -1, -1):
@@ -691,7 +689,9 @@ def single_subcluster(tables: CostTables, k: int) -> CostTables:
       price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s),
       opt_mem_bytes=pick(tables.opt_mem_bytes), gather_time_s=pick(tables.gather_time_s),
       offload_bandwidth_bytes_per_s=pick(tables.offload_bandwidth_bytes_per_s),
-      variants=pick(tables.variants))
+      variants=pick(tables.variants),
+      host_bandwidth_bytes_per_s=pick(tables.host_bandwidth_bytes_per_s),
+      host_latency_s=pick(tables.host_latency_s))
 
 
 def _best_of_single_subclusters(tables: CostTables, B: int, opts: SolveOptions,

@@ -17,7 +17,12 @@ from typing import Any, Iterable, Sequence
 from harpjax.compiler.schedule import schedule_key
 from harpjax.errors import HarpjaxError, PlanError
 
-__all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares"]
+__all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares",
+           "REMAT_MODES"]
+
+REMAT_MODES = ("none", "full", "dots")
+"""What a stage's backward recomputes: nothing, everything but the stage's inputs, or
+everything but the matmuls' outputs (:attr:`StageSpec.remat`)."""
 
 
 def _int(v: Any, where: str, minimum: int) -> int:
@@ -215,6 +220,11 @@ class StageSpec:
       backward needs) in host memory between its forward and its backward (as
       ``harpjax.OffloadOptions(activations=True)`` asks for its stages; the runtime does so
       when either says so). Written to a plan file only when true.
+    remat: what the stage's backward recomputes (:data:`REMAT_MODES`): ``"none"`` (the
+      forward keeps every residual), ``"full"`` (it keeps only the stage's inputs and the
+      backward recomputes the rest), ``"dots"`` (it keeps the matmuls' outputs and recomputes
+      the rest); ``None``: as the plan's ``meta["remat"]`` says (``"full"`` if true). Written
+      to a plan file only when set.
   """
   layers: tuple[int, int]
   subcluster: str
@@ -229,6 +239,7 @@ class StageSpec:
   share: int = 1
   offload: bool = False
   offload_activations: bool = False
+  remat: str | None = None
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -259,6 +270,9 @@ class StageSpec:
                    for g in self.groups)
     object.__setattr__(self, "groups", groups)
     object.__setattr__(self, "share", _int(self.share, f"{where}: share", 1))
+    if self.remat is not None and self.remat not in REMAT_MODES:
+      raise PlanError(f"{where}: remat={self.remat!r} must be one of {REMAT_MODES} (or None: "
+                      "the plan's)")
 
   @property
   def mixed(self) -> bool:
@@ -304,6 +318,9 @@ class StageSpec:
       elif f.name == "share":
         if self.groups:
           out["share"] = v
+      elif f.name == "remat":
+        if v is not None:
+          out["remat"] = v
       elif f.name not in ("zero", "offload", "offload_activations") or v:
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
@@ -323,7 +340,8 @@ class StageSpec:
           "time_s": _seconds(data.get("time_s"), f"{where}.time_s"),
           "comm_s": _seconds(data.get("comm_s"), f"{where}.comm_s"),
           "zero": _optional(data, "zero", where, _int, 0) or 0,
-          "share": _optional(data, "share", where, _int, 1) or 1}
+          "share": _optional(data, "share", where, _int, 1) or 1,
+          "remat": data.get("remat")}
     for name in ("offload", "offload_activations"):
       if name in data:
         if not isinstance(data[name], bool):
@@ -393,6 +411,13 @@ class Plan:
       return None
     return tuple(int(s.warmup) for s in self.stages)
 
+  def remat_of(self, stage: "StageSpec") -> str:
+    """The remat mode of ``stage`` (:attr:`StageSpec.remat`, else the plan's
+    ``meta["remat"]``: ``"full"`` if true)."""
+    if stage.remat is not None:
+      return stage.remat
+    return "full" if dict(self.meta).get("remat") else "none"
+
   def replace(self, **changes) -> "Plan":
     return dataclasses.replace(self, **changes)
 
@@ -416,6 +441,10 @@ class Plan:
                    "-" if s.warmup is None else str(s.warmup),
                    "-" if s.time_s is None else f"{s.time_s * 1e3:.3f}",
                    "-" if s.comm_s is None else f"{s.comm_s * 1e3:.3f}"])
+    if any(st.remat is not None for st in self.stages):
+      head.append("Remat")   # what each stage's backward recomputes
+      for r, st in zip(rows, self.stages):
+        r.append(self.remat_of(st))
     if any(st.zero or st.offload or st.offload_activations for st in self.stages):
       head.append("State")   # the training state's place, and the residuals'
       for r, st in zip(rows, self.stages):

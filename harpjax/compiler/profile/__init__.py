@@ -18,7 +18,7 @@ chosen in ``profiler._make_source``.
 from harpjax.compiler.profile.cache import CACHE_DIR_ENV, default_cache_dir, ProfileDB
 from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, profile_step,
                                                ProfileOptions, ProfileResult, ProfileStats,
-                                               progress_bar, SOURCES)
+                                               progress_bar, SOURCES, tables_for_plan)
 from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
                                              memory_to_compute_order, SubclusterSpec,
                                              synthetic_gpt_profile)
@@ -34,6 +34,7 @@ __all__ = [
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "SOURCES", "stage_memory", "StageMemory", "SubclusterSpec", "synthetic_gpt_profile",
+    "tables_for_plan",
     "ZERO_LEVELS", "zero_collectives", "zero_layer_costs", "zero_state_bytes_per_param",
     "zero_sync_time_s", "zero_tables",
 ]

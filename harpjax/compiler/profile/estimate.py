@@ -26,6 +26,19 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
 * **Workspace**: the peak bytes of the results written above live at once, inputs and
   outputs excluded.
 * **Parameters**: this device's shard (:func:`~harpjax.compiler.layers.sharding.param_specs`).
+* **Work** (:func:`jaxpr_work`, what the time model reads: a
+  :class:`~harpjax.compiler.profile.calibration.Work`): the FLOPs and bytes of each
+  compute-heavy op, the bytes of all other ops, and the ops that launch a kernel of their
+  own: compute-heavy ops, ops doing more than one FLOP per result element (reductions,
+  cumulative sums, sorts) and data movement that is neither computed inside its consumers nor
+  a view (gather, scatter, concatenate, pad...); elementwise ops are fused into their
+  neighbours. Every term is a sum over ops.
+
+The work is read off the forward+backward that also returns the forward's outputs, as the
+stage's forward the runtime runs does (they cross the cut to the next stage): the ops that
+compute them cost their time however finely the model is cut. The bytes, workspace and
+residuals are read off the forward+backward without them, as XLA's memory statistics of the
+piece count them.
 
 The data-parallel share needs no trace at the local microbatch: which values and ops depend on
 a batch-split input is known from the program. A value that depends on the batch but has a
@@ -44,11 +57,12 @@ import numpy as np
 from harpjax import _compat
 from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import pieces as pieces_lib
-from harpjax.compiler.trace import Lit, Program, from_closed_jaxpr, primitives
+from harpjax.compiler.profile.calibration import Work
+from harpjax.compiler.trace import Lit, Program, from_closed_jaxpr, ops_function, primitives
 
-__all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats"]
+__all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work"]
 
-ESTIMATE_VERSION = "2"
+ESTIMATE_VERSION = "3"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -56,6 +70,14 @@ ESTIMATE_VERSION = "2"
 _FOLDED = frozenset({"broadcast_in_dim", "convert_element_type", "iota", "reshape", "squeeze",
                      "expand_dims", "transpose"})
 _EFFECTS = frozenset({"debug_callback", "io_callback", "pure_callback"})
+# Ops with a kernel of their own although they do at most one FLOP per result element: data
+# movement XLA does not fuse away, and scans along an axis.
+_OWN_KERNELS = frozenset({"gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+                          "scatter_mul", "scatter-min", "scatter-max", "scatter_min",
+                          "scatter_max", "concatenate", "pad", "dynamic_update_slice",
+                          "rev", "select_and_scatter_add", "split", "sort", "cumsum",
+                          "cumprod", "cummax", "cummin", "cumlogsumexp", "scan", "while",
+                          "cond"})
 # Ops that only re-address their operand: a view of a split value is split.
 _MOVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type",
                     "copy", "copy_p", "broadcast_in_dim", "slice", "dynamic_slice"})
@@ -67,7 +89,10 @@ class TracedPiece:
 
   Attributes:
     piece: the piece.
-    fwd_bwd: ``(params, acts, aux, cts) -> (param grads, act grads)`` as a program.
+    fwd_bwd: ``(params, acts, aux, cts) -> (param grads, act grads)`` as a program (what XLA's
+      memory statistics of the piece describe: the bytes and workspace).
+    live: the same returning the forward's outputs too, ``-> (outputs, param grads, act
+      grads)``: its ops are the work (:func:`jaxpr_work`).
     fwd_res: ``(params, acts, aux) -> (outputs, residual leaves)`` as a program.
     num_outputs: outputs of ``fwd_res`` before its residuals.
     trace_s: seconds spent tracing.
@@ -77,6 +102,7 @@ class TracedPiece:
   fwd_res: Program
   num_outputs: int
   trace_s: float
+  live: Program | None = None
 
 
 def _flatten(closed) -> Program:
@@ -101,17 +127,28 @@ def _dce(prog: Program) -> Program:
 def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
   """Traces a piece's forward+backward (from ``jax.ShapeDtypeStruct`` s; nothing compiled).
 
-  With ``remat`` only the residuals change: the forward+backward without its unused forward
-  outputs computes the forward once either way (inside the backward when rematerialised),
-  which is what XLA's statistics of it count too.
+  The forward+backward returns the forward's outputs too, so the ops computing them are
+  costed (the stage's forward sends them on). With ``remat`` the backward recomputes the
+  forward as the runtime's does (``jax.checkpoint``): the work counted is the forward, its
+  recomputation and the backward, and the residuals are the inputs alone.
   """
   t0 = time.perf_counter()
+  run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
+  primal = lambda p, a, aux: run(*p, *a, *aux)
+  if remat:
+    primal = jax.checkpoint(primal)
+
+  def live(params, acts, aux, cts):
+    outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
+    return outs, vjp(cts)
+
   fwd_bwd, _ = pieces_lib.make_functions(piece, False)
   _, fwd_res = pieces_lib.make_functions(piece, remat)
   args = pieces_lib.abstract_inputs(piece)
   fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
+  lv = _dce(_flatten(jax.make_jaxpr(live)(*args)))
   fr = _flatten(jax.make_jaxpr(fwd_res)(*args[:3]))
-  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0)
+  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv)
 
 
 def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
@@ -238,17 +275,30 @@ def _peak_live(prog: Program, sizes: _Sizes, read: dict) -> float:
 def jaxpr_stats(traced: TracedPiece, mesh_shape: tuple[int, int]) -> pieces_lib.XlaStats:
   """Per-device statistics of a traced piece on a ``(dp, tp)`` logical mesh (see the module
   docstring), in the form :func:`~harpjax.compiler.profile.pieces.xla_stats` returns."""
+  return jaxpr_costs(traced, mesh_shape)[0]
+
+
+def jaxpr_work(traced: TracedPiece, mesh_shape: tuple[int, int]) -> Work:
+  """The per-device :class:`~harpjax.compiler.profile.calibration.Work` of a traced piece on a
+  ``(dp, tp)`` logical mesh: what the time model reads (see the module docstring)."""
+  return jaxpr_costs(traced, mesh_shape)[1]
+
+
+def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
+                ) -> tuple[pieces_lib.XlaStats, Work]:
+  """:func:`jaxpr_stats` and :func:`jaxpr_work` of a traced piece, in one pass."""
   dp, tp = mesh_shape
   piece = traced.piece
   fb = traced.fwd_bwd
   params, batch = _input_roles(piece, fb, with_cts=True)
   sizes = _Sizes(fb, params, batch, dp, tp)
-  flops = 0.0
-  for op in fb.ops:
-    ins = [_lit_aval(r) if isinstance(r, Lit) else fb.avals[r] for r in op.invars]
-    outs = [fb.avals[o] if o >= 0 else _lit_aval(Lit(0.0)) for o in op.outvars]
-    flops += primitives.eqn_flops(op.name, op.params, ins, outs) * sizes.op_scale(op)
   read = _read(fb)
+  lv = traced.live if traced.live is not None else fb
+  if lv is fb:
+    work = _work(fb, sizes, read)
+  else:
+    lv_params, lv_batch = _input_roles(piece, lv, with_cts=True)
+    work = _work(lv, _Sizes(lv, lv_params, lv_batch, dp, tp), _read(lv))
   nbytes = _bytes_accessed(fb, sizes, read)
   temp = _peak_live(fb, sizes, read)
   colls = {}
@@ -264,10 +314,44 @@ def jaxpr_stats(traced: TracedPiece, mesh_shape: tuple[int, int]) -> pieces_lib.
     div = tp if specs[v] != sharding.P() else 1
     local_bytes += primitives.aval_nbytes(aval) / div
     local_n += primitives.aval_size(aval) / div
-  return pieces_lib.XlaStats(flops=flops, bytes_accessed=nbytes, transcendentals=0.0,
-                             collective_bytes=colls, temp_bytes=temp, residual_bytes=residual,
-                             param_bytes=local_bytes, num_params=local_n,
-                             compile_s=traced.trace_s)
+  stats = pieces_lib.XlaStats(flops=work.flops, bytes_accessed=nbytes, transcendentals=0.0,
+                              collective_bytes=colls, temp_bytes=temp, residual_bytes=residual,
+                              param_bytes=local_bytes, num_params=local_n,
+                              compile_s=traced.trace_s)
+  return stats, work
+
+
+def _op_flops(prog: Program, op) -> float:
+  ins = [_lit_aval(r) if isinstance(r, Lit) else prog.avals[r] for r in op.invars]
+  outs = [prog.avals[o] if o >= 0 else _lit_aval(Lit(0.0)) for o in op.outvars]
+  return primitives.eqn_flops(op.name, op.params, ins, outs)
+
+
+def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
+  """The :class:`Work` of a program: FLOPs (split as :class:`_Sizes` says), bytes as
+  :func:`_bytes_accessed` counts them op by op, and the ops with a kernel of their own."""
+  heavy_f, heavy_b = [], []
+  light_f = light_b = kernels = 0.0
+  for op in prog.ops:
+    raw = _op_flops(prog, op)
+    flops = raw * sizes.op_scale(op)
+    if op.name in _FOLDED:
+      light_f += flops
+      continue
+    ins = dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,)))
+    nbytes = (sum(sizes.nbytes(v) for v in ins)
+              + sum(sizes.nbytes(o) for o in op.outvars if o >= 0))
+    if primitives.is_compute_heavy(op.name):
+      heavy_f.append(flops)
+      heavy_b.append(nbytes)
+      kernels += 1
+      continue
+    light_f += flops
+    light_b += nbytes
+    out_elems = sum(primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
+    if op.name in _OWN_KERNELS or raw > max(out_elems, 1):
+      kernels += 1   # a reduction, scan or sort, or data movement XLA does not fuse away
+  return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)
 
 
 def _residual_bytes(traced: TracedPiece, dp: int, tp: int) -> float:

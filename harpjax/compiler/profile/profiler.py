@@ -48,14 +48,14 @@ from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import allgather_time_s
 from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
 from harpjax.compiler.trace import trace_step
-from harpjax.errors import ClusterSpecError, HarpjaxError
+from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "ProfileTasks",
            "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
            "tables_from_layer_costs", "ordered_subclusters", "SOURCES", "COST_FIELDS",
-           "microbatch_size", "dp_link",
+           "microbatch_size", "dp_link", "tables_for_plan",
            "progress_bar"]
 
 _SOURCE_CLASSES = {"jaxpr": sources.JaxprSource, "analytic": sources.AnalyticSource,
@@ -94,13 +94,18 @@ class ProfileOptions:
     efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency`
       overriding the calibrated factors (analytic and imported sources).
     imported_model: Zorse model whose per-layer measurements stand for the repeated block
-      (``"deepspeedgpt_2.7b"``), for ``source="imported"``.
+      (``"deepspeedgpt_2.7b"``), for ``source="imported"``; ``None`` (default): the published
+      model of the block's shape (hidden size and parameters per layer), or a
+      :class:`~harpjax.errors.PublishedDataError` when there is none.
     imported_module: module kind name of that block (default: the most repeated kind).
-    imported_data_dir: directory of ``zorse_model_latencies.json``.
+    imported_data_dir: directory of ``zorse_model_latencies.json`` and
+      ``zorse_model_stats.json`` (default: ``../shared/data`` beside the repository).
     workers: threads compiling analytic tasks in parallel.
     remat: cost layers whose forward is rematerialised in the backward (activation
       recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
-      in-flight microbatch. The runtime must then rematerialise too.
+      in-flight microbatch. The runtime then rematerialises too (the plan says so). Off by
+      default, as ``harpjax plan`` (docs/planner.md, "One set of defaults"): large models
+      (GPT-39B on 32 GB devices) need it on.
     optimizer_bytes_per_param: the optimizer state's part of ``state_bytes_per_param`` (12 of
       16 for mixed-precision Adam, 8 of 16 for float32 Adam); given, the tables carry it
       (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
@@ -130,9 +135,6 @@ class ProfileOptions:
     if self.source not in SOURCES:
       raise HarpjaxError(f"ProfileOptions.source={self.source!r}; choose one of "
                          f"{', '.join(SOURCES)}")
-    if self.source == "imported" and not self.imported_model:
-      raise HarpjaxError("source='imported' needs imported_model (a Zorse model name such "
-                         "as 'deepspeedgpt_2.7b')")
     if self.optimizer_bytes_per_param is not None and not (
         0 <= self.optimizer_bytes_per_param < self.state_bytes_per_param):
       raise HarpjaxError(f"ProfileOptions.optimizer_bytes_per_param="
@@ -165,9 +167,11 @@ class ProfileStats:
     naive_stage_submesh: ``L (L + 1) / 2`` stages x submeshes (what per-stage profiling
       enumerates).
     naive_stage_mesh: the same x logical meshes.
-    seconds: wall time.
+    seconds: wall time, tracing included.
     dp_approximated: some data-parallel costs were scaled from the full microbatch (no trace
       at the local batch was given).
+    trace_s: of ``seconds``, tracing the step and cutting it into layers (at the full
+      microbatch and, for sources that cost one replica, at the local ones).
   """
   num_layers: int
   distinct_layers: int
@@ -185,6 +189,12 @@ class ProfileStats:
   naive_stage_mesh: int
   seconds: float
   dp_approximated: bool = False
+  trace_s: float = 0.0
+
+  @property
+  def cost_s(self) -> float:
+    """Seconds spent costing (``seconds`` without the tracing)."""
+    return max(self.seconds - self.trace_s, 0.0)
 
   @property
   def reduction(self) -> float:
@@ -199,7 +209,7 @@ class ProfileStats:
             f"{self.naive_stage_submesh} stage x submesh candidates "
             f"({self.reduction:.0f}x fewer); pruned {self.pruned_tasks} tasks, "
             f"{self.pruned_oom} OOM and {self.pruned_imbalance} imbalanced entries; "
-            f"{self.seconds:.1f} s")
+            f"tracing {self.trace_s:.1f} s, costing {self.cost_s:.1f} s")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -212,11 +222,15 @@ class ProfileResult:
     stats: :class:`ProfileStats`.
     costs: ``{(subcluster, submesh, (dp, tp)): {"time_s", "comm_s", "param_mem_bytes",
       "act_mem_bytes", "temp_bytes", "flops": [L] arrays}}`` (``inf`` time: pruned).
+    cluster: the cluster profiled; options: the :class:`ProfileOptions` (what
+      :func:`tables_for_plan` rebuilds the tables with).
   """
   tables: CostTables
   layers: LayerSequence
   stats: ProfileStats
   costs: dict
+  cluster: Any = None
+  options: Any = None
 
 
 def microbatch_size(layers: LayerSequence) -> int | None:
@@ -258,7 +272,8 @@ def _make_source(opts: ProfileOptions, db):
                                   remat=opts.remat)
   return sources.ImportedSource(analytic, opts.imported_model,
                                 calibration.load_zorse(opts.imported_data_dir),
-                                opts.imported_module)
+                                opts.imported_module,
+                                calibration.load_zorse_stats(opts.imported_data_dir))
 
 
 def progress_bar(total: int, enabled: bool | None, desc: str, unit: str = "task"):
@@ -539,7 +554,8 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
       imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
-      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=host)
+      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=host,
+      host_links=[Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S) for sub in subs])
 
 
 def _link_or_none(cluster, a: str, b: str):
@@ -580,20 +596,19 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   if L == 0:
     raise HarpjaxError("cannot profile an empty layer sequence")
   subs = ordered_subclusters(cluster, opts.order)
+  if opts.source != "measured":
+    _warn_uncalibrated([sub.gpu.name for sub in subs], opts.efficiencies)
   root = (opts.cache_dir if opts.cache_dir is not None else cache.default_cache_dir()) \
       if opts.use_cache else None
   db = cache.ProfileDB(root)
   source = _make_source(opts, db)
+  if isinstance(source, sources.ImportedSource):
+    source.choose(layers)   # no published model of this shape: say so before any work
   found = enumerate_tasks(layers, cluster, subs, opts, source.name, source.cache_extra(),
                           _local_layers(layers, local_layers))
   results, computed, dp_approx = cost_tasks(found, source, db, opts, layers)
   costs = layer_costs(found, results, L)
-  zero = None if opts.optimizer_bytes_per_param is None else (
-      opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
-  tables, counts = tables_from_layer_costs(layers, cluster, subs, found.configs, costs,
-                                           opts.imbalance, zero)
-  if microbatch_size(layers) is not None:
-    tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
+  tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts)
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),
@@ -608,7 +623,67 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   log.info("profiling done: %s", stats.describe())
   by_config = {(subs[c.subcluster].name, c.submesh, c.mesh): arr
                for c, arr in zip(found.configs, costs)}
-  return ProfileResult(tables, layers, stats, by_config)
+  return ProfileResult(tables, layers, stats, by_config, cluster, opts)
+
+
+def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
+                  opts: ProfileOptions) -> tuple[CostTables, dict]:
+  """:func:`tables_from_layer_costs` with the options' ZeRO data and the microbatch's rows."""
+  zero = None if opts.optimizer_bytes_per_param is None else (
+      opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
+  tables, counts = tables_from_layer_costs(layers, cluster, subs, configs, costs,
+                                           opts.imbalance, zero)
+  if microbatch_size(layers) is not None:
+    tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
+  return tables, counts
+
+
+def tables_for_plan(result: ProfileResult, plan) -> CostTables:
+  """The profile's tables with every (subcluster, submesh) a stage of ``plan`` uses costed on
+  that stage's own logical mesh (and its groups' on theirs), so that
+  :func:`~harpjax.compiler.plan.evaluate_plan` scores the meshes a hand-written plan asks
+  for instead of the fastest ones.
+
+  Raises:
+    PlanError: two stages on the same submesh of a subcluster ask for different logical
+      meshes, or a mesh was not profiled (the message lists those that were).
+  """
+  pins: dict = {}
+  for st in plan.stages:
+    for g in st.all_groups if st.groups else (st,):
+      key = (g.subcluster, tuple(g.submesh))
+      mesh = tuple(g.logical_mesh)
+      if pins.setdefault(key, mesh) != mesh:
+        raise PlanError(f"two stages on {g.subcluster} {key[1]} ask for logical meshes "
+                        f"{pins[key]} and {mesh}: one set of tables holds one mesh per "
+                        "submesh; cost them in two plans")
+      if (g.subcluster, key[1], mesh) not in result.costs:
+        have = sorted(m for n, sm, m in result.costs if (n, sm) == key)
+        raise PlanError(f"stage on layers {st.layers}: {g.subcluster} {key[1]} was profiled "
+                        f"with logical meshes {have}, not {mesh}")
+  opts = result.options
+  subs = ordered_subclusters(result.cluster, opts.order)
+  configs, costs = [], []
+  for k, sub in enumerate(subs):
+    for s, nm in enumerate(sub.submesh_shapes()):
+      for (name, sm, mesh), arr in result.costs.items():
+        if name == sub.name and sm == tuple(nm) and pins.get((name, sm), mesh) == mesh:
+          configs.append(MeshConfig(k, s, tuple(nm), mesh))
+          costs.append(arr)
+  return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
+
+
+def _warn_uncalibrated(gpu_names, overrides) -> None:
+  """One warning naming the GPU types timed with the roofline default."""
+  missing = calibration.uncalibrated(gpu_names, overrides)
+  if missing:
+    d = calibration.DEFAULT_EFFICIENCY
+    log.warning(
+        "no published measurements for %s: timed with the roofline default (%.0f%% of peak "
+        "FLOP/s in matmuls, memory at %gx the bytes counted, %.0f us per kernel; "
+        "docs/cost_model.md); give ProfileOptions(efficiencies={name: Efficiency(...)}) if you "
+        "have better numbers", ", ".join(missing), 100 * d.compute, d.memory,
+        d.kernel_s * 1e6)
 
 
 def _local_layers(layers: LayerSequence, local_layers):
@@ -656,12 +731,14 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
       at ``num_microbatches``), if the caller has them; else the step is traced here.
   """
   opts = options or ProfileOptions()
+  traced_s = [0.0]
   if layers is None:
     t0 = time.perf_counter()
     ts = trace_step(step_fn, args, num_microbatches=num_microbatches,
                     batch_argnums=batch_argnums)
     layers = layers_for_step(ts, layer_options)
-    log.info("traced and cut the step in %.1f s: %s", time.perf_counter() - t0, layers.summary)
+    traced_s[0] = time.perf_counter() - t0
+    log.info("traced and cut the step in %.1f s: %s", traced_s[0], layers.summary)
   b = microbatch_size(layers)
   if b is None:
     log.warning("no input of the step is split into microbatches (num_microbatches=%d), so "
@@ -672,8 +749,8 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
 
   def local(dp: int):
     """The layers traced at microbatch ``b / dp`` (only on a cache miss)."""
+    t1 = time.perf_counter()
     try:
-      t1 = time.perf_counter()
       ts_dp = trace_step(step_fn, args, num_microbatches=num_microbatches * dp,
                          batch_argnums=batch_argnums, batch_coupling="per_microbatch")
       program = ts_dp.region
@@ -686,5 +763,11 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
     except (HarpjaxError, ValueError) as e:
       log.info("no trace at microbatch %d / %d (%s); scaling instead", b, dp, e)
       return None
+    finally:
+      traced_s[0] += time.perf_counter() - t1
 
-  return profile_layers(layers, cluster, options=opts, local_layers=local)
+  t_first = traced_s[0]
+  result = profile_layers(layers, cluster, options=opts, local_layers=local)
+  stats = dataclasses.replace(result.stats, trace_s=traced_s[0],
+                              seconds=result.stats.seconds + t_first)
+  return dataclasses.replace(result, stats=stats)

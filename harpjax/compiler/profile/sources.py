@@ -35,12 +35,18 @@ from harpjax.compiler.profile import calibration as calib
 from harpjax.compiler.profile import estimate
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
-from harpjax.errors import HarpjaxError
+from harpjax.errors import HarpjaxError, PublishedDataError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerTask", "LayerCost", "CostSource", "cost_from_stats", "JaxprSource",
+__all__ = ["LayerTask", "LayerCost", "CostSource", "cost_from_stats", "compute_time_s",
+           "MIN_TIME_S", "JaxprSource",
            "AnalyticSource", "MeasuredSource", "ImportedSource"]
+
+
+MIN_TIME_S = 1e-9
+"""Seconds of a layer with no work of its own (integer bookkeeping XLA fuses into its
+neighbours): stage times must be positive."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -151,17 +157,16 @@ class CostSource(Protocol):
     """Costs one task."""
 
 
-def cost_from_stats(st: pieces_lib.XlaStats, task: LayerTask, efficiencies: dict | None,
-                    state_bytes_per_param: float, scale: float = 1.0) -> LayerCost:
-  """A task's :class:`LayerCost` from per-device statistics of its piece: the calibrated
-  roofline time of the GPU type, the tensor-parallel collectives on the host link and a ring
-  all-reduce of the gradients over ``dp`` (host link if the submesh is one host, else the
-  link between its hosts); batch-proportional statistics divided by ``scale``."""
-  g = task.gpu
+def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
+                    efficiencies: dict | None, state_bytes_per_param: float,
+                    scale: float = 1.0) -> LayerCost:
+  """A task's :class:`LayerCost` from per-device statistics of its piece: the calibrated time
+  model of the GPU type on its :class:`~harpjax.compiler.profile.calibration.Work`, the
+  tensor-parallel collectives on the host link and a ring all-reduce of the gradients over
+  ``dp`` (host link if the submesh is one host, else the link between its hosts);
+  batch-proportional statistics divided by ``scale``."""
   dp, tp = task.mesh
-  eff = calib.efficiency_for(g.name, efficiencies)
-  t_comp = float(calib.predict_layer_time_s(st.flops / scale, st.bytes_accessed / scale,
-                                            g.peak_flops, g.mem_bandwidth_bytes_per_s, eff))
+  t_comp = max(compute_time_s(work.scaled(scale), task, efficiencies), MIN_TIME_S)
   t_coll = collective_time_s({k: [b / scale, c] for k, (b, c) in st.collective_bytes.items()},
                              tp, task.host_link)
   link = task.host_link if task.submesh[0] == 1 else task.node_link
@@ -172,8 +177,16 @@ def cost_from_stats(st: pieces_lib.XlaStats, task: LayerTask, efficiencies: dict
                    flops=st.flops / scale)
 
 
+def compute_time_s(work: calib.Work, task: LayerTask, efficiencies: dict | None) -> float:
+  """Seconds of ``work`` on one device of the task's GPU type (the calibrated time model)."""
+  g = task.gpu
+  return float(calib.predict_time_s(work, g.peak_flops, g.mem_bandwidth_bytes_per_s,
+                                    calib.efficiency_for(g.name, efficiencies)))
+
+
 def _efficiency_key(efficiencies: dict | None) -> dict:
-  table = efficiencies if efficiencies is not None else calib.CALIBRATION
+  table = calib.efficiency_table(efficiencies)
+  table["*"] = calib.DEFAULT_EFFICIENCY
   return {k: list(dataclasses.astuple(v)[:3]) for k, v in sorted(table.items())}
 
 
@@ -207,7 +220,7 @@ class JaxprSource:
   def cache_extra(self) -> dict:
     return {"state_bytes_per_param": self.state_bytes_per_param,
             "efficiencies": _efficiency_key(self.efficiencies), "remat": self.remat,
-            "estimate": estimate.ESTIMATE_VERSION}
+            "estimate": estimate.ESTIMATE_VERSION, "model": calib.COST_MODEL_VERSION}
 
   def traced(self, task: LayerTask) -> estimate.TracedPiece:
     """The task's piece at the full microbatch, traced (once per signature)."""
@@ -217,17 +230,18 @@ class JaxprSource:
       got = self._traced[k] = estimate.trace_piece(task.full_piece, self.remat)
     return got
 
-  def stats(self, task: LayerTask) -> pieces_lib.XlaStats:
-    """Per-device statistics on the task's logical mesh (cached by signature and mesh)."""
+  def stats(self, task: LayerTask) -> tuple[pieces_lib.XlaStats, calib.Work]:
+    """Per-device statistics and work on the task's logical mesh (cached by signature and
+    mesh)."""
     k = (task.signature, task.microbatch, tuple(task.mesh))
     got = self._stats.get(k)
     if got is None:
-      got = self._stats[k] = estimate.jaxpr_stats(self.traced(task), tuple(task.mesh))
+      got = self._stats[k] = estimate.jaxpr_costs(self.traced(task), tuple(task.mesh))
     return got
 
   def cost(self, task: LayerTask) -> LayerCost:
-    return cost_from_stats(self.stats(task), task, self.efficiencies,
-                           self.state_bytes_per_param)
+    st, work = self.stats(task)
+    return cost_from_stats(st, work, task, self.efficiencies, self.state_bytes_per_param)
 
 
 class AnalyticSource:
@@ -255,7 +269,8 @@ class AnalyticSource:
 
   def cache_extra(self) -> dict:
     return {"state_bytes_per_param": self.state_bytes_per_param,
-            "efficiencies": _efficiency_key(self.efficiencies), "remat": self.remat}
+            "efficiencies": _efficiency_key(self.efficiencies), "remat": self.remat,
+            "estimate": estimate.ESTIMATE_VERSION, "model": calib.COST_MODEL_VERSION}
 
   def stats(self, task: LayerTask) -> pieces_lib.XlaStats:
     """XLA statistics of the task's piece on ``tp`` devices (cached by signature)."""
@@ -285,15 +300,23 @@ class AnalyticSource:
     self._memo[k] = got
     return got
 
-  def compute_time_s(self, task: LayerTask, st: pieces_lib.XlaStats) -> float:
-    g = task.gpu
-    eff = calib.efficiency_for(g.name, self.efficiencies)
+  def work(self, task: LayerTask) -> calib.Work:
+    """The :class:`~harpjax.compiler.profile.calibration.Work` of the piece one replica runs
+    (its jaxpr at the local batch on ``(1, tp)``; cached by signature)."""
+    tp = task.mesh[1]
+    k = ("work", task.signature, tp, task.local_batch)
+    got = self._memo.get(k)
+    if got is None:
+      got = self._memo[k] = estimate.jaxpr_work(estimate.trace_piece(task.piece), (1, tp))
+    return got
+
+  def compute_time_s(self, task: LayerTask) -> float:
+    """Seconds of the task's compute on one device (no collectives)."""
     scale = task.mesh[0] if task.dp_scaled else 1
-    return float(calib.predict_layer_time_s(st.flops / scale, st.bytes_accessed / scale,
-                                            g.peak_flops, g.mem_bandwidth_bytes_per_s, eff))
+    return compute_time_s(self.work(task).scaled(scale), task, self.efficiencies)
 
   def cost(self, task: LayerTask) -> LayerCost:
-    return cost_from_stats(self.stats(task), task, self.efficiencies,
+    return cost_from_stats(self.stats(task), self.work(task), task, self.efficiencies,
                            self.state_bytes_per_param, task.mesh[0] if task.dp_scaled else 1)
 
 
@@ -358,32 +381,45 @@ class ImportedSource:
   """Published per-layer measurements (Zorse) for the repeated block, analytic elsewhere.
 
   The layers of the model's most repeated module kind (or ``module``) are one transformer
-  block; their analytic compute times on the GPU type at the local batch are scaled so that
-  they add up to the published forward+backward time of one layer of ``model`` at that
-  microbatch size (at the published sequence length nearest the model's, with the microbatch
-  scaled by the ratio of sequence lengths). Collectives, the gradient all-reduce and memory
-  stay analytic; GPU types without data fall back to the analytic estimate.
+  block. The published model is chosen by the block's shape: the one whose hidden size equals
+  the block's and whose parameters per layer are within :attr:`PARAMS_TOLERANCE` of the
+  block's (``zorse_model_stats.json``), among those measured in fp16; the block's analytic
+  compute times on the GPU type at the local batch are scaled so that they add up to that
+  model's published forward+backward time of one layer at that microbatch size (at the
+  published sequence length nearest the model's, with the microbatch scaled by the ratio of
+  sequence lengths). Collectives, the gradient all-reduce and memory stay analytic; GPU types
+  without data fall back to the analytic estimate.
 
   Args:
     base: the :class:`AnalyticSource`.
-    model: Zorse model name (``"deepspeedgpt_2.7b"``).
+    model: Zorse model name (``"deepspeedgpt_2.7b"``); ``None``: chosen by the block's shape.
+      A model whose shape is not the block's is refused.
     data: parsed Zorse latencies (default:
       :func:`~harpjax.compiler.profile.calibration.load_zorse`).
     module: module kind name of the block (default: the most repeated kind).
+    stats: parsed Zorse model shapes (default:
+      :func:`~harpjax.compiler.profile.calibration.load_zorse_stats`).
+
+  Raises:
+    PublishedDataError: the data is missing, or (when a task is costed) no published model
+      has the block's shape.
   """
   name = "imported"
   local_trace = True
+  PARAMS_TOLERANCE = 0.05
 
-  def __init__(self, base: AnalyticSource, model: str, data: dict | None = None,
-               module: str | None = None):
+  def __init__(self, base: AnalyticSource, model: str | None = None, data: dict | None = None,
+               module: str | None = None, stats: dict | None = None):
     self.base = base
     self.model = model
     self.data = data if data is not None else calib.load_zorse()
-    if model not in self.data:
-      raise HarpjaxError(f"no published measurements for model {model!r}; known: "
-                         f"{', '.join(sorted(self.data))}")
+    self.stats = stats if stats is not None else calib.load_zorse_stats()
+    if model is not None and model not in self.data:
+      raise PublishedDataError(f"no published measurements for model {model!r}; known: "
+                               f"{', '.join(sorted(self.data))}")
     self.module = module
     self._ratio: dict = {}
+    self._chosen: dict = {}
 
   def cache_extra(self) -> dict:
     return {"imported_model": self.model, "module": self.module, **self.base.cache_extra()}
@@ -396,9 +432,68 @@ class ImportedSource:
     inst = seq.instances(name)
     return list(range(inst[0].first_layer, inst[0].last_layer + 1)) if inst else []
 
-  def _measured_s(self, gpu_name: str, seq_len: int, mbs: int) -> float | None:
+  def _measured(self) -> dict[str, tuple[int, int]]:
+    """Published models with fp16 measurements -> ``(hidden size, parameters per layer)``."""
+    out = {}
+    for name, by_gpu in self.data.items():
+      shape = self.stats.get(name)
+      if not isinstance(shape, dict) or "hidden_size" not in shape:
+        continue
+      if any("float16" in d for by_seq in by_gpu.values() for d in by_seq.values()):
+        out[name] = (int(shape["hidden_size"]), int(shape["parameters_per_layer"]))
+    return out
+
+  def choose(self, seq) -> str | None:
+    """The published model whose shape is the block's (``None``: the model has no repeated
+    block, so everything is analytic).
+
+    Raises:
+      PublishedDataError: no published model has the block's shape, or the one given does
+        not.
+    """
+    key = id(seq)
+    if key in self._chosen:
+      return self._chosen[key][1]
+    block = self._block(seq)
+    got = None
+    if block:
+      dep = pieces_lib.batch_dependent(seq.program, seq.input_kinds)
+      pieces = [pieces_lib.build_piece(seq, i, i, dep) for i in block]
+      params = sum(p.num_params for p in pieces)
+      hidden = _hidden_size(pieces[0])
+      measured = self._measured()
+      fits = lambda m: (measured[m][0] == hidden and abs(measured[m][1] - params)
+                        <= self.PARAMS_TOLERANCE * params)
+      if self.model is not None:
+        if self.model in measured and fits(self.model):
+          got = self.model
+        else:
+          h, p = measured.get(self.model, (None, None))
+          raise PublishedDataError(
+              f"the published model {self.model!r} (hidden {h}, {_millions(p)} parameters "
+              f"per layer) does not have this model's block shape (hidden {hidden}, "
+              f"{_millions(params)} per block): drop imported_model to choose by shape, or "
+              "profile with source='jaxpr'")
+      else:
+        cands = sorted((m for m in measured if fits(m)),
+                       key=lambda m: abs(measured[m][1] - params))
+        if not cands:
+          near = sorted(measured, key=lambda m: (abs(measured[m][0] - hidden),
+                                                 abs(measured[m][1] - params)))[:4]
+          raise PublishedDataError(
+              f"no published measurements of a block of hidden {hidden} with "
+              f"{_millions(params)} parameters (the nearest: "
+              + ", ".join(f"{m} {measured[m][0]}/{_millions(measured[m][1])}" for m in near)
+              + "); profile with source='jaxpr'")
+        got = cands[0]
+        log.info("imported costs: the repeated block (hidden %d, %s parameters) is timed by "
+                 "the published %s", hidden, _millions(params), got)
+    self._chosen[key] = (seq, got)   # the sequence kept alive: its id stays its own
+    return got
+
+  def _measured_s(self, model: str, gpu_name: str, seq_len: int, mbs: int) -> float | None:
     for key in calib.ZORSE_GPU_KEYS.get(gpu_name, ()):
-      by_seq = self.data[self.model].get(key)
+      by_seq = self.data[model].get(key)
       if not by_seq:
         continue
       seqs = [int(s) for s, d in by_seq.items() if "float16" in d]
@@ -418,9 +513,10 @@ class ImportedSource:
     return None
 
   def cost(self, task: LayerTask) -> LayerCost:
+    model = self.choose(task.seq)   # first: a model without published data fails at once
     c = self.base.cost(task)
     block = self._block(task.seq)
-    if not block:
+    if model is None:
       return c
     lay = task.seq[task.layer]
     first = task.seq[block[0]]
@@ -429,9 +525,9 @@ class ImportedSource:
     key = (task.gpu.name, task.local_batch)
     if key not in self._ratio:
       seq_len = _seq_len(task.piece)
-      measured = self._measured_s(task.gpu.name, seq_len, task.local_batch)
+      measured = self._measured_s(model, task.gpu.name, seq_len, task.local_batch)
       if measured is None:
-        log.info("no published %s measurement for %s; using the analytic estimate", self.model,
+        log.info("no published %s measurement for %s; using the analytic estimate", model,
                  task.gpu.name)
         self._ratio[key] = 1.0
       else:
@@ -440,12 +536,24 @@ class ImportedSource:
           t1 = dataclasses.replace(task, layer=i, signature=task.seq[i].signature,
                                    local=lambda i=i: (task.seq, _piece(task, i)),
                                    mesh=(1, 1))
-          total += self.base.compute_time_s(t1, self.base.stats(t1))
+          total += self.base.compute_time_s(t1)
         self._ratio[key] = measured / total
     r = self._ratio[key]
-    st = self.base.stats(task)
-    t_comp = self.base.compute_time_s(task, st)
+    t_comp = self.base.compute_time_s(task)
     return dataclasses.replace(c, time_s=c.time_s + t_comp * (r - 1.0))
+
+
+def _hidden_size(piece) -> int:
+  """The last dimension of the block's first activation input (its hidden size)."""
+  for v in piece.act_ids + piece.aux_ids:
+    shape = piece.program.avals[v].shape
+    if len(shape) >= 2:
+      return int(shape[-1])
+  return 0
+
+
+def _millions(n) -> str:
+  return "?" if n is None else f"{n / 1e6:.1f}M"
 
 
 def _piece(task: LayerTask, i: int):

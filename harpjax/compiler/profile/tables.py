@@ -7,8 +7,10 @@ chosen), how many bytes per device the stage's parameters/optimizer state take
 (``param_mem_bytes``) and how many bytes one in-flight microbatch's activations take
 (``act_mem_bytes``). ``boundary_bytes[j]`` is what crosses a cut after layer ``j`` per
 microbatch; a cut costs ``C(j) = latency + boundary_bytes[j] / bandwidth`` on its link: the
-subcluster's own link for a cut inside it, the link between consecutive subclusters ``k`` and
-``k + 1`` for the cut where subcluster ``k``'s devices are exhausted.
+link inside a host when both stages sit on one host (with the tables' host link, by
+:func:`harpjax.cluster.host_joins`), else the subcluster's own link between hosts for a cut
+inside it, and the link between two subclusters for a cut from one to the other
+(:meth:`CostTables.cut_costs`).
 
 Tables can be written by hand (tests, other systems' profiles); both ways of building them from
 per-layer costs go through :func:`assemble_tables`, which turns per-(submesh, logical mesh)
@@ -35,7 +37,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from harpjax.cluster import Link, paper_submeshes
+from harpjax.cluster import Link, host_joins, is_divisibility_chain, paper_submeshes
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.errors import CostTablesError
 
@@ -152,8 +154,14 @@ class CostTables:
       microbatch.
     boundary_bytes: ``[L]`` bytes crossing a cut after layer ``j`` per microbatch (each
       direction: activations forward, gradients backward).
-    intra_bandwidth_bytes_per_s: ``[K]`` bandwidth of the link inside each subcluster.
+    intra_bandwidth_bytes_per_s: ``[K]`` bandwidth of the link inside each subcluster (between
+      its hosts).
     intra_latency_s: ``[K]`` its latency.
+    host_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between two devices of one host
+      (NVLink, PCIe): a cut between two stages on one host uses it (where the stages sit:
+      :func:`harpjax.cluster.place_stages`). ``None``: every cut inside a subcluster is priced
+      at ``intra_*``.
+    host_latency_s: optional ``[K]`` its latency (``0`` when only the bandwidth is given).
     inter_bandwidth_bytes_per_s: ``[K - 1]`` bandwidth between subclusters ``k`` and ``k+1``
       (may be left empty when ``link_bandwidth_bytes_per_s`` is given: then derived from it).
     inter_latency_s: ``[K - 1]`` its latency.
@@ -218,6 +226,8 @@ class CostTables:
   offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
   variants: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None
   microbatch_rows: int | None = None
+  host_bandwidth_bytes_per_s: tuple[float, ...] | None = None
+  host_latency_s: tuple[float, ...] | None = None
 
   def __post_init__(self):
     L = _int(self.num_layers, "num_layers")
@@ -247,6 +257,13 @@ class CostTables:
     set_("intra_bandwidth_bytes_per_s",
          _positive(self.intra_bandwidth_bytes_per_s, "intra_bandwidth_bytes_per_s", K))
     set_("intra_latency_s", _nonneg(self.intra_latency_s, "intra_latency_s", K))
+    if self.host_bandwidth_bytes_per_s is not None:
+      set_("host_bandwidth_bytes_per_s", _positive(self.host_bandwidth_bytes_per_s,
+                                                   "host_bandwidth_bytes_per_s", K))
+      set_("host_latency_s", (0.0,) * K if self.host_latency_s is None else
+           _nonneg(self.host_latency_s, "host_latency_s", K))
+    elif self.host_latency_s is not None:
+      raise CostTablesError("host_latency_s needs host_bandwidth_bytes_per_s")
     self._set_links(K)
     if self.price_per_gpu_hour is not None:
       set_("price_per_gpu_hour", _nonneg(self.price_per_gpu_hour, "price_per_gpu_hour", K))
@@ -407,14 +424,17 @@ class CostTables:
   def total_devices(self) -> int:
     return int(sum(self.subcluster_devices))
 
+  def _cuts_on(self, latency_s, bandwidth_bytes_per_s) -> np.ndarray:
+    """``[K, L]`` seconds of a cut after layer ``j`` on each subcluster's link of these."""
+    out = (np.asarray(latency_s)[:, None]
+           + self.boundary_bytes[None, :] / np.asarray(bandwidth_bytes_per_s)[:, None])
+    out.setflags(write=False)
+    return out
+
   @functools.cached_property
   def intra_comm_s(self) -> np.ndarray:
     """``[K, L]`` seconds of a cut after layer ``j`` inside subcluster ``k``: ``C(j)``."""
-    lat = np.asarray(self.intra_latency_s)[:, None]
-    bw = np.asarray(self.intra_bandwidth_bytes_per_s)[:, None]
-    out = lat + self.boundary_bytes[None, :] / bw
-    out.setflags(write=False)
-    return out
+    return self._cuts_on(self.intra_latency_s, self.intra_bandwidth_bytes_per_s)
 
   @functools.cached_property
   def inter_comm_s(self) -> np.ndarray:
@@ -444,6 +464,52 @@ class CostTables:
         elif bw[a, b] > 0:
           out[a, b] = lat[a, b] + self.boundary_bytes / bw[a, b]
     out.setflags(write=False)
+    return out
+
+  @functools.cached_property
+  def host_comm_s(self) -> np.ndarray:
+    """``[K, L]`` seconds of a cut after layer ``j`` between two stages on one host of
+    subcluster ``k``: the host link, or ``intra_comm_s`` without one."""
+    if self.host_bandwidth_bytes_per_s is None:
+      return self.intra_comm_s
+    return self._cuts_on(self.host_latency_s, self.host_bandwidth_bytes_per_s)
+
+  @functools.cached_property
+  def host_priced(self) -> tuple[bool, ...]:
+    """``[K]``: whether a cut between two stages on one host of subcluster ``k`` is priced at
+    the host link: the tables give one that differs from ``intra_*``, and the single-host
+    submesh widths divide each other and ``M`` (then where the stages sit follows from their
+    order, :func:`harpjax.cluster.host_joins`; other widths are priced between hosts)."""
+    if self.host_bandwidth_bytes_per_s is None:
+      return (False,) * self.num_subclusters
+    return tuple(bool((self.host_comm_s[k] != self.intra_comm_s[k]).any())
+                 and is_divisibility_chain(self.devices_per_host[k], self.submeshes[k])
+                 for k in range(self.num_subclusters))
+
+  def cut_costs(self, stages: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
+    """``[S]`` seconds of the cut after each stage of a plan (``0`` after the last), where
+    the stages sit.
+
+    Args:
+      stages: ``(first layer, last layer, subcluster, submesh index)`` in pipeline order.
+    """
+    S = len(stages)
+    out = np.zeros(S)
+    joins = [False] * max(S - 1, 0)
+    x = 0
+    while x < S:   # each subcluster's run of stages, placed as the allocator places it
+      y = x
+      while y + 1 < S and stages[y + 1][2] == stages[x][2]:
+        y += 1
+      k = stages[x][2]
+      if self.host_priced[k]:
+        run = host_joins(self.devices_per_host[k], [self.submeshes[k][st[3]]
+                                                    for st in stages[x:y + 1]])
+        joins[x:y] = run
+      x = y + 1
+    for x in range(S - 1):
+      a, b, j = stages[x][2], stages[x + 1][2], stages[x][1]
+      out[x] = self.host_comm_s[a, j] if joins[x] else self.pair_comm_s[a, b, j]
     return out
 
   def linked(self, a: int, b: int) -> bool:
@@ -497,7 +563,9 @@ class CostTables:
     K = self.num_subclusters
     return self.replace(boundary_bytes=np.zeros(self.num_layers), intra_latency_s=(0.0,) * K,
                         inter_bandwidth_bytes_per_s=(), inter_latency_s=(),
-                        link_latency_s=((0.0,) * K,) * K)
+                        link_latency_s=((0.0,) * K,) * K,
+                        host_latency_s=None if self.host_bandwidth_bytes_per_s is None
+                        else (0.0,) * K)
 
   def coarsen(self, last_layers: Sequence[int]) -> "CostTables":
     """Tables over coarse layers made of consecutive fine layers.
@@ -789,7 +857,8 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
                     layer_names: Sequence[str] | None = None,
                     pair_links: Sequence[Sequence[Link | None]] | None = None,
                     price_per_gpu_hour: Sequence[float] | None = None,
-                    offload_bandwidth_bytes_per_s: Sequence[float] | None = None
+                    offload_bandwidth_bytes_per_s: Sequence[float] | None = None,
+                    host_links: Sequence[Link] | None = None
                     ) -> tuple[CostTables, dict]:
   """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
 
@@ -820,6 +889,8 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     price_per_gpu_hour: optional ``[K]`` price of one device per hour.
     offload_bandwidth_bytes_per_s: optional ``[K]`` device-to-host-memory bandwidth
       (:attr:`CostTables.offload_bandwidth_bytes_per_s`).
+    host_links: optional ``[K]`` links between two devices of one host (cuts between stages
+      sharing a host, :attr:`CostTables.host_bandwidth_bytes_per_s`).
     peak_flops: optional ``[K]`` peak FLOP/s of one device (the imbalance rule and the
       load-balance score).
     layer_flops: ``[L]`` forward FLOPs per layer, for the imbalance rule.
@@ -922,6 +993,9 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       gather_time_s=tuple(gat_t) if has_zero else None,
       offload_bandwidth_bytes_per_s=None if offload_bandwidth_bytes_per_s is None else tuple(
           float(b) for b in offload_bandwidth_bytes_per_s),
+      host_bandwidth_bytes_per_s=None if host_links is None else tuple(
+          l.bandwidth_bytes_per_s for l in host_links),
+      host_latency_s=None if host_links is None else tuple(l.latency_s for l in host_links),
       peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
       layer_names=tuple(layer_names) if layer_names is not None else None)
   return tables, counts
@@ -1063,7 +1137,10 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       boundary_bytes=layers.boundary_bytes,
       intra_links=[Link(float(s.bandwidth_bytes_per_s), float(s.latency_s)) for s in specs],
       inter_links=links, peak_flops=peak, layer_names=layers.names, pair_links=pair,
-      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=offload)
+      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=offload,
+      host_links=[Link(float(s.host_bandwidth_bytes_per_s or s.bandwidth_bytes_per_s),
+                       float(s.host_latency_s if s.host_bandwidth_bytes_per_s else s.latency_s))
+                  for s in specs])
   log.debug("cost tables: %d layers x %d subclusters built from layer costs", L, len(specs))
   return tables
 

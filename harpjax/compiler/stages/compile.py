@@ -194,14 +194,14 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   batch_dependent = prog.dependents(  # the batch axis flows from split inputs and regen ops
       (prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "split"),
       traced.regen_ops)
-  remat = bool(dict(plan.meta).get("remat", False))
+  remat = [plan.remat_of(spec) for spec in plan.stages]
   layouts = [stage_layout(sp, traced, layers, batch_dependent, spec.logical_mesh, spec.zero)
              for sp, spec in zip(programs, plan.stages)]
-  functions = [stage_functions(sp, traced, layers, remat, lay)
-               for sp, lay in zip(programs, layouts)]
+  functions = [stage_functions(sp, traced, layers, r, lay)
+               for sp, lay, r in zip(programs, layouts, remat)]
   if retrace is not None:
     for s, spec in enumerate(plan.stages):
-      got = _replicas(s, plan, programs[s], layouts[s], traced, layers, retrace, remat)
+      got = _replicas(s, plan, programs[s], layouts[s], traced, layers, retrace, remat[s])
       if got is not None:
         layouts[s], functions[s] = got
   splits, split_functions = {}, {}
@@ -211,7 +211,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
         raise PlanError(f"stage {s} runs on {len(spec.all_groups)} groups of devices; laying "
                         "it out needs the step traced at their rows (retrace=...)")
       splits[s], split_functions[s] = split_stage(
-          s, plan.stages, programs[s], layouts[s], traced, layers, retrace, remat)
+          s, plan.stages, programs[s], layouts[s], traced, layers, retrace, remat[s])
 
   # Parameters: owner = first stage that reads them.
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
@@ -266,7 +266,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
 
 
 def _replicas(s: int, plan: Plan, sp, layout, traced: TracedStep, layers: LayerSequence,
-              retrace: Retrace, remat: bool):
+              retrace: Retrace, remat: str):
   """Stage ``s``'s layout and functions with its data-parallel replicas accumulating their own
   gradients (reduced once per step), or ``None`` where it cannot: one replica, ZeRO level 2
   or more, a mixed-type stage, examples that meet in the step, a step that traces otherwise

@@ -131,7 +131,7 @@ class SplitLayout:
 def split_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StageProgram,
                 home: StageLayout, traced: TracedStep, layers: LayerSequence,
                 retrace: Retrace,
-                remat: bool = False) -> tuple[SplitLayout, tuple[StageFunctions, ...]]:
+                remat: bool | str = False) -> tuple[SplitLayout, tuple[StageFunctions, ...]]:
   """The split layout of stage ``s`` and each group's functions.
 
   Raises:
@@ -184,7 +184,7 @@ class Part:
 
 def part_at(s: int, plan_stages: Sequence[StageSpec], home_program: StageProgram,
             traced: TracedStep, layers: LayerSequence, retrace: Retrace, r: int,
-            logical_mesh, remat: bool = False) -> Part:
+            logical_mesh, remat: bool | str = False) -> Part:
   """Stage ``s`` traced at ``r`` rows per microbatch, on a ``logical_mesh`` of its own.
 
   Raises:

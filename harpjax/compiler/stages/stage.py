@@ -185,13 +185,15 @@ class StageFunctions:
 
 
 def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
-                    remat: bool = False, layout: StageLayout | None = None,
+                    remat: bool | str = False, layout: StageLayout | None = None,
                     rows: int | None = None) -> StageFunctions:
   """The forward, backward and zeros functions of one stage.
 
-  With ``remat`` the forward keeps only the stage's inputs per in-flight microbatch and the
+  ``remat`` (:data:`~harpjax.compiler.plan.REMAT_MODES`; ``True`` is ``"full"``): with
+  ``"full"`` the forward keeps only the stage's inputs per in-flight microbatch and the
   backward recomputes the rest (activation recomputation, ``jax.checkpoint``), the memory model
-  of a profile made with ``ProfileOptions(remat=True)``.
+  of a profile made with ``ProfileOptions(remat=True)``; with ``"dots"`` it keeps the matmuls'
+  outputs too (``jax.checkpoint_policies.dots_saveable``) and recomputes the rest.
 
   The parameters are not among the residuals the forward returns: the backward takes them
   again (a residual that is a parameter would be a copy of it per in-flight microbatch).
@@ -236,10 +238,12 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
     return run(*params, *acts, *acts_int, *data,
                hook=(lambda op, xs: hook(op, xs, mb_index)) if hook else None)
 
+  checkpointed = _checkpoint(remat)
+
   def fwd(params, acts, acts_int, data, mb_index):
     params = used(params)
     f = lambda p, a: primal(p, a, acts_int, data, mb_index)
-    outs, vjp = jax.vjp(jax.checkpoint(f) if remat else f, params, acts)
+    outs, vjp = jax.vjp(checkpointed(f), params, acts)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
     slots = tuple(next((i for i, p in enumerate(params) if leaf is p), -1) for leaf in leaves)
     residual_tree[:] = [(tree, slots)]
@@ -275,6 +279,18 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
     return tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals)
 
   return StageFunctions(fwd, bwd, zeros)
+
+
+def _checkpoint(remat: bool | str) -> Callable:
+  """``f -> f`` rematerialised as ``remat`` says (``"none"``/``False``: as is)."""
+  mode = {True: "full", False: "none", None: "none"}.get(remat, remat)
+  if mode == "none":
+    return lambda f: f
+  if mode == "full":
+    return jax.checkpoint
+  if mode == "dots":
+    return lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
+  raise ValueError(f"remat={remat!r}")
 
 
 def acc_shardings(layout: StageLayout, mesh) -> tuple:

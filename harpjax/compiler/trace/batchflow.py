@@ -59,8 +59,8 @@ LINEAR = frozenset({"add", "sub", "neg", "add_any", "add_jaxvals", "convert_elem
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                          "reduce_or", "reduce_xor", "argmax", "argmin"})
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
-_SCATTERS = frozenset({"scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
-                       "scatter_max"})
+_SCATTERS = frozenset({"scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+                       "scatter_add", "scatter_mul", "scatter_min", "scatter_max"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call"}) | _compat.CALL_PRIMITIVES
 
 

@@ -76,7 +76,15 @@ def _out_elems(params, ins, outs) -> float:
 
 
 def _in_elems(params, ins, outs) -> float:
-  return float(aval_size(ins[0])) if ins else 0.0
+  """One FLOP per input element; none for a reduction over axes of size 1 only (a reshape,
+  which XLA simplifies away)."""
+  if not ins:
+    return 0.0
+  axes = params.get("axes")
+  shape = tuple(getattr(ins[0], "shape", ()))
+  if axes is not None and shape and all(shape[a] == 1 for a in axes):
+    return 0.0
+  return float(aval_size(ins[0]))
 
 
 def _dot_flops(params, ins, outs) -> float:
@@ -100,6 +108,12 @@ def _sort_flops(params, ins, outs) -> float:
   dim = params.get("dimension", -1)
   m = int(ins[0].shape[dim]) if ins[0].shape else 1
   return float(n * max(math.log2(max(m, 2)), 1.0))
+
+
+def _gather_flops(params, ins, outs) -> float:
+  """A gather moves data; in ``FILL_OR_DROP`` mode (jnp's default for indexing) XLA selects
+  the fill value for out-of-bounds rows: one select per result element."""
+  return _out_elems(params, ins, outs) if "FILL" in str(params.get("mode", "")) else 0.0
 
 
 def _reduce_window_flops(params, ins, outs) -> float:
@@ -144,14 +158,16 @@ _register(["sort"], flops=_sort_flops)
 _register(["reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
            "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"],
           flops=_reduce_window_flops)
-_register(["scatter_add", "scatter_mul", "scatter_min", "scatter_max"],
+_register(["scatter-add", "scatter-mul", "scatter-min", "scatter-max",   # JAX's names
+           "scatter_add", "scatter_mul", "scatter_min", "scatter_max"],
           flops=lambda p, i, o: float(aval_size(i[2])) if len(i) > 2 else 0.0)
+_register(["gather"], flops=_gather_flops)
 _register(["slice", "dynamic_slice", "squeeze", "reshape"], view=True)
 _register(["bitcast_convert_type", "stop_gradient", "optimization_barrier", "name",
            "sharding_constraint", "device_put", "copy", "copy_p", "random_wrap", "random_unwrap",
            "harpjax_layer_boundary"])
 _register([  # data movement: no FLOPs, bytes moved
-    "broadcast_in_dim", "transpose", "concatenate", "pad", "gather", "scatter",
+    "broadcast_in_dim", "transpose", "concatenate", "pad", "scatter",
     "dynamic_update_slice", "iota", "rev", "convert_element_type", "select_and_scatter_add",
     "split", "stack", "random_seed", "empty", "tie_in", "axis_index", "create_token",
     "after_all",
@@ -193,10 +209,18 @@ def is_view(name: str) -> bool:
 # --------------------------------------------------------------------------- sub-jaxprs
 
 
+_COMBINERS = frozenset({"update_jaxpr", "select_jaxpr", "scatter_jaxpr"})
+"""Parameters holding a scalar combiner (a scatter's update, a windowed select), not a body
+the equation runs."""
+
+
 def subjaxprs(params: dict) -> list[tuple[str, Any]]:
-  """``(param name, Jaxpr)`` pairs of the bodies an equation holds (closed ones unwrapped)."""
+  """``(param name, Jaxpr)`` pairs of the bodies an equation holds (closed ones unwrapped);
+  a scatter's scalar combiner is not one."""
   out = []
   for k, v in params.items():
+    if k in _COMBINERS:
+      continue
     for item in (v if isinstance(v, (tuple, list)) else (v,)):
       if isinstance(item, _compat.ClosedJaxpr):
         out.append((k, item.jaxpr))

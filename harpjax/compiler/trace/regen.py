@@ -197,8 +197,9 @@ _PASS_WITH_LITERALS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "add", "sub
 """Ops an index passes through when its other operands are literals (the normalisation of
 negative indices ``where(i < 0, i + n, i)``, shifted positions ``(i + n) % (2 * n)``)."""
 _INDEX_OPERANDS = {"gather": (1,), "dynamic_slice": None, "dynamic_update_slice": None,
-                   "scatter": (1,), "scatter-add": (1,), "scatter_add": (1,), "scatter_mul": (1,),
-                   "scatter_min": (1,), "scatter_max": (1,)}
+                   "scatter": (1,), "scatter-add": (1,), "scatter-mul": (1,),
+                   "scatter-min": (1,), "scatter-max": (1,), "scatter_add": (1,),
+                   "scatter_mul": (1,), "scatter_min": (1,), "scatter_max": (1,)}
 """Primitive -> operand positions that are indices (``None``: every operand after the first, or
 after the first two for ``dynamic_update_slice``)."""
 _CALLS = _compat.CALL_PRIMITIVES | {"custom_jvp_call", "custom_vjp_call"}

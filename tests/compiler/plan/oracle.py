@@ -80,6 +80,94 @@ def cut_s(tables: CostTables, a: int, b: int, j: int) -> float:
   return float(tables.link_latency_s[a][b] + tables.boundary_bytes[j] / bw)
 
 
+def _host_cut_s(tables: CostTables, k: int, j: int) -> float:
+  return float(tables.host_latency_s[k] + tables.boundary_bytes[j]
+               / tables.host_bandwidth_bytes_per_s[k])
+
+
+def _divides(devices_per_host: int, shapes) -> bool:
+  ws = sorted({m for n, m in shapes if n == 1} | {devices_per_host})
+  return all(b % a == 0 for a, b in zip(ws, ws[1:]))
+
+
+def _host_priced(tables: CostTables, k: int) -> bool:
+  return (tables.host_bandwidth_bytes_per_s is not None
+          and _divides(tables.devices_per_host[k], tables.submeshes[k])
+          and any(_host_cut_s(tables, k, j) != cut_s(tables, k, k, j)
+                  for j in range(tables.num_layers)))
+
+
+def _overflows(devices_per_host: int, shapes) -> bool:
+  """Whether, placed one after the other in the lowest host with devices left, some
+  single-host stage of the run does not fit the host in use (whole-host stages aside)."""
+  room = 0
+  for n, m in shapes:
+    if n > 1 or m == devices_per_host:
+      continue
+    if room == 0:
+      room = devices_per_host
+    if m > room:
+      return True
+    room -= m
+  return False
+
+
+def sharing_cuts(tables: CostTables, stages: Sequence[Quad]) -> list[bool]:
+  """Which cuts stay inside a host, by the oracle's own placement of each subcluster's run:
+  a device map of the hosts, single-host stages written into the lowest host from the
+  lowest free device up while they fit the host in use, whole-host stages into the highest
+  free hosts; a single-host stage that does not fit the host in use (the run's last, see
+  :func:`enumerate_plans`) goes to another host. Only where the tables give a host link that
+  differs from the subcluster's own and the single-host widths divide each other and ``M``."""
+  out = []
+  for x in range(len(stages) - 1):
+    out.append(False)
+  x = 0
+  while x < len(stages):
+    k = stages[x][2]
+    y = x
+    while y + 1 < len(stages) and stages[y + 1][2] == k:
+      y += 1
+    N, M = tables.num_hosts[k], tables.devices_per_host[k]
+    if _host_priced(tables, k):
+      owner = [[None] * M for _ in range(N)]   # host -> device -> stage
+      low, high, clean = 0, N - 1, True
+      where = {}
+      for z in range(x, y + 1):
+        n, m = tables.submeshes[k][stages[z][3]]
+        if n > 1 or m == M:
+          if clean:
+            where[z] = set(range(high - n + 1, high + 1))
+            high -= n
+          continue
+        if not clean:
+          continue
+        free = [d for d in range(M) if owner[low][d] is None] if low < N else []
+        if owner[low][0] is not None and len(free) < m:   # the host in use lacks room
+          clean = False
+          continue
+        if not free:
+          low += 1
+          free = list(range(M))
+        for d in free[:m]:
+          owner[low][d] = z
+        where[z] = {low}
+        if len(free) == m:
+          low += 1
+      for z in range(x, y):
+        out[z] = bool(z in where and z + 1 in where and where[z] & where[z + 1])
+    x = y + 1
+  return out
+
+
+def plan_cuts(tables: CostTables, stages: Sequence[Quad]) -> list[float]:
+  """The cut after each stage but the last: inside a host where :func:`sharing_cuts` says so,
+  else on the link between the two stages' subclusters (or the subcluster's own)."""
+  share = sharing_cuts(tables, stages)
+  return [_host_cut_s(tables, a[2], a[1]) if share[x] else cut_s(tables, a[2], b[2], a[1])
+          for x, (a, b) in enumerate(zip(stages, stages[1:]))]
+
+
 def plan_rate(tables: CostTables, stages: Sequence[Quad]) -> float:
   """Hourly rate of a plan: its devices times their subcluster's price."""
   return sum(tables.price_per_gpu_hour[k] * tables.submeshes[k][s][0] * tables.submeshes[k][s][1]
@@ -92,7 +180,7 @@ def plan_numbers(tables: CostTables, stages: Sequence[Quad], B: int, eps: float)
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in stages]
   if not all(math.isfinite(x) for x in t):
     return None
-  c = [cut_s(tables, a[2], b[2], a[1]) for a, b in zip(stages, stages[1:])]
+  c = plan_cuts(tables, stages)
   ends = [0.0 if tables.end_time_s is None else float(tables.end_time_s[k][i, j, s])
           for i, j, k, s in stages]
   return t, c + [0.0], ends, max([max(t)] + c), h1f1b_warmups(c, max(t), eps)
@@ -113,7 +201,10 @@ def enumerate_plans(tables: CostTables, *, use_all_devices: bool = False,
   """Yields every plan (a tuple of :data:`Quad`) whose submeshes pack: each subcluster runs one
   contiguous group of stages, entered in any order over the links the tables have
   (``keep_order``: the tables' order, skipping allowed); with ``use_all_devices`` every device
-  of every subcluster runs a stage (HARP's Eq. 19).
+  of every subcluster runs a stage (HARP's Eq. 19). On a subcluster whose cuts inside a host
+  are priced at the host link, the stages sit in pipeline order (single-host ones filling
+  hosts one after the other): a single-host stage that does not fit the host in use can only
+  be the last of the subcluster's run.
 
   Raises:
     PlanError: more than ``max_plans`` plans (the instance is too large for brute force).
@@ -124,6 +215,8 @@ def enumerate_plans(tables: CostTables, *, use_all_devices: bool = False,
 
   def rec(i, k, entered, shapes):
     N, M = tables.num_hosts[k], tables.devices_per_host[k]
+    if shapes and _host_priced(tables, k) and _overflows(M, shapes):
+      return   # placed in order, a single-host stage that does not fit its host ends the run
     for j in range(i, L):
       for s, shape in enumerate(tables.submeshes[k]):
         mine = shapes + [shape]

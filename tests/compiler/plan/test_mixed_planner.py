@@ -495,8 +495,12 @@ def test_evaluate_mixed_with_zero_agrees_with_evaluate_plan_on_plain_stages():
   tables = asymmetric_tables(16, optimizer_share=0.75, offload_bps=25e9)
   mo = MixedOptions(microbatch_rows=64)
   for zero, offload in [(1, False), (3, False), (2, True)]:
-    plan = Plan(stages=(StageSpec((0, 1), "a100", (3, 2), zero=zero, offload=offload),
-                        StageSpec((2, 3), "v100", (5, 1), zero=zero, offload=offload)))
+    # each stage on the logical mesh the tables cost it with (evaluate_plan refuses others)
+    mesh = lambda k, i, j, shape: tables.logical_mesh_of(k, i, j, tables.submesh_index(k, shape))
+    plan = Plan(stages=(StageSpec((0, 1), "a100", (3, 2), mesh(0, 0, 1, (3, 2)), zero=zero,
+                                  offload=offload),
+                        StageSpec((2, 3), "v100", (5, 1), mesh(1, 2, 3, (5, 1)), zero=zero,
+                                  offload=offload)))
     ev, ref = planner.evaluate_mixed(tables, plan, 16, mo), planner.evaluate_plan(tables, plan,
                                                                                   16)
     assert ev.iteration_s == ref.iteration_s and ev.warmups == ref.warmups

@@ -63,11 +63,12 @@ def test_dense_layer_flops_are_the_formula():
   assert tp.num_params == D * K / 2 and one.num_params == D * K
   # residuals: the layer's input (kept for dL/dW), the ReLU's output and mask, as XLA keeps
   assert one.residual_bytes == xla.residual_bytes == B * D * 4 + B * K * (4 + 1)
-  # rematerialised, only the input is kept; the work counted is the same
+  # rematerialised, only the input is kept, and the backward recomputes the forward's matmul
   remat = estimate.jaxpr_stats(estimate.trace_piece(piece, remat=True), (1, 1))
-  assert remat.residual_bytes == B * D * 4 == pieces.xla_stats(
-      piece, jax.devices()[:1], remat=True).residual_bytes
-  assert remat.flops == one.flops
+  xla_remat = pieces.xla_stats(piece, jax.devices()[:1], remat=True)
+  assert remat.residual_bytes == B * D * 4 == xla_remat.residual_bytes
+  assert 2 * B * D * K <= remat.flops - one.flops <= 2 * B * D * K + 4 * B * K
+  # (XLA's account of the runtime's rematerialised stages: tests/compiler/profile/test_fidelity.py)
 
 
 def _demo_args():

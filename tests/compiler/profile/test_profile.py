@@ -167,19 +167,33 @@ def test_imported_source_uses_published_block_time(tmp_path):
   a = ana.costs[("v100", (1, 1), (1, 1))]["time_s"]
   i = imp.costs[("v100", (1, 1), (1, 1))]["time_s"]
   assert a[0] == i[0] and a[-1] == i[-1]    # embed and head stay analytic
-  with pytest.raises(HarpjaxError):
-    P.ProfileOptions(source="imported")
+  # without a name the published model is chosen by the block's shape: the same one
+  auto = _profile(spec, cluster, source="imported", **kw)
+  assert auto.costs[("v100", (1, 1), (1, 1))]["time_s"][block].sum() == pytest.approx(
+      published, rel=1e-6)
 
 
 def test_calibration_constants_and_time_model():
-  for name in ("A100-40G", "V100-32G"):
-    e = calib.CALIBRATION[name]
-    assert e.samples >= 40 and e.mape < 0.1 and 0.2 < e.compute <= 1.0
+  # every calibrated type within 15% of the published measurements on average, T4 included
+  assert {"A100-40G", "A100-80G", "V100-16G", "V100-32G", "A10G", "T4"} <= set(
+      calib.CALIBRATION)
+  for name, e in calib.CALIBRATION.items():
+    assert e.samples >= 40 and e.mape <= 0.15 and 0.2 < e.compute <= 1.0, name
   g = GPU_CATALOG["A100-40G"]
   e = calib.CALIBRATION["A100-40G"]
-  t = calib.predict_layer_time_s(1e12, 1e9, g.peak_flops, g.mem_bandwidth_bytes_per_s, e)
-  assert t == pytest.approx(e.overhead_s + 1e12 / (g.peak_flops * e.compute))
-  assert calib.efficiency_for("H100-80G").source.startswith("median")
+  work = calib.Work(heavy_flops=(1e12, 1e6), heavy_bytes=(1e9, 1e9), light_bytes=2e9,
+                    kernels=7)
+  bw = g.mem_bandwidth_bytes_per_s * e.memory
+  want = (1e12 / (g.peak_flops * e.compute)      # a compute-bound matmul
+          + 1e9 / bw                             # a memory-bound one
+          + 2e9 / bw + 7 * e.kernel_s)           # the other ops, and every kernel's fixed cost
+  assert calib.predict_time_s(work, g.peak_flops, g.mem_bandwidth_bytes_per_s,
+                              e) == pytest.approx(want)
+  assert calib.efficiency_for("H100-80G") is calib.DEFAULT_EFFICIENCY
+  assert calib.uncalibrated(["H100-80G", "T4", "L40S", "H100-80G"]) == ["H100-80G", "L40S"]
+  mine = calib.Efficiency(0.5, 1.0, 1e-5)
+  assert calib.efficiency_for("H100-80G", {"H100-80G": mine}) is mine
+  assert calib.uncalibrated(["H100-80G", "T4"], {"H100-80G": mine}) == []
   assert calib.zorse_layer_ms([1.0, 2.0]) is None
   assert calib.zorse_layer_ms([[1, 0.5], [2, 1.0]]) == {1: 4.5, 2: 7.5, 4: 13.5}
 
@@ -209,12 +223,14 @@ def _fake_empty():
 @needs_data
 def test_calibration_reproduces_its_constants(tmp_path):
   from tools.calibration import calibrate
-  rep = calibrate(DATA, cache_dir=str(tmp_path), gpu_names=["A100-40G", "V100-32G"],
-                        progress=False)
+  rep = calibrate(DATA, gpu_names=["A100-40G", "T4"])
   for name, e in rep.efficiencies.items():
     ref = calib.CALIBRATION[name]
     assert e.samples == ref.samples
     assert e.mape == pytest.approx(ref.mape, abs=0.01)
+    assert (e.compute, e.memory, e.kernel_s) == pytest.approx(
+        (ref.compute, ref.memory, ref.kernel_s), rel=0.01)
+  assert "| T4 | t4 | 83 |" in rep.table()
 
 
 @pytest.mark.slow

@@ -1,0 +1,53 @@
+"""What the tables charge a stage against XLA's own account of the executables the runtime
+compiles for it: FLOPs (``cost_analysis``) of the forward and the backward, with the
+backward's recomputation where the stage rematerialises."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import harpjax
+from harpjax.compiler.profile import ProfileOptions
+from harpjax.compiler.stages import compile_stage
+from harpjax.models import GPT, GPTConfig
+from tests.equivalence import DEMO_CLUSTER
+
+B = 2
+
+
+def _gpt_step():
+  cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=128, num_heads=4, num_blocks=2,
+                  dtype="float32", param_dtype="float32")
+  model = GPT(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+  state = train_state.TrainState.create(apply_fn=model.apply,
+                                        params=model.init(jax.random.key(1), tokens[:, :-1]),
+                                        tx=optax.adamw(1e-3))
+
+  def step(state, batch):
+    def loss_fn(p):
+      logits = state.apply_fn(p, batch[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+  return step, state, tokens
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_stage_flops_within_3_percent_of_xla(remat):
+  step_fn, state, tokens = _gpt_step()
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
+                               profile_options=ProfileOptions(remat=remat, use_cache=False))
+  plan, prof = step.plan(state, tokens), step.profile(state, tokens)
+  cs = step.compile(state, tokens)
+  assert all(plan.remat_of(s) == ("full" if remat else "none") for s in plan.stages)
+  for s, (spec, st) in enumerate(zip(plan.stages, cs.stages)):
+    compiled = compile_stage(st)
+    xla = sum(float(compiled[k].cost_analysis()["flops"]) for k in ("fwd", "bwd"))
+    costs = prof.costs[(spec.subcluster, tuple(spec.submesh), tuple(spec.logical_mesh))]
+    tables = float(np.sum(costs["flops"][spec.layers[0]:spec.layers[1] + 1]))
+    assert abs(tables / xla - 1) <= 0.03, (s, spec.layers, tables, xla)
