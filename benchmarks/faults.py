@@ -6,7 +6,8 @@ workers' start and elastic recovery — ``--trials`` trials strike once at a ran
 half at the k-th Python call of the main thread inside the phase, half t seconds into it (k
 and t drawn uniformly over the phase's own calls and duration, measured first in an
 undisturbed run). Faults: Ctrl-C (SIGINT to the process, then a retry in the same process),
-``kill -9`` of a worker (a planner process, a stage's Ray actor: elastic recovery), ``kill -9``
+``kill -9`` of a worker (a planner process t seconds after the first one started, a stage's
+Ray actor: elastic recovery), ``kill -9``
 of the whole training process (then a new process resumes from the newest intact checkpoint),
 and Ctrl-C of ``python -m harpjax plan``.
 
@@ -101,15 +102,17 @@ def main(argv=None) -> None:
       print("   ", out.row(), flush=True)
 
   phases = LOCAL + ([] if args.no_ray else RAY)
+  durations = {}
   for phase, label, scn, nth in phases:
-    calls, seconds = h.calibrate(phase, scn, nth)
+    calls, seconds = durations[label] = h.calibrate(phase, scn, nth)
     for moment in _moments(rng, args.trials, nth, calls, seconds):
       record(label, h.in_process_trial(phase, scn, rng.randrange(2**31), moment,
                                        kill_after_s=rng.uniform(0.0, 0.3)))
-  for _ in range(args.trials):   # kill -9 of a planner worker process
+  for _ in range(args.trials):   # kill -9 of a planner worker process, t after the first starts
     record("plan (worker processes)", h.in_process_trial(
         "plan", S(plan="auto", planner="process"), rng.randrange(2**31),
-        h.Moment(seconds=rng.uniform(0.0, 0.2)), fault="kill_worker"))
+        h.Moment(seconds=0.0), fault="kill_worker",
+        kill_after_s=rng.uniform(0.0, durations["plan (worker processes)"][1])))
   if not args.no_ray:
     for _ in range(args.trials):   # kill -9 of a stage actor, elastic recovery
       record("run (Ray)", h.in_process_trial(

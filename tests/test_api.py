@@ -246,7 +246,7 @@ def test_ctrl_c_while_compiling_cancels_the_stages_not_started(monkeypatch, sigi
 
   def compiling(layout, stages, group_fns, workers):
     started.append(sorted(stages))
-    release.wait(timeout=3)
+    release.wait(timeout=120)   # released at the end of the test (a bound for a hung one)
     return 0.0
 
   def as_completed(jobs):   # every stage submitted: Ctrl-C while the driver waits for them

@@ -11,9 +11,10 @@ steps with checkpoints, resuming the way a user's script does
 * ``kill_process``: ``kill -9`` of the whole training process (a child), then a restart in a
   new process (:mod:`tests.faults.child`).
 
-A *moment* of a phase is the ``calls``-th Python function call of the main thread inside it, or
-``seconds`` after it began, whichever comes first (:class:`Moment`): seeded, so that a failing
-trial runs again the same way (calls are deterministic; seconds depend on the machine).
+A *moment* of a phase is the ``calls``-th Python function call of the main thread inside it
+(finalizers the garbage collector runs are not counted), or ``seconds`` after it began,
+whichever comes first (:class:`Moment`): seeded, so that a failing trial runs again the same
+way (calls are deterministic; seconds depend on the machine).
 
 Every trial then checks what the issue promises: the interrupt surfaced as
 ``KeyboardInterrupt`` (and how long after the signal); the state at the end equals
@@ -87,7 +88,8 @@ class Scenario:
       (the restore phase).
     replan_at: before this step, the step moves to the cluster without :data:`SMALLER`.
     elastic: lost workers are recovered (Ray).
-    planner: ``SolveOptions.backend`` of automatic planning (``"process"``: worker processes).
+    planner: ``SolveOptions.backend`` of automatic planning (``"process"``: worker processes,
+      every candidate of the window searched there).
   """
   runtime: str = "local"
   plan: str = "manual"
@@ -182,7 +184,10 @@ def make_step(scn: Scenario, directory: str):
     kw["elastic"] = harpjax.ElasticOptions()
   if scn.plan == "auto":
     from harpjax.compiler.plan import SolveOptions
-    kw["solve_options"] = SolveOptions(backend=scn.planner)
+    # Worker processes: without the lower bound, which leaves this small search nothing to
+    # hand them (the plan is the same: the bound only skips candidates that cannot win).
+    kw["solve_options"] = SolveOptions(backend=scn.planner,
+                                       bound_pruning=scn.planner != "process")
   return harpjax.auto_parallel(
       c.step, cluster=DEMO_CLUSTER, num_microbatches=2,
       plan=PLAN if scn.plan == "manual" else None, runtime=scn.runtime,
@@ -308,10 +313,12 @@ class Injector:
       os.kill(os.getpid(), signal.SIGINT)
 
   def _profile(self, frame, event, arg):
-    if event == "call":
+    # Calls of finalizers are not counted: where the garbage collector runs them varies, and
+    # a signal is not sent from them (a phase that ends by dropping objects would otherwise
+    # count calls at which no fault can strike).
+    if event == "call" and not _finalizer(frame.f_code):
       self._calls += 1
-      if (self.moment.calls is not None and self._calls >= self.moment.calls
-          and not _finalizer(frame.f_code)):
+      if self.moment.calls is not None and self._calls >= self.moment.calls:
         sys.setprofile(None)
         self._fire()
 
@@ -451,12 +458,14 @@ def _ignored(t: threading.Thread) -> bool:
 
 def calibrate(phase: str, scn: Scenario, nth: int = 1) -> tuple[int, float]:
   """``(main-thread calls, seconds)`` of the ``nth`` run of ``phase`` in undisturbed trials
-  (one counting the calls, one timing the phase without counting, which slows it): the
+  (two counting the calls, one timing the phase without counting, which slows it): the
   ranges moments are drawn from."""
   if scn.runtime == "ray":
     ensure_ray()
   figures = []
-  for moment in (Moment(nth=nth), Moment(nth=nth, seconds=1e9)):
+  # Counted twice (the first run also fills the process's caches, as the trials before a
+  # trial do: the fewer calls are kept), then timed.
+  for moment in (Moment(nth=nth), Moment(nth=nth), Moment(nth=nth, seconds=1e9)):
     root = tempfile.mkdtemp(prefix="harpjax-faults-")
     directory = os.path.join(root, "ck")
     injector = Injector(phase, moment)
@@ -471,7 +480,7 @@ def calibrate(phase: str, scn: Scenario, nth: int = 1) -> tuple[int, float]:
         _shutdown(step)
       shutil.rmtree(root, ignore_errors=True)
     figures.append(injector)
-  return figures[0].calls, figures[1].seconds
+  return min(figures[0].calls, figures[1].calls), figures[2].seconds
 
 
 def ensure_ray() -> None:
@@ -484,7 +493,8 @@ def in_process_trial(phase: str, scn: Scenario, seed: int, moment: Moment | None
                      fault: str = "sigint", kill_after_s: float | None = None) -> Outcome:
   """One trial in this process, retried until training completes (see the module docstring):
   ``sigint`` in ``phase`` (in ``"recovery"``, after a stage's actor was killed ``kill_after_s``
-  into the second step), or ``kill_worker`` during the run."""
+  into the second step), or ``kill_worker`` during the run (in ``"plan"``: a planner worker
+  process, ``kill_after_s`` after the first one started, from the moment on)."""
   rng = random.Random(seed)
   moment = moment or Moment.draw(rng)
   out = Outcome(phase, fault, seed)
@@ -512,7 +522,8 @@ def in_process_trial(phase: str, scn: Scenario, seed: int, moment: Moment | None
       out.latency_s = max(retry.latencies) if retry.latencies else None
       saved = injector.saved if injector.landed else saved
     elif phase == "plan":   # kill_worker: a planner worker process killed (kill -9)
-      injector = Injector(phase, moment, action=_kill_planner_worker)
+      injector = Injector(phase, moment,
+                          action=lambda: _kill_planner_worker(after_s=kill_after_s or 0.0))
       with injector.installed():
         step, state = train(scn, directory)
       out.landed = injector.landed
@@ -573,15 +584,23 @@ class _ActorKiller:
       self._timer.join()
 
 
-def _kill_planner_worker(wait_s: float = 10.0) -> bool:
-  """Kills (SIGKILL) a worker process of the planner's pool once one runs."""
+def _kill_planner_worker(wait_s: float = 10.0, after_s: float = 0.0) -> bool:
+  """Kills (SIGKILL) a worker process of the planner's pool ``after_s`` after the first one
+  runs; whether one was still running then."""
   import multiprocessing
   deadline = time.monotonic() + wait_s
   while time.monotonic() < deadline:
-    for p in multiprocessing.active_children():
-      os.kill(p.pid, signal.SIGKILL)
-      return True
-    time.sleep(0.005)
+    if multiprocessing.active_children():
+      if after_s > 0:
+        time.sleep(after_s)
+      for p in multiprocessing.active_children():
+        try:
+          os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:   # it ended in between
+          continue
+        return True
+      return False
+    time.sleep(0.001)
   return False
 
 

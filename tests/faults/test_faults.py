@@ -75,6 +75,9 @@ def test_ctrl_c_inside_a_nogil_numba_kernel_is_a_keyboard_interrupt(sigint):
   # it returns (as the planner's kernels do), runs the signal's handler and returns with the
   # interrupt pending, which CPython turns into a SystemError; the planner's kernels are
   # called through interruptible_kernel, which raises the KeyboardInterrupt itself.
+  # The kernel runs until the signal has been sent (flags[1]), however slowly either thread
+  # is scheduled; its wait is a libc call, which the compiler cannot hoist the flag out of.
+  import ctypes
   import os
   import signal
   import threading
@@ -82,31 +85,33 @@ def test_ctrl_c_inside_a_nogil_numba_kernel_is_a_keyboard_interrupt(sigint):
   import numpy as np
   from harpjax.errors import interruptible_kernel
 
-  @numba.njit(nogil=True, cache=True)
-  def spin(flags, n):
-    flags[0] = 1   # started: the GIL is released
-    x = np.uint64(88172645463325252)
-    for _ in range(n):   # xorshift64: nothing the compiler can fold
-      x ^= x << np.uint64(13)
-      x ^= x >> np.uint64(7)
-      x ^= x << np.uint64(17)
-    return x, np.zeros(3)
+  usleep = ctypes.CDLL(None).usleep
+  usleep.argtypes, usleep.restype = [ctypes.c_uint], ctypes.c_int
 
-  flags = np.zeros(1, np.int64)
-  spin(flags, 1)
-  flags[0] = 0
+  @numba.njit(nogil=True)
+  def spin(flags, limit):
+    flags[0] = 1   # started: the GIL is released
+    n = 0
+    while flags[1] == 0 and n < limit:
+      usleep(1000)
+      n += 1
+    return n, np.zeros(3)
+
+  spin(np.array([0, 1]), 1)   # compiled before the signal
+  flags = np.zeros(2, np.int64)
 
   def ctrl_c():
     while not flags[0]:
       threading.Event().wait(0.001)
     os.kill(os.getpid(), signal.SIGINT)
+    flags[1] = 1
 
   for fn, expected in [(spin, SystemError), (interruptible_kernel(spin), KeyboardInterrupt)]:
-    flags[0] = 0
+    flags[:] = 0
     sender = threading.Thread(target=ctrl_c)
     sender.start()
     with pytest.raises(expected):
-      fn(flags, 2**29)
+      fn(flags, 600_000)   # at most ten minutes: a sender that never ran
       sender.join()
     sender.join()
 
