@@ -173,18 +173,33 @@ class _DiskWork:
     fut: cf.Future = cf.Future()
     with self._lock:
       self._jobs.append((fut, fn, args))
-      if self._thread is None:
-        _finish_at_exit()
-        with _ACTIVE_LOCK:
-          _ACTIVE[self] = self.directory
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="harpjax-checkpoint")
-        self._thread.start()
+      self._ensure_thread()
     return fut
 
+  def _ensure_thread(self) -> None:
+    """Under the lock: a thread runs the queued jobs. Ctrl-C anywhere in here, even inside
+    ``Thread.start``, leaves what the next call completes: a thread that never started is
+    replaced (one that started after all finds it was replaced and ends)."""
+    if self._thread is not None and self._thread.is_alive():
+      return
+    if not self._jobs:
+      self._thread = None
+      with _ACTIVE_LOCK:
+        _ACTIVE.pop(self, None)
+      return
+    _finish_at_exit()
+    with _ACTIVE_LOCK:
+      _ACTIVE[self] = self.directory
+    thread = threading.Thread(target=self._run, daemon=True, name="harpjax-checkpoint")
+    self._thread = thread
+    thread.start()
+
   def _run(self) -> None:
+    me = threading.current_thread()
     while True:
       with self._lock:
+        if self._thread is not me:   # replaced: its start was interrupted
+          return
         if not self._jobs:
           self._thread = None
           with _ACTIVE_LOCK:
@@ -200,6 +215,7 @@ class _DiskWork:
   def join(self, timeout_s: float | None = None) -> bool:
     """Waits until the queued work is done; returns whether it is."""
     with self._lock:
+      self._ensure_thread()   # jobs whose thread's start was interrupted
       thread = self._thread
     if thread is not None:
       thread.join(timeout_s)
@@ -234,6 +250,9 @@ def _finish_at_exit() -> None:
         log.warning("%s: interrupted while the last checkpoint was written; it is incomplete "
                     "and will not be listed", directory)
         return
+      except RuntimeError as e:   # its thread never started, and none can start at exit
+        log.warning("%s: the last checkpoint could not be written at exit (%s); it will not "
+                    "be listed", directory, e)
 
   register = getattr(threading, "_register_atexit", None)
   try:
@@ -541,7 +560,7 @@ class Checkpointer:
           n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}))["arrays"]
       arrays = [np.asarray(got[n]) for n in names]
     except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises
-      _quiet_abandoned_reads()
+      _quiet_abandoned_reads(self._path(step))
       raise _Damaged(f"its arrays cannot be read: {type(e).__name__}: {_first_line(e)}") \
           from None
     for m, a in zip(meta, arrays):
@@ -557,11 +576,17 @@ _ITEMS = ("arrays", "meta")
 _TMP = re.compile(r".*\.(orbax-checkpoint-tmp.*|harpjax-.*-tmp)")
 
 
-def _quiet_abandoned_reads() -> None:
-  """After a read that failed half-way, the reads of other arrays still in flight complete
-  into the event loop Orbax has closed, each printing ``RuntimeError: Event loop is closed``
-  when the process's unraisable-exception hook reports it: let those (and only those) pass
-  silently. Called on the disk thread, which then gives them a moment to arrive."""
+_ABANDONED: set[str] = set()   # checkpoints whose reads failed half-way
+
+
+def _quiet_abandoned_reads(path: str) -> None:
+  """After a read of checkpoint ``path`` that failed half-way, the reads of other arrays
+  still in flight complete into the event loop Orbax has closed: each prints ``RuntimeError:
+  Event loop is closed`` when the process's unraisable-exception hook reports it, and a
+  failed one ``Future exception was never retrieved`` (asyncio's log, often at exit) when its
+  future is collected. Those (and only those) pass silently: the damage was reported once.
+  Called on the disk thread, which then gives them a moment to arrive."""
+  _ABANDONED.add(os.path.abspath(path))
   prev = sys.unraisablehook
   if not getattr(prev, "harpjax_quiet", False):
     def hook(u):
@@ -570,7 +595,21 @@ def _quiet_abandoned_reads() -> None:
         prev(u)
     hook.harpjax_quiet = True
     sys.unraisablehook = hook
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _AbandonedReads) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_AbandonedReads())
   time.sleep(0.2)
+
+
+class _AbandonedReads(logging.Filter):
+  """Drops asyncio's report of a never-retrieved failed read of an abandoned checkpoint."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+    if exc is None or not str(record.msg).startswith("Future exception was never retrieved"):
+      return True
+    text = str(exc)
+    return not any(path in text for path in list(_ABANDONED))
 
 
 def _remove(path: str) -> None:

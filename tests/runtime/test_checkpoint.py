@@ -242,6 +242,47 @@ def test_ctrl_c_during_a_synchronous_save_then_retry_continues(x64, tmp_path, mo
   assert max_rel_err(harpjax.restore_checkpoint(tmp_path / "ck", case.state), s_par) == 0.0
 
 
+@pytest.mark.parametrize("where", ["before the thread starts", "inside Thread.start"])
+def test_ctrl_c_while_the_disk_thread_starts_then_retry(tmp_path, monkeypatch, where):
+  # Ctrl-C while the checkpointer starts its disk thread (a restore's read, an asynchronous
+  # save's write): KeyboardInterrupt, and the next call runs the work queued (it used to find
+  # a thread object never started: "cannot join thread before it is started", or a wait
+  # forever for a job no thread runs).
+  import threading
+  state = _state()
+  real_start, armed = threading.Thread.start, []
+
+  def start(self):
+    if self.name == "harpjax-checkpoint" and armed:
+      armed.pop()
+      if where == "inside Thread.start":
+        real_start(self)
+      raise KeyboardInterrupt
+    return real_start(self)
+
+  monkeypatch.setattr(threading.Thread, "start", start)
+  with Checkpointer(tmp_path / "ck", keep=None) as ckpt:
+    ckpt.save(1, state)
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+      ckpt.restore_newest(state)
+    step, back = ckpt.restore_newest(state)
+    assert step == 1 and max_rel_err(back, state) == 0.0
+  with Checkpointer(tmp_path / "ck", keep=None, asynchronous=True) as ckpt:
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+      ckpt.save(2, state)
+    ckpt.save(2, state)   # the retry: the interrupted write, queued, runs first
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2]
+    assert max_rel_err(ckpt.restore(state, step=2), state) == 0.0
+  for t in threading.enumerate():   # each ends once its work is done (a bound: 60 s)
+    if t.name == "harpjax-checkpoint":
+      t.join(60)
+  assert not [t for t in threading.enumerate() if t.name == "harpjax-checkpoint"]
+  assert sorted(os.listdir(tmp_path / "ck")) == ["1", "2"]
+
+
 def _damage(path, kind: str) -> None:
   """Damages checkpoint directory ``path`` as ``kind`` says."""
   files = sorted((os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs),
@@ -303,6 +344,36 @@ def test_restore_skips_a_damaged_newest_checkpoint_with_one_warning(tmp_path, ca
       ckpt.save(3, bumped(3))
       assert max_rel_err(ckpt.restore(state), bumped(3)) == 0.0, kind
     assert sorted(os.listdir(where)) == ["1", "2", "3"], kind
+
+
+def test_abandoned_reads_of_a_damaged_checkpoint_are_not_reported_again(tmp_path, caplog):
+  # A read that fails half-way leaves others in flight; one that fails too is reported by
+  # asyncio when its future is collected ("Future exception was never retrieved", often at
+  # exit), after the one warning naming the damaged checkpoint: that report is dropped, and
+  # only for that checkpoint.
+  import asyncio
+  import gc
+  state = _state()
+  with Checkpointer(tmp_path / "ck", keep=None) as ckpt:
+    ckpt.save(1, state)
+    ckpt.save(2, state)
+  _damage(str(tmp_path / "ck" / "2"), "array data truncated")
+  with Checkpointer(tmp_path / "ck", keep=None) as ckpt:
+    assert ckpt.restore_newest(state)[0] == 1
+
+  def collected(message):
+    loop = asyncio.new_event_loop()
+    fut = loop.create_future()
+    fut.set_exception(ValueError(message))
+    loop.close()
+    del fut
+    gc.collect()
+
+  caplog.clear()
+  collected(f'DATA_LOSS: Error reading local file "{tmp_path / "ck" / "2" / "arrays" / "d"}"')
+  assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+  collected(f'DATA_LOSS: Error reading local file "{tmp_path / "elsewhere"}"')
+  assert [r for r in caplog.records if r.name == "asyncio"], caplog.text
 
 
 def test_step_restore_starts_fresh_then_resumes_past_a_damaged_checkpoint(x64, tmp_path,
