@@ -818,6 +818,36 @@ def test_ctrl_c_while_the_command_imports_its_packages_exits_130(tmp_path):
   assert res.stderr.strip() == INTERRUPT_MESSAGE and not res.stdout, res.stderr[-2000:]
 
 
+# Ctrl-C after the command is done, while the process exits: from an exit hook, and from a
+# finalizer that runs as the interpreter clears its modules (after Python's own signal
+# handling has ended, where SIGINT used to kill the process: status -2, nothing printed).
+_CTRL_C_WHILE_EXITING = r"""
+import atexit, os, signal, sys, time
+from harpjax.cli import run
+
+def ctrl_c():
+  os.kill(os.getpid(), signal.SIGINT)
+  time.sleep(0.2)
+
+class Late:
+  def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGINT, sleep=time.sleep):
+    kill(pid, sig)   # (the module's globals are gone by then)
+    sleep(0.2)
+
+late = Late()
+atexit.register(ctrl_c)
+run(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_while_the_process_exits_keeps_the_commands_status():
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
+  res = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_EXITING, "plan", "--help"], env=env,
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0 and "--cluster" in res.stdout, (res.returncode, res.stderr)
+  assert not res.stderr.strip(), res.stderr[-2000:]
+
+
 # --------------------------------------------------------------------------- one set of defaults
 
 

@@ -7,7 +7,8 @@ and report bad input as one ``Error:`` line, never a traceback.
 Ctrl-C (SIGINT) stops any command within a second or two, prints one line and exits with
 status 130 (:data:`INTERRUPTED`): the ``KeyboardInterrupt`` unwinds the command (the planner's
 worker pools are cancelled on the way), and when the main thread cannot take it in time (inside
-compiled code) or swallows it, a watcher thread (:func:`run`) ends the process itself.
+compiled code) or swallows it, a watcher thread (:func:`run`) ends the process itself. Once the
+command is done, Ctrl-C no longer changes its outcome: the process exits with its status.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class _Watcher:
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
       self._old_hook(unraisable)
 
-  def close(self) -> None:
+  def close(self, sigint=None) -> None:
+    """Stops watching; SIGINT's handler becomes ``sigint`` (default: the one before)."""
     signal.set_wakeup_fd(self._old_fd)
-    signal.signal(signal.SIGINT, self._old_handler)
+    signal.signal(signal.SIGINT, self._old_handler if sigint is None else sigint)
     sys.unraisablehook = self._old_hook
 
 
@@ -148,28 +150,45 @@ main.add_command(plan.command, "plan")
 
 def run(args: list[str] | None = None) -> None:
   """``python -m harpjax``: :func:`main` with the Ctrl-C watcher; exits with the command's
-  status (:data:`INTERRUPTED` after Ctrl-C, without waiting for busy threads)."""
+  status (:data:`INTERRUPTED` after Ctrl-C, without waiting for busy threads).
+
+  Once the command is done its outcome stands: Ctrl-C while the process exits is ignored (it
+  used to kill the interpreter as it finalized, silently, with -SIGINT, or raise in an exit
+  hook and print a traceback).
+  """
   global _WATCHER
   status = 0
   try:
-    if threading.current_thread() is threading.main_thread():   # where signals arrive
-      _WATCHER = _Watcher()
-    main.main(args=args)
-  except SystemExit as e:
-    status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-  except KeyboardInterrupt:
-    if _WATCHER is not None:
-      _WATCHER.announce()
-    else:
-      _echo_interrupt()
+    try:
+      if threading.current_thread() is threading.main_thread():   # where signals arrive
+        _WATCHER = _Watcher()
+      main.main(args=args)
+    except SystemExit as e:
+      status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+      status = INTERRUPTED
+    finally:
+      _done()
+  except KeyboardInterrupt:   # Ctrl-C in the instant before _done() took it over
+    _done()
     status = INTERRUPTED
   if _WATCHER is not None:
     _WATCHER.done.set()
     if _WATCHER.seen and status != INTERRUPTED:   # Ctrl-C the command dropped somewhere
-      _WATCHER.announce()
       status = INTERRUPTED
   if status == INTERRUPTED:
+    if _WATCHER is not None:
+      _WATCHER.announce()
+    else:
+      _echo_interrupt()
     _stop(INTERRUPTED)
   if _WATCHER is not None:
-    _WATCHER.close()
+    _WATCHER.close(sigint=signal.SIG_IGN)
   sys.exit(status)
+
+
+def _done() -> None:
+  """The command is done: SIGINT is ignored from here to the end of the process (a signal
+  that arrived just before is dropped with it)."""
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
