@@ -136,7 +136,7 @@ def test_planner_worker_processes(fault):
   moment = h.Moment(calls=None, seconds=0.0)
   out = h.in_process_trial("plan", h.Scenario(plan="auto", planner="process"), seed, moment,
                            fault=fault)
-  assert out.ok, out.row()
+  assert out.ok and (out.landed or fault == "sigint"), out.row()
 
 
 @pytest.mark.slow
