@@ -300,6 +300,15 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
           f"stage {x} (layers {i}..{j}, {tables.subcluster_names[k]} {tables.submeshes[k][s]}) "
           f"needs {peak / 2**30:.3f} GiB ({p / 2**30:.3f} GiB parameters + {inflight[x]} x "
           f"{a / 2**30:.3f} GiB activations) > {dev_mem / 2**30:.3f} GiB device memory")
+    step = (float(tables.step_mem_bytes[k][i, j, s]) if tables.step_mem_bytes is not None
+            else 0.0)
+    if not step <= dev_mem:
+      mem_ok = False
+      violations.append(
+          f"stage {x} (layers {i}..{j}, {tables.subcluster_names[k]} {tables.submeshes[k][s]}) "
+          f"needs {step / 2**30:.3f} GiB for its gradient reduction and optimizer update > "
+          f"{dev_mem / 2**30:.3f} GiB device memory")
+    peak = max(peak, step)
     n, m = tables.submeshes[k][s]
     offset = int(tables.device_offsets[k]) + taken[k]
     taken[k] += n * m
@@ -402,6 +411,8 @@ def _diagnose(tables: CostTables, B: int, eps: float, use_all: bool,
     best = (math.inf, None)
     for s in range(len(tables.submeshes[k])):
       fp = tables.param_mem_bytes[k][:, :, s] + tables.act_mem_bytes[k][:, :, s]
+      if tables.step_mem_bytes is not None:   # the reduction and the update
+        fp = np.maximum(fp, tables.step_mem_bytes[k][:, :, s])
       fp = np.where(np.isfinite(tables.stage_time_s[k][:, :, s]), fp, np.inf)
       i, j = np.unravel_index(np.argmin(fp), fp.shape)
       if fp[i, j] < best[0]:

@@ -391,6 +391,10 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
       if offload_activations:   # two microbatches' residuals (at the group's rows) stay
         param_bytes += 2.0 * act * (frac - 1.0)
       act_bytes = a_v * frac
+    if not single and zero < 2 and tables.sync_time_s is not None:
+      # A mixed-type stage's groups reduce their gradients every microbatch, not once.
+      y = float(tables.sync_time_s[k][i, j, s])
+      time_s, end_s = time_s + y, max(end_s - y, 0.0)
     if x:
       time_s += float(_route_s(tables, home, k, r, b, i, j))
     out.append(GroupCost(
@@ -928,6 +932,10 @@ def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOption
       with np.errstate(invalid="ignore"):
         T_g = T_g + np.where(np.isfinite(T), tz[:, :, s] - T, 0.0)
       p, act, e = pz[:, :, s], az[:, :, s], ez[:, :, s]
+    if zero < 2 and tables.sync_time_s is not None:
+      # A mixed-type stage's groups reduce their gradients every microbatch, not once.
+      y = tables.sync_time_s[k][:, :, s]
+      T_g, e = T_g + y, np.maximum(e - y, 0.0)
     t = np.maximum(t, T_g + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
     nmax = np.minimum(nmax, _max_inflight(p, act * (r / b), tables.device_memory_bytes[k], B))
     end = np.maximum(end, e)

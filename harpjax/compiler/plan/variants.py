@@ -24,11 +24,15 @@ degree, ``P`` its ``param_mem_bytes``, ``O`` its ``opt_mem_bytes``, weights and 
   and the variant is allowed only where ``W_z + G_z + O_z`` fits the device (the update
   brings the state in);
 * time per microbatch: ``t``, plus ``2 g`` at level 3 (the weights gathered in the forward
-  and again in the backward). Level 2's reduce-scatter is charged as the all-reduce the
-  tables already hold (an upper bound: it moves half the bytes);
-* end of iteration (the simulator's end cost): ``e``, plus ``g`` at levels 1 and 2 (the
-  updated weights gathered once), plus ``2 O_z / bw`` with offload (the state brought in for
-  the update and written back, :func:`~harpjax.compiler.profile.offload_time_s`);
+  and again in the backward), plus, from level 2, the gradient's reduce-scatter after every
+  backward, ``g`` (the same bytes as the weights' all-gather on the same link) where the
+  tables give the once-per-step all-reduce ``y`` (:attr:`~harpjax.compiler.profile.
+  CostTables.sync_time_s`; without it the tables' time already holds a gradient reduction
+  per microbatch, which is charged for it);
+* end of iteration (the simulator's end cost): ``e``, less ``y`` from level 2 (nothing left
+  to all-reduce), plus ``g`` at levels 1 and 2 (the updated weights gathered once), plus
+  ``2 O_z / bw`` with offload (the state brought in for the update and written back,
+  :func:`~harpjax.compiler.profile.offload_time_s`);
 * activations per in-flight microbatch: ``A``;
 * with the residuals' offload (any level, with or without the optimizer state's; only where
   the tables give ``bw``, and ``opt_mem_bytes`` are not needed): the residuals wait for their
@@ -67,10 +71,11 @@ from typing import Sequence
 
 import numpy as np
 
-from harpjax.compiler.profile import CostTables
+from harpjax.compiler.profile import CostTables, stage_memory
 from harpjax.errors import PlanError
 
-__all__ = ["expand_variants", "variant_arrays", "variant_slot", "tables_for_stages",
+__all__ = ["expand_variants", "variant_arrays", "variant_step_bytes", "variant_slot",
+           "tables_for_stages",
            "has_variant_data", "variant_of", "base_index", "VariantOptions"]
 
 
@@ -128,20 +133,38 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
   """``(time, state bytes, activation bytes, end time, allowed)`` ``[L, L, S_k]`` of every
   entry of subcluster ``k`` under ZeRO level ``zero``, ``offload`` (the optimizer state) and
   ``offload_activations`` (the residuals; the module docstring's equations). ``allowed`` is
-  ``False`` where the stage time is not finite, and with offload where the state does not fit
-  the device for the update.
+  ``False`` where the stage time is not finite, and where the phases after the pipeline (the
+  gradient reduction, the optimizer update) do not fit the device: by
+  :meth:`~harpjax.compiler.profile.StageMemory.step_bytes` where the tables carry
+  ``step_mem_bytes``, else, with offload, where the state does not fit for the update.
 
   Raises:
     PlanError: the tables lack ``opt_mem_bytes`` (and the level is not 0, or ``offload``), or
       ``offload_bandwidth_bytes_per_s`` with either offload.
   """
+  return _variant(tables, k, zero, offload, offload_activations)[:5]
+
+
+def variant_step_bytes(tables: CostTables, k: int, zero: int, offload: bool = False
+                       ) -> np.ndarray | None:
+  """``[L, L, S_k]`` peak per device after the pipeline (the gradient reduction, the
+  optimizer update) of every entry of subcluster ``k`` at ``zero`` / ``offload`` (``None``:
+  the tables do not carry :attr:`~harpjax.compiler.profile.CostTables.step_mem_bytes`)."""
+  return _variant(tables, k, zero, offload, False)[5]
+
+
+def _variant(tables: CostTables, k: int, zero: int, offload: bool, offload_activations: bool):
   t0 = tables.stage_time_s[k]
   P = tables.param_mem_bytes[k]
   a = tables.act_mem_bytes[k]
   e0 = tables.end_time_s[k] if tables.end_time_s is not None else np.zeros_like(P)
   finite = np.isfinite(t0)
+  mem = tables.device_memory_bytes[k]
+  step = tables.step_mem_bytes[k] if tables.step_mem_bytes is not None else None
+  if step is not None:
+    finite = finite & (step <= mem)
   if zero == 0 and not offload and not offload_activations:
-    return t0, P, a, e0, finite
+    return t0, P, a, e0, finite, step
   if (zero or offload) and tables.opt_mem_bytes is None:
     raise PlanError(f"zero={zero}, offload={offload} needs the tables' opt_mem_bytes (the "
                     "optimizer state's part of param_mem_bytes); build the tables with "
@@ -151,9 +174,13 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
                     "link to host memory); give SubclusterSpec.offload_bandwidth_bytes_per_s "
                     "(host_memory_gbps in a cluster file)")
   t, state, e, allowed = t0, P, e0, finite
+  y = tables.sync_time_s[k] if tables.sync_time_s is not None else None
   if zero or offload:
     O = tables.opt_mem_bytes[k]
-    W = G = (P - O) / 2.0
+    # the pipeline's workspace stays what it is at level 0 (the layers' temporaries and
+    # outputs, a backward's new gradient); the state splits
+    T = tables.workspace_bytes[k] if tables.workspace_bytes is not None else 0.0
+    W = G = np.maximum(P - T - O, 0.0) / 2.0
     L = tables.num_layers
     S = len(tables.submeshes[k])
     if tables.logical_mesh is not None:
@@ -165,20 +192,32 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
     O_z = O / dp if zero >= 1 else O
     G_z = G / dp if zero >= 2 else G
     W_z = W / dp if zero >= 3 else W
-    state = W_z + G_z + O_z
+    if zero >= 2 and tables.workspace_bytes is not None:
+      # the memory model's backward also writes the gradient's reduction (level 3: or the
+      # weights gathered, as large) beside the level-0 workspace
+      T = T + np.where(dp > 1, G, 0.0)
+    state = W_z + G_z + O_z + T
     t = t0 + 2.0 * g if zero >= 3 else t0
     e = e0 + g if zero in (1, 2) else e0
+    if zero >= 2 and y is not None:   # reduce-scattered every microbatch, not all-reduced
+      t = t + g
+      e = np.maximum(e - y, 0.0)
+    if step is not None:   # the memory model's reduction and update
+      step = stage_memory(param_bytes=W, grad_bytes=G, opt_bytes=O, act_bytes=0.0, dp=dp,
+                          zero=zero, replicas=True).step_bytes()
+      allowed = np.isfinite(t0) & (step <= mem)
+    elif offload:
+      allowed = finite & (state <= mem)
     if offload:
       e = e + 2.0 * O_z / tables.offload_bandwidth_bytes_per_s[k]
-      allowed = finite & (state <= tables.device_memory_bytes[k])
-      state = W_z + G_z
+      state = W_z + G_z + T
   if offload_activations:
     # At most two microbatches' residuals on the device, as fixed bytes; none per microbatch
     # in flight; both trips over the host link per microbatch (activation_offload_time_s).
     t = t + 2.0 * a / tables.offload_bandwidth_bytes_per_s[k]
     state = state + 2.0 * a
     a = np.zeros_like(a)
-  return t, state, a, e, allowed
+  return t, state, a, e, allowed, step
 
 
 def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
@@ -217,10 +256,14 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
   B = None if num_microbatches is None else int(num_microbatches)
   changed = pairs[0] != (0, False, False)
   new = {f: [] for f in ("submeshes", "stage_time_s", "param_mem_bytes", "act_mem_bytes",
-                         "end_time_s", "logical_mesh", "variants")}
+                         "end_time_s", "logical_mesh", "variants")
+         + (("sync_time_s",) if tables.sync_time_s is not None else ())
+         + (("step_mem_bytes",) if tables.step_mem_bytes is not None else ())}
   for k in range(K):
     mem = tables.device_memory_bytes[k]
-    arrs = [variant_arrays(tables, k, *var) for var in pairs]
+    full = [_variant(tables, k, *var) for var in pairs]
+    arrs = [x[:5] for x in full]
+    steps = [x[5] for x in full]
     keep = [ok & (p + a <= mem) for _, p, a, _, ok in arrs]
     if B is not None:
       # The most microbatches a stage on layers i..j can hold: B, and 1 + 3 per later stage
@@ -259,13 +302,20 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
       parts["act_mem_bytes"].append(a[:, :, slots])
       parts["end_time_s"].append(np.where(mask, e[:, :, slots], 0.0))
       parts["logical_mesh"].append(lm[:, :, slots])
+      if tables.sync_time_s is not None:   # the part of the end time still an all-reduce
+        y = tables.sync_time_s[k] if var[0] < 2 else np.zeros_like(e)
+        parts["sync_time_s"].append(np.where(mask, np.minimum(y, e)[:, :, slots], 0.0))
+      if tables.step_mem_bytes is not None:
+        parts["step_mem_bytes"].append(np.where(mask, steps[v][:, :, slots], 0.0))
     new["submeshes"].append(tuple(shapes))
     new["variants"].append(tuple(labels))
     for f, col in parts.items():
       new[f].append(np.concatenate(col, axis=2))
   if not changed:
     return tables
-  return tables.replace(opt_mem_bytes=None, gather_time_s=None,
+  # Each variant's memory is in its state bytes and its allowed entries (the reduction and
+  # the update checked there), so the level-0 split of the bytes goes.
+  return tables.replace(opt_mem_bytes=None, gather_time_s=None, workspace_bytes=None,
                         **{f: tuple(v) for f, v in new.items()})
 
 

@@ -45,7 +45,7 @@ from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
 from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_step, relayer,
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
-from harpjax.compiler.profile.collectives import allgather_time_s
+from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
 from harpjax.compiler.trace import trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
@@ -481,7 +481,8 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
 # --------------------------------------------------------------------------- tables
 
 
-COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops")
+COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops",
+               "grad_bytes")
 
 
 def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
@@ -510,12 +511,18 @@ def dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
 
 
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
-                            imbalance: float, zero: tuple[float, float] | None = None
+                            imbalance: float, zero: tuple[float, float] | None = None,
+                            num_microbatches: int | None = None
                             ) -> tuple[CostTables, dict]:
   """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
   times and residuals, and the sum of their parameter state plus the largest XLA workspace
   among them (:func:`~harpjax.compiler.profile.tables.assemble_tables` picks the logical
-  mesh). With ``zero = (state_bytes_per_param, optimizer_bytes_per_param)`` the tables also
+  mesh, the end time spread over ``num_microbatches``). Once per iteration, after its last
+  backward (:attr:`~harpjax.compiler.profile.CostTables.end_time_s`), a stage all-reduces its
+  gradients among its ``dp`` replicas (one ring all-reduce of the stage's gradient bytes on
+  the link between them, :attr:`~harpjax.compiler.profile.CostTables.sync_time_s`) and
+  updates its state (read and written once at the device's memory bandwidth). With
+  ``zero = (state_bytes_per_param, optimizer_bytes_per_param)`` the tables also
   carry the optimizer state's bytes and the weights' all-gather seconds of every entry (the
   planner's ZeRO variants): the parameters are the state bytes over ``state_bytes_per_param``,
   the weights half of what is not optimizer state."""
@@ -523,20 +530,42 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
 
+  from harpjax.compiler.profile.zero import stage_memory   # zero.py builds on this module
+  L = len(layers)
+  # what a stage ending at layer j sends on per microbatch (nothing after the last layer)
+  out = np.array([l.boundary_bytes for l in layers], np.float64)
+  out[-1] = 0.0
+  out = np.broadcast_to(out[None, :], (L, L))
+
   def mesh_costs(k: int, s: int):
+    sub = subs[k]
+    link = dp_link(cluster, sub, sub.submesh_shapes()[s])
     for mesh, arr in by_submesh.get((k, s), []):
+      dp = mesh[0]
       state = range_sums(arr["param_mem_bytes"])
-      out = (mesh, range_sums(arr["time_s"]), state + range_max(arr["temp_bytes"]),
-             range_sums(arr["act_mem_bytes"]))
-      if zero is not None:
-        per, opt = zero
-        L = len(layers)
-        sub = subs[k]
-        weights = state / per * (per - opt) / 2.0
-        gather = allgather_time_s(weights, mesh[0],
-                                  dp_link(cluster, sub, sub.submesh_shapes()[s]))
-        out += (np.zeros((L, L)), state / per * opt, gather)
-      yield out
+      grads = range_sums(arr["grad_bytes"])
+      sync = allreduce_time_s(grads, dp, link)
+      update = 2.0 * state / sub.gpu.mem_bandwidth_bytes_per_s
+      with np.errstate(invalid="ignore"):
+        yield _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out)
+
+  def _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out):
+    if zero is not None:
+      per, opt_per = zero
+      opt = state / per * opt_per
+      weights = (state - opt) / 2.0
+      zero_cols = (opt, allgather_time_s(weights, dp, link))
+    else:
+      weights = np.minimum(grads, state / 2.0)
+      opt = state - 2.0 * weights
+      zero_cols = (None, None)
+    mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
+                       act_bytes=range_sums(arr["act_mem_bytes"]), dp=dp, zero=0,
+                       out_bytes=out / dp, workspace_bytes=range_max(arr["temp_bytes"]),
+                       replicas=True)
+    fixed = mem.fixed_bytes()
+    return (mesh, range_sums(arr["time_s"]), fixed, range_sums(arr["act_mem_bytes"]),
+            sync + update, *zero_cols, sync, fixed - state, mem.step_bytes())
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
   inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]
@@ -551,6 +580,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       devices_per_host=[sub.devices_per_host for sub in subs],
       memory_bytes=[float(sub.memory_bytes) for sub in subs],
       submeshes=[tuple(sub.submesh_shapes()) for sub in subs], mesh_costs=mesh_costs,
+      num_microbatches=num_microbatches,
       boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
       imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
@@ -570,7 +600,8 @@ def _link_or_none(cluster, a: str, b: str):
 
 
 def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | None = None,
-                   local_layers: Mapping[int, LayerSequence] | None = None) -> ProfileResult:
+                   local_layers: Mapping[int, LayerSequence] | None = None,
+                   num_microbatches: int | None = None) -> ProfileResult:
   """Profiles a layer sequence on a cluster and builds its :class:`CostTables`.
 
   Three steps: :func:`enumerate_tasks` (the unique tasks), :func:`cost_tasks` (cache, then the
@@ -586,6 +617,9 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
       called only when a task misses the cache; the analytic source costs one data-parallel
       replica from them. Missing ones are approximated by scaling the full microbatch's
       batch-proportional costs by ``1 / dp`` (:func:`profile_step` traces them lazily).
+    num_microbatches: the iteration's microbatches, if known: a stage's once-per-iteration
+      end time (gradient all-reduce, update) is spread over them when its logical mesh is
+      chosen (``None``: meshes are compared by time per microbatch alone).
 
   Returns:
     The :class:`ProfileResult`.
@@ -608,7 +642,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
                           _local_layers(layers, local_layers))
   results, computed, dp_approx = cost_tasks(found, source, db, opts, layers)
   costs = layer_costs(found, results, L)
-  tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts)
+  tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts,
+                                 num_microbatches)
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),
@@ -627,12 +662,13 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
 
 
 def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
-                  opts: ProfileOptions) -> tuple[CostTables, dict]:
+                  opts: ProfileOptions, num_microbatches: int | None = None
+                  ) -> tuple[CostTables, dict]:
   """:func:`tables_from_layer_costs` with the options' ZeRO data and the microbatch's rows."""
   zero = None if opts.optimizer_bytes_per_param is None else (
       opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
   tables, counts = tables_from_layer_costs(layers, cluster, subs, configs, costs,
-                                           opts.imbalance, zero)
+                                           opts.imbalance, zero, num_microbatches)
   if microbatch_size(layers) is not None:
     tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
   return tables, counts
@@ -767,7 +803,8 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
       traced_s[0] += time.perf_counter() - t1
 
   t_first = traced_s[0]
-  result = profile_layers(layers, cluster, options=opts, local_layers=local)
+  result = profile_layers(layers, cluster, options=opts, local_layers=local,
+                          num_microbatches=num_microbatches)
   stats = dataclasses.replace(result.stats, trace_s=traced_s[0],
                               seconds=result.stats.seconds + t_first)
   return dataclasses.replace(result, stats=stats)

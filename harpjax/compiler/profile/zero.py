@@ -32,10 +32,11 @@ before gathering it (``P / dp``). ``workspace_bytes`` (the layers' own temporari
 cost tables) adds to the forward's and the backward's.
 
 **Collectives** (:func:`zero_collectives`, :func:`zero_sync_time_s`; ring model of
-:mod:`~harpjax.compiler.profile.collectives` on the link between the ``dp`` replicas). Per
-microbatch, levels 0 and 1 all-reduce the gradient; level 2 reduce-scatters it; level 3 also
-all-gathers the parameters in the forward and again in the backward. Per step, levels 1 and 2
-all-gather the updated parameters. Byte counts are per device (results, as
+:mod:`~harpjax.compiler.profile.collectives` on the link between the ``dp`` replicas). Levels
+0 and 1 all-reduce the gradient once per step, after the last backward (the replicas
+accumulate their own, :mod:`harpjax.compiler.stages.replicas`); per microbatch, level 2
+reduce-scatters it; level 3 also all-gathers the parameters in the forward and again in the
+backward. Per step, levels 1 and 2 all-gather the updated parameters. Byte counts are per device (results, as
 :func:`~harpjax.compiler.profile.pieces.parse_collectives` reports XLA's).
 
 **Host offload** (``opt_offloaded``, :func:`offload_time_s`): a stage that keeps its optimizer
@@ -72,7 +73,7 @@ import dataclasses
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
+from harpjax.compiler.profile.collectives import collective_time_s
 from harpjax.compiler.profile.profiler import (dp_link, MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
@@ -86,7 +87,8 @@ ZERO_LEVELS = (0, 1, 2, 3)
 def _check(zero: int, dp: int) -> None:
   if zero not in ZERO_LEVELS:
     raise HarpjaxError(f"zero={zero!r}: choose one of {ZERO_LEVELS}")
-  if int(dp) != dp or dp < 1:
+  d = np.asarray(dp)
+  if d.dtype == object or not np.all((np.floor(d) == d) & (d >= 1)):
     raise HarpjaxError(f"dp={dp!r} must be a positive integer")
 
 
@@ -139,12 +141,15 @@ class StageMemory:
     held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
     if self.act_offloaded:
       in_flight = min(in_flight, 2)
-    return held + in_flight * self.act_bytes + max(self.fwd_workspace_bytes,
-                                                   self.bwd_workspace_bytes)
+    return held + in_flight * self.act_bytes + np.maximum(self.fwd_workspace_bytes,
+                                                          self.bwd_workspace_bytes)
 
   def update_bytes(self) -> float:
     """Peak of the optimizer update: the state, and the new parameters and optimizer state."""
-    own = 1.0 - self.shared_bytes / self.param_bytes if self.param_bytes else 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+      own = np.where(self.param_bytes > 0,
+                     1.0 - self.shared_bytes / np.where(self.param_bytes > 0,
+                                                        self.param_bytes, 1.0), 1.0)
     return (2 * own * self.param_bytes + own * self.grad_bytes + 2 * self.opt_bytes
             + self.update_workspace_bytes)
 
@@ -158,10 +163,23 @@ class StageMemory:
 
   def peak_bytes(self, in_flight: int) -> float:
     """The stage's per-device peak over a step."""
-    pipeline = max(self.pipeline_bytes(in_flight), self.reduce_bytes())
+    pipeline = np.maximum(self.pipeline_bytes(in_flight), self.reduce_bytes())
     if not self.updates:
       return pipeline
-    return max(pipeline, self.update_bytes())
+    return np.maximum(pipeline, self.update_bytes())
+
+  def fixed_bytes(self) -> float:
+    """What the pipeline holds besides the residuals of the microbatches in flight (the
+    planner's fixed bytes of a stage: :meth:`pipeline_bytes` is ``fixed_bytes() + N *
+    act_bytes``, at most two microbatches' with the residuals offloaded, counted here)."""
+    if self.act_offloaded:
+      return self.pipeline_bytes(0) + 2 * self.act_bytes
+    return self.pipeline_bytes(0)
+
+  def step_bytes(self) -> float:
+    """The peak of the phases that hold no residual: the replicas' reduction and the
+    optimizer update (where the devices run it)."""
+    return np.maximum(self.reduce_bytes(), self.update_bytes() if self.updates else 0.0)
 
 
 def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: int,
@@ -199,23 +217,40 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
     dimensions do not divide stay whole in the runtime (small biases, in practice).
   """
   _check(zero, dp)
-  P = float(param_bytes)
-  G = P if grad_bytes is None else float(grad_bytes)
-  O = float(opt_bytes)
-  gathered = P if zero >= 3 and dp > 1 else 0.0
-  replicas = bool(replicas) and dp > 1 and zero <= 1
-  reduced = 0.0 if dp <= 1 or replicas else (G / dp if zero >= 2 and reduce_scatter else G)
-  return StageMemory(
+  num = lambda x: np.asarray(x, np.float64) if np.ndim(x) else float(x)
+  P = num(param_bytes)
+  G = P if grad_bytes is None else num(grad_bytes)
+  O = num(opt_bytes)
+  many = np.asarray(dp) > 1
+  gathered = np.where(many, P, 0.0) if zero >= 3 else np.zeros_like(P)
+  if replicas and zero <= 1:   # the replicas reduce once per step, after the backwards
+    reduced = np.where(many, 0.0, np.zeros_like(G))
+  else:
+    reduced = np.where(many, G / dp if zero >= 2 and reduce_scatter else G, 0.0)
+  replicas = bool(replicas) and zero <= 1 and bool(np.any(many))
+  ws = np.asarray(workspace_bytes, np.float64) if np.ndim(workspace_bytes) else \
+      float(workspace_bytes)
+  out = np.asarray(out_bytes, np.float64) if np.ndim(out_bytes) else float(out_bytes)
+  scalar = not any(np.ndim(x) for x in (P, G, O, act_bytes, dp, ws, out, shared_param_bytes))
+  return _as_floats(scalar, StageMemory(
       param_bytes=P / dp if zero >= 3 else P,
       grad_bytes=G / dp if zero >= 2 else G,
       opt_bytes=O / dp if zero >= 1 else O,
-      act_bytes=float(act_bytes),
-      fwd_workspace_bytes=float(out_bytes) + float(workspace_bytes) + gathered,
-      bwd_workspace_bytes=G + max(reduced, gathered) + float(workspace_bytes),
-      update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
+      act_bytes=np.asarray(act_bytes, np.float64) if np.ndim(act_bytes) else float(act_bytes),
+      fwd_workspace_bytes=out + ws + gathered,
+      bwd_workspace_bytes=G + np.maximum(reduced, gathered) + ws,
+      update_workspace_bytes=np.where(many, P / dp, 0.0) if zero in (1, 2) else np.zeros_like(P),
       shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
-      updates=bool(updates), replicas=replicas)
+      updates=bool(updates), replicas=replicas))
+
+
+def _as_floats(scalar: bool, m: StageMemory) -> StageMemory:
+  """``m`` with plain floats where every input was a number (arrays otherwise)."""
+  if not scalar:
+    return m
+  return dataclasses.replace(m, **{f.name: float(getattr(m, f.name))
+                                   for f in dataclasses.fields(m) if f.type == "float"})
 
 
 def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
@@ -286,7 +321,7 @@ def zero_collectives(param_bytes: float, dp: int, zero: int, grad_bytes: float |
   per_mb: dict = {}
   per_step: dict = {}
   if zero <= 1:
-    per_mb["all-reduce"] = [G, 1]
+    per_step["all-reduce"] = [G, 1]
   else:
     per_mb["reduce-scatter"] = [G / dp, 1]
   if zero >= 3:
@@ -302,7 +337,7 @@ def zero_sync_time_s(param_bytes: float, dp: int, zero: int, link: Link, num_mic
   (the per-step ones shared over the ``num_microbatches``), on ``link``.
 
   Level 0 gives :func:`~harpjax.compiler.profile.collectives.allreduce_time_s` of the
-  gradients, the all-reduce the cost tables already charge to every microbatch.
+  gradients over ``num_microbatches`` (one all-reduce per step).
   """
   per_mb, per_step = zero_collectives(param_bytes, dp, zero, grad_bytes)
   return (collective_time_s(per_mb, dp, link)
@@ -332,8 +367,11 @@ def zero_layer_costs(costs: dict, dp: int, zero: int, link: Link, *, num_microba
 
   Returns:
     New arrays: ``param_mem_bytes`` per :func:`zero_state_bytes_per_param`, ``temp_bytes``
-    plus the layer's gathered weights at level 3, ``time_s`` and ``comm_s`` with the gradient
-    all-reduce swapped for the level's collectives (:func:`zero_sync_time_s`).
+    plus the layer's gathered weights at level 3, ``time_s`` and ``comm_s`` with the level's
+    collectives (:func:`zero_collectives`; those once per step shared over the microbatches)
+    but the once-per-step all-reduce of levels 0 and 1, which the tables charge at the end of
+    the iteration from ``grad_bytes`` (``0`` from level 2: the gradient is reduce-scattered
+    every microbatch instead).
   """
   _check(zero, dp)
   if not 0 <= optimizer_bytes_per_param <= state_bytes_per_param:
@@ -349,12 +387,18 @@ def zero_layer_costs(costs: dict, dp: int, zero: int, link: Link, *, num_microba
       w, g, optimizer_bytes_per_param, dp, zero)
   if zero >= 3:
     out["temp_bytes"] = out["temp_bytes"] + n_local * w
-  before = allreduce_time_s(n_local * wire, dp, link)
-  after = np.array([zero_sync_time_s(x * wire, dp, zero, link, num_microbatches)
-                    for x in n_local])
+  B = max(int(num_microbatches), 1)
+
+  def added(x):
+    per_mb, per_step = zero_collectives(x * wire, dp, zero)
+    per_step.pop("all-reduce", None)
+    return collective_time_s(per_mb, dp, link) + collective_time_s(per_step, dp, link) / B
+  after = np.array([added(x) for x in n_local])
   ok = np.isfinite(out["time_s"])
-  out["time_s"] = np.where(ok, out["time_s"] - before + after, out["time_s"])
-  out["comm_s"] = np.where(ok, out["comm_s"] - before + after, out["comm_s"])
+  out["time_s"] = np.where(ok, out["time_s"] + after, out["time_s"])
+  out["comm_s"] = np.where(ok, out["comm_s"] + after, out["comm_s"])
+  if zero >= 2 and "grad_bytes" in out:
+    out["grad_bytes"] = np.zeros_like(out["grad_bytes"])
   return out
 
 
@@ -392,5 +436,7 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_bytes_per_param=grad_bytes_per_param))
     configs.append(MeshConfig(k, s, tuple(submesh), tuple(mesh)))
-  tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance)
+  split = (state_bytes_per_param, optimizer_bytes_per_param) if zero == 0 else None
+  tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance,
+                                      split, num_microbatches=num_microbatches)
   return tables
