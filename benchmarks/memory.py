@@ -7,7 +7,8 @@ For each model, plan and ZeRO level, every stage is compiled as the runtime runs
 gradient, optimizer-state and activation bytes without ZeRO, the level and ``dp``: *model*
 takes those bytes from the stage's arrays (the activation bytes from XLA's forward), *tables*
 from the cost tables the planner reads (jaxpr source: parameters per device times 4 + 4 + 8
-bytes of float32 Adam, the layers' residual and workspace estimates). Levels marked
+bytes of float32 Adam, the layers' residual and workspace estimates), the rest as *model*
+gets it (:func:`from_tables`). Levels marked
 "+ offload" keep the optimizer state in host memory between steps
 (``harpjax.OffloadOptions``; XLA:CPU's host memory is the same RAM, accounted apart).
 
@@ -26,9 +27,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import harpjax  # noqa: E402
-from harpjax.compiler.profile import ProfileOptions, profile_step, stage_memory  # noqa: E402
+from harpjax.compiler.layers import sharding  # noqa: E402
+from harpjax.compiler.profile import (ProfileOptions, pieces, profile_step,  # noqa: E402
+                                      stage_memory)
+from harpjax.compiler.trace import aval_size  # noqa: E402
 from harpjax.compiler.stages import memory_report  # noqa: E402
 from benchmarks.lm_step import lm_train_step  # noqa: E402
 from harpjax.models import GPTConfig  # noqa: E402
@@ -50,16 +55,39 @@ def gpt_step(hidden, seq_len, vocab, blocks, batch):
                                  num_heads=4, num_blocks=blocks), batch)
 
 
+def shared_params(layers, num_layers_range, tp):
+  """Parameter elements per device that layers ``i..j`` read but an earlier stage owns (a
+  tied embedding read again by the head): the stage holds them and their gradient, their
+  owner their optimizer state and update."""
+  i, j = num_layers_range
+  if i == 0:
+    return 0.0
+  dep = pieces.batch_dependent(layers.program, layers.input_kinds)
+  mine = pieces.build_piece(layers, i, j, dep)
+  before = set(pieces.build_piece(layers, 0, i - 1, dep).param_ids)
+  specs = sharding.param_specs(mine.program, mine.ops, mine.param_ids, tp)
+  return float(sum(aval_size(mine.program.avals[v]) / (tp if specs[v] != P() else 1)
+                   for v in mine.param_ids if v in before))
+
+
 def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight, offload):
-  """The model's peak from the cost tables' per-layer numbers (float32 Adam)."""
+  """The model's peak from the cost tables' per-layer numbers (float32 Adam), with the other
+  inputs :func:`~harpjax.compiler.stages.memory_report` gives the model: the residuals summed
+  and the largest workspace over the stage's layers, what the stage's last layer sends on
+  (split over ``dp``), data-parallel replicas that accumulate their own gradients and reduce
+  them once per step at levels 0 and 1 (``replicas=True``, as the runtime compiles them and
+  the planner's tables assume), and parameters another stage owns (:func:`shared_params`:
+  their optimizer state is not this stage's; the per-layer tables charge it to every stage
+  that reads them)."""
   i, j = num_layers_range
   arr = costs[mesh_key]
   n = float(np.sum(arr["param_mem_bytes"][i:j + 1])) / 16.0
-  mem = stage_memory(param_bytes=4 * n, grad_bytes=4 * n, opt_bytes=8 * n,
+  shared = shared_params(layers, num_layers_range, mesh_key[2][1])
+  mem = stage_memory(param_bytes=4 * n, grad_bytes=4 * n, opt_bytes=8 * (n - shared),
                      act_bytes=float(np.sum(arr["act_mem_bytes"][i:j + 1])), dp=dp, zero=zero,
                      out_bytes=layers[j].boundary_bytes / dp if j + 1 < len(layers) else 0.0,
                      workspace_bytes=float(np.max(arr["temp_bytes"][i:j + 1])),
-                     offload_optimizer=offload)
+                     shared_param_bytes=4 * shared, offload_optimizer=offload, replicas=True)
   return mem.peak_bytes(in_flight)
 
 
