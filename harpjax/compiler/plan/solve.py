@@ -688,7 +688,7 @@ def single_subcluster(tables: CostTables, k: int) -> CostTables:
       price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s),
       opt_mem_bytes=pick(tables.opt_mem_bytes), gather_time_s=pick(tables.gather_time_s),
       sync_time_s=pick(tables.sync_time_s), workspace_bytes=pick(tables.workspace_bytes),
-      step_mem_bytes=pick(tables.step_mem_bytes),
+      step_mem_bytes=pick(tables.step_mem_bytes), remat_modes=pick(tables.remat_modes),
       offload_bandwidth_bytes_per_s=pick(tables.offload_bandwidth_bytes_per_s),
       variants=pick(tables.variants),
       host_bandwidth_bytes_per_s=pick(tables.host_bandwidth_bytes_per_s),
@@ -1024,7 +1024,8 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
   specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
                           logical_mesh=s.logical_mesh, warmup=s.warmup, time_s=s.time_s,
                           comm_s=s.comm_s, zero=s.zero, offload=s.offload,
-                          offload_activations=s.offload_activations) for s in stages)
+                          offload_activations=s.offload_activations, remat=s.remat)
+                for s in stages)
   plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
               t_max_s=ev.t_max_s, predicted_iteration_s=iteration, eta=ev.eta,
               meta={"planner": "harpjax.dp", "eps": opts.eps, "cost_model": opts.cost_model,

@@ -258,7 +258,8 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
   new = {f: [] for f in ("submeshes", "stage_time_s", "param_mem_bytes", "act_mem_bytes",
                          "end_time_s", "logical_mesh", "variants")
          + (("sync_time_s",) if tables.sync_time_s is not None else ())
-         + (("step_mem_bytes",) if tables.step_mem_bytes is not None else ())}
+         + (("step_mem_bytes",) if tables.step_mem_bytes is not None else ())
+         + (("remat_modes",) if tables.remat_modes is not None else ())}
   for k in range(K):
     mem = tables.device_memory_bytes[k]
     full = [_variant(tables, k, *var) for var in pairs]
@@ -283,7 +284,9 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
           dominated |= dom
         keep[v] = keep[v] & ~dominated
     shapes_k = tables.submeshes[k]
-    shapes, labels, parts = [], [], {f: [] for f in new if f not in ("submeshes", "variants")}
+    shapes, labels, parts = [], [], {f: [] for f in new
+                                     if f not in ("submeshes", "variants", "remat_modes")}
+    modes = []
     lm = tables.logical_mesh[k] if tables.logical_mesh is not None else np.broadcast_to(
         np.array([[n * m, 1] for n, m in shapes_k]), (L, L, len(shapes_k), 2))
     for v, var in enumerate(pairs):
@@ -297,6 +300,8 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
       mask = (ok if v == 0 else keep[v])[:, :, slots]
       shapes += [shapes_k[s] for s in slots]
       labels += [var] * len(slots)
+      if tables.remat_modes is not None:
+        modes += [tables.remat_modes[k][s] for s in slots]
       parts["stage_time_s"].append(np.where(mask, t[:, :, slots], np.inf))
       parts["param_mem_bytes"].append(np.where(mask, p[:, :, slots], 0.0))
       parts["act_mem_bytes"].append(a[:, :, slots])
@@ -309,6 +314,8 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
         parts["step_mem_bytes"].append(np.where(mask, steps[v][:, :, slots], 0.0))
     new["submeshes"].append(tuple(shapes))
     new["variants"].append(tuple(labels))
+    if tables.remat_modes is not None:
+      new["remat_modes"].append(tuple(modes))
     for f, col in parts.items():
       new[f].append(np.concatenate(col, axis=2))
   if not changed:
@@ -320,21 +327,33 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
 
 
 def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0,
-                 offload: bool = False, offload_activations: bool = False) -> int:
+                 offload: bool = False, offload_activations: bool = False,
+                 remat: str | None = None) -> int:
   """Index in ``tables.submeshes[k]`` of submesh ``shape`` under ``(zero, offload,
-  offload_activations)``.
+  offload_activations)`` and, where the tables cost both (:attr:`~harpjax.compiler.profile.
+  CostTables.remat_modes`), the remat mode ``remat`` (``None``: ``"none"``; ignored by tables
+  of one mode).
 
   Raises:
     PlanError: the tables have no such entry (not expanded, or the variant was not kept).
   """
   shape = tuple(int(x) for x in shape)
   want = (int(zero), bool(offload), bool(offload_activations))
+  mode = "none" if remat is None else str(remat)
+  modes = tables.remat_modes[k] if tables.remat_modes is not None else None
+  if modes is not None and mode not in ("none", "full"):
+    raise PlanError(f"remat={remat!r}: these tables cost 'none' and 'full' only")
   if tables.variants is None:
     if want != (0, False, False):
       _cannot_price(*want)
-    return tables.submesh_index(k, shape)
+    if modes is None:
+      return tables.submesh_index(k, shape)
+    for s, sh in enumerate(tables.submeshes[k]):
+      if sh == shape and modes[s] == mode:
+        return s
+    return tables.submesh_index(k, shape)   # raises: no such shape
   for s, (sh, var) in enumerate(zip(tables.submeshes[k], tables.variants[k])):
-    if sh == shape and var == want:
+    if sh == shape and var == want and (modes is None or modes[s] == mode):
       return s
   hint = ""
   if (offload or offload_activations) and tables.offload_bandwidth_bytes_per_s is None:
@@ -383,5 +402,7 @@ def base_index(tables: CostTables, k: int, s: int) -> int:
   index in the tables before :func:`expand_variants`)."""
   if tables.variants is None:
     return s
-  distinct = list(dict.fromkeys(tables.submeshes[k]))
-  return distinct.index(tables.submeshes[k][s])
+  modes = tables.remat_modes[k] if tables.remat_modes is not None else \
+      (None,) * len(tables.submeshes[k])
+  distinct = list(dict.fromkeys(zip(tables.submeshes[k], modes)))
+  return distinct.index((tables.submeshes[k][s], modes[s]))

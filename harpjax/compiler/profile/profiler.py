@@ -46,7 +46,8 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
-from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
+from harpjax.compiler.profile.tables import (CostTables, assemble_tables, range_max, range_sums,
+                                             with_remat_choice)
 from harpjax.compiler.trace import trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
@@ -105,7 +106,9 @@ class ProfileOptions:
       recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
       in-flight microbatch. The runtime then rematerialises too (the plan says so). Off by
       default, as ``harpjax plan`` (docs/planner.md, "One set of defaults"): large models
-      (GPT-39B on 32 GB devices) need it on.
+      (GPT-39B on 32 GB devices) need it on. ``"choose"``: every layer is costed both ways
+      and the tables let the planner choose per stage
+      (:func:`~harpjax.compiler.profile.with_remat_choice`; the plan's stages say which).
     optimizer_bytes_per_param: the optimizer state's part of ``state_bytes_per_param`` (12 of
       16 for mixed-precision Adam, 8 of 16 for float32 Adam); given, the tables carry it
       (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
@@ -128,10 +131,13 @@ class ProfileOptions:
   imported_module: str | None = None
   imported_data_dir: str | None = None
   workers: int = 1
-  remat: bool = False
+  remat: bool | str = False
   optimizer_bytes_per_param: float | None = 12.0
 
   def __post_init__(self):
+    if self.remat not in (False, True, "choose"):
+      raise HarpjaxError(f"ProfileOptions.remat={self.remat!r}; choose False, True or "
+                         "'choose' (the planner picks per stage)")
     if self.source not in SOURCES:
       raise HarpjaxError(f"ProfileOptions.source={self.source!r}; choose one of "
                          f"{', '.join(SOURCES)}")
@@ -224,6 +230,8 @@ class ProfileResult:
       "act_mem_bytes", "temp_bytes", "flops": [L] arrays}}`` (``inf`` time: pruned).
     cluster: the cluster profiled; options: the :class:`ProfileOptions` (what
       :func:`tables_for_plan` rebuilds the tables with).
+    remat_costs: with ``ProfileOptions(remat="choose")``, the per-layer costs with the
+      forward rematerialised in the backward (``costs``: without).
   """
   tables: CostTables
   layers: LayerSequence
@@ -231,6 +239,7 @@ class ProfileResult:
   costs: dict
   cluster: Any = None
   options: Any = None
+  remat_costs: dict | None = None
 
 
 def microbatch_size(layers: LayerSequence) -> int | None:
@@ -625,6 +634,19 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
     The :class:`ProfileResult`.
   """
   opts = options or ProfileOptions()
+  if opts.remat == "choose":   # both ways, one set of tables: the planner chooses per stage
+    one = lambda remat: profile_layers(layers, cluster, local_layers=local_layers,
+                                       options=dataclasses.replace(opts, remat=remat),
+                                       num_microbatches=num_microbatches)
+    none, full = one(False), one(True)
+    st = none.stats
+    stats = dataclasses.replace(
+        st, unique_tasks=st.unique_tasks + full.stats.unique_tasks,
+        computed=st.computed + full.stats.computed,
+        cache_hits=st.cache_hits + full.stats.cache_hits,
+        seconds=st.seconds + full.stats.seconds, trace_s=st.trace_s + full.stats.trace_s)
+    return ProfileResult(with_remat_choice(none.tables, full.tables), layers, stats,
+                         none.costs, cluster, opts, remat_costs=full.costs)
   t0 = time.perf_counter()
   L = len(layers)
   if L == 0:
@@ -699,14 +721,19 @@ def tables_for_plan(result: ProfileResult, plan) -> CostTables:
                         f"with logical meshes {have}, not {mesh}")
   opts = result.options
   subs = ordered_subclusters(result.cluster, opts.order)
-  configs, costs = [], []
-  for k, sub in enumerate(subs):
-    for s, nm in enumerate(sub.submesh_shapes()):
-      for (name, sm, mesh), arr in result.costs.items():
-        if name == sub.name and sm == tuple(nm) and pins.get((name, sm), mesh) == mesh:
-          configs.append(MeshConfig(k, s, tuple(nm), mesh))
-          costs.append(arr)
-  return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
+
+  def build(by_config):
+    configs, costs = [], []
+    for k, sub in enumerate(subs):
+      for s, nm in enumerate(sub.submesh_shapes()):
+        for (name, sm, mesh), arr in by_config.items():
+          if name == sub.name and sm == tuple(nm) and pins.get((name, sm), mesh) == mesh:
+            configs.append(MeshConfig(k, s, tuple(nm), mesh))
+            costs.append(arr)
+    return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
+  if result.remat_costs is not None:
+    return with_remat_choice(build(result.costs), build(result.remat_costs))
+  return build(result.costs)
 
 
 def _warn_uncalibrated(gpu_names, overrides) -> None:

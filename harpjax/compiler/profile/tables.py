@@ -43,7 +43,42 @@ from harpjax.errors import CostTablesError
 
 __all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
            "memory_to_compute_order", "synthetic_gpt_profile", "assemble_tables", "range_sums",
-           "range_max"]
+           "range_max", "with_remat_choice", "ENTRY_ARRAYS"]
+
+ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mesh",
+                "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
+                "workspace_bytes", "step_mem_bytes")
+"""The :class:`CostTables` fields with one value per entry, ``[L, L, S_k]`` per subcluster
+(``logical_mesh``: ``[L, L, S_k, 2]``)."""
+
+
+def with_remat_choice(none: "CostTables", full: "CostTables") -> "CostTables":
+  """One set of tables whose submesh choices are each submesh without rematerialisation and
+  again with it (:attr:`CostTables.remat_modes`), from the tables of the same layers and
+  cluster costed both ways: the planner then chooses per stage.
+
+  Raises:
+    CostTablesError: the two do not describe the same layers and submeshes, or either is
+      already expanded into variants or carries a remat choice.
+  """
+  if none.variants is not None or full.variants is not None or \
+      none.remat_modes is not None or full.remat_modes is not None:
+    raise CostTablesError("with_remat_choice takes tables of one remat mode each, before "
+                          "their expansion into variants")
+  if none.num_layers != full.num_layers or none.submeshes != full.submeshes or \
+      none.subcluster_names != full.subcluster_names:
+    raise CostTablesError("with_remat_choice: the two tables must cost the same layers on "
+                          "the same subclusters and submeshes")
+  both = {}
+  for f in ENTRY_ARRAYS:
+    a, b = getattr(none, f), getattr(full, f)
+    if (a is None) != (b is None):
+      raise CostTablesError(f"with_remat_choice: {f} is given in one of the tables only")
+    if a is not None:
+      both[f] = tuple(np.concatenate([x, y], axis=2) for x, y in zip(a, b))
+  return none.replace(submeshes=tuple(s + s for s in none.submeshes),
+                      remat_modes=tuple(("none",) * len(s) + ("full",) * len(s)
+                                        for s in none.submeshes), **both)
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +237,12 @@ class CostTables:
       after the pipeline, which hold no residual (the replicas' gradient reduction and the
       optimizer update, :meth:`~harpjax.compiler.profile.StageMemory.step_bytes`): an entry
       is usable only where it fits the device. ``None``: not checked.
+    remat_modes: optional ``[K]`` tuples, one per entry of ``submeshes[k]``: what a stage on
+      that choice recomputes in its backward (``"none"`` or ``"full"``, as
+      :attr:`~harpjax.compiler.plan.StageSpec.remat`); tables that cost both
+      (:func:`with_remat_choice`) let the planner choose it per stage, each priced (the
+      recompute's time, the residuals it saves). Shapes then repeat, once per mode.
+      ``None``: the tables cost one mode, the plan's.
     offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
       memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
       stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration, and
@@ -241,6 +282,7 @@ class CostTables:
   sync_time_s: tuple[np.ndarray, ...] | None = None
   workspace_bytes: tuple[np.ndarray, ...] | None = None
   step_mem_bytes: tuple[np.ndarray, ...] | None = None
+  remat_modes: tuple[tuple[str, ...], ...] | None = None
   offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
   variants: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None
   microbatch_rows: int | None = None
@@ -287,13 +329,26 @@ class CostTables:
       set_("price_per_gpu_hour", _nonneg(self.price_per_gpu_hour, "price_per_gpu_hour", K))
     if self.peak_flops is not None:
       set_("peak_flops", _positive(self.peak_flops, "peak_flops", K))
-    repeats = self.variants is not None
+    repeats = self.variants is not None or self.remat_modes is not None
     shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
                                    s, repeats=repeats)
                    for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
     set_("submeshes", shapes)
-    if repeats:
+    if self.remat_modes is not None:
+      modes = tuple(tuple(str(x) for x in row)
+                    for row in _seq(self.remat_modes, "remat_modes", K))
+      for k, row in enumerate(modes):
+        if len(row) != len(shapes[k]) or any(x not in ("none", "full") for x in row):
+          raise CostTablesError(f"remat_modes[{k}] must give 'none' or 'full' for each of the "
+                                f"{len(shapes[k])} submesh entries")
+      set_("remat_modes", modes)
+    if self.variants is not None:
       self._set_variants(K)
+    elif self.remat_modes is not None:
+      for k in range(K):
+        keys = list(zip(shapes[k], self.remat_modes[k]))
+        if len(set(keys)) != len(keys):
+          raise CostTablesError(f"remat_modes[{k}]: a (submesh, remat) repeats")
     if self.offload_bandwidth_bytes_per_s is not None:
       set_("offload_bandwidth_bytes_per_s", _positive(self.offload_bandwidth_bytes_per_s,
                                                       "offload_bandwidth_bytes_per_s", K))
@@ -395,10 +450,11 @@ class CostTables:
         raise CostTablesError(f"variants[{k}] must give (zero in 0..3, offload, "
                               f"offload_activations) for each of the "
                               f"{len(self.submeshes[k])} submesh entries")
-      keys = list(zip(self.submeshes[k], row))
+      modes = self.remat_modes[k] if self.remat_modes is not None else (None,) * len(row)
+      keys = list(zip(self.submeshes[k], row, modes))
       if len(set(keys)) != len(keys):
-        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload, offload_activations) "
-                              "repeats")
+        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload, offload_activations"
+                              "[, remat]) repeats")
       rows.append(row)
     object.__setattr__(self, "variants", tuple(rows))
 
@@ -573,6 +629,11 @@ class CostTables:
     except ValueError:
       raise CostTablesError(f"unknown subcluster {name!r}; the tables have "
                             f"{list(self.subcluster_names)}") from None
+
+  def remat_of(self, k: int, s: int) -> str | None:
+    """The remat mode of submesh choice ``s`` of subcluster ``k`` (``None``: the tables cost
+    one mode, the plan's)."""
+    return None if self.remat_modes is None else self.remat_modes[k][s]
 
   def end_of(self, k: int, i: int, j: int, s: int) -> float:
     """End-of-iteration seconds of layers ``i..j`` on submesh ``s`` of subcluster ``k``
