@@ -689,6 +689,7 @@ def single_subcluster(tables: CostTables, k: int) -> CostTables:
       opt_mem_bytes=pick(tables.opt_mem_bytes), gather_time_s=pick(tables.gather_time_s),
       sync_time_s=pick(tables.sync_time_s), workspace_bytes=pick(tables.workspace_bytes),
       step_mem_bytes=pick(tables.step_mem_bytes), remat_modes=pick(tables.remat_modes),
+      grad_out_bytes=pick(tables.grad_out_bytes),
       offload_bandwidth_bytes_per_s=pick(tables.offload_bandwidth_bytes_per_s),
       variants=pick(tables.variants),
       host_bandwidth_bytes_per_s=pick(tables.host_bandwidth_bytes_per_s),

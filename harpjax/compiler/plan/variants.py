@@ -22,7 +22,14 @@ degree, ``P`` its ``param_mem_bytes``, ``O`` its ``opt_mem_bytes``, weights and 
 * state held: ``W_z + G_z + O_z`` with ``O_z = O / dp`` from level 1, ``G_z = G / dp`` from
   level 2, ``W_z = W / dp`` at level 3; with offload the pipeline holds ``W_z + G_z`` only,
   and the variant is allowed only where ``W_z + G_z + O_z`` fits the device (the update
-  brings the state in);
+  brings the state in). Tables that carry the layers' workspace and largest gradient
+  (:attr:`~harpjax.compiler.profile.CostTables.workspace_bytes`,
+  :attr:`~harpjax.compiler.profile.CostTables.grad_out_bytes`, as the profiler's do) get the
+  memory model's numbers instead (:func:`memory_model`, the one
+  :func:`~harpjax.compiler.profile.stage_memory`): the fixed bytes at the level (state and
+  the pipeline's workspace: a forward's outputs and temporaries, a backward's gradient, its
+  reduction and the weights gathered), and the variant is allowed only where the phases after
+  the pipeline (the replicas' reduction, the update) fit;
 * time per microbatch: ``t``, plus ``2 g`` at level 3 (the weights gathered in the forward
   and again in the backward), plus, from level 2, the gradient's reduce-scatter after every
   backward, ``g`` (the same bytes as the weights' all-gather on the same link) where the
@@ -75,7 +82,7 @@ from harpjax.compiler.profile import CostTables, stage_memory
 from harpjax.errors import PlanError
 
 __all__ = ["expand_variants", "variant_arrays", "variant_step_bytes", "variant_slot",
-           "tables_for_stages",
+           "tables_for_stages", "memory_model",
            "has_variant_data", "variant_of", "base_index", "VariantOptions"]
 
 
@@ -177,10 +184,7 @@ def _variant(tables: CostTables, k: int, zero: int, offload: bool, offload_activ
   y = tables.sync_time_s[k] if tables.sync_time_s is not None else None
   if zero or offload:
     O = tables.opt_mem_bytes[k]
-    # the pipeline's workspace stays what it is at level 0 (the layers' temporaries and
-    # outputs, a backward's new gradient); the state splits
-    T = tables.workspace_bytes[k] if tables.workspace_bytes is not None else 0.0
-    W = G = np.maximum(P - T - O, 0.0) / 2.0
+    W = G = np.maximum(P - O, 0.0) / 2.0
     L = tables.num_layers
     S = len(tables.submeshes[k])
     if tables.logical_mesh is not None:
@@ -189,28 +193,25 @@ def _variant(tables: CostTables, k: int, zero: int, offload: bool, offload_activ
       dp = np.broadcast_to(np.array([n * m for n, m in tables.submeshes[k]], np.float64),
                            (L, L, S))
     g = tables.gather_time_s[k] if tables.gather_time_s is not None else np.zeros_like(P)
+    model = memory_model(tables, k, dp, zero, offload)
     O_z = O / dp if zero >= 1 else O
     G_z = G / dp if zero >= 2 else G
     W_z = W / dp if zero >= 3 else W
-    if zero >= 2 and tables.workspace_bytes is not None:
-      # the memory model's backward also writes the gradient's reduction (level 3: or the
-      # weights gathered, as large) beside the level-0 workspace
-      T = T + np.where(dp > 1, G, 0.0)
-    state = W_z + G_z + O_z + T
+    state = W_z + G_z + O_z if model is None else model.fixed_bytes()
     t = t0 + 2.0 * g if zero >= 3 else t0
     e = e0 + g if zero in (1, 2) else e0
     if zero >= 2 and y is not None:   # reduce-scattered every microbatch, not all-reduced
       t = t + g
       e = np.maximum(e - y, 0.0)
-    if step is not None:   # the memory model's reduction and update
-      step = stage_memory(param_bytes=W, grad_bytes=G, opt_bytes=O, act_bytes=0.0, dp=dp,
-                          zero=zero, replicas=True).step_bytes()
+    if model is not None:   # the memory model's reduction and update
+      step = model.step_bytes()
       allowed = np.isfinite(t0) & (step <= mem)
     elif offload:
       allowed = finite & (state <= mem)
     if offload:
       e = e + 2.0 * O_z / tables.offload_bandwidth_bytes_per_s[k]
-      state = W_z + G_z + T
+      if model is None:
+        state = W_z + G_z
   if offload_activations:
     # At most two microbatches' residuals on the device, as fixed bytes; none per microbatch
     # in flight; both trips over the host link per microbatch (activation_offload_time_s).
@@ -218,6 +219,29 @@ def _variant(tables: CostTables, k: int, zero: int, offload: bool, offload_activ
     state = state + 2.0 * a
     a = np.zeros_like(a)
   return t, state, a, e, allowed, step
+
+
+def memory_model(tables: CostTables, k: int, dp: np.ndarray, zero: int, offload: bool = False):
+  """The memory model (:func:`~harpjax.compiler.profile.stage_memory`) of every entry of
+  subcluster ``k`` at ``zero`` / ``offload``, as ``[L, L, S_k]`` arrays, where the tables carry
+  what it needs (:attr:`~harpjax.compiler.profile.CostTables.workspace_bytes` and
+  :attr:`~harpjax.compiler.profile.CostTables.grad_out_bytes` beside ``opt_mem_bytes``;
+  ``None`` otherwise). The level-0 fixed bytes are ``param_mem_bytes``: the state is what
+  remains of them once the workspace is taken off, weights and gradients half each."""
+  if tables.workspace_bytes is None or tables.grad_out_bytes is None or \
+      tables.opt_mem_bytes is None:
+    return None
+  L = tables.num_layers
+  P, O = tables.param_mem_bytes[k], tables.opt_mem_bytes[k]
+  ws, gout = tables.workspace_bytes[k], tables.grad_out_bytes[k]
+  out = np.broadcast_to(tables.boundary_bytes[None, :, None], P.shape).copy()
+  out[:, L - 1, :] = 0.0   # the last stage sends nothing on
+  with np.errstate(divide="ignore", invalid="ignore"):
+    out = out / dp
+  W = np.maximum(P - O - np.maximum(out + ws, gout + ws), 0.0) / 2.0
+  return stage_memory(param_bytes=W, grad_bytes=W, opt_bytes=O, act_bytes=0.0, dp=dp,
+                      zero=zero, out_bytes=out, workspace_bytes=ws, replicas=True,
+                      grad_out_bytes=gout if zero <= 1 else None, offload_optimizer=offload)
 
 
 def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
@@ -323,7 +347,7 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
   # Each variant's memory is in its state bytes and its allowed entries (the reduction and
   # the update checked there), so the level-0 split of the bytes goes.
   return tables.replace(opt_mem_bytes=None, gather_time_s=None, workspace_bytes=None,
-                        **{f: tuple(v) for f, v in new.items()})
+                        grad_out_bytes=None, **{f: tuple(v) for f, v in new.items()})
 
 
 def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0,

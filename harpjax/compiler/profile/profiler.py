@@ -555,8 +555,9 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       grads = range_sums(arr["grad_bytes"])
       sync = allreduce_time_s(grads, dp, link)
       update = 2.0 * state / sub.gpu.mem_bandwidth_bytes_per_s
-      with np.errstate(invalid="ignore"):
-        yield _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out)
+      with np.errstate(invalid="ignore", divide="ignore"):
+        entry = _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out)
+      yield entry
 
   def _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out):
     if zero is not None:
@@ -568,13 +569,17 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       weights = np.minimum(grads, state / 2.0)
       opt = state - 2.0 * weights
       zero_cols = (None, None)
+    work = range_max(arr["temp_bytes"])
+    # the largest layer's gradient, in the state's bytes per parameter
+    gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
+        grads > 0, grads, 1.0), 1.0)
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
                        act_bytes=range_sums(arr["act_mem_bytes"]), dp=dp, zero=0,
-                       out_bytes=out / dp, workspace_bytes=range_max(arr["temp_bytes"]),
-                       replicas=True)
-    fixed = mem.fixed_bytes()
-    return (mesh, range_sums(arr["time_s"]), fixed, range_sums(arr["act_mem_bytes"]),
-            sync + update, *zero_cols, sync, fixed - state, mem.step_bytes())
+                       out_bytes=out / dp, workspace_bytes=work, replicas=True,
+                       grad_out_bytes=gout)
+    return (mesh, range_sums(arr["time_s"]), mem.fixed_bytes(),
+            range_sums(arr["act_mem_bytes"]), sync + update, *zero_cols, sync, work,
+            mem.step_bytes(), gout)
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
   inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]

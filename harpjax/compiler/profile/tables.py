@@ -47,7 +47,7 @@ __all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
 
 ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mesh",
                 "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
-                "workspace_bytes", "step_mem_bytes")
+                "workspace_bytes", "grad_out_bytes", "step_mem_bytes")
 """The :class:`CostTables` fields with one value per entry, ``[L, L, S_k]`` per subcluster
 (``logical_mesh``: ``[L, L, S_k, 2]``)."""
 
@@ -228,11 +228,16 @@ class CostTables:
       microbatch instead (ZeRO levels 2 and 3: a reduce-scatter per backward; mixed-type
       stages) moves it out of the end time (:func:`~harpjax.compiler.plan.variants.
       variant_arrays`). ``None``: no all-reduce in ``end_time_s``.
-    workspace_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: of ``param_mem_bytes``, what the
-      pipeline writes besides the state and the residuals (the larger of a forward's outputs
-      and temporaries and a backward's new gradient and temporaries,
-      :meth:`~harpjax.compiler.profile.StageMemory.fixed_bytes`); the rest is the state
-      (weights, gradient accumulator, optimizer state). ``None``: all of it is state.
+    workspace_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: the largest temporaries of the
+      stage's layers (a forward's or a backward's, per device). With
+      :attr:`grad_out_bytes`, ``param_mem_bytes`` is the memory model's fixed bytes at level
+      0 (:meth:`~harpjax.compiler.profile.StageMemory.fixed_bytes`: the state, and the larger
+      of a forward's outputs and temporaries and a backward's new gradient and temporaries),
+      and every variant's bytes are the model's (:func:`~harpjax.compiler.plan.variants.
+      variant_arrays`). ``None``: ``param_mem_bytes`` is taken as the state.
+    grad_out_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: the most gradient bytes a backward
+      writes beside the accumulator at levels 0 and 1 (the largest layer's: XLA adds each into
+      the donated accumulator).
     step_mem_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: per device, the peak of the phases
       after the pipeline, which hold no residual (the replicas' gradient reduction and the
       optimizer update, :meth:`~harpjax.compiler.profile.StageMemory.step_bytes`): an entry
@@ -281,6 +286,7 @@ class CostTables:
   gather_time_s: tuple[np.ndarray, ...] | None = None
   sync_time_s: tuple[np.ndarray, ...] | None = None
   workspace_bytes: tuple[np.ndarray, ...] | None = None
+  grad_out_bytes: tuple[np.ndarray, ...] | None = None
   step_mem_bytes: tuple[np.ndarray, ...] | None = None
   remat_modes: tuple[tuple[str, ...], ...] | None = None
   offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
@@ -354,7 +360,7 @@ class CostTables:
                                                       "offload_bandwidth_bytes_per_s", K))
     fields = ("stage_time_s", "param_mem_bytes", "act_mem_bytes")
     for extra in ("end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
-                  "workspace_bytes", "step_mem_bytes"):
+                  "workspace_bytes", "grad_out_bytes", "step_mem_bytes"):
       if getattr(self, extra) is not None:
         fields += (extra,)
     for field in fields:
@@ -695,6 +701,7 @@ class CostTables:
         gather_time_s=None if self.gather_time_s is None else pick(self.gather_time_s),
         sync_time_s=None if self.sync_time_s is None else pick(self.sync_time_s),
         workspace_bytes=None if self.workspace_bytes is None else pick(self.workspace_bytes),
+        grad_out_bytes=None if self.grad_out_bytes is None else pick(self.grad_out_bytes),
         step_mem_bytes=None if self.step_mem_bytes is None else pick(self.step_mem_bytes),
         layer_names=names)
 
@@ -983,8 +990,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       bytes and the weights' all-gather seconds (:attr:`CostTables.opt_mem_bytes`,
       :attr:`CostTables.gather_time_s`; both ``None``: no ZeRO data), and an eighth, the
       gradient all-reduce's part of the end time (:attr:`CostTables.sync_time_s`), and a
-      ninth and a tenth, the pipeline's workspace in the parameter bytes and the peak after
-      the pipeline (:attr:`CostTables.workspace_bytes`, :attr:`CostTables.step_mem_bytes`).
+      ninth, a tenth and an eleventh, the layers' largest temporaries, the peak after the
+      pipeline and the most gradient a backward writes beside the accumulator
+      (:attr:`CostTables.workspace_bytes`, :attr:`CostTables.step_mem_bytes`,
+      :attr:`CostTables.grad_out_bytes`).
     boundary_bytes: ``[L]``.
     intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
       consecutive ones.
@@ -1019,7 +1028,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     hopeless_share = lambda k, g: multi & (share_f > imbalance * peak_flops[k] * g / total_peak)
   counts = {"oom": 0, "imbalance": 0}
   stage_t, param_m, act_m, logical, end_t, opt_m, gat_t, sync_t = [], [], [], [], [], [], [], []
-  work_m, step_m = [], []
+  work_m, step_m, gout_m = [], [], []
   has_end = has_zero = has_sync = has_mem = False
   per_iteration = 0.0 if num_microbatches is None else 1.0 / num_microbatches
   for k in range(K):
@@ -1027,7 +1036,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     t_k = np.full((L, L, S), np.inf)
     p_k, a_k, e_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
     o_k, g_k, y_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
-    w_k, z_k = np.zeros((L, L, S)), np.zeros((L, L, S))
+    w_k, z_k, q_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
     lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
     for s, (n, m) in enumerate(submeshes[k]):
       g = n * m
@@ -1045,8 +1054,8 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
         has_zero |= with_zero
         sync = rest[3] if len(rest) > 3 else 0.0
         has_sync |= len(rest) > 3
-        work, step = (rest[4], rest[5]) if len(rest) > 5 else (0.0, 0.0)
-        has_mem |= len(rest) > 5
+        work, step, gout = (rest[4], rest[5], rest[6]) if len(rest) > 6 else (0.0, 0.0, 0.0)
+        has_mem |= len(rest) > 6
         rank = t + np.asarray(end) * per_iteration
         foot = pm + am
         fits = np.isfinite(t) & (foot <= memory_bytes[k]) & (step <= memory_bytes[k])
@@ -1058,16 +1067,16 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
                   np.broadcast_to(end, (L, L)), np.broadcast_to(opt, (L, L)),
                   np.broadcast_to(gat, (L, L)), tier, np.broadcast_to(sync, (L, L)),
                   np.broadcast_to(rank, (L, L)), np.broadcast_to(work, (L, L)),
-                  np.broadcast_to(step, (L, L))]
+                  np.broadcast_to(step, (L, L)), np.broadcast_to(gout, (L, L))]
           continue
         better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (rank < best[12])) | \
             ((tier == 0) & (best[10] == 0) & (foot < best[6]))
         for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier, sync,
-                                   rank, work, step)):
+                                   rank, work, step, gout)):
           best[idx] = np.where(better, new, best[idx])
       if best is None:
         continue
-      fits, t, pm, am, dps, tps, _, ends, opts, gats, _, syncs, _, works, steps = best
+      fits, t, pm, am, dps, tps, _, ends, opts, gats, _, syncs, _, works, steps, gouts = best
       keep = np.isfinite(t)
       counts["oom"] += int(np.sum(~fits[iu]))
       if hopeless_share is not None:
@@ -1083,6 +1092,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       y_k[iu[0], iu[1], s] = np.where(np.isfinite(syncs), syncs, 0.0)[iu]
       w_k[iu[0], iu[1], s] = np.where(np.isfinite(works), works, 0.0)[iu]
       z_k[iu[0], iu[1], s] = np.where(np.isfinite(steps), steps, 0.0)[iu]
+      q_k[iu[0], iu[1], s] = np.where(np.isfinite(gouts), gouts, 0.0)[iu]
       lm_k[..., s, 0] = np.where(keep, dps, g)
       lm_k[..., s, 1] = np.where(keep, tps, 1)
     stage_t.append(t_k)
@@ -1095,6 +1105,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     sync_t.append(np.minimum(y_k, e_k))
     work_m.append(np.minimum(w_k, p_k))
     step_m.append(z_k)
+    gout_m.append(q_k)
   tables = CostTables(
       num_layers=L, subcluster_names=tuple(names), num_hosts=tuple(num_hosts),
       devices_per_host=tuple(devices_per_host), device_memory_bytes=tuple(memory_bytes),
@@ -1119,6 +1130,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       sync_time_s=tuple(sync_t) if has_sync and has_end else None,
       workspace_bytes=tuple(work_m) if has_mem else None,
       step_mem_bytes=tuple(step_m) if has_mem else None,
+      grad_out_bytes=tuple(gout_m) if has_mem else None,
       offload_bandwidth_bytes_per_s=None if offload_bandwidth_bytes_per_s is None else tuple(
           float(b) for b in offload_bandwidth_bytes_per_s),
       host_bandwidth_bytes_per_s=None if host_links is None else tuple(

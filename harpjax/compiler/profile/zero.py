@@ -188,7 +188,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
                  shared_param_bytes: float = 0.0,
                  offload_optimizer: bool = False,
                  offload_activations: bool = False, updates: bool = True,
-                 replicas: bool = False) -> StageMemory:
+                 replicas: bool = False, grad_out_bytes: float | None = None) -> StageMemory:
   """Per-device memory of a stage at ZeRO level ``zero``.
 
   Args:
@@ -211,6 +211,10 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
     updates: the devices run the optimizer update (:attr:`StageMemory.updates`).
     replicas: the replicas reduce their gradients once per step (:attr:`StageMemory.replicas`;
       levels 0 and 1 only).
+    grad_out_bytes: the most gradient bytes a backward writes beside the accumulator before
+      adding them in (default: all of ``grad_bytes``). Where the accumulator is donated and
+      not reduced in the backward (one device, or replicas at levels 0 and 1), XLA adds each
+      layer's gradient in as it goes: the largest layer's.
 
   Returns:
     The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
@@ -231,14 +235,16 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
   ws = np.asarray(workspace_bytes, np.float64) if np.ndim(workspace_bytes) else \
       float(workspace_bytes)
   out = np.asarray(out_bytes, np.float64) if np.ndim(out_bytes) else float(out_bytes)
-  scalar = not any(np.ndim(x) for x in (P, G, O, act_bytes, dp, ws, out, shared_param_bytes))
+  scalar = not any(np.ndim(x) for x in (P, G, O, act_bytes, dp, ws, out, shared_param_bytes,
+                                        0.0 if grad_out_bytes is None else grad_out_bytes))
   return _as_floats(scalar, StageMemory(
       param_bytes=P / dp if zero >= 3 else P,
       grad_bytes=G / dp if zero >= 2 else G,
       opt_bytes=O / dp if zero >= 1 else O,
       act_bytes=np.asarray(act_bytes, np.float64) if np.ndim(act_bytes) else float(act_bytes),
       fwd_workspace_bytes=out + ws + gathered,
-      bwd_workspace_bytes=G + np.maximum(reduced, gathered) + ws,
+      bwd_workspace_bytes=(G if grad_out_bytes is None else num(grad_out_bytes))
+      + np.maximum(reduced, gathered) + ws,
       update_workspace_bytes=np.where(many, P / dp, 0.0) if zero in (1, 2) else np.zeros_like(P),
       shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),

@@ -16,6 +16,7 @@ from flax.training import train_state
 import harpjax
 from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
 from harpjax.compiler.profile import ProfileOptions, with_remat_choice
+from harpjax.compiler.profile.tables import ENTRY_ARRAYS
 from harpjax.errors import CostTablesError, InfeasiblePlanError, PlanError
 from harpjax.models import GPT, GPTConfig
 from tests.compiler.plan import oracle
@@ -137,10 +138,7 @@ def test_a_plan_that_fits_only_by_rematerialising_some_stages_trains_like_jit():
         remat_modes=None, variants=None, **{
             f: tuple(a[:, :, [x for x, m in enumerate(r) if m == mode]]
                      for a, r in zip(getattr(both, f), both.remat_modes))
-            for f in ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mesh",
-                      "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
-                      "workspace_bytes", "step_mem_bytes")
-            if getattr(both, f) is not None})
+            for f in ENTRY_ARRAYS if getattr(both, f) is not None})
     need_none, _ = _least_memory(keep("none"), B)
     need_both, scaled = _least_memory(both, B)
     assert need_both < need_none   # rematerialising lets smaller devices train

@@ -55,10 +55,10 @@ def test_stage_flops_within_3_percent_of_xla(remat):
 
 # --------------------------------------------------------------------------- memory
 
-PLANNER_MEMORY_TOLERANCE = 0.25
+PLANNER_MEMORY_TOLERANCE = 0.10
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_planner_memory_against_xla_peak(zero):
   """The memory the planner checks a stage with (the tables' fixed bytes plus its in-flight
   microbatches' residuals, and the peak after the pipeline: the reduction and the optimizer

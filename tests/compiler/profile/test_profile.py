@@ -103,13 +103,19 @@ def test_tables_are_valid_and_consistent(gpt48):
   # the memory is the memory model's (profile.stage_memory): the state (16 bytes per
   # parameter, 12 of them the optimizer's), and the larger of a forward's outputs and
   # temporaries and a backward's new gradient and temporaries; after the pipeline, the update
+  # (a backward adds each layer's gradient into the donated accumulator: the largest layer's
+  # gradient is written beside it)
   state = cost["param_mem_bytes"][5:10].sum()
   opt = state / 16 * 12
-  m = stage_memory(param_bytes=(state - opt) / 2, grad_bytes=(state - opt) / 2, opt_bytes=opt,
-                   act_bytes=0.0, dp=1, zero=0, out_bytes=res.layers[9].boundary_bytes,
-                   workspace_bytes=cost["temp_bytes"][5:10].max(), replicas=True)
+  w = (state - opt) / 2
+  gout = cost["grad_bytes"][5:10].max() * w / cost["grad_bytes"][5:10].sum()
+  m = stage_memory(param_bytes=w, grad_bytes=w, opt_bytes=opt, act_bytes=0.0, dp=1, zero=0,
+                   out_bytes=res.layers[9].boundary_bytes,
+                   workspace_bytes=cost["temp_bytes"][5:10].max(), replicas=True,
+                   grad_out_bytes=gout)
   assert t.param_mem_bytes[1][5, 9, 0] == pytest.approx(m.fixed_bytes())
-  assert t.workspace_bytes[1][5, 9, 0] == pytest.approx(m.fixed_bytes() - state)
+  assert t.workspace_bytes[1][5, 9, 0] == pytest.approx(cost["temp_bytes"][5:10].max())
+  assert t.grad_out_bytes[1][5, 9, 0] == pytest.approx(gout)
   assert t.step_mem_bytes[1][5, 9, 0] == pytest.approx(m.step_bytes())
   assert m.step_bytes() > state
   assert res.stats.pruned_imbalance > 0
