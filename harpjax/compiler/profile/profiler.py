@@ -46,6 +46,7 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
+from harpjax.compiler.profile.memory import stage_memory
 from harpjax.compiler.profile.tables import (CostTables, assemble_tables, range_max, range_sums,
                                              with_remat_choice)
 from harpjax.compiler.trace import trace_step
@@ -539,7 +540,6 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
 
-  from harpjax.compiler.profile.zero import stage_memory   # zero.py builds on this module
   L = len(layers)
   # what a stage ending at layer j sends on per microbatch (nothing after the last layer)
   out = np.array([l.boundary_bytes for l in layers], np.float64)

@@ -74,189 +74,14 @@ import numpy as np
 
 from harpjax.cluster import Link
 from harpjax.compiler.profile.collectives import collective_time_s
+from harpjax.compiler.profile.memory import (check_level, StageMemory,  # noqa: F401
+                                            stage_memory, ZERO_LEVELS)
 from harpjax.compiler.profile.profiler import (dp_link, MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
 
 __all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s", "zero_collectives",
            "zero_sync_time_s", "zero_state_bytes_per_param", "zero_layer_costs", "zero_tables"]
-
-ZERO_LEVELS = (0, 1, 2, 3)
-
-
-def _check(zero: int, dp: int) -> None:
-  if zero not in ZERO_LEVELS:
-    raise HarpjaxError(f"zero={zero!r}: choose one of {ZERO_LEVELS}")
-  d = np.asarray(dp)
-  if d.dtype == object or not np.all((np.floor(d) == d) & (d >= 1)):
-    raise HarpjaxError(f"dp={dp!r} must be a positive integer")
-
-
-@dataclasses.dataclass(frozen=True)
-class StageMemory:
-  """Per-device bytes of one stage at one ZeRO level (see the module docstring).
-
-  Attributes:
-    param_bytes: parameters held.
-    grad_bytes: gradient accumulator held.
-    opt_bytes: optimizer state held.
-    act_bytes: residuals of one in-flight microbatch.
-    fwd_workspace_bytes: what a forward writes besides its residuals (outputs, temporaries).
-    bwd_workspace_bytes: what a backward writes besides the accumulator (gradient, its
-      reduction, activation cotangents, temporaries).
-    update_workspace_bytes: the update's temporaries (its results counted apart).
-    shared_bytes: of ``param_bytes``, what another stage owns and updates (so much the same
-      share of ``grad_bytes``).
-    opt_offloaded: the optimizer state stays in host memory between updates: the pipeline
-      holds none of it on the device; the update brings it in and writes it back.
-    act_offloaded: the residuals of the microbatches in flight stay in host memory between
-      their forward and their backward: the device holds at most two (the one a forward
-      writes or a backward reads, and the one on its way).
-    updates: the devices run the optimizer update (not so a mixed-type stage's groups but
-      the first, which receive the parameters the first group updated).
-    replicas: the ``dp`` replicas accumulate their own gradients and reduce them once per
-      step (:mod:`harpjax.compiler.stages.replicas`): the backward writes no reduction, and the
-      step's reduction writes the reduced gradients beside the accumulator.
-  """
-  param_bytes: float
-  grad_bytes: float
-  opt_bytes: float
-  act_bytes: float
-  fwd_workspace_bytes: float
-  bwd_workspace_bytes: float
-  update_workspace_bytes: float
-  shared_bytes: float = 0.0
-  opt_offloaded: bool = False
-  act_offloaded: bool = False
-  updates: bool = True
-  replicas: bool = False
-
-  @property
-  def state_bytes(self) -> float:
-    """Parameters, accumulator and optimizer state (wherever it is held)."""
-    return self.param_bytes + self.grad_bytes + self.opt_bytes
-
-  def pipeline_bytes(self, in_flight: int) -> float:
-    """Peak while the pipeline runs with ``in_flight`` microbatches' residuals held."""
-    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
-    if self.act_offloaded:
-      in_flight = min(in_flight, 2)
-    return held + in_flight * self.act_bytes + np.maximum(self.fwd_workspace_bytes,
-                                                          self.bwd_workspace_bytes)
-
-  def update_bytes(self) -> float:
-    """Peak of the optimizer update: the state, and the new parameters and optimizer state."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-      own = np.where(self.param_bytes > 0,
-                     1.0 - self.shared_bytes / np.where(self.param_bytes > 0,
-                                                        self.param_bytes, 1.0), 1.0)
-    return (2 * own * self.param_bytes + own * self.grad_bytes + 2 * self.opt_bytes
-            + self.update_workspace_bytes)
-
-  def reduce_bytes(self) -> float:
-    """Peak of the replicas' reduction after the last backward: the state, and the reduced
-    gradients (0 without :attr:`replicas`)."""
-    if not self.replicas:
-      return 0.0
-    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
-    return held + self.grad_bytes
-
-  def peak_bytes(self, in_flight: int) -> float:
-    """The stage's per-device peak over a step."""
-    pipeline = np.maximum(self.pipeline_bytes(in_flight), self.reduce_bytes())
-    if not self.updates:
-      return pipeline
-    return np.maximum(pipeline, self.update_bytes())
-
-  def fixed_bytes(self) -> float:
-    """What the pipeline holds besides the residuals of the microbatches in flight (the
-    planner's fixed bytes of a stage: :meth:`pipeline_bytes` is ``fixed_bytes() + N *
-    act_bytes``, at most two microbatches' with the residuals offloaded, counted here)."""
-    if self.act_offloaded:
-      return self.pipeline_bytes(0) + 2 * self.act_bytes
-    return self.pipeline_bytes(0)
-
-  def step_bytes(self) -> float:
-    """The peak of the phases that hold no residual: the replicas' reduction and the
-    optimizer update (where the devices run it)."""
-    return np.maximum(self.reduce_bytes(), self.update_bytes() if self.updates else 0.0)
-
-
-def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: int,
-                 zero: int, grad_bytes: float | None = None, out_bytes: float = 0.0,
-                 workspace_bytes: float = 0.0, reduce_scatter: bool = False,
-                 shared_param_bytes: float = 0.0,
-                 offload_optimizer: bool = False,
-                 offload_activations: bool = False, updates: bool = True,
-                 replicas: bool = False, grad_out_bytes: float | None = None) -> StageMemory:
-  """Per-device memory of a stage at ZeRO level ``zero``.
-
-  Args:
-    param_bytes: parameter bytes a device holds at level 0 (after any ``tp`` split).
-    opt_bytes: optimizer-state bytes a device holds at level 0.
-    act_bytes: residual bytes of one microbatch per device.
-    dp: data-parallel degree of the stage.
-    zero: the level, 0 to 3.
-    grad_bytes: gradient-accumulator bytes at level 0 (default ``param_bytes``).
-    out_bytes: bytes of the forward's outputs per microbatch per device (what it sends on).
-    workspace_bytes: the layers' temporaries (the cost tables' largest ``temp_bytes``).
-    reduce_scatter: the backend turns "all-reduce, keep my part" into a reduce-scatter
-      (XLA:GPU does; XLA:CPU does not).
-    shared_param_bytes: of ``param_bytes``, the parameters another stage owns (held, with
-      their gradient, through the pipeline; updated by their owner).
-    offload_optimizer: the optimizer state is kept in host memory between updates
-      (:class:`harpjax.OffloadOptions`).
-    offload_activations: the residuals wait for their backward in host memory
-      (``OffloadOptions(activations=True)``; :func:`activation_offload_time_s`).
-    updates: the devices run the optimizer update (:attr:`StageMemory.updates`).
-    replicas: the replicas reduce their gradients once per step (:attr:`StageMemory.replicas`;
-      levels 0 and 1 only).
-    grad_out_bytes: the most gradient bytes a backward writes beside the accumulator before
-      adding them in (default: all of ``grad_bytes``). Where the accumulator is donated and
-      not reduced in the backward (one device, or replicas at levels 0 and 1), XLA adds each
-      layer's gradient in as it goes: the largest layer's.
-
-  Returns:
-    The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
-    dimensions do not divide stay whole in the runtime (small biases, in practice).
-  """
-  _check(zero, dp)
-  num = lambda x: np.asarray(x, np.float64) if np.ndim(x) else float(x)
-  P = num(param_bytes)
-  G = P if grad_bytes is None else num(grad_bytes)
-  O = num(opt_bytes)
-  many = np.asarray(dp) > 1
-  gathered = np.where(many, P, 0.0) if zero >= 3 else np.zeros_like(P)
-  if replicas and zero <= 1:   # the replicas reduce once per step, after the backwards
-    reduced = np.where(many, 0.0, np.zeros_like(G))
-  else:
-    reduced = np.where(many, G / dp if zero >= 2 and reduce_scatter else G, 0.0)
-  replicas = bool(replicas) and zero <= 1 and bool(np.any(many))
-  ws = np.asarray(workspace_bytes, np.float64) if np.ndim(workspace_bytes) else \
-      float(workspace_bytes)
-  out = np.asarray(out_bytes, np.float64) if np.ndim(out_bytes) else float(out_bytes)
-  scalar = not any(np.ndim(x) for x in (P, G, O, act_bytes, dp, ws, out, shared_param_bytes,
-                                        0.0 if grad_out_bytes is None else grad_out_bytes))
-  return _as_floats(scalar, StageMemory(
-      param_bytes=P / dp if zero >= 3 else P,
-      grad_bytes=G / dp if zero >= 2 else G,
-      opt_bytes=O / dp if zero >= 1 else O,
-      act_bytes=np.asarray(act_bytes, np.float64) if np.ndim(act_bytes) else float(act_bytes),
-      fwd_workspace_bytes=out + ws + gathered,
-      bwd_workspace_bytes=(G if grad_out_bytes is None else num(grad_out_bytes))
-      + np.maximum(reduced, gathered) + ws,
-      update_workspace_bytes=np.where(many, P / dp, 0.0) if zero in (1, 2) else np.zeros_like(P),
-      shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
-      opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
-      updates=bool(updates), replicas=replicas))
-
-
-def _as_floats(scalar: bool, m: StageMemory) -> StageMemory:
-  """``m`` with plain floats where every input was a number (arrays otherwise)."""
-  if not scalar:
-    return m
-  return dataclasses.replace(m, **{f.name: float(getattr(m, f.name))
-                                   for f in dataclasses.fields(m) if f.type == "float"})
 
 
 def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
@@ -300,7 +125,7 @@ def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer
   E.g. mixed-precision Adam (2 + 2 + 12 bytes): 16 at level 0, ``4 + 12 / dp`` at level 1,
   ``2 + 14 / dp`` at level 2, ``16 / dp`` at level 3.
   """
-  _check(zero, dp)
+  check_level(zero, dp)
   return (weight_bytes / (dp if zero >= 3 else 1) + grad_bytes / (dp if zero >= 2 else 1)
           + optimizer_bytes / (dp if zero >= 1 else 1))
 
@@ -319,7 +144,7 @@ def zero_collectives(param_bytes: float, dp: int, zero: int, grad_bytes: float |
     ``(per_microbatch, per_step)``, each ``{kind: [result bytes per device, count]}`` as
     :func:`~harpjax.compiler.profile.collectives.collective_time_s` reads them.
   """
-  _check(zero, dp)
+  check_level(zero, dp)
   P = float(param_bytes)
   G = P if grad_bytes is None else float(grad_bytes)
   if dp <= 1:
@@ -379,7 +204,7 @@ def zero_layer_costs(costs: dict, dp: int, zero: int, link: Link, *, num_microba
     the iteration from ``grad_bytes`` (``0`` from level 2: the gradient is reduce-scattered
     every microbatch instead).
   """
-  _check(zero, dp)
+  check_level(zero, dp)
   if not 0 <= optimizer_bytes_per_param <= state_bytes_per_param:
     raise HarpjaxError(f"optimizer_bytes_per_param={optimizer_bytes_per_param} must be in "
                        f"[0, state_bytes_per_param={state_bytes_per_param}]")
@@ -428,7 +253,7 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
   Returns:
     The :class:`~harpjax.compiler.profile.CostTables`.
   """
-  _check(zero, 1)
+  check_level(zero, 1)
   subs = ordered_subclusters(cluster, order)
   names = [s.name for s in subs]
   configs, costs = [], []

@@ -4,21 +4,19 @@ against a brute force over both, and a chosen plan trained equal to ``jax.jit`` 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import numpy as np
-import optax
 import pytest
-from flax.training import train_state
 
 import harpjax
 from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
 from harpjax.compiler.profile import ProfileOptions, with_remat_choice
 from harpjax.compiler.profile.tables import ENTRY_ARRAYS
 from harpjax.errors import CostTablesError, InfeasiblePlanError, PlanError
-from harpjax.models import GPT, GPTConfig
+from harpjax.models import GPTConfig
+from benchmarks.lm_step import lm_train_step
 from tests.compiler.plan import oracle
 from tests.equivalence import DEMO_CLUSTER, compare_steps
 
@@ -90,21 +88,8 @@ def test_tables_with_the_choice_are_checked():
 
 
 def _gpt_step():
-  cfg = GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=2, num_blocks=2,
-                  dtype="float64", param_dtype="float64")
-  model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  state = train_state.TrainState.create(apply_fn=model.apply,
-                                        params=model.init(jax.random.key(1), tokens[:, :-1]),
-                                        tx=optax.adamw(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-  return step, state, tokens
+  return lm_train_step(GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=2,
+                                 num_blocks=2, dtype="float64", param_dtype="float64"), 8)
 
 
 def _least_memory(tables, B, lo=0.0, hi=1.0):

@@ -4,37 +4,22 @@ backward's recomputation where the stage rematerialises."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
-import optax
 import pytest
-from flax.training import train_state
 
 import harpjax
 from harpjax.compiler.profile import ProfileOptions
 from harpjax.compiler.stages import compile_stage
-from harpjax.models import GPT, GPTConfig
+from harpjax.models import GPTConfig
+from benchmarks.lm_step import lm_train_step
 from tests.equivalence import DEMO_CLUSTER
 
 B = 2
 
 
 def _gpt_step():
-  cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=128, num_heads=4, num_blocks=2,
-                  dtype="float32", param_dtype="float32")
-  model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  state = train_state.TrainState.create(apply_fn=model.apply,
-                                        params=model.init(jax.random.key(1), tokens[:, :-1]),
-                                        tx=optax.adamw(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-  return step, state, tokens
+  return lm_train_step(GPTConfig(vocab_size=256, seq_len=32, hidden=128, num_heads=4,
+                                 num_blocks=2, dtype="float32", param_dtype="float32"), 8)
 
 
 @pytest.mark.parametrize("remat", [False, True])
