@@ -8,7 +8,10 @@ gradient, optimizer-state and activation bytes without ZeRO, the level and ``dp`
 takes those bytes from the stage's arrays (the activation bytes from XLA's forward), *tables*
 from the cost tables the planner reads (jaxpr source: parameters per device times 4 + 4 + 8
 bytes of float32 Adam, the layers' residual and workspace estimates), the rest as *model*
-gets it (:func:`from_tables`). Levels marked
+gets it (:func:`from_tables`), and *planner* is the number the planner itself checks the
+stage with (:func:`planner_peak`: the variant's fixed bytes in the tables plus its in-flight
+residuals, or the reduction's and update's peak, the profile's tables priced for float32
+Adam, 16 bytes per parameter of which 8 optimizer state). Levels marked
 "+ offload" keep the optimizer state in host memory between steps
 (``harpjax.OffloadOptions``; XLA:CPU's host memory is the same RAM, accounted apart).
 
@@ -18,6 +21,8 @@ gets it (:func:`from_tables`). Levels marked
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import sys
 import time
@@ -31,8 +36,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import harpjax  # noqa: E402
 from harpjax.compiler.layers import sharding  # noqa: E402
+from harpjax.compiler.plan.variants import tables_for_stages, variant_slot  # noqa: E402
+from harpjax.errors import PlanError  # noqa: E402
 from harpjax.compiler.profile import (ProfileOptions, pieces, profile_step,  # noqa: E402
-                                      stage_memory)
+                                      stage_memory, tables_for_plan)
 from harpjax.compiler.trace import aval_size  # noqa: E402
 from harpjax.compiler.stages import memory_report  # noqa: E402
 from benchmarks.lm_step import lm_train_step  # noqa: E402
@@ -91,6 +98,26 @@ def from_tables(costs, layers, num_layers_range, mesh_key, dp, zero, in_flight, 
   return mem.peak_bytes(in_flight)
 
 
+def planner_peak(prof, plan, stage: int, in_flight: int, offload: bool) -> float:
+  """What the planner checks stage ``stage`` of ``plan`` with: the tables' fixed bytes of its
+  variant plus ``in_flight`` microbatches' residuals, or the peak after the pipeline
+  (reduction, update) if larger (the one memory model, :func:`harpjax.compiler.plan.variants.
+  memory_model`)."""
+  stages = [dataclasses.replace(st, offload=offload) for st in plan.stages]
+  try:
+    tables = tables_for_stages(tables_for_plan(prof, plan), stages)
+  except PlanError:   # offload without the cluster's link to host memory: not priced
+    return math.nan
+  spec = stages[stage]
+  k = tables.subcluster_index(spec.subcluster)
+  i, j = spec.layers
+  v = variant_slot(tables, k, spec.submesh, spec.zero, spec.offload)
+  fixed = float(tables.param_mem_bytes[k][i, j, v])
+  act = float(tables.act_mem_bytes[k][i, j, v])
+  step = float(tables.step_mem_bytes[k][i, j, v]) if tables.step_mem_bytes is not None else 0
+  return max(fixed + in_flight * act, step)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
@@ -102,14 +129,16 @@ def main(argv=None):
   cluster = harpjax.Cluster.load(CLUSTER)
   mib = lambda b: f"{b / 2**20:.2f}"
   print("| model | plan | stage | (dp, tp) | zero | N | params | grads | opt | acts/mb "
-        "| XLA peak | model | error | tables | error |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  worst = 0.0
+        "| XLA peak | model | error | tables | error | planner | error |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  worst = worst_planner = 0.0
   t0 = time.perf_counter()
   for mname in args.models:
     step, state, tokens = gpt_step(*MODELS[mname])
     prof = profile_step(step, (state, tokens), cluster, num_microbatches=args.microbatches,
-                        options=ProfileOptions(use_cache=False, progress=False))
+                        options=ProfileOptions(use_cache=False, progress=False,
+                                               state_bytes_per_param=16.0,
+                                               optimizer_bytes_per_param=8.0))
     layers = prof.layers
     L = len(layers)
     for pname in args.plans:
@@ -129,14 +158,20 @@ def main(argv=None):
           worst = max(worst, abs(r.error))
           tab = from_tables(prof.costs, layers, ranges[s], (sc, sm, lm), lm[0], zero,
                             r.in_flight, offload)
+          plan_mem = planner_peak(prof, cs.plan, s, r.in_flight, offload)
+          if math.isfinite(plan_mem):
+            worst_planner = max(worst_planner, abs(plan_mem / r.xla_peak_bytes - 1))
           level = f"{zero}{' + offload' if offload else ''}"
           print(f"| {mname} | {pname} | {s} | {lm} | {level} | {r.in_flight} "
                 f"| {mib(r.param_bytes)} | {mib(r.grad_bytes)} | {mib(r.opt_bytes)} "
                 f"| {mib(r.act_bytes)} | {mib(r.xla_peak_bytes)} "
                 f"| {mib(r.predicted_peak_bytes)} | {100 * r.error:+.1f}% "
-                f"| {mib(tab)} | {100 * (tab / r.xla_peak_bytes - 1):+.1f}% |", flush=True)
-  print(f"\nMiB per device. Largest |model error|: {100 * worst:.1f}%; "
-        f"{time.perf_counter() - t0:.0f} s")
+                f"| {mib(tab)} | {100 * (tab / r.xla_peak_bytes - 1):+.1f}% "
+                + (f"| {mib(plan_mem)} | {100 * (plan_mem / r.xla_peak_bytes - 1):+.1f}% |"
+                   if math.isfinite(plan_mem) else "| - | (no host link to price) |"),
+                flush=True)
+  print(f"\nMiB per device. Largest |model error|: {100 * worst:.1f}%; largest |planner "
+        f"error|: {100 * worst_planner:.1f}%; {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1056,7 +1056,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
         has_sync |= len(rest) > 3
         work, step, gout = (rest[4], rest[5], rest[6]) if len(rest) > 6 else (0.0, 0.0, 0.0)
         has_mem |= len(rest) > 6
-        rank = t + np.asarray(end) * per_iteration
+        rank = t + np.asarray(end) * per_iteration if per_iteration else t
         foot = pm + am
         fits = np.isfinite(t) & (foot <= memory_bytes[k]) & (step <= memory_bytes[k])
         tier = np.where(fits, 2, 0)
