@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.harpjax-installed
-# Eight fake CPU devices stand in for GPUs (see README "No GPU here").
+# Eight fake CPU devices stand in for GPUs (see README, the paragraph after `make test`).
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 

@@ -1,5 +1,9 @@
 """harpjax: automatic pipeline-parallel training on heterogeneous GPU clusters (HARP)."""
 
+from harpjax.errors import exit_on_interrupt_while_starting as _exit_on_interrupt
+
+_exit_on_interrupt()   # `python -m harpjax`: Ctrl-C during the imports below is one line too
+
 from harpjax._version import __version__ as __version__
 from harpjax.api import ParallelStep as ParallelStep
 from harpjax.api import auto_parallel as auto_parallel

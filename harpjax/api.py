@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import fractions
 import functools
+import json
 import logging
 import os
 import time
@@ -25,8 +26,8 @@ import jax
 import numpy as np
 
 from harpjax import _compat, runtime
-from harpjax.runtime import (CheckpointOptions, Checkpointer, ElasticOptions, Failure, Recovery,
-                             RemoteArray)
+from harpjax.runtime import (CheckpointError, CheckpointOptions, Checkpointer, ElasticOptions,
+                             Failure, Recovery, RemoteArray)
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      layers_like, traced_step_for)
@@ -105,10 +106,9 @@ class ParallelOptions:
       except ScheduleError as e:
         raise PlanError(f"schedule={self.schedule!r}: {e}") from None
       object.__setattr__(self, "schedule", key)
-    if self.num_microbatches is not None and (int(self.num_microbatches) != self.num_microbatches
-                                              or self.num_microbatches < 1):
-      raise MicrobatchError(f"num_microbatches={self.num_microbatches} must be a positive "
-                            "integer")
+    B = self.num_microbatches
+    if B is not None and (isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1):
+      raise MicrobatchError(f"num_microbatches={B!r} must be a positive integer")
     object.__setattr__(self, "batch_argnums", tuple(self.batch_argnums))
     if isinstance(self.runtime_options, dict):
       object.__setattr__(self, "runtime_options", tuple(sorted(self.runtime_options.items())))
@@ -268,6 +268,9 @@ class ParallelStep:
     self._replay: dict[int, tuple] = {}   # step -> its arguments, the state's slot None
     self._origin: Any = None              # the first call's state, if it is plain arrays
     self._replanned = False               # the given plan no longer applies
+    self._plan_file: Plan | bool | None = None   # the plan file read (False: damaged)
+    self._recovery: tuple | None = None   # (failed step, error, lost hosts, detect s) underway
+    self._retired: list = []              # runners of the cluster before replan()
 
   @property
   def cluster(self) -> Cluster:
@@ -324,11 +327,18 @@ class ParallelStep:
       result = runtime.run_step(phases.compiled, args)
     done, ck = self.steps_done + 1, self.options.checkpoint
     if ck is not None and done % ck.every == 0:
-      # Before the step counts: a worker lost while its state is gathered fails the step.
-      self.checkpointer.save(done, ck.state_of(result))
+      # Before the step counts: a worker lost while its state is gathered fails the step, and
+      # Ctrl-C during the save leaves it uncounted (its retry finds the checkpoint written).
+      try:
+        self.checkpointer.save(done, ck.state_of(result))
+      except BaseException:
+        if self.options.runtime == "ray":
+          phases.runner.revoke(result)   # the state passed in stays the one to retry with
+        raise
       for old in [k for k in self._replay if k <= done - ck.every]:
         del self._replay[old]   # covered by the checkpoint before this one
     self.steps_done = done
+    self._release_retired()
     return result
 
   # ------------------------------------------------------------------ elastic
@@ -339,42 +349,49 @@ class ParallelStep:
         isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves(args[argnum])):
       self._origin = args[argnum]
     t_start = time.perf_counter()
-    try:
-      result = self._call(args)
-    except RuntimeFailure as err:
-      if len(self.recoveries) >= self.options.elastic.max_recoveries:
-        raise
-      result = self._recover(args, err, t_start)
+    if self._recovery is not None:   # Ctrl-C interrupted a recovery: this call resumes it
+      result = self._recover(args, self._recovery[1], t_start)
+    else:
+      try:
+        result = self._call(args)
+      except RuntimeFailure as err:
+        if len(self.recoveries) >= self.options.elastic.max_recoveries:
+          raise
+        result = self._recover(args, err, t_start)
     self._replay[self.steps_done] = args[:argnum] + (None,) + args[argnum + 1:]
     return result
 
   def _recover(self, args, err: RuntimeFailure, t_start: float):
     """Re-plans after lost workers, restores, replays, and runs the failed call (see
-    :mod:`harpjax.runtime.elastic`)."""
+    :mod:`harpjax.runtime.elastic`). Interrupted after the workers were given up, the next
+    call takes it up from the restore."""
     ck, argnum = self.options.checkpoint, _STATE_ARGNUM
-    failed = self.steps_done + 1
-    runners = [p.runner for p in self._cache.values() if p.runner is not None]
-    lost = sorted({h for r in runners for h in r.lost_hosts()})
-    detect_s = time.perf_counter() - t_start   # the failing attempt, then the probes
-    target = self.options.elastic.decide(Failure(failed, err, tuple(lost), self.cluster))
-    if target == "stop":
-      raise err
-    log.warning("step %d failed (%s); lost hosts %s: continuing on %d devices", failed,
-                str(err).splitlines()[0], lost or "none", target.num_devices)
-    for r in runners:
-      try:
-        r.shutdown()
-      except Exception as e:  # noqa: BLE001 -- a broken runner may fail to shut down
-        log.info("shutting down the failed runner: %s", e)
-    self._cluster, self._cache, self._replanned = target, {}, True
+    if self._recovery is None:
+      failed = self.steps_done + 1
+      runners = [p.runner for p in self._cache.values() if p.runner is not None]
+      lost = tuple(sorted({h for r in runners for h in r.lost_hosts()}))
+      detect_s = time.perf_counter() - t_start   # the failing attempt, then the probes
+      target = self.options.elastic.decide(Failure(failed, err, lost, self.cluster))
+      if target == "stop":
+        raise err
+      log.warning("step %d failed (%s); lost hosts %s: continuing on %d devices", failed,
+                  str(err).splitlines()[0], list(lost) or "none", target.num_devices)
+      for r in runners:
+        try:
+          r.shutdown()
+        except Exception as e:  # noqa: BLE001 -- a broken runner may fail to shut down
+          log.info("shutting down the failed runner: %s", e)
+      self._cluster, self._cache, self._replanned, self._recovery = (
+          target, {}, True, (failed, err, lost, detect_s))
+    failed, err, lost, detect_s = self._recovery
+    target = self.cluster
 
     t1 = time.perf_counter()
     like = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), args[argnum])
-    self.checkpointer.wait()
-    ck_step = self.checkpointer.latest_step()
-    if ck_step is not None:
-      state = self.checkpointer.restore(like, ck_step)
+    found = self.checkpointer.restore_newest(like)
+    if found is not None:
+      ck_step, state = found
     elif self._origin is not None:
       state, ck_step = self._origin, 0
     else:
@@ -399,7 +416,8 @@ class ParallelStep:
     t5 = time.perf_counter()
     result = self._call(with_state(args, state))
     t6 = time.perf_counter()
-    self.recoveries.append(Recovery(failed, tuple(lost), target.num_devices, detect_s, t3 - t2,
+    self._recovery = None
+    self.recoveries.append(Recovery(failed, lost, target.num_devices, detect_s, t3 - t2,
                                     t4 - t3, restore_s, t5 - t4, t6 - t5, ck_step,
                                     failed - 1 - ck_step))
     log.warning("recovered in %.1f s: %s", self.recoveries[-1].total_s, self.recoveries[-1])
@@ -421,12 +439,17 @@ class ParallelStep:
     """
     new = _load_cluster(cluster)
     state = None if state is None else runtime.gather(state)
-    for p in self._cache.values():
-      if p.runner is not None:
-        p.runner.shutdown()
     log.info("re-planning on %s (%d devices)", new.name, new.num_devices)
+    # The old workers are shut down after the next step completes: until then the handles
+    # passed here stay valid, so a replan interrupted anywhere can be called again.
+    self._retired += [p.runner for p in self._cache.values() if p.runner is not None]
     self._cluster, self._cache, self._replanned = new, {}, True
     return state
+
+  def _release_retired(self) -> None:
+    while self._retired:
+      self._retired[-1].shutdown()
+      self._retired.pop()
 
   # ------------------------------------------------------------------ checkpoints
 
@@ -443,12 +466,31 @@ class ParallelStep:
     return self._checkpointer
 
   def restore(self, like, step: int | None = None):
-    """The training state of the newest checkpoint (or ``step``) in the structure of ``like``;
-    :attr:`steps_done` continues from its step."""
+    """The training state of the newest intact checkpoint (or of ``step``) in the structure of
+    ``like``; :attr:`steps_done` continues from its step.
+
+    Before the first checkpoint (the first run of a script that resumes) this returns
+    ``like`` itself and :attr:`steps_done` is 0. A damaged checkpoint is skipped for the
+    previous intact one, with one warning naming it.
+
+    Raises:
+      CheckpointError: ``step`` is missing or damaged; the checkpoint's leaves differ from
+        ``like``'s; or there is none yet and ``like`` holds shapes rather than arrays.
+    """
     ckpt = self.checkpointer
-    ckpt.wait()
-    step = ckpt.latest_step() if step is None else step
-    state = ckpt.restore(like, step)
+    if step is not None:
+      state = ckpt.restore(like, step)
+    else:
+      found = ckpt.restore_newest(like)
+      if found is None:
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(like)):
+          raise CheckpointError(f"{ckpt.directory} holds no complete checkpoint yet, and "
+                                "like= holds shapes (jax.ShapeDtypeStruct), not a state to "
+                                "start from: pass the initial state")
+        log.info("%s holds no checkpoint yet: starting from the state given", ckpt.directory)
+        step, state = 0, like
+      else:
+        step, state = found
     self.steps_done = int(step)
     return state
 
@@ -456,6 +498,11 @@ class ParallelStep:
     """The flow, phase by phase, up to ``until`` (``"trace"``, ``"plan"``, ``"layout"``,
     ``"compile"`` or ``"run"``); every phase's result is cached for this structure."""
     p = self._cache.setdefault(_signature(args), _Phases())
+    local = self.options.runtime == "local"
+    if p.compiled is None and (until == "compile" or (until == "run" and local)):
+      self.cluster.local_devices()   # too few devices: said now, not after tracing and planning
+    if until == "run" and self.options.checkpoint is not None:
+      self.checkpointer   # noqa: B018 -- its directory is checked (and created) now
     if p.traced is None:
       with _phase("trace"):
         p.traced = self._trace(args)
@@ -482,7 +529,6 @@ class ParallelStep:
         warn_shared_parameters(p.program, _leaf_paths(args))
     if until == "layout":
       return p
-    local = self.options.runtime == "local"
     if (p.compiled is None and (local or until == "compile")) or (
         until == "run" and not local and p.runner is None):
       self._use_compilation_cache()
@@ -498,9 +544,12 @@ class ParallelStep:
   # ------------------------------------------------------------------ each phase
 
   def _num_microbatches(self) -> int:
-    B = self.options.num_microbatches
-    if B is None and isinstance(self.options.plan, Plan):
-      B = self.options.plan.num_microbatches
+    B, plan = self.options.num_microbatches, self._given_plan()
+    planned = None if plan is None else plan.num_microbatches
+    if B is not None and planned is not None and int(B) != int(planned):
+      raise PlanError(f"num_microbatches={B} but the plan given was made for B={planned}: pass "
+                      "one of them only, or the same B")
+    B = planned if B is None else B
     if B is None:
       raise MicrobatchError("num_microbatches is not set: pass num_microbatches=B to "
                             "auto_parallel or set it in the plan")
@@ -510,9 +559,19 @@ class ParallelStep:
     plan = self.options.plan
     if plan is None or (isinstance(plan, str) and plan == "auto") or self._replanned:
       return None
-    if isinstance(plan, (str, os.PathLike)):
-      return load_plan(plan)
-    return plan
+    if not isinstance(plan, (str, os.PathLike)):
+      return plan
+    if self._plan_file is None:
+      try:
+        self._plan_file = load_plan(plan)
+      except PlanError as e:
+        if not _damaged_file(plan):
+          raise
+        # A plan file cut short (an interrupted save, a damaged disk): the planner can
+        # replace it, and the numbers do not depend on the plan.
+        log.warning("%s; planning automatically instead", e)
+        self._plan_file = False
+    return self._plan_file or None
 
   def _trace(self, args) -> Traced:
     ts = trace_step(self._fun, args, num_microbatches=self._num_microbatches(),
@@ -637,13 +696,32 @@ def _precompile(cs: CompiledStep, workers: int, progress: bool | None) -> float:
     groups[cs.layout.groups[gi].home][gi] = fn
   order = sorted(range(cs.num_stages), key=lambda s: -len(cs.program.programs[s].ops))
   t0 = time.perf_counter()
-  with progress_bar(len(cs.stages), progress, "compiling", unit="stage") as bar, \
-      concurrent.futures.ThreadPoolExecutor(workers) as ex:
-    jobs = [ex.submit(precompile, cs.layout, {s: cs.stages[s]}, groups[s], 1) for s in order]
-    for job in concurrent.futures.as_completed(jobs):
-      job.result()
-      bar.update(1)
+  ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="harpjax-compile")
+  try:
+    with progress_bar(len(cs.stages), progress, "compiling", unit="stage") as bar:
+      jobs = [ex.submit(precompile, cs.layout, {s: cs.stages[s]}, groups[s], 1) for s in order]
+      for job in concurrent.futures.as_completed(jobs):
+        job.result()
+        bar.update(1)
+  except BaseException:
+    # Ctrl-C (or a failure) returns now: the stages not started are cancelled; those being
+    # compiled finish in their threads (XLA cannot be stopped mid-compile) and are dropped.
+    ex.shutdown(wait=False, cancel_futures=True)
+    raise
+  ex.shutdown(wait=True)
   return time.perf_counter() - t0
+
+
+def _damaged_file(path) -> bool:
+  """Whether ``path`` is a file whose content is not JSON (truncated, zeroed, not text)."""
+  try:
+    with open(path, "rb") as f:
+      json.loads(f.read().decode())
+  except (ValueError, UnicodeDecodeError):
+    return True
+  except OSError:
+    return False
+  return False
 
 
 def _leaf_paths(args) -> list[str]:

@@ -7,6 +7,34 @@ which object, which value and what to change. ``assert`` is kept for internal in
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
+import sys
+
+INTERRUPTED = 130
+"""Exit status of the command line after Ctrl-C (128 + SIGINT, what shells report)."""
+
+INTERRUPT_MESSAGE = "interrupted (Ctrl-C): stopped"
+"""The one line the command line prints on Ctrl-C."""
+
+
+def exit_on_interrupt_while_starting() -> None:
+  """``python -m harpjax``: Ctrl-C while the package is imported (JAX, Flax: seconds) ends the
+  process at once with :data:`INTERRUPTED` and :data:`INTERRUPT_MESSAGE`, as it does once the
+  command runs (``harpjax.cli.run`` then takes Ctrl-C over); otherwise nothing."""
+  argv = list(getattr(sys, "orig_argv", ()))
+  if "-m" not in argv or argv[argv.index("-m") + 1:argv.index("-m") + 2] != ["harpjax"]:
+    return
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:   # a background job: keep it so
+    return
+
+  def stop(signum, frame):
+    os.write(2, (INTERRUPT_MESSAGE + "\n").encode())
+    os._exit(INTERRUPTED)
+
+  signal.signal(signal.SIGINT, stop)
+
 
 class HarpjaxError(Exception):
   """Base class of every error harpjax raises for bad input."""
@@ -112,3 +140,22 @@ class PublishedDataError(HarpjaxError, FileNotFoundError):
 
 class RuntimeFailure(HarpjaxError, RuntimeError):
   """A stage worker failed or timed out; the message names the stage."""
+
+
+def interruptible_kernel(fn):
+  """Decorates a Python function that runs a Numba kernel compiled with ``nogil=True``.
+
+  Ctrl-C while such a kernel runs is handled when it gives the GIL back, inside Numba's
+  dispatcher, which then returns its result with the ``KeyboardInterrupt`` pending: CPython
+  reports ``SystemError: CPUDispatcher(...) returned a result with an exception set``, chained
+  to it. The decorated function raises the ``KeyboardInterrupt`` itself.
+  """
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except SystemError as e:
+      if isinstance(e.__cause__, KeyboardInterrupt):
+        raise KeyboardInterrupt from None
+      raise
+  return call

@@ -28,3 +28,15 @@ def x64():
     yield
   finally:
     jax.config.update("jax_enable_x64", prev)
+
+
+@pytest.fixture
+def sigint():
+  """Ctrl-C raises ``KeyboardInterrupt`` in this test (as at a user's terminal), whatever
+  handler the test process inherited; the handler is restored afterwards."""
+  import signal
+  prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, prev)

@@ -184,3 +184,113 @@ def test_compilation_cache_option_is_checked_and_can_be_off(fresh_compilation_ca
   harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
                         compilation_cache=False)(state, batch)
   assert jax.config.values["jax_compilation_cache_dir"] is None
+
+
+def test_too_few_devices_is_said_before_any_tracing(monkeypatch):
+  step, state, batch = _setup()
+  cluster = harpjax.Cluster.simple([("a", "A100-40G", 2, 8)])
+
+  def traced(*args, **kwargs):
+    raise AssertionError("traced before the device count was checked")
+
+  monkeypatch.setattr(harpjax.api, "trace_step", traced)
+  pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=2)   # automatic plan
+  with pytest.raises(NotEnoughDevicesError, match="needs 16 devices"):
+    pstep(state, batch)
+  with pytest.raises(NotEnoughDevicesError, match="needs 16 devices"):
+    pstep.compile(state, batch)
+
+
+def test_num_microbatches_is_an_integer_that_agrees_with_the_plan(tmp_path):
+  step, state, batch = _setup()
+  for bad in (2.0, True, "2"):
+    with pytest.raises(MicrobatchError, match="positive integer"):
+      harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=bad, plan=PLAN)
+  path = tmp_path / "plan.json"
+  PLAN.replace(num_microbatches=4).save(path)
+  with pytest.raises(PlanError, match="num_microbatches=2 but the plan given was made for B=4"):
+    harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=str(path))(
+        state, batch)
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, plan=str(path))   # the plan's B
+  assert pstep.plan(state, batch).num_microbatches == 4
+
+
+def test_a_plan_file_cut_short_is_replaced_by_planning(tmp_path, caplog):
+  step, state, batch = _setup()
+  path = tmp_path / "plan.json"
+  PLAN.replace(num_microbatches=2).save(path)
+  path.write_bytes(path.read_bytes()[:40])   # an interrupted save of an older version
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=str(path))
+  out, ref = pstep(state, batch), jax.jit(step)(state, batch)
+  assert float(abs(out[1] - ref[1])) <= 1e-5 * abs(float(ref[1]))
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len([w for w in warned if "planning automatically instead" in w]) == 1, warned
+  path.write_text('{"stages": [{"layers": [0, 1]}]}')   # readable but wrong: a mistake
+  with pytest.raises(PlanError, match="plan file"):
+    harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=str(path))(
+        state, batch)
+
+
+def test_ctrl_c_while_compiling_cancels_the_stages_not_started(monkeypatch, sigint):
+  # Two compile threads, four stages: Ctrl-C while the first two compile returns at once and
+  # the other two never start (they used to, after the first two, before the interrupt
+  # surfaced).
+  import concurrent.futures
+  import os
+  import signal
+  import threading
+  step, state, batch = _setup()
+  plan = harpjax.ManualPlan([((k, k), "v100" if k < 2 else "a100", (1, 1)) for k in range(4)])
+  started, release = [], threading.Event()
+  real_as_completed = concurrent.futures.as_completed
+
+  def compiling(layout, stages, group_fns, workers):
+    started.append(sorted(stages))
+    release.wait(timeout=120)   # released at the end of the test (a bound for a hung one)
+    return 0.0
+
+  def as_completed(jobs):   # every stage submitted: Ctrl-C while the driver waits for them
+    os.kill(os.getpid(), signal.SIGINT)
+    return real_as_completed(jobs)
+
+  monkeypatch.setattr(harpjax.api, "precompile", compiling)
+  monkeypatch.setattr(concurrent.futures, "as_completed", as_completed)
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
+                                runtime_options={"compile_workers": 2})
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      pstep.compile(state, batch)
+    assert len(started) <= 2, started
+  finally:
+    release.set()
+
+
+def test_an_unwritable_profile_cache_is_one_warning(tmp_path, caplog):
+  from harpjax.compiler.profile import ProfileOptions
+  step, state, batch = _setup()
+  (tmp_path / "file").write_text("x")   # the cache directory would be inside a file
+  options = ProfileOptions(cache_dir=str(tmp_path / "file" / "cache"), progress=False)
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                profile_options=options)
+  assert pstep.profile(state, batch).stats.computed > 1
+  warned = [r for r in caplog.records if r.levelname == "WARNING"
+            and "could not write profile cache" in r.getMessage()]
+  assert len(warned) == 1, [r.getMessage() for r in warned]
+
+
+def test_an_interrupted_plan_save_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+  import json
+  import os
+  path = tmp_path / "plan.json"
+  PLAN.save(path)
+  before = path.read_bytes()
+
+  def cut(obj, f, **kwargs):
+    f.write('{"stages": [')
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(json, "dump", cut)
+  with pytest.raises(KeyboardInterrupt):
+    PLAN.replace(num_microbatches=8).save(path)
+  monkeypatch.undo()
+  assert path.read_bytes() == before and os.listdir(tmp_path) == ["plan.json"]

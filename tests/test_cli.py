@@ -338,6 +338,8 @@ def test_no_cache_is_use_cache_false(monkeypatch, cluster_file, tmp_path, args, 
     (["--time-limit", "3"], ["--time-limit", "not use"]),
     (["--budget", "-3"], ["--budget"]),
     (["--objective", "max_throughput_per_dollar"], ["needs prices", "price_per_gpu_hour"]),
+    (["--budget", "120"], ["--budget needs prices", "price_per_gpu_hour"]),
+    (["--order", "given"], ["--order", "--use-all-devices"]),
     (["--mixed-stages", "sometimes"], ["--mixed-stages", "sometimes"]),
     (["--mixed-stages", "on", "--use-all-devices"], ["--mixed-stages", "--use-all-devices"]),
 ])
@@ -587,6 +589,7 @@ from harpjax.cli import run
 
 mode = sys.argv[1]
 solve_mod = sys.modules["harpjax.compiler.plan.solve"]
+real_solve = plan_pkg.solve
 
 def say(line):
   # One write per line: the forked workers' lines must not interleave.
@@ -611,6 +614,23 @@ def stuck_solve(tables, num_microbatches, options=None, **kw):
         forever()
       except KeyboardInterrupt:
         say("swallowed")
+  if mode == "gc":   # Ctrl-C inside a garbage-collection callback (JAX has one): dropped
+    import gc
+    def callback(phase, info):
+      if phase == "start":
+        gc.callbacks.remove(callback)
+        say("stuck in a gc callback")
+        time.sleep(600)
+    gc.callbacks.append(callback)
+    gc.collect()
+    forever()
+  if mode == "swallow_once":   # dropped (as CPython drops it in a GC callback), then done
+    say("stuck swallowing once")
+    try:
+      forever()
+    except KeyboardInterrupt:
+      say("swallowed")
+    return real_solve(tables, num_microbatches, options=options, **kw)
   if mode == "numba":
     import numba
     @numba.njit(nogil=True)
@@ -668,7 +688,8 @@ def _worker_pids(seen: list[str]) -> list[int]:
   return [int(pid) for pid in re.findall(r"worker (\d+) busy", "".join(seen))]
 
 
-@pytest.mark.parametrize("mode", ["python", "swallow", "numba", "process", "thread", "compile"])
+@pytest.mark.parametrize("mode", ["python", "swallow", "swallow_once", "gc", "numba",
+                                  "process", "thread", "compile"])
 def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   db_dir, cluster = warm_cache
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
@@ -769,6 +790,62 @@ def test_plan_with_mixed_stages(tmp_path):
   assert mixed and all(sum(s.group_rows(16)) == 16 for s in mixed)
   assert all(len({g.subcluster for g in s.all_groups}) > 1 for s in mixed)
   assert dict(plan.meta)["mixed_stages"] == "on"
+
+
+# Imported at start-up (sitecustomize): Ctrl-C the moment `python -m harpjax` starts to import
+# JAX, i.e. while the package itself is being imported, before the command runs.
+_CTRL_C_WHILE_IMPORTING = r"""
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+class CtrlC:
+  def find_spec(self, name, path=None, target=None):
+    if name == "jax":
+      sys.meta_path.remove(self)
+      os.kill(os.getpid(), signal.SIGINT)
+    return None
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+def test_ctrl_c_while_the_command_imports_its_packages_exits_130(tmp_path):
+  (tmp_path / "sitecustomize.py").write_text(_CTRL_C_WHILE_IMPORTING)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)] + sys.path))
+  res = subprocess.run([sys.executable, "-m", "harpjax", "plan", "--help"], env=env,
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+  assert res.returncode == INTERRUPTED, res.stderr[-2000:]
+  assert res.stderr.strip() == INTERRUPT_MESSAGE and not res.stdout, res.stderr[-2000:]
+
+
+# Ctrl-C after the command is done, while the process exits: from an exit hook, and from a
+# finalizer that runs as the interpreter clears its modules (after Python's own signal
+# handling has ended, where SIGINT used to kill the process: status -2, nothing printed).
+_CTRL_C_WHILE_EXITING = r"""
+import atexit, os, signal, sys, time
+from harpjax.cli import run
+
+def ctrl_c():
+  os.kill(os.getpid(), signal.SIGINT)
+  time.sleep(0.2)
+
+class Late:
+  def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGINT, sleep=time.sleep):
+    kill(pid, sig)   # (the module's globals are gone by then)
+    sleep(0.2)
+
+late = Late()
+atexit.register(ctrl_c)
+run(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_while_the_process_exits_keeps_the_commands_status():
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
+  res = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_EXITING, "plan", "--help"], env=env,
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0 and "--cluster" in res.stdout, (res.returncode, res.stderr)
+  assert not res.stderr.strip(), res.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- one set of defaults

@@ -7,7 +7,8 @@ and report bad input as one ``Error:`` line, never a traceback.
 Ctrl-C (SIGINT) stops any command within a second or two, prints one line and exits with
 status 130 (:data:`INTERRUPTED`): the ``KeyboardInterrupt`` unwinds the command (the planner's
 worker pools are cancelled on the way), and when the main thread cannot take it in time (inside
-compiled code) or swallows it, a watcher thread (:func:`run`) ends the process itself.
+compiled code) or swallows it, a watcher thread (:func:`run`) ends the process itself. Once the
+command is done, Ctrl-C no longer changes its outcome: the process exits with its status.
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ import threading
 import click
 
 from harpjax.cli import plan, simulate
+from harpjax.errors import INTERRUPT_MESSAGE, INTERRUPTED
 
 __all__ = ["main", "run", "INTERRUPTED", "INTERRUPT_MESSAGE", "INTERRUPT_GRACE_S"]
 
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT, what shells report)."""
-
-INTERRUPT_MESSAGE = "interrupted (Ctrl-C): stopped"
-"""The one line printed on Ctrl-C."""
 
 INTERRUPT_GRACE_S = 1.0
 """Seconds the command has to unwind after Ctrl-C before the process is ended regardless."""
@@ -49,6 +46,7 @@ class _Watcher:
   def __init__(self):
     self._lock = threading.Lock()
     self._announced = False
+    self.seen = 0   # Ctrl-Cs so far
     self.done = threading.Event()
     self._rsock, self._wsock = socket.socketpair()
     self._wsock.setblocking(False)
@@ -56,6 +54,10 @@ class _Watcher:
     self._old_handler = signal.getsignal(signal.SIGINT)
     if self._old_handler is not signal.SIG_IGN:   # ignored (a background job): keep it so
       signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A KeyboardInterrupt raised in a garbage-collection callback (JAX has one) is printed and
+    # dropped by CPython: not printed here, the watcher ends the command with its one line.
+    self._old_hook = sys.unraisablehook
+    sys.unraisablehook = self._unraisable
     thread = threading.Thread(target=self._watch, name="harpjax-interrupt", daemon=True)
     thread.fork_safe = True
     thread.start()
@@ -78,13 +80,20 @@ class _Watcher:
       if not data:
         return
       seen += data.count(signal.SIGINT)
+      self.seen = seen
       if seen and (seen > 1 or not self.done.wait(INTERRUPT_GRACE_S)):
         self.announce()
         _stop(INTERRUPTED)
 
-  def close(self) -> None:
+  def _unraisable(self, unraisable) -> None:
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+      self._old_hook(unraisable)
+
+  def close(self, sigint=None) -> None:
+    """Stops watching; SIGINT's handler becomes ``sigint`` (default: the one before)."""
     signal.set_wakeup_fd(self._old_fd)
-    signal.signal(signal.SIGINT, self._old_handler)
+    signal.signal(signal.SIGINT, self._old_handler if sigint is None else sigint)
+    sys.unraisablehook = self._old_hook
 
 
 _WATCHER: _Watcher | None = None
@@ -141,25 +150,45 @@ main.add_command(plan.command, "plan")
 
 def run(args: list[str] | None = None) -> None:
   """``python -m harpjax``: :func:`main` with the Ctrl-C watcher; exits with the command's
-  status (:data:`INTERRUPTED` after Ctrl-C, without waiting for busy threads)."""
+  status (:data:`INTERRUPTED` after Ctrl-C, without waiting for busy threads).
+
+  Once the command is done its outcome stands: Ctrl-C while the process exits is ignored (it
+  used to kill the interpreter as it finalized, silently, with -SIGINT, or raise in an exit
+  hook and print a traceback).
+  """
   global _WATCHER
   status = 0
   try:
-    if threading.current_thread() is threading.main_thread():   # where signals arrive
-      _WATCHER = _Watcher()
-    main.main(args=args)
-  except SystemExit as e:
-    status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-  except KeyboardInterrupt:
+    try:
+      if threading.current_thread() is threading.main_thread():   # where signals arrive
+        _WATCHER = _Watcher()
+      main.main(args=args)
+    except SystemExit as e:
+      status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+      status = INTERRUPTED
+    finally:
+      _done()
+  except KeyboardInterrupt:   # Ctrl-C in the instant before _done() took it over
+    _done()
+    status = INTERRUPTED
+  if _WATCHER is not None:
+    _WATCHER.done.set()
+    if _WATCHER.seen and status != INTERRUPTED:   # Ctrl-C the command dropped somewhere
+      status = INTERRUPTED
+  if status == INTERRUPTED:
     if _WATCHER is not None:
       _WATCHER.announce()
     else:
       _echo_interrupt()
-    status = INTERRUPTED
-  if _WATCHER is not None:
-    _WATCHER.done.set()
-  if status == INTERRUPTED:
     _stop(INTERRUPTED)
   if _WATCHER is not None:
-    _WATCHER.close()
+    _WATCHER.close(sigint=signal.SIG_IGN)
   sys.exit(status)
+
+
+def _done() -> None:
+  """The command is done: SIGINT is ignored from here to the end of the process (a signal
+  that arrived just before is dropped with it)."""
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -147,6 +147,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   if time_limit is not None and objective != "min_cost_within_time":
     raise click.UsageError(f"--time-limit bounds min_cost_within_time; --objective "
                            f"{objective} does not use it")
+  if given(ctx, "order") and not use_all_devices:
+    raise click.UsageError("--order is the order --use-all-devices keeps; without it the "
+                           "planner chooses the order: add --use-all-devices or drop --order")
   if mixed_stages != "off" and use_all_devices:
     if given(ctx, "mixed_stages"):
       raise click.UsageError("--mixed-stages needs the planner to choose the order of the "
@@ -178,7 +181,8 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                              "none: add it, or drop --offload-activations")
     unpriced = [s.name for s in cluster.subclusters if s.price_per_gpu_hour is None]
     if unpriced and (objective != "min_time" or budget is not None):
-      raise click.UsageError(f"--objective {objective} needs prices: subclusters {unpriced} of "
+      what = "--budget" if objective == "min_time" else f"--objective {objective}"
+      raise click.UsageError(f"{what} needs prices: subclusters {unpriced} of "
                              f"{cluster_path} have no price_per_gpu_hour")
     spec = model_spec(model, num_microbatches, microbatch_size)
     solve_opts = solve_options(eps=eps, objective=objective, budget=budget,

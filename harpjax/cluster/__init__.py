@@ -7,9 +7,10 @@ hosts, subclusters), :mod:`~harpjax.cluster.yaml_file` (the file format) and
 hosts, device numbering and allocation). This module is the package's public surface.
 """
 
-from harpjax.cluster.hardware import (DeviceInfo, GBPS, GBS, GIB, GPU_ALIASES, GPU_CATALOG, GPUType,
-                                      Host, INTRA_HOST_LATENCY_S, Link, LinkOverride, lookup_gpu,
-                                      MAX_DEVICES, MAX_DEVICES_PER_HOST, MAX_HOSTS, NIC,
+from harpjax.cluster.hardware import (DeviceInfo, GBPS, GBPS_BOUNDS, GBS, GIB, GPU_ALIASES,
+                                      GPU_CATALOG, GPUType, Host, INTRA_HOST_LATENCY_S, Link,
+                                      LinkOverride, lookup_gpu, MAX_DEVICES,
+                                      MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS, NIC,
                                       NIC_LATENCY_S, SubCluster, TFLOPS)
 from harpjax.cluster.packing import (allocate_submeshes, bin_pack, host_joins,
                                      is_divisibility_chain, pack_submeshes, paper_submeshes,
@@ -17,9 +18,9 @@ from harpjax.cluster.packing import (allocate_submeshes, bin_pack, host_joins,
 from harpjax.cluster.topology import Cluster, load_cluster
 
 __all__ = [
-    "Cluster", "DeviceInfo", "GBPS", "GBS", "GIB", "GPUType", "GPU_ALIASES", "GPU_CATALOG",
-    "Host", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "MAX_DEVICES", "MAX_DEVICES_PER_HOST",
-    "MAX_HOSTS", "NIC", "NIC_LATENCY_S", "SubCluster",
+    "Cluster", "DeviceInfo", "GBPS", "GBPS_BOUNDS", "GBS", "GIB", "GPUType", "GPU_ALIASES",
+    "GPU_CATALOG", "Host", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "MAX_DEVICES",
+    "MAX_DEVICES_PER_HOST", "MAX_HOSTS", "MEMORY_GB_BOUNDS", "NIC", "NIC_LATENCY_S", "SubCluster",
     "TFLOPS", "allocate_submeshes", "bin_pack", "host_joins", "is_divisibility_chain",
     "load_cluster", "lookup_gpu", "pack_submeshes", "paper_submeshes", "place_stages",
     "submesh_shapes",

@@ -24,7 +24,8 @@ from harpjax.errors import ClusterSpecError, UnknownGPUError
 __all__ = [
     "TFLOPS", "GIB", "GBS", "GBPS", "GPUType", "GPU_CATALOG", "GPU_ALIASES", "lookup_gpu", "NIC",
     "NIC_LATENCY_S", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "Host", "SubCluster",
-    "DeviceInfo", "MAX_HOSTS", "MAX_DEVICES_PER_HOST", "MAX_DEVICES",
+    "DeviceInfo", "MAX_HOSTS", "MAX_DEVICES_PER_HOST", "MAX_DEVICES", "MEMORY_GB_BOUNDS",
+    "GBPS_BOUNDS", "check_physical",
 ]
 
 TFLOPS = 1e12        # TFLOP/s -> FLOP/s
@@ -46,6 +47,14 @@ MAX_DEVICES_PER_HOST = 1024
 
 MAX_DEVICES = 2**20
 """Most devices a whole cluster may have (1,048,576; a sanity bound)."""
+
+MEMORY_GB_BOUNDS = (2.0**-20, 2.0**16)
+"""Device memory, GiB: 1 KiB (toy devices of tests hold tens) to 64 TiB. Outside is a unit
+mistake (bytes written as GiB, or a number that rounds to a few bytes)."""
+
+GBPS_BOUNDS = (1e-3, 1e6)
+"""Bandwidth of any link, NIC or memory bus, Gbit/s (GB/s for ``mem_bandwidth_gbs``): 1 Mbit/s
+to 1 Pbit/s. Outside is a unit mistake."""
 
 
 def _clean(x: float) -> int | float:
@@ -131,6 +140,16 @@ def check_pos_number(x: Any, where: str) -> float:
   return x
 
 
+def check_physical(x: Any, where: str, bounds: tuple[float, float], unit: str) -> float:
+  """A positive number within ``bounds`` (:data:`MEMORY_GB_BOUNDS`, :data:`GBPS_BOUNDS`)."""
+  check_pos_number(x, where)
+  lo, hi = bounds
+  if not lo <= x <= hi:
+    raise ClusterSpecError(f"{where}: {x:g} {unit} is not a physical value ({lo:g} to {hi:g} "
+                           f"{unit}); check the unit")
+  return x
+
+
 def check_kind(x: Any, where: str) -> str:
   if isinstance(x, str) and x.lower() in NIC_LATENCY_S:
     return x.lower()
@@ -164,6 +183,8 @@ class GPUType:
     check_str(self.name, f"{where}.name")
     for f in ("peak_flops", "memory_bytes", "mem_bandwidth_bytes_per_s", "intra_host_bytes_per_s"):
       check_pos_number(getattr(self, f), f"{where}.{f}")
+    check_physical(self.memory_bytes / GIB, f"{where}.memory_bytes / 2**30", MEMORY_GB_BOUNDS,
+                   "GiB")
     object.__setattr__(self, "memory_bytes", int(round(self.memory_bytes)))
 
   @classmethod
@@ -267,7 +288,7 @@ class NIC:
     check_str(self.name, f"{where}.name")
     check_str(self.network, f"{where}.network")
     object.__setattr__(self, "kind", check_kind(self.kind, f"{where}.kind"))
-    check_pos_number(self.gbps, f"{where}.gbps")
+    check_physical(self.gbps, f"{where}.gbps", GBPS_BOUNDS, "Gbit/s")
     if self.latency_s is None:
       object.__setattr__(self, "latency_s", NIC_LATENCY_S[self.kind])
     check_number(self.latency_s, f"{where}.latency_s", minimum=0.0)
@@ -350,7 +371,7 @@ class LinkOverride:
       raise ClusterSpecError(f"LinkOverride.between={self.between!r}: expected two subcluster "
                              "names")
     object.__setattr__(self, "between", between)
-    check_pos_number(self.gbps, f"link {list(between)}.gbps")
+    check_physical(self.gbps, f"link {list(between)}.gbps", GBPS_BOUNDS, "Gbit/s")
     if self.latency_s is not None:
       check_number(self.latency_s, f"link {list(between)}.latency_s", minimum=0.0)
     if self.kind is not None:

@@ -499,12 +499,17 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
   """
   fname = os.fspath(path)
   try:
-    with open(fname) as f:
-      text = f.read()
+    with open(fname, "rb") as f:
+      text = f.read().decode("utf-8")
   except FileNotFoundError:
     raise ClusterSpecError(f"cluster file {fname!r} does not exist") from None
   except OSError as e:
     raise ClusterSpecError(f"cannot read cluster file {fname!r}: {e.strerror}") from None
+  except UnicodeDecodeError as e:
+    line = e.object[:e.start].count(b"\n") + 1
+    raise ClusterSpecError(f"cluster file {fname!r} is not UTF-8 text (byte {e.start}, line "
+                           f"{line}: {e.object[e.start:e.start + 1]!r}); save it as UTF-8") \
+        from None
   cluster = Cluster.from_dict(parse_yaml(text, fname), fname)
   logger.debug("loaded cluster %s: %d subclusters, %d devices", fname, len(cluster.subclusters),
                cluster.num_devices)

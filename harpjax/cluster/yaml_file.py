@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from harpjax.cluster.hardware import (
-    GBPS, GPUType, LinkOverride, MAX_DEVICES_PER_HOST, MAX_HOSTS, NIC, SubCluster, check_count,
-    check_keys, check_kind, check_list, check_number, check_pos_number, check_str,
-    did_you_mean, or_empty, lookup_gpu)
+    GBPS, GBPS_BOUNDS, GPUType, LinkOverride, MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS,
+    NIC, SubCluster, check_count, check_keys, check_kind, check_list, check_number,
+    check_physical, check_pos_number, check_str, did_you_mean, or_empty, lookup_gpu)
 from harpjax.errors import ClusterSpecError
 
 __all__ = ["parse_yaml", "cluster_fields", "dump_yaml"]
@@ -93,9 +93,12 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     check_str(g["name"], f"{w}.name")
     if g["name"].lower() in [x.name.lower() for x in gpus]:
       raise ClusterSpecError(f"{w}.name: duplicate GPU {g['name']!r}")
-    vals = [check_pos_number(g[k], f"{w}.{k}") for k in _GPU_KEYS[1:4]]
-    intra = check_pos_number(g.get("intra_host_gbps", _DEFAULT_GPU_INTRA_HOST_GBPS),
-                              f"{w}.intra_host_gbps")
+    vals = [check_pos_number(g["tflops"], f"{w}.tflops"),
+            check_physical(g["memory_gb"], f"{w}.memory_gb", MEMORY_GB_BOUNDS, "GiB"),
+            check_physical(g["mem_bandwidth_gbs"], f"{w}.mem_bandwidth_gbs", GBPS_BOUNDS,
+                           "GB/s")]
+    intra = check_physical(g.get("intra_host_gbps", _DEFAULT_GPU_INTRA_HOST_GBPS),
+                           f"{w}.intra_host_gbps", GBPS_BOUNDS, "Gbit/s")
     gpus.append(GPUType.from_units(g["name"], *vals, intra))
   subs_raw = check_list(data["subclusters"], "subclusters")
   if not subs_raw:
@@ -113,7 +116,7 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     gpu = lookup_gpu(s["gpu"], gpus, where=f"{w}.gpu")
     intra = s.get("intra_host_gbps")
     if intra is not None:
-      intra = check_pos_number(intra, f"{w}.intra_host_gbps") * GBPS
+      intra = check_physical(intra, f"{w}.intra_host_gbps", GBPS_BOUNDS, "Gbit/s") * GBPS
     hosts = check_count(s["hosts"], f"{w}.hosts", MAX_HOSTS, "hosts per subcluster")
     per_host = check_count(s["devices_per_host"], f"{w}.devices_per_host",
                            MAX_DEVICES_PER_HOST, "devices per host")
@@ -122,7 +125,8 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
       price = check_number(price, f"{w}.price_per_gpu_hour", minimum=0.0)
     host_memory = s.get("host_memory_gbps")
     if host_memory is not None:
-      host_memory = check_pos_number(host_memory, f"{w}.host_memory_gbps") * GBPS
+      host_memory = check_physical(host_memory, f"{w}.host_memory_gbps", GBPS_BOUNDS,
+                                   "Gbit/s") * GBPS
     zone = s.get("zone")
     if zone is not None:
       check_str(zone, f"{w}.zone")
@@ -151,8 +155,9 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     if lat is not None:
       lat = check_number(lat, f"{w}.latency_us", minimum=0.0) / 1e6
     kind = check_kind(ln["kind"], f"{w}.kind") if "kind" in ln else None
-    links.append(LinkOverride(tuple(between), check_pos_number(ln["gbps"], f"{w}.gbps"), lat,
-                              kind))
+    links.append(LinkOverride(tuple(between),
+                              check_physical(ln["gbps"], f"{w}.gbps", GBPS_BOUNDS, "Gbit/s"),
+                              lat, kind))
   return tuple(subs), tuple(links), tuple(gpus), name
 
 
@@ -169,7 +174,8 @@ def _nics_from_list(raw: Any, where: str) -> tuple[NIC, ...]:
     if lat is not None:
       lat = check_number(lat, f"{w}.latency_us", minimum=0.0) / 1e6
     nics.append(NIC(n["name"], check_kind(n["kind"], f"{w}.kind"),
-                    check_pos_number(n["gbps"], f"{w}.gbps"), n["network"], lat))
+                    check_physical(n["gbps"], f"{w}.gbps", GBPS_BOUNDS, "Gbit/s"),
+                    n["network"], lat))
   return tuple(nics)
 
 

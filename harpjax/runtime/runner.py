@@ -177,6 +177,7 @@ class PipelineRunner:
     self.last: MeasuredStep | None = None
     self.history: list[MeasuredStep] = []
     self._last_outputs = None
+    self._revocable = None
     leaves = jax.tree_util.tree_leaves(example_args)
     if len(leaves) != len(lay.leaf_vids):
       raise PlanError(f"the step was compiled for {len(lay.leaf_vids)} argument leaves, got "
@@ -208,6 +209,7 @@ class PipelineRunner:
       self.infos = self._call_all("info", [()] * S, options.start_timeout_s, "starting")
       self.routes = self._connect()
     except BaseException:
+      backend.healthy = False   # workers left half-built are not reused
       self.shutdown()
       raise
     log.info("runner %d: %d stage workers ready in %.1f s; routes:\n  %s", self.id, S,
@@ -312,8 +314,18 @@ class PipelineRunner:
       log.warning("step %d: %d tasks took longer than their emulated time; increase "
                   "Emulation.time_scale for a faithful emulation", step, over)
     self._last_outputs = out
+    self._revocable = (out, self._completed)
     self._completed = step   # last: an interrupt before here leaves the state passed in valid
     return out
+
+  def revoke(self, outputs) -> None:
+    """Undoes the completion of the last step, whose ``outputs`` its caller did not take (Ctrl-C
+    while they were checkpointed): the state that step consumed stays valid for its retry
+    however often that is interrupted again."""
+    with self._lock:
+      if self._revocable is not None and self._revocable[0] is outputs:
+        self._completed = self._revocable[1]
+        self._revocable = None
 
   def _call_all(self, method: str, args_per_stage, timeout_s: float, what: str,
                 fail_runner: bool = False, step: int | None = None) -> list:
@@ -332,6 +344,8 @@ class PipelineRunner:
     An interrupt (Ctrl-C) while waiting aborts ``step`` on every worker, waits a moment for
     them to stop, and raises ``KeyboardInterrupt``: the runner stays usable and the state
     passed in stays valid (workers release state only when the driver starts a later step).
+    A call that is not a step (a gather, the start) waits for no message: it is left to
+    finish on its own, and the workers' next steps are not touched.
     """
     be = self._backend
     pending: dict = {}
@@ -340,6 +354,8 @@ class PipelineRunner:
         pending[s] = be.submit(s, method, *a)
       return self._wait(pending, timeout_s, what, fail_runner, abort_others, step)
     except KeyboardInterrupt:
+      if step is None:
+        raise
       for t in pending:
         be.abort(t, f"{what} interrupted", step)
       until = time.monotonic() + self.options.interrupt_grace_s
@@ -374,12 +390,12 @@ class PipelineRunner:
           errors[s] = value
           if grace_until is None:   # let the others report why they stopped
             grace_until = time.monotonic() + 3.0
-            for t in pending if abort_others else ():
+            for t in pending if abort_others and step is not None else ():
               be.abort(t, f"stage {s} failed during {what}", step)
     if not errors and not pending:
       return results
     if pending and not errors:
-      for t in pending:
+      for t in pending if step is not None else ():
         be.abort(t, f"{what} timed out", step)
       msg = (f"{what}: stage(s) {sorted(pending)} ("
              + ", ".join(self.hosts[t] for t in sorted(pending))
@@ -551,6 +567,7 @@ class ThreadBackend:
   """
   own_processes = False
   remote_groups: dict = {}   # every group of a mixed-type stage runs in its stage's thread
+  healthy = True
 
   def __init__(self, options: RunnerOptions):
     self.options = options

@@ -512,6 +512,16 @@ _MALFORMED = [
      r"subclusters\[0\]\.intra_host_gbps: expected a positive number, got '1e3' \(a string"),
     ("gpus:\n  - {name: X, tflops: 1, memory_gb: 1}\nsubclusters:\n" + _SUB, ClusterSpecError,
      r"gpus\[0\]: missing field 'mem_bandwidth_gbs'"),
+    ("gpus:\n  - {name: X, tflops: 1, memory_gb: 1.0e-9, mem_bandwidth_gbs: 900}\n"
+     "subclusters:\n" + _SUB, ClusterSpecError,
+     r"gpus\[0\]\.memory_gb: 1e-09 GiB is not a physical value .*check the unit"),
+    ("gpus:\n  - {name: X, tflops: 1, memory_gb: 80000000000, mem_bandwidth_gbs: 900}\n"
+     "subclusters:\n" + _SUB, ClusterSpecError, r"gpus\[0\]\.memory_gb: 8e\+10 GiB is not"),
+    ("subclusters:\n  - {name: a, gpu: A100, hosts: 1, devices_per_host: 1,"
+     " nics: [{name: e, kind: rdma, gbps: 100000000000, network: n}]}\n", ClusterSpecError,
+     r"subclusters\[0\]\.nics\[0\]\.gbps: 1e\+11 Gbit/s is not a physical value"),
+    ("subclusters:\n" + _SUB + "links:\n  - {between: [a, a], gbps: 1.0e-6}\n",
+     ClusterSpecError, r"links\[0\]\.gbps: 1e-06 Gbit/s is not a physical value"),
     ("subclusters:\n" + _SUB + "colour: blue\n", ClusterSpecError,
      r"cluster: unknown key 'colour'"),
     ("subclusters: []\n", ClusterSpecError, r"subclusters: expected a non-empty list"),
@@ -551,6 +561,10 @@ def test_malformed_file_names_file_and_line(tmp_path):
     Cluster.load(str(empty))
   with pytest.raises(ClusterSpecError, match=r"'missing\.yaml' does not exist"):
     Cluster.from_yaml("missing.yaml")
+  latin = tmp_path / "latin.yaml"
+  latin.write_bytes("# caf\u00e9\nsubclusters: []\n".encode("latin-1"))
+  with pytest.raises(ClusterSpecError, match=r"latin\.yaml' is not UTF-8 text \(byte 5, line 1"):
+    Cluster.load(latin)
 
 
 def test_python_constructor_errors():

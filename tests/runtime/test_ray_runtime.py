@@ -336,6 +336,45 @@ def test_interrupted_step_then_immediate_retry_keeps_state(backend, when):
   assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
 
 
+@pytest.mark.parametrize("backend", ["threads", "ray"])
+def test_interrupted_gather_and_checkpoint_save_leave_the_runner_usable(backend, tmp_path):
+  # Ctrl-C while harpjax.gather waits, then twice while the gather inside a checkpoint save
+  # waits (retain_steps=1: the state of step 1 must stay held through both retries): each
+  # surfaces as KeyboardInterrupt, and training then goes on exactly as jax.jit's does.
+  step, state, batches = _mlp_setup()
+  pstep = harpjax.auto_parallel(
+      step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=MLP3, runtime="ray",
+      runtime_options={"backend": backend, "retain_steps": 1},
+      checkpoint=harpjax.CheckpointOptions(str(tmp_path / "ck"), every=2, asynchronous=False))
+  ref = jax.jit(step)
+  s_par, s_ref = pstep(state, batches[0])[0], ref(state, batches[0])[0]
+  backend_obj = pstep.runner(state, batches[0])._backend
+  real_submit, real_wait = backend_obj.submit, backend_obj.wait_any
+  method, interrupts = [None], [3]
+
+  def submit(stage, name, *args):
+    method[0] = name
+    return real_submit(stage, name, *args)
+
+  def wait_any(pending, timeout_s):
+    if method[0] == "fetch" and interrupts[0]:
+      interrupts[0] -= 1
+      raise KeyboardInterrupt
+    return real_wait(pending, timeout_s)
+
+  backend_obj.submit, backend_obj.wait_any = submit, wait_any
+  with pytest.raises(KeyboardInterrupt):
+    ray_runtime.gather(s_par)
+  for _ in range(2):   # step 2 is saved: its gather is interrupted
+    with pytest.raises(KeyboardInterrupt):
+      pstep(s_par, batches[1])
+  assert interrupts == [0] and pstep.steps_done == 1
+  for batch in batches[1:]:
+    s_par, s_ref = pstep(s_par, batch)[0], ref(s_ref, batch)[0]
+  assert pstep.steps_done == 3 and pstep.checkpointer.steps() == [2]
+  assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+
+
 def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
   # Three stages, a checkpoint every 2 steps; stage 1's actor is killed after step 3. Step 4
   # detects the lost host, re-plans automatically on the 6 devices left, restores checkpoint 2,

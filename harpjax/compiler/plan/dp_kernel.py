@@ -49,6 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from harpjax.compiler.schedule import warmup_delta
+from harpjax.errors import interruptible_kernel
 
 try:  # Numba is a hard dependency; the twin keeps the planner usable without it.
   import numba as _numba
@@ -567,6 +568,7 @@ prefix_bound_kernel = _prefix_bound
 _NO_BOUND = np.zeros((0, 0))
 
 
+@interruptible_kernel
 def suffix_bound(ix: DPArrays, tau: float, lb: np.ndarray, check_comm: bool = True,
                  use_numba: bool = True) -> np.ndarray:
   """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` of a suffix from layer ``i`` in device state
@@ -576,6 +578,7 @@ def suffix_bound(ix: DPArrays, tau: float, lb: np.ndarray, check_comm: bool = Tr
   return fn(ix, float(tau), bool(check_comm), lb)
 
 
+@interruptible_kernel
 def hit_possible(ix: DPArrays, lb: np.ndarray, sb: np.ndarray, hits: np.ndarray,
                  ent_i: np.ndarray, ent_k: np.ndarray, tau: float, check_comm: bool = True,
                  use_numba: bool = True) -> bool:
@@ -588,6 +591,7 @@ def hit_possible(ix: DPArrays, lb: np.ndarray, sb: np.ndarray, hits: np.ndarray,
                  bool(check_comm)))
 
 
+@interruptible_kernel
 def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
                  use_numba: bool = True) -> np.ndarray:
   """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` in device
@@ -598,6 +602,7 @@ def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
   return fn(ix, float(tau), bool(check_comm))
 
 
+@interruptible_kernel
 def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
               require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
               discount: float = 0.0, use_numba: bool = True,

@@ -39,6 +39,7 @@ import numpy as np
 
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, prefix_bound_kernel
 from harpjax.compiler.schedule import iteration_time_kernel, warmup_delta
+from harpjax.errors import interruptible_kernel
 
 try:
   import numba as _numba
@@ -291,6 +292,7 @@ else:  # pragma: no cover
   _search_jit = _search_impl
 
 
+@interruptible_kernel
 def bounded_search(ix: DPArrays, px: ProofArrays, taus: np.ndarray, num_microbatches: int,
                    eps: float, fwd_fraction: float, n_max: int, kind: int, best: float,
                    rate_max: float = np.inf, t_limit: float = np.inf, r_min: float = 0.0,

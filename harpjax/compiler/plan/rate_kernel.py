@@ -27,6 +27,7 @@ import numpy as np
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, cut_cost
 from harpjax.compiler.plan.dp_kernel import active_entries as _active
 from harpjax.compiler.schedule import warmup_delta
+from harpjax.errors import interruptible_kernel
 
 try:
   import numba as _numba
@@ -274,6 +275,7 @@ else:  # pragma: no cover
   _solve_tau_rate_numba = None
 
 
+@interruptible_kernel
 def solve_tau_rate(ix: DPArrays, rx: RateArrays, tau: float, num_microbatches: int, eps: float,
                    n_cap: int, require_hit: bool, check_comm: bool, bound: float,
                    rate_max: float, t_limit: float, kind: int, link_hits: bool = False,

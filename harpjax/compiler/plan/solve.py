@@ -579,6 +579,10 @@ def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, bac
         except concurrent.futures.TimeoutError:
           raise RuntimeFailure(f"planner {backend} worker on batch {n} of {len(batches)} "
                                f"timed out after {timeout_s} s") from None
+    except concurrent.futures.BrokenExecutor as e:   # a worker process killed (OOM, kill -9)
+      _cancel(ex)
+      log.warning("a planner worker process died (%s); searching in this process", e)
+      outs = [evaluate_candidates(index, b, *args) for b in batches]
     except BaseException:   # KeyboardInterrupt included: nothing keeps computing or waits
       _cancel(ex)
       raise

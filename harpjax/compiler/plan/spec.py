@@ -521,8 +521,16 @@ class Plan:
                 meta=tuple(sorted(meta.items())))
 
   def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json(), f, indent=2)
+    """Writes the plan as JSON: aside, then renamed, so an interrupted save leaves the file
+    as it was."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    try:
+      with open(tmp, "w") as f:
+        json.dump(self.to_json(), f, indent=2)
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Plan":

@@ -221,6 +221,7 @@ class ProfileDB:
     self.misses = 0
     self._invalid = _Invalid(self.root)
     self._refused = 0
+    self._unwritable = 0
     weakref.finalize(self, self._invalid.report)
 
   @property
@@ -303,4 +304,6 @@ class ProfileDB:
     except (OSError, TypeError, ValueError) as e:
       if tmp is not None and os.path.exists(tmp):
         os.unlink(tmp)
-      log.warning("could not write profile cache entry %s: %s", path, e)
+      self._unwritable += 1   # one warning: an unwritable directory fails every entry
+      (log.warning if self._unwritable == 1 else log.debug)(
+          "could not write profile cache entry %s: %s", path, e)

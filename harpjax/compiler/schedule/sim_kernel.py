@@ -31,6 +31,8 @@ import heapq
 
 import numpy as np
 
+from harpjax.errors import interruptible_kernel
+
 try:  # Numba is a hard dependency, but the twin keeps the simulator usable without it.
   import numba as _numba
 except ImportError:  # pragma: no cover
@@ -222,6 +224,7 @@ with ``[S]`` float arrays (``comm_s[s]``: the cut after stage ``s``) and ``[S]``
 see :func:`iteration_times`."""
 
 
+@interruptible_kernel
 def iteration_times(time_s, comm_s, end_s, warmups, num_stages, num_microbatches,
                     fwd_fraction=1.0 / 3.0):
   """Simulated iteration time of many pipelines, each under the 1F1B-style table of its
@@ -265,6 +268,7 @@ def _alloc(kinds, fwd, comm_fwd):
           np.full(num_stages, n, np.int64))
 
 
+@interruptible_kernel
 def simulate_kernel(kinds, mbs, fwd, bwd, comm_fwd, comm_bwd, use_numba=True):
   """Runs the sweep kernel; arguments as :func:`_simulate_impl`.
 
