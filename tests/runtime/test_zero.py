@@ -273,7 +273,7 @@ def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
 
   # The least memory with a plan at level 0 and with any level: devices between the two.
   def least(**kw):
-    lo, hi = 1e3, 1e9
+    lo, hi = 2e3, 1e9
     for _ in range(30):
       mid = (lo * hi) ** 0.5
       lo, hi = (lo, mid) if plans(mid, **kw)[1] else (mid, hi)
@@ -382,7 +382,7 @@ def test_planner_keeps_residuals_in_host_memory_on_small_devices_float64(x64, tm
   assert tables.offload_bandwidth_bytes_per_s == (12.5e9, 12.5e9)
 
   def least(**kw):   # bytes, to 2%
-    lo, hi = 1e3, 1e7
+    lo, hi = 2e3, 1e7   # (a cluster file refuses less than 1 KiB per device)
     assert _fits(hi, **kw) and not _fits(lo, **kw)
     while hi / lo > 1.02:
       mid = (lo * hi) ** 0.5
