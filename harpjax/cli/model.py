@@ -108,7 +108,8 @@ def config_problem(name: str, value, default) -> str | None:
 
 
 def profile_options(*, source: str = "jaxpr", cache_dir=None, no_cache: bool = False,
-                    progress=None, remat: bool = False, order: str = "memory_to_compute",
+                    progress=None, remat: bool | str = False,
+                    order: str = "memory_to_compute",
                     zero: bool = True, data_dir=None):
   """The :class:`~harpjax.compiler.profile.ProfileOptions` of the command-line options (their
   defaults give ``ProfileOptions()``'s choices: no rematerialisation, the optimizer state's

@@ -107,6 +107,9 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Cost activation recomputation (as HARP and Alpa train large GPTs; "
                    "GPT-39B needs it): only stage inputs are kept per in-flight microbatch; "
                    "plans carry it to the runtime. Off by default, as auto_parallel's.")
+@click.option("--remat-choice", is_flag=True,
+              help="Cost every layer with and without recomputation and let the planner "
+                   "choose per stage (each stage of the plan says which); replaces --remat.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar while profiling (default: when stderr is a terminal).")
 @click.option("--zero/--no-zero", default=True, show_default=True,
@@ -123,7 +126,7 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
             source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
             use_all_devices, mixed_stages, data_dir, cache_dir, no_cache, json_path, simulate,
-            remat, progress, zero, offload_activations):
+            remat, remat_choice, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
   from harpjax.compiler.plan import evaluate_mixed, evaluate_plan, solve
@@ -152,6 +155,11 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
       raise click.UsageError("--mixed-stages needs the planner to choose the order of the "
                              "subclusters, which --use-all-devices fixes; drop one of them")
     mixed_stages = "off"   # HARP's planner: every device, the order given, no mixed stages
+  if remat_choice and given(ctx, "remat"):
+    raise click.UsageError("--remat-choice chooses per stage what --remat fixes for all; give "
+                           "one of them")
+  if remat_choice:
+    remat = "choose"
   check_output_file(json_path, "--json")
   if not no_cache:
     check_output_dir(cache_dir, "--cache-dir")
@@ -192,7 +200,8 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     raise click.ClickException(str(e)) from None
   plan = solved.plan.replace(meta={**dict(solved.plan.meta), "model": spec.name,
                                    "cluster": os.path.abspath(cluster_path),
-                                   "microbatch_size": spec.microbatch_size, "remat": remat})
+                                   "microbatch_size": spec.microbatch_size,
+                                   "remat": remat is True})
   click.echo("")
   click.echo(plan.table())
   click.echo(f"\npredicted iteration: {plan.predicted_iteration_s:.3f} s (simulated; Eq. 12 "

@@ -299,6 +299,8 @@ def _cost_plan(plan, cluster_path: str, model: str, num_microbatches: int | None
   mbs = microbatch_size or meta.get("microbatch_size")
   spec = model_spec(model, num_microbatches, mbs)
   remat = bool(meta.get("remat", False))
+  if any(s.remat is not None for s in plan.stages):   # each stage says its own mode
+    remat = "choose"
   result = profile_model(spec, Cluster.load(cluster_path),
                          profile_options(remat=remat, progress=False, **profile_kw))
   if plan.stages[-1].layers[1] != result.tables.num_layers - 1:

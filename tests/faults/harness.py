@@ -500,7 +500,7 @@ def in_process_trial(phase: str, scn: Scenario, seed: int, moment: Moment | None
   out = Outcome(phase, fault, seed)
   if scn.runtime == "ray":
     ensure_ray()
-  threads, children = _threads(), _children()
+  threads, children, actors = _threads(), _children(), _live_actors()
   root = tempfile.mkdtemp(prefix="harpjax-faults-")
   directory = os.path.join(root, "ck")
   t0 = time.monotonic()
@@ -545,7 +545,8 @@ def in_process_trial(phase: str, scn: Scenario, seed: int, moment: Moment | None
     if scn.runtime == "ray":
       from harpjax.runtime import ray_runtime
       ray_runtime.release_pool()
-    out.leaked = leftovers(threads, children) + _live_actors()
+    out.leaked = leftovers(threads, children) + tuple(
+        name for key, name in _live_actors().items() if key not in actors)
     shutil.rmtree(root, ignore_errors=True)
     out.seconds = time.monotonic() - t0
   return out
@@ -609,20 +610,23 @@ def _actor_pid(runner, stage: int) -> int:
   return ray.get(runner._backend.actors[stage][0].info.remote(), timeout=60)["pid"]
 
 
-def _live_actors() -> tuple:
-  """Actors this Ray instance still runs (none once a trial's runners and pool are gone)."""
+def _live_actors() -> dict:
+  """Actor id -> ``"actor <class>"`` of the actors this Ray instance runs (a trial's leak is
+  one alive after it that was not before it: an earlier test of the same process may have
+  left its own)."""
   if "ray" not in sys.modules:
-    return ()
+    return {}
   import ray
   if not ray.is_initialized():
-    return ()
+    return {}
   try:
     from ray.util.state import list_actors
     alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")], timeout=30)]
   except Exception:  # noqa: BLE001 -- the state API needs Ray's dashboard: count by hand
     alive = [a for a in ray._private.state.actors().values() if a.get("State") == "ALIVE"]
-  return tuple(f"actor {getattr(a, 'class_name', None) or a.get('ActorClassName')}"
-               for a in alive)
+  key = lambda a: getattr(a, "actor_id", None) or a.get("ActorID") or id(a)
+  return {key(a): f"actor {getattr(a, 'class_name', None) or a.get('ActorClassName')}"
+          for a in alive}
 
 
 # --------------------------------------------------------------------------- kill -9

@@ -64,6 +64,8 @@ class PlannedStage:
       ``submesh_index`` is then the variant's index in those tables, and ``param_bytes`` and
       ``act_bytes`` are the variant's: with ``offload_activations`` two microbatches'
       residuals in the former, none in the latter).
+    remat: what the stage's backward recomputes, where the tables cost it per stage
+      (:attr:`~harpjax.compiler.profile.CostTables.remat_modes`); ``None``: the plan's mode.
   """
   layers: tuple[int, int]
   subcluster: int
@@ -84,6 +86,7 @@ class PlannedStage:
   zero: int = 0
   offload: bool = False
   offload_activations: bool = False
+  remat: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +154,7 @@ class PlanEvaluation:
 
 
 def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int]]:
+  plan = stages if isinstance(stages, Plan) else None
   if isinstance(stages, Plan):
     stages = stages.stages
   out = []
@@ -163,14 +167,16 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
                         "microbatch_rows=...))")
       k = tables.subcluster_index(st.subcluster)
       slot = variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
-                                       st.offload_activations)
+                                       st.offload_activations,
+                                       plan.remat_of(st) if plan is not None else st.remat)
       check_logical_mesh(tables, st, k, slot)
       out.append((st.layers[0], st.layers[1], k, slot))
     elif isinstance(st, PlannedStage):
       s = st.submesh_index
-      if tables.variants is not None or st.zero or st.offload or st.offload_activations:
+      if tables.variants is not None or st.zero or st.offload or st.offload_activations \
+          or tables.remat_modes is not None:
         s = variants_lib.variant_slot(tables, st.subcluster, st.submesh, st.zero, st.offload,
-                                      st.offload_activations)
+                                      st.offload_activations, st.remat)
       out.append((st.layers[0], st.layers[1], st.subcluster, s))
     else:
       i, j, k, s = st
@@ -300,6 +306,15 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
           f"stage {x} (layers {i}..{j}, {tables.subcluster_names[k]} {tables.submeshes[k][s]}) "
           f"needs {peak / 2**30:.3f} GiB ({p / 2**30:.3f} GiB parameters + {inflight[x]} x "
           f"{a / 2**30:.3f} GiB activations) > {dev_mem / 2**30:.3f} GiB device memory")
+    step = (float(tables.step_mem_bytes[k][i, j, s]) if tables.step_mem_bytes is not None
+            else 0.0)
+    if not step <= dev_mem:
+      mem_ok = False
+      violations.append(
+          f"stage {x} (layers {i}..{j}, {tables.subcluster_names[k]} {tables.submeshes[k][s]}) "
+          f"needs {step / 2**30:.3f} GiB for its gradient reduction and optimizer update > "
+          f"{dev_mem / 2**30:.3f} GiB device memory")
+    peak = max(peak, step)
     n, m = tables.submeshes[k][s]
     offset = int(tables.device_offsets[k]) + taken[k]
     taken[k] += n * m
@@ -311,7 +326,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
         peak_mem_bytes=peak, device_memory_bytes=dev_mem,
         zero=variants_lib.variant_of(tables, k, s)[0],
         offload=variants_lib.variant_of(tables, k, s)[1],
-        offload_activations=variants_lib.variant_of(tables, k, s)[2]))
+        offload_activations=variants_lib.variant_of(tables, k, s)[2],
+        remat=tables.remat_of(k, s)))
   comm_ok = all(x <= t_max for x in c)
   ends = [tables.end_of(k, i, j, s) for i, j, k, s in quads]
   head = sum(x + 2.0 * y for x, y in zip(t, c))
@@ -402,6 +418,8 @@ def _diagnose(tables: CostTables, B: int, eps: float, use_all: bool,
     best = (math.inf, None)
     for s in range(len(tables.submeshes[k])):
       fp = tables.param_mem_bytes[k][:, :, s] + tables.act_mem_bytes[k][:, :, s]
+      if tables.step_mem_bytes is not None:   # the reduction and the update
+        fp = np.maximum(fp, tables.step_mem_bytes[k][:, :, s])
       fp = np.where(np.isfinite(tables.stage_time_s[k][:, :, s]), fp, np.inf)
       i, j = np.unravel_index(np.argmin(fp), fp.shape)
       if fp[i, j] < best[0]:

@@ -82,6 +82,8 @@ class SparseIndex:
       t, p, a = tables.stage_time_s[k], tables.param_mem_bytes[k], tables.act_mem_bytes[k]
       end = tables.end_time_s[k] if tables.end_time_s is not None else np.zeros_like(p)
       ok = np.isfinite(t) & (p + 1.0 * a <= mem[k])
+      if tables.step_mem_bytes is not None:   # the reduction and the update fit too
+        ok &= tables.step_mem_bytes[k] <= mem[k]
       ok &= np.triu(np.ones((L, L), bool))[:, :, None]
       i, j, s = np.nonzero(ok)
       sizes = np.array([n * m for n, m in tables.submeshes[k]], dtype=np.int64)
@@ -208,6 +210,21 @@ class SparseIndex:
     with np.errstate(divide="ignore", invalid="ignore"):
       n = np.where(a > 0, np.floor(room / np.where(a > 0, a, 1.0)), B)
     return int(max(1, min(B, n.max())))
+
+  def hit_end(self, tau: float) -> float:
+    """The least end time (:attr:`~harpjax.compiler.profile.CostTables.end_time_s`) of the
+    entries that take exactly ``tau`` (``0`` when none does, or a cut takes ``tau`` too): a
+    plan of period ``tau`` has such a stage, which runs ``B`` forwards and backwards and then
+    its end, so its simulated time is at least ``B tau`` plus this."""
+    if self.link_bound and self.cut_values is not None and self.cut_values.size:
+      x = int(np.searchsorted(self.cut_values, tau))
+      if x < self.cut_values.size and self.cut_values[x] == tau:
+        return 0.0
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    if lo == hi:
+      return 0.0
+    return float(np.min(self.arrays.ent_e[self.by_t[lo:hi]]))
 
   def is_stage_time(self, tau: float) -> bool:
     """Whether some entry takes exactly ``tau``."""

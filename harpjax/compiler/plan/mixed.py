@@ -391,6 +391,10 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
       if offload_activations:   # two microbatches' residuals (at the group's rows) stay
         param_bytes += 2.0 * act * (frac - 1.0)
       act_bytes = a_v * frac
+    if not single and zero < 2 and tables.sync_time_s is not None:
+      # A mixed-type stage's groups reduce their gradients every microbatch, not once.
+      y = float(tables.sync_time_s[k][i, j, s])
+      time_s, end_s = time_s + y, max(end_s - y, 0.0)
     if x:
       time_s += float(_route_s(tables, home, k, r, b, i, j))
     out.append(GroupCost(
@@ -878,6 +882,11 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
       link_latency_s=tuple(tuple(float(v) for v in r) for r in lat),
       logical_mesh=tuple(logical), peak_flops=peak, price_per_gpu_hour=price,
       end_time_s=tuple(end_arrays),
+      # a mixed stage's groups are costed without rematerialisation (the first of each
+      # shape); a plain stage keeps its choice
+      remat_modes=None if src.remat_modes is None else (
+          (("none",) * Z,) * F + tuple(tuple(src.remat_modes[k][s] for s in cols[k])
+                                       for k in keep)),
       variants=None if src.variants is None and Z == 1 else (
           (tuple((z, False, False) for z in levels),) * F
           + tuple(tuple(src.variants[k][s] for s in cols[k]) if src.variants is not None
@@ -928,6 +937,10 @@ def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOption
       with np.errstate(invalid="ignore"):
         T_g = T_g + np.where(np.isfinite(T), tz[:, :, s] - T, 0.0)
       p, act, e = pz[:, :, s], az[:, :, s], ez[:, :, s]
+    if zero < 2 and tables.sync_time_s is not None:
+      # A mixed-type stage's groups reduce their gradients every microbatch, not once.
+      y = tables.sync_time_s[k][:, :, s]
+      T_g, e = T_g + y, np.maximum(e - y, 0.0)
     t = np.maximum(t, T_g + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
     nmax = np.minimum(nmax, _max_inflight(p, act * (r / b), tables.device_memory_bytes[k], B))
     end = np.maximum(end, e)
@@ -975,7 +988,7 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
       specs.append(StageSpec(layers=(i, j), subcluster=st.subcluster_name, submesh=st.submesh,
                              logical_mesh=st.logical_mesh, warmup=st.warmup, time_s=st.time_s,
                              comm_s=st.comm_s, zero=st.zero, offload=st.offload,
-                             offload_activations=st.offload_activations))
+                             offload_activations=st.offload_activations, remat=st.remat))
       continue
     fusion = fusions[st.subcluster]
     zero = (fused.variants[st.subcluster][st.submesh_index][0] if fused.variants is not None
@@ -993,7 +1006,7 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
     specs.append(StageSpec(layers=(i, j), subcluster=first.subcluster, submesh=first.submesh,
                            logical_mesh=first.logical_mesh, warmup=st.warmup, time_s=st.time_s,
                            comm_s=st.comm_s, share=first.share, groups=tuple(groups[1:]),
-                           zero=zero))
+                           zero=zero, remat=None if tables.remat_modes is None else "none"))
   return tuple(specs)
 
 

@@ -363,15 +363,18 @@ class Scoring(NamedTuple):
       return min(hit_cap, 1 + int(self.hidden_share * bound / (self.discount * tau)))
     return hit_cap
 
-  def floor(self, tau: float, sigma_lb: float, hit_cap: int | None = None) -> float:
+  def floor(self, tau: float, sigma_lb: float, hit_cap: int | None = None,
+            hit_end: float = 0.0) -> float:
     """A lower bound on the score of any plan of period ``tau`` whose DP value is at least
     ``sigma_lb`` before the discount: the simulated time is at least ``B tau`` (the bottleneck
-    stage or link alone) and at least the DP's value plus ``(B - 1) tau``. ``hit_cap``: the
-    most microbatches a stage of time ``tau`` holds (bounds the discount)."""
+    stage or link alone) plus ``hit_end`` (the least end time of a stage that takes ``tau``,
+    :meth:`~harpjax.compiler.plan.index.SparseIndex.hit_end`, after its last backward), and
+    at least the DP's value plus ``(B - 1) tau``. ``hit_cap``: the most microbatches a stage
+    of time ``tau`` holds (bounds the discount)."""
     B = self.num_microbatches
     n = self.nmax if hit_cap is None else min(self.nmax, hit_cap)
     lb = (B - 1) * tau + max(sigma_lb, tau) - self.discount * tau * (n - 1)
-    return max(lb, B * tau) if self.simulated else lb
+    return max(lb, B * tau + hit_end) if self.simulated else lb
 
 
 def plan_arrays(index: SparseIndex, path: np.ndarray, eps: float
@@ -438,7 +441,7 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     tau = float(index.candidates[idx])
     sig = sigma_lb.get(idx, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
     hit_cap = scoring.capped(tau, index.hit_cap(tau, B), bound)
-    if scoring.floor(tau, sig, hit_cap) > bound * (1.0 + BOUND_SLACK):
+    if scoring.floor(tau, sig, hit_cap, index.hit_end(tau)) > bound * (1.0 + BOUND_SLACK):
       continue
     if not index.may_have_period(tau, lb, sb):
       continue
@@ -688,6 +691,9 @@ def single_subcluster(tables: CostTables, k: int) -> CostTables:
       logical_mesh=pick(tables.logical_mesh), peak_flops=pick(tables.peak_flops),
       price_per_gpu_hour=pick(tables.price_per_gpu_hour), end_time_s=pick(tables.end_time_s),
       opt_mem_bytes=pick(tables.opt_mem_bytes), gather_time_s=pick(tables.gather_time_s),
+      sync_time_s=pick(tables.sync_time_s), workspace_bytes=pick(tables.workspace_bytes),
+      step_mem_bytes=pick(tables.step_mem_bytes), remat_modes=pick(tables.remat_modes),
+      grad_out_bytes=pick(tables.grad_out_bytes),
       offload_bandwidth_bytes_per_s=pick(tables.offload_bandwidth_bytes_per_s),
       variants=pick(tables.variants),
       host_bandwidth_bytes_per_s=pick(tables.host_bandwidth_bytes_per_s),
@@ -799,7 +805,8 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
       raise infeasible()
     n_incumbent = best[1] - t_s_idx + 1
     first, bound = best[1] + 1, best[0]
-  window = [c for c in range(first, M) if scoring.floor(cand[c], 0.0) <= bound * slack]
+  window = [c for c in range(first, M)
+            if scoring.floor(cand[c], 0.0, None, index.hit_end(cand[c])) <= bound * slack]
   t_e = float(cand[window[-1]]) if window else float(cand[first - 1])
   sigma_lb: dict[int, float] = {}
   num_window = len(window)
@@ -814,8 +821,8 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
         best = found
         bound = min(bound, found[0])
     window = [c for c in window if scoring.floor(
-        cand[c], sigma_lb[c], scoring.capped(cand[c], index.hit_cap(cand[c], B), bound))
-              <= bound * slack]
+        cand[c], sigma_lb[c], scoring.capped(cand[c], index.hit_cap(cand[c], B), bound),
+        index.hit_end(cand[c])) <= bound * slack]
   log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g s, %d candidates up to "
            "%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
            num_window, t_e, len(window))
@@ -1022,7 +1029,8 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
   specs = tuple(StageSpec(layers=s.layers, subcluster=s.subcluster_name, submesh=s.submesh,
                           logical_mesh=s.logical_mesh, warmup=s.warmup, time_s=s.time_s,
                           comm_s=s.comm_s, zero=s.zero, offload=s.offload,
-                          offload_activations=s.offload_activations) for s in stages)
+                          offload_activations=s.offload_activations, remat=s.remat)
+                for s in stages)
   plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
               t_max_s=ev.t_max_s, predicted_iteration_s=iteration, eta=ev.eta,
               meta={"planner": "harpjax.dp", "eps": opts.eps, "cost_model": opts.cost_model,

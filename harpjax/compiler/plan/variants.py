@@ -22,13 +22,24 @@ degree, ``P`` its ``param_mem_bytes``, ``O`` its ``opt_mem_bytes``, weights and 
 * state held: ``W_z + G_z + O_z`` with ``O_z = O / dp`` from level 1, ``G_z = G / dp`` from
   level 2, ``W_z = W / dp`` at level 3; with offload the pipeline holds ``W_z + G_z`` only,
   and the variant is allowed only where ``W_z + G_z + O_z`` fits the device (the update
-  brings the state in);
+  brings the state in). Tables that carry the layers' workspace and largest gradient
+  (:attr:`~harpjax.compiler.profile.CostTables.workspace_bytes`,
+  :attr:`~harpjax.compiler.profile.CostTables.grad_out_bytes`, as the profiler's do) get the
+  memory model's numbers instead (:func:`memory_model`, the one
+  :func:`~harpjax.compiler.profile.stage_memory`): the fixed bytes at the level (state and
+  the pipeline's workspace: a forward's outputs and temporaries, a backward's gradient, its
+  reduction and the weights gathered), and the variant is allowed only where the phases after
+  the pipeline (the replicas' reduction, the update) fit;
 * time per microbatch: ``t``, plus ``2 g`` at level 3 (the weights gathered in the forward
-  and again in the backward). Level 2's reduce-scatter is charged as the all-reduce the
-  tables already hold (an upper bound: it moves half the bytes);
-* end of iteration (the simulator's end cost): ``e``, plus ``g`` at levels 1 and 2 (the
-  updated weights gathered once), plus ``2 O_z / bw`` with offload (the state brought in for
-  the update and written back, :func:`~harpjax.compiler.profile.offload_time_s`);
+  and again in the backward), plus, from level 2, the gradient's reduce-scatter after every
+  backward, ``g`` (the same bytes as the weights' all-gather on the same link) where the
+  tables give the once-per-step all-reduce ``y`` (:attr:`~harpjax.compiler.profile.
+  CostTables.sync_time_s`; without it the tables' time already holds a gradient reduction
+  per microbatch, which is charged for it);
+* end of iteration (the simulator's end cost): ``e``, less ``y`` from level 2 (nothing left
+  to all-reduce), plus ``g`` at levels 1 and 2 (the updated weights gathered once), plus
+  ``2 O_z / bw`` with offload (the state brought in for the update and written back,
+  :func:`~harpjax.compiler.profile.offload_time_s`);
 * activations per in-flight microbatch: ``A``;
 * with the residuals' offload (any level, with or without the optimizer state's; only where
   the tables give ``bw``, and ``opt_mem_bytes`` are not needed): the residuals wait for their
@@ -67,10 +78,11 @@ from typing import Sequence
 
 import numpy as np
 
-from harpjax.compiler.profile import CostTables
+from harpjax.compiler.profile import CostTables, stage_memory
 from harpjax.errors import PlanError
 
-__all__ = ["expand_variants", "variant_arrays", "variant_slot", "tables_for_stages",
+__all__ = ["expand_variants", "variant_arrays", "variant_step_bytes", "variant_slot",
+           "tables_for_stages", "memory_model",
            "has_variant_data", "variant_of", "base_index", "VariantOptions"]
 
 
@@ -128,20 +140,38 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
   """``(time, state bytes, activation bytes, end time, allowed)`` ``[L, L, S_k]`` of every
   entry of subcluster ``k`` under ZeRO level ``zero``, ``offload`` (the optimizer state) and
   ``offload_activations`` (the residuals; the module docstring's equations). ``allowed`` is
-  ``False`` where the stage time is not finite, and with offload where the state does not fit
-  the device for the update.
+  ``False`` where the stage time is not finite, and where the phases after the pipeline (the
+  gradient reduction, the optimizer update) do not fit the device: by
+  :meth:`~harpjax.compiler.profile.StageMemory.step_bytes` where the tables carry
+  ``step_mem_bytes``, else, with offload, where the state does not fit for the update.
 
   Raises:
     PlanError: the tables lack ``opt_mem_bytes`` (and the level is not 0, or ``offload``), or
       ``offload_bandwidth_bytes_per_s`` with either offload.
   """
+  return _variant(tables, k, zero, offload, offload_activations)[:5]
+
+
+def variant_step_bytes(tables: CostTables, k: int, zero: int, offload: bool = False
+                       ) -> np.ndarray | None:
+  """``[L, L, S_k]`` peak per device after the pipeline (the gradient reduction, the
+  optimizer update) of every entry of subcluster ``k`` at ``zero`` / ``offload`` (``None``:
+  the tables do not carry :attr:`~harpjax.compiler.profile.CostTables.step_mem_bytes`)."""
+  return _variant(tables, k, zero, offload, False)[5]
+
+
+def _variant(tables: CostTables, k: int, zero: int, offload: bool, offload_activations: bool):
   t0 = tables.stage_time_s[k]
   P = tables.param_mem_bytes[k]
   a = tables.act_mem_bytes[k]
   e0 = tables.end_time_s[k] if tables.end_time_s is not None else np.zeros_like(P)
   finite = np.isfinite(t0)
+  mem = tables.device_memory_bytes[k]
+  step = tables.step_mem_bytes[k] if tables.step_mem_bytes is not None else None
+  if step is not None:
+    finite = finite & (step <= mem)
   if zero == 0 and not offload and not offload_activations:
-    return t0, P, a, e0, finite
+    return t0, P, a, e0, finite, step
   if (zero or offload) and tables.opt_mem_bytes is None:
     raise PlanError(f"zero={zero}, offload={offload} needs the tables' opt_mem_bytes (the "
                     "optimizer state's part of param_mem_bytes); build the tables with "
@@ -151,9 +181,10 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
                     "link to host memory); give SubclusterSpec.offload_bandwidth_bytes_per_s "
                     "(host_memory_gbps in a cluster file)")
   t, state, e, allowed = t0, P, e0, finite
+  y = tables.sync_time_s[k] if tables.sync_time_s is not None else None
   if zero or offload:
     O = tables.opt_mem_bytes[k]
-    W = G = (P - O) / 2.0
+    W = G = np.maximum(P - O, 0.0) / 2.0
     L = tables.num_layers
     S = len(tables.submeshes[k])
     if tables.logical_mesh is not None:
@@ -162,23 +193,55 @@ def variant_arrays(tables: CostTables, k: int, zero: int, offload: bool,
       dp = np.broadcast_to(np.array([n * m for n, m in tables.submeshes[k]], np.float64),
                            (L, L, S))
     g = tables.gather_time_s[k] if tables.gather_time_s is not None else np.zeros_like(P)
+    model = memory_model(tables, k, dp, zero, offload)
     O_z = O / dp if zero >= 1 else O
     G_z = G / dp if zero >= 2 else G
     W_z = W / dp if zero >= 3 else W
-    state = W_z + G_z + O_z
+    state = W_z + G_z + O_z if model is None else model.fixed_bytes()
     t = t0 + 2.0 * g if zero >= 3 else t0
     e = e0 + g if zero in (1, 2) else e0
+    if zero >= 2 and y is not None:   # reduce-scattered every microbatch, not all-reduced
+      t = t + g
+      e = np.maximum(e - y, 0.0)
+    if model is not None:   # the memory model's reduction and update
+      step = model.step_bytes()
+      allowed = np.isfinite(t0) & (step <= mem)
+    elif offload:
+      allowed = finite & (state <= mem)
     if offload:
       e = e + 2.0 * O_z / tables.offload_bandwidth_bytes_per_s[k]
-      allowed = finite & (state <= tables.device_memory_bytes[k])
-      state = W_z + G_z
+      if model is None:
+        state = W_z + G_z
   if offload_activations:
     # At most two microbatches' residuals on the device, as fixed bytes; none per microbatch
     # in flight; both trips over the host link per microbatch (activation_offload_time_s).
     t = t + 2.0 * a / tables.offload_bandwidth_bytes_per_s[k]
     state = state + 2.0 * a
     a = np.zeros_like(a)
-  return t, state, a, e, allowed
+  return t, state, a, e, allowed, step
+
+
+def memory_model(tables: CostTables, k: int, dp: np.ndarray, zero: int, offload: bool = False):
+  """The memory model (:func:`~harpjax.compiler.profile.stage_memory`) of every entry of
+  subcluster ``k`` at ``zero`` / ``offload``, as ``[L, L, S_k]`` arrays, where the tables carry
+  what it needs (:attr:`~harpjax.compiler.profile.CostTables.workspace_bytes` and
+  :attr:`~harpjax.compiler.profile.CostTables.grad_out_bytes` beside ``opt_mem_bytes``;
+  ``None`` otherwise). The level-0 fixed bytes are ``param_mem_bytes``: the state is what
+  remains of them once the workspace is taken off, weights and gradients half each."""
+  if tables.workspace_bytes is None or tables.grad_out_bytes is None or \
+      tables.opt_mem_bytes is None:
+    return None
+  L = tables.num_layers
+  P, O = tables.param_mem_bytes[k], tables.opt_mem_bytes[k]
+  ws, gout = tables.workspace_bytes[k], tables.grad_out_bytes[k]
+  out = np.broadcast_to(tables.boundary_bytes[None, :, None], P.shape).copy()
+  out[:, L - 1, :] = 0.0   # the last stage sends nothing on
+  with np.errstate(divide="ignore", invalid="ignore"):
+    out = out / dp
+  W = np.maximum(P - O - np.maximum(out + ws, gout + ws), 0.0) / 2.0
+  return stage_memory(param_bytes=W, grad_bytes=W, opt_bytes=O, act_bytes=0.0, dp=dp,
+                      zero=zero, out_bytes=out, workspace_bytes=ws, replicas=True,
+                      grad_out_bytes=gout if zero <= 1 else None, offload_optimizer=offload)
 
 
 def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:
@@ -217,10 +280,15 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
   B = None if num_microbatches is None else int(num_microbatches)
   changed = pairs[0] != (0, False, False)
   new = {f: [] for f in ("submeshes", "stage_time_s", "param_mem_bytes", "act_mem_bytes",
-                         "end_time_s", "logical_mesh", "variants")}
+                         "end_time_s", "logical_mesh", "variants")
+         + (("sync_time_s",) if tables.sync_time_s is not None else ())
+         + (("step_mem_bytes",) if tables.step_mem_bytes is not None else ())
+         + (("remat_modes",) if tables.remat_modes is not None else ())}
   for k in range(K):
     mem = tables.device_memory_bytes[k]
-    arrs = [variant_arrays(tables, k, *var) for var in pairs]
+    full = [_variant(tables, k, *var) for var in pairs]
+    arrs = [x[:5] for x in full]
+    steps = [x[5] for x in full]
     keep = [ok & (p + a <= mem) for _, p, a, _, ok in arrs]
     if B is not None:
       # The most microbatches a stage on layers i..j can hold: B, and 1 + 3 per later stage
@@ -240,7 +308,9 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
           dominated |= dom
         keep[v] = keep[v] & ~dominated
     shapes_k = tables.submeshes[k]
-    shapes, labels, parts = [], [], {f: [] for f in new if f not in ("submeshes", "variants")}
+    shapes, labels, parts = [], [], {f: [] for f in new
+                                     if f not in ("submeshes", "variants", "remat_modes")}
+    modes = []
     lm = tables.logical_mesh[k] if tables.logical_mesh is not None else np.broadcast_to(
         np.array([[n * m, 1] for n, m in shapes_k]), (L, L, len(shapes_k), 2))
     for v, var in enumerate(pairs):
@@ -254,37 +324,60 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
       mask = (ok if v == 0 else keep[v])[:, :, slots]
       shapes += [shapes_k[s] for s in slots]
       labels += [var] * len(slots)
+      if tables.remat_modes is not None:
+        modes += [tables.remat_modes[k][s] for s in slots]
       parts["stage_time_s"].append(np.where(mask, t[:, :, slots], np.inf))
       parts["param_mem_bytes"].append(np.where(mask, p[:, :, slots], 0.0))
       parts["act_mem_bytes"].append(a[:, :, slots])
       parts["end_time_s"].append(np.where(mask, e[:, :, slots], 0.0))
       parts["logical_mesh"].append(lm[:, :, slots])
+      if tables.sync_time_s is not None:   # the part of the end time still an all-reduce
+        y = tables.sync_time_s[k] if var[0] < 2 else np.zeros_like(e)
+        parts["sync_time_s"].append(np.where(mask, np.minimum(y, e)[:, :, slots], 0.0))
+      if tables.step_mem_bytes is not None:
+        parts["step_mem_bytes"].append(np.where(mask, steps[v][:, :, slots], 0.0))
     new["submeshes"].append(tuple(shapes))
     new["variants"].append(tuple(labels))
+    if tables.remat_modes is not None:
+      new["remat_modes"].append(tuple(modes))
     for f, col in parts.items():
       new[f].append(np.concatenate(col, axis=2))
   if not changed:
     return tables
-  return tables.replace(opt_mem_bytes=None, gather_time_s=None,
-                        **{f: tuple(v) for f, v in new.items()})
+  # Each variant's memory is in its state bytes and its allowed entries (the reduction and
+  # the update checked there), so the level-0 split of the bytes goes.
+  return tables.replace(opt_mem_bytes=None, gather_time_s=None, workspace_bytes=None,
+                        grad_out_bytes=None, **{f: tuple(v) for f, v in new.items()})
 
 
 def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0,
-                 offload: bool = False, offload_activations: bool = False) -> int:
+                 offload: bool = False, offload_activations: bool = False,
+                 remat: str | None = None) -> int:
   """Index in ``tables.submeshes[k]`` of submesh ``shape`` under ``(zero, offload,
-  offload_activations)``.
+  offload_activations)`` and, where the tables cost both (:attr:`~harpjax.compiler.profile.
+  CostTables.remat_modes`), the remat mode ``remat`` (``None``: ``"none"``; ignored by tables
+  of one mode).
 
   Raises:
     PlanError: the tables have no such entry (not expanded, or the variant was not kept).
   """
   shape = tuple(int(x) for x in shape)
   want = (int(zero), bool(offload), bool(offload_activations))
+  mode = "none" if remat is None else str(remat)
+  modes = tables.remat_modes[k] if tables.remat_modes is not None else None
+  if modes is not None and mode not in ("none", "full"):
+    raise PlanError(f"remat={remat!r}: these tables cost 'none' and 'full' only")
   if tables.variants is None:
     if want != (0, False, False):
       _cannot_price(*want)
-    return tables.submesh_index(k, shape)
+    if modes is None:
+      return tables.submesh_index(k, shape)
+    for s, sh in enumerate(tables.submeshes[k]):
+      if sh == shape and modes[s] == mode:
+        return s
+    return tables.submesh_index(k, shape)   # raises: no such shape
   for s, (sh, var) in enumerate(zip(tables.submeshes[k], tables.variants[k])):
-    if sh == shape and var == want:
+    if sh == shape and var == want and (modes is None or modes[s] == mode):
       return s
   hint = ""
   if (offload or offload_activations) and tables.offload_bandwidth_bytes_per_s is None:
@@ -333,5 +426,7 @@ def base_index(tables: CostTables, k: int, s: int) -> int:
   index in the tables before :func:`expand_variants`)."""
   if tables.variants is None:
     return s
-  distinct = list(dict.fromkeys(tables.submeshes[k]))
-  return distinct.index(tables.submeshes[k][s])
+  modes = tables.remat_modes[k] if tables.remat_modes is not None else \
+      (None,) * len(tables.submeshes[k])
+  distinct = list(dict.fromkeys(zip(tables.submeshes[k], modes)))
+  return distinct.index((tables.submeshes[k][s], modes[s]))

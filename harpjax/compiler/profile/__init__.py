@@ -21,7 +21,7 @@ from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, 
                                                progress_bar, SOURCES, tables_for_plan)
 from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
                                              memory_to_compute_order, SubclusterSpec,
-                                             synthetic_gpt_profile)
+                                             synthetic_gpt_profile, with_remat_choice)
 from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_time_s,
                                            stage_memory, StageMemory, ZERO_LEVELS,
                                            zero_collectives, zero_layer_costs,
@@ -34,7 +34,7 @@ __all__ = [
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "SOURCES", "stage_memory", "StageMemory", "SubclusterSpec", "synthetic_gpt_profile",
-    "tables_for_plan",
+    "tables_for_plan", "with_remat_choice",
     "ZERO_LEVELS", "zero_collectives", "zero_layer_costs", "zero_state_bytes_per_param",
     "zero_sync_time_s", "zero_tables",
 ]

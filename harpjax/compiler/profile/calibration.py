@@ -47,7 +47,7 @@ __all__ = ["Efficiency", "Work", "CALIBRATION", "DEFAULT_EFFICIENCY", "COST_MODE
            "default_zorse_dir", "load_zorse", "load_zorse_stats", "zorse_layer_ms",
            "zorse_fit_ms"]
 
-COST_MODEL_VERSION = "2"
+COST_MODEL_VERSION = "3"
 """Bumped when the time model or its inputs change (invalidates cached analytic costs)."""
 
 

@@ -23,8 +23,17 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
 * **Residuals** (activation memory per in-flight microbatch): the leaves of the forward's
   ``jax.vjp`` closure, parameters excluded, activation inputs the backward keeps included, as
   :func:`~harpjax.compiler.profile.pieces.xla_stats` counts them, divided as above.
-* **Workspace**: the peak bytes of the results written above live at once, inputs and
-  outputs excluded.
+* **Workspace**: the larger of the forward's and the backward's, which the runtime compiles
+  as two executables: the peak bytes of the results each writes live at once, its inputs and
+  outputs excluded (the residuals are the forward's outputs and the backward's inputs: they
+  count once, as residuals). Besides the folded ops above, an elementwise op whose result only
+  elementwise ops and reductions read is computed inside them (XLA's loop and input fusion)
+  and writes nothing; a matmul operand whose batch dimensions do not lead (or whose
+  contracting dimensions XLA must move, several at once) is copied from when it exists until
+  the matmul (:func:`~harpjax.compiler.trace.primitives.dot_operand_copies`). Within a buffer
+  or two of XLA:CPU's temporaries of the two executables; not the joint forward+backward's,
+  whose temporaries hold the residuals too (and, on a data-parallel mesh, the gradient before
+  its all-reduce, which the memory model counts apart).
 * **Parameters**: this device's shard (:func:`~harpjax.compiler.layers.sharding.param_specs`).
 * **Work** (:func:`jaxpr_work`, what the time model reads: a
   :class:`~harpjax.compiler.profile.calibration.Work`): the FLOPs and bytes of each
@@ -36,9 +45,11 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
 
 The work is read off the forward+backward that also returns the forward's outputs, as the
 stage's forward the runtime runs does (they cross the cut to the next stage): the ops that
-compute them cost their time however finely the model is cut. The bytes, workspace and
-residuals are read off the forward+backward without them, as XLA's memory statistics of the
-piece count them.
+compute them cost their time however finely the model is cut; its backward (traced after a
+marker, :data:`_CUT`) gives the backward's workspace, rematerialised recomputation included.
+The bytes are read off the forward+backward without the outputs, as XLA's cost analysis of
+the piece counts them; the residuals and the forward's workspace off the forward that returns
+the outputs and the residuals.
 
 The data-parallel share needs no trace at the local microbatch: which values and ops depend on
 a batch-split input is known from the program. A value that depends on the batch but has a
@@ -58,11 +69,12 @@ from harpjax import _compat
 from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.calibration import Work
-from harpjax.compiler.trace import Lit, Program, from_closed_jaxpr, ops_function, primitives
+from harpjax.compiler.trace import (Lit, Program, from_closed_jaxpr, ops_function, primitives,
+                                    strip_markers)
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work"]
 
-ESTIMATE_VERSION = "3"
+ESTIMATE_VERSION = "4"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -78,6 +90,11 @@ _OWN_KERNELS = frozenset({"gather", "scatter", "scatter-add", "scatter_add", "sc
                           "rev", "select_and_scatter_add", "split", "sort", "cumsum",
                           "cumprod", "cummax", "cummin", "cumlogsumexp", "scan", "while",
                           "cond"})
+# Where the forward+backward's backward begins: bound between ``jax.vjp`` and the call of its
+# closure while tracing (every op of the forward is emitted before it, every op of the
+# backward after it, a rematerialised forward's recomputation included), stripped afterwards.
+_CUT_NAME = "harpjax_estimate_fwd_bwd_cut"
+_CUT = _compat.register_identity_primitive(_CUT_NAME)
 # Ops that only re-address their operand: a view of a split value is split.
 _MOVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type",
                     "copy", "copy_p", "broadcast_in_dim", "slice", "dynamic_slice"})
@@ -90,12 +107,16 @@ class TracedPiece:
   Attributes:
     piece: the piece.
     fwd_bwd: ``(params, acts, aux, cts) -> (param grads, act grads)`` as a program (what XLA's
-      memory statistics of the piece describe: the bytes and workspace).
+      cost analysis of the piece describes: the bytes).
     live: the same returning the forward's outputs too, ``-> (outputs, param grads, act
-      grads)``: its ops are the work (:func:`jaxpr_work`).
-    fwd_res: ``(params, acts, aux) -> (outputs, residual leaves)`` as a program.
+      grads)``: its ops are the work (:func:`jaxpr_work`), those from ``bwd_start`` on the
+      backward's workspace.
+    fwd_res: ``(params, acts, aux) -> (outputs, residual leaves)`` as a program (the
+      forward the runtime runs: its workspace).
     num_outputs: outputs of ``fwd_res`` before its residuals.
     trace_s: seconds spent tracing.
+    bwd_start: index of the first op of ``live`` 's backward (the ops before it are the
+      forward's, which the runtime runs in an executable of its own); ``None``: not known.
   """
   piece: pieces_lib.Piece
   fwd_bwd: Program
@@ -103,6 +124,7 @@ class TracedPiece:
   num_outputs: int
   trace_s: float
   live: Program | None = None
+  bwd_start: int | None = None
 
 
 def _flatten(closed) -> Program:
@@ -110,18 +132,35 @@ def _flatten(closed) -> Program:
   return from_closed_jaxpr(closed, inline=lambda e: e.primitive.name in _compat.CALL_PRIMITIVES)
 
 
-def _dce(prog: Program) -> Program:
+def _dce(prog: Program, cut: int | None = None):
   """Drops the ops nothing returned depends on (as XLA does: the forward's outputs are not
   results of ``fwd_bwd``, so the ops only they need cost nothing in XLA's statistics, which
-  the calibrated factors were fitted against)."""
+  the calibrated factors were fitted against). With ``cut`` (an op index), returns
+  ``(program, how many kept ops stood before the cut)``."""
   live = {v for v in prog.outvars if not isinstance(v, Lit)}
   keep = []
   for op in reversed(prog.ops):
     if any(o in live for o in op.outvars) or op.name in _EFFECTS:
       keep.append(op)
       live.update(op.in_ids())
-  ops = tuple(dataclasses.replace(op, index=i) for i, op in enumerate(reversed(keep)))
-  return Program(prog.avals, prog.invars, prog.outvars, ops, prog.num_consts)
+  keep.reverse()
+  ops = tuple(dataclasses.replace(op, index=i) for i, op in enumerate(keep))
+  out = Program(prog.avals, prog.invars, prog.outvars, ops, prog.num_consts)
+  if cut is None:
+    return out
+  return out, sum(1 for op in keep if op.index < cut)
+
+
+def _split_fwd_bwd(closed) -> tuple[Program, int | None]:
+  """A forward+backward traced with the :data:`_CUT` marker between them, flattened,
+  stripped of the marker and of dead ops, and the index of its backward's first op
+  (``None`` unless exactly one marker was traced)."""
+  flat = _flatten(closed)
+  pos = [op.index for op in flat.ops if op.name == _CUT_NAME]
+  prog, _ = strip_markers(flat, _CUT_NAME)
+  if len(pos) != 1:
+    return _dce(prog), None
+  return _dce(prog, pos[0])   # ops before the marker keep their index when it is stripped
 
 
 def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
@@ -130,7 +169,8 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
   The forward+backward returns the forward's outputs too, so the ops computing them are
   costed (the stage's forward sends them on). With ``remat`` the backward recomputes the
   forward as the runtime's does (``jax.checkpoint``): the work counted is the forward, its
-  recomputation and the backward, and the residuals are the inputs alone.
+  recomputation and the backward, the residuals are the inputs alone, and the backward's
+  workspace holds the recomputed forward's values.
   """
   t0 = time.perf_counter()
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
@@ -140,15 +180,16 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
 
   def live(params, acts, aux, cts):
     outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
+    _CUT.bind()   # the backward begins: the runtime runs it in an executable of its own
     return outs, vjp(cts)
 
   fwd_bwd, _ = pieces_lib.make_functions(piece, False)
   _, fwd_res = pieces_lib.make_functions(piece, remat)
   args = pieces_lib.abstract_inputs(piece)
   fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
-  lv = _dce(_flatten(jax.make_jaxpr(live)(*args)))
-  fr = _flatten(jax.make_jaxpr(fwd_res)(*args[:3]))
-  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv)
+  lv, start = _split_fwd_bwd(jax.make_jaxpr(live)(*args))
+  fr = _dce(_flatten(jax.make_jaxpr(fwd_res)(*args[:3])))
+  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv, start)
 
 
 def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
@@ -247,24 +288,77 @@ def _bytes_accessed(prog: Program, sizes: _Sizes, read: dict) -> float:
   return total
 
 
-def _peak_live(prog: Program, sizes: _Sizes, read: dict) -> float:
-  """Peak bytes of written results live at once (inputs and outputs excluded)."""
-  outputs = {v for v in prog.outvars if not isinstance(v, Lit)}
-  last = {}
+def _fused(prog: Program, read: dict) -> tuple[dict, set]:
+  """What XLA's fusion leaves unwritten, for the workspace: ``(read, fused)`` with ``fused``
+  the elementwise ops computed inside their consumers (every op reading their result is an
+  elementwise op or a reduction, :data:`~harpjax.compiler.trace.primitives.FUSES_PRODUCERS`,
+  and the program does not return it) and ``read`` as :func:`_read`'s, those ops' operands
+  read in their stead. Only the memory statistics see this: the bytes accessed stay those
+  XLA:CPU's cost analysis counts, which the calibrated factors were fitted against."""
+  outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
+  readers: dict = {}
   for op in prog.ops:
     if op.name in _FOLDED:
+      continue
+    for u in dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,))):
+      readers.setdefault(u, []).append(op.name)
+  fused = set()
+  for op in prog.ops:
+    outs = [o for o in op.outvars if o >= 0]
+    if (op.name in primitives.ELEMENTWISE and len(outs) == 1 and outs[0] not in outputs
+        and outs[0] in readers
+        and all(r in primitives.FUSES_PRODUCERS for r in readers[outs[0]])):
+      fused.add(op.index)
+  src: dict = {}
+  for op in prog.ops:
+    if op.name in _FOLDED or op.index in fused:
+      got = [u for v in op.in_ids() for u in src.get(v, (v,))]
+      for o in op.outvars:
+        if o >= 0:
+          src[o] = tuple(dict.fromkeys(got))
+  return src, fused
+
+
+def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> float:
+  """Peak bytes of written results live at once (inputs and outputs excluded; :func:`_fused`
+  ops write nothing; a matmul's operands XLA reorders are copied,
+  :func:`~harpjax.compiler.trace.primitives.dot_operand_copies`), counting the results of the
+  ops from ``start`` on only (the values of earlier ops are the inputs of the executable that
+  runs them)."""
+  read, fused = _fused(prog, read)
+  outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
+  last = {}
+  for op in prog.ops:
+    if op.name in _FOLDED or op.index in fused:
       continue
     for v in op.in_ids():
       for u in read.get(v, (v,)):
         last[u] = op.index
   delta = [0.0] * (len(prog.ops) + 1)
-  for op in prog.ops:
-    if op.name in _FOLDED:
+  for op in prog.ops[start:]:
+    if op.name in _FOLDED or op.index in fused:
       continue
     for v in op.outvars:
       if v >= 0 and v not in outputs and v in last:
         delta[op.index] += sizes.nbytes(v)
         delta[last[v] + 1] -= sizes.nbytes(v)
+  # Operands a matmul reads in another order are copied as soon as they exist (XLA schedules
+  # the copy right after what it copies; an input's at the start), kept until the last
+  # matmul reading them.
+  made = {o: op.index for op in prog.ops for o in op.outvars if o >= 0}
+  copies: dict = {}
+  for op in prog.ops[start:]:
+    if op.name != "dot_general":
+      continue
+    ins = [_lit_aval(r) if isinstance(r, Lit) else prog.avals[r] for r in op.invars]
+    for r, copied in zip(op.invars, primitives.dot_operand_copies(op.params, ins)):
+      if copied and not isinstance(r, Lit):
+        ready = max([made.get(u, -1) + 1 for u in read.get(r, (r,))] + [start])
+        first, _ = copies.get(r, (ready, op.index))
+        copies[r] = (min(first, ready), op.index)
+  for r, (first, end) in copies.items():
+    delta[first] += sizes.nbytes(r)
+    delta[end + 1] -= sizes.nbytes(r)
   peak = live = 0.0
   for d in delta:
     live += d
@@ -295,18 +389,25 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   read = _read(fb)
   lv = traced.live if traced.live is not None else fb
   if lv is fb:
-    work = _work(fb, sizes, read)
+    lv_sizes, lv_read = sizes, read
   else:
     lv_params, lv_batch = _input_roles(piece, lv, with_cts=True)
-    work = _work(lv, _Sizes(lv, lv_params, lv_batch, dp, tp), _read(lv))
+    lv_sizes, lv_read = _Sizes(lv, lv_params, lv_batch, dp, tp), _read(lv)
+  work = _work(lv, lv_sizes, lv_read)
   nbytes = _bytes_accessed(fb, sizes, read)
-  temp = _peak_live(fb, sizes, read)
+  fr_sizes = _fwd_sizes(traced, dp, tp)
+  if traced.bwd_start is None or lv is fb:   # one program: its workspace
+    temp = _peak_live(fb, sizes, read)
+  else:   # the forward and the backward run apart: the larger of their workspaces
+    fwd_temp = _peak_live(traced.fwd_res, fr_sizes, _read(traced.fwd_res))
+    bwd_temp = _peak_live(lv, lv_sizes, lv_read, traced.bwd_start)
+    temp = max(fwd_temp, bwd_temp)
   colls = {}
   if sizes.row_ops:
     out_bytes = sum(sizes.nbytes(o) * sizes.tp if o in sizes.split else sizes.nbytes(o)
                     for i in sizes.row_ops for o in fb.ops[i].outvars if o >= 0)
     colls["all-reduce"] = [out_bytes, len(sizes.row_ops)]
-  residual = _residual_bytes(traced, dp, tp)
+  residual = _residual_bytes(traced, fr_sizes)
   specs = sharding.param_specs(piece.program, piece.ops, piece.param_ids, tp)
   local_bytes, local_n = 0.0, 0.0
   for v in piece.param_ids:
@@ -354,12 +455,17 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
   return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)
 
 
-def _residual_bytes(traced: TracedPiece, dp: int, tp: int) -> float:
+def _fwd_sizes(traced: TracedPiece, dp: int, tp: int) -> _Sizes:
+  """:class:`_Sizes` of the forward with residuals (``traced.fwd_res``)."""
+  params, batch = _input_roles(traced.piece, traced.fwd_res, with_cts=False)
+  return _Sizes(traced.fwd_res, params, batch, dp, tp)
+
+
+def _residual_bytes(traced: TracedPiece, sizes: _Sizes) -> float:
   """Per-device bytes of the forward's residuals (parameters excluded; activation inputs the
   backward keeps included), as :func:`~harpjax.compiler.profile.pieces.xla_stats` counts."""
   piece, fr = traced.piece, traced.fwd_res
-  params, batch = _input_roles(piece, fr, with_cts=False)
-  sizes = _Sizes(fr, params, batch, dp, tp)
+  dp = sizes.dp
   inputs = fr.invars[fr.num_consts:]
   pos = {v: i for i, v in enumerate(inputs)}
   n_p = len(piece.param_ids)

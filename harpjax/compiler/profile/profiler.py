@@ -45,8 +45,10 @@ from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
 from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_step, relayer,
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
-from harpjax.compiler.profile.collectives import allgather_time_s
-from harpjax.compiler.profile.tables import CostTables, assemble_tables, range_max, range_sums
+from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
+from harpjax.compiler.profile.memory import stage_memory
+from harpjax.compiler.profile.tables import (CostTables, assemble_tables, range_max, range_sums,
+                                             with_remat_choice)
 from harpjax.compiler.trace import trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
@@ -105,7 +107,9 @@ class ProfileOptions:
       recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
       in-flight microbatch. The runtime then rematerialises too (the plan says so). Off by
       default, as ``harpjax plan`` (docs/planner.md, "One set of defaults"): large models
-      (GPT-39B on 32 GB devices) need it on.
+      (GPT-39B on 32 GB devices) need it on. ``"choose"``: every layer is costed both ways
+      and the tables let the planner choose per stage
+      (:func:`~harpjax.compiler.profile.with_remat_choice`; the plan's stages say which).
     optimizer_bytes_per_param: the optimizer state's part of ``state_bytes_per_param`` (12 of
       16 for mixed-precision Adam, 8 of 16 for float32 Adam); given, the tables carry it
       (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
@@ -128,10 +132,13 @@ class ProfileOptions:
   imported_module: str | None = None
   imported_data_dir: str | None = None
   workers: int = 1
-  remat: bool = False
+  remat: bool | str = False
   optimizer_bytes_per_param: float | None = 12.0
 
   def __post_init__(self):
+    if self.remat not in (False, True, "choose"):
+      raise HarpjaxError(f"ProfileOptions.remat={self.remat!r}; choose False, True or "
+                         "'choose' (the planner picks per stage)")
     if self.source not in SOURCES:
       raise HarpjaxError(f"ProfileOptions.source={self.source!r}; choose one of "
                          f"{', '.join(SOURCES)}")
@@ -224,6 +231,8 @@ class ProfileResult:
       "act_mem_bytes", "temp_bytes", "flops": [L] arrays}}`` (``inf`` time: pruned).
     cluster: the cluster profiled; options: the :class:`ProfileOptions` (what
       :func:`tables_for_plan` rebuilds the tables with).
+    remat_costs: with ``ProfileOptions(remat="choose")``, the per-layer costs with the
+      forward rematerialised in the backward (``costs``: without).
   """
   tables: CostTables
   layers: LayerSequence
@@ -231,6 +240,7 @@ class ProfileResult:
   costs: dict
   cluster: Any = None
   options: Any = None
+  remat_costs: dict | None = None
 
 
 def microbatch_size(layers: LayerSequence) -> int | None:
@@ -481,7 +491,8 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
 # --------------------------------------------------------------------------- tables
 
 
-COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops")
+COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops",
+               "grad_bytes")
 
 
 def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
@@ -510,12 +521,18 @@ def dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
 
 
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
-                            imbalance: float, zero: tuple[float, float] | None = None
+                            imbalance: float, zero: tuple[float, float] | None = None,
+                            num_microbatches: int | None = None
                             ) -> tuple[CostTables, dict]:
   """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
   times and residuals, and the sum of their parameter state plus the largest XLA workspace
   among them (:func:`~harpjax.compiler.profile.tables.assemble_tables` picks the logical
-  mesh). With ``zero = (state_bytes_per_param, optimizer_bytes_per_param)`` the tables also
+  mesh, the end time spread over ``num_microbatches``). Once per iteration, after its last
+  backward (:attr:`~harpjax.compiler.profile.CostTables.end_time_s`), a stage all-reduces its
+  gradients among its ``dp`` replicas (one ring all-reduce of the stage's gradient bytes on
+  the link between them, :attr:`~harpjax.compiler.profile.CostTables.sync_time_s`) and
+  updates its state (read and written once at the device's memory bandwidth). With
+  ``zero = (state_bytes_per_param, optimizer_bytes_per_param)`` the tables also
   carry the optimizer state's bytes and the weights' all-gather seconds of every entry (the
   planner's ZeRO variants): the parameters are the state bytes over ``state_bytes_per_param``,
   the weights half of what is not optimizer state."""
@@ -523,20 +540,46 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
 
+  L = len(layers)
+  # what a stage ending at layer j sends on per microbatch (nothing after the last layer)
+  out = np.array([l.boundary_bytes for l in layers], np.float64)
+  out[-1] = 0.0
+  out = np.broadcast_to(out[None, :], (L, L))
+
   def mesh_costs(k: int, s: int):
+    sub = subs[k]
+    link = dp_link(cluster, sub, sub.submesh_shapes()[s])
     for mesh, arr in by_submesh.get((k, s), []):
+      dp = mesh[0]
       state = range_sums(arr["param_mem_bytes"])
-      out = (mesh, range_sums(arr["time_s"]), state + range_max(arr["temp_bytes"]),
-             range_sums(arr["act_mem_bytes"]))
-      if zero is not None:
-        per, opt = zero
-        L = len(layers)
-        sub = subs[k]
-        weights = state / per * (per - opt) / 2.0
-        gather = allgather_time_s(weights, mesh[0],
-                                  dp_link(cluster, sub, sub.submesh_shapes()[s]))
-        out += (np.zeros((L, L)), state / per * opt, gather)
-      yield out
+      grads = range_sums(arr["grad_bytes"])
+      sync = allreduce_time_s(grads, dp, link)
+      update = 2.0 * state / sub.gpu.mem_bandwidth_bytes_per_s
+      with np.errstate(invalid="ignore", divide="ignore"):
+        entry = _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out)
+      yield entry
+
+  def _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out):
+    if zero is not None:
+      per, opt_per = zero
+      opt = state / per * opt_per
+      weights = (state - opt) / 2.0
+      zero_cols = (opt, allgather_time_s(weights, dp, link))
+    else:
+      weights = np.minimum(grads, state / 2.0)
+      opt = state - 2.0 * weights
+      zero_cols = (None, None)
+    work = range_max(arr["temp_bytes"])
+    # the largest layer's gradient, in the state's bytes per parameter
+    gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
+        grads > 0, grads, 1.0), 1.0)
+    mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
+                       act_bytes=range_sums(arr["act_mem_bytes"]), dp=dp, zero=0,
+                       out_bytes=out / dp, workspace_bytes=work, replicas=True,
+                       grad_out_bytes=gout)
+    return (mesh, range_sums(arr["time_s"]), mem.fixed_bytes(),
+            range_sums(arr["act_mem_bytes"]), sync + update, *zero_cols, sync, work,
+            mem.step_bytes(), gout)
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
   inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]
@@ -551,6 +594,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       devices_per_host=[sub.devices_per_host for sub in subs],
       memory_bytes=[float(sub.memory_bytes) for sub in subs],
       submeshes=[tuple(sub.submesh_shapes()) for sub in subs], mesh_costs=mesh_costs,
+      num_microbatches=num_microbatches,
       boundary_bytes=[l.boundary_bytes for l in layers], intra_links=intra, inter_links=inter,
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
       imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
@@ -570,7 +614,8 @@ def _link_or_none(cluster, a: str, b: str):
 
 
 def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | None = None,
-                   local_layers: Mapping[int, LayerSequence] | None = None) -> ProfileResult:
+                   local_layers: Mapping[int, LayerSequence] | None = None,
+                   num_microbatches: int | None = None) -> ProfileResult:
   """Profiles a layer sequence on a cluster and builds its :class:`CostTables`.
 
   Three steps: :func:`enumerate_tasks` (the unique tasks), :func:`cost_tasks` (cache, then the
@@ -586,11 +631,27 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
       called only when a task misses the cache; the analytic source costs one data-parallel
       replica from them. Missing ones are approximated by scaling the full microbatch's
       batch-proportional costs by ``1 / dp`` (:func:`profile_step` traces them lazily).
+    num_microbatches: the iteration's microbatches, if known: a stage's once-per-iteration
+      end time (gradient all-reduce, update) is spread over them when its logical mesh is
+      chosen (``None``: meshes are compared by time per microbatch alone).
 
   Returns:
     The :class:`ProfileResult`.
   """
   opts = options or ProfileOptions()
+  if opts.remat == "choose":   # both ways, one set of tables: the planner chooses per stage
+    one = lambda remat: profile_layers(layers, cluster, local_layers=local_layers,
+                                       options=dataclasses.replace(opts, remat=remat),
+                                       num_microbatches=num_microbatches)
+    none, full = one(False), one(True)
+    st = none.stats
+    stats = dataclasses.replace(
+        st, unique_tasks=st.unique_tasks + full.stats.unique_tasks,
+        computed=st.computed + full.stats.computed,
+        cache_hits=st.cache_hits + full.stats.cache_hits,
+        seconds=st.seconds + full.stats.seconds, trace_s=st.trace_s + full.stats.trace_s)
+    return ProfileResult(with_remat_choice(none.tables, full.tables), layers, stats,
+                         none.costs, cluster, opts, remat_costs=full.costs)
   t0 = time.perf_counter()
   L = len(layers)
   if L == 0:
@@ -608,7 +669,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
                           _local_layers(layers, local_layers))
   results, computed, dp_approx = cost_tasks(found, source, db, opts, layers)
   costs = layer_costs(found, results, L)
-  tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts)
+  tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts,
+                                 num_microbatches)
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),
@@ -627,12 +689,13 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
 
 
 def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
-                  opts: ProfileOptions) -> tuple[CostTables, dict]:
+                  opts: ProfileOptions, num_microbatches: int | None = None
+                  ) -> tuple[CostTables, dict]:
   """:func:`tables_from_layer_costs` with the options' ZeRO data and the microbatch's rows."""
   zero = None if opts.optimizer_bytes_per_param is None else (
       opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
   tables, counts = tables_from_layer_costs(layers, cluster, subs, configs, costs,
-                                           opts.imbalance, zero)
+                                           opts.imbalance, zero, num_microbatches)
   if microbatch_size(layers) is not None:
     tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
   return tables, counts
@@ -663,14 +726,19 @@ def tables_for_plan(result: ProfileResult, plan) -> CostTables:
                         f"with logical meshes {have}, not {mesh}")
   opts = result.options
   subs = ordered_subclusters(result.cluster, opts.order)
-  configs, costs = [], []
-  for k, sub in enumerate(subs):
-    for s, nm in enumerate(sub.submesh_shapes()):
-      for (name, sm, mesh), arr in result.costs.items():
-        if name == sub.name and sm == tuple(nm) and pins.get((name, sm), mesh) == mesh:
-          configs.append(MeshConfig(k, s, tuple(nm), mesh))
-          costs.append(arr)
-  return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
+
+  def build(by_config):
+    configs, costs = [], []
+    for k, sub in enumerate(subs):
+      for s, nm in enumerate(sub.submesh_shapes()):
+        for (name, sm, mesh), arr in by_config.items():
+          if name == sub.name and sm == tuple(nm) and pins.get((name, sm), mesh) == mesh:
+            configs.append(MeshConfig(k, s, tuple(nm), mesh))
+            costs.append(arr)
+    return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
+  if result.remat_costs is not None:
+    return with_remat_choice(build(result.costs), build(result.remat_costs))
+  return build(result.costs)
 
 
 def _warn_uncalibrated(gpu_names, overrides) -> None:
@@ -767,7 +835,8 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
       traced_s[0] += time.perf_counter() - t1
 
   t_first = traced_s[0]
-  result = profile_layers(layers, cluster, options=opts, local_layers=local)
+  result = profile_layers(layers, cluster, options=opts, local_layers=local,
+                          num_microbatches=num_microbatches)
   stats = dataclasses.replace(result.stats, trace_s=traced_s[0],
                               seconds=result.stats.seconds + t_first)
   return dataclasses.replace(result, stats=stats)

@@ -34,7 +34,7 @@ from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import calibration as calib
 from harpjax.compiler.profile import estimate
 from harpjax.compiler.profile import pieces as pieces_lib
-from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
+from harpjax.compiler.profile.collectives import collective_time_s
 from harpjax.errors import HarpjaxError, PublishedDataError
 
 log = logging.getLogger(__name__)
@@ -118,12 +118,16 @@ class LayerCost:
   """Per-microbatch costs of one layer on one device of a submesh.
 
   Attributes:
-    time_s: forward+backward seconds, collectives and gradient all-reduce included.
+    time_s: forward+backward seconds with the tensor-parallel collectives; not the
+      gradient all-reduce among data-parallel replicas, which runs once per iteration (the
+      tables' end time, from :attr:`grad_bytes`).
     comm_s: the part of ``time_s`` spent in collectives (analytic sources).
     param_mem_bytes: weights + gradients + optimizer state of this device's shard.
     act_mem_bytes: residuals kept per in-flight microbatch.
     temp_bytes: XLA's workspace.
     flops: FLOPs per device.
+    grad_bytes: bytes of this device's gradient shard (what the data-parallel replicas
+      reduce).
   """
   time_s: float
   comm_s: float
@@ -131,13 +135,14 @@ class LayerCost:
   act_mem_bytes: float
   temp_bytes: float
   flops: float
+  grad_bytes: float = 0.0
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
   @classmethod
   def from_json(cls, d: dict) -> "LayerCost":
-    return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls)})
+    return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
 
 
 class CostSource(Protocol):
@@ -162,19 +167,17 @@ def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
                     scale: float = 1.0) -> LayerCost:
   """A task's :class:`LayerCost` from per-device statistics of its piece: the calibrated time
   model of the GPU type on its :class:`~harpjax.compiler.profile.calibration.Work`, the
-  tensor-parallel collectives on the host link and a ring all-reduce of the gradients over
-  ``dp`` (host link if the submesh is one host, else the link between its hosts);
-  batch-proportional statistics divided by ``scale``."""
+  tensor-parallel collectives on the host link; the gradients' bytes for the all-reduce over
+  ``dp`` the tables charge once per iteration; batch-proportional statistics divided by
+  ``scale``."""
   dp, tp = task.mesh
   t_comp = max(compute_time_s(work.scaled(scale), task, efficiencies), MIN_TIME_S)
   t_coll = collective_time_s({k: [b / scale, c] for k, (b, c) in st.collective_bytes.items()},
                              tp, task.host_link)
-  link = task.host_link if task.submesh[0] == 1 else task.node_link
-  t_sync = allreduce_time_s(st.param_bytes, dp, link)
-  return LayerCost(time_s=t_comp + t_coll + t_sync, comm_s=t_coll + t_sync,
+  return LayerCost(time_s=t_comp + t_coll, comm_s=t_coll,
                    param_mem_bytes=st.num_params * state_bytes_per_param,
                    act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
-                   flops=st.flops / scale)
+                   flops=st.flops / scale, grad_bytes=st.param_bytes)
 
 
 def compute_time_s(work: calib.Work, task: LayerTask, efficiencies: dict | None) -> float:
@@ -364,7 +367,8 @@ class MeasuredSource:
     st = pieces_lib.xla_stats(piece, task.devices, task.mesh, compiled=fn, remat=self.remat)
     return LayerCost(time_s=float(statistics.median(times)), comm_s=0.0,
                      param_mem_bytes=st.num_params * self.state_bytes_per_param,
-                     act_mem_bytes=st.residual_bytes, temp_bytes=st.temp_bytes, flops=st.flops)
+                     act_mem_bytes=st.residual_bytes, temp_bytes=st.temp_bytes, flops=st.flops,
+                     grad_bytes=st.param_bytes)
 
 
 def _random(s, rng):

@@ -43,7 +43,42 @@ from harpjax.errors import CostTablesError
 
 __all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
            "memory_to_compute_order", "synthetic_gpt_profile", "assemble_tables", "range_sums",
-           "range_max"]
+           "range_max", "with_remat_choice", "ENTRY_ARRAYS"]
+
+ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mesh",
+                "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
+                "workspace_bytes", "grad_out_bytes", "step_mem_bytes")
+"""The :class:`CostTables` fields with one value per entry, ``[L, L, S_k]`` per subcluster
+(``logical_mesh``: ``[L, L, S_k, 2]``)."""
+
+
+def with_remat_choice(none: "CostTables", full: "CostTables") -> "CostTables":
+  """One set of tables whose submesh choices are each submesh without rematerialisation and
+  again with it (:attr:`CostTables.remat_modes`), from the tables of the same layers and
+  cluster costed both ways: the planner then chooses per stage.
+
+  Raises:
+    CostTablesError: the two do not describe the same layers and submeshes, or either is
+      already expanded into variants or carries a remat choice.
+  """
+  if none.variants is not None or full.variants is not None or \
+      none.remat_modes is not None or full.remat_modes is not None:
+    raise CostTablesError("with_remat_choice takes tables of one remat mode each, before "
+                          "their expansion into variants")
+  if none.num_layers != full.num_layers or none.submeshes != full.submeshes or \
+      none.subcluster_names != full.subcluster_names:
+    raise CostTablesError("with_remat_choice: the two tables must cost the same layers on "
+                          "the same subclusters and submeshes")
+  both = {}
+  for f in ENTRY_ARRAYS:
+    a, b = getattr(none, f), getattr(full, f)
+    if (a is None) != (b is None):
+      raise CostTablesError(f"with_remat_choice: {f} is given in one of the tables only")
+    if a is not None:
+      both[f] = tuple(np.concatenate([x, y], axis=2) for x, y in zip(a, b))
+  return none.replace(submeshes=tuple(s + s for s in none.submeshes),
+                      remat_modes=tuple(("none",) * len(s) + ("full",) * len(s)
+                                        for s in none.submeshes), **both)
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +222,32 @@ class CostTables:
     gather_time_s: optional ``[K]`` arrays ``[L, L, S_k]``: seconds of one all-gather of the
       stage's weights among its ``dp`` replicas (ZeRO-1/2 once per iteration, ZeRO-3 twice
       per microbatch); ``None`` with ``opt_mem_bytes``: free.
+    sync_time_s: optional ``[K]`` arrays ``[L, L, S_k]``: of ``end_time_s``, the seconds of the
+      stage's gradient all-reduce among its ``dp`` replicas, which the runtime runs once per
+      iteration after the last backward at ZeRO levels 0 and 1. A stage that reduces every
+      microbatch instead (ZeRO levels 2 and 3: a reduce-scatter per backward; mixed-type
+      stages) moves it out of the end time (:func:`~harpjax.compiler.plan.variants.
+      variant_arrays`). ``None``: no all-reduce in ``end_time_s``.
+    workspace_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: the largest temporaries of the
+      stage's layers (a forward's or a backward's, per device). With
+      :attr:`grad_out_bytes`, ``param_mem_bytes`` is the memory model's fixed bytes at level
+      0 (:meth:`~harpjax.compiler.profile.StageMemory.fixed_bytes`: the state, and the larger
+      of a forward's outputs and temporaries and a backward's new gradient and temporaries),
+      and every variant's bytes are the model's (:func:`~harpjax.compiler.plan.variants.
+      variant_arrays`). ``None``: ``param_mem_bytes`` is taken as the state.
+    grad_out_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: the most gradient bytes a backward
+      writes beside the accumulator at levels 0 and 1 (the largest layer's: XLA adds each into
+      the donated accumulator).
+    step_mem_bytes: optional ``[K]`` arrays ``[L, L, S_k]``: per device, the peak of the phases
+      after the pipeline, which hold no residual (the replicas' gradient reduction and the
+      optimizer update, :meth:`~harpjax.compiler.profile.StageMemory.step_bytes`): an entry
+      is usable only where it fits the device. ``None``: not checked.
+    remat_modes: optional ``[K]`` tuples, one per entry of ``submeshes[k]``: what a stage on
+      that choice recomputes in its backward (``"none"`` or ``"full"``, as
+      :attr:`~harpjax.compiler.plan.StageSpec.remat`); tables that cost both
+      (:func:`with_remat_choice`) let the planner choose it per stage, each priced (the
+      recompute's time, the residuals it saves). Shapes then repeat, once per mode.
+      ``None``: the tables cost one mode, the plan's.
     offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
       memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
       stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration, and
@@ -223,6 +284,11 @@ class CostTables:
   end_time_s: tuple[np.ndarray, ...] | None = None
   opt_mem_bytes: tuple[np.ndarray, ...] | None = None
   gather_time_s: tuple[np.ndarray, ...] | None = None
+  sync_time_s: tuple[np.ndarray, ...] | None = None
+  workspace_bytes: tuple[np.ndarray, ...] | None = None
+  grad_out_bytes: tuple[np.ndarray, ...] | None = None
+  step_mem_bytes: tuple[np.ndarray, ...] | None = None
+  remat_modes: tuple[tuple[str, ...], ...] | None = None
   offload_bandwidth_bytes_per_s: tuple[float, ...] | None = None
   variants: tuple[tuple[tuple[int, bool, bool], ...], ...] | None = None
   microbatch_rows: int | None = None
@@ -269,18 +335,32 @@ class CostTables:
       set_("price_per_gpu_hour", _nonneg(self.price_per_gpu_hour, "price_per_gpu_hour", K))
     if self.peak_flops is not None:
       set_("peak_flops", _positive(self.peak_flops, "peak_flops", K))
-    repeats = self.variants is not None
+    repeats = self.variants is not None or self.remat_modes is not None
     shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
                                    s, repeats=repeats)
                    for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
     set_("submeshes", shapes)
-    if repeats:
+    if self.remat_modes is not None:
+      modes = tuple(tuple(str(x) for x in row)
+                    for row in _seq(self.remat_modes, "remat_modes", K))
+      for k, row in enumerate(modes):
+        if len(row) != len(shapes[k]) or any(x not in ("none", "full") for x in row):
+          raise CostTablesError(f"remat_modes[{k}] must give 'none' or 'full' for each of the "
+                                f"{len(shapes[k])} submesh entries")
+      set_("remat_modes", modes)
+    if self.variants is not None:
       self._set_variants(K)
+    elif self.remat_modes is not None:
+      for k in range(K):
+        keys = list(zip(shapes[k], self.remat_modes[k]))
+        if len(set(keys)) != len(keys):
+          raise CostTablesError(f"remat_modes[{k}]: a (submesh, remat) repeats")
     if self.offload_bandwidth_bytes_per_s is not None:
       set_("offload_bandwidth_bytes_per_s", _positive(self.offload_bandwidth_bytes_per_s,
                                                       "offload_bandwidth_bytes_per_s", K))
     fields = ("stage_time_s", "param_mem_bytes", "act_mem_bytes")
-    for extra in ("end_time_s", "opt_mem_bytes", "gather_time_s"):
+    for extra in ("end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
+                  "workspace_bytes", "grad_out_bytes", "step_mem_bytes"):
       if getattr(self, extra) is not None:
         fields += (extra,)
     for field in fields:
@@ -299,7 +379,7 @@ class CostTables:
             raise CostTablesError(f"stage_time_s[{k}][{tuple(int(x) for x in bad[0])}] = "
                                   f"{a[tuple(bad[0])]}: stage times must be > 0 (inf if "
                                   "infeasible)")
-        elif field in ("end_time_s", "gather_time_s"):
+        elif field in ("end_time_s", "gather_time_s", "sync_time_s"):
           bad = np.argwhere((a < 0) | (np.isinf(a) & np.isfinite(self.stage_time_s[k])))
           if bad.size:
             raise CostTablesError(f"{field}[{k}][{tuple(int(x) for x in bad[0])}] = "
@@ -320,6 +400,21 @@ class CostTables:
         a.setflags(write=False)
         arrs.append(a)
       set_(field, tuple(arrs))
+    if self.sync_time_s is not None:
+      if self.end_time_s is None:
+        raise CostTablesError("sync_time_s is a part of end_time_s; give end_time_s too")
+      for k in range(K):
+        over = self.sync_time_s[k] > self.end_time_s[k] * (1 + 1e-9) + 1e-15
+        if over.any():
+          i, j, s = (int(x) for x in np.argwhere(over)[0])
+          raise CostTablesError(f"sync_time_s[{k}][{i}, {j}, {s}] = "
+                                f"{self.sync_time_s[k][i, j, s]} exceeds end_time_s there "
+                                f"({self.end_time_s[k][i, j, s]}); it is a part of it")
+    if self.workspace_bytes is not None:
+      for k in range(K):
+        if (self.workspace_bytes[k] > self.param_mem_bytes[k] * (1 + 1e-9) + 1e-9).any():
+          raise CostTablesError(f"workspace_bytes[{k}] exceeds param_mem_bytes somewhere; it "
+                                "is a part of it")
     b = np.array(self.boundary_bytes, dtype=np.float64).reshape(-1)
     if b.shape != (L,) or not np.isfinite(b).all() or (b < 0).any():
       raise CostTablesError(f"boundary_bytes must be [num_layers={L}] finite values >= 0, got "
@@ -361,10 +456,11 @@ class CostTables:
         raise CostTablesError(f"variants[{k}] must give (zero in 0..3, offload, "
                               f"offload_activations) for each of the "
                               f"{len(self.submeshes[k])} submesh entries")
-      keys = list(zip(self.submeshes[k], row))
+      modes = self.remat_modes[k] if self.remat_modes is not None else (None,) * len(row)
+      keys = list(zip(self.submeshes[k], row, modes))
       if len(set(keys)) != len(keys):
-        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload, offload_activations) "
-                              "repeats")
+        raise CostTablesError(f"variants[{k}]: a (submesh, zero, offload, offload_activations"
+                              "[, remat]) repeats")
       rows.append(row)
     object.__setattr__(self, "variants", tuple(rows))
 
@@ -540,6 +636,11 @@ class CostTables:
       raise CostTablesError(f"unknown subcluster {name!r}; the tables have "
                             f"{list(self.subcluster_names)}") from None
 
+  def remat_of(self, k: int, s: int) -> str | None:
+    """The remat mode of submesh choice ``s`` of subcluster ``k`` (``None``: the tables cost
+    one mode, the plan's)."""
+    return None if self.remat_modes is None else self.remat_modes[k][s]
+
   def end_of(self, k: int, i: int, j: int, s: int) -> float:
     """End-of-iteration seconds of layers ``i..j`` on submesh ``s`` of subcluster ``k``
     (``0`` without :attr:`end_time_s`)."""
@@ -598,6 +699,10 @@ class CostTables:
         end_time_s=None if self.end_time_s is None else pick(self.end_time_s),
         opt_mem_bytes=None if self.opt_mem_bytes is None else pick(self.opt_mem_bytes),
         gather_time_s=None if self.gather_time_s is None else pick(self.gather_time_s),
+        sync_time_s=None if self.sync_time_s is None else pick(self.sync_time_s),
+        workspace_bytes=None if self.workspace_bytes is None else pick(self.workspace_bytes),
+        grad_out_bytes=None if self.grad_out_bytes is None else pick(self.grad_out_bytes),
+        step_mem_bytes=None if self.step_mem_bytes is None else pick(self.step_mem_bytes),
         layer_names=names)
 
   def describe(self) -> str:
@@ -647,7 +752,8 @@ class CostTables:
         one device (a sequence in the given order or a mapping by name); default
         ``flops / (peak_flops * efficiency)``.
       grad_sync_microbatches: microbatches per iteration over which the gradient all-reduce
-        is amortised (``B``; 1 charges it to every microbatch).
+        is amortised (``B``; 1 charges it to every microbatch); with ``end_cost``, the
+        microbatches over which the end time is spread when logical meshes are compared.
       max_tp: largest tensor-parallel degree considered (default ``M``).
       order: ``None`` (as given), ``"memory_to_compute"`` (HARP §5.2.1) or a sequence of
         names: the pipeline order of the subclusters.
@@ -858,11 +964,13 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
                     pair_links: Sequence[Sequence[Link | None]] | None = None,
                     price_per_gpu_hour: Sequence[float] | None = None,
                     offload_bandwidth_bytes_per_s: Sequence[float] | None = None,
-                    host_links: Sequence[Link] | None = None
+                    host_links: Sequence[Link] | None = None,
+                    num_microbatches: int | None = None
                     ) -> tuple[CostTables, dict]:
   """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
 
-  For each entry (layer range, submesh) the logical mesh kept is the fastest of those whose
+  For each entry (layer range, submesh) the logical mesh kept is the fastest (time per
+  microbatch, plus the end time over ``num_microbatches`` when given) of those whose
   parameters plus one in-flight microbatch fit the device; if none fits, with the optimizer
   state given, the fastest that fits with its state split over its ``dp`` devices (what the
   planner's ZeRO variants can use); else the one with the smallest footprint (its time is
@@ -880,7 +988,12 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       marks a range that cannot run), optionally with a fifth, the end-of-iteration seconds
       (:attr:`CostTables.end_time_s`), and then a sixth and a seventh, the optimizer state's
       bytes and the weights' all-gather seconds (:attr:`CostTables.opt_mem_bytes`,
-      :attr:`CostTables.gather_time_s`).
+      :attr:`CostTables.gather_time_s`; both ``None``: no ZeRO data), and an eighth, the
+      gradient all-reduce's part of the end time (:attr:`CostTables.sync_time_s`), and a
+      ninth, a tenth and an eleventh, the layers' largest temporaries, the peak after the
+      pipeline and the most gradient a backward writes beside the accumulator
+      (:attr:`CostTables.workspace_bytes`, :attr:`CostTables.step_mem_bytes`,
+      :attr:`CostTables.grad_out_bytes`).
     boundary_bytes: ``[L]``.
     intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
       consecutive ones.
@@ -896,6 +1009,8 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     layer_flops: ``[L]`` forward FLOPs per layer, for the imbalance rule.
     imbalance: the pruning factor (``inf`` disables it).
     layer_names: optional ``[L]``.
+    num_microbatches: the iteration's microbatches, over which an end time is spread when
+      logical meshes are compared (``None``: meshes are compared by time per microbatch).
 
   Returns:
     ``(tables, counts)``, counts of entries that fit no logical mesh (``"oom"``) and of entries
@@ -912,43 +1027,56 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     multi[iu] = iu[0] < iu[1]
     hopeless_share = lambda k, g: multi & (share_f > imbalance * peak_flops[k] * g / total_peak)
   counts = {"oom": 0, "imbalance": 0}
-  stage_t, param_m, act_m, logical, end_t, opt_m, gat_t = [], [], [], [], [], [], []
-  has_end = has_zero = False
+  stage_t, param_m, act_m, logical, end_t, opt_m, gat_t, sync_t = [], [], [], [], [], [], [], []
+  work_m, step_m, gout_m = [], [], []
+  has_end = has_zero = has_sync = has_mem = False
+  per_iteration = 0.0 if num_microbatches is None else 1.0 / num_microbatches
   for k in range(K):
     S = len(submeshes[k])
     t_k = np.full((L, L, S), np.inf)
     p_k, a_k, e_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
-    o_k, g_k = np.zeros((L, L, S)), np.zeros((L, L, S))
+    o_k, g_k, y_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
+    w_k, z_k, q_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
     lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
     for s, (n, m) in enumerate(submeshes[k]):
       g = n * m
       lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
-      # [fits, time, param, act, dp, tp, footprint, end, opt, gather, tier]; tier 2: fits
-      # at level 0, 1: fits only with its state split over dp (ZeRO-3, given the optimizer
-      # state), 0: neither.
+      # [fits, time, param, act, dp, tp, footprint, end, opt, gather, tier, sync, rank];
+      # tier 2: fits at level 0, 1: fits only with its state split over dp (ZeRO-3, given
+      # the optimizer state), 0: neither. Rank: the time per microbatch with the end time
+      # spread over the iteration's microbatches.
       best = None
       for (dp, tp), t, pm, am, *rest in mesh_costs(k, s):
         has_end |= bool(rest)
         end = rest[0] if rest else 0.0
-        opt, gat = (rest[1], rest[2]) if len(rest) > 1 else (0.0, 0.0)
-        has_zero |= len(rest) > 1
+        with_zero = len(rest) > 1 and rest[1] is not None
+        opt, gat = (rest[1], rest[2]) if with_zero else (0.0, 0.0)
+        has_zero |= with_zero
+        sync = rest[3] if len(rest) > 3 else 0.0
+        has_sync |= len(rest) > 3
+        work, step, gout = (rest[4], rest[5], rest[6]) if len(rest) > 6 else (0.0, 0.0, 0.0)
+        has_mem |= len(rest) > 6
+        rank = t + np.asarray(end) * per_iteration if per_iteration else t
         foot = pm + am
-        fits = np.isfinite(t) & (foot <= memory_bytes[k])
+        fits = np.isfinite(t) & (foot <= memory_bytes[k]) & (step <= memory_bytes[k])
         tier = np.where(fits, 2, 0)
-        if len(rest) > 1:
+        if with_zero:
           tier = np.where(~fits & np.isfinite(t) & (pm / dp + am <= memory_bytes[k]), 1, tier)
         if best is None:
           best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot,
                   np.broadcast_to(end, (L, L)), np.broadcast_to(opt, (L, L)),
-                  np.broadcast_to(gat, (L, L)), tier]
+                  np.broadcast_to(gat, (L, L)), tier, np.broadcast_to(sync, (L, L)),
+                  np.broadcast_to(rank, (L, L)), np.broadcast_to(work, (L, L)),
+                  np.broadcast_to(step, (L, L)), np.broadcast_to(gout, (L, L))]
           continue
-        better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (t < best[1])) | \
+        better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (rank < best[12])) | \
             ((tier == 0) & (best[10] == 0) & (foot < best[6]))
-        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier)):
+        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier, sync,
+                                   rank, work, step, gout)):
           best[idx] = np.where(better, new, best[idx])
       if best is None:
         continue
-      fits, t, pm, am, dps, tps, _, ends, opts, gats, _ = best
+      fits, t, pm, am, dps, tps, _, ends, opts, gats, _, syncs, _, works, steps, gouts = best
       keep = np.isfinite(t)
       counts["oom"] += int(np.sum(~fits[iu]))
       if hopeless_share is not None:
@@ -961,6 +1089,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       e_k[iu[0], iu[1], s] = np.where(np.isfinite(ends), ends, 0.0)[iu]
       o_k[iu[0], iu[1], s] = np.where(np.isfinite(opts), opts, 0.0)[iu]
       g_k[iu[0], iu[1], s] = np.where(np.isfinite(gats), gats, 0.0)[iu]
+      y_k[iu[0], iu[1], s] = np.where(np.isfinite(syncs), syncs, 0.0)[iu]
+      w_k[iu[0], iu[1], s] = np.where(np.isfinite(works), works, 0.0)[iu]
+      z_k[iu[0], iu[1], s] = np.where(np.isfinite(steps), steps, 0.0)[iu]
+      q_k[iu[0], iu[1], s] = np.where(np.isfinite(gouts), gouts, 0.0)[iu]
       lm_k[..., s, 0] = np.where(keep, dps, g)
       lm_k[..., s, 1] = np.where(keep, tps, 1)
     stage_t.append(t_k)
@@ -970,6 +1102,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     end_t.append(e_k)
     opt_m.append(np.minimum(o_k, p_k))
     gat_t.append(g_k)
+    sync_t.append(np.minimum(y_k, e_k))
+    work_m.append(np.minimum(w_k, p_k))
+    step_m.append(z_k)
+    gout_m.append(q_k)
   tables = CostTables(
       num_layers=L, subcluster_names=tuple(names), num_hosts=tuple(num_hosts),
       devices_per_host=tuple(devices_per_host), device_memory_bytes=tuple(memory_bytes),
@@ -991,6 +1127,10 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       logical_mesh=tuple(logical), end_time_s=tuple(end_t) if has_end else None,
       opt_mem_bytes=tuple(opt_m) if has_zero else None,
       gather_time_s=tuple(gat_t) if has_zero else None,
+      sync_time_s=tuple(sync_t) if has_sync and has_end else None,
+      workspace_bytes=tuple(work_m) if has_mem else None,
+      step_mem_bytes=tuple(step_m) if has_mem else None,
+      grad_out_bytes=tuple(gout_m) if has_mem else None,
       offload_bandwidth_bytes_per_s=None if offload_bandwidth_bytes_per_s is None else tuple(
           float(b) for b in offload_bandwidth_bytes_per_s),
       host_bandwidth_bytes_per_s=None if host_links is None else tuple(
@@ -1114,7 +1254,8 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       end = sync + np.zeros((L, L))
       if s.mem_bandwidth_bytes_per_s is not None:
         end = end + 2.0 * sums["param_mem_bytes"] / tp / s.mem_bandwidth_bytes_per_s
-      yield (dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end, *zero
+      yield ((dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end, *zero,
+             *((sync + np.zeros((L, L)),) if zero else ()))
 
   peak = None
   if all(s.peak_flops is not None for s in specs):
@@ -1140,7 +1281,8 @@ def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_ti
       price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=offload,
       host_links=[Link(float(s.host_bandwidth_bytes_per_s or s.bandwidth_bytes_per_s),
                        float(s.host_latency_s if s.host_bandwidth_bytes_per_s else s.latency_s))
-                  for s in specs])
+                  for s in specs],
+      num_microbatches=grad_sync_microbatches if end_cost else None)
   log.debug("cost tables: %d layers x %d subclusters built from layer costs", L, len(specs))
   return tables
 

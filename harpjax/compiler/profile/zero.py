@@ -32,10 +32,11 @@ before gathering it (``P / dp``). ``workspace_bytes`` (the layers' own temporari
 cost tables) adds to the forward's and the backward's.
 
 **Collectives** (:func:`zero_collectives`, :func:`zero_sync_time_s`; ring model of
-:mod:`~harpjax.compiler.profile.collectives` on the link between the ``dp`` replicas). Per
-microbatch, levels 0 and 1 all-reduce the gradient; level 2 reduce-scatters it; level 3 also
-all-gathers the parameters in the forward and again in the backward. Per step, levels 1 and 2
-all-gather the updated parameters. Byte counts are per device (results, as
+:mod:`~harpjax.compiler.profile.collectives` on the link between the ``dp`` replicas). Levels
+0 and 1 all-reduce the gradient once per step, after the last backward (the replicas
+accumulate their own, :mod:`harpjax.compiler.stages.replicas`); per microbatch, level 2
+reduce-scatters it; level 3 also all-gathers the parameters in the forward and again in the
+backward. Per step, levels 1 and 2 all-gather the updated parameters. Byte counts are per device (results, as
 :func:`~harpjax.compiler.profile.pieces.parse_collectives` reports XLA's).
 
 **Host offload** (``opt_offloaded``, :func:`offload_time_s`): a stage that keeps its optimizer
@@ -72,150 +73,15 @@ import dataclasses
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.profile.collectives import allreduce_time_s, collective_time_s
+from harpjax.compiler.profile.collectives import collective_time_s
+from harpjax.compiler.profile.memory import (check_level, StageMemory,  # noqa: F401
+                                            stage_memory, ZERO_LEVELS)
 from harpjax.compiler.profile.profiler import (dp_link, MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
 
 __all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s", "zero_collectives",
            "zero_sync_time_s", "zero_state_bytes_per_param", "zero_layer_costs", "zero_tables"]
-
-ZERO_LEVELS = (0, 1, 2, 3)
-
-
-def _check(zero: int, dp: int) -> None:
-  if zero not in ZERO_LEVELS:
-    raise HarpjaxError(f"zero={zero!r}: choose one of {ZERO_LEVELS}")
-  if int(dp) != dp or dp < 1:
-    raise HarpjaxError(f"dp={dp!r} must be a positive integer")
-
-
-@dataclasses.dataclass(frozen=True)
-class StageMemory:
-  """Per-device bytes of one stage at one ZeRO level (see the module docstring).
-
-  Attributes:
-    param_bytes: parameters held.
-    grad_bytes: gradient accumulator held.
-    opt_bytes: optimizer state held.
-    act_bytes: residuals of one in-flight microbatch.
-    fwd_workspace_bytes: what a forward writes besides its residuals (outputs, temporaries).
-    bwd_workspace_bytes: what a backward writes besides the accumulator (gradient, its
-      reduction, activation cotangents, temporaries).
-    update_workspace_bytes: the update's temporaries (its results counted apart).
-    shared_bytes: of ``param_bytes``, what another stage owns and updates (so much the same
-      share of ``grad_bytes``).
-    opt_offloaded: the optimizer state stays in host memory between updates: the pipeline
-      holds none of it on the device; the update brings it in and writes it back.
-    act_offloaded: the residuals of the microbatches in flight stay in host memory between
-      their forward and their backward: the device holds at most two (the one a forward
-      writes or a backward reads, and the one on its way).
-    updates: the devices run the optimizer update (not so a mixed-type stage's groups but
-      the first, which receive the parameters the first group updated).
-    replicas: the ``dp`` replicas accumulate their own gradients and reduce them once per
-      step (:mod:`harpjax.compiler.stages.replicas`): the backward writes no reduction, and the
-      step's reduction writes the reduced gradients beside the accumulator.
-  """
-  param_bytes: float
-  grad_bytes: float
-  opt_bytes: float
-  act_bytes: float
-  fwd_workspace_bytes: float
-  bwd_workspace_bytes: float
-  update_workspace_bytes: float
-  shared_bytes: float = 0.0
-  opt_offloaded: bool = False
-  act_offloaded: bool = False
-  updates: bool = True
-  replicas: bool = False
-
-  @property
-  def state_bytes(self) -> float:
-    """Parameters, accumulator and optimizer state (wherever it is held)."""
-    return self.param_bytes + self.grad_bytes + self.opt_bytes
-
-  def pipeline_bytes(self, in_flight: int) -> float:
-    """Peak while the pipeline runs with ``in_flight`` microbatches' residuals held."""
-    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
-    if self.act_offloaded:
-      in_flight = min(in_flight, 2)
-    return held + in_flight * self.act_bytes + max(self.fwd_workspace_bytes,
-                                                   self.bwd_workspace_bytes)
-
-  def update_bytes(self) -> float:
-    """Peak of the optimizer update: the state, and the new parameters and optimizer state."""
-    own = 1.0 - self.shared_bytes / self.param_bytes if self.param_bytes else 1.0
-    return (2 * own * self.param_bytes + own * self.grad_bytes + 2 * self.opt_bytes
-            + self.update_workspace_bytes)
-
-  def reduce_bytes(self) -> float:
-    """Peak of the replicas' reduction after the last backward: the state, and the reduced
-    gradients (0 without :attr:`replicas`)."""
-    if not self.replicas:
-      return 0.0
-    held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
-    return held + self.grad_bytes
-
-  def peak_bytes(self, in_flight: int) -> float:
-    """The stage's per-device peak over a step."""
-    pipeline = max(self.pipeline_bytes(in_flight), self.reduce_bytes())
-    if not self.updates:
-      return pipeline
-    return max(pipeline, self.update_bytes())
-
-
-def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: int,
-                 zero: int, grad_bytes: float | None = None, out_bytes: float = 0.0,
-                 workspace_bytes: float = 0.0, reduce_scatter: bool = False,
-                 shared_param_bytes: float = 0.0,
-                 offload_optimizer: bool = False,
-                 offload_activations: bool = False, updates: bool = True,
-                 replicas: bool = False) -> StageMemory:
-  """Per-device memory of a stage at ZeRO level ``zero``.
-
-  Args:
-    param_bytes: parameter bytes a device holds at level 0 (after any ``tp`` split).
-    opt_bytes: optimizer-state bytes a device holds at level 0.
-    act_bytes: residual bytes of one microbatch per device.
-    dp: data-parallel degree of the stage.
-    zero: the level, 0 to 3.
-    grad_bytes: gradient-accumulator bytes at level 0 (default ``param_bytes``).
-    out_bytes: bytes of the forward's outputs per microbatch per device (what it sends on).
-    workspace_bytes: the layers' temporaries (the cost tables' largest ``temp_bytes``).
-    reduce_scatter: the backend turns "all-reduce, keep my part" into a reduce-scatter
-      (XLA:GPU does; XLA:CPU does not).
-    shared_param_bytes: of ``param_bytes``, the parameters another stage owns (held, with
-      their gradient, through the pipeline; updated by their owner).
-    offload_optimizer: the optimizer state is kept in host memory between updates
-      (:class:`harpjax.OffloadOptions`).
-    offload_activations: the residuals wait for their backward in host memory
-      (``OffloadOptions(activations=True)``; :func:`activation_offload_time_s`).
-    updates: the devices run the optimizer update (:attr:`StageMemory.updates`).
-    replicas: the replicas reduce their gradients once per step (:attr:`StageMemory.replicas`;
-      levels 0 and 1 only).
-
-  Returns:
-    The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
-    dimensions do not divide stay whole in the runtime (small biases, in practice).
-  """
-  _check(zero, dp)
-  P = float(param_bytes)
-  G = P if grad_bytes is None else float(grad_bytes)
-  O = float(opt_bytes)
-  gathered = P if zero >= 3 and dp > 1 else 0.0
-  replicas = bool(replicas) and dp > 1 and zero <= 1
-  reduced = 0.0 if dp <= 1 or replicas else (G / dp if zero >= 2 and reduce_scatter else G)
-  return StageMemory(
-      param_bytes=P / dp if zero >= 3 else P,
-      grad_bytes=G / dp if zero >= 2 else G,
-      opt_bytes=O / dp if zero >= 1 else O,
-      act_bytes=float(act_bytes),
-      fwd_workspace_bytes=float(out_bytes) + float(workspace_bytes) + gathered,
-      bwd_workspace_bytes=G + max(reduced, gathered) + float(workspace_bytes),
-      update_workspace_bytes=P / dp if zero in (1, 2) and dp > 1 else 0.0,
-      shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
-      opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
-      updates=bool(updates), replicas=replicas)
 
 
 def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
@@ -259,7 +125,7 @@ def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer
   E.g. mixed-precision Adam (2 + 2 + 12 bytes): 16 at level 0, ``4 + 12 / dp`` at level 1,
   ``2 + 14 / dp`` at level 2, ``16 / dp`` at level 3.
   """
-  _check(zero, dp)
+  check_level(zero, dp)
   return (weight_bytes / (dp if zero >= 3 else 1) + grad_bytes / (dp if zero >= 2 else 1)
           + optimizer_bytes / (dp if zero >= 1 else 1))
 
@@ -278,7 +144,7 @@ def zero_collectives(param_bytes: float, dp: int, zero: int, grad_bytes: float |
     ``(per_microbatch, per_step)``, each ``{kind: [result bytes per device, count]}`` as
     :func:`~harpjax.compiler.profile.collectives.collective_time_s` reads them.
   """
-  _check(zero, dp)
+  check_level(zero, dp)
   P = float(param_bytes)
   G = P if grad_bytes is None else float(grad_bytes)
   if dp <= 1:
@@ -286,7 +152,7 @@ def zero_collectives(param_bytes: float, dp: int, zero: int, grad_bytes: float |
   per_mb: dict = {}
   per_step: dict = {}
   if zero <= 1:
-    per_mb["all-reduce"] = [G, 1]
+    per_step["all-reduce"] = [G, 1]
   else:
     per_mb["reduce-scatter"] = [G / dp, 1]
   if zero >= 3:
@@ -302,7 +168,7 @@ def zero_sync_time_s(param_bytes: float, dp: int, zero: int, link: Link, num_mic
   (the per-step ones shared over the ``num_microbatches``), on ``link``.
 
   Level 0 gives :func:`~harpjax.compiler.profile.collectives.allreduce_time_s` of the
-  gradients, the all-reduce the cost tables already charge to every microbatch.
+  gradients over ``num_microbatches`` (one all-reduce per step).
   """
   per_mb, per_step = zero_collectives(param_bytes, dp, zero, grad_bytes)
   return (collective_time_s(per_mb, dp, link)
@@ -332,10 +198,13 @@ def zero_layer_costs(costs: dict, dp: int, zero: int, link: Link, *, num_microba
 
   Returns:
     New arrays: ``param_mem_bytes`` per :func:`zero_state_bytes_per_param`, ``temp_bytes``
-    plus the layer's gathered weights at level 3, ``time_s`` and ``comm_s`` with the gradient
-    all-reduce swapped for the level's collectives (:func:`zero_sync_time_s`).
+    plus the layer's gathered weights at level 3, ``time_s`` and ``comm_s`` with the level's
+    collectives (:func:`zero_collectives`; those once per step shared over the microbatches)
+    but the once-per-step all-reduce of levels 0 and 1, which the tables charge at the end of
+    the iteration from ``grad_bytes`` (``0`` from level 2: the gradient is reduce-scattered
+    every microbatch instead).
   """
-  _check(zero, dp)
+  check_level(zero, dp)
   if not 0 <= optimizer_bytes_per_param <= state_bytes_per_param:
     raise HarpjaxError(f"optimizer_bytes_per_param={optimizer_bytes_per_param} must be in "
                        f"[0, state_bytes_per_param={state_bytes_per_param}]")
@@ -349,12 +218,18 @@ def zero_layer_costs(costs: dict, dp: int, zero: int, link: Link, *, num_microba
       w, g, optimizer_bytes_per_param, dp, zero)
   if zero >= 3:
     out["temp_bytes"] = out["temp_bytes"] + n_local * w
-  before = allreduce_time_s(n_local * wire, dp, link)
-  after = np.array([zero_sync_time_s(x * wire, dp, zero, link, num_microbatches)
-                    for x in n_local])
+  B = max(int(num_microbatches), 1)
+
+  def added(x):
+    per_mb, per_step = zero_collectives(x * wire, dp, zero)
+    per_step.pop("all-reduce", None)
+    return collective_time_s(per_mb, dp, link) + collective_time_s(per_step, dp, link) / B
+  after = np.array([added(x) for x in n_local])
   ok = np.isfinite(out["time_s"])
-  out["time_s"] = np.where(ok, out["time_s"] - before + after, out["time_s"])
-  out["comm_s"] = np.where(ok, out["comm_s"] - before + after, out["comm_s"])
+  out["time_s"] = np.where(ok, out["time_s"] + after, out["time_s"])
+  out["comm_s"] = np.where(ok, out["comm_s"] + after, out["comm_s"])
+  if zero >= 2 and "grad_bytes" in out:
+    out["grad_bytes"] = np.zeros_like(out["grad_bytes"])
   return out
 
 
@@ -378,7 +253,7 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
   Returns:
     The :class:`~harpjax.compiler.profile.CostTables`.
   """
-  _check(zero, 1)
+  check_level(zero, 1)
   subs = ordered_subclusters(cluster, order)
   names = [s.name for s in subs]
   configs, costs = [], []
@@ -392,5 +267,7 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         grad_bytes_per_param=grad_bytes_per_param))
     configs.append(MeshConfig(k, s, tuple(submesh), tuple(mesh)))
-  tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance)
+  split = (state_bytes_per_param, optimizer_bytes_per_param) if zero == 0 else None
+  tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance,
+                                      split, num_microbatches=num_microbatches)
   return tables

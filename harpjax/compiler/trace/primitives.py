@@ -26,7 +26,8 @@ from harpjax import _compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "info", "is_compute_heavy", "is_view", "eqn_flops",
+__all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "REDUCTIONS", "FUSES_PRODUCERS",
+           "dot_operand_copies", "info", "is_compute_heavy", "is_view", "eqn_flops",
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
            "aval_nbytes", "aval_size", "is_float"]
 
@@ -145,6 +146,16 @@ ELEMENTWISE = frozenset({
     "random_gamma",
 })
 """Arithmetic applied element by element (operands of one shape, or scalars)."""
+
+REDUCTIONS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "reduce",
+})
+"""Reductions over axes (XLA fuses elementwise producers into them)."""
+
+FUSES_PRODUCERS = ELEMENTWISE | REDUCTIONS
+"""Ops XLA computes their elementwise operands inside of (loop and input fusion): an
+elementwise result read by these alone is never written to memory."""
 
 _register(sorted(ELEMENTWISE | {"random_bits", "random_split", "rng_uniform",
                                 "rng_bit_generator"}),
@@ -294,6 +305,32 @@ def eqn_flops(name: str, params: dict, in_avals: Sequence[Any], out_avals: Seque
     return float(e.flops(params, in_avals, out_avals))
   except (KeyError, IndexError, AttributeError, TypeError, ValueError):
     return _out_elems(params, in_avals, out_avals)
+
+
+def dot_operand_copies(params: dict, in_avals: Sequence[Any]) -> tuple[bool, bool]:
+  """Which operands of a ``dot_general`` XLA copies into the order its matmul reads:
+  ``(lhs, rhs)``.
+
+  XLA multiplies ``[batch, rows, k] x [batch, k, cols]`` matrices: it copies an operand whose
+  batch dimensions do not lead, in order (``bshd,bthd->bhst`` copies both), or whose
+  contracting dimensions do not sit where the matmul reads them (last for the left operand,
+  right after the batch for the right one) unless it is a single matrix per batch element (one
+  free and one contracting dimension: read transposed, no copy). A weight gradient contracting
+  over batch and sequence (``bsk,bsn->kn``) copies its left operand.
+  """
+  (contracting, batch) = params["dimension_numbers"]
+  out = []
+  for side, aval in enumerate(in_avals[:2]):
+    rank = len(getattr(aval, "shape", ()))
+    b, c = tuple(batch[side]), tuple(contracting[side])
+    if b != tuple(range(len(b))):
+      out.append(True)
+      continue
+    rest = rank - len(b)
+    want = (tuple(range(rank - len(c), rank)) if side == 0
+            else tuple(range(len(b), len(b) + len(c))))
+    out.append(c != want and rest > 2)
+  return out[0], out[1]
 
 
 def eqn_heavy_count(name: str, params: dict) -> int:

@@ -4,37 +4,22 @@ backward's recomputation where the stage rematerialises."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
-import optax
 import pytest
-from flax.training import train_state
 
 import harpjax
 from harpjax.compiler.profile import ProfileOptions
 from harpjax.compiler.stages import compile_stage
-from harpjax.models import GPT, GPTConfig
+from harpjax.models import GPTConfig
+from benchmarks.lm_step import lm_train_step
 from tests.equivalence import DEMO_CLUSTER
 
 B = 2
 
 
 def _gpt_step():
-  cfg = GPTConfig(vocab_size=256, seq_len=32, hidden=128, num_heads=4, num_blocks=2,
-                  dtype="float32", param_dtype="float32")
-  model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (8, cfg.seq_len + 1), 0, cfg.vocab_size)
-  state = train_state.TrainState.create(apply_fn=model.apply,
-                                        params=model.init(jax.random.key(1), tokens[:, :-1]),
-                                        tx=optax.adamw(1e-3))
-
-  def step(state, batch):
-    def loss_fn(p):
-      logits = state.apply_fn(p, batch[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-  return step, state, tokens
+  return lm_train_step(GPTConfig(vocab_size=256, seq_len=32, hidden=128, num_heads=4,
+                                 num_blocks=2, dtype="float32", param_dtype="float32"), 8)
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -51,3 +36,48 @@ def test_stage_flops_within_3_percent_of_xla(remat):
     costs = prof.costs[(spec.subcluster, tuple(spec.submesh), tuple(spec.logical_mesh))]
     tables = float(np.sum(costs["flops"][spec.layers[0]:spec.layers[1] + 1]))
     assert abs(tables / xla - 1) <= 0.03, (s, spec.layers, tables, xla)
+
+
+# --------------------------------------------------------------------------- memory
+
+PLANNER_MEMORY_TOLERANCE = 0.10
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_planner_memory_against_xla_peak(zero):
+  """The memory the planner checks a stage with (the tables' fixed bytes plus its in-flight
+  microbatches' residuals, and the peak after the pipeline: the reduction and the optimizer
+  update) against XLA's peak over every phase of the runtime's executables
+  (:func:`~harpjax.compiler.stages.memory_report`), float32 Adam: 4 + 4 + 8 bytes per
+  parameter."""
+  from harpjax.compiler.plan import ManualPlan
+  from harpjax.compiler.plan.variants import tables_for_stages, variant_slot
+  from harpjax.compiler.profile import tables_for_plan
+  from harpjax.compiler.stages import memory_report
+  step_fn, state, tokens = _gpt_step()
+  opts = ProfileOptions(use_cache=False, state_bytes_per_param=16.0,
+                        optimizer_bytes_per_param=8.0)
+  probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                profile_options=opts)
+  prof = probe.profile(state, tokens)
+  L = len(prof.layers)
+  plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
+                          logical_mesh=(4, 1), zero=zero),
+                     dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
+                          logical_mesh=(2, 1), zero=zero)])
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
+                               profile_options=opts)
+  cs = step.compile(state, tokens)
+  tables = tables_for_plan(prof, cs.plan)
+  expanded = tables_for_stages(tables, cs.plan)
+  for s, spec in enumerate(cs.plan.stages):
+    r = memory_report(cs, s)
+    k = tables.subcluster_index(spec.subcluster)
+    i, j = spec.layers
+    v = variant_slot(expanded, k, spec.submesh, spec.zero)
+    fixed = float(expanded.param_mem_bytes[k][i, j, v])
+    act = float(expanded.act_mem_bytes[k][i, j, v])
+    step_bytes = float(expanded.step_mem_bytes[k][i, j, v])
+    planner = max(fixed + r.in_flight * act, step_bytes)
+    assert abs(planner / r.xla_peak_bytes - 1) <= PLANNER_MEMORY_TOLERANCE, (
+        s, zero, planner / 2**20, r.xla_peak_bytes / 2**20, r.phases)

@@ -12,7 +12,7 @@ from harpjax.compiler.profile import cache as cache_lib
 from harpjax.compiler.profile import calibration as calib
 from harpjax.compiler.profile import tables as tables_lib
 from harpjax.compiler.profile import profiler as P
-from harpjax.compiler.profile import CostTables
+from harpjax.compiler.profile import CostTables, stage_memory
 from harpjax.errors import HarpjaxError
 from harpjax.models import BUILTIN_MODELS
 
@@ -57,6 +57,31 @@ def test_unique_tasks_are_per_block_layer_not_per_layer(gpt48):
   assert not st.dp_approximated
 
 
+def test_gradient_sync_is_charged_once_per_step(gpt48):
+  """A data-parallel entry's time per microbatch holds no gradient all-reduce; its end time
+  (after the stage's last backward) holds one ring all-reduce of the stage's gradient bytes on
+  the link between its replicas and the optimizer update, as the runtime runs them."""
+  from harpjax.compiler.profile.collectives import allreduce_time_s
+  res, _ = gpt48
+  t = res.tables
+  k, i, j = 1, 5, 9
+  s = t.submesh_index(k, (1, 2))
+  assert t.logical_mesh_of(k, i, j, s) == (2, 1)
+  cost = res.costs[("a100", (1, 2), (2, 1))]
+  assert t.stage_time_s[k][i, j, s] == pytest.approx(cost["time_s"][i:j + 1].sum())
+  assert not cost["comm_s"][i:j + 1].any()   # dp alone: no collective per microbatch
+  sub = [x for x in res.cluster.subclusters if x.name == "a100"][0]
+  link = P.dp_link(res.cluster, sub, (1, 2))
+  grads = cost["grad_bytes"][i:j + 1].sum()
+  assert grads > 0
+  sync = allreduce_time_s(grads, 2, link)
+  assert t.sync_time_s[k][i, j, s] == pytest.approx(sync)
+  update = 2 * cost["param_mem_bytes"][i:j + 1].sum() / sub.gpu.mem_bandwidth_bytes_per_s
+  assert t.end_time_s[k][i, j, s] == pytest.approx(sync + update)
+  one = t.submesh_index(k, (1, 1))   # one device: nothing to reduce
+  assert t.sync_time_s[k][i, j, one] == 0.0 < t.end_time_s[k][i, j, one]
+
+
 def test_tables_are_valid_and_consistent(gpt48):
   res, _ = gpt48
   t = res.tables
@@ -75,8 +100,24 @@ def test_tables_are_valid_and_consistent(gpt48):
   # the time of a range is the sum of its layers (under the chosen logical mesh)
   cost = res.costs[("a100", (1, 1), (1, 1))]
   assert t.stage_time_s[1][5, 9, 0] == pytest.approx(cost["time_s"][5:10].sum())
-  assert t.param_mem_bytes[1][5, 9, 0] == pytest.approx(
-      cost["param_mem_bytes"][5:10].sum() + cost["temp_bytes"][5:10].max())
+  # the memory is the memory model's (profile.stage_memory): the state (16 bytes per
+  # parameter, 12 of them the optimizer's), and the larger of a forward's outputs and
+  # temporaries and a backward's new gradient and temporaries; after the pipeline, the update
+  # (a backward adds each layer's gradient into the donated accumulator: the largest layer's
+  # gradient is written beside it)
+  state = cost["param_mem_bytes"][5:10].sum()
+  opt = state / 16 * 12
+  w = (state - opt) / 2
+  gout = cost["grad_bytes"][5:10].max() * w / cost["grad_bytes"][5:10].sum()
+  m = stage_memory(param_bytes=w, grad_bytes=w, opt_bytes=opt, act_bytes=0.0, dp=1, zero=0,
+                   out_bytes=res.layers[9].boundary_bytes,
+                   workspace_bytes=cost["temp_bytes"][5:10].max(), replicas=True,
+                   grad_out_bytes=gout)
+  assert t.param_mem_bytes[1][5, 9, 0] == pytest.approx(m.fixed_bytes())
+  assert t.workspace_bytes[1][5, 9, 0] == pytest.approx(cost["temp_bytes"][5:10].max())
+  assert t.grad_out_bytes[1][5, 9, 0] == pytest.approx(gout)
+  assert t.step_mem_bytes[1][5, 9, 0] == pytest.approx(m.step_bytes())
+  assert m.step_bytes() > state
   assert res.stats.pruned_imbalance > 0
   # tensor parallelism halves the block layers' parameter state
   tp2 = res.costs[("a100", (1, 2), (1, 2))]["param_mem_bytes"][1:4]

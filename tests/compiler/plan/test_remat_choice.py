@@ -1,0 +1,137 @@
+"""Rematerialisation as a per-stage choice of the planner: tables that cost every entry without
+and with it (``with_remat_choice``, ``ProfileOptions(remat="choose")``), the search's optimum
+against a brute force over both, and a chosen plan trained equal to ``jax.jit`` in float64."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import harpjax
+from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve
+from harpjax.compiler.profile import ProfileOptions, with_remat_choice
+from harpjax.compiler.profile.tables import ENTRY_ARRAYS
+from harpjax.errors import CostTablesError, InfeasiblePlanError, PlanError
+from harpjax.models import GPTConfig
+from benchmarks.lm_step import lm_train_step
+from tests.compiler.plan import oracle
+from tests.equivalence import DEMO_CLUSTER, compare_steps
+
+OFF = SolveOptions(mixed_stages="off", backend="sequential")
+
+
+def _rematerialised(tables, rng):
+  """The same tables as if every stage recomputed its forward: slower, fewer residuals."""
+  slower = rng.uniform(1.2, 1.4)
+  return tables.replace(
+      stage_time_s=tuple(np.where(np.isfinite(t), np.round(t * slower, 3) + 0.001, np.inf)
+                         for t in tables.stage_time_s),
+      act_mem_bytes=tuple(a * rng.uniform(0.2, 0.5) for a in tables.act_mem_bytes))
+
+
+def _solve(tables, B):
+  try:
+    return solve(tables, B, options=OFF)
+  except InfeasiblePlanError:
+    return None
+
+
+def test_the_choice_is_the_optimum_of_both():
+  """On random instances the planner over both modes finds the brute force's optimum over
+  both, proved; it is never worse than either mode alone; each stage names its mode, and the
+  plan scores the same on the tables it came from."""
+  rng = np.random.default_rng(7)
+  chosen = {"none": 0, "full": 0}
+  for _ in range(20):
+    none = oracle.random_tables(rng)
+    both = with_remat_choice(none, _rematerialised(none, rng))
+    B = int(rng.choice([2, 4, 8]))
+    bf = oracle.brute_force(both, B)
+    res = _solve(both, B)
+    assert (res is None) == math.isinf(bf.objective_s)
+    if res is None:
+      continue
+    assert res.stats.proved
+    assert math.isclose(res.objective_s, bf.objective_s, rel_tol=1e-9), (res, bf)
+    for one in (none, both.replace(submeshes=none.submeshes, remat_modes=None, **{
+        f: tuple(a[:, :, len(s):] for a, s in zip(getattr(both, f), none.submeshes))
+        for f in ("stage_time_s", "param_mem_bytes", "act_mem_bytes")})):
+      alone = _solve(one, B)
+      assert alone is None or res.objective_s <= alone.objective_s * (1 + 1e-9)
+    for spec, st in zip(res.plan.stages, res.stages):
+      assert spec.remat == both.remat_of(st.subcluster, st.submesh_index) in ("none", "full")
+      chosen[spec.remat] += 1
+    again = evaluate_plan(both, res.plan, B)
+    assert again.iteration_s == res.iteration_s and again.feasible
+  assert chosen["none"] and chosen["full"]
+
+
+def test_tables_with_the_choice_are_checked():
+  rng = np.random.default_rng(3)
+  none = oracle.random_tables(rng, num_subclusters=2)
+  both = with_remat_choice(none, _rematerialised(none, rng))
+  assert all(len(s) == 2 * len(n) for s, n in zip(both.submeshes, none.submeshes))
+  with pytest.raises(CostTablesError, match="same layers"):
+    with_remat_choice(none, oracle.random_tables(rng, num_layers=none.num_layers + 1))
+  with pytest.raises(CostTablesError, match="one remat mode"):
+    with_remat_choice(both, both)
+  with pytest.raises(CostTablesError, match="remat_modes"):
+    both.replace(remat_modes=tuple(("none",) * len(s) for s in both.submeshes))
+  with pytest.raises(PlanError, match="'none' and 'full'"):
+    from harpjax.compiler.plan.variants import variant_slot
+    variant_slot(both, 0, both.submeshes[0][0], remat="dots")
+  with pytest.raises(Exception, match="choose"):
+    ProfileOptions(remat="sometimes")
+
+
+def _gpt_step():
+  return lm_train_step(GPTConfig(vocab_size=64, seq_len=16, hidden=32, num_heads=2,
+                                 num_blocks=2, dtype="float64", param_dtype="float64"), 8)
+
+
+def _least_memory(tables, B, lo=0.0, hi=1.0):
+  """The least share of the devices' memory at which ``tables`` have a plan (bisection)."""
+  scaled = lambda f: tables.replace(device_memory_bytes=tuple(m * f for m in
+                                                              tables.device_memory_bytes))
+  for _ in range(30):
+    mid = (lo + hi) / 2
+    if _solve(scaled(mid), B) is None:
+      lo = mid
+    else:
+      hi = mid
+  return hi, scaled
+
+
+def test_a_plan_that_fits_only_by_rematerialising_some_stages_trains_like_jit():
+  """Devices too small for any plan without rematerialisation: the planner rematerialises
+  where it must, and the run equals ``jax.jit`` in float64."""
+  with jax.enable_x64(True):
+    step_fn, state, tokens = _gpt_step()
+    B = 2
+    probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
+                                  profile_options=ProfileOptions(remat="choose",
+                                                                 use_cache=False))
+    prof = probe.profile(state, tokens)
+    both = prof.tables
+    assert both.remat_modes is not None and prof.remat_costs is not None
+    keep = lambda mode: both.replace(
+        submeshes=tuple(tuple(sh for sh, m in zip(s, r) if m == mode)
+                        for s, r in zip(both.submeshes, both.remat_modes)),
+        remat_modes=None, variants=None, **{
+            f: tuple(a[:, :, [x for x, m in enumerate(r) if m == mode]]
+                     for a, r in zip(getattr(both, f), both.remat_modes))
+            for f in ENTRY_ARRAYS if getattr(both, f) is not None})
+    need_none, _ = _least_memory(keep("none"), B)
+    need_both, scaled = _least_memory(both, B)
+    assert need_both < need_none   # rematerialising lets smaller devices train
+    tight = scaled((need_both + need_none) / 2)
+    assert _solve(keep("none").replace(device_memory_bytes=tight.device_memory_bytes),
+                  B) is None
+    plan = _solve(tight, B).plan
+    assert "full" in {s.remat for s in plan.stages}
+    assert "Remat" in plan.table()
+    compare_steps(step_fn, state, [tokens, tokens[::-1]], plan=plan, num_microbatches=B,
+                  rtol=1e-10)
