@@ -182,10 +182,7 @@ class _DiskWork:
     replaced (one that started after all finds it was replaced and ends)."""
     if self._thread is not None and self._thread.is_alive():
       return
-    if not self._jobs:
-      self._thread = None
-      with _ACTIVE_LOCK:
-        _ACTIVE.pop(self, None)
+    if self._idle():
       return
     _finish_at_exit()
     with _ACTIVE_LOCK:
@@ -194,16 +191,22 @@ class _DiskWork:
     self._thread = thread
     thread.start()
 
+  def _idle(self) -> bool:
+    """Under the lock: with no job queued, no thread and nothing to wait for at exit."""
+    if self._jobs:
+      return False
+    self._thread = None
+    with _ACTIVE_LOCK:
+      _ACTIVE.pop(self, None)
+    return True
+
   def _run(self) -> None:
     me = threading.current_thread()
     while True:
       with self._lock:
         if self._thread is not me:   # replaced: its start was interrupted
           return
-        if not self._jobs:
-          self._thread = None
-          with _ACTIVE_LOCK:
-            _ACTIVE.pop(self, None)
+        if self._idle():
           return
         fut, fn, args = self._jobs.popleft()
       if fut.set_running_or_notify_cancel():
