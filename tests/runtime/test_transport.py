@@ -162,11 +162,16 @@ def test_sender_is_fifo_per_direction_and_full_duplex():
     a.get((0, MessageKey("ct", m, 1)), 1, 5, "ct")
   ab.flush(5)
   ba.flush(5)
-  # One at a time per direction: 60, 120, 180 ms; both directions at once (not 360 ms).
-  assert all(abs(x - 0.06 * (m + 1)) < 0.03 for m, x in enumerate(arrivals)), arrivals
-  assert time.time() - t0 < 0.3
-  starts = [e[2] - t0 for e in ab.events]
-  assert all(abs(s - 0.06 * m) < 0.02 for m, s in enumerate(starts)), starts
+  # One at a time per direction, in order, each taking its delay (60 ms); both directions at
+  # once: the two directions' transfers overlap in time. (Read from the senders' own records,
+  # so a loaded machine only makes things later, never wrong.)
+  for sender in (ab, ba):
+    ev = sender.events   # (step, key, start, end, nbytes)
+    assert [e[1].index for e in ev] == [0, 1, 2], ev
+    assert all(e[3] - e[2] >= 0.06 - 1e-3 for e in ev), ev
+    assert all(b[2] >= a[3] - 1e-6 for a, b in zip(ev, ev[1:])), ev
+  assert ab.events[0][2] < ba.events[0][3] and ba.events[0][2] < ab.events[0][3]
+  assert arrivals == sorted(arrivals)
 
 
 # --------------------------------------------------------------------------- real interfaces
