@@ -168,8 +168,8 @@ def test_sender_is_fifo_per_direction_and_full_duplex():
   for sender in (ab, ba):
     ev = sender.events   # (step, key, start, end, nbytes)
     assert [e[1].index for e in ev] == [0, 1, 2], ev
-    assert all(e[3] - e[2] >= 0.06 - 1e-3 for e in ev), ev
-    assert all(b[2] >= a[3] - 1e-6 for a, b in zip(ev, ev[1:])), ev
+    assert all(e[3] - e[2] >= 0.06 - 0.01 for e in ev), ev
+    assert all(b[2] >= a[3] - 0.01 for a, b in zip(ev, ev[1:])), ev   # no overlap (60 ms)
   assert ab.events[0][2] < ba.events[0][3] and ba.events[0][2] < ab.events[0][3]
   assert arrivals == sorted(arrivals)
 
