@@ -547,7 +547,13 @@ def _default_start_method() -> str:
 
 def _cancel(ex: concurrent.futures.Executor) -> None:
   """Stops a pool now: queued batches cancelled, worker processes terminated (a thread
-  finishes the batch it runs; its result is dropped)."""
+  finishes the batch it runs; its result is dropped).
+
+  Its worker processes are terminated here, every one the pool started: a pool whose worker
+  was killed (kill -9, the OOM killer) terminates those it lists and then waits for all, and
+  one listed just after (its start was under way) would wait forever for the queue's lock
+  the killed worker held, and the pool for it (and the interpreter's exit for the pool).
+  """
   procs = list((getattr(ex, "_processes", None) or {}).values())   # shutdown forgets them
   ex.shutdown(wait=False, cancel_futures=True)
   for p in procs:
@@ -586,7 +592,10 @@ def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, bac
     except BaseException:   # KeyboardInterrupt included: nothing keeps computing or waits
       _cancel(ex)
       raise
-    ex.shutdown(wait=True)
+    if backend == "thread":
+      ex.shutdown(wait=True)
+    else:   # every result is in: the workers are stopped, not waited for (see _cancel)
+      _cancel(ex)
   else:
     outs = _PARALLEL_BACKENDS[backend](index, batches, args, workers, timeout_s)
   return [r for o in outs for r in o[0]], sum(o[1] for o in outs)

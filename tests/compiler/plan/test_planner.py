@@ -713,3 +713,75 @@ def test_pack_submeshes():
   got = pack_submeshes(3, 8, [(1, 4), (2, 8), (1, 2), (1, 2)])
   assert got[1] == ((0, 0, 8), (1, 0, 8)) and got[0] == ((2, 0, 4),)
   assert sorted(x[0][1] for x in (got[2], got[3])) == [4, 6]
+
+
+# A planner worker process killed while the pool starts another (a slow forkserver start): the
+# pool's own clean-up terminates the workers it knows of, then waits for all of them, the new
+# one included, which waits forever for the queue's lock the killed worker held. Run in a
+# process of its own, which would hang, with every moment forced (no timing involved).
+_KILLED_WHILE_ANOTHER_STARTS = r"""
+import multiprocessing, os, signal, sys, time
+import concurrent.futures.process as cfp
+import importlib
+solve_mod = importlib.import_module("harpjax.compiler.plan.solve")
+
+def evaluate(index, batch, *args):   # (the workers import this file too: the same stand-in)
+  return [], len(batch)
+
+solve_mod.evaluate_candidates = evaluate
+
+def until(cond):
+  while not cond():
+    time.sleep(0.005)
+
+def spawn(self):
+  if not self._processes:
+    return real_spawn(self)
+  first = next(iter(self._processes.values()))
+  until(lambda: not self._pending_work_items)   # the first worker did every batch
+  def holds_the_lock():   # ... and waits for more, holding the call queue's read lock
+    if self._call_queue._rlock.acquire(block=False):
+      self._call_queue._rlock.release()
+      return False
+    return True
+  until(holds_the_lock)
+  p = self._mp_context.Process(target=cfp._process_worker, args=(
+      self._call_queue, self._result_queue, self._initializer, self._initargs,
+      self._max_tasks_per_child))
+  p.start()                        # the second one starts (and waits for that lock) ...
+  os.kill(first.pid, signal.SIGKILL)
+  until(lambda: self._call_queue._reader.closed)   # ... the pool, broken, terminated the rest
+  self._processes[p.pid] = p       # ... and only then is the second one listed
+
+if __name__ == "__main__":
+  real_spawn = cfp.ProcessPoolExecutor._spawn_process
+  cfp.ProcessPoolExecutor._spawn_process = spawn
+  out = solve_mod._run_parallel(None, [[0], [1]], (), "process", 2, 600.0, "forkserver")
+  print("returned", out, flush=True)
+  deadline = time.monotonic() + 60
+  while multiprocessing.active_children() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  print("left", len(multiprocessing.active_children()), flush=True)
+"""
+
+
+def test_a_worker_killed_while_the_pool_starts_another_leaves_no_process(tmp_path):
+  import os
+  import signal
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))))
+  script = tmp_path / "killed_while_another_starts.py"
+  script.write_text(_KILLED_WHILE_ANOTHER_STARTS)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + sys.path))
+  proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=180)   # seconds when it does not hang
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)   # its workers and forkserver too
+    out, err = proc.communicate()
+    raise AssertionError(f"the planner's pool hung: {out!r}") from None
+  assert proc.returncode == 0, err[-3000:]
+  assert "returned ([], 2)" in out and "left 0" in out, (out, err)
