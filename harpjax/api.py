@@ -655,8 +655,8 @@ class ParallelStep:
             "ones): use more or larger GPUs, fewer or smaller microbatches, or "
             "ProfileOptions(remat=True)") from None
       raise
-    # "choose": every stage says its own mode (StageSpec.remat); the plan's default is none
-    meta = {**dict(plan.meta), "remat": profile_opts.remat is True, "layers": "auto"}
+    # a choice of modes or "dots": every stage says its own (StageSpec.remat); else the meta
+    meta = {**dict(plan.meta), "remat": profile_opts.remat_modes == ("full",), "layers": "auto"}
     return plan.replace(meta=meta), result
 
   def _use_compilation_cache(self) -> None:

@@ -96,16 +96,28 @@ def test_emulated_threads_run_tracks_the_simulator():
 def test_ray_fidelity_1f1b_and_h1f1b():
   # A 3-stage plan over two emulated subclusters with a 2.5 Gbps link between them: measured
   # iteration times within 10% of the simulator, the H-1F1B speed-up within 5 points.
+  # A loaded machine may outlast the emulated durations with real work (overruns) or delay
+  # the workers' wake-ups: the case is then measured again on a longer time scale, where the
+  # same work and delays weigh less; the last scale must hold the bound.
   pytest.importorskip("ray")
   from harpjax.runtime import ray_runtime
+
+  def case(schedule):
+    for scale in (1.0, 2.0, 4.0):
+      r = bench.fidelity_case(schedule, 2.5, backend="ray", steps=5, time_scale=scale)
+      if not r["overruns"] and abs(r["measured"] / r["simulated"] - 1) < 0.10:
+        break
+    return r
+
   ray_runtime.init_ray(num_cpus=4)
   try:
-    res = {s: bench.fidelity_case(s, 2.5, backend="ray", steps=5) for s in ("1f1b", "h1f1b")}
+    res = {s: case(s) for s in ("1f1b", "h1f1b")}
   finally:
     ray_runtime.release_pool()
     ray_runtime.ray.shutdown()
   for s, r in res.items():
-    assert abs(r["measured"] / r["simulated"] - 1) < 0.10, (s, r)
+    assert abs(r["measured"] / r["simulated"] - 1) < 0.10, (
+        s, {k: r[k] for k in ("measured", "pipeline", "simulated", "overruns")})
   sim = res["1f1b"]["simulated"] / res["h1f1b"]["simulated"]
   meas = res["1f1b"]["measured"] / res["h1f1b"]["measured"]
   assert sim > 1.1 and abs(meas - sim) < 0.05, (sim, meas)

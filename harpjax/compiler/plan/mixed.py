@@ -882,10 +882,10 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
       link_latency_s=tuple(tuple(float(v) for v in r) for r in lat),
       logical_mesh=tuple(logical), peak_flops=peak, price_per_gpu_hour=price,
       end_time_s=tuple(end_arrays),
-      # a mixed stage's groups are costed without rematerialisation (the first of each
-      # shape); a plain stage keeps its choice
+      # a mixed stage's groups are costed in the tables' first mode (the first entry of each
+      # shape: "none" where costed); a plain stage keeps its choice
       remat_modes=None if src.remat_modes is None else (
-          (("none",) * Z,) * F + tuple(tuple(src.remat_modes[k][s] for s in cols[k])
+          ((src.remat_modes[0][0],) * Z,) * F + tuple(tuple(src.remat_modes[k][s] for s in cols[k])
                                        for k in keep)),
       variants=None if src.variants is None and Z == 1 else (
           (tuple((z, False, False) for z in levels),) * F
@@ -1006,7 +1006,8 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
     specs.append(StageSpec(layers=(i, j), subcluster=first.subcluster, submesh=first.submesh,
                            logical_mesh=first.logical_mesh, warmup=st.warmup, time_s=st.time_s,
                            comm_s=st.comm_s, share=first.share, groups=tuple(groups[1:]),
-                           zero=zero, remat=None if tables.remat_modes is None else "none"))
+                           zero=zero, remat=None if tables.remat_modes is None
+                           else tables.remat_modes[0][0]))
   return tuple(specs)
 
 

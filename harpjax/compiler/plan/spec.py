@@ -15,14 +15,12 @@ import os
 from typing import Any, Iterable, Sequence
 
 from harpjax.compiler.schedule import schedule_key
+from harpjax.compiler.trace.remat import REMAT_MODES
 from harpjax.errors import HarpjaxError, PlanError
 
 __all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares",
            "REMAT_MODES"]
 
-REMAT_MODES = ("none", "full", "dots")
-"""What a stage's backward recomputes: nothing, everything but the stage's inputs, or
-everything but the matmuls' outputs (:attr:`StageSpec.remat`)."""
 
 
 def _int(v: Any, where: str, minimum: int) -> int:

@@ -80,6 +80,7 @@ import numpy as np
 
 from harpjax.compiler.profile import CostTables, stage_memory
 from harpjax.errors import PlanError
+from harpjax.compiler.trace import REMAT_MODES
 
 __all__ = ["expand_variants", "variant_arrays", "variant_step_bytes", "variant_slot",
            "tables_for_stages", "memory_model",
@@ -356,7 +357,7 @@ def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0
   """Index in ``tables.submeshes[k]`` of submesh ``shape`` under ``(zero, offload,
   offload_activations)`` and, where the tables cost both (:attr:`~harpjax.compiler.profile.
   CostTables.remat_modes`), the remat mode ``remat`` (``None``: ``"none"``; ignored by tables
-  of one mode).
+  of one mode, which price the stage in theirs).
 
   Raises:
     PlanError: the tables have no such entry (not expanded, or the variant was not kept).
@@ -365,8 +366,11 @@ def variant_slot(tables: CostTables, k: int, shape: Sequence[int], zero: int = 0
   want = (int(zero), bool(offload), bool(offload_activations))
   mode = "none" if remat is None else str(remat)
   modes = tables.remat_modes[k] if tables.remat_modes is not None else None
-  if modes is not None and mode not in ("none", "full"):
-    raise PlanError(f"remat={remat!r}: these tables cost 'none' and 'full' only")
+  if modes is not None and len(set(modes)) == 1:
+    modes = None   # tables of one mode
+  if modes is not None and mode not in modes:
+    have = [m for m in REMAT_MODES if m in modes]
+    raise PlanError(f"remat={remat!r}: these tables cost {' and '.join(map(repr, have))} only")
   if tables.variants is None:
     if want != (0, False, False):
       _cannot_price(*want)

@@ -69,8 +69,8 @@ from harpjax import _compat
 from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.calibration import Work
-from harpjax.compiler.trace import (Lit, Program, from_closed_jaxpr, ops_function, primitives,
-                                    strip_markers)
+from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxpr, ops_function,
+                                    primitives, strip_markers)
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work"]
 
@@ -163,20 +163,19 @@ def _split_fwd_bwd(closed) -> tuple[Program, int | None]:
   return _dce(prog, pos[0])   # ops before the marker keep their index when it is stripped
 
 
-def trace_piece(piece: pieces_lib.Piece, remat: bool = False) -> TracedPiece:
+def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False) -> TracedPiece:
   """Traces a piece's forward+backward (from ``jax.ShapeDtypeStruct`` s; nothing compiled).
 
   The forward+backward returns the forward's outputs too, so the ops computing them are
-  costed (the stage's forward sends them on). With ``remat`` the backward recomputes the
-  forward as the runtime's does (``jax.checkpoint``): the work counted is the forward, its
-  recomputation and the backward, the residuals are the inputs alone, and the backward's
-  workspace holds the recomputed forward's values.
+  costed (the stage's forward sends them on). With ``remat`` (``"full"`` or ``True``,
+  ``"dots"``) the backward recomputes the forward as the runtime's does
+  (:func:`~harpjax.compiler.trace.checkpointed`): the work counted is the forward, its
+  recomputation and the backward, the residuals are what the mode keeps (the inputs alone
+  under ``"full"``), and the backward's workspace holds the recomputed forward's values.
   """
   t0 = time.perf_counter()
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
-  primal = lambda p, a, aux: run(*p, *a, *aux)
-  if remat:
-    primal = jax.checkpoint(primal)
+  primal = checkpointed(remat)(lambda p, a, aux: run(*p, *a, *aux))
 
   def live(params, acts, aux, cts):
     outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence, sharding
-from harpjax.compiler.trace import Lit, Program, ops_function, primitives
+from harpjax.compiler.trace import checkpointed, Lit, Program, ops_function, primitives
 
 __all__ = ["Piece", "build_piece", "batch_dependent", "XlaStats", "xla_stats",
            "parse_collectives", "make_functions", "abstract_inputs", "shardings"]
@@ -108,18 +108,17 @@ def build_piece(seq: LayerSequence, first: int, last: int, batch_dep: frozenset)
   return Piece(prog, tuple(ops), p_ids, acts, aux, outs, batch, int(pbytes), int(nparams))
 
 
-def make_functions(piece: Piece, remat: bool = False):
+def make_functions(piece: Piece, remat: bool | str = False):
   """``(fwd_bwd, fwd_residuals)`` of a piece.
 
   ``fwd_bwd(params, acts, aux, cts) -> (param_grads, act_grads)``;
-  ``fwd_residuals(params, acts, aux) -> (outputs, residual leaves)``. With ``remat`` the
-  forward is rematerialised in the backward (``jax.checkpoint``): only the inputs are kept.
+  ``fwd_residuals(params, acts, aux) -> (outputs, residual leaves)``. ``remat``
+  (:data:`~harpjax.compiler.trace.REMAT_MODES`, ``True`` is ``"full"``): the forward is
+  rematerialised in the backward as the runtime's stage does it (``"full"``: only the inputs
+  are kept; ``"dots"``: the matmuls' outputs too).
   """
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
-  primal = lambda params, acts, aux: run(*params, *acts, *aux)
-
-  if remat:
-    primal = jax.checkpoint(primal)
+  primal = checkpointed(remat)(lambda params, acts, aux: run(*params, *acts, *aux))
 
   def fwd_bwd(params, acts, aux, cts):
     _, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
@@ -229,7 +228,7 @@ def _cost(compiled) -> dict:
 
 def xla_stats(piece: Piece, devices: Sequence[Any],
               mesh_shape: tuple[int, int] | None = None, compiled=None,
-              remat: bool = False) -> XlaStats:
+              remat: bool | str = False) -> XlaStats:
   """Compiles a piece's forward+backward on ``devices`` and reads what XLA says.
 
   Args:

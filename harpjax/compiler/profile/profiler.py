@@ -47,9 +47,9 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.compiler.profile.memory import stage_memory
-from harpjax.compiler.profile.tables import (CostTables, assemble_tables, range_max, range_sums,
-                                             with_remat_choice)
-from harpjax.compiler.trace import trace_step
+from harpjax.compiler.profile.tables import (CostTables, assemble_tables, in_remat_mode,
+                                             range_max, range_sums, with_remat_choice)
+from harpjax.compiler.trace import REMAT_MODES, remat_mode, trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
 log = logging.getLogger(__name__)
@@ -103,13 +103,15 @@ class ProfileOptions:
     imported_data_dir: directory of ``zorse_model_latencies.json`` and
       ``zorse_model_stats.json`` (default: ``../shared/data`` beside the repository).
     workers: threads compiling analytic tasks in parallel.
-    remat: cost layers whose forward is rematerialised in the backward (activation
-      recomputation, as HARP/Alpa run large GPTs): more FLOPs, only layer inputs kept per
-      in-flight microbatch. The runtime then rematerialises too (the plan says so). Off by
-      default, as ``harpjax plan`` (docs/planner.md, "One set of defaults"): large models
-      (GPT-39B on 32 GB devices) need it on. ``"choose"``: every layer is costed both ways
-      and the tables let the planner choose per stage
-      (:func:`~harpjax.compiler.profile.with_remat_choice`; the plan's stages say which).
+    remat: what the backward of the costed layers recomputes
+      (:data:`~harpjax.compiler.trace.REMAT_MODES`): ``"none"``/``False`` (the default, as
+      ``harpjax plan``; docs/planner.md, "One set of defaults"), ``"full"``/``True`` (only
+      layer inputs kept per in-flight microbatch, the forward recomputed: activation
+      recomputation as HARP/Alpa run large GPTs; GPT-39B on 32 GB devices needs it) or
+      ``"dots"`` (the matmuls' outputs kept too). The runtime then rematerialises the same
+      way (the plan says so). ``"choose"``: every layer is costed in every mode and the tables
+      let the planner choose per stage (:func:`~harpjax.compiler.profile.with_remat_choice`;
+      the plan's stages say which); a tuple of two or more modes chooses among those.
     optimizer_bytes_per_param: the optimizer state's part of ``state_bytes_per_param`` (12 of
       16 for mixed-precision Adam, 8 of 16 for float32 Adam); given, the tables carry it
       (``CostTables.opt_mem_bytes``) and the weights' all-gather time over each entry's
@@ -135,10 +137,26 @@ class ProfileOptions:
   remat: bool | str = False
   optimizer_bytes_per_param: float | None = 12.0
 
+  @property
+  def remat_modes(self) -> tuple[str, ...]:
+    """The rematerialisation modes the layers are costed in (one, or those the planner
+    chooses among)."""
+    if self.remat == "choose":
+      return REMAT_MODES
+    if isinstance(self.remat, (tuple, list)):
+      return tuple(remat_mode(m) for m in self.remat if isinstance(m, str))
+    return (remat_mode(self.remat),)
+
   def __post_init__(self):
-    if self.remat not in (False, True, "choose"):
-      raise HarpjaxError(f"ProfileOptions.remat={self.remat!r}; choose False, True or "
-                         "'choose' (the planner picks per stage)")
+    try:
+      modes = self.remat_modes
+    except HarpjaxError:
+      modes = ()
+    if not modes or len(set(modes)) != len(modes) or (
+        isinstance(self.remat, tuple) and len(modes) < 2):
+      raise HarpjaxError(f"ProfileOptions.remat={self.remat!r}; choose one of {REMAT_MODES} "
+                         "(True is 'full', False 'none'), 'choose' (the planner picks one per "
+                         "stage) or a tuple of two or more distinct modes to choose among")
     if self.source not in SOURCES:
       raise HarpjaxError(f"ProfileOptions.source={self.source!r}; choose one of "
                          f"{', '.join(SOURCES)}")
@@ -231,8 +249,9 @@ class ProfileResult:
       "act_mem_bytes", "temp_bytes", "flops": [L] arrays}}`` (``inf`` time: pruned).
     cluster: the cluster profiled; options: the :class:`ProfileOptions` (what
       :func:`tables_for_plan` rebuilds the tables with).
-    remat_costs: with ``ProfileOptions(remat="choose")``, the per-layer costs with the
-      forward rematerialised in the backward (``costs``: without).
+    remat_costs: when the planner chooses the rematerialisation per stage
+      (``ProfileOptions(remat="choose")``), each mode's per-layer costs, by mode name
+      (``costs``: the first mode's, ``"none"`` where costed).
   """
   tables: CostTables
   layers: LayerSequence
@@ -240,7 +259,7 @@ class ProfileResult:
   costs: dict
   cluster: Any = None
   options: Any = None
-  remat_costs: dict | None = None
+  remat_costs: dict[str, dict] | None = None
 
 
 def microbatch_size(layers: LayerSequence) -> int | None:
@@ -270,16 +289,17 @@ def ordered_subclusters(cluster, order) -> list:
 
 
 def _make_source(opts: ProfileOptions, db):
+  remat = opts.remat_modes[0]
   if opts.source == "jaxpr":
-    return sources.JaxprSource(opts.efficiencies, opts.state_bytes_per_param, remat=opts.remat)
+    return sources.JaxprSource(opts.efficiencies, opts.state_bytes_per_param, remat=remat)
   analytic = sources.AnalyticSource(db, opts.efficiencies, opts.state_bytes_per_param,
-                                    remat=opts.remat)
+                                    remat=remat)
   if opts.source == "analytic":
     return analytic
   if opts.source == "measured":
     return sources.MeasuredSource(db, opts.repeats,
                                   state_bytes_per_param=opts.state_bytes_per_param,
-                                  remat=opts.remat)
+                                  remat=remat)
   return sources.ImportedSource(analytic, opts.imported_model,
                                 calibration.load_zorse(opts.imported_data_dir),
                                 opts.imported_module,
@@ -639,19 +659,21 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
     The :class:`ProfileResult`.
   """
   opts = options or ProfileOptions()
-  if opts.remat == "choose":   # both ways, one set of tables: the planner chooses per stage
-    one = lambda remat: profile_layers(layers, cluster, local_layers=local_layers,
-                                       options=dataclasses.replace(opts, remat=remat),
-                                       num_microbatches=num_microbatches)
-    none, full = one(False), one(True)
-    st = none.stats
+  if len(opts.remat_modes) > 1:   # each mode, one set of tables: the planner chooses per stage
+    each = {m: profile_layers(layers, cluster, local_layers=local_layers,
+                              options=dataclasses.replace(opts, remat=m),
+                              num_microbatches=num_microbatches) for m in opts.remat_modes}
+    first = each[opts.remat_modes[0]]
+    st = first.stats
     stats = dataclasses.replace(
-        st, unique_tasks=st.unique_tasks + full.stats.unique_tasks,
-        computed=st.computed + full.stats.computed,
-        cache_hits=st.cache_hits + full.stats.cache_hits,
-        seconds=st.seconds + full.stats.seconds, trace_s=st.trace_s + full.stats.trace_s)
-    return ProfileResult(with_remat_choice(none.tables, full.tables), layers, stats,
-                         none.costs, cluster, opts, remat_costs=full.costs)
+        st, unique_tasks=sum(r.stats.unique_tasks for r in each.values()),
+        computed=sum(r.stats.computed for r in each.values()),
+        cache_hits=sum(r.stats.cache_hits for r in each.values()),
+        seconds=sum(r.stats.seconds for r in each.values()),
+        trace_s=sum(r.stats.trace_s for r in each.values()))
+    return ProfileResult(with_remat_choice(**{m: r.tables for m, r in each.items()}), layers,
+                         stats, first.costs, cluster, opts,
+                         remat_costs={m: r.costs for m, r in each.items()})
   t0 = time.perf_counter()
   L = len(layers)
   if L == 0:
@@ -671,6 +693,7 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   costs = layer_costs(found, results, L)
   tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts,
                                  num_microbatches)
+  tables = in_remat_mode(tables, opts.remat_modes[0])
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),
@@ -737,8 +760,9 @@ def tables_for_plan(result: ProfileResult, plan) -> CostTables:
             costs.append(arr)
     return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
   if result.remat_costs is not None:
-    return with_remat_choice(build(result.costs), build(result.remat_costs))
-  return build(result.costs)
+    return with_remat_choice(**{m: in_remat_mode(build(c), m)
+                                for m, c in result.remat_costs.items()})
+  return in_remat_mode(build(result.costs), opts.remat_modes[0])
 
 
 def _warn_uncalibrated(gpu_names, overrides) -> None:

@@ -35,6 +35,7 @@ from harpjax.compiler.profile import calibration as calib
 from harpjax.compiler.profile import estimate
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.collectives import collective_time_s
+from harpjax.compiler.trace import remat_mode
 from harpjax.errors import HarpjaxError, PublishedDataError
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,13 @@ def _efficiency_key(efficiencies: dict | None) -> dict:
   return {k: list(dataclasses.astuple(v)[:3]) for k, v in sorted(table.items())}
 
 
+def remat_key(remat) -> bool | str:
+  """A remat mode as the profile cache keys it: ``False``/``True`` for ``"none"``/``"full"``
+  (the keys of caches written before the other modes), the mode's name otherwise."""
+  mode = remat_mode(remat)
+  return {"none": False, "full": True}.get(mode, mode)
+
+
 class JaxprSource:
   """Costs from the piece's jaxpr and calibrated GPU rates: nothing is compiled.
 
@@ -207,16 +215,17 @@ class JaxprSource:
     efficiencies: GPU name -> :class:`~harpjax.compiler.profile.calibration.Efficiency`;
       default the calibrated table.
     state_bytes_per_param: weights + gradients + optimizer state per parameter.
-    remat: cost a forward rematerialised in the backward.
+    remat: cost a forward rematerialised in the backward (a mode of
+      :data:`~harpjax.compiler.trace.REMAT_MODES`; ``True`` is ``"full"``).
   """
   name = "jaxpr"
   local_trace = False
 
   def __init__(self, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
-               remat: bool = False):
+               remat: bool | str = False):
     self.efficiencies = efficiencies
     self.state_bytes_per_param = float(state_bytes_per_param)
-    self.remat = bool(remat)
+    self.remat = remat_key(remat)
     self._traced: dict = {}
     self._stats: dict = {}
 
@@ -261,9 +270,9 @@ class AnalyticSource:
   local_trace = True
 
   def __init__(self, db, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
-               devices=None, remat: bool = False):
+               devices=None, remat: bool | str = False):
     self.db = db
-    self.remat = bool(remat)
+    self.remat = remat_key(remat)
     self.efficiencies = efficiencies
     self.state_bytes_per_param = float(state_bytes_per_param)
     self.devices = list(devices) if devices is not None else None
@@ -332,9 +341,9 @@ class MeasuredSource:
   local_trace = False
 
   def __init__(self, db, repeats: int = 5, warmup: int = 1, state_bytes_per_param: float = 16.0,
-               seed: int = 0, remat: bool = False):
+               seed: int = 0, remat: bool | str = False):
     self.db = db
-    self.remat = bool(remat)
+    self.remat = remat_key(remat)
     self.repeats = max(1, int(repeats))
     self.warmup = max(0, int(warmup))
     self.state_bytes_per_param = float(state_bytes_per_param)

@@ -40,10 +40,11 @@ import numpy as np
 from harpjax.cluster import Link, host_joins, is_divisibility_chain, paper_submeshes
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.errors import CostTablesError
+from harpjax.compiler.trace.remat import REMAT_MODES
 
 __all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
            "memory_to_compute_order", "synthetic_gpt_profile", "assemble_tables", "range_sums",
-           "range_max", "with_remat_choice", "ENTRY_ARRAYS"]
+           "range_max", "with_remat_choice", "in_remat_mode", "ENTRY_ARRAYS"]
 
 ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mesh",
                 "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
@@ -52,33 +53,65 @@ ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mes
 (``logical_mesh``: ``[L, L, S_k, 2]``)."""
 
 
-def with_remat_choice(none: "CostTables", full: "CostTables") -> "CostTables":
-  """One set of tables whose submesh choices are each submesh without rematerialisation and
-  again with it (:attr:`CostTables.remat_modes`), from the tables of the same layers and
-  cluster costed both ways: the planner then chooses per stage.
+def with_remat_choice(*tables: "CostTables", **by_mode: "CostTables") -> "CostTables":
+  """One set of tables whose submesh choices are each submesh once per rematerialisation
+  mode (:attr:`CostTables.remat_modes`), from the tables of the same layers and cluster
+  costed in each mode: the planner then chooses the mode per stage.
+
+  ``with_remat_choice(none, full)`` (positional: the modes ``"none"`` and ``"full"``, in that
+  order) or by name, ``with_remat_choice(none=a, full=b, dots=c)``
+  (:data:`~harpjax.compiler.trace.REMAT_MODES`); at least two modes. A table may already say
+  its one mode (``remat_modes`` all equal to its name).
 
   Raises:
-    CostTablesError: the two do not describe the same layers and submeshes, or either is
-      already expanded into variants or carries a remat choice.
+    CostTablesError: fewer than two modes, an unknown or repeated mode, tables that do not
+      describe the same layers and submeshes, or one already expanded into variants or
+      carrying another choice.
   """
-  if none.variants is not None or full.variants is not None or \
-      none.remat_modes is not None or full.remat_modes is not None:
-    raise CostTablesError("with_remat_choice takes tables of one remat mode each, before "
-                          "their expansion into variants")
-  if none.num_layers != full.num_layers or none.submeshes != full.submeshes or \
-      none.subcluster_names != full.subcluster_names:
-    raise CostTablesError("with_remat_choice: the two tables must cost the same layers on "
-                          "the same subclusters and submeshes")
+  if len(tables) > 2:
+    raise CostTablesError("with_remat_choice takes at most two tables by position (none, "
+                          "full); name the modes for more: with_remat_choice(none=..., "
+                          "full=..., dots=...)")
+  given = dict(zip(("none", "full"), tables))
+  for mode, t in by_mode.items():
+    if mode not in REMAT_MODES or mode in given:
+      raise CostTablesError(f"with_remat_choice: mode {mode!r} is unknown or given twice; "
+                            f"the modes are {REMAT_MODES}")
+    given[mode] = t
+  if len(given) < 2:
+    raise CostTablesError("with_remat_choice needs the tables of at least two modes")
+  modes = [m for m in REMAT_MODES if m in given]
+  first = given[modes[0]]
+  for mode in modes:
+    t = given[mode]
+    own = t.remat_modes is None or all(x == mode for row in t.remat_modes for x in row)
+    if t.variants is not None or not own:
+      raise CostTablesError("with_remat_choice takes tables of one remat mode each, before "
+                            "their expansion into variants")
+    if t.num_layers != first.num_layers or t.submeshes != first.submeshes or \
+        t.subcluster_names != first.subcluster_names:
+      raise CostTablesError("with_remat_choice: the tables must cost the same layers on the "
+                            "same subclusters and submeshes")
   both = {}
   for f in ENTRY_ARRAYS:
-    a, b = getattr(none, f), getattr(full, f)
-    if (a is None) != (b is None):
-      raise CostTablesError(f"with_remat_choice: {f} is given in one of the tables only")
-    if a is not None:
-      both[f] = tuple(np.concatenate([x, y], axis=2) for x, y in zip(a, b))
-  return none.replace(submeshes=tuple(s + s for s in none.submeshes),
-                      remat_modes=tuple(("none",) * len(s) + ("full",) * len(s)
-                                        for s in none.submeshes), **both)
+    arrays = [getattr(given[m], f) for m in modes]
+    if any(a is None for a in arrays) != all(a is None for a in arrays):
+      raise CostTablesError(f"with_remat_choice: {f} is given in some of the tables only")
+    if arrays[0] is not None:
+      both[f] = tuple(np.concatenate(xs, axis=2) for xs in zip(*arrays))
+  return first.replace(submeshes=tuple(s * len(modes) for s in first.submeshes),
+                       remat_modes=tuple(tuple(m for m in modes for _ in s)
+                                         for s in first.submeshes), **both)
+
+
+def in_remat_mode(tables: "CostTables", mode: str) -> "CostTables":
+  """``tables`` costed in one rematerialisation ``mode`` and saying so: ``"none"``/``"full"``
+  as they are (the plan's ``meta["remat"]`` names them), any other mode in
+  :attr:`CostTables.remat_modes`, so the planned stages carry it."""
+  if mode in ("none", "full"):
+    return tables
+  return tables.replace(remat_modes=tuple((mode,) * len(s) for s in tables.submeshes))
+
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +276,13 @@ class CostTables:
       optimizer update, :meth:`~harpjax.compiler.profile.StageMemory.step_bytes`): an entry
       is usable only where it fits the device. ``None``: not checked.
     remat_modes: optional ``[K]`` tuples, one per entry of ``submeshes[k]``: what a stage on
-      that choice recomputes in its backward (``"none"`` or ``"full"``, as
-      :attr:`~harpjax.compiler.plan.StageSpec.remat`); tables that cost both
+      that choice recomputes in its backward (one of
+      :data:`~harpjax.compiler.trace.REMAT_MODES`, as
+      :attr:`~harpjax.compiler.plan.StageSpec.remat`); tables that cost several
       (:func:`with_remat_choice`) let the planner choose it per stage, each priced (the
-      recompute's time, the residuals it saves). Shapes then repeat, once per mode.
-      ``None``: the tables cost one mode, the plan's.
+      recompute's time, the residuals it saves). Shapes then repeat, once per mode. Tables of
+      one mode other than ``"none"``/``"full"`` say it here too (:func:`in_remat_mode`).
+      ``None``: the tables cost one mode, the plan's ``meta["remat"]``.
     offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
       memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
       stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration, and
@@ -344,9 +379,9 @@ class CostTables:
       modes = tuple(tuple(str(x) for x in row)
                     for row in _seq(self.remat_modes, "remat_modes", K))
       for k, row in enumerate(modes):
-        if len(row) != len(shapes[k]) or any(x not in ("none", "full") for x in row):
-          raise CostTablesError(f"remat_modes[{k}] must give 'none' or 'full' for each of the "
-                                f"{len(shapes[k])} submesh entries")
+        if len(row) != len(shapes[k]) or any(x not in REMAT_MODES for x in row):
+          raise CostTablesError(f"remat_modes[{k}] must give one of {REMAT_MODES} for each "
+                                f"of the {len(shapes[k])} submesh entries")
       set_("remat_modes", modes)
     if self.variants is not None:
       self._set_variants(K)

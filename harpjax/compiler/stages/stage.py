@@ -37,6 +37,7 @@ from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.stages.layout import StageLayout
+from harpjax.compiler.trace import remat as remat_lib
 from harpjax.compiler.trace import (Lit, Op, Program, TracedStep, apply_site, ops_function,
                                    primitives)
 
@@ -238,7 +239,7 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
     return run(*params, *acts, *acts_int, *data,
                hook=(lambda op, xs: hook(op, xs, mb_index)) if hook else None)
 
-  checkpointed = _checkpoint(remat)
+  checkpointed = remat_lib.checkpointed(remat)
 
   def fwd(params, acts, acts_int, data, mb_index):
     params = used(params)
@@ -279,18 +280,6 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
     return tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals)
 
   return StageFunctions(fwd, bwd, zeros)
-
-
-def _checkpoint(remat: bool | str) -> Callable:
-  """``f -> f`` rematerialised as ``remat`` says (``"none"``/``False``: as is)."""
-  mode = {True: "full", False: "none", None: "none"}.get(remat, remat)
-  if mode == "none":
-    return lambda f: f
-  if mode == "full":
-    return jax.checkpoint
-  if mode == "dots":
-    return lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable)
-  raise ValueError(f"remat={remat!r}")
 
 
 def acc_shardings(layout: StageLayout, mesh) -> tuple:
