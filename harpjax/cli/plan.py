@@ -108,8 +108,9 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
                    "GPT-39B needs it): only stage inputs are kept per in-flight microbatch; "
                    "plans carry it to the runtime. Off by default, as auto_parallel's.")
 @click.option("--remat-choice", is_flag=True,
-              help="Cost every layer with and without recomputation and let the planner "
-                   "choose per stage (each stage of the plan says which); replaces --remat.")
+              help="Cost every layer without recomputation, with it, and keeping the matmuls' "
+                   "outputs (dots), and let the planner choose per stage (each stage of the "
+                   "plan says which); replaces --remat.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar while profiling (default: when stderr is a terminal).")
 @click.option("--zero/--no-zero", default=True, show_default=True,
