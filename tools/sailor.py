@@ -18,38 +18,41 @@ not part of the library. Two parts:
   (``end_time_s``). Cuts carry the block output of the global microbatch over the link between
   the two pools. Prices are Sailor's per GPU-hour.
 
-* **Sailor's search** (:func:`sailor_plan`), re-implemented from the paper's description:
-  for every profiled microbatch size ``mbs`` and pipeline degree ``P`` the layers are split
-  evenly (the last stages get the extra layers, as Sailor's ``get_stages``); per GPU type and
-  stage the smallest tensor-parallel degree whose stage fits memory with its 1F1B in-flight
-  count ``P - i`` (H2; within one host, H1); then data-parallel degrees ``D`` from the largest
-  the pools allow downwards until the estimate stops improving (H3; for cost, upwards until the
-  cost stops falling, H4); for each ``D`` a dynamic program over the stages gives each stage a
-  pool with ``D * tp`` devices, minimising Sailor's iteration estimate
-  ``(N_b - 1) max_i (t_i + c_i) + sum_i t_i + 2 sum_i c_i + max_i e_i`` (its Eq. 1 and
-  ``T_total``: the 1F1B steady state set by the straggler stage, the fill and drain, the
-  pipeline transfers and the slowest gradient synchronisation), with ``N_b = G / (mbs D)``
-  microbatches per pipeline. Objectives: ``"min_time"`` (throughput),
-  ``"max_throughput_per_dollar"`` (cost per iteration), ``"min_time_within_budget"`` (a limit
-  per hour; Sailor states its budget per iteration, the same constraint for a fixed time),
-  ``"min_cost_within_time"`` (its §5.2.4 scenario 1: the cheapest iteration within a time).
-  The best configuration by Sailor's own estimate is returned (``rank="simulator"`` instead
-  returns the best of its candidates by our simulator, an oracle that flatters it).
+* **Sailor's search** (:func:`sailor_plan`), a port of the code path of Sailor's public C++
+  planner (eth-easl/sailor ``cpp_src/planner.cpp`` and ``planner_utils.cpp``; where its code
+  and paper disagree this follows the code): pipeline degrees ``P`` from 1 up, its layer split
+  (extra layers on the last stages; 34 layers in 5 stages as 5, 7, 7, 7, 8), every profiled
+  replica microbatch; per GPU type and stage the tensor degree is the larger of the memory
+  minimum (1F1B's ``P - i`` in flight) and the speed-up rule (raise it while a stage runs
+  1.5x faster), except that the first type (A100-40) takes the minimum alone when the cluster
+  has two types; zones of one region are one (H6), zones ordered by their GPU count, a stage's
+  replicas filling one zone and then the next, types mixed within a stage; a pipeline crosses
+  to the next region once (H5), regions ordered by the fitted link between them; every
+  data-parallel degree ``D`` at which ``ceil(G / (mbs D))`` changes (not only divisors),
+  largest first until the estimate stops improving (H3), or for cost smallest first until the
+  cost stops falling (H4); the per-stage dynamic program of its Listing 1 with its estimate
+  ``Tpp = (N_b - 1) straggler + sum t + 2 sum c + max sync`` (one stage: ``N_b t + sync +
+  update``), a cut timed as the slowest replica pair, each pair on its own fitted link
+  (bandwidth a polynomial in the log of the message size, ``network.json``), the
+  synchronisation a bucketed ring all-reduce on the fitted link; its cost per iteration
+  ``Tpp * price + fees`` with fees per GB between zones (0.01 USD) and regions (0.02 USD) on
+  every cut, forward and back, and on syncs whose replicas span zones; its budget per
+  iteration. Its quirks are kept and marked ``Sailor:`` in the code: under the cost objectives
+  only single-stage plans survive (its non-last stages pass only under the throughput
+  objective); the budget test of a non-last stage sees the fees alone; the memo key ignores
+  ``P``; a non-last stage's fees count only its first zone.
 
-**The mapping.** A Sailor plan is ``D`` replicas of a ``P``-stage pipeline; stage ``i``'s
-replicas run on ``D * tp_i`` GPUs. With the ``D`` replicas of a stage taken as the data-parallel
-dimension of one stage, the plan *is* one of ours: stage ``i`` on a submesh of ``D * tp_i``
-devices of its pool with logical mesh ``(D, tp_i)``, global microbatch ``b = D * mbs`` and
-``B = G / b`` microbatches. It is scored by :func:`~harpjax.compiler.plan.evaluate_plan` (the
-simulator, 1F1B as Sailor runs it, and H-1F1B) on the same tables as our planner, with each of
-its stages' entries at the logical mesh Sailor chose (:func:`score_plan`).
+**The mapping.** Where every stage's replicas are one GPU type in one pool with one tensor
+degree and ``D * tp`` is a submesh, the plan *is* one of ours: stage ``i`` on ``D * tp_i``
+devices with logical mesh ``(D, tp_i)``, global microbatch ``b = D * mbs`` and
+``ceil(G / b)`` microbatches; :func:`score_plan` scores it with
+:func:`~harpjax.compiler.plan.evaluate_plan` (1F1B, as Sailor runs it, and H-1F1B) on the
+same tables as our planner. Other plans (a stage mixing types or zones) keep Sailor's estimate
+only. :func:`transfer_fees_usd` counts our plan's fees the same way, outside our planner.
 
-**Simplifications** (each stated where it matters): every replica of a stage uses one GPU type
-and one pool (Sailor may mix GPU types among a stage's replicas; our plan type has no mixed
-stage); ``D * mbs`` must divide the global batch and ``D * tp`` be a submesh size (a power of
-two below the host size or whole hosts); links are constant bandwidths (Sailor fits bandwidth
-against message size) and data-transfer fees between zones are left out of the cost; the tensor
-degree is H2's minimum (Sailor raises it for faster GPU types where that speeds a stage up).
+**Left out**: links whose sender sits in a zone not transcribed (us-west1-b) use the reverse
+link, and inside such a zone us-central1-a's links; an unprofiled (microbatch, tensor degree)
+pair, which Sailor's code reads out of bounds, is skipped.
 """
 
 from __future__ import annotations
@@ -415,7 +418,7 @@ class SailorPlan:
       groups: dict = {}
       for g, tp, zone in reps:
         groups[(g, tp, zone)] = groups.get((g, tp, zone), 0) + 1
-      out.append(f"{a}-{z} " + " + ".join(f"{n}x{g.split('-')[0]} tp{tp} @{zone[-1]}"
+      out.append(f"{a}-{z} " + " + ".join(f"{n}x{g.split('-')[0]} tp{tp} @{zone}"
                                           for (g, tp, zone), n in groups.items()))
     return " | ".join(out)
 
