@@ -75,8 +75,9 @@ from harpjax.compiler.profile.collectives import allreduce_time_s
 from harpjax.compiler.profile.tables import range_sums
 from harpjax.errors import PlanError
 
-__all__ = ["DATA_DIR", "SailorModel", "Pool", "load_model", "sailor_tables", "SailorPlan",
-           "sailor_plan", "score_plan", "stage_entry"]
+__all__ = ["DATA_DIR", "SailorModel", "Pool", "load_model", "sailor_tables", "SailorNetwork",
+           "load_network", "SailorPlan", "sailor_plan", "sailor_stages", "score_plan",
+           "stage_entry", "transfer_fees_usd"]
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "benchmarks", "data", "sailor")
