@@ -28,15 +28,15 @@ from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
                                          fused_tables, MIXED_MODES, MixedEvaluation,
-                                         MixedOptions, mixed_cut_s, mixed_stage_cost,
-                                         MixedStageCost, solve_mixed)
+                                         MixedOptions, mixed_cut_s, mixed_scorer,
+                                         mixed_stage_cost, MixedStageCost, solve_mixed)
 
 __all__ = [
-    "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed", "evaluate_plan",
-    "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan", "MIXED_MODES",
-    "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_stage_cost", "MixedStageCost",
-    "OBJECTIVES", "Plan", "plan_scorer", "PlanEvaluation", "PlannedStage", "PlanResult", "RANK",
-    "REMAT_MODES", "register_parallel_backend", "row_shares", "schedule_scores",
-    "ScheduleScore", "SearchStats", "single_subcluster", "solve",
-    "solve_mixed", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
+    "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed",
+    "evaluate_plan", "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan",
+    "MIXED_MODES", "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_scorer",
+    "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Plan", "plan_scorer", "PlanEvaluation",
+    "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",
+    "schedule_scores", "ScheduleScore", "SearchStats", "single_subcluster", "solve", "solve_mixed",
+    "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
 ]

@@ -110,7 +110,7 @@ from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
 __all__ = ["MixedOptions", "Fusion", "GroupCost", "MixedStageCost", "MixedEvaluation",
            "mixed_stage_cost", "mixed_cut_s", "evaluate_mixed", "candidate_fusions",
-           "fused_tables", "solve_mixed", "MIXED_MODES"]
+           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -1126,6 +1126,7 @@ def mixed_scorer(tables: CostTables, num_microbatches: int, options: SolveOption
   mixed-type stages by :func:`evaluate_mixed`, one without by
   :func:`~harpjax.compiler.plan.evaluate_plan`."""
   plain = plan_scorer(tables, num_microbatches, options.eps, options.fwd_fraction)
+  mixed_options = mixed_options or MixedOptions()
 
   def score(plan: Plan, kind: ScheduleKind) -> ScheduleScore:
     if not any(s.groups for s in plan.stages):
