@@ -31,7 +31,7 @@ from harpjax.runtime import (CheckpointError, CheckpointOptions, Checkpointer, E
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      layers_like, traced_step_for)
-from harpjax.compiler.plan import MixedOptions, Plan, SolveOptions, load_plan, solve
+from harpjax.compiler.plan import MixedOptions, Plan, RANK, SolveOptions, load_plan, solve
 from harpjax.compiler.profile import (ProfileOptions, ProfileResult, default_cache_dir,
                                      profile_step, progress_bar)
 from harpjax.compiler.schedule import Schedule, schedule_key
@@ -151,8 +151,13 @@ def auto_parallel(fun: Callable | None = None, *, cluster, num_microbatches: int
       ``"auto"``) plans automatically on the first call: layers are constructed from the
       forward program, profiled on the cluster's GPU types
       (:mod:`harpjax.compiler.profile`) and the exact DP (:func:`harpjax.compiler.plan.solve`)
-      picks stages, submeshes, logical meshes and H-1F1B warm-up counts.
-    schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``; default the plan's.
+      picks stages, submeshes and logical meshes for H-1F1B, then the fastest of 1F1B,
+      Eager-1F1B and H-1F1B that fits memory on those stages, with its warm-up counts.
+    schedule: a registered schedule (``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"``, ``"gpipe"``
+      or one added with :func:`harpjax.compiler.schedule.register_schedule`); default the
+      plan's. With automatic planning it pins the planner's schedule
+      (``SolveOptions(schedule=...)``), so that the plan's memory check and predicted time
+      are that schedule's.
     batch_argnums: positions of the step's batch arguments (split along axis 0).
     loss_reduction: for a step whose examples meet, how the microbatches' losses (and
       auxiliary outputs without a batch axis) combine: ``"mean"`` averages them, ``"sum"``
@@ -636,6 +641,11 @@ class ParallelStep:
                           options=profile_opts, layers=traced.layers)
     log.info("profiled: %s", result.stats.describe())
     solve_opts = opts.solve_options or SolveOptions(eps=opts.eps)
+    if opts.schedule is not None:   # the schedule to run is the one to plan for
+      if solve_opts.schedule not in (RANK, opts.schedule):
+        raise PlanError(f"schedule={opts.schedule!r} but solve_options.schedule="
+                        f"{solve_opts.schedule!r}: give the schedule once")
+      solve_opts = dataclasses.replace(solve_opts, schedule=opts.schedule)
     if not mixed:
       solve_opts = dataclasses.replace(solve_opts, mixed_stages="off")
     if solve_opts.mixed_stages != "off":   # mixed-type stages split the microbatch's rows

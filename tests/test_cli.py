@@ -342,6 +342,7 @@ def test_no_cache_is_use_cache_false(monkeypatch, cluster_file, tmp_path, args, 
     (["--order", "given"], ["--order", "--use-all-devices"]),
     (["--mixed-stages", "sometimes"], ["--mixed-stages", "sometimes"]),
     (["--mixed-stages", "on", "--use-all-devices"], ["--mixed-stages", "--use-all-devices"]),
+    (["--schedule", "zero-bubble"], ["--schedule", "zero-bubble", "rank"]),
 ])
 def test_plan_arguments_are_checked_first(no_long_work, cluster_file, tmp_path, args, needles):
   (tmp_path / "file").write_text("x")
@@ -784,8 +785,8 @@ def test_plan_with_mixed_stages(tmp_path):
   res = _run("plan", "--cluster", path, "--model", "gpt-tiny", "-B", "8",
              "--microbatch-size", "16", "--mixed-stages", "on", "--no-cache", "--json", out)
   assert res.exit_code == 0, res.output
-  assert "mixed-type stages: h1f1b" in res.output
   plan = plan_pkg.load_plan(out)
+  assert f"mixed-type stages: {plan.schedule}" in res.output
   mixed = [s for s in plan.stages if s.groups]
   assert mixed and all(sum(s.group_rows(16)) == 16 for s in mixed)
   assert all(len({g.subcluster for g in s.all_groups}) > 1 for s in mixed)
@@ -875,10 +876,34 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   for field in ("source", "remat", "state_bytes_per_param", "optimizer_bytes_per_param"):
     assert getattr(seen["profile"], field) == getattr(api_profile, field), field
   for field in ("eps", "cost_model", "objective", "use_all_devices", "keep_order",
-                "zero_levels", "offload", "offload_activations", "mixed_stages"):
+                "zero_levels", "offload", "offload_activations", "mixed_stages", "schedule"):
     assert getattr(seen["solve"], field) == getattr(api_solve, field), field
   assert not api_profile.remat and api_profile.optimizer_bytes_per_param == 12.0
   assert api_solve.mixed_stages == "auto" and api_solve.offload_activations
+
+
+def test_plan_shows_the_chosen_schedule_and_pins_one(warm_cache, tmp_path):
+  """The plan's schedule is named, with the reason; the table scores every registered schedule
+  on the plan's stages and marks the plan's, which is the fastest ranked one that fits;
+  --schedule pins one (and the saved plan runs it)."""
+  out = tmp_path / "plan.json"
+  common = ("plan", "--cluster", warm_cache[1], "--model", "gpt-tiny", "-B", 8, "--no-progress",
+            "--cache-dir", warm_cache[0], "--json", out)
+  res = _run(*common)
+  assert res.exit_code == 0, res.output
+  plan = plan_pkg.load_plan(out)
+  assert f"schedule: {plan.schedule} (" in res.output and "the fastest that fits" in res.output
+  rows = {m.group(2): (m.group(1) == "*", float(m.group(3)), m.group(4) == "yes", m.group(5))
+          for m in re.finditer(r"^([* ]) (\S+)\s+\S+\s+([0-9.]+)\s+(yes|NO)\s+(yes|-)$",
+                               res.output, re.M)}
+  assert set(rows) == {"gpipe", "1f1b", "eager_1f1b", "h1f1b"}, res.output
+  assert [n for n, r in rows.items() if r[0]] == [plan.schedule]
+  ranked = {n: r[1] for n, r in rows.items() if r[2] and r[3] == "yes"}
+  assert rows[plan.schedule][1] == min(ranked.values())
+  res = _run(*common, "--schedule", "PipeDream-Flush")
+  assert res.exit_code == 0, res.output
+  assert plan_pkg.load_plan(out).schedule == "1f1b"
+  assert "schedule: 1f1b (1F1B; --schedule)" in res.output
 
 
 def test_plan_times_tracing_and_costing_apart(warm_cache):

@@ -125,7 +125,7 @@ def profile_options(*, source: str = "jaxpr", cache_dir=None, no_cache: bool = F
 def solve_options(*, eps: float = 0.1, objective: str = "min_time", budget=None,
                   time_limit=None, use_all_devices: bool = False, cost_model: str = "simulator",
                   offload_activations: bool | None = None, mixed_stages: str = "auto",
-                  microbatch_rows: int | None = None):
+                  microbatch_rows: int | None = None, schedule: str = "rank"):
   """The :class:`~harpjax.compiler.plan.SolveOptions` of the command-line options (their
   defaults give ``SolveOptions()``'s choices; ``offload_activations=None``: where the tables
   give the host link, as ``SolveOptions`` does)."""
@@ -133,7 +133,7 @@ def solve_options(*, eps: float = 0.1, objective: str = "min_time", budget=None,
   opts = SolveOptions(eps=eps, objective=objective, budget_per_hour=budget,
                       time_limit_s=time_limit, use_all_devices=use_all_devices,
                       keep_order=use_all_devices, cost_model=cost_model,
-                      mixed_stages=mixed_stages)
+                      mixed_stages=mixed_stages, schedule=schedule)
   if offload_activations is not None:
     opts = dataclasses.replace(opts, offload_activations=offload_activations)
   if mixed_stages != "off":

@@ -2,8 +2,10 @@
 
 The model is traced from abstract shapes (nothing is allocated), cut into fine-grained layers,
 costed analytically for the cluster's GPU types (compile-only XLA cost analysis and calibrated
-rates), and planned by the exact DP. Prints the plan table, the predicted iteration time and
-the load-balance score; ``--json`` saves the plan for ``auto_parallel(plan=...)``.
+rates), and planned by the exact DP; the schedule is the fastest of those the planner ranks
+(1F1B, Eager-1F1B, H-1F1B) that fits memory on the stages found, or the one ``--schedule``
+names. Prints the plan table, the chosen schedule, the predicted iteration time and the
+load-balance score; ``--json`` saves the plan for ``auto_parallel(plan=...)``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Layers wanted in total.")
 @click.option("--eps", type=Finite(min=0), default=0.1, show_default=True,
               help="H-1F1B tolerance (2c/t_max below it needs no extra warm-up).")
+@click.option("--schedule", default="rank", show_default=True,
+              help="The pipeline schedule: rank (the fastest of 1f1b, eager_1f1b and h1f1b "
+                   "that fits memory on the stages found) or a registered schedule's name, "
+                   "which pins it (gpipe, 1f1b, eager_1f1b, h1f1b).")
 @click.option("--objective", type=click.Choice(["min_time", "max_throughput_per_dollar",
                                                "min_time_within_budget",
                                                "min_cost_within_time"]),
@@ -125,12 +131,14 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
                    "subcluster.")
 @click.pass_context
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
-            source, order, z, target_layers, eps, objective, budget, time_limit, cost_model,
+            source, order, z, target_layers, eps, schedule, objective, budget, time_limit,
+            cost_model,
             use_all_devices, mixed_stages, data_dir, cache_dir, no_cache, json_path, simulate,
             remat, remat_choice, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.plan import evaluate_mixed, evaluate_plan, solve
+  from harpjax.compiler.plan import RANK, solve
+  from harpjax.compiler.schedule import schedule_key
 
   # Every argument is checked before the long work (tracing, profiling, the search).
   if latency_us is not None and bandwidth is None:
@@ -161,6 +169,12 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                            "one of them")
   if remat_choice:
     remat = "choose"
+  if schedule != RANK:
+    try:
+      schedule = schedule_key(schedule)
+    except HarpjaxError as e:
+      raise click.BadParameter(f"{e}; or 'rank' (the planner chooses)",
+                               param_hint="--schedule") from None
   check_output_file(json_path, "--json")
   if not no_cache:
     check_output_dir(cache_dir, "--cache-dir")
@@ -189,7 +203,8 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     solve_opts = solve_options(eps=eps, objective=objective, budget=budget,
                                time_limit=time_limit, use_all_devices=use_all_devices,
                                cost_model=cost_model, offload_activations=offload_activations,
-                               mixed_stages=mixed_stages, microbatch_rows=spec.microbatch_size)
+                               mixed_stages=mixed_stages, microbatch_rows=spec.microbatch_size,
+                               schedule=schedule)
     click.echo(f"cluster: {cluster.summary()}", err=True)
     result = profile_model(spec, cluster, profile_opts, layer_options)
     click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
@@ -215,19 +230,12 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
              + ("" if solved.rate_per_hour is None else
                 f"; cost {solved.rate_per_hour:.2f} per hour, "
                 f"{solved.cost_per_iteration:.4f} per iteration"))
-  if simulate and any(s.groups for s in plan.stages):
-    ev = evaluate_mixed(result.tables, plan, num_microbatches, solve_opts.mixed_options,
-                        eps=eps)
-    click.echo(f"\nmixed-type stages: h1f1b, warm-ups {list(ev.warmups)}, simulated "
-               f"{ev.iteration_s:.3f} s, fits memory {'yes' if ev.mem_ok else 'NO'} (the "
-               "other schedules are not evaluated for mixed stages)")
-  elif simulate:
-    click.echo("\nschedule      warm-ups              simulated iteration (s)   fits memory")
-    for name in ("gpipe", "1f1b", "eager_1f1b", "h1f1b"):
-      ev = evaluate_plan(result.tables, plan, num_microbatches, schedule=name, eps=eps)
-      warm = ",".join(str(w) for w in ev.warmups)
-      click.echo(f"{name:12s}  {warm[:20]:20s}  {ev.iteration_s:>22.3f}   "
-                 f"{'yes' if ev.mem_ok else 'NO'}")
+  click.echo(_schedule_line(plan, schedule))
+  if any(s.groups for s in plan.stages):
+    click.echo(f"mixed-type stages: {plan.schedule}, on {sum(1 for s in plan.stages if s.groups)}"
+               f" of {plan.num_stages} stages")
+  if simulate:
+    _schedule_table(result.tables, plan, num_microbatches, solve_opts, schedule)
   if json_path:
     try:
       plan.save(json_path)
@@ -235,3 +243,33 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
       raise click.ClickException(f"could not write the plan to {json_path!r}: "
                                  f"{e.strerror or e}") from None
     click.echo(f"\nwrote {json_path}")
+
+
+def _schedule_line(plan, asked: str) -> str:
+  """Which schedule the plan runs, and why."""
+  from harpjax.compiler.plan import RANK
+  from harpjax.compiler.schedule import ranked_schedules, schedule_kind
+  kind = schedule_kind(plan.schedule)
+  if asked == RANK:
+    why = ("the fastest that fits memory of " + ", ".join(k.name for k in ranked_schedules())
+           + " on these stages")
+  else:
+    why = "--schedule"
+  return (f"schedule: {kind.name} ({kind.label}; {why}), warm-ups "
+          f"{list(plan.warmups or ())}")
+
+
+def _schedule_table(tables, plan, num_microbatches: int, opts, asked: str) -> None:
+  """Every registered schedule on the plan's stages: warm-ups, simulated time, whether it
+  fits memory; ``*`` marks the plan's."""
+  from harpjax.compiler.plan import mixed_scorer, schedule_scores
+  from harpjax.compiler.schedule import ranked_schedules, registered_schedules
+  score = mixed_scorer(tables, num_microbatches, opts, opts.mixed_options)
+  ranked = {k.name for k in ranked_schedules()}
+  click.echo("\n  schedule      warm-ups              simulated iteration (s)   fits memory  "
+             "ranked")
+  for sc in schedule_scores(plan, score, registered_schedules()):
+    warm = ",".join(str(w) for w in sc.warmups)
+    mark = "*" if sc.schedule == plan.schedule else " "
+    click.echo(f"{mark} {sc.schedule:12s}  {warm[:20]:20s}  {sc.iteration_s:>22.3f}   "
+               f"{'yes' if sc.fits else 'NO':11s}  {'yes' if sc.schedule in ranked else '-'}")

@@ -110,10 +110,10 @@ def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
 @click.option("--comm-bwd", help="Gradient transfer times if they differ from --comm.")
 @click.option("-B", "--microbatches", type=click.IntRange(1, MAX_MICROBATCHES),
               help="Number of microbatches.")
-@click.option("--schedule", "schedules", help="Comma-separated: gpipe, 1f1b, eager_1f1b, "
-              "h1f1b, or 'all'. Default: the plan's schedule, else h1f1b.")
-@click.option("--warmups", help="H-1F1B warm-up counts per stage (default: from the plan or "
-              "from Eq. 1 with --eps).")
+@click.option("--schedule", "schedules", help="Comma-separated registered schedules (gpipe, "
+              "1f1b, eager_1f1b, h1f1b), or 'all'. Default: the plan's schedule, else h1f1b.")
+@click.option("--warmups", help="Warm-up counts per stage of the schedule whose warm-ups follow "
+              "the costs (H-1F1B; default: from the plan or from Eq. 1 with --eps).")
 @click.option("--table", "table_file", type=click.Path(exists=True, dir_okay=False),
               help="A custom task table (text of format_tables: one 'stage i: F0 F1 B0 ...' "
               "line per stage), simulated as schedule 'custom'.")
@@ -252,24 +252,30 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
     ab = _fit(_numbers(act_bytes, "--act-bytes"), S, "--act-bytes")
     if costed is not None:
       end_l, ab = costed["end"], costed["act"]
+    # The schedules whose warm-ups follow the costs (H-1F1B) take --warmups, or the plan's own
+    # counts when the plan runs that schedule, else derive them with --eps.
+    costed_names = [n for n in names if n != "custom" and sched.schedule_kind(n).uses_costs]
     given_w = _counts(warmups, "--warmups")
     if given_w is not None:
-      if "h1f1b" not in names:
+      if not costed_names:
         raise click.UsageError(f"--warmups sets H-1F1B's warm-ups but the schedules are "
                                f"{', '.join(names)}; add h1f1b to --schedule or drop --warmups")
       given_w = _fit(given_w, S, "--warmups")
-    if given_w is None and plan is not None and plan.warmups is not None:
-      given_w = list(plan.warmups)
-    if given(ctx, "eps") and ("h1f1b" not in names or given_w is not None):
-      why = ("no schedule is h1f1b" if "h1f1b" not in names else
+    plan_w = {}
+    if given_w is not None:
+      plan_w = {n: given_w for n in costed_names}
+    elif plan is not None and plan.warmups is not None and plan.schedule in costed_names:
+      plan_w = {plan.schedule: list(plan.warmups)}
+    if given(ctx, "eps") and not set(costed_names) - set(plan_w):
+      why = ("no schedule is h1f1b" if not costed_names else
              "the warm-ups are given (--warmups)" if warmups else "the plan's warm-ups are used")
       raise click.UsageError(f"--eps only derives H-1F1B's warm-ups, and {why}: drop --eps")
     results = []
     for name in names:
       if name == "custom":
         schedule = sched.Schedule("custom", table, B)
-      elif name == "h1f1b" and given_w is not None:
-        schedule = sched.make_schedule("h1f1b", S, B, given_w)
+      elif name in plan_w:
+        schedule = sched.make_schedule(name, S, B, plan_w[name])
       else:
         schedule = name
       results.append(simulate(fwd_l, bwd_l, comm_l, schedule, num_microbatches=B,
@@ -332,7 +338,7 @@ def _schedule_names(schedules: str | None, plan, table) -> list[str]:
   for tok in schedules.split(","):
     tok = tok.strip()
     if tok == "all":
-      names += list(sched.SCHEDULE_NAMES)
+      names += list(sched.schedule_names())
     elif tok == "custom":
       if table is None:
         raise click.BadParameter("'custom' needs --table", param_hint="--schedule")

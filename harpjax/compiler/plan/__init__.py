@@ -1,11 +1,13 @@
-"""Phase 5, planning: the pipeline plan (stages, submeshes, logical meshes, H-1F1B warm-up
-counts) that minimises the iteration time on cost tables, by HARP's DP (§5.2).
+"""Phase 5, planning: the pipeline plan (stages, submeshes, logical meshes, the schedule and its
+warm-up counts) that minimises the iteration time on cost tables, by HARP's DP (§5.2).
 
 Modules: :mod:`~harpjax.compiler.plan.spec` (:class:`Plan`, :class:`StageSpec`, saved plans),
 :mod:`~harpjax.compiler.plan.index` (device states and the DP's sparse index),
 :mod:`~harpjax.compiler.plan.dp_kernel` (the DP at one ``t_max``: Numba kernel and NumPy
 twin), :mod:`~harpjax.compiler.plan.evaluate` (scoring any plan, diagnosing infeasibility) and
-:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``) and
+:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``),
+:mod:`~harpjax.compiler.plan.schedule_choice` (:func:`choose_schedule`: the registered
+schedules ranked on the stages found) and
 :mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level, optimizer-state offload and
 residual offload as variants of its submesh) and :mod:`~harpjax.compiler.plan.mixed`
 (mixed-type stages: their cost model, :func:`evaluate_mixed` and :func:`solve_mixed`, what
@@ -15,6 +17,8 @@ baseline planners, which the benchmarks compare with, are ``tools/baselines.py``
 """
 
 from harpjax.compiler.plan.evaluate import evaluate_plan, PlanEvaluation, PlannedStage
+from harpjax.compiler.plan.schedule_choice import (choose_schedule, plan_scorer, RANK,
+                                                   ScheduleScore, schedule_scores)
 from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJECTIVES,
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
@@ -24,14 +28,15 @@ from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
                                          fused_tables, MIXED_MODES, MixedEvaluation,
-                                         MixedOptions, mixed_cut_s, mixed_stage_cost,
-                                         MixedStageCost, solve_mixed)
+                                         MixedOptions, mixed_cut_s, mixed_scorer,
+                                         mixed_stage_cost, MixedStageCost, solve_mixed)
 
 __all__ = [
-    "candidate_fusions", "COST_MODELS", "evaluate_candidates", "evaluate_mixed", "evaluate_plan",
-    "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan", "MIXED_MODES",
-    "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_stage_cost", "MixedStageCost",
-    "OBJECTIVES", "Plan", "PlanEvaluation", "PlannedStage", "PlanResult", "REMAT_MODES",
-    "register_parallel_backend", "row_shares", "SearchStats", "single_subcluster", "solve",
-    "solve_mixed", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
+    "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed",
+    "evaluate_plan", "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan",
+    "MIXED_MODES", "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_scorer",
+    "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Plan", "plan_scorer", "PlanEvaluation",
+    "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",
+    "schedule_scores", "ScheduleScore", "SearchStats", "single_subcluster", "solve", "solve_mixed",
+    "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
 ]

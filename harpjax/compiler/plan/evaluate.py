@@ -2,8 +2,9 @@
 
 :func:`evaluate_plan` takes any plan (a :class:`~harpjax.compiler.plan.Plan`, its
 :class:`~harpjax.compiler.plan.StageSpec` list, :class:`PlannedStage` list or
-``(first_layer, last_layer, subcluster, submesh index)`` tuples) under H-1F1B, 1F1B,
-Eager-1F1B or GPipe and returns a :class:`PlanEvaluation` (Eq. 12, steady period, memory,
+``(first_layer, last_layer, subcluster, submesh index)`` tuples) under any registered schedule
+(:mod:`harpjax.compiler.schedule.registry`: H-1F1B, 1F1B, Eager-1F1B, GPipe, a user's) and
+returns a :class:`PlanEvaluation` (Eq. 12, steady period, memory,
 links, packing). The planner assembles its result with it and the baselines score plans with
 it.
 
@@ -28,12 +29,12 @@ from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
-from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
-                                       warmup_delta)
-from harpjax.errors import InfeasiblePlanError, PlanError
+from harpjax.compiler.schedule import (PipelineCosts, pipeline_period, schedule_kind,
+                                       ScheduleKind, simulate)
+from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
 __all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error",
-           "check_logical_mesh"]
+           "check_logical_mesh", "simulated_time"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class PlannedStage:
     comm_s: seconds of the cut after the stage ``c_i`` (0 for the last stage): on the link
       inside a host when the next stage shares the stage's host
       (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`).
-    warmup: H-1F1B warm-up count ``N_i``; ``inflight = min(N_i, B)``.
+    warmup: the schedule's warm-up count ``N_i``; ``inflight`` the most microbatches the
+      stage holds at once under it (``min(N_i, B)`` for the 1F1B-style tables).
     param_bytes, act_bytes: per device; ``peak_mem_bytes = param + inflight * act``.
     device_memory_bytes: the device's memory.
     zero: the stage's ZeRO level; offload: its optimizer state kept in host memory;
@@ -94,7 +96,7 @@ class PlanEvaluation:
   """A plan scored on cost tables (:func:`evaluate_plan`).
 
   Attributes:
-    schedule: the schedule evaluated.
+    schedule: the schedule evaluated (its registered name).
     num_microbatches: ``B``.
     stages: :class:`PlannedStage` per stage (warm-ups of ``schedule``).
     warmups: warm-up counts ``N_i`` of ``schedule``.
@@ -109,7 +111,8 @@ class PlanEvaluation:
       stage's end-of-iteration time), else ``sum (t_i + 2 c_i) + (B - 1) steady_period_s``.
     model: ``"simulator"`` or ``"analytic"``.
     eta: load-balance score of Eq. 20.
-    mem_ok: every stage fits ``mem_p + min(N_i, B) mem_a <= mem_device``.
+    mem_ok: every stage fits ``mem_p + inflight_i mem_a <= mem_device`` (``inflight_i =
+      min(N_i, B)`` for the 1F1B-style tables), and its update fits.
     comm_ok: every ``c_i <= t_max`` (H-1F1B's condition in the paper, and Eq. 12's; a plan
       with a slower cut is *link-bound*: it runs at the period ``max_i c_i``, which the
       simulator and the warm-ups account for).
@@ -222,7 +225,8 @@ def check_logical_mesh(tables: CostTables, st: StageSpec, k: int, s: int) -> Non
         "harpjax.compiler.profile.tables_for_plan)")
 
 
-def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: str = "h1f1b",
+def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
+                  schedule: str | ScheduleKind | None = None,
                   *, eps: float = 0.1, simulator: bool = True,
                   fwd_fraction: float = 1.0 / 3.0) -> PlanEvaluation:
   """Scores a plan on cost tables: Eq. 12, steady period, memory, links, packing.
@@ -236,8 +240,10 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
       :class:`PlannedStage` list, or tuples ``(first_layer, last_layer, subcluster, submesh
       index)`` (subcluster by index or name; the index of a variant in expanded tables).
     num_microbatches: ``B``.
-    schedule: ``"h1f1b"``, ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``.
-    eps: H-1F1B tolerance.
+    schedule: a registered schedule (name, any accepted spelling, or
+      :class:`~harpjax.compiler.schedule.ScheduleKind`); default the plan's own when
+      ``stages`` is a :class:`~harpjax.compiler.plan.Plan`, else ``"h1f1b"``.
+    eps: the tolerance of the schedule's warm-up rule (H-1F1B's).
     simulator: use :func:`harpjax.compiler.schedule.simulate` for ``iteration_s`` (else the
       analytic steady-period model).
     fwd_fraction: share of a stage's time spent in the forward pass (for the simulator).
@@ -247,13 +253,14 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
 
   Raises:
     PlanError: the stages do not cover the layers contiguously, return to a subcluster after
-      leaving it, or follow each other on two subclusters the tables give no link between.
+      leaving it, or follow each other on two subclusters the tables give no link between;
+      or the schedule is not registered.
   """
   B = int(num_microbatches)
+  kind = _kind(schedule, stages)
   tables = variants_lib.tables_for_stages(tables, stages)
   quads = _resolve_stages(tables, stages)
   S = len(quads)
-  key = schedule.lower().replace("-", "_")
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
   c = [float(x) for x in tables.cut_costs(quads)]   # where the stages sit
   t_max = max(t)
@@ -262,21 +269,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
   if not math.isfinite(t_max):
     bad = [q for q, x in zip(quads, t) if not math.isfinite(x)]
     violations.append(f"stages {bad} have no finite time in the tables")
-  if key == "h1f1b":
-    # h1f1b_warmups's counts (relative to the period), without its checks and log line.
-    warm = [1]
-    for x in reversed(c[:-1]):
-      warm.append(warm[-1] + (warmup_delta(x, period, eps) if math.isfinite(period) else 1))
-    warm = tuple(reversed(warm))
-  elif key == "1f1b":
-    warm = tuple(S - x for x in range(S))
-  elif key == "eager_1f1b":
-    warm = tuple(2 * (S - 1 - x) + 1 for x in range(S))
-  elif key == "gpipe":
-    warm = (B,) * S
-  else:
-    raise PlanError(f"unknown schedule {schedule!r}")
-  inflight = [min(w, B) for w in warm]
+  warm = kind.warmups(PipelineCosts(S, B, tuple(t), tuple(c[:-1]), eps))
+  inflight = kind.inflight(S, B, warm)
   # Devices: over-subscription and packing per subcluster.
   devices_ok, uses_all = True, True
   hosts: dict[int, tuple] = {}
@@ -339,8 +333,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int, schedule: s
       steady = max(steady, (t[x] + t[x + 1] + 2.0 * c[x]) / (delta + 1))
   iteration, model = head + (B - 1) * steady + max(ends), "analytic"
   if simulator and math.isfinite(t_max):
-    iteration, model = _simulate(t, c, key, B, warm, fwd_fraction, ends), "simulator"
-  return PlanEvaluation(schedule=key, num_microbatches=B, stages=tuple(planned),
+    iteration, model = simulated_time(t, c, kind, B, warm, fwd_fraction, ends), "simulator"
+  return PlanEvaluation(schedule=kind.name, num_microbatches=B, stages=tuple(planned),
                         warmups=tuple(int(w) for w in warm), t_max_s=t_max, eq12_s=eq12,
                         steady_period_s=steady, iteration_s=iteration, model=model,
                         eta=_eta(tables, planned, t_max), mem_ok=mem_ok, comm_ok=comm_ok,
@@ -376,11 +370,27 @@ def _eta(tables: CostTables, stages: Sequence[PlannedStage], t_max: float) -> fl
   return 1.0 - num / den
 
 
-def _simulate(t, c, schedule, B, warmups, fwd_fraction: float, ends) -> float:
-  """The simulator's iteration time of the plan under ``schedule``."""
+def _kind(schedule, stages) -> ScheduleKind:
+  """The registered kind to evaluate: the one named, else the plan's own, else H-1F1B."""
+  if schedule is None:
+    schedule = stages.schedule if isinstance(stages, Plan) else "h1f1b"
+  try:
+    return schedule_kind(schedule)
+  except HarpjaxError as e:
+    raise PlanError(f"schedule={schedule!r}: {e}") from None
+
+
+def simulated_time(t: Sequence[float], c: Sequence[float], schedule: str | ScheduleKind,
+                   B: int, warmups: Sequence[int], fwd_fraction: float,
+                   ends: Sequence[float]) -> float:
+  """The simulator's iteration time of a pipeline under a registered schedule at the counts
+  ``warmups``: stage ``i`` runs forward ``fwd_fraction t_i`` and backward the rest, cut ``i``
+  takes ``c_i`` each way (``c`` ends with the last stage's 0), then its end time ``ends[i]``.
+  The plan evaluators (:func:`evaluate_plan`, :func:`~harpjax.compiler.plan.evaluate_mixed`)
+  both call it."""
   fwd = [x * fwd_fraction for x in t]
   bwd = [x - f for x, f in zip(t, fwd)]
-  sched = make_schedule(schedule, len(t), B, warmups if schedule == "h1f1b" else None)
+  sched = schedule_kind(schedule).schedule(len(t), B, warmups)
   return float(simulate(fwd, bwd, list(c[:-1]), sched, end_cost=list(ends)).iteration_time)
 
 

@@ -95,20 +95,22 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import pack_submeshes
-from harpjax.compiler.plan.evaluate import PlannedStage, check_logical_mesh
+from harpjax.compiler.plan.evaluate import PlannedStage, check_logical_mesh, simulated_time
+from harpjax.compiler.plan.schedule_choice import (choose_schedule, plan_scorer, Scorer,
+                                                   ScheduleScore)
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
 from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
                                            variant_arrays)
 from harpjax.compiler.profile import CostTables
-from harpjax.compiler.schedule import (make_schedule, pipeline_period, simulate,
-                                       warmup_delta)
-from harpjax.errors import InfeasiblePlanError, PlanError
+from harpjax.compiler.schedule import (H1F1B, PipelineCosts, pipeline_period, schedule_kind,
+                                       ScheduleKind)
+from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
 __all__ = ["MixedOptions", "Fusion", "GroupCost", "MixedStageCost", "MixedEvaluation",
            "mixed_stage_cost", "mixed_cut_s", "evaluate_mixed", "candidate_fusions",
-           "fused_tables", "solve_mixed", "MIXED_MODES"]
+           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -448,13 +450,14 @@ class MixedEvaluation:
     planned: :class:`~harpjax.compiler.plan.PlannedStage` per stage, of its first group (time
       and cut of the stage; memory of the group closest to its device's limit).
     time_s, comm_s, end_s: per stage; ``comm_s`` ends with 0.
-    warmups: H-1F1B warm-up counts at the plan's own period.
+    warmups: the schedule's warm-up counts (H-1F1B's at the plan's own period).
     t_max_s, period_s, eq12_s, iteration_s: as in
       :class:`~harpjax.compiler.plan.PlanEvaluation` (``iteration_s`` the simulator's).
     mem_ok, devices_ok, comm_ok: every group fits; every subcluster's groups pack onto its
       hosts; every cut has a link.
     violations: what fails.
     num_devices: devices of every group.
+    schedule: the schedule evaluated (its registered name).
   """
   stages: tuple[MixedStageCost, ...]
   planned: tuple[PlannedStage, ...]
@@ -471,25 +474,19 @@ class MixedEvaluation:
   comm_ok: bool
   violations: tuple[str, ...]
   num_devices: int
+  schedule: str = "h1f1b"
 
   @property
   def feasible(self) -> bool:
     return self.mem_ok and self.devices_ok and self.comm_ok
 
 
-def _simulated_s(t, c, warm, B: int, fwd_fraction: float, ends) -> float:
-  """The simulator's H-1F1B iteration time (as :func:`~harpjax.compiler.plan.evaluate_plan`
-  runs it: forward ``fwd_fraction`` of each stage's time)."""
-  fwd = [x * fwd_fraction for x in t]
-  bwd = [x - f for x, f in zip(t, fwd)]
-  sched = make_schedule("h1f1b", len(t), B, warm)
-  return float(simulate(fwd, bwd, list(c[:-1]), sched, end_cost=list(ends)).iteration_time)
-
-
 def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_microbatches: int,
                    options: MixedOptions, *, eps: float = 0.1,
-                   fwd_fraction: float = 1.0 / 3.0) -> MixedEvaluation:
-  """Scores a plan whose stages may have groups (:attr:`StageSpec.groups`) under H-1F1B.
+                   fwd_fraction: float = 1.0 / 3.0,
+                   schedule: str | ScheduleKind | None = None) -> MixedEvaluation:
+  """Scores a plan whose stages may have groups (:attr:`StageSpec.groups`) under a registered
+  schedule (``schedule``; default the plan's own, else H-1F1B).
 
   Each stage is costed by :func:`mixed_stage_cost` with its groups' rows
   (:meth:`StageSpec.group_rows` of ``options.microbatch_rows``) at its ZeRO level and offload
@@ -502,10 +499,17 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
 
   Raises:
     PlanError: stages that do not cover the layers, unknown subclusters or submeshes, rows
-      that cannot be split, or a stage with ``zero`` or ``offload`` on tables that lack the
-      optimizer state's bytes (``opt_mem_bytes``; with offload the host link's bandwidth).
+      that cannot be split, a stage with ``zero`` or ``offload`` on tables that lack the
+      optimizer state's bytes (``opt_mem_bytes``; with offload the host link's bandwidth),
+      or a schedule that is not registered.
   """
   B = int(num_microbatches)
+  if schedule is None:
+    schedule = plan.schedule if isinstance(plan, Plan) else "h1f1b"
+  try:
+    kind = schedule_kind(schedule)
+  except HarpjaxError as e:
+    raise PlanError(f"schedule={schedule!r}: {e}") from None
   specs = plan.stages if isinstance(plan, Plan) else tuple(plan)
   options = with_table_rows(options, tables)
   b = _rows(options)
@@ -541,14 +545,13 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
                       "link between some of their groups")
   t_max = max(t)
   period = pipeline_period(comm, t_max) if comm_ok else math.inf
-  warm = [1]
-  for x in reversed(comm[:-1]):
-    warm.append(warm[-1] + (warmup_delta(x, period, eps) if math.isfinite(period) else 1))
-  warm = tuple(reversed(warm))
+  S = len(specs)
+  warm = kind.warmups(PipelineCosts(S, B, tuple(t), tuple(comm[:-1]), eps))
+  held = kind.inflight(S, B, warm)
   mem_ok = True
   planned = []
   for x, (st, c) in enumerate(zip(specs, costs)):
-    inflight = min(warm[x], B)
+    inflight = held[x]
     worst = max(c.groups, key=lambda g: g.peak_bytes(inflight) / g.device_memory_bytes)
     for g in c.groups:
       if not g.peak_bytes(inflight) <= g.device_memory_bytes:
@@ -590,13 +593,14 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
   head = sum(x + 2.0 * y for x, y in zip(t, comm))
   iteration = math.inf
   if comm_ok and math.isfinite(t_max) and all(math.isfinite(e) for e in ends):
-    iteration = _simulated_s(t, comm, warm, B, fwd_fraction, ends)
+    iteration = simulated_time(t, comm, kind, B, warm, fwd_fraction, ends)
   return MixedEvaluation(
       stages=tuple(costs), planned=tuple(planned), time_s=tuple(t), comm_s=tuple(comm),
       end_s=tuple(ends), warmups=warm, t_max_s=t_max, period_s=period,
       eq12_s=head + (B - 1) * t_max, iteration_s=iteration, mem_ok=mem_ok,
       devices_ok=devices_ok, comm_ok=comm_ok, violations=tuple(violations),
-      num_devices=sum(g.submesh[0] * g.submesh[1] for c in costs for g in c.groups))
+      num_devices=sum(g.submesh[0] * g.submesh[1] for c in costs for g in c.groups),
+      schedule=kind.name)
 
 
 # --------------------------------------------------------------------------- fusions
@@ -1023,9 +1027,11 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
 
   Solves the tables as they are, then :func:`fused_tables` of every
   :func:`candidate_fusions` fusion, and keeps the best by the objective (strictly better
-  only). ``stats.proved`` of the result: every one of those searches proved its optimum. A
-  plan with mixed stages has them as :attr:`StageSpec.groups`; its ``predicted_iteration_s``
-  is :func:`evaluate_mixed`'s simulated time of it.
+  only), all for H-1F1B; then the schedule of the plan kept
+  (:func:`~harpjax.compiler.plan.choose_schedule`, ``options.schedule``). ``stats.proved`` of
+  the result: every one of those searches proved its optimum. A plan with mixed stages has
+  them as :attr:`StageSpec.groups`; its ``predicted_iteration_s`` is :func:`evaluate_mixed`'s
+  simulated time of it.
 
   Raises:
     PlanError: ``mixed_stages="on"`` without ``MixedOptions.microbatch_rows``.
@@ -1039,7 +1045,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     raise PlanError(f"SolveOptions.mixed_options={mopts!r} must be a "
                     "harpjax.compiler.plan.MixedOptions")
   mopts = with_table_rows(mopts, tables)
-  plain = dataclasses.replace(options, mixed_stages="off")
+  plain = dataclasses.replace(options, mixed_stages="off", schedule=H1F1B.name)
   best, error = None, None
   proofs = []   # SearchStats.proved of every search: the result's is all of them
   try:
@@ -1111,7 +1117,26 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
   if best is None:
     raise error
   proved = None if any(p is None for p in proofs) else all(proofs)
-  return dataclasses.replace(best, stats=dataclasses.replace(best.stats, proved=proved))
+  best = dataclasses.replace(best, stats=dataclasses.replace(best.stats, proved=proved))
+  return choose_schedule(best, mixed_scorer(tables, B, options, mopts), options)
+
+
+def mixed_scorer(tables: CostTables, num_microbatches: int, options: SolveOptions,
+                 mixed_options: MixedOptions) -> Scorer:
+  """Scores a plan under a schedule (:func:`~harpjax.compiler.plan.choose_schedule`): one with
+  mixed-type stages by :func:`evaluate_mixed`, one without by
+  :func:`~harpjax.compiler.plan.evaluate_plan`."""
+  plain = plan_scorer(tables, num_microbatches, options.eps, options.fwd_fraction)
+  mixed_options = mixed_options or MixedOptions()
+
+  def score(plan: Plan, kind: ScheduleKind) -> ScheduleScore:
+    if not any(s.groups for s in plan.stages):
+      return plain(plan, kind)
+    ev = evaluate_mixed(tables, plan, num_microbatches, mixed_options, eps=options.eps,
+                        fwd_fraction=options.fwd_fraction, schedule=kind)
+    return ScheduleScore(ev.schedule, ev.iteration_s, ev.mem_ok, ev.warmups, ev.planned,
+                         ev.violations)
+  return score
 
 
 def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: MixedOptions,

@@ -55,10 +55,12 @@ from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
                                             infeasible_error)
 from harpjax.compiler.plan.index import SparseIndex
+from harpjax.compiler.plan.schedule_choice import choose_schedule, plan_scorer, RANK
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
-from harpjax.compiler.schedule import iteration_times, pipeline_period, warmup_delta
-from harpjax.errors import InfeasiblePlanError, PlanError, RuntimeFailure
+from harpjax.compiler.schedule import (H1F1B, h1f1b_counts, iteration_times, pipeline_period,
+                                       schedule_key)
+from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError, RuntimeFailure
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
@@ -172,6 +174,12 @@ class SolveOptions:
       fills in) give the microbatch's rows: without them ``"auto"`` plans as ``"off"``.
     mixed_options: a :class:`~harpjax.compiler.plan.mixed.MixedOptions` (the microbatch's rows,
       the cost model's knobs, which fusions to try).
+    schedule: ``"rank"`` (default): the search finds the stages for H-1F1B, then the
+      registered schedules the planner ranks (1F1B, Eager-1F1B, H-1F1B: the
+      :attr:`~harpjax.compiler.schedule.ScheduleKind.ranked` ones) are simulated on them
+      and the fastest whose microbatches in flight fit every stage is kept
+      (:func:`~harpjax.compiler.plan.choose_schedule`); or a registered schedule's name,
+      which pins it (the same stages, that schedule).
   """
   eps: float = 0.1
   backend: str = "auto"
@@ -196,8 +204,15 @@ class SolveOptions:
   offload_activations: bool = True
   mixed_stages: str = "auto"
   mixed_options: Any = None
+  schedule: str = RANK
 
   def __post_init__(self):
+    if self.schedule != RANK:
+      try:
+        object.__setattr__(self, "schedule", schedule_key(self.schedule))
+      except HarpjaxError as e:
+        raise PlanError(f"SolveOptions.schedule={self.schedule!r}: {RANK!r} (the planner "
+                        f"ranks the schedules) or a registered schedule; {e}") from None
     variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload,
                                                self.offload_activations)
     object.__setattr__(self, "zero_levels", variant_opts.zero_levels)
@@ -282,13 +297,15 @@ class PlanResult:
   """What :func:`solve` returns.
 
   Attributes:
-    plan: the :class:`~harpjax.compiler.plan.Plan` (H-1F1B, warm-ups, ``t_max``, and the
-      simulated iteration time as ``predicted_iteration_s``).
-    objective_s: the iteration time the plan was ranked by, seconds: the simulator's
-      (``cost_model="simulator"``), or Eq. 12 plus the first stage's end time (``"eq12"``).
+    plan: the :class:`~harpjax.compiler.plan.Plan` (its schedule, warm-ups, ``t_max``, and
+      the simulated iteration time as ``predicted_iteration_s``).
+    objective_s: the iteration time the plan was ranked by, seconds: the simulator's under
+      the plan's schedule (``cost_model="simulator"``), or Eq. 12 plus the first stage's end
+      time (``"eq12"``).
     t_max_s: the plan's bottleneck stage time.
-    stages: the :class:`PlannedStage` list.
-    warmups: H-1F1B warm-up counts ``N_i`` (from ``t_max_s`` and ``eps``).
+    stages: the :class:`PlannedStage` list (warm-ups and memory of the plan's schedule).
+    warmups: the plan's schedule's warm-up counts ``N_i`` (H-1F1B's from ``t_max_s`` and
+      ``eps``).
     num_microbatches: ``B``.
     eps: the H-1F1B tolerance used.
     stats: :class:`SearchStats`.
@@ -296,7 +313,8 @@ class PlanResult:
       without prices.
     cost_per_iteration: ``rate_per_hour * objective_s / 3600``, ``None`` without prices.
     objective: the :class:`SolveOptions` objective optimised.
-    iteration_s: the simulator's iteration time (equals ``plan.predicted_iteration_s``).
+    iteration_s: the simulator's iteration time under the plan's schedule (equals
+      ``plan.predicted_iteration_s``).
     eq12_s: Eq. 12 of the plan.
     period_s: ``max(t_max, max_i c_i)``; above ``t_max_s`` the plan is link-bound.
   """
@@ -386,9 +404,7 @@ def plan_arrays(index: SparseIndex, path: np.ndarray, eps: float
   t = ix.ent_t[e]
   c = index.path_cuts(e)
   period = pipeline_period(c, float(t.max()))
-  warm = np.ones(e.size, np.int64)
-  for x in range(e.size - 2, -1, -1):
-    warm[x] = warm[x + 1] + warmup_delta(float(c[x]), period, eps)
+  warm = np.asarray(h1f1b_counts(c[:-1], period, eps), np.int64)
   return t, c, ix.ent_e[e], warm
 
 
@@ -616,7 +632,8 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
       (``solve(t, 128, backend="ray")``).
 
   Returns:
-    The :class:`PlanResult`: stages (layer range, subcluster, submesh, logical mesh), H-1F1B
+    The :class:`PlanResult`: stages (layer range, subcluster, submesh, logical mesh), the
+    schedule (``options.schedule``: the fastest ranked one that fits, by default) and its
     warm-up counts, ``t_max``, the simulated iteration time and search statistics.
 
   Raises:
@@ -631,7 +648,8 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
   if opts.mixed_stages != "off" and _MIXED_SEARCH:
-    return _MIXED_SEARCH[0](tables, B, opts)
+    return _MIXED_SEARCH[0](tables, B, opts)   # it chooses the schedule too
+  asked, opts = opts, dataclasses.replace(opts, schedule=H1F1B.name)   # the search's schedule
   start = time.perf_counter()
   given = tables
   if variants_lib.has_variant_data(tables):
@@ -644,7 +662,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
     result = _best_of_single_subclusters(tables, B, opts, result, start)
   if tables is not given:
     result = _with_fewer_variants(given, tables, B, opts, result, start)
-  return result
+  return choose_schedule(result, plan_scorer(given, B, opts.eps, opts.fwd_fraction), asked)
 
 
 def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: SolveOptions,
@@ -1016,7 +1034,7 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
     quads = list(path)
   else:
     quads = [index.entry(x) for x in np.asarray(path, dtype=np.int64)]
-  ev = evaluate_plan(tables, quads, B, "h1f1b", eps=opts.eps, simulator=True,
+  ev = evaluate_plan(tables, quads, B, H1F1B, eps=opts.eps, simulator=True,
                      fwd_fraction=opts.fwd_fraction)
   simulated = opts.cost_model == "simulator"
   iteration = ev.iteration_s
@@ -1040,7 +1058,8 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
                           comm_s=s.comm_s, zero=s.zero, offload=s.offload,
                           offload_activations=s.offload_activations, remat=s.remat)
                 for s in stages)
-  plan = Plan(stages=specs, num_microbatches=B, schedule="h1f1b", num_layers=tables.num_layers,
+  plan = Plan(stages=specs, num_microbatches=B, schedule=ev.schedule,
+              num_layers=tables.num_layers,
               t_max_s=ev.t_max_s, predicted_iteration_s=iteration, eta=ev.eta,
               meta={"planner": "harpjax.dp", "eps": opts.eps, "cost_model": opts.cost_model,
                     "fwd_fraction": opts.fwd_fraction, "period_s": ev.period_s,

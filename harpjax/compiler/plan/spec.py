@@ -363,10 +363,15 @@ class Plan:
   Attributes:
     stages: the stages in pipeline order.
     num_microbatches: ``B``; ``None`` lets the decorator's argument decide.
-    schedule: ``"h1f1b"`` (default), ``"1f1b"``, ``"eager_1f1b"`` or ``"gpipe"``.
+    schedule: a registered schedule (:func:`harpjax.compiler.schedule.schedule_names`):
+      ``"h1f1b"`` (default), ``"1f1b"``, ``"eager_1f1b"``, ``"gpipe"`` or one registered with
+      :func:`~harpjax.compiler.schedule.register_schedule`; any accepted spelling, kept as
+      the canonical name. A solved plan's is the planner's choice
+      (:func:`harpjax.compiler.plan.choose_schedule`).
     num_layers: total layers of the model the plan was made for (checked at compile time).
     t_max_s: bottleneck stage time, seconds.
-    predicted_iteration_s: predicted seconds per iteration (HARP Eq. 12 or the simulator).
+    predicted_iteration_s: predicted seconds per iteration under ``schedule`` (the simulator's,
+      or HARP Eq. 12).
     eta: load-balance score of Eq. 20, in ``(0, 1]``.
     meta: free-form provenance (model, cluster, planner options).
   """
@@ -386,6 +391,11 @@ class Plan:
     object.__setattr__(self, "stages", stages)
     if isinstance(self.meta, dict):
       object.__setattr__(self, "meta", tuple(sorted(self.meta.items())))
+    try:
+      key = schedule_key(self.schedule if isinstance(self.schedule, str) else repr(self.schedule))
+    except HarpjaxError as e:
+      raise PlanError(f"schedule: {e}") from None
+    object.__setattr__(self, "schedule", key)
     for a, b in zip(stages, stages[1:]):
       if b.layers[0] != a.layers[1] + 1:
         raise PlanError(

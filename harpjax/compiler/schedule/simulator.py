@@ -39,7 +39,8 @@ import numpy as np
 
 from harpjax.compiler.schedule import sim_kernel as _sim_kernel
 from harpjax.compiler.schedule import tasks as sched
-from harpjax.compiler.schedule.warmup import h1f1b_warmups
+from harpjax.compiler.schedule.registry import schedule_kind, ScheduleKind
+from harpjax.compiler.schedule.warmup import PipelineCosts
 from harpjax.errors import CostTablesError, ScheduleError
 
 __all__ = ["simulate", "SimResult", "TimelineEvent", "PHASES", "BACKENDS"]
@@ -341,15 +342,17 @@ def simulate(fwd, bwd, comm=0.0, schedule: Any = "h1f1b", *,
       (link ``i`` joins stage ``i`` and ``i + 1``), or ``[S - 1, B]``.
     schedule: a :class:`~harpjax.compiler.schedule.Schedule`; per-stage task tables (tuples of
       :class:`~harpjax.compiler.schedule.Task`, ``"F3"`` strings or ``(kind, m)`` pairs); the
-      text of :func:`~harpjax.compiler.schedule.format_tables`; or a schedule name, in which
-      case ``num_microbatches`` is required and H-1F1B gets
+      text of :func:`~harpjax.compiler.schedule.format_tables`; or a registered schedule's
+      name (or its :class:`~harpjax.compiler.schedule.ScheduleKind`), in which case
+      ``num_microbatches`` is required and the kind's warm-up rule reads the stage times
+      (the largest per microbatch), the links' ``(c_f + c_b) / 2`` and ``eps``: H-1F1B gets
       ``h1f1b_warmups((c_f + c_b) / 2, t_max, eps)``.
     num_microbatches: ``B`` when ``schedule`` is a name.
     comm_fwd: activation transfer seconds (overrides ``comm`` for that direction).
     comm_bwd: gradient transfer seconds (overrides ``comm`` for that direction).
     end_cost: end-of-iteration seconds per stage (scalar or ``[S]``): gradient synchronisation
       inside the stage's submesh plus the optimizer update.
-    eps: H-1F1B tolerance when ``schedule`` is ``"h1f1b"`` by name.
+    eps: the tolerance a named schedule's warm-up rule reads (H-1F1B's).
     act_bytes: optional ``[S]`` (or scalar) activation bytes one in-flight microbatch holds.
     backend: ``"numba"``, ``"python"`` (the same kernel, interpreted), ``"reference"`` (the
       discrete-event twin) or ``"auto"`` (Numba when installed).
@@ -406,14 +409,14 @@ def simulate(fwd, bwd, comm=0.0, schedule: Any = "h1f1b", *,
 # --------------------------------------------------------------------------- inputs
 
 
-def _coerce_schedule(schedule) -> sched.Schedule | str:
-  """A :class:`Schedule` for tables and text, the canonical name for a name."""
-  if isinstance(schedule, sched.Schedule):
+def _coerce_schedule(schedule) -> sched.Schedule | ScheduleKind:
+  """A :class:`Schedule` for tables and text, the registered kind for a name."""
+  if isinstance(schedule, (sched.Schedule, ScheduleKind)):
     return schedule
   if isinstance(schedule, str):
     text = schedule.strip()
     if not (":" in text or "\n" in text or (text[:1] in ("F", "B") and text[1:2].isdigit())):
-      return sched.schedule_key(schedule)
+      return schedule_kind(schedule)
     tables = sched.parse_tables(text)
   elif schedule is None:
     raise ScheduleError("simulate needs a schedule: a name, a Schedule or task tables")
@@ -435,22 +438,24 @@ def _infer_num_stages(fwd, bwd, comm, comm_fwd, comm_bwd) -> int:
   raise CostTablesError("cannot tell the number of stages: give fwd/bwd per stage or a table")
 
 
-def _infer_num_microbatches(name: str, num_microbatches, fwd, bwd) -> int:
+def _infer_num_microbatches(kind: ScheduleKind, num_microbatches, fwd, bwd) -> int:
   if num_microbatches is not None:
     return int(num_microbatches)
   for x in (fwd, bwd):
     if np.ndim(x) == 2:
       return int(np.shape(x)[1])
-  raise ScheduleError(f"schedule={name!r} by name needs num_microbatches")
+  raise ScheduleError(f"schedule={kind.name!r} by name needs num_microbatches")
 
 
-def _named_schedule(key, S, B, f, b, cf, cb, eps) -> sched.Schedule:
-  warmups = None
-  if key == "h1f1b":
-    t_max = float((f + b).max(axis=1).max())
-    c = (cf.max(axis=1) + cb.max(axis=1)) / 2 if S > 1 else []
-    warmups = h1f1b_warmups(c, t_max, eps) if t_max > 0 else None
-  return sched.make_schedule(key, S, B, warmups)
+def _named_schedule(kind: ScheduleKind, S, B, f, b, cf, cb, eps) -> sched.Schedule:
+  """The kind's tables, its warm-up rule reading the largest time per microbatch of each
+  stage and the mean of each link's two directions."""
+  if not eps >= 0:
+    raise ScheduleError(f"eps must be >= 0, got eps={eps}")
+  c = (cf.max(axis=1) + cb.max(axis=1)) / 2 if S > 1 else np.zeros(0)
+  costs = PipelineCosts(S, B, tuple(float(x) for x in (f + b).max(axis=1)),
+                        tuple(float(x) for x in c), float(eps))
+  return kind.schedule(S, B, kind.warmups(costs))
 
 
 def _per_mb(name: str, x, rows: int, B: int) -> np.ndarray:

@@ -17,7 +17,9 @@ the remaining backward passes. The schedules differ only in the counts (stages 0
   grows with the communication cost ``c_i`` between stage ``i`` and ``i+1`` relative to
   ``t_max`` (:func:`~harpjax.compiler.schedule.warmup.warmup_delta`).
 
-The counts are computed in :mod:`harpjax.compiler.schedule.warmup`. What they buy is proven on
+The counts are computed in :mod:`harpjax.compiler.schedule.warmup`; each named schedule, with
+its rule and its tables, is registered once in :mod:`harpjax.compiler.schedule.registry`
+(:func:`~harpjax.compiler.schedule.make_schedule`). What they buy is proven on
 the simulator (:mod:`harpjax.compiler.schedule.simulator`) in
 ``tests/compiler/schedule/test_h1f1b_theory.py`` and explained in ``docs/schedules.md``: with
 ``eps = 0`` and every ``c_i <= t_max``, H-1F1B keeps every bottleneck stage busy from its first
@@ -34,24 +36,15 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from harpjax.compiler.schedule.warmup import (check_positive, eager_1f1b_warmups, gpipe_warmups,
-                                              one_f_one_b_warmups)
+from harpjax.compiler.schedule.warmup import check_positive
 from harpjax.errors import ScheduleError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "Task", "Tables", "Schedule", "SCHEDULE_NAMES", "make_schedule", "schedule_key",
-    "table_from_warmups", "validate_tables", "dry_run", "peak_inflight", "table_warmups",
+    "Task", "Tables", "Schedule", "table_from_warmups", "validate_tables", "dry_run", "peak_inflight", "table_warmups",
     "tables_to_arrays", "format_tables", "parse_tables", "as_task",
 ]
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "eager_1f1b", "h1f1b")
-
-# Spellings accepted for each name, compared after lower-casing and dropping "-", "_" and " ".
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "pipedream": "1f1b", "pipedreamflush": "1f1b",
-            "eager1f1b": "eager_1f1b", "eager": "eager_1f1b", "h1f1b": "h1f1b",
-            "harp": "h1f1b"}
 
 _TASK_RE = re.compile(r"^\s*([FB])(\d+)\s*$")
 
@@ -113,7 +106,9 @@ class Schedule:
   """A validated schedule: per stage the ordered tasks of one iteration.
 
   Attributes:
-    name: ``"gpipe"``, ``"1f1b"``, ``"eager_1f1b"``, ``"h1f1b"`` or any label of a custom table.
+    name: a registered schedule's name (:func:`~harpjax.compiler.schedule.schedule_names`:
+      ``"gpipe"``, ``"1f1b"``, ``"eager_1f1b"``, ``"h1f1b"`` and any registered since) or
+      any label of a custom table.
     tables: ``[num_stages]`` tuples of :class:`Task`.
     num_microbatches: ``B``.
     warmups: the warm-up counts the tables were generated from, if any.
@@ -176,60 +171,6 @@ class Schedule:
     warmups = data.get("warmups")
     return cls(data["name"], tables, int(data["num_microbatches"]),
                tuple(warmups) if warmups is not None else None)
-
-
-def schedule_key(name: str) -> str:
-  """The canonical name (one of :data:`SCHEDULE_NAMES`) of a schedule spelling.
-
-  ``"H-1F1B"``, ``"h1f1b"`` and ``"harp"`` give ``"h1f1b"``; ``"Eager-1F1B"`` and ``"eager"``
-  give ``"eager_1f1b"``; ``"PipeDream-Flush"`` gives ``"1f1b"``.
-
-  Raises:
-    ScheduleError: for an unknown name.
-  """
-  key = _ALIASES.get(re.sub(r"[-_\s]", "", str(name).lower()))
-  if key is None:
-    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-  return key
-
-
-def make_schedule(name: str, num_stages: int, num_microbatches: int,
-                  warmups: Sequence[int] | None = None) -> Schedule:
-  """Generates a named schedule.
-
-  Args:
-    name: one of :data:`SCHEDULE_NAMES` (or a spelling :func:`schedule_key` accepts).
-    num_stages: ``S``.
-    num_microbatches: ``B``.
-    warmups: per-stage warm-up counts. Required meaning for ``"h1f1b"`` (use
-      :func:`h1f1b_warmups`); without them H-1F1B assumes free links and equals 1F1B. For the
-      other names, if given, they must equal the name's own counts.
-
-  Returns:
-    A validated :class:`Schedule`.
-
-  Raises:
-    ScheduleError: unknown name, non-positive sizes, or counts that contradict the name.
-  """
-  key = schedule_key(name)
-  check_positive("num_stages", num_stages)
-  check_positive("num_microbatches", num_microbatches)
-  default = {
-      "gpipe": lambda: gpipe_warmups(num_stages, num_microbatches),
-      "1f1b": lambda: one_f_one_b_warmups(num_stages),
-      "eager_1f1b": lambda: eager_1f1b_warmups(num_stages),
-      "h1f1b": lambda: one_f_one_b_warmups(num_stages),
-  }[key]()
-  if warmups is None:
-    counts = default
-  else:
-    counts = tuple(int(w) for w in warmups)
-    if key != "h1f1b" and counts != default:
-      raise ScheduleError(
-          f"schedule {key!r} has fixed warm-up counts {default}; got warmups={counts}. "
-          "Use name='h1f1b' for custom counts.")
-  return Schedule(key, table_from_warmups(num_stages, num_microbatches, counts),
-                  num_microbatches, counts)
 
 
 # --------------------------------------------------------------------------- validation

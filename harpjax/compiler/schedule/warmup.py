@@ -2,21 +2,54 @@
 
 Every 1F1B-style schedule is its per-stage warm-up counts ``N_i`` (see
 :mod:`harpjax.compiler.schedule.tasks`). H-1F1B's (HARP Eq. 1-2) grow by :func:`warmup_delta`
-per cut, with the communication cost of the cut relative to ``t_max``.
+per cut, with the communication cost of the cut relative to ``t_max``; :func:`h1f1b_counts`
+is that recurrence, written once (the plan evaluators, the planner and the simulator call it).
+A warm-up *rule* reads a :class:`PipelineCosts`; each registered schedule
+(:mod:`harpjax.compiler.schedule.registry`) has one.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from harpjax.errors import ScheduleError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["warmup_delta", "h1f1b_warmups", "pipeline_period", "one_f_one_b_warmups",
-           "eager_1f1b_warmups", "gpipe_warmups", "plan_warmups", "check_positive"]
+__all__ = ["warmup_delta", "h1f1b_warmups", "h1f1b_counts", "pipeline_period",
+           "one_f_one_b_warmups", "eager_1f1b_warmups", "gpipe_warmups", "plan_warmups",
+           "check_positive", "PipelineCosts", "h1f1b_rule"]
+
+
+class PipelineCosts(NamedTuple):
+  """What a warm-up rule may read about a pipeline (``S`` stages, ``B`` microbatches).
+
+  Attributes:
+    num_stages: ``S``.
+    num_microbatches: ``B``.
+    times_s: ``[S]`` forward+backward seconds per microbatch of each stage ``t_i``, or
+      ``None`` when unknown (a hand-written plan).
+    comm_s: ``[S - 1]`` seconds of each cut ``c_i`` (with different costs per direction, the
+      mean of the two), or ``None`` when unknown.
+    eps: the tolerance of :func:`warmup_delta`.
+    subclusters: ``[S]`` the subcluster of each stage, or ``None``; a rule may fall back on
+      them when the costs are unknown.
+  """
+  num_stages: int
+  num_microbatches: int
+  times_s: tuple[float, ...] | None = None
+  comm_s: tuple[float, ...] | None = None
+  eps: float = 0.1
+  subclusters: tuple[str, ...] | None = None
+
+  @property
+  def known(self) -> bool:
+    """Every stage time and every cut cost is given."""
+    return (self.times_s is not None and self.comm_s is not None
+            and all(t is not None for t in self.times_s)
+            and all(c is not None for c in self.comm_s))
 
 
 def warmup_delta(comm_cost_s: float, t_max_s: float, eps: float = 0.0) -> int:
@@ -89,9 +122,28 @@ def h1f1b_warmups(comm_costs: Sequence[float], t_max: float, eps: float = 0.1) -
     log.info("link-bound pipeline: the cut after stage %d takes %.4g s per microbatch, more "
              "than t_max=%.4g s; warm-ups relative to that period", comm.index(period), period,
              t_max)
+  return h1f1b_counts(comm, period, eps)
+
+
+def h1f1b_counts(comm_costs: Sequence[float], period_s: float, eps: float) -> tuple[int, ...]:
+  """The H-1F1B recurrence: ``N_{S-1} = 1``, ``N_i = N_{i+1} + warmup_delta(c_i, P, eps)``.
+
+  Plain arithmetic, no checks (:func:`h1f1b_warmups` checks its inputs first): a period that
+  is not a positive finite number (a stage without a finite time) gives every ``delta_i = 1``,
+  so that a plan the evaluators reject still has counts to report.
+
+  Args:
+    comm_costs: ``[S - 1]`` seconds of each cut.
+    period_s: the period ``P`` the deltas are relative to (:func:`pipeline_period`).
+    eps: tolerance of :func:`warmup_delta`.
+
+  Returns:
+    ``[S]`` warm-up counts, the last one 1.
+  """
+  usable = math.isfinite(period_s) and period_s > 0
   counts = [1]
-  for c in reversed(comm):
-    counts.append(counts[-1] + warmup_delta(c, period, eps))
+  for c in reversed(comm_costs):
+    counts.append(counts[-1] + (warmup_delta(float(c), period_s, eps) if usable else 1))
   return tuple(reversed(counts))
 
 
@@ -142,6 +194,25 @@ def plan_warmups(times_s: Sequence[float | None], comms_s: Sequence[float | None
   """
   if all(t is not None for t in times_s) and all(c is not None for c in comms_s):
     return h1f1b_warmups(comms_s, max(times_s), eps)
+  return _link_counts(subclusters)
+
+
+def h1f1b_rule(costs: PipelineCosts) -> tuple[int, ...]:
+  """H-1F1B's warm-up rule (the one the schedule registry holds).
+
+  :func:`h1f1b_counts` at the pipeline's period ``max(t_max, max_i c_i)`` when every stage
+  time and cut cost is known; else from the stages' subclusters alone, as
+  :func:`plan_warmups`; else (nothing known: links taken as free) 1F1B's counts.
+  """
+  if costs.known and costs.times_s:
+    comm = [float(c) for c in costs.comm_s]
+    return h1f1b_counts(comm, pipeline_period(comm, max(costs.times_s)), costs.eps)
+  if costs.subclusters is not None:
+    return _link_counts(costs.subclusters)
+  return one_f_one_b_warmups(costs.num_stages)
+
+
+def _link_counts(subclusters: Sequence[str]) -> tuple[int, ...]:
   counts = [1]
   for i in range(len(subclusters) - 2, -1, -1):
     counts.append(counts[-1] + (2 if subclusters[i] != subclusters[i + 1] else 1))

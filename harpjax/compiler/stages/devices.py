@@ -18,8 +18,8 @@ import math
 
 from harpjax.cluster import Cluster
 from harpjax.compiler.plan import Plan, StageGroup, StageSpec
-from harpjax.compiler.schedule import Schedule, make_schedule, plan_warmups, schedule_key
-from harpjax.errors import PlanError
+from harpjax.compiler.schedule import PipelineCosts, Schedule, schedule_kind
+from harpjax.errors import HarpjaxError, PlanError
 
 __all__ = ["resolve_devices", "resolve_group_devices", "resolve_plan", "per_host_groups"]
 
@@ -87,14 +87,21 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
     cluster: the cluster it runs on.
     num_layers: layers of the model (the plan's stages must cover them).
     num_microbatches: ``B``.
-    schedule: the schedule's name; default the plan's.
-    eps: H-1F1B tolerance when the plan's ``meta`` does not record one.
+    schedule: a registered schedule's name; default the plan's.
+    eps: the tolerance of the schedule's warm-up rule (H-1F1B's) when the plan's ``meta``
+      does not record one.
 
   Returns:
     ``(resolved plan, schedule)``.
 
   Raises:
-    PlanError: the plan does not cover the layers, or its devices do not resolve.
+    PlanError: the plan does not cover the layers, its devices do not resolve, or the
+      schedule is not registered.
+
+  The warm-up counts: a schedule whose counts follow the costs (H-1F1B) keeps the plan's own
+  when it is the plan's schedule and the plan records them (what the planner checked memory
+  with), else its rule derives them from the stages' times and cuts (or, a hand-written plan
+  without them, their subclusters); any other schedule has its fixed counts.
   """
   if plan.stages[-1].layers[1] != num_layers - 1:
     raise PlanError(
@@ -102,14 +109,23 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
         f"{num_layers} layers (0..{num_layers - 1}). Adjust the layer ranges or the "
         "mark_layer_boundary calls")
   devices = resolve_group_devices(cluster, plan)
-  name = schedule or schedule_key(plan.schedule)
+  try:
+    kind = schedule_kind(schedule or plan.schedule)
+  except HarpjaxError as e:
+    raise PlanError(f"schedule={schedule or plan.schedule!r}: {e}") from None
+  S = plan.num_stages
   warmups = None
-  if name == "h1f1b":
-    eps = float(dict(plan.meta).get("eps", eps))
-    warmups = plan.warmups or plan_warmups([s.time_s for s in plan.stages],
-                                           [s.comm_s for s in plan.stages[:-1]],
-                                           [s.subcluster for s in plan.stages], eps)
-  sched = make_schedule(name, plan.num_stages, num_microbatches, warmups)
+  if kind.uses_costs:
+    own = schedule_kind(plan.schedule) is kind
+    warmups = plan.warmups if own else None
+    if warmups is None:
+      eps = float(dict(plan.meta).get("eps", eps))
+      warmups = kind.warmups(PipelineCosts(
+          S, num_microbatches, tuple(s.time_s for s in plan.stages),
+          tuple(s.comm_s for s in plan.stages[:-1]), eps,
+          tuple(s.subcluster for s in plan.stages)))
+  sched = kind.schedule(S, num_microbatches, warmups)
+  name = kind.name
   stages = tuple(
       dataclasses.replace(s, devices=tuple(idx[0]), warmup=w,
                           groups=tuple(dataclasses.replace(grp, devices=tuple(d))

@@ -30,6 +30,9 @@ def _with_host_links(rng, tables: CostTables) -> CostTables:
 
 
 def _solve(tables, B, **kw):
+  # The search's exactness is about H-1F1B's stages: the schedule stays H-1F1B (the choice of
+  # schedule after the search: tests/compiler/plan/test_schedule_choice.py).
+  kw.setdefault("schedule", "h1f1b")
   try:
     return planner.solve(tables, B, backend="sequential", **kw)
   except InfeasiblePlanError:

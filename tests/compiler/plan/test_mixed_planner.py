@@ -280,7 +280,8 @@ def test_planner_matches_brute_force_with_mixed_stages(seed):
   want, _ = brute_force_mixed(tables, B, mo)
   plain, _ = brute_force_mixed(tables, B, mo, mixed=False)
   try:
-    got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo)
+    got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo,
+                        schedule="h1f1b")   # the oracle's schedule
   except InfeasiblePlanError:
     assert want == math.inf
     return
@@ -301,7 +302,7 @@ def test_brute_force_without_mixed_stages_is_the_plain_planner():
     mo = MixedOptions(microbatch_rows=2)
     want, _ = brute_force_mixed(tables, 4, mo, mixed=False)
     try:
-      got = planner.solve(tables, 4, backend="sequential").iteration_s
+      got = planner.solve(tables, 4, backend="sequential", schedule="h1f1b").iteration_s
     except InfeasiblePlanError:
       got = math.inf
     assert got == want or math.isclose(got, want, rel_tol=1e-9)
@@ -596,8 +597,8 @@ def test_groups_inside_one_host():
       inter_latency_s=(0.0,))
   B = 8
   mo = MixedOptions(microbatch_rows=10, shares="all", grad_fraction=0.0)
-  plain = planner.solve(tables, B)
-  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo)
+  plain = planner.solve(tables, B, schedule="h1f1b")   # the oracle's schedule
+  got = planner.solve(tables, B, mixed_stages="on", mixed_options=mo, schedule="h1f1b")
   want, found = brute_force_mixed(tables, B, mo)
   assert math.isclose(got.iteration_s, want, rel_tol=1e-9)
   assert got.iteration_s < plain.iteration_s * 0.9
@@ -605,7 +606,8 @@ def test_groups_inside_one_host():
       [((1, 2), (1, 1))] * 2
   assert [s.group_rows(10) for s in got.plan.stages] == [(8, 2)] * 2
   assert planner.solve(tables, B, mixed_stages="on", mixed_options=MixedOptions(
-      microbatch_rows=10, shares="all", sub_host=False)).iteration_s == plain.iteration_s
+      microbatch_rows=10, shares="all", sub_host=False),
+      schedule="h1f1b").iteration_s == plain.iteration_s
 
 
 @pytest.mark.parametrize("seed", range(15))
@@ -618,7 +620,7 @@ def test_planner_matches_brute_force_using_every_device(seed):
   want, _ = brute_force_mixed(tables, B, mo, use_all=True)
   try:
     got = planner.solve(tables, B, backend="sequential", mixed_stages="on", mixed_options=mo,
-                        use_all_devices=True)
+                        use_all_devices=True, schedule="h1f1b")   # the oracle's schedule
   except InfeasiblePlanError:
     assert want == math.inf
     return

@@ -20,6 +20,9 @@ def _close(a, b):
 
 def _value(tables, B, objective, kernel="numba", **kw):
   """The optimised quantity: seconds (time objectives) or rate x seconds (cost ones)."""
+  # The search's exactness is about H-1F1B's stages: the schedule stays H-1F1B (the choice of
+  # schedule after the search: tests/compiler/plan/test_schedule_choice.py).
+  kw.setdefault("schedule", "h1f1b")
   try:
     r = planner.solve(tables, B, objective=objective, kernel=kernel, backend="sequential", **kw)
   except InfeasiblePlanError:

@@ -22,6 +22,9 @@ GiB = 2.0 ** 30
 
 
 def _solve_or_inf(tables, B, **kw):
+  # The search's exactness is about H-1F1B's stages: the schedule stays H-1F1B (the choice of
+  # schedule after the search: tests/compiler/plan/test_schedule_choice.py).
+  kw.setdefault("schedule", "h1f1b")
   try:
     return planner.solve(tables, B, backend="sequential", **kw)
   except InfeasiblePlanError:
