@@ -21,7 +21,8 @@ from benchmarks.lm_step import lm_train_step
 from tests.compiler.plan import oracle
 from tests.equivalence import DEMO_CLUSTER, compare_steps
 
-OFF = SolveOptions(mixed_stages="off", backend="sequential", schedule="h1f1b")   # as the brute force
+# H-1F1B pinned: the schedule the brute force scores
+OFF = SolveOptions(mixed_stages="off", backend="sequential", schedule="h1f1b")
 
 
 def _rematerialised(tables, rng, slower=(1.2, 1.4), kept=(0.2, 0.5)):
