@@ -15,7 +15,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from harpjax.compiler.schedule import schedule_key
-from harpjax.compiler.trace.remat import REMAT_MODES
+from harpjax.compiler.trace import REMAT_MODES
 from harpjax.errors import HarpjaxError, PlanError
 
 __all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares",

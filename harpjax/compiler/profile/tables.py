@@ -40,7 +40,7 @@ import numpy as np
 from harpjax.cluster import Link, host_joins, is_divisibility_chain, paper_submeshes
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.errors import CostTablesError
-from harpjax.compiler.trace.remat import REMAT_MODES
+from harpjax.compiler.trace import REMAT_MODES
 
 __all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
            "memory_to_compute_order", "synthetic_gpt_profile", "assemble_tables", "range_sums",
