@@ -189,7 +189,7 @@ class _Estimates:
       sig = self.layers[i].signature
       if sig not in self.traced:
         self.traced[sig] = estimate.trace_piece(
-            pieces.build_piece(self.layers, i, i, self.dep), self.remat)
+            pieces.build_piece(self.layers, i, i, self.dep), self.remat, MICROBATCHES)
       st, w = estimate.jaxpr_costs(self.traced[sig], tuple(mesh))
       work += w.bytes
       stats += st.bytes_accessed

@@ -70,11 +70,12 @@ from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.calibration import Work
 from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxpr, ops_function,
-                                    primitives, strip_markers)
+                                    primitives, regen, strip_markers)
 
-__all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work"]
+__all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
+           "accumulated_params"]
 
-ESTIMATE_VERSION = "4"
+ESTIMATE_VERSION = "5"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -163,7 +164,8 @@ def _split_fwd_bwd(closed) -> tuple[Program, int | None]:
   return _dce(prog, pos[0])   # ops before the marker keep their index when it is stripped
 
 
-def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False) -> TracedPiece:
+def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False,
+                num_microbatches: int | None = None) -> TracedPiece:
   """Traces a piece's forward+backward (from ``jax.ShapeDtypeStruct`` s; nothing compiled).
 
   The forward+backward returns the forward's outputs too, so the ops computing them are
@@ -171,19 +173,22 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False) -> TracedPie
   ``"dots"``) the backward recomputes the forward as the runtime's does
   (:func:`~harpjax.compiler.trace.checkpointed`): the work counted is the forward, its
   recomputation and the backward, the residuals are what the mode keeps (the inputs alone
-  under ``"full"``), and the backward's workspace holds the recomputed forward's values.
+  under ``"full"``), and the backward's workspace holds the recomputed forward's values. With
+  ``num_microbatches`` (B), a batch-sized random draw is drawn at the full batch and sliced,
+  as the stage draws it (:func:`~harpjax.compiler.profile.pieces.redraws`).
   """
   t0 = time.perf_counter()
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
-  primal = checkpointed(remat)(lambda p, a, aux: run(*p, *a, *aux))
+  hook = pieces_lib.redraw_hook(piece, num_microbatches)
+  primal = checkpointed(remat)(lambda p, a, aux: run(*p, *a, *aux, hook=hook))
 
   def live(params, acts, aux, cts):
     outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
     _CUT.bind()   # the backward begins: the runtime runs it in an executable of its own
     return outs, vjp(cts)
 
-  fwd_bwd, _ = pieces_lib.make_functions(piece, False)
-  _, fwd_res = pieces_lib.make_functions(piece, remat)
+  fwd_bwd, _ = pieces_lib.make_functions(piece, False, num_microbatches)
+  _, fwd_res = pieces_lib.make_functions(piece, remat, num_microbatches)
   args = pieces_lib.abstract_inputs(piece)
   fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
   lv, start = _split_fwd_bwd(jax.make_jaxpr(live)(*args))
@@ -236,9 +241,33 @@ class _Sizes:
             and not isinstance(op.invars[0], Lit) and op.invars[0] in self.split):
           self.split.add(outs[0])
       self.row_ops = plan.row_ops
+      self._split_draws(prog)
     row = set(self.row_ops)
     self.split_ops = {op.index for op in prog.ops
                       if op.index in row or any(o in self.split for o in op.outvars)}
+
+  def _split_draws(self, prog: Program) -> None:
+    """Random numbers drawn for a split value are split like it: a partitionable draw
+    (threefry's counters are an iota) is partitioned by XLA's sharding propagation from the
+    value it masks back to the draw, each device hashing its own part."""
+    key_inputs = {v for v in prog.invars   # typed PRNG keys, or their raw uint32 data
+                  if _dtype(prog.avals[v]) in (np.dtype(object), np.dtype(np.uint32))}
+    variable = prog.dependents([v for v in prog.invars if v not in key_inputs])
+    drawn: set = set()
+    for op in prog.ops:
+      ins = tuple(op.in_ids())
+      if any(v in variable for v in ins):
+        continue
+      if op.name in regen.RANDOM_PRIMITIVES or any(v in drawn for v in ins):
+        drawn.update(o for o in op.outvars if o >= 0)
+    for op in reversed(prog.ops):
+      outs = [o for o in op.outvars if o >= 0 and o in self.split]
+      if not outs:
+        continue
+      rank = len(prog.avals[outs[0]].shape)
+      for v in op.in_ids():
+        if v in drawn and len(prog.avals[v].shape) == rank:
+          self.split.add(v)
 
   def nbytes(self, v) -> float:
     if isinstance(v, Lit):
@@ -421,6 +450,34 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   return stats, work
 
 
+_SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
+
+
+def accumulated_params(traced: TracedPiece, mesh_shape: tuple[int, int]) -> tuple[float, float]:
+  """``(elements, bytes)`` per device of the parameters whose gradient the stage's backward
+  adds into its accumulator with an add of its own: all but those whose gradient a
+  scatter-add produces (an embedding table's), which XLA scatters into the donated
+  accumulator directly (``acc + scatter(0, i, u)`` is ``scatter(acc, i, u)``)."""
+  piece, fb = traced.piece, traced.fwd_bwd
+  tp = mesh_shape[1]
+  made = {o: op for op in fb.ops for o in op.outvars if o >= 0}
+  folded = _read(fb)
+  n_p = len(piece.param_ids)
+  grads = fb.outvars[:n_p]
+  specs = sharding.param_specs(piece.program, piece.ops, piece.param_ids, tp)
+  n = nbytes = 0.0
+  for v, g in zip(piece.param_ids, grads):
+    srcs = (g,) if isinstance(g, Lit) else folded.get(g, (g,))
+    if any(not isinstance(u, Lit) and u in made and made[u].name in _SCATTER_ADDS
+           for u in srcs):
+      continue
+    aval = piece.program.avals[v]
+    div = tp if specs[v] != sharding.P() else 1
+    n += primitives.aval_size(aval) / div
+    nbytes += primitives.aval_nbytes(aval) / div
+  return n, nbytes
+
+
 def _op_flops(prog: Program, op) -> float:
   ins = [_lit_aval(r) if isinstance(r, Lit) else prog.avals[r] for r in op.invars]
   outs = [prog.avals[o] if o >= 0 else _lit_aval(Lit(0.0)) for o in op.outvars]
@@ -449,7 +506,8 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
     light_f += flops
     light_b += nbytes
     out_elems = sum(primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
-    if op.name in _OWN_KERNELS or raw > max(out_elems, 1):
+    if (op.name in _OWN_KERNELS or raw > max(out_elems, 1)
+        or (op.name in primitives.REDUCTIONS and raw > 0)):
       kernels += 1   # a reduction, scan or sort, or data movement XLA does not fuse away
   return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)
 
@@ -480,6 +538,14 @@ def _residual_bytes(traced: TracedPiece, sizes: _Sizes) -> float:
       continue
     total += sizes.nbytes(v)
   return total
+
+
+def _dtype(aval):
+  """The NumPy dtype of an abstract value; ``object`` for extended ones (PRNG keys)."""
+  try:
+    return np.dtype(aval.dtype)
+  except TypeError:
+    return np.dtype(object)
 
 
 def _lit_aval(r: Lit):

@@ -23,10 +23,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax import _compat
 from harpjax.compiler.layers import LayerSequence, sharding
-from harpjax.compiler.trace import checkpointed, Lit, Program, ops_function, primitives
+from harpjax.compiler.trace import (apply_site, checkpointed, Lit, Program, ops_function,
+                                    primitives, regen)
 
 __all__ = ["Piece", "build_piece", "batch_dependent", "XlaStats", "xla_stats",
-           "parse_collectives", "make_functions", "abstract_inputs", "shardings"]
+           "parse_collectives", "make_functions", "abstract_inputs", "shardings", "redraws",
+           "redraw_hook"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,17 +110,82 @@ def build_piece(seq: LayerSequence, first: int, last: int, batch_dep: frozenset)
   return Piece(prog, tuple(ops), p_ids, acts, aux, outs, batch, int(pbytes), int(nparams))
 
 
-def make_functions(piece: Piece, remat: bool | str = False):
+def redraws(piece: Piece, num_microbatches: int | None) -> dict:
+  """The piece's random draws a stage redraws at the full batch: op index ->
+  :class:`~harpjax.compiler.trace.regen.Redraw`.
+
+  A stage draws a batch-sized random value (a dropout mask) at the full batch's shape and
+  slices its microbatch's rows (:mod:`~harpjax.compiler.trace.regen`), so that its numbers are
+  ``jax.jit``'s: every microbatch's forward (and its recomputation under remat) hashes
+  ``num_microbatches`` times the elements it keeps. A draw is batch-sized when its result
+  has the shape of a value the piece computes from its batch inputs (the activation a dropout
+  masks) and the microbatch's rows along some axis (the first such); the piece's layers do
+  not keep the full batch's trace, so the shape decides as the full trace would.
+  """
+  if not num_microbatches or num_microbatches <= 1:
+    return {}
+  batch_in = [v for v in piece.act_ids + piece.aux_ids if v in piece.batch_ids]
+  rows = {int(piece.program.avals[v].shape[0]) for v in batch_in
+          if len(piece.program.avals[v].shape) >= 1}
+  if len(rows) != 1:
+    return {}
+  (b,) = rows
+  dep = set(batch_in)
+  shapes = set()
+  for op in piece.ops:
+    if any(v in dep for v in op.in_ids()):
+      for o in op.outvars:
+        if o >= 0:
+          dep.add(o)
+          shapes.add(tuple(piece.program.avals[o].shape))
+  out = {}
+  for op in piece.ops:
+    if op.name not in regen.RANDOM_PRIMITIVES or "shape" not in op.params:
+      continue
+    shape = tuple(op.params["shape"])
+    outs = [o for o in op.outvars if o >= 0]
+    if not outs or tuple(piece.program.avals[outs[0]].shape) not in shapes:
+      continue
+    axis = next((i for i, d in enumerate(shape) if d == b), None)
+    if axis is None:
+      continue
+    full = dict(op.params)
+    full["shape"] = shape[:axis] + (shape[axis] * int(num_microbatches),) + shape[axis + 1:]
+    out[op.index] = regen.Redraw(axis, full)
+  return out
+
+
+def redraw_hook(piece: Piece, num_microbatches: int | None):
+  """An :func:`~harpjax.compiler.trace.eval_ops` hook drawing :func:`redraws` ' draws at the
+  full batch and slicing the first microbatch's rows, as a stage does; ``None`` if none."""
+  sites = redraws(piece, num_microbatches)
+  if not sites:
+    return None
+  avals = piece.program.avals
+
+  def hook(op, invals):
+    site = sites.get(op.index)
+    if site is None:
+      return None
+    return apply_site(op.primitive, op.params, invals, site, 0,
+                      [avals[o] if o >= 0 else None for o in op.outvars])
+  return hook
+
+
+def make_functions(piece: Piece, remat: bool | str = False,
+                   num_microbatches: int | None = None):
   """``(fwd_bwd, fwd_residuals)`` of a piece.
 
   ``fwd_bwd(params, acts, aux, cts) -> (param_grads, act_grads)``;
   ``fwd_residuals(params, acts, aux) -> (outputs, residual leaves)``. ``remat``
   (:data:`~harpjax.compiler.trace.REMAT_MODES`, ``True`` is ``"full"``): the forward is
   rematerialised in the backward as the runtime's stage does it (``"full"``: only the inputs
-  are kept; ``"dots"``: the matmuls' outputs too).
+  are kept; ``"dots"``: the matmuls' outputs too). With ``num_microbatches``, batch-sized random draws are drawn at the full batch and sliced,
+  as a stage draws them (:func:`redraws`).
   """
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
-  primal = checkpointed(remat)(lambda params, acts, aux: run(*params, *acts, *aux))
+  hook = redraw_hook(piece, num_microbatches)
+  primal = checkpointed(remat)(lambda params, acts, aux: run(*params, *acts, *aux, hook=hook))
 
   def fwd_bwd(params, acts, aux, cts):
     _, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)

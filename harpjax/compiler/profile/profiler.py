@@ -288,10 +288,11 @@ def ordered_subclusters(cluster, order) -> list:
   return [cluster.subcluster(n) for n in names]
 
 
-def _make_source(opts: ProfileOptions, db):
+def _make_source(opts: ProfileOptions, db, num_microbatches: int | None = None):
   remat = opts.remat_modes[0]
   if opts.source == "jaxpr":
-    return sources.JaxprSource(opts.efficiencies, opts.state_bytes_per_param, remat=remat)
+    return sources.JaxprSource(opts.efficiencies, opts.state_bytes_per_param, remat=remat,
+                               num_microbatches=num_microbatches)
   analytic = sources.AnalyticSource(db, opts.efficiencies, opts.state_bytes_per_param,
                                     remat=remat)
   if opts.source == "analytic":
@@ -684,7 +685,7 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   root = (opts.cache_dir if opts.cache_dir is not None else cache.default_cache_dir()) \
       if opts.use_cache else None
   db = cache.ProfileDB(root)
-  source = _make_source(opts, db)
+  source = _make_source(opts, db, num_microbatches)
   if isinstance(source, sources.ImportedSource):
     source.choose(layers)   # no published model of this shape: say so before any work
   found = enumerate_tasks(layers, cluster, subs, opts, source.name, source.cache_extra(),

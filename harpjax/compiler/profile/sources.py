@@ -165,20 +165,28 @@ class CostSource(Protocol):
 
 def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
                     efficiencies: dict | None, state_bytes_per_param: float,
-                    scale: float = 1.0) -> LayerCost:
+                    scale: float = 1.0, accumulated: tuple[float, float] | None = None
+                    ) -> LayerCost:
   """A task's :class:`LayerCost` from per-device statistics of its piece: the calibrated time
   model of the GPU type on its :class:`~harpjax.compiler.profile.calibration.Work`, the
   tensor-parallel collectives on the host link; the gradients' bytes for the all-reduce over
   ``dp`` the tables charge once per iteration; batch-proportional statistics divided by
-  ``scale``."""
+  ``scale``. The stage's backward adds each gradient into its (donated) accumulator, which the
+  piece's forward+backward does not: one FLOP per parameter element of the device, reading
+  the gradient and the accumulator and writing the sum; ``accumulated`` (elements, bytes)
+  says which, default all of them (a gradient a scatter-add produces, an embedding's, is
+  added into the accumulator by the scatter itself:
+  :func:`~harpjax.compiler.profile.estimate.accumulated_params`)."""
   dp, tp = task.mesh
-  t_comp = max(compute_time_s(work.scaled(scale), task, efficiencies), MIN_TIME_S)
+  n_acc, b_acc = accumulated if accumulated is not None else (st.num_params, st.param_bytes)
+  acc = calib.Work((), (), float(n_acc), 3.0 * float(b_acc), 0.0)
+  t_comp = max(compute_time_s(work.scaled(scale) + acc, task, efficiencies), MIN_TIME_S)
   t_coll = collective_time_s({k: [b / scale, c] for k, (b, c) in st.collective_bytes.items()},
                              tp, task.host_link)
   return LayerCost(time_s=t_comp + t_coll, comm_s=t_coll,
                    param_mem_bytes=st.num_params * state_bytes_per_param,
                    act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
-                   flops=st.flops / scale, grad_bytes=st.param_bytes)
+                   flops=st.flops / scale + acc.light_flops, grad_bytes=st.param_bytes)
 
 
 def compute_time_s(work: calib.Work, task: LayerTask, efficiencies: dict | None) -> float:
@@ -217,29 +225,35 @@ class JaxprSource:
     state_bytes_per_param: weights + gradients + optimizer state per parameter.
     remat: cost a forward rematerialised in the backward (a mode of
       :data:`~harpjax.compiler.trace.REMAT_MODES`; ``True`` is ``"full"``).
+    num_microbatches: the step's microbatches (B): a stage draws its batch-sized random
+      numbers at the full batch and slices its rows
+      (:func:`~harpjax.compiler.profile.pieces.redraws`); ``None``: as the microbatch.
   """
   name = "jaxpr"
   local_trace = False
 
   def __init__(self, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
-               remat: bool | str = False):
+               remat: bool | str = False, num_microbatches: int | None = None):
     self.efficiencies = efficiencies
     self.state_bytes_per_param = float(state_bytes_per_param)
     self.remat = remat_key(remat)
+    self.num_microbatches = num_microbatches
     self._traced: dict = {}
     self._stats: dict = {}
 
   def cache_extra(self) -> dict:
     return {"state_bytes_per_param": self.state_bytes_per_param,
             "efficiencies": _efficiency_key(self.efficiencies), "remat": self.remat,
-            "estimate": estimate.ESTIMATE_VERSION, "model": calib.COST_MODEL_VERSION}
+            "estimate": estimate.ESTIMATE_VERSION, "model": calib.COST_MODEL_VERSION,
+            "num_microbatches": self.num_microbatches, "backend": jax.default_backend()}
 
   def traced(self, task: LayerTask) -> estimate.TracedPiece:
     """The task's piece at the full microbatch, traced (once per signature)."""
     k = (task.signature, task.microbatch)
     got = self._traced.get(k)
     if got is None:
-      got = self._traced[k] = estimate.trace_piece(task.full_piece, self.remat)
+      got = self._traced[k] = estimate.trace_piece(task.full_piece, self.remat,
+                                                   self.num_microbatches)
     return got
 
   def stats(self, task: LayerTask) -> tuple[pieces_lib.XlaStats, calib.Work]:
@@ -253,7 +267,9 @@ class JaxprSource:
 
   def cost(self, task: LayerTask) -> LayerCost:
     st, work = self.stats(task)
-    return cost_from_stats(st, work, task, self.efficiencies, self.state_bytes_per_param)
+    acc = estimate.accumulated_params(self.traced(task), tuple(task.mesh))
+    return cost_from_stats(st, work, task, self.efficiencies, self.state_bytes_per_param,
+                           accumulated=acc)
 
 
 class AnalyticSource:

@@ -10,6 +10,10 @@ Equations that hold sub-jaxprs (``pjit``, ``remat2``/``checkpoint``, ``custom_jv
 costs ``length`` bodies, a ``cond`` its most expensive branch, a ``while`` one trip (the trip
 count is unknown statically). A primitive missing from the table is costed as elementwise (one
 FLOP per output element) and named once in the log.
+
+A ``random_bits`` draw is costed as XLA's cost analysis counts the hash that produces it
+(:func:`random_bits_flops`): threefry is integer arithmetic on counters, tens of operations
+per element, which XLA counts as FLOPs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import math
 from typing import Any, Callable, Iterable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,7 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "REDUCTIONS", "FUSES_PRODUCERS",
            "dot_operand_copies", "info", "is_compute_heavy", "is_view", "eqn_flops",
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
-           "aval_nbytes", "aval_size", "is_float"]
+           "aval_nbytes", "aval_size", "is_float", "random_bits_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,13 @@ def _in_elems(params, ins, outs) -> float:
   return float(aval_size(ins[0]))
 
 
+def _reduce_flops(params, ins, outs) -> float:
+  """A reduction combines ``n`` elements into each result with ``n - 1`` operations: its input
+  elements less its results, as XLA's cost analysis counts it."""
+  return max(_in_elems(params, ins, outs) - _out_elems(params, ins, outs), 0.0) \
+      if _in_elems(params, ins, outs) else 0.0
+
+
 def _dot_flops(params, ins, outs) -> float:
   (lhs_c, _), _ = params["dimension_numbers"]
   k = 1
@@ -120,6 +132,66 @@ def _gather_flops(params, ins, outs) -> float:
 def _reduce_window_flops(params, ins, outs) -> float:
   win = params.get("window_dimensions", ())
   return float(aval_size(outs[0]) * int(np.prod(win or (1,))))
+
+
+_DRAW_FITS: dict[tuple, tuple[float, float]] = {}
+
+
+def random_bits_flops(key_aval, params: dict) -> float:
+  """FLOPs of one ``random_bits`` draw as XLA's cost analysis counts them.
+
+  The draw is lowered to its PRNG's hash (threefry: 20 rounds of add, rotate and xor on a
+  pair of 32-bit counters per element, plus the counters' iota over the shape), whose integer
+  operations XLA counts as FLOPs. How many depends on the lowering and the backend: XLA:CPU
+  rolls threefry's five four-round groups into a ``while`` loop whose body its cost analysis
+  counts once (about 45 per element of a 1-D draw), where GPUs unroll them (every round
+  counted). The count is affine in the elements for a given key type, bit width and rank (the
+  counters' iota adds a multiply-add per dimension), so it is read once off XLA on the default
+  backend: ``random_bits`` compiled at two small shapes of that rank gives the per-element
+  slope and the fixed part (memoised; a few milliseconds of compilation per key type, width
+  and rank). Falls back to one FLOP per element if the draw cannot be compiled alone.
+
+  Args:
+    key_aval: the abstract key operand (a typed PRNG key array).
+    params: the equation's parameters (``shape``, ``bit_width``).
+  """
+  shape = tuple(int(d) for d in params.get("shape", ()))
+  bits = int(params.get("bit_width", 32))
+  n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+  n_keys = aval_size(key_aval)   # a batch of keys draws ``shape`` per key
+  rank = len(shape)
+  key = (jax.default_backend(), str(getattr(key_aval, "dtype", "")), bits, rank,
+         bool(jax.config.jax_threefry_partitionable))
+  fit = _DRAW_FITS.get(key)
+  if fit is None:
+    fit = _DRAW_FITS[key] = _fit_draw(key_aval, bits, rank)
+  per, fixed = fit
+  return float(n_keys * (per * n + fixed))
+
+
+def _fit_draw(key_aval, bits: int, rank: int) -> tuple[float, float]:
+  """``(FLOPs per element, fixed FLOPs)`` of a ``random_bits`` draw of ``rank`` dimensions,
+  from XLA's cost analysis of two small draws (see :func:`random_bits_flops`)."""
+  dtype = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}.get(bits)
+  small, large = ((2,) * (rank - 1) + (64,), (2,) * (rank - 1) + (128,)) if rank else ((), ())
+  try:
+    key = jax.ShapeDtypeStruct((), key_aval.dtype)
+
+    def flops(shape):
+      fn = jax.jit(lambda k: jax.random.bits(k, shape, dtype))
+      ca = fn.lower(key).compile().cost_analysis()
+      ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+      return float(ca.get("flops", 0.0))
+    if not rank:
+      return 0.0, flops(())
+    a, b = flops(small), flops(large)
+  except Exception as e:  # noqa: BLE001 -- an unusual PRNG: count it as elementwise
+    log.info("random_bits of %s (%d bits) cannot be costed by XLA alone (%s); one FLOP per "
+             "element", getattr(key_aval, "dtype", "?"), bits, e)
+    return 1.0, 0.0
+  n_small, n_large = int(np.prod(small)), int(np.prod(large))
+  per = (b - a) / (n_large - n_small)
+  return per, a - per * n_small
 
 
 PRIMITIVES: dict[str, PrimitiveInfo] = {}
@@ -157,14 +229,17 @@ FUSES_PRODUCERS = ELEMENTWISE | REDUCTIONS
 """Ops XLA computes their elementwise operands inside of (loop and input fusion): an
 elementwise result read by these alone is never written to memory."""
 
-_register(sorted(ELEMENTWISE | {"random_bits", "random_split", "rng_uniform",
-                                "rng_bit_generator"}),
+_register(sorted(ELEMENTWISE | {"random_split", "rng_uniform", "rng_bit_generator"}),
           flops=_out_elems)   # one FLOP per output element
-_register([  # reductions and scans over an axis: one FLOP per input element
+_register([  # reductions: one FLOP per element combined into a result
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "reduce_xor", "argmax", "argmin", "reduce", "cumsum", "cumprod", "cummax", "cummin",
-    "cumlogsumexp", "reduce_and", "top_k", "approx_top_k",
+    "reduce_xor", "reduce",
+], flops=_reduce_flops)
+_register([  # arg-reductions and scans over an axis: one FLOP per input element
+    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "top_k",
+    "approx_top_k",
 ], flops=_in_elems)
+_register(["random_bits"], flops=lambda p, i, o: random_bits_flops(i[0], p))
 _register(["sort"], flops=_sort_flops)
 _register(["reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
            "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"],
@@ -174,12 +249,23 @@ _register(["scatter-add", "scatter-mul", "scatter-min", "scatter-max",   # JAX's
           flops=lambda p, i, o: float(aval_size(i[2])) if len(i) > 2 else 0.0)
 _register(["gather"], flops=_gather_flops)
 _register(["slice", "dynamic_slice", "squeeze", "reshape"], view=True)
-_register(["bitcast_convert_type", "stop_gradient", "optimization_barrier", "name",
+
+
+def _convert_flops(params, ins, outs) -> float:
+  """XLA counts a conversion between two types as one FLOP per element (a bit cast too);
+  one that keeps the type (a weak type made strong) is no op at all."""
+  if ins and outs and np.dtype(ins[0].dtype) == np.dtype(outs[0].dtype):
+    return 0.0
+  return _out_elems(params, ins, outs)
+
+
+_register(["convert_element_type", "bitcast_convert_type"], flops=_convert_flops)
+_register(["stop_gradient", "optimization_barrier", "name",
            "sharding_constraint", "device_put", "copy", "copy_p", "random_wrap", "random_unwrap",
            "harpjax_layer_boundary"])
 _register([  # data movement: no FLOPs, bytes moved
     "broadcast_in_dim", "transpose", "concatenate", "pad", "scatter",
-    "dynamic_update_slice", "iota", "rev", "convert_element_type", "select_and_scatter_add",
+    "dynamic_update_slice", "iota", "rev", "select_and_scatter_add",
     "split", "stack", "random_seed", "empty", "tie_in", "axis_index", "create_token",
     "after_all",
 ])
