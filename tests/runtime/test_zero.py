@@ -279,7 +279,7 @@ def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
       lo, hi = (lo, mid) if plans(mid, **kw)[1] else (mid, hi)
     return hi
   level0, any_level = least(zero_levels=(0,), offload=False), least(offload=False)
-  assert any_level < level0 / 1.05, (any_level, level0)
+  assert any_level < level0 / 1.02, (any_level, level0)   # the workspace ZeRO cannot shard
   path, res = plans((any_level * level0) ** 0.5)
   assert res is not None and any(s.zero for s in res.plan.stages), (any_level, level0)
   pstep = harpjax.auto_parallel(case.step, cluster=path, num_microbatches=B,

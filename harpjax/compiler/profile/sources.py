@@ -565,11 +565,17 @@ class ImportedSource:
           t1 = dataclasses.replace(task, layer=i, signature=task.seq[i].signature,
                                    local=lambda i=i: (task.seq, _piece(task, i)),
                                    mesh=(1, 1))
-          total += self.base.compute_time_s(t1)
+          total += _compute_s(self.base.cost(t1))
         self._ratio[key] = measured / total
     r = self._ratio[key]
-    t_comp = self.base.compute_time_s(task)
-    return dataclasses.replace(c, time_s=c.time_s + t_comp * (r - 1.0))
+    # the published forward+backward includes adding each gradient into its accumulator (a
+    # framework's backward writes into .grad): the analytic compute scaled includes it too
+    return dataclasses.replace(c, time_s=c.time_s + _compute_s(c) * (r - 1.0))
+
+
+def _compute_s(c: LayerCost) -> float:
+  """A layer cost's compute seconds (its time less its collectives)."""
+  return c.time_s - c.comm_s
 
 
 def _hidden_size(piece) -> int:
