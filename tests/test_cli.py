@@ -689,8 +689,8 @@ def _worker_pids(seen: list[str]) -> list[int]:
   return [int(pid) for pid in re.findall(r"worker (\d+) busy", "".join(seen))]
 
 
-@pytest.mark.parametrize("mode", ["python", "swallow", "swallow_once", "gc", "numba",
-                                  "process", "thread", "compile"])
+@pytest.mark.parametrize("mode", ["python", "swallow", "gc", "numba", "compile"] + [
+    pytest.param(m, marks=pytest.mark.slow) for m in ("swallow_once", "process", "thread")])
 def test_ctrl_c_during_plan_exits_130(warm_cache, mode):
   db_dir, cluster = warm_cache
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))

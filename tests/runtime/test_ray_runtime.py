@@ -185,6 +185,7 @@ def test_killed_actor_is_a_clear_error_not_a_hang():
   runner.shutdown()
 
 
+@pytest.mark.slow   # long; the fast suite keeps a smaller case of the same path
 def test_stage_over_two_hosts_is_one_spmd_program_over_their_processes():
   # Stage 1 runs on hosts a100-0 and a100-1: one actor per host, joined by jax.distributed,
   # running the stage as one SPMD program (data parallel across the hosts).
@@ -203,6 +204,7 @@ def test_stage_over_two_hosts_is_one_spmd_program_over_their_processes():
   runner.shutdown()
 
 
+@pytest.mark.slow   # long; the fast suite keeps a smaller case of the same path
 def test_gpt_last_stage_over_two_hosts_tensor_parallel_across_them():
   # The group's stage holds the tied head (its gradient part is gathered and sent to the
   # owner), gets the driver's PRNG key, and splits its tensors across the two processes.
@@ -375,6 +377,7 @@ def test_interrupted_gather_and_checkpoint_save_leave_the_runner_usable(backend,
   assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
 
 
+@pytest.mark.slow   # long; the fast suite keeps a smaller case of the same path
 def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
   # Three stages, a checkpoint every 2 steps; stage 1's actor is killed after step 3. Step 4
   # detects the lost host, re-plans automatically on the 6 devices left, restores checkpoint 2,
@@ -439,6 +442,7 @@ def test_zero_stages_on_actors_match_jit_float64(offload_by):
     jax.config.update("jax_enable_x64", prev)
 
 
+@pytest.mark.slow   # long; the fast suite keeps a smaller case of the same path
 def test_mixed_stage_groups_on_other_hosts_run_in_processes_of_their_own(x64):
   # Both stages of the float64 GPT (dropout, tied embeddings, aux outputs) split every
   # microbatch between a V100 group (the home, in the stage's actor on its V100 host) and an

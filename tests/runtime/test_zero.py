@@ -274,7 +274,7 @@ def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
   # The least memory with a plan at level 0 and with any level: devices between the two.
   def least(**kw):
     lo, hi = 2e3, 1e9
-    for _ in range(30):
+    for _ in range(16):   # to a factor 1.0002
       mid = (lo * hi) ** 0.5
       lo, hi = (lo, mid) if plans(mid, **kw)[1] else (mid, hi)
     return hi
