@@ -49,7 +49,7 @@ from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_tim
 from harpjax.compiler.profile.memory import stage_memory
 from harpjax.compiler.profile.tables import (CostTables, assemble_tables, in_remat_mode,
                                              range_max, range_sums, with_remat_choice)
-from harpjax.compiler.trace import REMAT_MODES, remat_mode, trace_step
+from harpjax.compiler.trace import REMAT_MODES, Lit, aval_nbytes, remat_mode, trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
 log = logging.getLogger(__name__)
@@ -541,6 +541,61 @@ def dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
   return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
 
 
+def param_holding(layers: LayerSequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """What a stage on layers ``i..j`` holds of the parameters, against what its layers' costs
+  charge, as ``[L, L]`` arrays of bytes (one device, no tensor-parallel split):
+
+  * ``held``: every parameter some layer of the range reads, whole and once (a stacked
+    ``nn.scan`` parameter each of whose layers reads a slice, an embedding a later head reads
+    again): the stage's executables take it, and its gradient accumulator, whole;
+  * ``owned``: of those, the parameters whose first reader is in the range: the runtime's
+    owner (the first stage reading a parameter) alone holds its optimizer state and updates
+    it (:func:`harpjax.compiler.stages.compile_step`);
+  * ``charged``: the sum of the layers' own parameter bytes (:attr:`Layer.param_bytes`: a
+    slice of a stacked parameter counts the slice), what the per-layer costs charge.
+
+  Exact for the planner's ranges: a range holds a parameter iff one of its layers reads it,
+  owns it iff its first reader is in the range."""
+  L = len(layers)
+  prog = layers.program
+  kinds = layers.input_kinds or ()
+  param_vids = {prog.invars[k] for k, kind in enumerate(kinds) if kind == "param"
+                and not isinstance(prog.invars[k], Lit)}
+  readers: dict[int, list[int]] = {}
+  for l, layer in enumerate(layers):
+    seen = set()
+    for op in prog.ops[layer.start:layer.end]:
+      for v in op.in_ids():
+        if v in param_vids and v not in seen:
+          seen.add(v)
+          readers.setdefault(v, []).append(l)
+  idx = np.arange(L)
+  held = np.zeros((L, L))
+  by_readers: dict[tuple[int, ...], float] = {}
+  for v, rs in readers.items():
+    key = tuple(rs)
+    by_readers[key] = by_readers.get(key, 0.0) + float(aval_nbytes(prog.avals[v]))
+  first = np.zeros(L)
+  for rs, b in by_readers.items():
+    first[rs[0]] += b
+    if len(rs) == 1:
+      continue
+    # the first reader at or after each i; the range i..j reads it iff that is <= j
+    nxt = np.full(L, L)
+    for r in reversed(rs):
+      nxt[:r + 1] = np.minimum(nxt[:r + 1], r)
+    held += b * (nxt[:, None] <= idx[None, :])
+  single = np.zeros(L)
+  for rs, b in by_readers.items():
+    if len(rs) == 1:
+      single[rs[0]] += b
+  upper = idx[None, :] >= idx[:, None]
+  held = np.where(upper, held + range_sums(single), 0.0)
+  owned = np.where(upper, range_sums(first), 0.0)
+  charged = np.where(upper, range_sums([l.param_bytes for l in layers]), 0.0)
+  return held, owned, charged
+
+
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
                             imbalance: float, zero: tuple[float, float] | None = None,
                             num_microbatches: int | None = None
@@ -566,6 +621,12 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   out = np.array([l.boundary_bytes for l in layers], np.float64)
   out[-1] = 0.0
   out = np.broadcast_to(out[None, :], (L, L))
+  # parameters read by several layers (scan stacks, tied weights): held whole by each stage
+  # reading them, their optimizer state by the first (ratios to what the layers charge)
+  held, owned, charged = param_holding(layers)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    held_ratio = np.where(charged > 0, held / np.where(charged > 0, charged, 1.0), 1.0)
+    owned_ratio = np.where(charged > 0, owned / np.where(charged > 0, charged, 1.0), 1.0)
 
   def mesh_costs(k: int, s: int):
     sub = subs[k]
@@ -585,11 +646,13 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       per, opt_per = zero
       opt = state / per * opt_per
       weights = (state - opt) / 2.0
-      zero_cols = (opt, allgather_time_s(weights, dp, link))
     else:
       weights = np.minimum(grads, state / 2.0)
       opt = state - 2.0 * weights
-      zero_cols = (None, None)
+    opt = opt * owned_ratio
+    shared = weights * np.maximum(held_ratio - owned_ratio, 0.0)
+    weights = weights * held_ratio
+    zero_cols = (opt, allgather_time_s(weights, dp, link)) if zero is not None else (None, None)
     work = range_max(arr["temp_bytes"])
     # the largest layer's gradient, in the state's bytes per parameter
     gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
@@ -597,7 +660,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
                        act_bytes=range_sums(arr["act_mem_bytes"]), dp=dp, zero=0,
                        out_bytes=out / dp, workspace_bytes=work, replicas=True,
-                       grad_out_bytes=gout)
+                       grad_out_bytes=gout, shared_param_bytes=shared)
     return (mesh, range_sums(arr["time_s"]), mem.fixed_bytes(),
             range_sums(arr["act_mem_bytes"]), sync + update, *zero_cols, sync, work,
             mem.step_bytes(), gout)
