@@ -347,6 +347,44 @@ def _fused(prog: Program, read: dict) -> tuple[dict, set]:
   return src, fused
 
 
+_DRAW_TEMPS: dict = {}
+
+
+def random_bits_temp_bytes(key_aval, params: dict, out_bytes: float) -> float:
+  """Temporary bytes XLA allocates while one ``random_bits`` draw of ``out_bytes`` (its result,
+  on one device) runs: the hash's own buffers (the counters, the state it carries through its
+  rounds), as XLA's ``memory_analysis()`` counts them on the default backend. Like
+  :func:`~harpjax.compiler.trace.primitives.random_bits_flops`, read off XLA once per key
+  type, bit width and backend from two draws alone (affine in the elements; XLA:CPU: three
+  times the draw's bytes), memoised; ``0`` if the draw cannot be compiled alone."""
+  bits = int(params.get("bit_width", 32))
+  key = (jax.default_backend(), str(getattr(key_aval, "dtype", "")), bits,
+         bool(jax.config.jax_threefry_partitionable))
+  fit = _DRAW_TEMPS.get(key)
+  if fit is None:
+    fit = _DRAW_TEMPS[key] = _fit_draw_temp(key_aval, bits)
+  per, fixed = fit
+  return max(per * float(out_bytes) + fixed, 0.0) if out_bytes > 0 else 0.0
+
+
+def _fit_draw_temp(key_aval, bits: int) -> tuple[float, float]:
+  """``(temporary bytes per byte drawn, fixed bytes)`` of a ``random_bits`` draw, from XLA's
+  memory analysis of two draws of 4096 and 8192 elements."""
+  dtype = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}.get(bits)
+  try:
+    key = jax.ShapeDtypeStruct((), key_aval.dtype)
+
+    def temp(n):
+      fn = jax.jit(lambda k: jax.random.bits(k, (n,), dtype))
+      return float(fn.lower(key).compile().memory_analysis().temp_size_in_bytes)
+    a, b = temp(4096), temp(8192)
+  except Exception:  # noqa: BLE001 -- an unusual PRNG: no workspace of its own
+    return 0.0, 0.0
+  size = np.dtype(dtype).itemsize
+  per = (b - a) / (4096 * size)
+  return per, a - per * 4096 * size
+
+
 def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> float:
   """Peak bytes of written results live at once (inputs and outputs excluded; :func:`_fused`
   ops write nothing; a matmul's operands XLA reorders are copied,
@@ -370,6 +408,16 @@ def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> floa
       if v >= 0 and v not in outputs and v in last:
         delta[op.index] += sizes.nbytes(v)
         delta[last[v] + 1] -= sizes.nbytes(v)
+  # A random draw's hash works in buffers of its own while it runs (XLA:CPU's threefry loop
+  # carries its counters and the two halves of its state: three times the draw's bytes).
+  for op in prog.ops[start:]:
+    if op.name == "random_bits":
+      outs = [o for o in op.outvars if o >= 0]
+      if outs and not isinstance(op.invars[0], Lit):
+        ws = random_bits_temp_bytes(prog.avals[op.invars[0]], op.params,
+                                    sizes.nbytes(outs[0]))
+        delta[op.index] += ws
+        delta[op.index + 1] -= ws
   # Operands a matmul reads in another order are copied as soon as they exist (XLA schedules
   # the copy right after what it copies; an input's at the start), kept until the last
   # matmul reading them.

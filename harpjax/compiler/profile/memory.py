@@ -182,7 +182,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       bwd_workspace_bytes=(G if grad_out_bytes is None else num(grad_out_bytes))
       + np.maximum(reduced, gathered) + ws,
       update_workspace_bytes=np.where(many, P / dp, 0.0) if zero in (1, 2) else np.zeros_like(P),
-      shared_bytes=float(shared_param_bytes) / (dp if zero >= 3 else 1),
+      shared_bytes=num(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
       updates=bool(updates), replicas=replicas))
 

@@ -49,7 +49,7 @@ from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_tim
 from harpjax.compiler.profile.memory import stage_memory
 from harpjax.compiler.profile.tables import (CostTables, assemble_tables, in_remat_mode,
                                              range_max, range_sums, with_remat_choice)
-from harpjax.compiler.trace import REMAT_MODES, remat_mode, trace_step
+from harpjax.compiler.trace import REMAT_MODES, Lit, aval_nbytes, remat_mode, trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
 log = logging.getLogger(__name__)
@@ -541,9 +541,106 @@ def dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
   return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
 
 
+def _range_union_bytes(items: dict, L: int) -> np.ndarray:
+  """``[L, L]`` bytes of the items a layer range reads, each once: ``items`` maps ``(after,
+  readers)`` (the item exists from layer ``after + 1`` on; the increasing layers reading it)
+  to bytes; range ``i..j`` reads it iff ``i > after`` and a reader lies in ``i..j``."""
+  out = np.zeros((L, L))
+  single = np.zeros(L)
+  for (after, readers), b in items.items():
+    if len(readers) == 1 and after < readers[0]:
+      if after == -1:
+        single[readers[0]] += b
+      else:
+        out[after + 1:readers[0] + 1, readers[0]:] += b
+      continue
+    k = 0
+    for i in range(after + 1, readers[-1] + 1):
+      while readers[k] < i:
+        k += 1
+      out[i, readers[k]:] += b
+  return out + np.where(np.arange(L)[None, :] >= np.arange(L)[:, None], range_sums(single), 0.0)
+
+
+def param_holding(layers: LayerSequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """What a stage on layers ``i..j`` holds of the parameters, against what its layers' costs
+  charge, as ``[L, L]`` arrays of bytes (one device, no tensor-parallel split):
+
+  * ``held``: every parameter some layer of the range reads, whole and once (a stacked
+    ``nn.scan`` parameter each of whose layers reads a slice, an embedding a later head reads
+    again): the stage's executables take it, and its gradient accumulator, whole;
+  * ``owned``: of those, the parameters whose first reader is in the range: the runtime's
+    owner (the first stage reading a parameter) alone holds its optimizer state and updates
+    it (:func:`harpjax.compiler.stages.compile_step`);
+  * ``charged``: the sum of the layers' own parameter bytes (:attr:`Layer.param_bytes`: a
+    slice of a stacked parameter counts the slice), what the per-layer costs charge.
+
+  Exact for the planner's ranges: a range holds a parameter iff one of its layers reads it,
+  owns it iff its first reader is in the range."""
+  L = len(layers)
+  prog = layers.program
+  kinds = layers.input_kinds or ()
+  param_vids = {prog.invars[k] for k, kind in enumerate(kinds) if kind == "param"
+                and not isinstance(prog.invars[k], Lit)}
+  readers: dict[int, list[int]] = {}
+  for l, layer in enumerate(layers):
+    for op in prog.ops[layer.start:layer.end]:
+      for v in op.in_ids():
+        if v in param_vids and (v not in readers or readers[v][-1] != l):
+          readers.setdefault(v, []).append(l)
+  held_items: dict = {}
+  first = np.zeros(L)
+  for v, rs in readers.items():
+    b = float(aval_nbytes(prog.avals[v]))
+    key = (-1, tuple(rs))
+    held_items[key] = held_items.get(key, 0.0) + b
+    first[rs[0]] += b
+  upper = np.arange(L)[None, :] >= np.arange(L)[:, None]
+  held = _range_union_bytes(held_items, L)
+  owned = np.where(upper, range_sums(first), 0.0)
+  charged = np.where(upper, range_sums([l.param_bytes for l in layers]), 0.0)
+  return held, owned, charged
+
+
+def stage_input_bytes(layers: LayerSequence) -> np.ndarray:
+  """``[L, L]`` bytes a stage on layers ``i..j`` takes in besides its parameters, each value
+  once: the activations of earlier layers and the step's non-parameter inputs its layers read
+  (values of ops computing constants alone are recomputed in the stage, not taken). Under
+  full rematerialisation this is all a stage keeps of a microbatch for its backward (the
+  runtime checkpoints the stage's forward as a whole); the per-layer costs charge each layer's
+  inputs, so a value two layers of a stage read from outside, or one layer passes the next,
+  is charged twice or needlessly."""
+  L = len(layers)
+  prog = layers.program
+  kinds = layers.input_kinds or ()
+  params = {prog.invars[k] for k, kind in enumerate(kinds) if kind == "param"}
+  invars = set(prog.invars)
+  layer_of, static = {}, set()
+  for l, layer in enumerate(layers):
+    for op in prog.ops[layer.start:layer.end]:
+      outs = [o for o in op.outvars if o >= 0]
+      for o in outs:
+        layer_of[o] = l
+      if op.params.get("jaxpr") is None and all(
+          isinstance(v, Lit) or v in static for v in op.invars) and "random" not in op.name:
+        static.update(outs)
+  readers: dict[int, list[int]] = {}
+  for l, layer in enumerate(layers):
+    for op in prog.ops[layer.start:layer.end]:
+      for v in op.in_ids():
+        if v in params or v in static or (v not in invars and layer_of.get(v, l) >= l):
+          continue
+        if v not in readers or readers[v][-1] != l:
+          readers.setdefault(v, []).append(l)
+  items: dict = {}
+  for v, rs in readers.items():
+    key = (layer_of.get(v, -1), tuple(rs))
+    items[key] = items.get(key, 0.0) + float(aval_nbytes(prog.avals[v]))
+  return _range_union_bytes(items, L)
+
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
                             imbalance: float, zero: tuple[float, float] | None = None,
-                            num_microbatches: int | None = None
+                            num_microbatches: int | None = None, remat: str = "none"
                             ) -> tuple[CostTables, dict]:
   """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
   times and residuals, and the sum of their parameter state plus the largest XLA workspace
@@ -556,7 +653,12 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   ``zero = (state_bytes_per_param, optimizer_bytes_per_param)`` the tables also
   carry the optimizer state's bytes and the weights' all-gather seconds of every entry (the
   planner's ZeRO variants): the parameters are the state bytes over ``state_bytes_per_param``,
-  the weights half of what is not optimizer state."""
+  the weights half of what is not optimizer state.
+
+  Where several layers of a stage read one parameter (an ``nn.scan`` stack, a tied
+  embedding) the stage holds it, and its gradient, once and whole, and its optimizer state
+  only if it is the parameter's first reader (:func:`param_holding`). Under ``remat="full"``
+  a stage keeps of each microbatch only what it takes in (:func:`stage_input_bytes`)."""
   by_submesh: dict[tuple[int, int], list] = {}
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
@@ -566,6 +668,13 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   out = np.array([l.boundary_bytes for l in layers], np.float64)
   out[-1] = 0.0
   out = np.broadcast_to(out[None, :], (L, L))
+  # parameters read by several layers (scan stacks, tied weights): held whole by each stage
+  # reading them, their optimizer state by the first (ratios to what the layers charge)
+  held, owned, charged = param_holding(layers)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    held_ratio = np.where(charged > 0, held / np.where(charged > 0, charged, 1.0), 1.0)
+    owned_ratio = np.where(charged > 0, owned / np.where(charged > 0, charged, 1.0), 1.0)
+  inputs = stage_input_bytes(layers) if remat_mode(remat) == "full" else None
 
   def mesh_costs(k: int, s: int):
     sub = subs[k]
@@ -585,21 +694,25 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       per, opt_per = zero
       opt = state / per * opt_per
       weights = (state - opt) / 2.0
-      zero_cols = (opt, allgather_time_s(weights, dp, link))
     else:
       weights = np.minimum(grads, state / 2.0)
       opt = state - 2.0 * weights
-      zero_cols = (None, None)
+    opt = opt * owned_ratio
+    shared = weights * np.maximum(held_ratio - owned_ratio, 0.0)
+    weights = weights * held_ratio
+    zero_cols = (opt, allgather_time_s(weights, dp, link)) if zero is not None else (None, None)
     work = range_max(arr["temp_bytes"])
     # the largest layer's gradient, in the state's bytes per parameter
     gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
         grads > 0, grads, 1.0), 1.0)
+    act = range_sums(arr["act_mem_bytes"]) if inputs is None else np.where(
+        np.isfinite(range_sums(arr["time_s"])), inputs / dp, np.inf)
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
-                       act_bytes=range_sums(arr["act_mem_bytes"]), dp=dp, zero=0,
+                       act_bytes=act, dp=dp, zero=0,
                        out_bytes=out / dp, workspace_bytes=work, replicas=True,
-                       grad_out_bytes=gout)
+                       grad_out_bytes=gout, shared_param_bytes=shared)
     return (mesh, range_sums(arr["time_s"]), mem.fixed_bytes(),
-            range_sums(arr["act_mem_bytes"]), sync + update, *zero_cols, sync, work,
+            act, sync + update, *zero_cols, sync, work,
             mem.step_bytes(), gout)
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
@@ -713,13 +826,16 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
 
 
 def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
-                  opts: ProfileOptions, num_microbatches: int | None = None
-                  ) -> tuple[CostTables, dict]:
-  """:func:`tables_from_layer_costs` with the options' ZeRO data and the microbatch's rows."""
+                  opts: ProfileOptions, num_microbatches: int | None = None,
+                  remat: str | None = None) -> tuple[CostTables, dict]:
+  """:func:`tables_from_layer_costs` with the options' ZeRO data and the microbatch's rows, in
+  rematerialisation mode ``remat`` (default: the options' first)."""
   zero = None if opts.optimizer_bytes_per_param is None else (
       opts.state_bytes_per_param, opts.optimizer_bytes_per_param)
   tables, counts = tables_from_layer_costs(layers, cluster, subs, configs, costs,
-                                           opts.imbalance, zero, num_microbatches)
+                                           opts.imbalance, zero, num_microbatches,
+                                           remat=opts.remat_modes[0] if remat is None
+                                           else remat)
   if microbatch_size(layers) is not None:
     tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
   return tables, counts
@@ -751,7 +867,7 @@ def tables_for_plan(result: ProfileResult, plan) -> CostTables:
   opts = result.options
   subs = ordered_subclusters(result.cluster, opts.order)
 
-  def build(by_config):
+  def build(by_config, mode):
     configs, costs = [], []
     for k, sub in enumerate(subs):
       for s, nm in enumerate(sub.submesh_shapes()):
@@ -759,11 +875,12 @@ def tables_for_plan(result: ProfileResult, plan) -> CostTables:
           if name == sub.name and sm == tuple(nm) and pins.get((name, sm), mesh) == mesh:
             configs.append(MeshConfig(k, s, tuple(nm), mesh))
             costs.append(arr)
-    return _build_tables(result.layers, result.cluster, subs, configs, costs, opts)[0]
+    return _build_tables(result.layers, result.cluster, subs, configs, costs, opts,
+                         remat=mode)[0]
   if result.remat_costs is not None:
-    return with_remat_choice(**{m: in_remat_mode(build(c), m)
+    return with_remat_choice(**{m: in_remat_mode(build(c, m), m)
                                 for m, c in result.remat_costs.items()})
-  return in_remat_mode(build(result.costs), opts.remat_modes[0])
+  return in_remat_mode(build(result.costs, opts.remat_modes[0]), opts.remat_modes[0])
 
 
 def _warn_uncalibrated(gpu_names, overrides) -> None:
