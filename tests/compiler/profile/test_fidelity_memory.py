@@ -89,6 +89,11 @@ def stage_memory_errors(name: str, remat: bool, plan=None):
   if plan is not None:
     plan = dataclasses.replace(plan(len(prof.layers)), num_microbatches=B,
                                meta={"layers": "auto", "remat": remat})
+    # the warm-ups the planner derives for these stages from the tables, which the runtime
+    # then runs (a plan without stage times would run H-1F1B's warm-ups of equal stages)
+    ev0 = evaluate_plan(tables_for_plan(prof, plan), plan, B, schedule=plan.schedule)
+    plan = plan.with_stages([dataclasses.replace(s, warmup=p.warmup)
+                             for s, p in zip(plan.stages, ev0.stages)])
     step = harpjax.auto_parallel(m.step, cluster=cluster, num_microbatches=B, plan=plan,
                                  profile_options=opts)
   cs = step.compile(*m.args)
