@@ -75,7 +75,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params"]
 
-ESTIMATE_VERSION = "5"
+ESTIMATE_VERSION = "6"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
