@@ -614,12 +614,11 @@ def _copies(prog: Program, read: dict) -> dict:
   """Op index -> how many times XLA computes the op, for the ops its fusion duplicates: a
   cheap elementwise op (not :data:`~harpjax.compiler.trace.primitives.EXPENSIVE`), a slice,
   and a random draw's last step (the xor that ends threefry, which lands in its consumers).
-  Such an op is computed inside every elementwise fusion that reads it (once per copy of each
-  elementwise reader) and once more if the program returns it; a value only reductions and
-  other ops (matmuls, gathers) read is computed once, materialised. Read off XLA:CPU's
-  optimized HLO: a dropout mask the forward returns as a residual and also applies is computed
-  twice, in the fusion writing the residual and in the one applying it, the hash's last xor
-  with it."""
+  A value the program returns (a residual) that elementwise ops also read is computed twice,
+  in the fusion writing it and in the one its readers join, and so is the chain of such ops
+  computing it; every other op once (at most twice: XLA's fusion does not duplicate without
+  bound). Read off XLA:CPU's optimized HLO: a dropout mask the forward returns as a residual
+  and also applies is computed twice, the hash's last xor with it."""
   outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
   readers: dict = {}
   for op in prog.ops:
@@ -633,8 +632,9 @@ def _copies(prog: Program, read: dict) -> dict:
     if len(outs) != 1 or not (op.name in _SLICES or op.name == "random_bits" or (
         op.name in primitives.ELEMENTWISE and op.name not in primitives.EXPENSIVE)):
       continue
-    n = sum(copies[r.index] for r in readers.get(outs[0], ()) if r.index in copies)
-    copies[op.index] = max(1, n + (outs[0] in outputs))
+    fusing = [copies[r.index] for r in readers.get(outs[0], ()) if r.index in copies]
+    copies[op.index] = 2 if (max(fusing, default=1) > 1
+                             or (fusing and outs[0] in outputs)) else 1
   return copies
 
 

@@ -117,14 +117,56 @@ def _zoo_flops_errors(name: str, remat: bool) -> list:
   return [(r["stage"], r["where"], r["flops"][0] / r["flops"][1] - 1) for r in rows]
 
 
+_ZOO = ["loop", "remat", "remat_policy", "moe", "gpt", "bert", "scan"]
+# What is left (docs/fidelity.md, FLOPs): the keys nn.scan splits for its layers are computed
+# in the first stage, which costs none of it (a few hundred FLOPs, 8% of that tiny stage); a
+# tensor-parallel stage recomputing dropout under remat, where XLA:CPU computes the mask once
+# for the weight gradient's matmul and again inside the bias gradient's reduction (4-5%).
+_KNOWN = {("scan", False), ("scan", True), ("loop", True), ("remat", True),
+          ("remat_policy", True)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["loop", "remat", "remat_policy", "moe", "gpt", "bert"])
-def test_zoo_stage_flops_within_3_percent_of_xla(name, remat=False):
-  """Dropout's random draws (redrawn at the full batch, hashed by threefry) and the backward's
-  gradient accumulation included; stages without tensor parallelism. Not yet covered (see
-  docs/fidelity.md, FLOPs): stages on a tensor-parallel mesh, whose backward the estimate does
-  not split, and stages that rematerialise dropout, where XLA computes the mask once per
-  fusion that reads it (up to 7.5% more than the tables), and ``nn.scan`` (7.4%)."""
-  for s, where, err in _zoo_flops_errors(name, remat):
-    if where.endswith(", 1)"):
-      assert abs(err) <= 0.03, (name, remat, s, where, err)
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("name", _ZOO)
+def test_zoo_stage_flops_within_3_percent_of_xla(name, remat):
+  """Every stage of the planner's plan, tensor-parallel ones included: dropout's random draws
+  (redrawn at the full batch, hashed by threefry, split with the value they mask), the
+  backward's gradient accumulation, rematerialised recomputation."""
+  errors = _zoo_flops_errors(name, remat)
+  bad = [(s, where, round(100 * err, 2)) for s, where, err in errors if abs(err) > 0.03]
+  if (name, remat) in _KNOWN:   # the gaps above, on the first (tensor-parallel) stage only
+    assert all(s == 0 for s, _, _ in bad), (name, remat, bad)
+    assert all(abs(err) <= 0.03 for s, _, err in errors if s > 0)
+    assert all(abs(err) <= 0.09 for _, _, err in errors)
+  else:
+    assert not bad, (name, remat, bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [3])
+def test_zero_stage_flops_within_3_percent_of_xla(zero):
+  """A ZeRO-3 stage all-gathers its parameters before the forward and reduce-scatters its
+  gradients: collectives, no FLOPs the tables miss (float32 GPT, data-parallel V100s then
+  A100s)."""
+  from harpjax.compiler.plan import ManualPlan
+  step_fn, state, tokens = _gpt_step()
+  opts = ProfileOptions(use_cache=False)
+  probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
+                                profile_options=opts)
+  prof = probe.profile(state, tokens)
+  L = len(prof.layers)
+  plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
+                          logical_mesh=(4, 1), zero=zero),
+                     dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
+                          logical_mesh=(2, 1), zero=zero)])
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
+                               profile_options=opts)
+  cs = step.compile(state, tokens)
+  for s, (spec, st) in enumerate(zip(cs.plan.stages, cs.stages)):
+    assert spec.zero == zero
+    compiled = compile_stage(st)
+    xla = sum(float(compiled[k].cost_analysis()["flops"]) for k in ("fwd", "bwd"))
+    costs = prof.costs[(spec.subcluster, tuple(spec.submesh), tuple(spec.logical_mesh))]
+    tables = float(np.sum(costs["flops"][spec.layers[0]:spec.layers[1] + 1]))
+    assert abs(tables / xla - 1) <= 0.03, (s, zero, tables, xla)
