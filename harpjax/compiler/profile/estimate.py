@@ -614,10 +614,9 @@ def _copies(prog: Program, read: dict) -> dict:
   """Op index -> how many times XLA computes the op, for the ops its fusion duplicates: a
   cheap elementwise op (not :data:`~harpjax.compiler.trace.primitives.EXPENSIVE`), a slice,
   and a random draw's last step (the xor that ends threefry, which lands in its consumers).
-  A value the program returns (a residual) that elementwise ops also read is computed twice,
-  in the fusion writing it and in the one its readers join, and so is the chain of such ops
-  computing it; every other op once (at most twice: XLA's fusion does not duplicate without
-  bound). Read off XLA:CPU's optimized HLO: a dropout mask the forward returns as a residual
+  A value that two elementwise fusions read (or one, and the program returns it) is computed
+  in each, and so is the chain of such ops computing it; every other op once (at most twice:
+  XLA's fusion does not duplicate without bound). Read off XLA:CPU's optimized HLO: a dropout mask the forward returns as a residual
   and also applies is computed twice, the hash's last xor with it."""
   outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
   readers: dict = {}
@@ -633,8 +632,7 @@ def _copies(prog: Program, read: dict) -> dict:
         op.name in primitives.ELEMENTWISE and op.name not in primitives.EXPENSIVE)):
       continue
     fusing = [copies[r.index] for r in readers.get(outs[0], ()) if r.index in copies]
-    copies[op.index] = 2 if (max(fusing, default=1) > 1
-                             or (fusing and outs[0] in outputs)) else 1
+    copies[op.index] = min(2, max(1, sum(fusing) + (outs[0] in outputs)))
   return copies
 
 
