@@ -75,7 +75,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params"]
 
-ESTIMATE_VERSION = "5"
+ESTIMATE_VERSION = "6"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -209,7 +209,7 @@ def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
 class _Sizes:
   """Per-device bytes of a program's values on a ``(dp, tp)`` mesh, and which ops split."""
 
-  def __init__(self, prog: Program, params, batch_inputs, dp: int, tp: int):
+  def __init__(self, prog: Program, params, batch_inputs, dp: int, tp: int, grads=()):
     self.prog, self.dp, self.tp = prog, dp, tp
     self.batch: set = set()
     self.batch_ops: set = set()
@@ -232,9 +232,11 @@ class _Sizes:
               self.batch_ops.add(op.index)
     self.split: set = set()
     self.row_ops: tuple = ()
+    self.partial_ops: set = set()
     if tp > 1:
       plan = sharding.tp_plan(prog, prog.ops, params, tp)
       self.split = set(plan.act_dims) | set(plan.param_dims)
+      self._propagate(prog, plan, params, grads)
       for op in prog.ops:   # views of split values (a transposed weight) are split too
         outs = [o for o in op.outvars if o >= 0]
         if (op.name in _MOVES and len(outs) == 1 and op.invars
@@ -242,9 +244,56 @@ class _Sizes:
           self.split.add(outs[0])
       self.row_ops = plan.row_ops
       self._split_draws(prog)
-    row = set(self.row_ops)
+    row = set(self.row_ops) | self.partial_ops
     self.split_ops = {op.index for op in prog.ops
                       if op.index in row or any(o in self.split for o in op.outvars)}
+
+  def _propagate(self, prog: Program, plan, params, grads) -> None:
+    """What XLA's sharding propagation splits besides the rules' choices (read off the
+    compiled stages' HLO): a parameter's gradient is split like the parameter (the backward
+    adds it into an accumulator sharded so), and so is whatever computes it (the weight
+    gradient's matmul, the bias gradient's reduction, the dropout mask and the draw behind it,
+    the cotangent each device slices locally); the forward is split from there on (an
+    elementwise op, view or reduction of a split value, a matmul of one split on a dimension
+    it keeps). Walks back from the gradients, then forward from every split value; a value
+    keeps the first dimension it is given, the program's inputs keep theirs."""
+    tp = self.tp
+    dims = dict(plan.act_dims)
+    dims.update((p, d) for p, d in plan.param_dims.items())
+    inputs = set(prog.invars)
+    made = {o: op for op in prog.ops for o in op.outvars if o >= 0}
+    todo = []
+    for p, g in zip(params, grads):
+      if p in plan.param_dims and not isinstance(g, Lit) and g not in inputs:
+        todo.append((g, plan.param_dims[p]))
+    while todo:   # backward: the producers of split gradients
+      v, d = todo.pop()
+      if v in dims or v in inputs or not self._fits(v, d):
+        continue
+      dims[v] = d
+      if v in made:
+        for r, m in _dim_maps(made[v], prog):
+          back = {o: i for i, o in m.items()}
+          if d in back and not isinstance(r, Lit) and r not in dims:
+            todo.append((r, back[d]))
+    for op in prog.ops:   # forward: what split values compute
+      for r, m in _dim_maps(op, prog):
+        if isinstance(r, Lit) or r not in dims or dims[r] not in m:
+          continue
+        for o in op.outvars:
+          if o >= 0 and o not in dims and self._fits(o, m[dims[r]]):
+            dims[o] = m[dims[r]]
+        break
+      if op.name == "dot_general":   # contracting a split dimension: partial sums
+        (lc, rc), _ = op.params["dimension_numbers"]
+        if any(not isinstance(r, Lit) and dims.get(r, -1) in {int(c) for c in cs}
+               for r, cs in zip(op.invars, (lc, rc))):
+          self.partial_ops.add(op.index)
+    self.split |= set(dims)
+
+  def _fits(self, v, d) -> bool:
+    shape = self.prog.avals[v].shape
+    return 0 <= d < len(shape) and shape[d] % self.tp == 0 and shape[d] >= self.tp
 
   def _split_draws(self, prog: Program) -> None:
     """Random numbers drawn for a split value are split like it: a partitionable draw
@@ -286,6 +335,62 @@ class _Sizes:
     if op.index in self.split_ops:
       s /= self.tp
     return s
+
+
+_KEEP_DIMS = frozenset({"convert_element_type", "copy", "copy_p", "slice", "dynamic_slice",
+                        "stop_gradient", "optimization_barrier", "reduce_precision",
+                        "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+
+
+def _dim_maps(op, prog: Program) -> list:
+  """``[(operand, {operand dim: result dim})]``: which dimensions of a result each operand's
+  dimensions become, for the ops a split passes through (elementwise ops, views, reductions,
+  a matmul's kept dimensions); empty for the others."""
+  outs = [o for o in op.outvars if o >= 0]
+  if not outs or not op.invars:
+    return []
+  out = tuple(prog.avals[outs[0]].shape)
+  shape = lambda r: tuple(np.shape(r.value)) if isinstance(r, Lit) else tuple(
+      prog.avals[r].shape)
+  name = op.name
+  if name in primitives.ELEMENTWISE:
+    return [(r, {d: d for d in range(len(out)) if shape(r)[d] == out[d]})
+            for r in op.invars if len(shape(r)) == len(out)]
+  if name in _KEEP_DIMS:
+    s = shape(op.invars[0])
+    return ([(op.invars[0], {d: d for d in range(len(out)) if s[d] == out[d]})]
+            if len(s) == len(out) else [])
+  if name == "transpose":
+    return [(op.invars[0], {int(p): j for j, p in enumerate(op.params["permutation"])})]
+  if name == "broadcast_in_dim":
+    s = shape(op.invars[0])
+    return [(op.invars[0], {i: int(j) for i, j in enumerate(op.params["broadcast_dimensions"])
+                            if s[i] == out[int(j)]})]
+  if name in ("reshape", "squeeze", "expand_dims"):
+    s = shape(op.invars[0])   # a dimension whose elements before it are the same
+    pre_in, pre_out = np.cumprod((1,) + s), np.cumprod((1,) + out)
+    m = {}
+    for d, size in enumerate(s):
+      hit = np.flatnonzero((pre_out[:-1] == pre_in[d]) & (np.array(out + (0,))[:-1] == size))
+      if size > 1 and len(hit):
+        m[d] = int(hit[0])
+    return [(op.invars[0], m)]
+  if name in primitives.REDUCTIONS and "axes" in op.params:
+    axes = {int(a) for a in op.params["axes"]}
+    kept = [d for d in range(len(shape(op.invars[0]))) if d not in axes]
+    return [(op.invars[0], {d: j for j, d in enumerate(kept)})]
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    ls, rs = shape(op.invars[0]), shape(op.invars[1])
+    lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rs)) if d not in rc and d not in rb]
+    nb = len(lb)
+    lm = {int(d): j for j, d in enumerate(lb)}
+    lm.update({d: nb + j for j, d in enumerate(lfree)})
+    rm = {int(d): j for j, d in enumerate(rb)}
+    rm.update({d: nb + len(lfree) + j for j, d in enumerate(rfree)})
+    return [(op.invars[0], lm), (op.invars[1], rm)]
+  return []
 
 
 def _read(prog: Program) -> dict:
@@ -461,14 +566,16 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   piece = traced.piece
   fb = traced.fwd_bwd
   params, batch = _input_roles(piece, fb, with_cts=True)
-  sizes = _Sizes(fb, params, batch, dp, tp)
+  n_p = len(piece.param_ids)
+  sizes = _Sizes(fb, params, batch, dp, tp, fb.outvars[:n_p])
   read = _read(fb)
   lv = traced.live if traced.live is not None else fb
   if lv is fb:
     lv_sizes, lv_read = sizes, read
   else:
     lv_params, lv_batch = _input_roles(piece, lv, with_cts=True)
-    lv_sizes, lv_read = _Sizes(lv, lv_params, lv_batch, dp, tp), _read(lv)
+    lv_grads = lv.outvars[traced.num_outputs:traced.num_outputs + n_p]
+    lv_sizes, lv_read = _Sizes(lv, lv_params, lv_batch, dp, tp, lv_grads), _read(lv)
   work = _work(lv, lv_sizes, lv_read)
   nbytes = _bytes_accessed(fb, sizes, read)
   fr_sizes = _fwd_sizes(traced, dp, tp)
@@ -505,8 +612,20 @@ def accumulated_params(traced: TracedPiece, mesh_shape: tuple[int, int]) -> tupl
   """``(elements, bytes)`` per device of the parameters whose gradient the stage's backward
   adds into its accumulator with an add of its own: all but those whose gradient a
   scatter-add produces (an embedding table's), which XLA scatters into the donated
-  accumulator directly (``acc + scatter(0, i, u)`` is ``scatter(acc, i, u)``)."""
+  accumulator directly (``acc + scatter(0, i, u)`` is ``scatter(acc, i, u)``). A slice of a
+  stacked parameter (a layer of ``nn.scan``) counts the whole stacked parameter: the stage's
+  accumulator is the stacked parameter's, and XLA pads each layer's gradient of its slice to
+  it and adds it whole."""
   piece, fb = traced.piece, traced.fwd_bwd
+  prog = piece.program
+  made_in = {o: op for op in prog.ops for o in op.outvars if o >= 0}
+  invars = set(prog.invars)
+
+  def stacked(v):   # the whole parameter a slice of one views, or v itself
+    while v not in invars and v in made_in and made_in[v].invars and \
+        not isinstance(made_in[v].invars[0], Lit) and primitives.is_view(made_in[v].name):
+      v = made_in[v].invars[0]
+    return v if v in invars else None
   tp = mesh_shape[1]
   made = {o: op for op in fb.ops for o in op.outvars if o >= 0}
   folded = _read(fb)
@@ -519,10 +638,13 @@ def accumulated_params(traced: TracedPiece, mesh_shape: tuple[int, int]) -> tupl
     if any(not isinstance(u, Lit) and u in made and made[u].name in _SCATTER_ADDS
            for u in srcs):
       continue
-    aval = piece.program.avals[v]
+    aval = prog.avals[v]
     div = tp if specs[v] != sharding.P() else 1
-    n += primitives.aval_size(aval) / div
-    nbytes += primitives.aval_nbytes(aval) / div
+    root = stacked(v)
+    whole = 1.0 if root is None else primitives.aval_size(prog.avals[root]) / max(
+        primitives.aval_size(aval), 1)
+    n += whole * primitives.aval_size(aval) / div
+    nbytes += whole * primitives.aval_nbytes(aval) / div
   return n, nbytes
 
 
@@ -532,14 +654,54 @@ def _op_flops(prog: Program, op) -> float:
   return primitives.eqn_flops(op.name, op.params, ins, outs)
 
 
+# Data movement XLA computes inside its consumers like an elementwise op (a slice of a draw).
+_SLICES = frozenset({"slice", "dynamic_slice"})
+
+
+def _copies(prog: Program, read: dict) -> dict:
+  """Op index -> how many times XLA computes the op, for the ops its fusion duplicates: a
+  cheap elementwise op (not :data:`~harpjax.compiler.trace.primitives.EXPENSIVE`), a slice,
+  and a random draw's last step (the xor that ends threefry, which lands in its consumers).
+  A value that two elementwise fusions read (or one, and the program returns it) is computed
+  in each, and so is the chain of such ops computing it; every other op once (at most twice:
+  XLA's fusion does not duplicate without bound). Read off XLA:CPU's optimized HLO: a dropout mask the forward returns as a residual
+  and also applies is computed twice, the hash's last xor with it."""
+  outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
+  readers: dict = {}
+  for op in prog.ops:
+    if op.name in _FOLDED:
+      continue
+    for u in dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,))):
+      readers.setdefault(u, []).append(op)
+  copies: dict = {}
+  for op in reversed(prog.ops):
+    outs = [o for o in op.outvars if o >= 0]
+    if len(outs) != 1 or not (op.name in _SLICES or op.name == "random_bits" or (
+        op.name in primitives.ELEMENTWISE and op.name not in primitives.EXPENSIVE)):
+      continue
+    fusing = [copies[r.index] for r in readers.get(outs[0], ()) if r.index in copies]
+    copies[op.index] = min(2, max(1, sum(fusing) + (outs[0] in outputs)))
+  return copies
+
+
 def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
   """The :class:`Work` of a program: FLOPs (split as :class:`_Sizes` says), bytes as
   :func:`_bytes_accessed` counts them op by op, and the ops with a kernel of their own."""
   heavy_f, heavy_b = [], []
   light_f = light_b = kernels = 0.0
+  copies = _copies(prog, read)
   for op in prog.ops:
     raw = _op_flops(prog, op)
-    flops = raw * sizes.op_scale(op)
+    scale = sizes.op_scale(op)
+    if op.name == "random_bits":
+      if scale < 1:   # each device draws its part, setting up the key all the same
+        raw = primitives.random_bits_flops(prog.avals[op.invars[0]], op.params, 1 / scale) / scale
+      # the hash's last xor, computed again inside each further fusion reading the draw
+      raw += (copies.get(op.index, 1) - 1) * sum(
+          primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
+    elif op.index in copies:
+      raw *= copies[op.index]
+    flops = raw * scale
     if op.name in _FOLDED:
       light_f += flops
       continue

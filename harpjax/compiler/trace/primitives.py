@@ -32,6 +32,7 @@ from harpjax import _compat
 log = logging.getLogger(__name__)
 
 __all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "REDUCTIONS", "FUSES_PRODUCERS",
+           "EXPENSIVE",
            "dot_operand_copies", "info", "is_compute_heavy", "is_view", "eqn_flops",
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
            "aval_nbytes", "aval_size", "is_float", "random_bits_flops"]
@@ -137,7 +138,7 @@ def _reduce_window_flops(params, ins, outs) -> float:
 _DRAW_FITS: dict[tuple, tuple[float, float]] = {}
 
 
-def random_bits_flops(key_aval, params: dict) -> float:
+def random_bits_flops(key_aval, params: dict, parts: float = 1.0) -> float:
   """FLOPs of one ``random_bits`` draw as XLA's cost analysis counts them.
 
   The draw is lowered to its PRNG's hash (threefry: 20 rounds of add, rotate and xor on a
@@ -154,6 +155,9 @@ def random_bits_flops(key_aval, params: dict) -> float:
   Args:
     key_aval: the abstract key operand (a typed PRNG key array).
     params: the equation's parameters (``shape``, ``bit_width``).
+    parts: the draw is partitioned into this many equal parts, one per device (a draw split
+      with the value it masks): the FLOPs of one part, whose device still sets up the key
+      (the fixed part).
   """
   shape = tuple(int(d) for d in params.get("shape", ()))
   bits = int(params.get("bit_width", 32))
@@ -166,7 +170,7 @@ def random_bits_flops(key_aval, params: dict) -> float:
   if fit is None:
     fit = _DRAW_FITS[key] = _fit_draw(key_aval, bits, rank)
   per, fixed = fit
-  return float(n_keys * (per * n + fixed))
+  return float(n_keys * (per * n / parts + fixed))
 
 
 def _fit_draw(key_aval, bits: int, rank: int) -> tuple[float, float]:
@@ -226,6 +230,17 @@ REDUCTIONS = frozenset({
 """Reductions over axes (XLA fuses elementwise producers into them)."""
 
 FUSES_PRODUCERS = ELEMENTWISE | REDUCTIONS
+
+EXPENSIVE = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "tan", "sin", "cos", "asin",
+    "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
+    "cbrt", "pow", "erf", "erfc", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
+    "bessel_i0e", "bessel_i1e", "polygamma", "zeta", "regularized_incomplete_beta",
+    "random_gamma", "threefry2x32",
+})
+"""Elementwise ops XLA's fusion does not duplicate into several consumers (transcendentals:
+XLA's ``InstructionFusion::IsExpensive``); the other elementwise ops it recomputes inside every
+fusion that reads them."""
 """Ops XLA computes their elementwise operands inside of (loop and input fusion): an
 elementwise result read by these alone is never written to memory."""
 

@@ -109,22 +109,66 @@ def test_random_bits_flops_as_xla_counts_them(shape, raw_key):
 
 
 def _zoo_flops_errors(name: str, remat: bool) -> list:
-  """Per stage of the planner's plan of a zoo model (float32, B = 4, demo cluster): the
-  tables' FLOPs over XLA's ``cost_analysis`` of the stage's forward and backward, less 1,
-  with the stage's logical mesh."""
+  """Per stage of the planner's plan of a zoo model (float32, B = 4, demo cluster): its
+  layers, its logical mesh, and the tables' FLOPs over XLA's ``cost_analysis`` of the stage's
+  forward and backward, less 1."""
   import benchmarks.fidelity as bench
   rows = bench.measure_stages(name, remat)
-  return [(r["stage"], r["where"], r["flops"][0] / r["flops"][1] - 1) for r in rows]
+  return [(tuple(int(x) for x in r["layers"].split("-")), r["where"],
+           r["flops"][0] / r["flops"][1] - 1) for r in rows]
+
+
+_ZOO = ["loop", "remat", "remat_policy", "moe", "gpt", "bert", "scan"]
+# What is left (docs/fidelity.md, FLOPs), by the layers of the stage it shows in: the zoo's
+# tensor-parallel first layer (Dense and dropout on four devices, a few kFLOP), where XLA:CPU
+# computes the masked cotangent once for the weight gradient's matmul and again inside the
+# bias gradient's reduction, and nn.scan's first stage also splits the keys of its layers,
+# costed nowhere (4-10%); the GPT's rematerialised blocks with dropout (-6.6%); BERT's
+# embedding layer alone (-5.9 to -8.9%). Every other stage within 3%; these within 11%.
+_TP_FIRST = {(0, 0)}
+_KNOWN = {**{(n, r): _TP_FIRST for n in ("loop", "scan", "remat", "remat_policy")
+             for r in (False, True)},
+          ("remat_policy", True): _TP_FIRST | {(1, 2)},   # -3.03%: see docs/fidelity.md
+          ("gpt", True): {(3, 4)}, ("bert", False): {(0, 0)}, ("bert", True): {(0, 0)}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["loop", "remat", "remat_policy", "moe", "gpt", "bert"])
-def test_zoo_stage_flops_within_3_percent_of_xla(name, remat=False):
-  """Dropout's random draws (redrawn at the full batch, hashed by threefry) and the backward's
-  gradient accumulation included; stages without tensor parallelism. Not yet covered (see
-  docs/fidelity.md, FLOPs): stages on a tensor-parallel mesh, whose backward the estimate does
-  not split, and stages that rematerialise dropout, where XLA computes the mask once per
-  fusion that reads it (up to 7.5% more than the tables), and ``nn.scan`` (7.4%)."""
-  for s, where, err in _zoo_flops_errors(name, remat):
-    if where.endswith(", 1)"):
-      assert abs(err) <= 0.03, (name, remat, s, where, err)
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("name", _ZOO)
+def test_zoo_stage_flops_within_3_percent_of_xla(name, remat):
+  """Every stage of the planner's plan, tensor-parallel ones included: dropout's random draws
+  (redrawn at the full batch, hashed by threefry, split with the value they mask), the
+  backward's gradient accumulation, rematerialised recomputation."""
+  known = _KNOWN.get((name, remat), set())
+  for layers, where, err in _zoo_flops_errors(name, remat):
+    bound = 0.11 if layers in known else 0.03
+    assert abs(err) <= bound, (name, remat, layers, where, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [3])
+def test_zero_stage_flops_within_3_percent_of_xla(zero):
+  """A ZeRO-3 stage all-gathers its parameters before the forward and reduce-scatters its
+  gradients: collectives, no FLOPs the tables miss (float32 GPT, data-parallel V100s then
+  A100s)."""
+  from harpjax.compiler.plan import ManualPlan
+  step_fn, state, tokens = _gpt_step()
+  opts = ProfileOptions(use_cache=False)
+  probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
+                                profile_options=opts)
+  prof = probe.profile(state, tokens)
+  L = len(prof.layers)
+  plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
+                          logical_mesh=(4, 1), zero=zero),
+                     dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
+                          logical_mesh=(2, 1), zero=zero)])
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
+                               profile_options=opts)
+  cs = step.compile(state, tokens)
+  for s, (spec, st) in enumerate(zip(cs.plan.stages, cs.stages)):
+    assert spec.zero == zero
+    compiled = compile_stage(st)
+    xla = sum(float(compiled[k].cost_analysis()["flops"]) for k in ("fwd", "bwd"))
+    costs = prof.costs[(spec.subcluster, tuple(spec.submesh), tuple(spec.logical_mesh))]
+    tables = float(np.sum(costs["flops"][spec.layers[0]:spec.layers[1] + 1]))
+    assert abs(tables / xla - 1) <= 0.03, (s, zero, tables, xla)
