@@ -432,11 +432,15 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   taus = sorted(taus)
   # One prefix and one suffix bound for the batch, at its largest candidate: bounds at every
   # smaller one. A candidate that no plan can have as its period is skipped without a DP.
-  lb = sb = None
+  lb = sb = lbf = None
+  # With the simulator's model every stage's end time counts in the DP's bound.
+  end_path = scoring.simulated and scoring.discount > 0 and index.has_ends
   if taus:
     top = float(index.candidates[taus[-1]])
     lb = index.prefix_bound(top)
     sb = index.suffix_bound(top, lb)
+    if end_path:
+      lbf = index.forward_prefix_bound(top, scoring.discount)
   for idx in taus:
     tau = float(index.candidates[idx])
     sig = sigma_lb.get(idx, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
@@ -445,12 +449,15 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       continue
     if not index.may_have_period(tau, lb, sb):
       continue
+    if end_path and index.hit_floor(tau, lbf, sb, B, hit_cap, scoring.fwd_fraction) > \
+        bound * (1.0 + BOUND_SLACK):
+      continue   # the path through the hit stage to its own end of iteration is too long
     runs += 1
     log.debug("planner: DP at period %.6g s (%d active entries), bound %.6g s", tau,
               index.active_entries(tau), bound)
     value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
                             kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
-                            lb=lb, sb=sb, hit_cap=hit_cap)
+                            lb=lb, sb=sb, hit_cap=hit_cap, end_path=end_path, lbf=lbf)
     if not math.isfinite(value):
       continue
     found = [(value, path)]
