@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover
   _numba = None
 
 __all__ = ["DPArrays", "Frontier", "moves", "cut_cost", "link_rows", "fitting_submeshes",
-           "prefix_bound", "prefix_bound_kernel", "forward_prefix_bound", "suffix_bound",
+           "prefix_bound", "prefix_bound_kernel", "prefix_bounds", "suffix_bound",
            "hit_possible", "hit_floor",
            "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
 
@@ -274,28 +274,38 @@ def _stair_add(sv, sw, se, sq, cnt, n, v, w, e, q):
 
 
 def _prefix_bound_impl(ix, tau, check_comm):
-  """``lb[i, d]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` with the
-  devices in state ``d`` and every stage (and, with ``check_comm``, cut) ``<= tau``; memory
-  ignored; ``inf``: unreachable. ``lb[L, 0]`` is the cheapest whole plan. Non-increasing in
-  ``tau``: the bound at a larger candidate is a bound at a smaller one too."""
-  return _weighted_prefix(ix, tau, check_comm, 1.0, 2.0)
+  """``lb[i, d]``: the cheapest ``sum (t + 2 c) + e_0`` (its first stage's end time included)
+  of a prefix reaching layer ``i`` with the devices in state ``d`` and every stage (and, with
+  ``check_comm``, cut) ``<= tau``; memory ignored; ``inf``: unreachable. ``lb[L, 0]`` is the
+  cheapest whole plan. Non-increasing in ``tau``: the bound at a larger candidate is a bound
+  at a smaller one too."""
+  return _prefix_pair(ix, tau, check_comm, -1.0, _NO_BOUND, _NO_BOUND)[0]
 
 
-def _weighted_prefix_impl(ix, tau, check_comm, wt, wc):
-  """:func:`_prefix_bound_impl` of ``sum (wt t + wc c)``: ``(1, 2)`` is ``lb``, ``(phi, 1)``
-  the forward half of a prefix (its forwards and one way of its cuts)."""
+def _prefix_pair_impl(ix, tau, check_comm, phi, live_lb, live_sb):
+  """``(lb, lbf)``: :func:`_prefix_bound_impl` and, with ``phi >= 0``, the cheapest
+  ``sum (phi t + c)`` (the forward half of a prefix: its forwards and one way of its cuts) of
+  the same prefixes (else ``lbf`` is empty). Given a prefix and a suffix bound at a larger
+  candidate (``live_lb``, ``live_sb``; empty: none), only prefixes through states that have
+  both there are counted: the others are in no plan, so the bounds hold and are tighter."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
   S_max = ix.st_stay.shape[1]
   inf = np.inf
+  fwd = phi >= 0.0
+  live = live_lb.shape[0] == L + 1 and live_sb.shape[0] == L + 1
   lb = np.full((L + 1, G), inf)
+  lbf = np.full((L + 1, G) if fwd else (0, 0), inf)
   for r in ix.roots:
     lb[0, r] = 0.0
+    if fwd:
+      lbf[0, r] = 0.0
   for i in range(L - 1):
     for d in range(G):
       base = lb[i, d]
       if base == inf:
         continue
+      base_f = lbf[i, d] if fwd else 0.0
       k = ix.st_sub[d]
       gx = (k * L + i) * S_max
       for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
@@ -312,14 +322,21 @@ def _weighted_prefix_impl(ix, tau, check_comm, wt, wc):
           j = ix.ent_j[e]
           if j == L - 1:
             continue
+          te = t + ix.ent_e[e] if i == 0 else t
           for x in range(m0, m1):
             d2 = ix.mv_state[x]
+            if live and (live_lb[j + 1, d2] == inf or live_sb[j + 1, d2] == inf):
+              continue
             c = ix.c_link[ix.mv_link[x], j]
             if check_comm and c > tau:
               continue
-            v = base + wt * t + wc * c
+            v = base + te + 2.0 * c
             if v < lb[j + 1, d2]:
               lb[j + 1, d2] = v
+            if fwd:
+              v = base_f + phi * t + c
+              if v < lbf[j + 1, d2]:
+                lbf[j + 1, d2] = v
   # lb[L, 0]: the cheapest whole plan (its last stage added); inf: no plan within tau.
   for i in range(L):
     for d in range(G):
@@ -336,9 +353,10 @@ def _weighted_prefix_impl(ix, tau, check_comm, wt, wc):
           t = ix.ent_t[e]
           if t > tau:
             break
-          if ix.ent_j[e] == L - 1 and base + wt * t < lb[L, 0]:
-            lb[L, 0] = base + wt * t
-  return lb
+          v = base + (t + ix.ent_e[e] if i == 0 else t)
+          if ix.ent_j[e] == L - 1 and v < lb[L, 0]:
+            lb[L, 0] = v
+  return lb, lbf
 
 
 def _suffix_bound_impl(ix, tau, check_comm, lb):
@@ -434,13 +452,15 @@ def _hit_possible_impl(ix, lb, sb, hits, ent_i, ent_k, tau, check_comm):
   return False
 
 
-def _hit_floor_impl(ix, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, discount):
-  """The least ``D_h + R_h + e_h - phi tau (w_h - 1)`` over the entries ``hits`` (time
-  ``tau``) as a plan's stage ``h``: ``D_h`` its prefix's forward half (``lbf``), ``R_h`` its
-  round trip (its time, its cut both ways and the suffix after it, ``sb``), ``e_h`` its end
-  time, ``w_h`` its microbatches in flight (at most ``n_hit`` and what its memory holds).
-  Plus ``(B - 1) tau`` a lower bound on the simulated time of any plan whose last hit is a
-  stage of those entries (its path through ``h`` to ``h``'s own end); ``inf``: none."""
+def _hit_floor_impl(ix, lb, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, discount):
+  """The least ``max(P_h + e_0, D_h + e_h) + R_h - phi tau (w_h - 1)`` over the entries
+  ``hits`` (time ``tau``) as a plan's stage ``h``: ``P_h`` the cost of its prefix (``lb``,
+  which holds ``e_0``), ``D_h`` its prefix's forward half (``lbf``), ``R_h`` its round trip
+  (its time, its cut both ways and the suffix after it, ``sb``), ``e_h`` its end time,
+  ``w_h`` its microbatches in flight (at most ``n_hit`` and what its memory holds). Plus
+  ``(B - 1) tau`` a lower bound on the simulated time of any plan whose last hit is a stage
+  of those entries (its path through ``h`` up to stage 0's end, or to ``h``'s own);
+  ``inf``: none."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
   S_max = ix.st_stay.shape[1]
@@ -461,13 +481,16 @@ def _hit_floor_impl(ix, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, discoun
       w = n_hit
     if w < 1:
       w = 1
-    own = ix.ent_t[e] + ix.ent_e[e] - discount * tau * (w - 1)
+    own = ix.ent_t[e] - discount * tau * (w - 1)
     for d in range(G):
       if ix.st_sub[d] != k or lbf[i, d] == np.inf:
         continue
+      pre = lbf[i, d] + ix.ent_e[e]
+      if i > 0 and lb[i, d] > pre:
+        pre = lb[i, d]   # the prefix's cost and its first stage's end time
       if j == L - 1:
-        if ix.st_end[d, s] and lbf[i, d] + own < best:
-          best = lbf[i, d] + own
+        if ix.st_end[d, s] and pre + own < best:
+          best = pre + own
         continue
       mp = d * S_max + s
       for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
@@ -477,14 +500,14 @@ def _hit_floor_impl(ix, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, discoun
         c = ix.c_link[ix.mv_link[x], j]
         if c > tau:
           continue
-        v = lbf[i, d] + own + 2.0 * c + rest
+        v = pre + own + 2.0 * c + rest
         if v < best:
           best = v
   return best
 
 
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-                    link_hits, discount, lb, sb, hit_cap, end_path, lbf, hit_e):
+                    link_hits, discount, lb, sb, hit_cap, end_path, lbf, hit_e, hit_j):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -501,7 +524,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   # every stage at or above the plan's last hit, not the first stage's alone.
   paths = end_path and H == 2
   if paths and lbf.shape[0] != L + 1:
-    lbf = _weighted_prefix(ix, tau, check_comm, discount, 1.0)
+    lbf = _prefix_pair(ix, tau, check_comm, discount, _NO_BOUND, _NO_BOUND)[1]
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
@@ -543,6 +566,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
       if lb[i, d] == inf or (use_sb and sb[i, d] == inf):
         continue   # no prefix reaches (i, d), or no suffix leaves it
       budget = budget_all - lb[i, d]
+      # No hit ends before layer i: a suffix from here without one can never get one.
+      no_miss = H == 2 and i <= hit_j
       # A whole plan costs at least the forward half of its prefix, the suffix and the end
       # term of the suffix's stages (or, without a hit yet, of the hit to come).
       budget_f = budget_all - lbf[i, d] if paths else inf
@@ -580,7 +605,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
           if j < jlo:
             continue  # no move from here has a suffix at j + 1 (a group not sorted by layer)
           if j == L - 1:
-            if not may_end:
+            if not may_end or (hit == 0 and no_miss):
               continue
             if t_end - (disc_max if hit == 0 else 0.0) > budget:
               continue
@@ -619,6 +644,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             hit_c = 1 if (require_hit and link_hits and c == tau) else 0
             for h2 in range(H):
               h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
+              if h == 0 and no_miss:
+                continue
               # This stage is the last hit of the plan: the round trip below it hides under
               # its warm-up forwards (the lower bound of the discount, see solve_tau).
               own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
@@ -747,7 +774,7 @@ if HAVE_NUMBA:
   _grow_frontier = _numba.njit(cache=True)(_grow_frontier)
   _grow_stairs = _numba.njit(cache=True)(_grow_stairs)
   _stair_add = _numba.njit(cache=True)(_stair_add)
-  _weighted_prefix = _numba.njit(cache=True, nogil=True)(_weighted_prefix_impl)
+  _prefix_pair = _numba.njit(cache=True, nogil=True)(_prefix_pair_impl)
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
   _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
@@ -755,7 +782,7 @@ if HAVE_NUMBA:
   _solve_tau_numba = _numba.njit(cache=True, nogil=True)(_solve_tau_impl)
 else:  # pragma: no cover
   _warmup_delta = warmup_delta
-  _weighted_prefix = _weighted_prefix_impl
+  _prefix_pair = _prefix_pair_impl
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
   _hit_possible = _hit_possible_impl
@@ -792,39 +819,44 @@ def hit_possible(ix: DPArrays, lb: np.ndarray, sb: np.ndarray, hits: np.ndarray,
 
 
 @interruptible_kernel
-def hit_floor(ix: DPArrays, lbf: np.ndarray, sb: np.ndarray, hits: np.ndarray,
+def hit_floor(ix: DPArrays, lb: np.ndarray, lbf: np.ndarray, sb: np.ndarray, hits: np.ndarray,
               ent_i: np.ndarray, ent_k: np.ndarray, tau: float, num_microbatches: int,
               n_hit: int, fwd_fraction: float, use_numba: bool = True) -> float:
   """A lower bound on the simulated time, less ``(B - 1) tau``, of every plan whose last hit
-  is a stage of one of the entries ``hits`` (of time ``tau``), by :func:`forward_prefix_bound`
-  ``lbf`` and :func:`suffix_bound` ``sb`` at ``tau`` or above: the path of the pipeline's DAG
+  is a stage of one of the entries ``hits`` (of time ``tau``), by :func:`prefix_bound` ``lb``,
+  the forward half ``lbf`` of :func:`prefix_bounds` and :func:`suffix_bound` ``sb`` at ``tau``
+  or above: the path of the pipeline's DAG
   through that stage, up to its own end of iteration (``inf``: no such plan). ``n_hit``
   bounds the stage's microbatches in flight (its warm-up forwards' discount)."""
   fn = _hit_floor if (use_numba and HAVE_NUMBA) else _hit_floor_impl
-  return float(fn(ix, lbf, sb, np.asarray(hits, np.int64), ent_i, ent_k, float(tau),
+  return float(fn(ix, lb, lbf, sb, np.asarray(hits, np.int64), ent_i, ent_k, float(tau),
                   int(num_microbatches), int(n_hit), float(fwd_fraction)))
 
 
 @interruptible_kernel
 def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
                  use_numba: bool = True) -> np.ndarray:
-  """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` in device
-  state ``d`` with every stage and cut ``<= tau``, memory ignored (``inf``: unreachable);
-  ``[L, 0]`` that of a whole plan. The bound at a larger ``tau`` is also one at a smaller
+  """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` plus the first stage's end time of a prefix
+  reaching layer ``i`` in device state ``d`` with every stage and cut ``<= tau``, memory
+  ignored (``inf``: unreachable); ``[L, 0]`` that of a whole plan. The bound at a larger ``tau`` is also one at a smaller
   ``tau`` (:func:`solve_tau` takes it)."""
   fn = _prefix_bound if (use_numba and HAVE_NUMBA) else _prefix_bound_impl
   return fn(ix, float(tau), bool(check_comm))
 
 
 @interruptible_kernel
-def forward_prefix_bound(ix: DPArrays, tau: float, fwd_fraction: float,
-                         check_comm: bool = True, use_numba: bool = True) -> np.ndarray:
-  """``[L + 1, G]``: :func:`prefix_bound` of the forward half of a prefix, the cheapest
-  ``sum (phi t + c)`` (``phi = fwd_fraction``): what a whole plan spends above its suffix
-  besides the backwards and cuts that the path to an end time below does not wait for
-  (:func:`solve_tau`'s ``end_path``)."""
-  fn = _weighted_prefix if (use_numba and HAVE_NUMBA) else _weighted_prefix_impl
-  return fn(ix, float(tau), bool(check_comm), float(fwd_fraction), 1.0)
+def prefix_bounds(ix: DPArrays, tau: float, fwd_fraction: float, check_comm: bool = True,
+                  live: tuple[np.ndarray, np.ndarray] | None = None,
+                  use_numba: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """``(lb, lbf)``, each ``[L + 1, G]``: :func:`prefix_bound`, and the cheapest forward half
+  ``sum (phi t + c)`` (``phi = fwd_fraction``) of the same prefixes: what a whole plan spends
+  above its suffix besides the backwards and cuts that the path to an end time below does not
+  wait for (:func:`solve_tau`'s ``end_path``). ``live``: a :func:`prefix_bound` and
+  :func:`suffix_bound` at a larger candidate; prefixes through states without both there are
+  left out (they are in no plan)."""
+  fn = _prefix_pair if (use_numba and HAVE_NUMBA) else _prefix_pair_impl
+  llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
+  return fn(ix, float(tau), bool(check_comm), float(fwd_fraction), llb, lsb)
 
 
 @interruptible_kernel
@@ -833,7 +865,7 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
               discount: float = 0.0, use_numba: bool = True,
               lb: np.ndarray | None = None, sb: np.ndarray | None = None,
               hit_cap: int | None = None, end_path: bool = False,
-              lbf: np.ndarray | None = None, hit_e: float = 0.0
+              lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1
               ) -> tuple[float, np.ndarray]:
   """The DP at one candidate period ``tau`` (Numba kernel).
 
@@ -875,10 +907,13 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
       frontier of suffixes with a hit is then over ``(n, cost, cost + xe)``
       (:class:`Frontier`), and a suffix is pruned by the forward half of its prefix
       (``lbf``) plus its own cost and end term.
-    lbf: :func:`forward_prefix_bound` at ``tau`` or above, for ``end_path`` (``None``:
-      computed here).
+    lbf: the forward half of :func:`prefix_bounds` at ``tau`` or above, for ``end_path``
+      (``None``: computed here).
     hit_e: with ``end_path``, the least end time of a stage of time ``tau`` (``0`` where a
       cut may take ``tau``): a suffix without a hit gets at least that from the hit to come.
+    hit_j: (with ``require_hit``) no stage of time ``tau`` ends, and no cut that may take
+      ``tau`` follows, a layer before ``hit_j``: suffixes without a hit that start at or
+      before it are not kept (no prefix can give them one). ``-1``: no such layer known.
 
   Returns:
     ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
@@ -889,7 +924,7 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
             bool(check_comm), float(bound), bool(link_hits), float(discount),
             _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb,
             int(num_microbatches) if hit_cap is None else int(hit_cap), bool(end_path),
-            _NO_BOUND if lbf is None else lbf, float(hit_e))
+            _NO_BOUND if lbf is None else lbf, float(hit_e), int(hit_j))
 
 
 def active_entries(ix: DPArrays, k: int, i: int, tau: float) -> list[int]:
@@ -913,12 +948,12 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
                     discount: float = 0.0, use_numba: bool = False,
                     lb: np.ndarray | None = None, sb: np.ndarray | None = None,
                     hit_cap: int | None = None, end_path: bool = False,
-                    lbf: np.ndarray | None = None, hit_e: float = 0.0
+                    lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1
                     ) -> tuple[float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments; with
   ``end_path`` the hit suffixes of each ``(i, d, n)`` are a list of every point that no other
   beats in both cost and cost plus end term)."""
-  del use_numba, lb, sb, hit_cap, lbf, hit_e
+  del use_numba, lb, sb, hit_cap, lbf, hit_e, hit_j
   if end_path and require_hit:
     return _solve_tau_paths_twin(ix, tau, num_microbatches, eps, n_cap, check_comm, bound,
                                  link_hits, discount)

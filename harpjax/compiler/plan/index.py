@@ -186,7 +186,8 @@ class SparseIndex:
     """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
     of ``tau`` are hits when the index is ``link_bound``, unless ``link_hits`` says otherwise;
     ``lb``, ``sb``, ``lbf``: a :meth:`prefix_bound`, :meth:`suffix_bound` and
-    :meth:`forward_prefix_bound` at ``tau`` or above). ``end_path`` counts every stage's end
+    the forward half of :meth:`prefix_bounds`, at ``tau`` or above). ``end_path`` counts every
+    stage's end
     time (where the entries have any; the suffix without a hit is pruned by
     :meth:`hit_end`)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
@@ -201,7 +202,22 @@ class SparseIndex:
       hit_e = self.hit_end(tau) if hits else self._stage_hit_end(tau)
     return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
               hits, discount, lb=lb, sb=sb, hit_cap=hit_cap, end_path=end_path, lbf=lbf,
-              hit_e=hit_e)
+              hit_e=hit_e, hit_j=self.first_hit_layer(tau, hits) if require_hit else -1)
+
+  def first_hit_layer(self, tau: float, link_hits: bool) -> int:
+    """The first layer that a stage of time exactly ``tau`` ends, or (with ``link_hits``) that
+    a cut of ``tau`` may follow (``L``: none): a plan of period ``tau`` has its hit there or
+    later."""
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    first = self.num_layers
+    if hi > lo:
+      first = int(np.min(self.arrays.ent_j[self.by_t[lo:hi]]))
+    if link_hits:
+      cols = np.flatnonzero((self.arrays.c_link == tau).any(axis=0))
+      if cols.size:
+        first = min(first, int(cols[0]))
+    return first
 
   @functools.cached_property
   def has_ends(self) -> bool:
@@ -251,19 +267,21 @@ class SparseIndex:
     """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""
     return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
 
-  def forward_prefix_bound(self, tau: float, fwd_fraction: float,
-                           check_comm: bool = True) -> np.ndarray:
-    """:func:`harpjax.compiler.plan.dp_kernel.forward_prefix_bound` at ``tau``."""
-    return dp_kernel.forward_prefix_bound(self.arrays, tau, fwd_fraction, check_comm)
+  def prefix_bounds(self, tau: float, fwd_fraction: float, check_comm: bool = True,
+                    live: tuple[np.ndarray, np.ndarray] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bounds` at ``tau``: :meth:`prefix_bound`
+    and the forward half of the same prefixes (through the ``live`` states only, given)."""
+    return dp_kernel.prefix_bounds(self.arrays, tau, fwd_fraction, check_comm, live)
 
   def suffix_bound(self, tau: float, lb: np.ndarray, check_comm: bool = True) -> np.ndarray:
     """:func:`harpjax.compiler.plan.dp_kernel.suffix_bound` at ``tau``."""
     return dp_kernel.suffix_bound(self.arrays, tau, lb, check_comm)
 
-  def hit_floor(self, tau: float, lbf: np.ndarray, sb: np.ndarray, num_microbatches: int,
-                n_hit: int, fwd_fraction: float) -> float:
+  def hit_floor(self, tau: float, lb: np.ndarray, lbf: np.ndarray, sb: np.ndarray,
+                num_microbatches: int, n_hit: int, fwd_fraction: float) -> float:
     """A lower bound on the simulated time of any plan of period ``tau`` (given
-    :meth:`forward_prefix_bound` and :meth:`suffix_bound` at ``tau`` or above): ``B tau`` plus
+    :meth:`prefix_bounds` and :meth:`suffix_bound` at ``tau`` or above): ``(B - 1) tau`` plus
     :func:`harpjax.compiler.plan.dp_kernel.hit_floor` over the entries of that time, or
     ``B tau`` alone when a cut may take ``tau`` (``inf``: no plan has that period)."""
     B = int(num_microbatches)
@@ -276,7 +294,7 @@ class SparseIndex:
     hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
     if lo == hi:
       return math.inf
-    return base + dp_kernel.hit_floor(self.arrays, lbf, sb, self.by_t[lo:hi], self.ent_i,
+    return base + dp_kernel.hit_floor(self.arrays, lb, lbf, sb, self.by_t[lo:hi], self.ent_i,
                                       self.ent_k, tau, B, n_hit, fwd_fraction)
 
   def may_have_period(self, tau: float, lb: np.ndarray, sb: np.ndarray) -> bool:
