@@ -35,11 +35,15 @@ first + count - 1`` (``d'``: ``d``'s number among the states some prefix reaches
 increasing and cost decreasing along them. A forward pass computes a lower bound ``lb(i, d)``
 on the cost of any prefix reaching ``(i, d)``; states no prefix reaches are skipped and points
 with ``lb + cost + (B - 1) tau > bound`` are dropped (``bound`` is the best objective found so
-far, so only worse plans are pruned).
+far, so only worse plans are pruned). With ``end_path`` (:func:`solve_tau`) the value of a plan
+also holds the end times of the stages at or above its last hit: the hit suffixes then carry
+their end term (``Frontier.xe``) and are kept per ``n`` as a staircase over (cost, cost plus
+end term); the ``h = 1`` points no longer dominate ``h = 0`` ones.
 
 Twin. The same recurrence over the dense array ``F[i, d, n, h]``, vectorised over ``d`` and
 ``n``, without frontiers or bounds except the final comparison with ``bound``; it cross-checks
-the kernel's frontier and pruning logic.
+the kernel's frontier and pruning logic (with ``end_path``, the hit suffixes as lists of every
+point no other beats in both cost and cost plus end term).
 """
 
 from __future__ import annotations
@@ -838,8 +842,8 @@ def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
                  use_numba: bool = True) -> np.ndarray:
   """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` plus the first stage's end time of a prefix
   reaching layer ``i`` in device state ``d`` with every stage and cut ``<= tau``, memory
-  ignored (``inf``: unreachable); ``[L, 0]`` that of a whole plan. The bound at a larger ``tau`` is also one at a smaller
-  ``tau`` (:func:`solve_tau` takes it)."""
+  ignored (``inf``: unreachable); ``[L, 0]`` that of a whole plan. The bound at a larger
+  ``tau`` is also one at a smaller ``tau`` (:func:`solve_tau` takes it)."""
   fn = _prefix_bound if (use_numba and HAVE_NUMBA) else _prefix_bound_impl
   return fn(ix, float(tau), bool(check_comm))
 

@@ -439,6 +439,9 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   lb = sb = lbf = live = None
   covered = -1   # candidates up to this index share the bounds
   slack = 1.0 + BOUND_SLACK
+  floors = np.array([scoring.floor(
+      float(index.candidates[c]), sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict)
+      else sigma_lb, None, index.hit_end(float(index.candidates[c]))) for c in taus])
   if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
     live = index.prefix_bound(top)
@@ -450,10 +453,8 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     if scoring.floor(tau, sig, hit_cap, index.hit_end(tau)) > bound * slack:
       continue
     if idx > covered:
-      left = [c for c in taus[x:] if scoring.floor(
-          float(index.candidates[c]), sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict)
-          else sigma_lb, None, index.hit_end(float(index.candidates[c]))) <= bound * slack]
-      covered = left[min(chunk, len(left)) - 1]
+      left = np.flatnonzero(floors[x:] <= bound * slack) + x
+      covered = taus[int(left[min(chunk, left.size) - 1])]
       top = float(index.candidates[covered])
       if end_path:
         lb, lbf = index.prefix_bounds(top, scoring.discount, live=live)
