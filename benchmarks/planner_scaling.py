@@ -16,16 +16,17 @@ with the default cost model (the simulator judges) and, with ``--eq12``, the pap
 simulated iteration time, whether the bounded exact search proved the optimum, and the
 devices the plan uses.
 
-``--sync end`` charges the data-parallel gradient all-reduce once per iteration after each
-stage's last backward (the tables' end times, as the profiler builds them and the runtime
-runs it); the default, ``amortised``, spreads it over the ``B`` microbatches of the stage time
-(the search is faster on such tables: with end times at 512 GPUs it took 74 s against 11 s
-amortised in one run on this machine).
+The tables charge the data-parallel gradient all-reduce and the optimizer update once per
+iteration, after each stage's last backward (their end times: what the profiler builds and
+the runtime runs). ``--amortised`` adds, per row, the plan time on tables that instead spread
+the all-reduce over the ``B`` microbatches of the stage time (the model before gradients were
+synchronised once per step), measured right after, for comparison.
 
 Usage::
 
   .venv/bin/python benchmarks/planner_scaling.py [--gbps 100] [--max-gpus 1024]
-      [--layer-gpus 128] [--eq12] [--backend sequential] [--sync amortised|end]
+      [--gpus 512] [--layer-gpus 128] [--max-layers 300] [--eq12] [--amortised]
+      [--backend sequential]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _spec(name: str, gpus: int, mem_gib: float, tflops: float, link_gbps: float,
 
 
 def three_type_tables(num_gpus: int, num_layers: int = 146, gbps: float = 100.0,
-                      end_cost: bool = False) -> CostTables:
+                      end_cost: bool = True) -> CostTables:
   """GPT-39B-like tables on ``num_gpus`` GPUs: 1/4 V100-32G, 1/4 A100-40G, 1/2 H100-80G."""
   if num_gpus % 16:
     raise SystemExit(f"--gpus {num_gpus}: use a multiple of 16")
@@ -70,7 +71,8 @@ def three_type_tables(num_gpus: int, num_layers: int = 146, gbps: float = 100.0,
                                      end_cost=end_cost)
 
 
-def _row(tables: CostTables, backend: str, eq12: bool) -> list[str]:
+def _row(tables: CostTables, backend: str, eq12: bool,
+         amortised: CostTables | None = None) -> list[str]:
   t0 = time.perf_counter()
   res = planner.solve(tables, B, backend=backend)
   dt = time.perf_counter() - t0
@@ -78,6 +80,10 @@ def _row(tables: CostTables, backend: str, eq12: bool) -> list[str]:
   cells = [str(tables.total_devices), str(tables.num_layers), f"{st.num_entries:,}",
            f"{st.num_candidates:,}", str(st.num_evaluated + st.num_feasibility_runs),
            f"{dt:.2f}"]
+  if amortised is not None:
+    t0 = time.perf_counter()
+    planner.solve(amortised, B, backend=backend)
+    cells.append(f"{time.perf_counter() - t0:.2f}")
   if eq12:
     t0 = time.perf_counter()
     old = planner.solve(tables, B, backend=backend, cost_model="eq12")
@@ -88,8 +94,10 @@ def _row(tables: CostTables, backend: str, eq12: bool) -> list[str]:
   return cells
 
 
-def _print(title: str, rows: list[list[str]], eq12: bool) -> None:
+def _print(title: str, rows: list[list[str]], eq12: bool, amortised: bool) -> None:
   head = ["GPUs", "layers", "entries", "candidates", "DP runs", "plan s"]
+  if amortised:
+    head += ["plan s (amortised sync)"]
   if eq12:
     head += ["plan s (Eq. 12)", "its iter s"]
   head += ["iter s (sim)", "proved", "devices used"]
@@ -111,26 +119,32 @@ def main() -> None:
   ap.add_argument("--eq12", action="store_true", help="also time the paper's cost model")
   ap.add_argument("--backend", default="sequential", help="solve's backend (default "
                   "sequential: one core; 'auto' may use worker processes)")
-  ap.add_argument("--sync", choices=("amortised", "end"), default="amortised",
-                  help="the gradient all-reduce spread over the microbatches, or once per "
-                  "iteration in the stages' end times")
+  ap.add_argument("--amortised", action="store_true",
+                  help="also time the search on tables with the gradient all-reduce amortised "
+                  "over the microbatches (the model before once-per-step sync)")
+  ap.add_argument("--gpus", help="comma-separated GPU counts instead of 16, 32, ..., max")
   args = ap.parse_args()
-  end = args.sync == "end"
   planner.solve(three_type_tables(16, 20), B)  # compile / load the kernels once
+  planner.solve(three_type_tables(16, 20, end_cost=False), B)
   print(f"GPT-39B-like layers, 1/4 V100 + 1/4 A100 + 1/2 H100, {args.gbps:g} Gbps between "
         f"subclusters, B={B}, {os.cpu_count()} CPUs, backend {args.backend}\n")
-  gpus, rows = 16, []
-  while gpus <= args.max_gpus:
-    rows.append(_row(three_type_tables(gpus, 146, args.gbps, end), args.backend, args.eq12))
-    print("  ".join(rows[-1]), file=sys.stderr, flush=True)
-    gpus *= 2
-  _print("plan time against GPU count (146 layers)", rows, args.eq12)
-  rows = []
-  for layers in range(50, args.max_layers + 1, 50):
-    rows.append(_row(three_type_tables(args.layer_gpus, layers, args.gbps, end), args.backend,
-                     args.eq12))
-    print("  ".join(rows[-1]), file=sys.stderr, flush=True)
-  _print(f"plan time against layer count ({args.layer_gpus} GPUs)", rows, args.eq12)
+
+  def row(gpus, layers):
+    amort = (three_type_tables(gpus, layers, args.gbps, end_cost=False) if args.amortised
+             else None)
+    out = _row(three_type_tables(gpus, layers, args.gbps), args.backend, args.eq12, amort)
+    print("  ".join(out), file=sys.stderr, flush=True)
+    return out
+
+  counts = ([int(x) for x in args.gpus.split(",")] if args.gpus else
+            [16 * 2 ** p for p in range(64) if 16 * 2 ** p <= args.max_gpus])
+  rows = [row(gpus, 146) for gpus in counts]
+  _print("plan time against GPU count (146 layers)", rows, args.eq12, args.amortised)
+  if args.gpus:
+    return
+  rows = [row(args.layer_gpus, layers) for layers in range(50, args.max_layers + 1, 50)]
+  _print(f"plan time against layer count ({args.layer_gpus} GPUs)", rows, args.eq12,
+         args.amortised)
 
 
 if __name__ == "__main__":

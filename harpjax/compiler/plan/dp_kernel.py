@@ -35,11 +35,15 @@ first + count - 1`` (``d'``: ``d``'s number among the states some prefix reaches
 increasing and cost decreasing along them. A forward pass computes a lower bound ``lb(i, d)``
 on the cost of any prefix reaching ``(i, d)``; states no prefix reaches are skipped and points
 with ``lb + cost + (B - 1) tau > bound`` are dropped (``bound`` is the best objective found so
-far, so only worse plans are pruned).
+far, so only worse plans are pruned). With ``end_path`` (:func:`solve_tau`) the value of a plan
+also holds the end times of the stages at or above its last hit: the hit suffixes then carry
+their end term (``Frontier.xe``) and are kept per ``n`` as a staircase over (cost, cost plus
+end term); the ``h = 1`` points no longer dominate ``h = 0`` ones.
 
 Twin. The same recurrence over the dense array ``F[i, d, n, h]``, vectorised over ``d`` and
 ``n``, without frontiers or bounds except the final comparison with ``bound``; it cross-checks
-the kernel's frontier and pruning logic.
+the kernel's frontier and pruning logic (with ``end_path``, the hit suffixes as lists of every
+point no other beats in both cost and cost plus end term).
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ except ImportError:  # pragma: no cover
   _numba = None
 
 __all__ = ["DPArrays", "Frontier", "moves", "cut_cost", "link_rows", "fitting_submeshes",
-           "prefix_bound", "prefix_bound_kernel", "suffix_bound", "hit_possible",
+           "prefix_bound", "prefix_bound_kernel", "prefix_bounds", "suffix_bound",
+           "hit_possible", "hit_floor",
            "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
 
 HAVE_NUMBA = _numba is not None
@@ -105,8 +110,11 @@ class DPArrays(NamedTuple):
     sp_ptr: ``[K * L * S_max + 1]`` int64: the entries of (``k``, ``i``, submesh ``s``) are
       ``sp_ptr[x] .. sp_ptr[x + 1] - 1``, ``x = (k L + i) S_max + s``, sorted by time (the
       active ones at ``tau`` are a prefix).
-    sp_mono: ``[K * L * S_max]`` bool: that group is sorted by last layer too (time grows with
-      the range, as for additive costs), so the kernel can skip to a layer by bisection.
+    ent_jmax: ``[E]`` int64 the largest last layer of the entries of its (``k``, ``i``,
+      ``s``) group up to it in time order: non-decreasing along a group, so the kernels skip
+      to the entries that can reach a layer by bisection (equal to ``ent_j`` where time grows
+      with the range, as for additive costs; not always: a longer range may run on a
+      faster logical mesh than a shorter one that fits another).
     fs_ptr: ``[G + 1]``, ``fs_s``: the submeshes a stage may use from state ``g`` (a move
       follows, or it may be the last) are ``fs_s[fs_ptr[g] .. fs_ptr[g + 1] - 1]``.
   """
@@ -128,7 +136,7 @@ class DPArrays(NamedTuple):
   mv_sub: np.ndarray
   ent_e: np.ndarray
   sp_ptr: np.ndarray
-  sp_mono: np.ndarray
+  ent_jmax: np.ndarray
   fs_ptr: np.ndarray
   fs_s: np.ndarray
   mv_link: np.ndarray
@@ -187,16 +195,20 @@ class Frontier(NamedTuple):
     cost: ``[cap]`` float64 ``sum (t_i + 2 c_i)`` of the suffix, seconds.
     entry: ``[cap]`` int64 entry of the suffix's first stage.
     succ: ``[cap]`` int64 point of the rest of the suffix, ``-1`` after the last stage.
+    xe: ``[cap]`` float64 with ``end_path``, of a suffix that has the plan's last hit: the
+      largest ``e_s - U_s`` over its stages ``s`` at or above that hit, ``U_s`` the backward
+      and cut seconds from the suffix's first stage down to ``s`` (:func:`solve_tau`).
   """
   n: np.ndarray
   cost: np.ndarray
   entry: np.ndarray
   succ: np.ndarray
+  xe: np.ndarray
 
 
 def _new_frontier(cap: int) -> Frontier:
   return Frontier(np.empty(cap, np.int64), np.empty(cap, np.float64), np.empty(cap, np.int64),
-                  np.empty(cap, np.int64))
+                  np.empty(cap, np.int64), np.empty(cap, np.float64))
 
 
 def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
@@ -211,26 +223,93 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
   bigger.cost[:used] = pool.cost[:used]
   bigger.entry[:used] = pool.entry[:used]
   bigger.succ[:used] = pool.succ[:used]
+  bigger.xe[:used] = pool.xe[:used]
   return bigger
 
 
+def _grow_stairs(sv, sw, se, sq, cap):
+  """The per-warm-up staircases of :func:`_stair_add` with room for ``2 cap`` points each."""
+  R = sv.shape[0]
+  nv = np.empty((R, 2 * cap))
+  nw = np.empty((R, 2 * cap))
+  ne = np.empty((R, 2 * cap), np.int64)
+  nq = np.empty((R, 2 * cap), np.int64)
+  nv[:, :cap] = sv
+  nw[:, :cap] = sw
+  ne[:, :cap] = se
+  nq[:, :cap] = sq
+  return nv, nw, ne, nq
+
+
+def _stair_add(sv, sw, se, sq, cnt, n, v, w, e, q):
+  """Adds the point ``(v, w)`` (its entry ``e`` and successor ``q``) to row ``n`` of the
+  staircases unless a point of that row has ``v' <= v`` and ``w' <= w`` (the first one kept
+  on ties); drops the points it dominates. A row is sorted by ``v`` ascending, ``w``
+  descending. The caller makes room for one more point first."""
+  m = cnt[n]
+  pos = 0
+  while pos < m and sv[n, pos] < v:
+    pos += 1
+  if pos > 0 and sw[n, pos - 1] <= w:
+    return
+  if pos < m and sv[n, pos] == v and sw[n, pos] <= w:
+    return
+  r = pos
+  while r < m and sw[n, r] >= w:
+    r += 1   # dominated by the new point: v' >= v, w' >= w (a run, w falls along the row)
+  drop = r - pos
+  if drop == 0:
+    for z in range(m, pos, -1):
+      sv[n, z] = sv[n, z - 1]
+      sw[n, z] = sw[n, z - 1]
+      se[n, z] = se[n, z - 1]
+      sq[n, z] = sq[n, z - 1]
+  elif drop > 1:
+    for z in range(r, m):
+      sv[n, z - drop + 1] = sv[n, z]
+      sw[n, z - drop + 1] = sw[n, z]
+      se[n, z - drop + 1] = se[n, z]
+      sq[n, z - drop + 1] = sq[n, z]
+  sv[n, pos] = v
+  sw[n, pos] = w
+  se[n, pos] = e
+  sq[n, pos] = q
+  cnt[n] = m - drop + 1
+
+
 def _prefix_bound_impl(ix, tau, check_comm):
-  """``lb[i, d]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` with the
-  devices in state ``d`` and every stage (and, with ``check_comm``, cut) ``<= tau``; memory
-  ignored; ``inf``: unreachable. ``lb[L, 0]`` is the cheapest whole plan. Non-increasing in
-  ``tau``: the bound at a larger candidate is a bound at a smaller one too."""
+  """``lb[i, d]``: the cheapest ``sum (t + 2 c) + e_0`` (its first stage's end time included)
+  of a prefix reaching layer ``i`` with the devices in state ``d`` and every stage (and, with
+  ``check_comm``, cut) ``<= tau``; memory ignored; ``inf``: unreachable. ``lb[L, 0]`` is the
+  cheapest whole plan. Non-increasing in ``tau``: the bound at a larger candidate is a bound
+  at a smaller one too."""
+  return _prefix_pair(ix, tau, check_comm, -1.0, _NO_BOUND, _NO_BOUND)[0]
+
+
+def _prefix_pair_impl(ix, tau, check_comm, phi, live_lb, live_sb):
+  """``(lb, lbf)``: :func:`_prefix_bound_impl` and, with ``phi >= 0``, the cheapest
+  ``sum (phi t + c)`` (the forward half of a prefix: its forwards and one way of its cuts) of
+  the same prefixes (else ``lbf`` is empty). Given a prefix and a suffix bound at a larger
+  candidate (``live_lb``, ``live_sb``; empty: none), only prefixes through states that have
+  both there are counted: the others are in no plan, so the bounds hold and are tighter."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
   S_max = ix.st_stay.shape[1]
   inf = np.inf
+  fwd = phi >= 0.0
+  live = live_lb.shape[0] == L + 1 and live_sb.shape[0] == L + 1
   lb = np.full((L + 1, G), inf)
+  lbf = np.full((L + 1, G) if fwd else (0, 0), inf)
   for r in ix.roots:
     lb[0, r] = 0.0
+    if fwd:
+      lbf[0, r] = 0.0
   for i in range(L - 1):
     for d in range(G):
       base = lb[i, d]
       if base == inf:
         continue
+      base_f = lbf[i, d] if fwd else 0.0
       k = ix.st_sub[d]
       gx = (k * L + i) * S_max
       for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
@@ -247,14 +326,21 @@ def _prefix_bound_impl(ix, tau, check_comm):
           j = ix.ent_j[e]
           if j == L - 1:
             continue
+          te = t + ix.ent_e[e] if i == 0 else t
           for x in range(m0, m1):
             d2 = ix.mv_state[x]
+            if live and (live_lb[j + 1, d2] == inf or live_sb[j + 1, d2] == inf):
+              continue
             c = ix.c_link[ix.mv_link[x], j]
             if check_comm and c > tau:
               continue
-            v = base + t + 2.0 * c
+            v = base + te + 2.0 * c
             if v < lb[j + 1, d2]:
               lb[j + 1, d2] = v
+            if fwd:
+              v = base_f + phi * t + c
+              if v < lbf[j + 1, d2]:
+                lbf[j + 1, d2] = v
   # lb[L, 0]: the cheapest whole plan (its last stage added); inf: no plan within tau.
   for i in range(L):
     for d in range(G):
@@ -271,9 +357,10 @@ def _prefix_bound_impl(ix, tau, check_comm):
           t = ix.ent_t[e]
           if t > tau:
             break
-          if ix.ent_j[e] == L - 1 and base + t < lb[L, 0]:
-            lb[L, 0] = base + t
-  return lb
+          v = base + (t + ix.ent_e[e] if i == 0 else t)
+          if ix.ent_j[e] == L - 1 and v < lb[L, 0]:
+            lb[L, 0] = v
+  return lb, lbf
 
 
 def _suffix_bound_impl(ix, tau, check_comm, lb):
@@ -309,13 +396,15 @@ def _suffix_bound_impl(ix, tau, check_comm, lb):
           continue
         e0 = ix.sp_ptr[gx + s]
         e1 = ix.sp_ptr[gx + s + 1]
-        if ix.sp_mono[gx + s] and jlo > i:
-          e0 += np.searchsorted(ix.ent_j[e0:e1], jlo)
+        if jlo > i:
+          e0 += np.searchsorted(ix.ent_jmax[e0:e1], jlo)
         for e in range(e0, e1):
           t = ix.ent_t[e]
           if t > tau:
             break
           j = ix.ent_j[e]
+          if j < jlo:
+            continue
           if j == L - 1:
             if may_end and t < best:
               best = t
@@ -367,8 +456,62 @@ def _hit_possible_impl(ix, lb, sb, hits, ent_i, ent_k, tau, check_comm):
   return False
 
 
+def _hit_floor_impl(ix, lb, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, discount):
+  """The least ``max(P_h + e_0, D_h + e_h) + R_h - phi tau (w_h - 1)`` over the entries
+  ``hits`` (time ``tau``) as a plan's stage ``h``: ``P_h`` the cost of its prefix (``lb``,
+  which holds ``e_0``), ``D_h`` its prefix's forward half (``lbf``), ``R_h`` its round trip
+  (its time, its cut both ways and the suffix after it, ``sb``), ``e_h`` its end time,
+  ``w_h`` its microbatches in flight (at most ``n_hit`` and what its memory holds). Plus
+  ``(B - 1) tau`` a lower bound on the simulated time of any plan whose last hit is a stage
+  of those entries (its path through ``h`` up to stage 0's end, or to ``h``'s own);
+  ``inf``: none."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  best = np.inf
+  for y in range(hits.shape[0]):
+    e = hits[y]
+    i = ent_i[e]
+    k = ent_k[e]
+    j = ix.ent_j[e]
+    s = ix.ent_s[e]
+    a = ix.ent_a[e]
+    w = num_mb
+    if a > 0:
+      room = np.floor((ix.mem[k] - ix.ent_p[e]) / a)
+      if room < w:
+        w = int(room)
+    if n_hit < w:
+      w = n_hit
+    if w < 1:
+      w = 1
+    own = ix.ent_t[e] - discount * tau * (w - 1)
+    for d in range(G):
+      if ix.st_sub[d] != k or lbf[i, d] == np.inf:
+        continue
+      pre = lbf[i, d] + ix.ent_e[e]
+      if i > 0 and lb[i, d] > pre:
+        pre = lb[i, d]   # the prefix's cost and its first stage's end time
+      if j == L - 1:
+        if ix.st_end[d, s] and pre + own < best:
+          best = pre + own
+        continue
+      mp = d * S_max + s
+      for x in range(ix.mv_ptr[mp], ix.mv_ptr[mp + 1]):
+        rest = sb[j + 1, ix.mv_state[x]]
+        if rest == np.inf:
+          continue
+        c = ix.c_link[ix.mv_link[x], j]
+        if c > tau:
+          continue
+        v = pre + own + 2.0 * c + rest
+        if v < best:
+          best = v
+  return best
+
+
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-                    link_hits, discount, lb, sb, hit_cap):
+                    link_hits, discount, lb, sb, hit_cap, end_path, lbf, hit_e, hit_j):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -381,6 +524,11 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   if lb[L, 0] == inf:
     return inf, np.zeros(0, np.int64)   # no plan has every stage within tau
   use_sb = sb.shape[0] == L + 1
+  # With end_path (require_hit only) a hit suffix's value is cost + xe: the end times of
+  # every stage at or above the plan's last hit, not the first stage's alone.
+  paths = end_path and H == 2
+  if paths and lbf.shape[0] != L + 1:
+    lbf = _prefix_pair(ix, tau, check_comm, discount, _NO_BOUND, _NO_BOUND)[1]
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
@@ -406,6 +554,14 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   tc = np.full((n_cap + 1, H), inf)
   te = np.zeros((n_cap + 1, H), np.int64)
   ts = np.zeros((n_cap + 1, H), np.int64)
+  # With end_path, the hit suffixes per n: staircases over (cost, cost + xe).
+  scap = 4 if paths else 1
+  sv = np.empty((n_cap + 1, scap))
+  sw = np.empty((n_cap + 1, scap))
+  se = np.empty((n_cap + 1, scap), np.int64)
+  sq = np.empty((n_cap + 1, scap), np.int64)
+  scnt = np.zeros(n_cap + 1, np.int64)
+  phi_b = 1.0 - discount   # a stage's backward share
   # jmin[d]: the first layer (of those done) with a suffix from state d; a stage from (i, d)
   # can only lead to a layer at or beyond it.
   jmin = np.full(G, L + 1, np.int64)
@@ -414,6 +570,11 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
       if lb[i, d] == inf or (use_sb and sb[i, d] == inf):
         continue   # no prefix reaches (i, d), or no suffix leaves it
       budget = budget_all - lb[i, d]
+      # No hit ends before layer i: a suffix from here without one can never get one.
+      no_miss = H == 2 and i <= hit_j
+      # A whole plan costs at least the forward half of its prefix, the suffix and the end
+      # term of the suffix's stages (or, without a hit yet, of the hit to come).
+      budget_f = budget_all - lbf[i, d] if paths else inf
       k = ix.st_sub[d]
       mk = ix.mem[k]
       nlo = n_cap + 1
@@ -434,21 +595,37 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
           continue  # the submesh does not fit, or nothing after it has a suffix yet
         e0 = ix.sp_ptr[gx + s]
         e1 = ix.sp_ptr[gx + s + 1]
-        if ix.sp_mono[gx + s] and jlo > i:
-          e0 += np.searchsorted(ix.ent_j[e0:e1], jlo)   # sorted by layer too: skip ahead
+        if jlo > i:   # the first entry that may reach jlo; the others are skipped one by one
+          e0 += np.searchsorted(ix.ent_jmax[e0:e1], jlo)
         for e in range(e0, e1):
           t = ix.ent_t[e]
           if t > tau:
             break  # sorted by time within (subcluster, first layer, submesh)
           j = ix.ent_j[e]
           hit = 1 if (require_hit and t == tau) else 0
-          # The first stage (layer 0) also pays its end-of-iteration time.
-          t_end = t + ix.ent_e[e] if i == 0 else t
+          ee = ix.ent_e[e]
+          # The first stage (layer 0) also pays its end-of-iteration time (without end_path).
+          t_end = t + ee if (i == 0 and not paths) else t
+          if j < jlo:
+            continue  # no move from here has a suffix at j + 1 (a group not sorted by layer)
           if j == L - 1:
-            if not may_end:
+            if not may_end or (hit == 0 and no_miss):
               continue
             if t_end - (disc_max if hit == 0 else 0.0) > budget:
               continue
+            if paths:
+              if hit == 1:
+                if t + ee > budget_f:
+                  continue
+                if scnt[1] == scap:
+                  sv, sw, se, sq = _grow_stairs(sv, sw, se, sq, scap)
+                  scap *= 2
+                _stair_add(sv, sw, se, sq, scnt, 1, t, t + ee, e, -1)
+                nlo = min(nlo, 1)
+                nhi = max(nhi, 1)
+                continue
+              if t - disc_max + hit_e > budget_f:
+                continue
             if t_end < tc[1, hit]:
               tc[1, hit] = t_end
               te[1, hit] = e
@@ -458,6 +635,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             continue
           p = ix.ent_p[e]
           a = ix.ent_a[e]
+          bk = phi_b * t
           for x in range(m0, m1):
             a2 = act[ix.mv_state[x]]
             if a2 < 0 or (count[j + 1, a2, 0] == 0 and (H == 1 or count[j + 1, a2, 1] == 0)):
@@ -470,6 +648,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             hit_c = 1 if (require_hit and link_hits and c == tau) else 0
             for h2 in range(H):
               h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
+              if h == 0 and no_miss:
+                continue
               # This stage is the last hit of the plan: the round trip below it hides under
               # its warm-up forwards (the lower bound of the discount, see solve_tau).
               own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
@@ -483,6 +663,24 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                 v = pool.cost[q] + step - own * (n - 1)
                 if v - (disc_max if h == 0 else 0.0) > budget:
                   continue  # costs fall along the frontier: later points may fit
+                if paths:
+                  if h == 1:
+                    xe = ee
+                    if h2 == 1 and pool.xe[q] - bk - c > ee:
+                      xe = pool.xe[q] - bk - c
+                    if v + xe > budget_f:
+                      continue
+                    if scnt[n] == scap:
+                      sv, sw, se, sq = _grow_stairs(sv, sw, se, sq, scap)
+                      scap *= 2
+                    _stair_add(sv, sw, se, sq, scnt, n, v, v + xe, e, q)
+                    if n < nlo:
+                      nlo = n
+                    if n > nhi:
+                      nhi = n
+                    continue
+                  if v - disc_max + hit_e > budget_f:
+                    continue
                 if v < tc[n, h]:
                   tc[n, h] = v
                   te[n, h] = e
@@ -495,24 +693,45 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         continue
       # Compress into Pareto frontiers (h = 1 first: without the discount it also dominates
       # h = 0 points). With the discount, an h = 0 point with more warm-ups gets more off at
-      # its hit stage further up: its frontier is over (n, cost - discount * tau * n).
-      pool = _grow_frontier(pool, used, used + H * (nhi - nlo + 1))
+      # its hit stage further up: its frontier is over (n, cost - discount * tau * n). With
+      # end_path the hit frontier is over (n, cost, cost + xe), by n and then by cost.
+      pool = _grow_frontier(pool, used, used + H * (nhi - nlo + 1) * (scap if paths else 1))
       for h in range(H - 1, -1, -1):
         first[i, act[d], h] = used
         best_same = inf
         best_hit = inf
         slope = discount * tau if (h == 0 and H == 2) else 0.0
-        for n in range(nlo, nhi + 1):
-          if H == 2 and discount == 0.0 and tc[n, 1] < best_hit:
-            best_hit = tc[n, 1]
-          v = tc[n, h]
-          if v - slope * n < best_same and (h == 1 or v < best_hit):
-            best_same = v - slope * n
-            pool.n[used] = n
-            pool.cost[used] = v
-            pool.entry[used] = te[n, h]
-            pool.succ[used] = ts[n, h]
-            used += 1
+        if paths and h == 1:
+          for n in range(nlo, nhi + 1):
+            for z in range(scnt[n]):
+              v = sv[n, z]
+              w = sw[n, z]
+              kept = True
+              for q in range(first[i, act[d], h], used):   # those of fewer warm-ups
+                if pool.n[q] < n and pool.cost[q] <= v and pool.cost[q] + pool.xe[q] <= w:
+                  kept = False
+                  break
+              if kept:
+                pool.n[used] = n
+                pool.cost[used] = v
+                pool.entry[used] = se[n, z]
+                pool.succ[used] = sq[n, z]
+                pool.xe[used] = w - v
+                used += 1
+            scnt[n] = 0
+        else:
+          for n in range(nlo, nhi + 1):
+            if H == 2 and discount == 0.0 and tc[n, 1] < best_hit:
+              best_hit = tc[n, 1]
+            v = tc[n, h]
+            if v - slope * n < best_same and (h == 1 or v < best_hit):
+              best_same = v - slope * n
+              pool.n[used] = n
+              pool.cost[used] = v
+              pool.entry[used] = te[n, h]
+              pool.succ[used] = ts[n, h]
+              pool.xe[used] = 0.0
+              used += 1
         count[i, act[d], h] = used - first[i, act[d], h]
         if count[i, act[d], h] > 0:
           jmin[d] = i
@@ -527,6 +746,12 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
       continue
     m = count[0, act[r], hf]
     if m == 0:
+      continue
+    if paths:   # the least cost + xe of the frontier
+      for q in range(first[0, act[r], hf], first[0, act[r], hf] + m):
+        if pool.cost[q] + pool.xe[q] < value:
+          value = pool.cost[q] + pool.xe[q]
+          best_q = q
       continue
     q = first[0, act[r], hf] + m - 1  # costs fall along the frontier: the last is the cheapest
     if pool.cost[q] < value:
@@ -551,15 +776,21 @@ if HAVE_NUMBA:
   _warmup_delta = _numba.njit(cache=True)(warmup_delta)
   _new_frontier = _numba.njit(cache=True)(_new_frontier)
   _grow_frontier = _numba.njit(cache=True)(_grow_frontier)
+  _grow_stairs = _numba.njit(cache=True)(_grow_stairs)
+  _stair_add = _numba.njit(cache=True)(_stair_add)
+  _prefix_pair = _numba.njit(cache=True, nogil=True)(_prefix_pair_impl)
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
   _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
+  _hit_floor = _numba.njit(cache=True, nogil=True)(_hit_floor_impl)
   _solve_tau_numba = _numba.njit(cache=True, nogil=True)(_solve_tau_impl)
 else:  # pragma: no cover
   _warmup_delta = warmup_delta
+  _prefix_pair = _prefix_pair_impl
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
   _hit_possible = _hit_possible_impl
+  _hit_floor = _hit_floor_impl
   _solve_tau_numba = None
 
 prefix_bound_kernel = _prefix_bound
@@ -592,14 +823,44 @@ def hit_possible(ix: DPArrays, lb: np.ndarray, sb: np.ndarray, hits: np.ndarray,
 
 
 @interruptible_kernel
+def hit_floor(ix: DPArrays, lb: np.ndarray, lbf: np.ndarray, sb: np.ndarray, hits: np.ndarray,
+              ent_i: np.ndarray, ent_k: np.ndarray, tau: float, num_microbatches: int,
+              n_hit: int, fwd_fraction: float, use_numba: bool = True) -> float:
+  """A lower bound on the simulated time, less ``(B - 1) tau``, of every plan whose last hit
+  is a stage of one of the entries ``hits`` (of time ``tau``), by :func:`prefix_bound` ``lb``,
+  the forward half ``lbf`` of :func:`prefix_bounds` and :func:`suffix_bound` ``sb`` at ``tau``
+  or above: the path of the pipeline's DAG
+  through that stage, up to its own end of iteration (``inf``: no such plan). ``n_hit``
+  bounds the stage's microbatches in flight (its warm-up forwards' discount)."""
+  fn = _hit_floor if (use_numba and HAVE_NUMBA) else _hit_floor_impl
+  return float(fn(ix, lb, lbf, sb, np.asarray(hits, np.int64), ent_i, ent_k, float(tau),
+                  int(num_microbatches), int(n_hit), float(fwd_fraction)))
+
+
+@interruptible_kernel
 def prefix_bound(ix: DPArrays, tau: float, check_comm: bool = True,
                  use_numba: bool = True) -> np.ndarray:
-  """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` of a prefix reaching layer ``i`` in device
-  state ``d`` with every stage and cut ``<= tau``, memory ignored (``inf``: unreachable);
-  ``[L, 0]`` that of a whole plan. The bound at a larger ``tau`` is also one at a smaller
-  ``tau`` (:func:`solve_tau` takes it)."""
+  """``[L + 1, G]``: the cheapest ``sum (t + 2 c)`` plus the first stage's end time of a prefix
+  reaching layer ``i`` in device state ``d`` with every stage and cut ``<= tau``, memory
+  ignored (``inf``: unreachable); ``[L, 0]`` that of a whole plan. The bound at a larger
+  ``tau`` is also one at a smaller ``tau`` (:func:`solve_tau` takes it)."""
   fn = _prefix_bound if (use_numba and HAVE_NUMBA) else _prefix_bound_impl
   return fn(ix, float(tau), bool(check_comm))
+
+
+@interruptible_kernel
+def prefix_bounds(ix: DPArrays, tau: float, fwd_fraction: float, check_comm: bool = True,
+                  live: tuple[np.ndarray, np.ndarray] | None = None,
+                  use_numba: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """``(lb, lbf)``, each ``[L + 1, G]``: :func:`prefix_bound`, and the cheapest forward half
+  ``sum (phi t + c)`` (``phi = fwd_fraction``) of the same prefixes: what a whole plan spends
+  above its suffix besides the backwards and cuts that the path to an end time below does not
+  wait for (:func:`solve_tau`'s ``end_path``). ``live``: a :func:`prefix_bound` and
+  :func:`suffix_bound` at a larger candidate; prefixes through states without both there are
+  left out (they are in no plan)."""
+  fn = _prefix_pair if (use_numba and HAVE_NUMBA) else _prefix_pair_impl
+  llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
+  return fn(ix, float(tau), bool(check_comm), float(fwd_fraction), llb, lsb)
 
 
 @interruptible_kernel
@@ -607,7 +868,9 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
               require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
               discount: float = 0.0, use_numba: bool = True,
               lb: np.ndarray | None = None, sb: np.ndarray | None = None,
-              hit_cap: int | None = None) -> tuple[float, np.ndarray]:
+              hit_cap: int | None = None, end_path: bool = False,
+              lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1
+              ) -> tuple[float, np.ndarray]:
   """The DP at one candidate period ``tau`` (Numba kernel).
 
   Args:
@@ -638,6 +901,23 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
       skipped.
     hit_cap: the most microbatches a stage of time ``tau`` can hold (memory); bounds the
       discount still to come for a suffix without a hit, so the bound prunes those too.
+    end_path: (with ``require_hit``) every stage's end time counts, not only the first's: the
+      value is ``sum (t_i + 2 c_i) - phi tau (min(N_h, B) - 1) + max_{s <= h} (e_s - U_s)``,
+      ``h`` the plan's last hit (a stage of time ``tau``, or the stage before a cut of
+      ``tau``) and ``U_s = sum_{r < s} ((1 - phi) t_r + c_r)`` the backwards and cuts above
+      ``s``. Plus ``(B - 1) tau`` it is still a lower bound on the simulated time: the path
+      through ``h`` goes on up to stage ``s``, whose end of iteration follows its last
+      backward (``s = 0`` gives ``e_0``; without end times the value is the one above). The
+      frontier of suffixes with a hit is then over ``(n, cost, cost + xe)``
+      (:class:`Frontier`), and a suffix is pruned by the forward half of its prefix
+      (``lbf``) plus its own cost and end term.
+    lbf: the forward half of :func:`prefix_bounds` at ``tau`` or above, for ``end_path``
+      (``None``: computed here).
+    hit_e: with ``end_path``, the least end time of a stage of time ``tau`` (``0`` where a
+      cut may take ``tau``): a suffix without a hit gets at least that from the hit to come.
+    hit_j: (with ``require_hit``) no stage of time ``tau`` ends, and no cut that may take
+      ``tau`` follows, a layer before ``hit_j``: suffixes without a hit that start at or
+      before it are not kept (no prefix can give them one). ``-1``: no such layer known.
 
   Returns:
     ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
@@ -647,7 +927,8 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
   return fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
             bool(check_comm), float(bound), bool(link_hits), float(discount),
             _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb,
-            int(num_microbatches) if hit_cap is None else int(hit_cap))
+            int(num_microbatches) if hit_cap is None else int(hit_cap), bool(end_path),
+            _NO_BOUND if lbf is None else lbf, float(hit_e), int(hit_j))
 
 
 def active_entries(ix: DPArrays, k: int, i: int, tau: float) -> list[int]:
@@ -670,9 +951,16 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
                     require_hit: bool, check_comm: bool, bound: float, link_hits: bool = False,
                     discount: float = 0.0, use_numba: bool = False,
                     lb: np.ndarray | None = None, sb: np.ndarray | None = None,
-                    hit_cap: int | None = None) -> tuple[float, np.ndarray]:
-  """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments)."""
-  del use_numba, lb, sb, hit_cap
+                    hit_cap: int | None = None, end_path: bool = False,
+                    lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1
+                    ) -> tuple[float, np.ndarray]:
+  """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments; with
+  ``end_path`` the hit suffixes of each ``(i, d, n)`` are a list of every point that no other
+  beats in both cost and cost plus end term)."""
+  del use_numba, lb, sb, hit_cap, lbf, hit_e, hit_j
+  if end_path and require_hit:
+    return _solve_tau_paths_twin(ix, tau, num_microbatches, eps, n_cap, check_comm, bound,
+                                 link_hits, discount)
   (st_sub, st_stay, st_leave, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
    c_pair) = ix[:13]
   ent_e = ix.ent_e
@@ -744,3 +1032,88 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
     i, d, n, h = (int(ent_j[e]) + 1, int(par_d[i, d, n, h]), int(par_n[i, d, n, h]),
                   int(par_h[i, d, n, h]))
   return value, np.asarray(path, np.int64)
+
+
+def _solve_tau_paths_twin(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
+                          n_cap: int, check_comm: bool, bound: float, link_hits: bool,
+                          discount: float) -> tuple[float, np.ndarray]:
+  """:func:`solve_tau_numpy` with ``end_path``: ``F0[i, d, n]`` the cheapest suffix without a
+  hit (dense), ``F1[(i, d, n)]`` the hit suffixes as ``(cost, xe, entry, next key)``, kept
+  unless another of no more warm-ups has no larger cost and no larger cost plus ``xe``."""
+  L, B = ix.ent_ptr.shape[1] - 1, int(num_microbatches)
+  G, S_max = int(ix.st_sub.size), ix.st_stay.shape[1]
+  NC = int(n_cap)
+  F0 = np.full((L + 1, G, NC + 1), np.inf)
+  P0 = {}                        # (i, d, n) -> (entry, next key or None)
+  F1: dict[tuple[int, int, int], list] = {}
+  n_idx = np.arange(NC + 1)
+  for i in range(L - 1, -1, -1):
+    for d in range(G):
+      k = int(ix.st_sub[d])
+      cell: dict[int, list] = {}
+      for e in _active(ix, k, i, tau):
+        t, ee = float(ix.ent_t[e]), float(ix.ent_e[e])
+        s, j = int(ix.ent_s[e]), int(ix.ent_j[e])
+        hit = t == tau
+        if j == L - 1:
+          if not ix.st_end[d, s]:
+            continue
+          if hit:
+            cell.setdefault(1, []).append((t, ee, e, None))
+          elif t < F0[i, d, 1]:
+            F0[i, d, 1] = t
+            P0[(i, d, 1)] = (e, None)
+          continue
+        p, a, mk = float(ix.ent_p[e]), float(ix.ent_a[e]), float(ix.mem[k])
+        mp = d * S_max + s
+        for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
+          d2 = int(ix.mv_state[x])
+          c = float(cut_cost(ix, k, x, j))
+          if check_comm and c > tau:
+            continue
+          dl = warmup_delta(c, tau, eps)
+          hit_c = link_hits and c == tau
+          succ = [(n2, float(F0[j + 1, d2, n2]), None, 0) for n2 in n_idx[1:]
+                  if np.isfinite(F0[j + 1, d2, n2])]
+          succ += [(n2, v2, xe2, z) for n2 in n_idx[1:]
+                   for z, (v2, xe2, _, _) in enumerate(F1.get((j + 1, d2, n2), []))]
+          for n2, v2, xe2, z in succ:
+            n = min(n2 + dl, B)
+            if n > NC or not p + n * a <= mk:
+              continue
+            own = discount * tau if (xe2 is None and hit and not hit_c) else 0.0
+            v = v2 + t + 2.0 * c - own * (n - 1)
+            key = (j + 1, d2, n2, z if xe2 is not None else None)
+            if xe2 is None and not (hit or hit_c):
+              if v < F0[i, d, n]:
+                F0[i, d, n] = v
+                P0[(i, d, n)] = (e, key)
+              continue
+            xe = ee if xe2 is None else max(ee, xe2 - (1.0 - discount) * t - c)
+            cell.setdefault(n, []).append((v, xe, e, key))
+      kept: list[tuple[int, tuple]] = []
+      for n in sorted(cell):
+        for pt in sorted(cell[n], key=lambda q: (q[0], q[0] + q[1])):
+          if not any(n2 <= n and q[0] <= pt[0] and q[0] + q[1] <= pt[0] + pt[1]
+                     for n2, q in kept):
+            kept.append((n, pt))
+      for n, pt in kept:
+        F1.setdefault((i, d, n), []).append(pt)
+  best, where = np.inf, None
+  for r in ix.roots:
+    for n in range(1, NC + 1):
+      for z, (v, xe, _, _) in enumerate(F1.get((0, int(r), n), [])):
+        if v + xe < best:
+          best, where = v + xe, (0, int(r), n, z)
+  if where is None or (np.isfinite(bound)
+                       and best + (B - 1) * tau > bound * (1.0 + BOUND_SLACK)):
+    return np.inf, np.zeros(0, np.int64)
+  path = []
+  while where is not None:
+    i, d, n, z = where
+    if z is None:
+      e, where = P0[(i, d, n)]
+    else:
+      _, _, e, where = F1[(i, d, n)][z]
+    path.append(int(e))
+  return float(best), np.asarray(path, np.int64)

@@ -102,18 +102,16 @@ class SparseIndex:
     S_max = max(len(x) for x in tables.submeshes)
     sp_keys = (c["k"] * L + c["i"]) * S_max + c["s"]
     sp_ptr = np.searchsorted(sp_keys, np.arange(K * L * S_max + 1), side="left").astype(np.int64)
-    # Groups whose last layers increase along the time order (an entry's group is its key).
-    falls = np.zeros(K * L * S_max, np.int64)
-    same = sp_keys[1:] == sp_keys[:-1]
-    np.add.at(falls, sp_keys[1:][same & (np.diff(c["j"]) <= 0)], 1)
-    sp_mono = falls == 0
+    # Per entry, the largest last layer of its group so far in time order (the keys grow from
+    # group to group, so one running maximum serves them all).
+    ent_jmax = np.maximum.accumulate(sp_keys * (L + 1) + c["j"]) - sp_keys * (L + 1)
     st = device_states(tables, use_all_devices=use_all_devices, keep_order=keep_order)
     mv_ptr, mv_state, mv_sub, mv_host = dp_kernel.moves(st)
     arrays = dp_kernel.DPArrays(
         st.sub, st.stay, st.leave, st.end, st.roots, np.ascontiguousarray(ptr), c["j"], c["s"],
         c["t"].astype(np.float64), c["p"].astype(np.float64), c["a"].astype(np.float64), mem,
         np.ascontiguousarray(tables.pair_comm_s), mv_ptr, mv_state, mv_sub,
-        c["e"].astype(np.float64), sp_ptr, sp_mono,
+        c["e"].astype(np.float64), sp_ptr, ent_jmax.astype(np.int64),
         *dp_kernel.fitting_submeshes(mv_ptr, st.end),
         *dp_kernel.link_rows(mv_sub, mv_host, st.sub, mv_ptr, S_max, tables.pair_comm_s,
                              tables.host_comm_s))
@@ -182,19 +180,49 @@ class SparseIndex:
           bound: float = math.inf, check_comm: bool = True, kernel: str = "numba",
           n_cap: int | None = None, discount: float = 0.0,
           lb: np.ndarray | None = None, sb: np.ndarray | None = None,
-          link_hits: bool | None = None, hit_cap: int | None = None
+          link_hits: bool | None = None, hit_cap: int | None = None,
+          end_path: bool = False, lbf: np.ndarray | None = None
           ) -> tuple[float, np.ndarray]:
     """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
     of ``tau`` are hits when the index is ``link_bound``, unless ``link_hits`` says otherwise;
-    ``lb``, ``sb``: a :meth:`prefix_bound` and :meth:`suffix_bound` at ``tau`` or above)."""
+    ``lb``, ``sb``, ``lbf``: a :meth:`prefix_bound`, :meth:`suffix_bound` and
+    the forward half of :meth:`prefix_bounds`, at ``tau`` or above). ``end_path`` counts every
+    stage's end
+    time (where the entries have any; the suffix without a hit is pruned by
+    :meth:`hit_end`)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
     hits = self.link_bound if link_hits is None else link_hits
     if hit_cap is None and discount > 0 and require_hit:
       hit_cap = self.hit_cap(tau, num_microbatches)
+    end_path = bool(end_path and require_hit and self.has_ends)
+    hit_e = 0.0   # the least end time of the plan's last hit (a cut of tau: none)
+    if end_path and (self.link_bound or not hits):
+      hit_e = self.hit_end(tau) if hits else self._stage_hit_end(tau)
     return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-              hits, discount, lb=lb, sb=sb, hit_cap=hit_cap)
+              hits, discount, lb=lb, sb=sb, hit_cap=hit_cap, end_path=end_path, lbf=lbf,
+              hit_e=hit_e, hit_j=self.first_hit_layer(tau, hits) if require_hit else -1)
+
+  def first_hit_layer(self, tau: float, link_hits: bool) -> int:
+    """The first layer that a stage of time exactly ``tau`` ends, or (with ``link_hits``) that
+    a cut of ``tau`` may follow (``L``: none): a plan of period ``tau`` has its hit there or
+    later."""
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    first = self.num_layers
+    if hi > lo:
+      first = int(np.min(self.arrays.ent_j[self.by_t[lo:hi]]))
+    if link_hits:
+      cols = np.flatnonzero((self.arrays.c_link == tau).any(axis=0))
+      if cols.size:
+        first = min(first, int(cols[0]))
+    return first
+
+  @functools.cached_property
+  def has_ends(self) -> bool:
+    """Whether some entry has an end-of-iteration time."""
+    return bool(np.any(self.arrays.ent_e > 0))
 
   def hit_cap(self, tau: float, num_microbatches: int) -> int:
     """The most microbatches (``<= B``) a stage of time exactly ``tau`` can hold in memory;
@@ -220,6 +248,10 @@ class SparseIndex:
       x = int(np.searchsorted(self.cut_values, tau))
       if x < self.cut_values.size and self.cut_values[x] == tau:
         return 0.0
+    return self._stage_hit_end(tau)
+
+  def _stage_hit_end(self, tau: float) -> float:
+    """The least end time of the entries of time exactly ``tau`` (``0``: none)."""
     lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
     hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
     if lo == hi:
@@ -235,9 +267,35 @@ class SparseIndex:
     """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""
     return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
 
+  def prefix_bounds(self, tau: float, fwd_fraction: float, check_comm: bool = True,
+                    live: tuple[np.ndarray, np.ndarray] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bounds` at ``tau``: :meth:`prefix_bound`
+    and the forward half of the same prefixes (through the ``live`` states only, given)."""
+    return dp_kernel.prefix_bounds(self.arrays, tau, fwd_fraction, check_comm, live)
+
   def suffix_bound(self, tau: float, lb: np.ndarray, check_comm: bool = True) -> np.ndarray:
     """:func:`harpjax.compiler.plan.dp_kernel.suffix_bound` at ``tau``."""
     return dp_kernel.suffix_bound(self.arrays, tau, lb, check_comm)
+
+  def hit_floor(self, tau: float, lb: np.ndarray, lbf: np.ndarray, sb: np.ndarray,
+                num_microbatches: int, n_hit: int, fwd_fraction: float) -> float:
+    """A lower bound on the simulated time of any plan of period ``tau`` (given
+    :meth:`prefix_bounds` and :meth:`suffix_bound` at ``tau`` or above): ``(B - 1) tau`` plus
+    :func:`harpjax.compiler.plan.dp_kernel.hit_floor` over the entries of that time, or
+    ``B tau`` alone when a cut may take ``tau`` (``inf``: no plan has that period)."""
+    B = int(num_microbatches)
+    base = (B - 1) * tau
+    if self.link_bound and self.cut_values is not None and self.cut_values.size:
+      x = int(np.searchsorted(self.cut_values, tau))
+      if x < self.cut_values.size and self.cut_values[x] == tau:
+        return B * tau
+    lo = int(np.searchsorted(self.sorted_t, tau, side="left"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    if lo == hi:
+      return math.inf
+    return base + dp_kernel.hit_floor(self.arrays, lb, lbf, sb, self.by_t[lo:hi], self.ent_i,
+                                      self.ent_k, tau, B, n_hit, fwd_fraction)
 
   def may_have_period(self, tau: float, lb: np.ndarray, sb: np.ndarray) -> bool:
     """``False`` proves no plan has period exactly ``tau`` (given :meth:`prefix_bound` and

@@ -18,7 +18,12 @@ time ``T`` satisfies (paths of the pipeline's DAG, ``docs/schedules.md``)::
 The first term is the path through stage ``s``: microbatch 0 down to ``s``, its round trip
 below ``s`` (of which ``w_s - 1`` forwards hide the part they overlap), every other task of
 ``s``, the last gradient back up, then stage 0's end of iteration. The second is the path
-through the ``B`` messages of one link direction. Also ``T >= B P`` for the plan's period
+through the ``B`` messages of one link direction. Both paths may instead stop at any stage
+``s' <= s``, whose end of iteration follows its last backward: ``T >= H - U_s' + e_s' +
+[the term of s]``, ``U_s'`` the backwards and cuts above ``s'`` (``(1 - phi) t + c`` each), so
+``T >= H + Z`` with ``Z`` the largest such pair (``s' = 0`` gives the bound above); a suffix
+carries its own ``Z`` and a plan costs at least the forward half of the suffix's prefix
+(``sum (phi t + c)``) plus the suffix's ``H`` and ``Z``. Also ``T >= B P`` for the plan's period
 ``P = max(t_max, max_s c_s)``. A suffix (the stages after layer ``i``, chosen last stage
 first, so its warm-ups are known) extends to a plan costing at least the cheapest prefix
 ``lb[i, d]`` (a forward pass at ``P``) plus the suffix's part of the bound; when the suffix
@@ -37,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, prefix_bound_kernel
+from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, prefix_bounds
 from harpjax.compiler.schedule import iteration_time_kernel, warmup_delta
 from harpjax.errors import interruptible_kernel
 
@@ -107,7 +112,7 @@ def proof_arrays(ix: DPArrays, ent_i: np.ndarray, ent_k: np.ndarray, ent_m: np.n
 
 
 def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_limit,
-                 r_min, node_budget, out_path, lb):
+                 r_min, node_budget, out_path, lb, lbf):
   """Kernel body; see :func:`bounded_search`."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
@@ -120,6 +125,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
   f_n = np.zeros(L + 1, np.int64)
   f_h = np.zeros(L + 1)          # sum (t + 2c) of the suffix from this stage
   f_g = np.zeros(L + 1)          # max of the per-stage and per-link terms
+  f_z = np.zeros(L + 1)          # max of a term below plus an end time up to it (docstring)
   f_hit = np.zeros(L + 1, np.int64)
   f_r = np.zeros(L + 1)          # hourly rate of the suffix
   f_c = np.zeros(L + 1)          # the cut after this stage (0 for the last)
@@ -162,6 +168,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
           f_n[0] = 1
           f_h[0] = t0
           f_g[0] = (B - 1) * t0
+          f_z[0] = (B - 1) * t0 + ix.ent_e[e0]
           f_hit[0] = 1 if t0 == tau else 0
           f_r[0] = px.price[k0] * px.ent_m[e0]
           f_c[0] = 0.0
@@ -179,6 +186,8 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
               if i == 0:
                 if px.is_root[d] and f_hit[depth] == 1:
                   lbv = f_h[depth] + ix.ent_e[e] + f_g[depth]
+                  if f_h[depth] + f_z[depth] > lbv:
+                    lbv = f_h[depth] + f_z[depth]
                   val = lbv if kind == KIND_TIME else f_r[depth] * lbv
                   if val <= best * slack and lbv <= t_limit * slack and \
                       f_r[depth] <= rate_max * slack:
@@ -257,6 +266,11 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
               bnd = pre + h2 + (g2 if (hit2 == 1 or g2 >= miss) else miss)
               if i2 == 0:
                 bnd += ix.ent_e[e2]
+              z2 = f_z[depth] - (1.0 - phi) * t2 - c
+              if ix.ent_e[e2] + g2 > z2:
+                z2 = ix.ent_e[e2] + g2
+              if lbf[i2, d2] + h2 + z2 > bnd:
+                bnd = lbf[i2, d2] + h2 + z2   # the prefix's forward half, then a path's end
               val = bnd if kind == KIND_TIME else (r2 + (r_min if i2 > 0 else 0.0)) * bnd
               if val > best * slack or bnd > t_limit * slack:
                 continue
@@ -266,6 +280,7 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
               f_n[depth] = n2
               f_h[depth] = h2
               f_g[depth] = g2
+              f_z[depth] = z2
               f_hit[depth] = hit2
               f_r[depth] = r2
               f_c[depth] = c
@@ -326,10 +341,10 @@ def bounded_search(ix: DPArrays, px: ProofArrays, taus: np.ndarray, num_microbat
   if taus.size == 0:
     return float(best), -1, out[:0].copy(), 0, 0, True
   # One prefix bound, at the largest period: a bound at every smaller one.
-  lb = prefix_bound_kernel(ix, float(taus[-1]), True)
+  lb, lbf = prefix_bounds(ix, float(taus[-1]), float(fwd_fraction), True)
   fn = _search_jit if use_numba else _search_impl
   value, idx, length, nodes, n_sim, aborted = fn(
       ix, px, taus, int(num_microbatches), float(eps), float(fwd_fraction), int(n_max),
       int(kind), float(best), float(rate_max), float(t_limit), float(r_min), int(node_budget),
-      out, lb)
+      out, lb, lbf)
   return (float(value), int(idx), out[:length].copy(), int(nodes), int(n_sim), not aborted)

@@ -446,27 +446,48 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   n_cap = index.n_cap(B)
   out, runs = [], 0
   taus = sorted(taus)
-  # One prefix and one suffix bound for the batch, at its largest candidate: bounds at every
+  # Prefix and suffix bounds shared by a run of candidates, at its largest: bounds at every
   # smaller one. A candidate that no plan can have as its period is skipped without a DP.
-  lb = sb = None
-  if taus:
+  # With the simulator's model every stage's end time counts in the DP's bound, whose prefix
+  # bounds pay for themselves at every BOUND_CHUNK candidates (those left by the floor).
+  end_path = scoring.simulated and scoring.discount > 0 and index.has_ends
+  chunk = BOUND_CHUNK if end_path else len(taus)
+  lb = sb = lbf = live = None
+  covered = -1   # candidates up to this index share the bounds
+  slack = 1.0 + BOUND_SLACK
+  floors = np.array([scoring.floor(
+      float(index.candidates[c]), sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict)
+      else sigma_lb, None, index.hit_end(float(index.candidates[c]))) for c in taus])
+  if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
-    lb = index.prefix_bound(top)
-    sb = index.suffix_bound(top, lb)
-  for idx in taus:
+    live = index.prefix_bound(top)
+    live = (live, index.suffix_bound(top, live))
+  for x, idx in enumerate(taus):
     tau = float(index.candidates[idx])
     sig = sigma_lb.get(idx, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
     hit_cap = scoring.capped(tau, index.hit_cap(tau, B), bound)
-    if scoring.floor(tau, sig, hit_cap, index.hit_end(tau)) > bound * (1.0 + BOUND_SLACK):
+    if scoring.floor(tau, sig, hit_cap, index.hit_end(tau)) > bound * slack:
       continue
+    if idx > covered:
+      left = np.flatnonzero(floors[x:] <= bound * slack) + x
+      covered = taus[int(left[min(chunk, left.size) - 1])]
+      top = float(index.candidates[covered])
+      if end_path:
+        lb, lbf = index.prefix_bounds(top, scoring.discount, live=live)
+      else:
+        lb = index.prefix_bound(top)
+      sb = index.suffix_bound(top, lb)
     if not index.may_have_period(tau, lb, sb):
       continue
+    if end_path and index.hit_floor(tau, lb, lbf, sb, B, hit_cap, scoring.fwd_fraction) > \
+        bound * slack:
+      continue   # the path through the hit stage to its own end of iteration is too long
     runs += 1
     log.debug("planner: DP at period %.6g s (%d active entries), bound %.6g s", tau,
               index.active_entries(tau), bound)
     value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
                             kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
-                            lb=lb, sb=sb, hit_cap=hit_cap)
+                            lb=lb, sb=sb, hit_cap=hit_cap, end_path=end_path, lbf=lbf)
     if not math.isfinite(value):
       continue
     found = [(value, path)]
@@ -519,6 +540,10 @@ def _evaluate_priced(index: SparseIndex, taus: Sequence[int], scoring: Scoring, 
     bound = min(bound, value)
   return out, runs
 
+
+BOUND_CHUNK = 32
+"""With end times: the candidates (of those the floor leaves) that share one set of prefix and
+suffix bounds in :func:`evaluate_candidates`, taken at the largest of them."""
 
 _WORKER_INDEX: dict[str, SparseIndex] = {}  # per worker process: the index it was started with
 

@@ -66,11 +66,12 @@ def test_baselines_never_beat_the_dp_on_its_own_objective():
   block = baselines.coarse_plan(t, B, baselines.group_cuts(b.gpt39b_block_labels(8)))
   unaware = baselines.comm_unaware_plan(t, B)
   homo = baselines.homogeneous_plan(t, B, schedule="h1f1b")
+  assert harp.stats.proved   # the DP's objective: the simulated time (end times included)
   for r in (coarse, block, unaware, homo):
     ev = r.evaluation
     if ev.feasible and ev.comm_ok and ev.uses_all_devices:
-      assert ev.eq12_s >= harp.objective_s * (1 - 1e-12), r.name
-  assert coarse.evaluation.eq12_s >= harp.objective_s
+      assert ev.iteration_s >= harp.objective_s * (1 - 1e-12), r.name
+  assert coarse.evaluation.iteration_s >= harp.objective_s
 
 
 def test_homogeneous_plan_is_equal_split():
