@@ -7,11 +7,16 @@ and the gradients. Everything before that equation prepares the region's inputs;
 after it is the apply-gradient computation (the optimizer update, whatever the user wrote).
 
 The step is traced twice: once with the full batch (the reference semantics of the parts around
-the region) and once with one microbatch (the forward program the stages run). Comparing the
-two tells which region inputs are split into microbatches and along which axis, which auxiliary
-outputs are per-example (concatenated) or per-batch (averaged), and which random-number
-equations must draw the microbatch's slice of the full batch's random bits so that dropout
-matches ``jax.jit`` of the undecorated step exactly.
+the region) and once with one microbatch, up to the region (the forward program the stages
+run; what the step does after the region runs on the whole batch only, so that trace ends
+there). Comparing the two tells which region inputs are split into microbatches and along which
+axis, which auxiliary outputs are per-example (concatenated) or per-batch (averaged), and which
+random-number equations must draw the microbatch's slice of the full batch's random bits so
+that dropout matches ``jax.jit`` of the undecorated step exactly.
+
+While it traces, Flax's per-parameter shape check is answered once per distinct initializer
+call (:func:`harpjax._compat.flax_param_shape_memo`) and Python's cyclic garbage collector is
+paused: the two took half the time of tracing a 48-block GPT (docs/layers.md, "Tracing speed").
 """
 
 from __future__ import annotations
@@ -304,7 +309,7 @@ class TracedStep:
 def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
                batch_argnums: Sequence[int] = (1,), batch_coupling: str | None = None,
                like: TracedStep | None = None, factor=None) -> TracedStep:
-  """Traces ``step_fn(*args)`` at full batch and at microbatch size.
+  """Traces ``step_fn(*args)`` at full batch and, up to its region, at microbatch size.
 
   The region is then rewritten into the program one microbatch runs so that the
   microbatches' results make the batch's (:mod:`~harpjax.compiler.trace.batchflow`,
