@@ -337,8 +337,9 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
       ``"error"``, or the batch's data index the batch's examples (labels of an in-batch loss
       given with the data), which a microbatch cannot reproduce.
   """
-  # Flax checks each parameter's shape against its initializer's, one small trace of the
-  # initializer per parameter and per trace of the step; evaluate each distinct one once.
+  # Two costs that change nothing in the result: the collector's full walks of the heap while
+  # the trace grows, and Flax's shape check of every existing parameter (a small trace of its
+  # initializer each time; evaluated once per distinct initializer call instead).
   with _gc_paused(), _compat.flax_param_shape_memo():
     return _trace_step(step_fn, args, num_microbatches, batch_argnums, batch_coupling, like,
                        factor)
