@@ -96,14 +96,13 @@ def _fast(values, fast) -> list:
   return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
 
 
-@pytest.mark.parametrize("kind", _fast(zoo.KINDS, ("scan_remat", "while")))
+@pytest.mark.parametrize("kind", _fast(zoo.KINDS, ("scan_remat",)))
 def test_zoo_traces_as_without_shortcuts(x64, monkeypatch, kind):
   case = zoo.linen(kind)
   _assert_same(*_both(monkeypatch, case.step, (case.state, case.batches[0])))
 
 
-@pytest.mark.parametrize("name", _fast(["batch_stats", "nnx_model", "custom_vjp"],
-                                       ("nnx_model",)))
+@pytest.mark.parametrize("name", _fast(["batch_stats", "nnx_model", "custom_vjp"], ()))
 def test_stateful_models_trace_as_without_shortcuts(x64, monkeypatch, name):
   case = getattr(zoo, name)()
   _assert_same(*_both(monkeypatch, case.step, (case.state, case.batches[0])))
