@@ -7,8 +7,11 @@ version pinned in ``setup.py``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+import sys
+import threading
 from typing import Any, Iterable
 
 import jax
@@ -22,7 +25,8 @@ __all__ = [
     "REMAT_PRIMITIVES",
     "subjaxpr_of_call", "float0", "aval_of", "make_float0_zeros", "register_identity_primitive",
     "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
-    "setting_env_var", "use_persistent_compilation_cache",
+    "setting_env_var", "use_persistent_compilation_cache", "trace_state",
+    "flax_param_shape_memo",
 ]
 
 JAX_VERSION = jax.__version_info__
@@ -274,3 +278,110 @@ def setting_env_var(name: str) -> str:
 
 def _plain(value: Any) -> Any:
   return value.value if isinstance(value, enum.Enum) else value
+
+
+def trace_state():
+  """An opaque token of the trace JAX binds operations to here, comparable with ``==``: two
+  tokens are equal where operations land in the same jaxpr (a ``jax.jit``, ``lax.scan`` or
+  ``jax.checkpoint`` body traced in between has a token of its own)."""
+  return jex.core.get_opaque_trace_state()
+
+
+# --------------------------------------------------------------------------- Flax's shape check
+#
+# ``flax.core.scope.Scope.param``, given a parameter that exists, evaluates its initializer's
+# shape with ``jax.eval_shape(lambda: init_fn(random.key(0), *init_args, **init_kwargs))`` and
+# raises ``ScopeParamShapeError`` if the parameter's shape differs. The lambda is new each
+# time, so JAX traces the initializer once per parameter and per trace: 772 parameters of
+# GPT-15B make 772 traces of a handful of distinct initializers. Within
+# :func:`flax_param_shape_memo`, the shape is evaluated once per (initializer, arguments) and
+# compared as before.
+
+_FLAX_LOCK = threading.Lock()
+_FLAX_ACTIVE = [0, None]          # nesting depth, the module object replaced
+_FLAX_MEMO: dict = {}
+_FLAX_FREEVARS = ("init_args", "init_fn", "init_kwargs")
+
+
+def _memo_key(x) -> Any:
+  """A key equal only for equal values of equal types (``1``, ``1.0`` and ``True`` differ),
+  recursing into tuples, lists (Flax writes some shapes as lists) and dicts; raises
+  ``TypeError`` for an unhashable value."""
+  if type(x) in (tuple, list):  # pylint: disable=unidiomatic-typecheck  (NamedTuples by type)
+    return (type(x), tuple(_memo_key(e) for e in x))
+  if type(x) is dict:  # pylint: disable=unidiomatic-typecheck
+    return (dict, tuple(sorted(((k, _memo_key(v)) for k, v in x.items()), key=repr)))
+  hash(x)
+  return (type(x), x)
+
+
+class _MemoJax:
+  """``jax`` as Flax's scope module sees it inside :func:`flax_param_shape_memo`: the same
+  module, with ``eval_shape`` of the shape-check lambda answered from the memo."""
+
+  def __init__(self, module, code):
+    self._module = module
+    self._code = code
+
+  def __getattr__(self, name):
+    return getattr(self._module, name)
+
+  def eval_shape(self, fun, *args, **kwargs):
+    code = getattr(fun, "__code__", None)
+    if code is not self._code or args or kwargs or fun.__closure__ is None:
+      return self._module.eval_shape(fun, *args, **kwargs)
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fun.__closure__)))
+    try:
+      key = (cells["init_fn"], _memo_key(cells["init_args"]), _memo_key(cells["init_kwargs"]))
+      hit = _FLAX_MEMO.get(key)
+    except TypeError:   # an unhashable argument: evaluated as Flax does
+      return self._module.eval_shape(fun)
+    if hit is None:
+      hit = self._module.eval_shape(fun)
+      _FLAX_MEMO[key] = hit
+    return hit
+
+
+def _flax_shape_check_code():
+  """The code object of the shape-check lambda in ``Scope.param``, or ``None`` where this Flax
+  version checks otherwise (the memo then stays off)."""
+  scope = sys.modules.get("flax.core.scope")
+  param = getattr(getattr(scope, "Scope", None), "param", None)
+  for const in getattr(getattr(param, "__code__", None), "co_consts", ()):
+    if getattr(const, "co_name", None) == "<lambda>" and \
+        tuple(sorted(const.co_freevars)) == _FLAX_FREEVARS:
+      return scope, const
+  return None, None
+
+
+@contextlib.contextmanager
+def flax_param_shape_memo():
+  """Within this context, Flax's check that an existing parameter has its initializer's shape
+  evaluates each distinct initializer call's shape once.
+
+  The check itself is unchanged: every parameter's shape is still compared with its
+  initializer's, and a mismatch still raises ``flax.errors.ScopeParamShapeError``. Only the
+  initializer's abstract result is remembered, keyed by the initializer object and its
+  arguments (compared by value and type; calls with an unhashable argument are evaluated
+  each time). This assumes, as Flax's lazy initialization does, that an initializer's result
+  shape depends on its arguments alone. The memo is emptied when the outermost context exits;
+  it does nothing if ``flax`` is not imported or checks shapes another way.
+  """
+  with _FLAX_LOCK:
+    if _FLAX_ACTIVE[0] == 0:
+      scope, code = _flax_shape_check_code()
+      if scope is not None and isinstance(getattr(scope, "jax", None), type(sys)):
+        _FLAX_ACTIVE[1] = scope
+        scope.jax = _MemoJax(scope.jax, code)
+    _FLAX_ACTIVE[0] += 1
+  try:
+    yield
+  finally:
+    with _FLAX_LOCK:
+      _FLAX_ACTIVE[0] -= 1
+      if _FLAX_ACTIVE[0] == 0:
+        scope = _FLAX_ACTIVE[1]
+        if scope is not None:
+          scope.jax = scope.jax._module  # pylint: disable=protected-access
+        _FLAX_ACTIVE[1] = None
+        _FLAX_MEMO.clear()

@@ -7,11 +7,16 @@ and the gradients. Everything before that equation prepares the region's inputs;
 after it is the apply-gradient computation (the optimizer update, whatever the user wrote).
 
 The step is traced twice: once with the full batch (the reference semantics of the parts around
-the region) and once with one microbatch (the forward program the stages run). Comparing the
-two tells which region inputs are split into microbatches and along which axis, which auxiliary
-outputs are per-example (concatenated) or per-batch (averaged), and which random-number
-equations must draw the microbatch's slice of the full batch's random bits so that dropout
-matches ``jax.jit`` of the undecorated step exactly.
+the region) and once with one microbatch, up to the region (the forward program the stages
+run; what the step does after the region runs on the whole batch only, so that trace ends
+there). Comparing the two tells which region inputs are split into microbatches and along which
+axis, which auxiliary outputs are per-example (concatenated) or per-batch (averaged), and which
+random-number equations must draw the microbatch's slice of the full batch's random bits so
+that dropout matches ``jax.jit`` of the undecorated step exactly.
+
+While it traces, Flax's per-parameter shape check is answered once per distinct initializer
+call (:func:`harpjax._compat.flax_param_shape_memo`) and Python's cyclic garbage collector is
+paused: the two took half the time of tracing a 48-block GPT (docs/layers.md, "Tracing speed").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import dataclasses
 import fractions
 import functools
+import gc
 import logging
 import threading
 import warnings
@@ -78,8 +84,20 @@ class _RegionRecord:
 
 
 class _Capture:
-  def __init__(self):
+  def __init__(self, stop_at_region: bool = False):
     self.regions: list[_RegionRecord] = []
+    self.stop_at_region = stop_at_region
+    self.trace_state = None   # the step's own trace (set when it starts)
+
+
+class _RegionTraced(BaseException):
+  """Ends a trace of the step at its region, whose results it carries: what the step computes
+  after the region is not needed at microbatch size. A ``BaseException``, so that a step's
+  ``except Exception`` does not take it for its own error."""
+
+  def __init__(self, outs):
+    super().__init__()
+    self.outs = outs
 
 
 def _current() -> _Capture | None:
@@ -87,9 +105,9 @@ def _current() -> _Capture | None:
 
 
 @contextlib.contextmanager
-def _capturing():
+def _capturing(stop_at_region: bool = False):
   prev = _current()
-  _state.capture = _Capture()
+  _state.capture = _Capture(stop_at_region)
   try:
     yield _state.capture
   finally:
@@ -196,6 +214,10 @@ def _capture_region(cap: _Capture, fun, argnums, has_aux, args, kwargs):
   out_avals = tuple(closed.out_avals) + tuple(_compat.aval_of(x) for x in diff_leaves)
   outs = region_p.bind(*closed.consts, *diff_leaves, *other_leaves, region_id=region_id,
                        out_avals=out_avals)
+  if cap.stop_at_region and _compat.trace_state() == cap.trace_state:
+    # Bound in the step's own jaxpr (not inside a jit, scan or checkpoint of the step, whose
+    # trace an exception would abandon): the trace may end here, the region its result.
+    raise _RegionTraced(outs)
   n_out = len(closed.out_avals)
   loss = outs[0]
   aux = jax.tree_util.tree_unflatten(record.aux_tree, outs[1:n_out])
@@ -287,7 +309,7 @@ class TracedStep:
 def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
                batch_argnums: Sequence[int] = (1,), batch_coupling: str | None = None,
                like: TracedStep | None = None, factor=None) -> TracedStep:
-  """Traces ``step_fn(*args)`` at full batch and at microbatch size.
+  """Traces ``step_fn(*args)`` at full batch and, up to its region, at microbatch size.
 
   The region is then rewritten into the program one microbatch runs so that the
   microbatches' results make the batch's (:mod:`~harpjax.compiler.trace.batchflow`,
@@ -315,6 +337,43 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
       ``"error"``, or the batch's data index the batch's examples (labels of an in-batch loss
       given with the data), which a microbatch cannot reproduce.
   """
+  # Two costs that change nothing in the result: the collector's full walks of the heap while
+  # the trace grows, and Flax's shape check of every existing parameter (a small trace of its
+  # initializer each time; evaluated once per distinct initializer call instead).
+  with _gc_paused(), _compat.flax_param_shape_memo():
+    return _trace_step(step_fn, args, num_microbatches, batch_argnums, batch_coupling, like,
+                       factor)
+
+
+_GC_LOCK = threading.Lock()
+_GC_PAUSED = [0, False]   # nesting depth (all threads), whether the collector was on before
+
+
+@contextlib.contextmanager
+def _gc_paused():
+  """Python's cyclic garbage collector paused (and restored as it was) while a step traces.
+
+  A trace allocates hundreds of thousands of objects (tracers, equations, avals) that live
+  until it ends; each full collection meanwhile walks every object of the process, JAX's and
+  Flax's included, and finds almost no cycles: a third of the time of tracing GPT-39B
+  (docs/layers.md, "Tracing speed"). Reference counting still frees what a trace drops; the
+  few cycles left wait for the next collection after the trace."""
+  with _GC_LOCK:
+    if _GC_PAUSED[0] == 0:
+      _GC_PAUSED[1] = gc.isenabled()
+      gc.disable()
+    _GC_PAUSED[0] += 1
+  try:
+    yield
+  finally:
+    with _GC_LOCK:
+      _GC_PAUSED[0] -= 1
+      if _GC_PAUSED[0] == 0 and _GC_PAUSED[1]:
+        gc.enable()
+
+
+def _trace_step(step_fn, args, num_microbatches, batch_argnums, batch_coupling, like,
+                factor) -> TracedStep:
   if batch_coupling not in BATCH_COUPLING:
     raise TraceError(f"batch_coupling={batch_coupling!r}; choose one of {BATCH_COUPLING}")
   if int(num_microbatches) != num_microbatches or num_microbatches < 1:
@@ -331,7 +390,7 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
 
   full_closed, full_cap, out_shape = _trace(step_fn, abstract)
   try:
-    mb_closed, mb_cap, _ = _trace(step_fn, tuple(mb_args))
+    mb_closed, mb_cap, _ = _trace(step_fn, tuple(mb_args), stop_at_region=True)
   except (TraceError, MicrobatchError):
     raise
   except Exception as e:  # pylint: disable=broad-except  (the user's code, at another size)
@@ -464,7 +523,7 @@ def _analysis(step_fn, abstract, batch_argnums, region_full: Program, region: Pr
         lambda x: jax.ShapeDtypeStruct((2 * x.shape[0],) + tuple(x.shape[1:]), x.dtype)
         if len(x.shape) else x, abstract[a])
   try:
-    closed, cap, _ = _trace(step_fn, tuple(probe))
+    closed, cap, _ = _trace(step_fn, tuple(probe), stop_at_region=True)
   except Exception:  # pylint: disable=broad-except  (a step written for one batch size)
     return batchflow.unaligned(region_full, region, 1), None
   if len(cap.regions) != 1:
@@ -585,12 +644,22 @@ def _like(like: TracedStep, region: Program, cuts, factor) -> TracedStep:
   return dataclasses.replace(like, region=new, boundary_cuts=tuple(cuts))
 
 
-def _trace(step_fn, args):
+def _trace(step_fn, args, stop_at_region: bool = False):
+  """``(closed jaxpr, capture, output shapes)`` of ``step_fn(*args)``.
+
+  With ``stop_at_region``, the jaxpr ends with the region's equation where the step calls the
+  region at its top level: its results are the region's, and what the step does after the
+  region (the optimizer update) is not traced. Everything up to and including the region's
+  equation is as in the whole trace."""
   # A fresh function object each time: JAX caches traces by function identity (a jax.jit of
   # the same step traced earlier would otherwise be reused without running our markers).
   def fresh(*a):
-    return step_fn(*a)
-  with _capturing() as cap:
+    cap.trace_state = _compat.trace_state()
+    try:
+      return step_fn(*a)
+    except _RegionTraced as stop:
+      return list(stop.outs)
+  with _capturing(stop_at_region) as cap:
     closed, out_shape = jax.make_jaxpr(fresh, return_shape=True)(*args)
   return closed, cap, out_shape
 
