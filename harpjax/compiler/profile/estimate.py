@@ -428,19 +428,13 @@ def _fused(prog: Program, read: dict) -> tuple[dict, set]:
   and the program does not return it) and ``read`` as :func:`_read`'s, those ops' operands
   read in their stead. Only the memory statistics see this: the bytes accessed stay those
   XLA:CPU's cost analysis counts, which the calibrated factors were fitted against."""
-  outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
-  readers: dict = {}
-  for op in prog.ops:
-    if op.name in _FOLDED:
-      continue
-    for u in dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,))):
-      readers.setdefault(u, []).append(op.name)
+  outputs, readers = _readers(prog, read)
   fused = set()
   for op in prog.ops:
     outs = [o for o in op.outvars if o >= 0]
     if (op.name in primitives.ELEMENTWISE and len(outs) == 1 and outs[0] not in outputs
         and outs[0] in readers
-        and all(r in primitives.FUSES_PRODUCERS for r in readers[outs[0]])):
+        and all(r.name in primitives.FUSES_PRODUCERS for r in readers[outs[0]])):
       fused.add(op.index)
   src: dict = {}
   for op in prog.ops:
@@ -658,14 +652,9 @@ def _op_flops(prog: Program, op) -> float:
 _SLICES = frozenset({"slice", "dynamic_slice"})
 
 
-def _copies(prog: Program, read: dict) -> dict:
-  """Op index -> how many times XLA computes the op, for the ops its fusion duplicates: a
-  cheap elementwise op (not :data:`~harpjax.compiler.trace.primitives.EXPENSIVE`), a slice,
-  and a random draw's last step (the xor that ends threefry, which lands in its consumers).
-  A value that two elementwise fusions read (or one, and the program returns it) is computed
-  in each, and so is the chain of such ops computing it; every other op once (at most twice:
-  XLA's fusion does not duplicate without bound). Read off XLA:CPU's optimized HLO: a dropout mask the forward returns as a residual
-  and also applies is computed twice, the hash's last xor with it."""
+def _readers(prog: Program, read: dict) -> tuple[set, dict]:
+  """``(the values the program returns, value -> the ops reading it)``, through the views
+  ``read`` resolves (ops :data:`_FOLDED` into their readers left out)."""
   outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
   readers: dict = {}
   for op in prog.ops:
@@ -673,6 +662,19 @@ def _copies(prog: Program, read: dict) -> dict:
       continue
     for u in dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,))):
       readers.setdefault(u, []).append(op)
+  return outputs, readers
+
+
+def _copies(prog: Program, read: dict) -> dict:
+  """Op index -> how many times XLA computes the op, for the ops its fusion duplicates: a
+  cheap elementwise op (not :data:`~harpjax.compiler.trace.primitives.EXPENSIVE`), a slice,
+  and a random draw's last step (the xor that ends threefry, which lands in its consumers).
+  A value that two elementwise fusions read (or one, and the program returns it) is computed
+  in each, and so is the chain of such ops computing it; every other op once (at most twice:
+  XLA's fusion does not duplicate without bound). Read off XLA:CPU's optimized HLO: a
+  dropout mask the forward returns as a residual and also applies is computed twice, the
+  hash's last xor with it."""
+  outputs, readers = _readers(prog, read)
   copies: dict = {}
   for op in reversed(prog.ops):
     outs = [o for o in op.outvars if o >= 0]

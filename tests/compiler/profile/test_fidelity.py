@@ -22,6 +22,24 @@ def _gpt_step():
                                  num_blocks=2, dtype="float32", param_dtype="float32"), 8)
 
 
+def _two_dp_stages(zero, opts, num_microbatches):
+  """``(state, tokens, profile, step)``: the GPT's first half on four data-parallel V100s and
+  its second on two A100s, both at ZeRO level ``zero``."""
+  from harpjax.compiler.plan import ManualPlan
+  step_fn, state, tokens = _gpt_step()
+  probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER,
+                                num_microbatches=num_microbatches, profile_options=opts)
+  prof = probe.profile(state, tokens)
+  L = len(prof.layers)
+  plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
+                          logical_mesh=(4, 1), zero=zero),
+                     dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
+                          logical_mesh=(2, 1), zero=zero)])
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=num_microbatches,
+                               plan=plan, profile_options=opts)
+  return state, tokens, prof, step
+
+
 @pytest.mark.parametrize("remat", [False, True])
 def test_stage_flops_within_3_percent_of_xla(remat):
   step_fn, state, tokens = _gpt_step()
@@ -51,23 +69,12 @@ def test_planner_memory_against_xla_peak(zero):
   update) against XLA's peak over every phase of the runtime's executables
   (:func:`~harpjax.compiler.stages.memory_report`), float32 Adam: 4 + 4 + 8 bytes per
   parameter."""
-  from harpjax.compiler.plan import ManualPlan
   from harpjax.compiler.plan.variants import tables_for_stages, variant_slot
   from harpjax.compiler.profile import tables_for_plan
   from harpjax.compiler.stages import memory_report
-  step_fn, state, tokens = _gpt_step()
   opts = ProfileOptions(use_cache=False, state_bytes_per_param=16.0,
                         optimizer_bytes_per_param=8.0)
-  probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                profile_options=opts)
-  prof = probe.profile(state, tokens)
-  L = len(prof.layers)
-  plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
-                          logical_mesh=(4, 1), zero=zero),
-                     dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
-                          logical_mesh=(2, 1), zero=zero)])
-  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
-                               profile_options=opts)
+  state, tokens, prof, step = _two_dp_stages(zero, opts, 2)
   cs = step.compile(state, tokens)
   tables = tables_for_plan(prof, cs.plan)
   expanded = tables_for_stages(tables, cs.plan)
@@ -151,19 +158,7 @@ def test_zero_stage_flops_within_3_percent_of_xla(zero):
   """A ZeRO-3 stage all-gathers its parameters before the forward and reduce-scatters its
   gradients: collectives, no FLOPs the tables miss (float32 GPT, data-parallel V100s then
   A100s)."""
-  from harpjax.compiler.plan import ManualPlan
-  step_fn, state, tokens = _gpt_step()
-  opts = ProfileOptions(use_cache=False)
-  probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
-                                profile_options=opts)
-  prof = probe.profile(state, tokens)
-  L = len(prof.layers)
-  plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
-                          logical_mesh=(4, 1), zero=zero),
-                     dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
-                          logical_mesh=(2, 1), zero=zero)])
-  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
-                               profile_options=opts)
+  state, tokens, prof, step = _two_dp_stages(zero, ProfileOptions(use_cache=False), B)
   cs = step.compile(state, tokens)
   for s, (spec, st) in enumerate(zip(cs.plan.stages, cs.stages)):
     assert spec.zero == zero
