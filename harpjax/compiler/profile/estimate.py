@@ -75,7 +75,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params"]
 
-ESTIMATE_VERSION = "6"
+ESTIMATE_VERSION = "7"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -693,7 +693,7 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
   light_f = light_b = kernels = 0.0
   copies = _copies(prog, read)
   for op in prog.ops:
-    raw = _op_flops(prog, op)
+    raw = once = _op_flops(prog, op)
     scale = sizes.op_scale(op)
     if op.name == "random_bits":
       if scale < 1:   # each device draws its part, setting up the key all the same
@@ -718,7 +718,8 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
     light_f += flops
     light_b += nbytes
     out_elems = sum(primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
-    if (op.name in _OWN_KERNELS or raw > max(out_elems, 1)
+    # (computed again inside another fusion is no kernel of its own)
+    if (op.name in _OWN_KERNELS or once > max(out_elems, 1)
         or (op.name in primitives.REDUCTIONS and raw > 0)):
       kernels += 1   # a reduction, scan or sort, or data movement XLA does not fuse away
   return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)

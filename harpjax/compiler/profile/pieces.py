@@ -295,7 +295,7 @@ def _cost(compiled) -> dict:
 
 def xla_stats(piece: Piece, devices: Sequence[Any],
               mesh_shape: tuple[int, int] | None = None, compiled=None,
-              remat: bool | str = False) -> XlaStats:
+              remat: bool | str = False, num_microbatches: int | None = None) -> XlaStats:
   """Compiles a piece's forward+backward on ``devices`` and reads what XLA says.
 
   Args:
@@ -306,6 +306,8 @@ def xla_stats(piece: Piece, devices: Sequence[Any],
     compiled: the piece's forward+backward already compiled with :func:`shardings` on this
       mesh (saves a compilation).
     remat: rematerialise the forward in the backward (:func:`make_functions`).
+    num_microbatches: batch-sized random draws drawn at the full batch and sliced, as a
+      stage draws them (:func:`redraws`).
 
   Returns:
     Per-device :class:`XlaStats`.
@@ -314,7 +316,7 @@ def xla_stats(piece: Piece, devices: Sequence[Any],
   mesh = sharding.make_mesh(devices, mesh_shape)
   tp = mesh.devices.shape[1]
   n_dev = mesh.devices.size
-  fwd_bwd, fwd_res = make_functions(piece, remat)
+  fwd_bwd, fwd_res = make_functions(piece, remat, num_microbatches)
   args = abstract_inputs(piece)
   in_sh, specs = shardings(piece, mesh)
   if compiled is None:

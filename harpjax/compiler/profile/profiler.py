@@ -294,7 +294,7 @@ def _make_source(opts: ProfileOptions, db, num_microbatches: int | None = None):
     return sources.JaxprSource(opts.efficiencies, opts.state_bytes_per_param, remat=remat,
                                num_microbatches=num_microbatches)
   analytic = sources.AnalyticSource(db, opts.efficiencies, opts.state_bytes_per_param,
-                                    remat=remat)
+                                    remat=remat, num_microbatches=num_microbatches)
   if opts.source == "analytic":
     return analytic
   if opts.source == "measured":

@@ -281,14 +281,17 @@ class AnalyticSource:
       calibrated table.
     state_bytes_per_param: weights + gradients + optimizer state per parameter.
     devices: devices to compile on (default ``jax.devices()``); ``tp`` must not exceed them.
+    num_microbatches: the step's microbatches (B): batch-sized random draws drawn at the full
+      batch and sliced, as a stage draws them (:func:`~harpjax.compiler.profile.pieces.redraws`).
   """
   name = "analytic"
   local_trace = True
 
   def __init__(self, db, efficiencies: dict | None = None, state_bytes_per_param: float = 16.0,
-               devices=None, remat: bool | str = False):
+               devices=None, remat: bool | str = False, num_microbatches: int | None = None):
     self.db = db
     self.remat = remat_key(remat)
+    self.num_microbatches = num_microbatches
     self.efficiencies = efficiencies
     self.state_bytes_per_param = float(state_bytes_per_param)
     self.devices = list(devices) if devices is not None else None
@@ -304,7 +307,8 @@ class AnalyticSource:
     """XLA statistics of the task's piece on ``tp`` devices (cached by signature)."""
     tp = task.mesh[1]
     key = {"what": "xla-stats", "signature": task.signature, "tp": tp,
-           "microbatch": task.local_batch, "remat": self.remat}
+           "microbatch": task.local_batch, "remat": self.remat,
+           "num_microbatches": self.num_microbatches}
     k = (task.signature, tp, task.local_batch, self.remat)
     got = self._memo.get(k)
     if got is not None:
@@ -322,7 +326,8 @@ class AnalyticSource:
             f"the analytic profiler compiles a tp={tp} layer on {tp} local devices but only "
             f"{len(devices)} exist; set XLA_FLAGS=--xla_force_host_platform_device_count={tp} "
             "before JAX is imported, or pass max_tp")
-      got = pieces_lib.xla_stats(task.piece, devices[:tp], remat=self.remat)
+      got = pieces_lib.xla_stats(task.piece, devices[:tp], remat=self.remat,
+                                 num_microbatches=self.num_microbatches)
       self.compiles += 1
       self.db.put(key, got.to_json())
     self._memo[k] = got
