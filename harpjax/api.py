@@ -583,7 +583,7 @@ class ParallelStep:
                     batch_argnums=self.options.batch_argnums,
                     batch_coupling=self.options.batch_coupling)
     plan = self._given_plan()
-    if plan is not None and dict(plan.meta).get("layers") != "auto":
+    if plan is not None and plan.layer_source != "auto":
       return Traced(ts, layers_from_boundaries(ts.region, ts.boundary_cuts))
     layers = layers_for_step(ts, self.options.layer_options)   # automatic, or a saved one
     return Traced(traced_step_for(ts, layers), layers)
@@ -666,8 +666,8 @@ class ParallelStep:
             "ProfileOptions(remat=True)") from None
       raise
     # a choice of modes or "dots": every stage says its own (StageSpec.remat); else the meta
-    meta = {**dict(plan.meta), "remat": profile_opts.remat_modes == ("full",), "layers": "auto"}
-    return plan.replace(meta=meta), result
+    remat = "full" if profile_opts.remat_modes == ("full",) else "none"
+    return plan.replace(remat=remat, layer_source="auto"), result
 
   def _use_compilation_cache(self) -> None:
     cc = self.options.compilation_cache

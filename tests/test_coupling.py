@@ -33,7 +33,7 @@ def _two_stages(case) -> harpjax.Plan:
   else:
     plan = harpjax.ManualPlan([((0, n // 2 - 1), "v100", (1, 2), (2, 1)),
                                ((n // 2, n - 1), "a100", (1, 2), (1, 2))])
-  return dataclasses.replace(plan, meta={"layers": "auto"})
+  return dataclasses.replace(plan, layer_source="auto")
 
 
 def _run(case, references, steps=2, **kwargs):

@@ -21,15 +21,18 @@ from harpjax.runtime import planner_pool as planner_pool
 from harpjax.runtime.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
                                         restore_checkpoint, save_checkpoint)
 from harpjax.runtime.elastic import ElasticOptions, Failure, Recovery
+from harpjax.runtime.emulation import Emulation
 from harpjax.runtime.handles import RemoteArray, gather
-from harpjax.runtime.local import run_step as run_step
+from harpjax.runtime.local import LocalRuntime, run_step
+from harpjax.runtime.runner import RayRuntime, RunnerOptions
 
-__all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "ElasticOptions", "Failure",
-           "gather", "planner_pool", "ray_runner", "Recovery", "RemoteArray", "restore_checkpoint",
-           "run_step", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "ElasticOptions", "Emulation",
+           "Failure", "gather", "LocalRuntime", "planner_pool", "ray_runner", "RayRuntime",
+           "Recovery", "RemoteArray", "restore_checkpoint", "run_step", "RunnerOptions",
+           "save_checkpoint"]
 
 
-def ray_runner(program, cluster, example_args, **options):
+def ray_runner(program, cluster, example_args, options: RayRuntime | None = None, **kwargs):
   """A :class:`~harpjax.runtime.ray_runtime.RayRunner` (Ray is imported here, not before)."""
   from harpjax.runtime.ray_runtime import RayRunner  # noqa: PLC0415 - Ray only when asked
-  return RayRunner(program, cluster, example_args, **options)
+  return RayRunner(program, cluster, example_args, options, **kwargs)

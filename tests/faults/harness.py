@@ -54,7 +54,7 @@ TOLERANCE = 1e-10   # float64, against jax.jit (sums in another order)
 
 # A two-stage plan of the zoo's net cut automatically into its 6 layers.
 PLAN = harpjax.ManualPlan([((0, 2), "v100", (1, 2), (2, 1)),
-                           ((3, 5), "a100", (1, 2))]).replace(meta={"layers": "auto"})
+                           ((3, 5), "a100", (1, 2))]).replace(layer_source="auto")
 SMALLER = ["a100-0", "a100-1"]   # hosts replan() takes away (the V100 host is left)
 
 # Where each phase is entered: (owner, attribute); the first call of the attribute during the

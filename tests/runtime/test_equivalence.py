@@ -203,10 +203,10 @@ def test_activation_recomputation_plan():
   """A plan made with remat=True recomputes each stage's forward in its backward."""
   step, state, batches, _ = _gpt_setup()
   rngs = [(jax.random.key(100 + i),) for i in range(2)]
-  plan = GPT3.replace(meta={"remat": True})
+  plan = GPT3.replace(remat="full")
   pstep = compare_steps(step, state, batches[:2], plan=plan, num_microbatches=2,
                         extra_args=rngs)
-  assert dict(pstep.plan(state, batches[0], *rngs[0]).meta)["remat"] is True
+  assert pstep.plan(state, batches[0], *rngs[0]).remat == "full"
 
 
 def _compiled_during(caplog, fn):
@@ -265,7 +265,7 @@ def test_scan_over_blocks_across_stages_matches_jit_and_warns(caplog):
   half = len(seq) // 2
   plan = harpjax.ManualPlan([((0, half - 1), "v100", (1, 2)),
                              ((half, len(seq) - 1), "a100", (1, 2))]).replace(
-                                 meta={"layers": "auto"})
+                                 layer_source="auto")
   with caplog.at_level(logging.WARNING, logger="harpjax.api"):
     compare_steps(step, state, xs, plan=plan, num_microbatches=2, rtol=5e-5)
   warned = [r.getMessage() for r in caplog.records if "read by several stages" in r.getMessage()]

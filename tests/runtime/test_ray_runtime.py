@@ -279,7 +279,7 @@ def test_workers_run_the_layers_of_an_unrolled_scan():
   half = len(seq) // 2
   plan = harpjax.ManualPlan([((0, half - 1), "v100", (1, 2)),
                              ((half, len(seq) - 1), "a100", (1, 2))]).replace(
-                                 meta={"layers": "auto"})
+                                 layer_source="auto")
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
                                 runtime="ray", runtime_options={"backend": "threads"})
   out = pstep(state, x)
@@ -386,7 +386,7 @@ def test_lost_actor_replans_restores_and_continues_float64(tmp_path):
     case = zoo.linen("loop")
     batches = zoo._batches(6)
     plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2), (2, 1)), ((2, 3), "a100", (1, 2)),
-                               ((4, 5), "v100", (1, 2))]).replace(meta={"layers": "auto"})
+                               ((4, 5), "v100", (1, 2))]).replace(layer_source="auto")
     pstep = harpjax.auto_parallel(
         case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan, runtime="ray",
         checkpoint=harpjax.CheckpointOptions(str(tmp_path / "ck"), every=2),

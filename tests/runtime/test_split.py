@@ -36,7 +36,7 @@ def split_plan(num_layers: int, second_tp: bool = False) -> Plan:
       dict(layers=(half, num_layers - 1), subcluster="v100", submesh=(1, 2), share=3,
            logical_mesh=(1, 2) if second_tp else (2, 1),
            groups=[dict(subcluster="a100", submesh=(1, 1), share=1)])]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def run_both(step, state, batches, plan, B, extra=(), **kw):
@@ -216,7 +216,7 @@ def host_spanning_plan(num_layers: int) -> Plan:
       dict(layers=(0, half - 1), subcluster="v100", submesh=(1, 2), share=1,
            groups=[dict(subcluster="a100", submesh=(2, 2), share=3)]),
       dict(layers=(half, num_layers - 1), subcluster="v100", submesh=(1, 2))]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def test_group_over_two_hosts_runs_as_one_group_per_host(x64):
@@ -245,7 +245,7 @@ def test_memory_model_of_each_group_of_a_mixed_stage(x64, zero):
       dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 2), share=1, zero=zero,
            groups=[dict(subcluster="a100", submesh=(1, 2), share=3)]),
       dict(layers=(L // 2, L - 1), subcluster="v100", submesh=(1, 2), zero=zero)]),
-      meta={"layers": "auto"})
+      layer_source="auto")
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
   cs = pstep.compile(case.state, case.batches[0])
   home, other = memory_report(cs, 0, group=0), memory_report(cs, 0, group=1)

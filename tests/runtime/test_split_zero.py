@@ -42,7 +42,7 @@ def mixed_zero_plan(num_layers: int, zero: int, offload: bool):
       dict(layers=(half, num_layers - 1), subcluster="a100", submesh=(1, 2),
            logical_mesh=(2, 1), share=3, zero=zero, offload=offload,
            groups=[dict(subcluster="v100", submesh=(1, 2), logical_mesh=(2, 1), share=1)])]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def per_device_bytes(leaves) -> dict:

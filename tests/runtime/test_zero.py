@@ -49,7 +49,7 @@ def zero_plan(num_layers, stages):
   ranges = [(0, half - 1), (half, num_layers - 1)]
   return dataclasses.replace(harpjax.ManualPlan([
       dict(layers=r, subcluster=sc, submesh=sm, logical_mesh=lm, zero=z)
-      for r, (sc, sm, lm, z) in zip(ranges, stages)]), meta={"layers": "auto"})
+      for r, (sc, sm, lm, z) in zip(ranges, stages)]), layer_source="auto")
 
 
 def train_twice_like_jit(case, plan, caplog, num_microbatches: int, rtol: float, **kw):

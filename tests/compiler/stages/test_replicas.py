@@ -29,7 +29,7 @@ def _plan(num_layers: int, zero: int = 0):
                              ((num_layers // 2, num_layers - 1), "a100", (1, 2), (1, 2))])
   stages = tuple(dataclasses.replace(s, zero=zero) if i == 0 else s
                  for i, s in enumerate(plan.stages))
-  return dataclasses.replace(plan, stages=stages, meta={"layers": "auto"})
+  return dataclasses.replace(plan, stages=stages, layer_source="auto")
 
 
 def _num_layers(case):
