@@ -8,7 +8,8 @@ import pytest
 from flax.training import train_state
 
 import harpjax
-from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, PlanError, TraceError)
+from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, OptionsError, PlanError,
+                            TraceError)
 from harpjax.models import MLP
 from tests.equivalence import DEMO_CLUSTER
 
@@ -120,6 +121,8 @@ def test_cluster_larger_than_machine():
 def test_unknown_schedule_and_missing_microbatches():
   step, _, _ = _setup()
   with pytest.raises(PlanError, match="schedule"):
+    harpjax.ManualPlan(PLAN.stages, schedule="zero-bubble")
+  with pytest.raises(OptionsError, match="schedule"):   # the spelling of earlier releases
     harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
                           schedule="zero-bubble")
   with pytest.raises(MicrobatchError):
@@ -157,14 +160,16 @@ def test_compiled_executables_are_kept_for_the_next_process(tmp_path, caplog,
   step, state, batch = _setup()
   where = tmp_path / "executables"
   out = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                              compilation_cache=str(where))(state, batch)
+                              runtime=harpjax.LocalRuntime(compilation_cache=str(where)))(
+                                  state, batch)
   assert jax.config.values["jax_compilation_cache_dir"] == str(where)
   kept = {p.name for p in where.rglob("*") if p.is_file()}
   assert kept
   jax.clear_caches()
   with caplog.at_level("DEBUG", logger="jax._src.compiler"):
     again = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                                  compilation_cache=str(tmp_path / "elsewhere"))(state, batch)
+                                  compilation_cache=str(tmp_path / "elsewhere"))(  # old spelling
+                                      state, batch)
   hits = [r for r in caplog.records if "Persistent compilation cache hit" in r.getMessage()]
   misses = [r.getMessage() for r in caplog.records
             if "Persistent compilation cache miss" in r.getMessage()]
@@ -179,10 +184,12 @@ def test_compiled_executables_are_kept_for_the_next_process(tmp_path, caplog,
 
 def test_compilation_cache_option_is_checked_and_can_be_off(fresh_compilation_cache):
   step, state, batch = _setup()
-  with pytest.raises(PlanError, match="compilation_cache"):
+  with pytest.raises(OptionsError, match="compilation_cache"):
+    harpjax.LocalRuntime(compilation_cache=3)
+  with pytest.raises(OptionsError, match="compilation_cache"):
     harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, plan=PLAN, compilation_cache=3)
   harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                        compilation_cache=False)(state, batch)
+                        runtime=harpjax.LocalRuntime(compilation_cache=False))(state, batch)
   assert jax.config.values["jax_compilation_cache_dir"] is None
 
 
@@ -193,7 +200,7 @@ def test_too_few_devices_is_said_before_any_tracing(monkeypatch):
   def traced(*args, **kwargs):
     raise AssertionError("traced before the device count was checked")
 
-  monkeypatch.setattr(harpjax.api, "trace_step", traced)
+  monkeypatch.setattr(harpjax.phases, "trace_step", traced)
   pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=2)   # automatic plan
   with pytest.raises(NotEnoughDevicesError, match="needs 16 devices"):
     pstep(state, batch)
@@ -244,19 +251,20 @@ def test_ctrl_c_while_compiling_cancels_the_stages_not_started(monkeypatch, sigi
   started, release = [], threading.Event()
   real_as_completed = concurrent.futures.as_completed
 
-  def compiling(layout, stages, group_fns, workers):
-    started.append(sorted(stages))
+  from harpjax.compiler.stages import aot
+
+  def compiling(stage):
+    started.append(stage)
     release.wait(timeout=120)   # released at the end of the test (a bound for a hung one)
-    return 0.0
 
   def as_completed(jobs):   # every stage submitted: Ctrl-C while the driver waits for them
     os.kill(os.getpid(), signal.SIGINT)
     return real_as_completed(jobs)
 
-  monkeypatch.setattr(harpjax.api, "precompile", compiling)
+  monkeypatch.setattr(aot, "_stage", compiling)
   monkeypatch.setattr(concurrent.futures, "as_completed", as_completed)
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
-                                runtime_options={"compile_workers": 2})
+                                runtime=harpjax.LocalRuntime(compile_workers=2))
   try:
     with pytest.raises(KeyboardInterrupt):
       pstep.compile(state, batch)
@@ -271,7 +279,7 @@ def test_an_unwritable_profile_cache_is_one_warning(tmp_path, caplog):
   (tmp_path / "file").write_text("x")   # the cache directory would be inside a file
   options = ProfileOptions(cache_dir=str(tmp_path / "file" / "cache"), progress=False)
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                profile_options=options)
+                                plan=harpjax.AutoPlan(profile=options))
   assert pstep.profile(state, batch).stats.computed > 1
   warned = [r for r in caplog.records if r.levelname == "WARNING"
             and "could not write profile cache" in r.getMessage()]

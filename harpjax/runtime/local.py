@@ -60,9 +60,12 @@ class LocalRuntime:
       in JAX is kept; otherwise the setting is process-wide (later ``jax.jit`` compilations
       are kept too) and JAX's one-second minimum compile time for keeping an executable
       drops to zero.
+    progress: a progress bar over the stages while they compile (``None``: when stderr is a
+      terminal).
   """
   compile_workers: int | None = None
   compilation_cache: bool | str = True
+  progress: bool | None = None
 
   name = "local"
 

@@ -14,8 +14,9 @@ import numbers
 import os
 from typing import Any, Iterable, Sequence
 
+from harpjax.compiler.layers import LayerOptions
 from harpjax.compiler.schedule import schedule_key
-from harpjax.compiler.trace.remat import REMAT_MODES
+from harpjax.compiler.trace import REMAT_MODES
 from harpjax.errors import HarpjaxError, PlanError
 
 __all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares",
@@ -386,6 +387,8 @@ class Plan:
       plan means) or ``"auto"`` (constructed automatically from the forward program, as
       automatic planning and ``harpjax plan`` do: a plan saved from them is followed on the
       same automatic layers).
+    layer_options: with ``layer_source="auto"``, the :class:`~harpjax.LayerOptions` the
+      layers were constructed with (``None``: the defaults).
     microbatch_size: rows per microbatch the stages' times were costed at, if known.
 
   A plan file written before these fields existed kept them in ``meta`` (``"eps"``,
@@ -403,6 +406,7 @@ class Plan:
   eps: float | None = None
   remat: str = "none"
   layer_source: str = "marked"
+  layer_options: LayerOptions | None = None
   microbatch_size: int | None = None
 
   def __post_init__(self):
@@ -425,6 +429,14 @@ class Plan:
       raise PlanError(f"remat={self.remat!r} must be one of {REMAT_MODES}")
     if self.layer_source not in LAYER_SOURCES:
       raise PlanError(f"layer_source={self.layer_source!r} must be one of {LAYER_SOURCES}")
+    if isinstance(self.layer_options, dict):
+      object.__setattr__(self, "layer_options", _layer_options(self.layer_options))
+    if self.layer_options is not None:
+      if not isinstance(self.layer_options, LayerOptions):
+        raise PlanError(f"layer_options={self.layer_options!r} must be a LayerOptions or None")
+      if self.layer_source != "auto":
+        raise PlanError("layer_options describe automatically constructed layers: give them "
+                        "with layer_source='auto'")
     if self.microbatch_size is not None:
       object.__setattr__(self, "microbatch_size",
                          _int(self.microbatch_size, "microbatch_size", 1))
@@ -545,6 +557,8 @@ class Plan:
         "eps": self.eps,
         "remat": self.remat,
         "layer_source": self.layer_source,
+        "layer_options": (None if self.layer_options is None
+                          else dataclasses.asdict(self.layer_options)),
         "microbatch_size": self.microbatch_size,
         "meta": dict(self.meta),
     }
@@ -592,6 +606,7 @@ class Plan:
                 eps=eps,
                 remat=data.get("remat") or "none",
                 layer_source=data.get("layer_source") or "marked",
+                layer_options=_layer_options(data.get("layer_options")),
                 microbatch_size=_optional(data, "microbatch_size", "", _int, 1))
 
   def save(self, path: str | os.PathLike) -> None:
@@ -669,8 +684,21 @@ _META_FIELDS = {"eps": "eps", "remat": "remat", "layers": "layer_source",
 
 _PLAN_FIELDS = ("format", "stages", "num_microbatches", "schedule", "num_layers", "t_max_s",
                 "predicted_iteration_s", "eta", "eps", "remat", "layer_source",
-                "microbatch_size", "meta")
+                "layer_options", "microbatch_size", "meta")
 """The fields of a plan file (:meth:`Plan.to_json`)."""
+
+
+def _layer_options(data: Any) -> LayerOptions | None:
+  """A plan file's ``layer_options`` object as :class:`LayerOptions` (``None`` stays)."""
+  if data is None:
+    return None
+  known = [f.name for f in dataclasses.fields(LayerOptions)]
+  if not isinstance(data, dict) or set(data) - set(known):
+    raise PlanError(f"layer_options={data!r} must be an object with fields among {known}")
+  try:
+    return LayerOptions(**data)
+  except HarpjaxError as e:
+    raise PlanError(f"layer_options: {e}") from None
 
 
 def _stage_from_any(s: Any) -> StageSpec:

@@ -30,7 +30,8 @@ from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stag
                                            stage_functions)
 from harpjax.compiler.trace import (Lit, TracedStep, aval_nbytes, combine_rules, ops_function,
                                    primitives)
-from harpjax.errors import HarpjaxError, MemoryKindError, PlanError
+from harpjax.errors import (HarpjaxError, MemoryKindError, OptionConflictError, OptionsError,
+                            PlanError)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class StepProgram:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
-  """What stages keep in host memory (JAX memory kind ``"pinned_host"``) between steps.
+  """What stages of a given plan keep in host memory (JAX memory kind ``"pinned_host"``):
+  :meth:`apply` writes it into the plan's stages (:attr:`~harpjax.StageSpec.offload`,
+  :attr:`~harpjax.StageSpec.offload_activations`), the one place the runtime reads it from.
+  Automatic planning chooses offloads per stage itself, pricing them
+  (:class:`~harpjax.SolveOptions`).
 
   Attributes:
     optimizer_state: keep the optimizer state (the step inputs :func:`state_successors` finds)
@@ -110,8 +115,7 @@ class OffloadOptions:
     stages: the stages that do (pipeline positions); ``None``: every stage.
 
   Raises:
-    PlanError: a field has the wrong type, or (when the step is laid out) a stage index is
-      not one of the plan's.
+    OptionsError: a field has the wrong type.
   """
   optimizer_state: bool = False
   stages: tuple[int, ...] | None = None
@@ -120,14 +124,32 @@ class OffloadOptions:
   def __post_init__(self):
     for name in ("optimizer_state", "activations"):
       if not isinstance(getattr(self, name), bool):
-        raise PlanError(f"OffloadOptions.{name}={getattr(self, name)!r} must be True or False")
+        raise OptionsError(f"OffloadOptions.{name}={getattr(self, name)!r} must be True or "
+                           "False")
     if self.stages is not None:
       stages = tuple(self.stages) if not isinstance(self.stages, (str, bytes)) else None
       if stages is None or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
                                for x in stages):
-        raise PlanError(f"OffloadOptions.stages={self.stages!r} must be stage indices (ints "
-                        ">= 0) or None for every stage")
+        raise OptionsError(f"OffloadOptions.stages={self.stages!r} must be stage indices "
+                           "(ints >= 0) or None for every stage")
       object.__setattr__(self, "stages", stages)
+
+  def apply(self, plan: Plan) -> Plan:
+    """``plan`` with the stages this names keeping what this says in host memory (what the
+    plan's stages offload already stays offloaded).
+
+    Raises:
+      OptionConflictError: :attr:`stages` names a stage the plan does not have.
+    """
+    bad = [s for s in self.stages or () if s >= plan.num_stages]
+    if bad:
+      raise OptionConflictError(f"OffloadOptions.stages={list(self.stages)} names stage(s) "
+                                f"{bad}, but the plan has {plan.num_stages}")
+    return plan.with_stages([
+        dataclasses.replace(st, offload=st.offload or self.offloads(s),
+                            offload_activations=(st.offload_activations
+                                                 or self.offloads_activations(s)))
+        for s, st in enumerate(plan.stages)])
 
   def offloads(self, stage: int) -> bool:
     """Whether ``stage`` keeps its optimizer state in host memory."""
