@@ -86,6 +86,16 @@ def test_plan_cli(tmp_path):
   plan = harpjax.load_plan(out)
   assert plan.num_microbatches == 8 and plan.stages[0].layers[0] == 0
   assert dict(plan.meta)["model"] == "gpt-tiny"
+  # The file says what it means: automatic layers (and their options), the microbatch the
+  # times are for; auto_parallel(plan=file) follows it on those same layers.
+  assert plan.layer_source == "auto" and plan.layer_options == harpjax.LayerOptions()
+  assert plan.microbatch_size is not None and plan.remat == "none"
+  from harpjax.models import BUILTIN_MODELS
+  spec = BUILTIN_MODELS["gpt-tiny"](num_microbatches=8, abstract=True)
+  pstep = harpjax.auto_parallel(spec.step_fn, cluster=f"{CONFIGS}/case_study.yaml",
+                                plan=str(out))
+  assert len(pstep.trace(*spec.args).layers) == plan.num_layers
+  assert [s.layers for s in pstep.plan(*spec.args).stages] == [s.layers for s in plan.stages]
 
 
 def test_plan_cli_bad_model(tmp_path):

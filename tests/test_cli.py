@@ -872,7 +872,8 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   monkeypatch.setattr(plan_pkg, "solve", solve)
   _refused(_run("plan", "--cluster", cluster_file, "--model", "gpt-tiny", "-B", 4),
            "stopped after the options", status=1)
-  api_profile, api_solve = ProfileOptions(), SolveOptions(eps=0.1)   # what auto_parallel uses
+  auto = harpjax.AutoPlan()   # what auto_parallel plans with when given nothing
+  api_profile, api_solve = auto.profile, auto.solve
   for field in ("source", "remat", "state_bytes_per_param", "optimizer_bytes_per_param"):
     assert getattr(seen["profile"], field) == getattr(api_profile, field), field
   for field in ("eps", "cost_model", "objective", "use_all_devices", "keep_order",
