@@ -302,3 +302,101 @@ def test_an_interrupted_plan_save_leaves_the_file_as_it_was(tmp_path, monkeypatc
     PLAN.replace(num_microbatches=8).save(path)
   monkeypatch.undo()
   assert path.read_bytes() == before and os.listdir(tmp_path) == ["plan.json"]
+
+
+# --------------------------------------------------------------------------- the options
+
+
+def test_each_phase_result_advances_itself():
+  # step.trace(*a).plan().layout().compile() walks the same cached phases as the step's own
+  # methods, and the compiled step computes what jax.jit does.
+  step, state, batch = _setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN)
+  traced = pstep.trace(state, batch)
+  planned = traced.plan()
+  laid = planned.layout()
+  compiled = laid.compile()
+  assert isinstance(planned, harpjax.Planned) and isinstance(laid, harpjax.LaidOut)
+  assert planned.traced is traced and planned.plan == pstep.plan(state, batch)
+  assert laid.program is pstep.layout(state, batch) and compiled is pstep.compile(state, batch)
+  assert len(laid.lower().stages) == PLAN.num_stages
+  out, ref = pstep(state, batch), jax.jit(step)(state, batch)
+  assert float(abs(out[1] - ref[1])) <= 1e-5 * abs(float(ref[1]))
+  with pytest.raises(harpjax.HarpjaxError, match="not made by a harpjax.ParallelStep"):
+    harpjax.Traced(traced.step, traced.layers).plan()
+
+
+def test_every_option_class_is_exported_and_frozen():
+  import dataclasses
+  names = ["AutoPlan", "LayerOptions", "ProfileOptions", "SolveOptions", "MixedOptions",
+           "LocalRuntime", "RayRuntime", "Emulation", "OffloadOptions", "CheckpointOptions",
+           "ElasticOptions", "ParallelOptions"]
+  for name in names:
+    cls = getattr(harpjax, name)
+    assert name in harpjax.__all__ and dataclasses.is_dataclass(cls), name
+    assert cls.__dataclass_params__.frozen, name
+  assert harpjax.RunnerOptions is harpjax.RayRuntime   # the former name
+
+
+def test_one_place_per_choice_and_the_earlier_spellings():
+  step, _, _ = _setup()
+  make = lambda **kw: harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                            **kw).options
+  # Plain spellings of the typed choices.
+  opts = make(runtime="ray")
+  assert opts.plan == harpjax.AutoPlan() and opts.runtime == harpjax.RayRuntime()
+  assert make(plan="auto").plan == harpjax.AutoPlan()
+  # The spellings of earlier releases land in their one place, with a DeprecationWarning.
+  with pytest.warns(DeprecationWarning, match="AutoPlan"):
+    opts = make(schedule="1f1b", eps=0.2)
+  assert (opts.plan.solve.schedule, opts.plan.solve.eps) == ("1f1b", 0.2)
+  with pytest.warns(DeprecationWarning, match="ManualPlan"):
+    opts = make(plan=PLAN, schedule="1f1b", eps=0.2)
+  assert (opts.plan.schedule, opts.plan.eps) == ("1f1b", 0.2)
+  with pytest.warns(DeprecationWarning, match="LocalRuntime"):
+    assert make(plan=PLAN, runtime_options={"compile_workers": 0}).runtime == \
+        harpjax.LocalRuntime(compile_workers=0)
+  with pytest.warns(DeprecationWarning, match="AutoPlan"):
+    opts = make(solve_options=harpjax.SolveOptions(objective="max_throughput_per_dollar"))
+  assert opts.plan.solve.objective == "max_throughput_per_dollar"
+  # An option where it does not apply, or one choice given twice, is refused.
+  conflicts = [
+      dict(plan=PLAN, solve_options=harpjax.SolveOptions()),
+      dict(plan=PLAN, profile_options=harpjax.ProfileOptions()),
+      dict(plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(schedule="gpipe")),
+           schedule="1f1b"),
+      dict(solve_options=harpjax.SolveOptions(eps=0.3), eps=0.2),
+      dict(plan=PLAN, elastic=harpjax.ElasticOptions(), checkpoint="/tmp/x"),
+      dict(plan=PLAN, runtime="ray", elastic=harpjax.ElasticOptions()),
+      dict(runtime=harpjax.RayRuntime(), runtime_options={"fetch": "all"}),
+  ]
+  for kw in conflicts:
+    with pytest.raises(harpjax.OptionConflictError):
+      make(**kw)
+  for kw, match in [(dict(runtime="tpu"), "runtime='tpu'"), (dict(plan=3), "plan=3")]:
+    with pytest.raises(OptionsError, match=match):
+      make(**kw)
+  with pytest.raises(OptionsError, match="AutoPlan.solve"):
+    harpjax.AutoPlan(solve=harpjax.ProfileOptions())
+  with pytest.raises(harpjax.UnknownOptionError, match="fetch.*options of runtime='ray'"):
+    make(plan=PLAN, runtime_options={"fetch": "all"})
+
+
+def test_plan_files_written_before_keep_loading(tmp_path):
+  # Earlier versions kept what a plan means in meta: read into the fields, meta keeps the rest.
+  import json
+  data = PLAN.replace(num_microbatches=2).to_json()
+  for key in ("eps", "remat", "layer_source", "layer_options", "microbatch_size"):
+    del data[key]
+  data["meta"] = {"eps": 0.2, "remat": True, "layers": "auto", "microbatch_size": 4,
+                  "model": "gpt-tiny"}
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps(data))
+  plan = harpjax.load_plan(path)
+  assert (plan.eps, plan.remat, plan.layer_source, plan.microbatch_size) == (0.2, "full",
+                                                                             "auto", 4)
+  assert dict(plan.meta) == {"model": "gpt-tiny"}
+  assert all(plan.remat_of(s) == "full" for s in plan.stages)
+  assert harpjax.Plan.from_json(plan.to_json()) == plan
+  with pytest.raises(PlanError, match="layer_options"):
+    PLAN.replace(layer_options=harpjax.LayerOptions(z=3))   # marked layers have no options

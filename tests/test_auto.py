@@ -39,8 +39,8 @@ def auto_step(tmp_path_factory):
   """One automatically planned step, shared (profiling costs seconds)."""
   cache = str(tmp_path_factory.mktemp("profiles"))
   step, state, batches = _gpt(optax.sgd(0.1))
-  pstep = compare_steps(step, state, batches, plan=None, num_microbatches=4,
-                        profile_options=ProfileOptions(cache_dir=cache, progress=False))
+  pstep = compare_steps(step, state, batches, num_microbatches=4, plan=harpjax.AutoPlan(
+      profile=ProfileOptions(cache_dir=cache, progress=False)))
   return pstep, cache, (state, batches[0])
 
 
@@ -72,8 +72,8 @@ def test_auto_plan_with_adam_keeps_the_loss(auto_step):
   # of small gradients into larger parameter differences than SGD's: 1.2e-5 was seen on one
   # CPU, so the bound is a little wider than the 1e-5 of the other comparisons.
   step, state, batches = _gpt(optax.adamw(1e-2, eps=1e-3))
-  compare_steps(step, state, batches, plan=None, num_microbatches=4, rtol=5e-5,
-                profile_options=ProfileOptions(cache_dir=cache, progress=False))
+  compare_steps(step, state, batches, num_microbatches=4, rtol=5e-5, plan=harpjax.AutoPlan(
+      profile=ProfileOptions(cache_dir=cache, progress=False)))
 
 
 def test_plan_cli(tmp_path):
@@ -111,9 +111,8 @@ def test_model_that_cannot_fit_is_explained(tmp_path):
                        "nics": [{"name": "e", "kind": "ethernet", "gbps": 10,
                                  "network": "n"}]}]})
   step, state, batches = _gpt(optax.sgd(0.1))
-  pstep = harpjax.auto_parallel(step, cluster=tiny, num_microbatches=4,
-                                profile_options=ProfileOptions(cache_dir=str(tmp_path),
-                                                               progress=False))
+  pstep = harpjax.auto_parallel(step, cluster=tiny, num_microbatches=4, plan=harpjax.AutoPlan(
+      profile=ProfileOptions(cache_dir=str(tmp_path), progress=False)))
   with pytest.raises(InfeasiblePlanError, match="memory"):
     pstep(state, batches[0])
 
@@ -129,8 +128,8 @@ def test_model_without_markers_plans_saves_and_reloads(tmp_path):
   state = train_state.TrainState.create(apply_fn=adam_state.apply_fn, params=adam_state.params,
                                         tx=optax.sgd(0.1))
   opts = ProfileOptions(cache_dir=str(tmp_path / "db"), progress=False)
-  pstep = compare_steps(spec.step_fn, state, [batch], plan=None, num_microbatches=2,
-                        profile_options=opts, floor=1e-4)
+  pstep = compare_steps(spec.step_fn, state, [batch], plan=harpjax.AutoPlan(profile=opts),
+                        num_microbatches=2, floor=1e-4)
   layers = pstep.trace(state, batch).layers
   assert len(layers) > 4 and "block" in str(layers)
   path = tmp_path / "plan.json"

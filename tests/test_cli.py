@@ -856,8 +856,7 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   """``harpjax plan`` without options plans as ``auto_parallel`` does without options: the
   same remat, ZeRO, offload and mixed-stage choices (docs/planner.md, "One set of
   defaults")."""
-  from harpjax.compiler.plan import SolveOptions
-  from harpjax.compiler.profile import ProfileOptions
+  from harpjax import AutoPlan
   seen = {}
   real_profile = profile_pkg.profile_step
 
@@ -872,7 +871,7 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   monkeypatch.setattr(plan_pkg, "solve", solve)
   _refused(_run("plan", "--cluster", cluster_file, "--model", "gpt-tiny", "-B", 4),
            "stopped after the options", status=1)
-  auto = harpjax.AutoPlan()   # what auto_parallel plans with when given nothing
+  auto = AutoPlan()   # what auto_parallel plans with when given nothing
   api_profile, api_solve = auto.profile, auto.solve
   for field in ("source", "remat", "state_bytes_per_param", "optimizer_bytes_per_param"):
     assert getattr(seen["profile"], field) == getattr(api_profile, field), field

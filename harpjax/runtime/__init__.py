@@ -1,7 +1,8 @@
 """The runtimes: one process (:func:`run_step`) or one Ray actor per stage
 (:func:`ray_runner`), both running the schedule with one interpreter
 (:mod:`~harpjax.runtime.interpreter`). This is the only package that imports Ray (only when a
-Ray runner or the planner's Ray pool starts), and only ``harpjax.api`` imports it. Importing it
+Ray runner or the planner's Ray pool starts), and only the driver (``harpjax.api`` and its
+options, ``harpjax.options``) imports it. Importing it
 registers the planner's Ray pool (:mod:`~harpjax.runtime.planner_pool`).
 
 Modules: :mod:`~harpjax.runtime.interpreter` (a stage's part of the region, and the message

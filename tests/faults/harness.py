@@ -177,20 +177,20 @@ def reference(steps: int) -> list:
 def make_step(scn: Scenario, directory: str):
   c = case()
   kw = {}
+  runtime = scn.runtime
   if scn.runtime == "ray":
-    kw["runtime_options"] = {"step_timeout_s": 120.0, "recv_timeout_s": 60.0,
-                             "start_timeout_s": 300.0}
+    runtime = harpjax.RayRuntime(step_timeout_s=120.0, recv_timeout_s=60.0,
+                                 start_timeout_s=300.0)
   if scn.elastic:
     kw["elastic"] = harpjax.ElasticOptions()
+  plan = PLAN
   if scn.plan == "auto":
-    from harpjax.compiler.plan import SolveOptions
     # Worker processes: without the lower bound, which leaves this small search nothing to
     # hand them (the plan is the same: the bound only skips candidates that cannot win).
-    kw["solve_options"] = SolveOptions(backend=scn.planner,
-                                       bound_pruning=scn.planner != "process")
+    plan = harpjax.AutoPlan(solve=harpjax.SolveOptions(
+        backend=scn.planner, bound_pruning=scn.planner != "process"))
   return harpjax.auto_parallel(
-      c.step, cluster=DEMO_CLUSTER, num_microbatches=2,
-      plan=PLAN if scn.plan == "manual" else None, runtime=scn.runtime,
+      c.step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan, runtime=runtime,
       checkpoint=harpjax.CheckpointOptions(directory, every=scn.every, keep=scn.keep,
                                            asynchronous=scn.asynchronous), **kw)
 

@@ -26,7 +26,8 @@ def _gpt_step():
 def test_stage_flops_within_3_percent_of_xla(remat):
   step_fn, state, tokens = _gpt_step()
   step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
-                               profile_options=ProfileOptions(remat=remat, use_cache=False))
+                               plan=harpjax.AutoPlan(profile=ProfileOptions(remat=remat,
+                                                                            use_cache=False)))
   plan, prof = step.plan(state, tokens), step.profile(state, tokens)
   cs = step.compile(state, tokens)
   assert all(plan.remat_of(s) == ("full" if remat else "none") for s in plan.stages)
@@ -59,15 +60,14 @@ def test_planner_memory_against_xla_peak(zero):
   opts = ProfileOptions(use_cache=False, state_bytes_per_param=16.0,
                         optimizer_bytes_per_param=8.0)
   probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                profile_options=opts)
+                                plan=harpjax.AutoPlan(profile=opts))
   prof = probe.profile(state, tokens)
   L = len(prof.layers)
   plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
                           logical_mesh=(4, 1), zero=zero),
                      dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
                           logical_mesh=(2, 1), zero=zero)])
-  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
-                               profile_options=opts)
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
   cs = step.compile(state, tokens)
   tables = tables_for_plan(prof, cs.plan)
   expanded = tables_for_stages(tables, cs.plan)
