@@ -340,12 +340,15 @@ class ParallelStep:
     self.steps_done = int(step)
     return state
 
-  def _phases(self, args, until: str) -> _Phases:
+  def _phases(self, args, until: str, key: Any = None) -> _Phases:
     """The flow, phase by phase, up to ``until`` (``"trace"``, ``"plan"``, ``"layout"``,
-    ``"compile"`` or ``"run"``); every phase's result is cached for this structure."""
-    p = self._cache.setdefault(_signature(args), _Phases())
+    ``"compile"`` or ``"run"``); every phase's result is cached for this structure (``key``,
+    default the arguments')."""
+    key = _signature(args) if key is None else key
+    p = self._cache.setdefault(key, _Phases())
     local, rt = self.options.local, self.options.runtime
-    advance = functools.partial(self._advance, args)
+    # A result advances with the arguments' shapes: it keeps no array of theirs alive.
+    advance = functools.partial(self._advance, key, _abstract(args))
     if p.compiled is None and (until == "compile" or (until == "run" and local)):
       self.cluster.local_devices()   # too few devices: said now, not after tracing and planning
     if until == "run" and self.options.checkpoint is not None:
@@ -383,16 +386,16 @@ class ParallelStep:
         p.runner = runtime.ray_runner(p.program, self.cluster, args, rt)
     return p
 
-  def _advance(self, args, until: str):
-    """The result of phase ``until`` for ``args`` (what a phase's result advances to)."""
-    p = self._phases(args, until)
+  def _advance(self, key, args, until: str):
+    """The result of phase ``until`` for the arguments of structure ``key`` (what a phase's
+    result advances to)."""
+    p = self._phases(args, until, key)
     return {"plan": p.planned, "layout": p.laid, "compile": p.compiled}[until]
 
   def _plan(self, args, traced: Traced, mixed: bool = True) -> Planned:
     plan, schedule, profile = plan_phase(self._fun, args, traced, self.cluster, self.options,
                                          self._given_plan(), mixed)
-    return Planned(traced, plan, schedule, profile,
-                   _advance=functools.partial(self._advance, args))
+    return Planned(traced, plan, schedule, profile, _advance=traced._advance)
 
   def _given_plan(self) -> Plan | None:
     """The plan to follow (``None``: plan automatically)."""
@@ -420,6 +423,15 @@ def _load_cluster(spec) -> Cluster:
     return Cluster.from_dict(spec)
   raise HarpjaxError(f"cluster must be a harpjax.Cluster, a YAML path or a dict, not "
                      f"{type(spec).__name__}")
+
+
+def _abstract(args):
+  """``args`` with every array a ``jax.ShapeDtypeStruct`` (its weak type kept); other leaves
+  (Python scalars) as they are."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                     weak_type=bool(getattr(x, "weak_type", False)))
+      if hasattr(x, "shape") and hasattr(x, "dtype") else x, args)
 
 
 def _signature(args) -> Any:
