@@ -138,12 +138,13 @@ class UnsupportedError(HarpjaxError, NotImplementedError):
 class MemoryKindError(UnsupportedError):
   """Values were to be kept in a memory the devices do not have.
 
-  Keeping a stage's optimizer state in host memory between steps
-  (``auto_parallel(offload=harpjax.OffloadOptions(optimizer_state=True))``) needs the
-  ``"pinned_host"`` memory kind on the stage's devices (JAX's memory kinds: GPUs and TPUs have
-  it, and so do CPUs in recent jaxlib). The message names the stage, its devices' platform and
-  the memory kinds they have. Turn the offload off for that stage (``OffloadOptions.stages``)
-  or run on a backend with host memory.
+  Keeping a stage's optimizer state (or residuals) in host memory (``StageSpec(offload=True)``,
+  ``harpjax.OffloadOptions(optimizer_state=True).apply(plan)``, or the planner's choice) needs
+  the ``"pinned_host"`` memory kind on the stage's devices (JAX's memory kinds: GPUs and TPUs
+  have it, and so do CPUs in recent jaxlib). The message names the stage, its devices' platform
+  and the memory kinds they have. Turn the offload off for that stage (its
+  ``StageSpec.offload``, or ``SolveOptions(offload=False)`` for the planner) or run on a
+  backend with host memory.
   """
 
 

@@ -260,7 +260,7 @@ def _layout(fun: Callable, args: tuple, planned: Planned,
   traced = planned.traced
   again = retrace(fun, args, traced.step, traced.layers, options.batch_argnums)
   return layout_step(traced.step, traced.layers, planned.plan, planned.schedule,
-                     options.loss_reduction, None, again)
+                     options.loss_reduction, again)
 
 
 # --------------------------------------------------------------------------- compile

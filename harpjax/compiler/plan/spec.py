@@ -205,9 +205,9 @@ class StageSpec:
       device holds everything (default); ``1`` the optimizer state is sharded; ``2`` the
       gradient accumulator too (a reduce-scatter instead of an all-reduce); ``3`` the
       parameters too, gathered where they are used. Written to a plan file only when not 0.
-    offload: the stage keeps its optimizer state in host memory between updates (as
-      :class:`harpjax.OffloadOptions` asks for its stages; the runtime offloads a stage when
-      either says so). Written to a plan file only when true.
+    offload: the stage keeps its optimizer state in host memory between updates (the planner
+      sets it where it pays; :meth:`harpjax.OffloadOptions.apply` sets it on a given plan's
+      stages). The one place the runtime reads it from. Written to a plan file only when true.
     groups: more groups of devices running the stage, data-parallel, each on its share of
       every microbatch's rows (a mixed-type stage, :class:`StageGroup`); the fields above
       describe the stage's first group. With ``zero``, every group shards its parameters
@@ -216,9 +216,9 @@ class StageSpec:
       with ``offload``). Written to a plan file only when not empty.
     share: the first group's relative rows per microbatch (used with ``groups``).
     offload_activations: the stage keeps each microbatch's residuals (the activations its
-      backward needs) in host memory between its forward and its backward (as
-      ``harpjax.OffloadOptions(activations=True)`` asks for its stages; the runtime does so
-      when either says so). Written to a plan file only when true.
+      backward needs) in host memory between its forward and its backward (likewise:
+      ``harpjax.OffloadOptions(activations=True).apply(plan)``). Written to a plan file only
+      when true.
     remat: what the stage's backward recomputes (:data:`REMAT_MODES`): ``"none"`` (the
       forward keeps every residual), ``"full"`` (it keeps only the stage's inputs and the
       backward recomputes the rest), ``"dots"`` (it keeps the matmuls' outputs and recomputes

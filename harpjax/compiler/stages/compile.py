@@ -173,14 +173,12 @@ def check_host_memory(devices: Sequence, stage: int, residuals: bool = False) ->
       raise MemoryKindError(
           f"stage {stage} keeps {what} in host memory, but device {d} "
           f"({getattr(d, 'platform', '?')}) has the memory kinds {kinds}, not "
-          f"{HOST_MEMORY!r}; leave the stage out of OffloadOptions.stages (or plan with "
-          f"SolveOptions({option}=False), or set the stage's StageSpec.{option} to false), "
-          "or run on a backend with host memory")
+          f"{HOST_MEMORY!r}; set the stage's StageSpec.{option} to false (or plan with "
+          f"SolveOptions({option}=False)), or run on a backend with host memory")
 
 
 def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule: Schedule,
                 loss_reduction: str = "mean",
-                offload: OffloadOptions | None = None,
                 retrace: Retrace | None = None) -> StepProgram:
   """Cuts the step into the plan's stages, lays them out and places the rest of the step.
 
@@ -192,7 +190,6 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     loss_reduction: how the microbatches' values of a loss or auxiliary output combine where
       examples of different microbatches meet (``traced.couplings``): averaged or added up.
       Elsewhere the data flow decides (:func:`~harpjax.compiler.trace.combine_rules`).
-    offload: what stages keep in host memory (:class:`OffloadOptions`).
     retrace: the step traced at other microbatch sizes
       (:class:`~harpjax.compiler.stages.split.Retrace`); needed when a stage splits its rows
       among groups of devices (:attr:`~harpjax.compiler.plan.StageSpec.groups`). With it, the
@@ -201,8 +198,11 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
       all-reduced every microbatch.
 
   Raises:
-    PlanError: the plan does not cover the layers, or disagrees with the schedule, or
-      ``offload`` names a stage the plan does not have, or a stage cannot split its rows.
+    PlanError: the plan does not cover the layers, or disagrees with the schedule, or a stage
+      cannot split its rows.
+
+  What a stage keeps in host memory is its plan's (:attr:`~harpjax.compiler.plan.StageSpec.
+  offload`, :attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
   """
   if loss_reduction not in LOSS_REDUCTIONS:
     raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
@@ -263,16 +263,14 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   preferred = _preferred_specs(traced, prog, layouts, owner)
   _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
-  host = _offloaded(traced, placed, preferred, offload, plan.num_stages,
-                    tuple(st.offload for st in plan.stages))
+  host = _offloaded(traced, placed, preferred, tuple(st.offload for st in plan.stages))
   combine = combine_rules(traced.output_flows, prog, loss_reduction)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
                        preferred, combine, host)
   if splits:
     layout = dataclasses.replace(layout, splits=splits)
-  residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations or (
-      offload is not None and offload.offloads_activations(s)))
-  if residuals:   # the plan's choice or the caller's (OffloadOptions(activations=True))
+  residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations)
+  if residuals:
     layout = dataclasses.replace(layout, host_residuals=residuals)
   log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
            len(placed.before), len(placed.after))
@@ -541,23 +539,17 @@ def _state_homes(traced: TracedStep, placement: placement_lib.Placement) -> dict
 
 
 def _offloaded(traced: TracedStep, placement: placement_lib.Placement, preferred: dict,
-               offload: OffloadOptions | None, num_stages: int,
-               planned: Sequence[bool] = ()) -> frozenset:
+               planned: Sequence[bool]) -> frozenset:
   """``(stage, value)`` of the optimizer state (inputs and successors) kept in host memory:
-  of the stages ``offload`` names and those the plan offloads (``planned``, per stage
+  of the stages the plan offloads (``planned``, per stage
   :attr:`~harpjax.compiler.plan.StageSpec.offload`); each gets a preferred sharding
   (replicated if it had none)."""
   chosen = {s for s, x in enumerate(planned) if x}
-  if (offload is None or not offload.optimizer_state) and not chosen:
+  if not chosen:
     return frozenset()
-  offload = offload or OffloadOptions()
-  bad = [s for s in offload.stages or () if s >= num_stages]
-  if bad:
-    raise PlanError(f"OffloadOptions.stages={list(offload.stages)} names stage(s) {bad}, but "
-                    f"the plan has {num_stages} stages (0..{num_stages - 1})")
   host = set()
   for v, (s, nxt) in _state_homes(traced, placement).items():
-    if offload.offloads(s) or s in chosen:
+    if s in chosen:
       for u in (v, nxt):
         preferred.setdefault((s, u), P())
         host.add((s, u))
