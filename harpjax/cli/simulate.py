@@ -175,6 +175,11 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
                            "--no-cache only apply with --cluster and --model")
   try:
     plan = load_plan(plan_file) if plan_file else None
+    if plan is not None and plan.eps is not None:   # the plan's warm-ups use its own
+      if given(ctx, "eps") and eps != plan.eps:
+        raise click.UsageError(f"--eps {eps:g} but the plan's warm-up counts use "
+                               f"eps={plan.eps:g} (its \"eps\"): drop --eps")
+      eps = plan.eps
     costed = None
     if costing:
       plan, costed = _cost_plan(plan, cluster_path, model, microbatches or
