@@ -286,9 +286,9 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
       raise OptionsError(f"eps={eps!r} must be a number in [0, 1]")
     if automatic:
       _deprecated("eps=...", "pass plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(eps=...))")
-      if solve_options is not None and solve_options.eps != eps:
-        raise OptionConflictError(f"eps={eps} but solve_options.eps={solve_options.eps}: give "
-                                  "it once, in SolveOptions")
+      if plan.solve.eps not in (SolveOptions().eps, eps):
+        raise OptionConflictError(f"eps={eps} but SolveOptions.eps={plan.solve.eps}: give it "
+                                  "once, in SolveOptions")
       plan = plan.replace(solve=dataclasses.replace(plan.solve, eps=float(eps)))
     else:
       _deprecated("eps=...", "a given plan's warm-up counts use its own tolerance: "
@@ -334,6 +334,10 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
     if isinstance(runtime, str):
       runtime = RUNTIMES[runtime]()
     if isinstance(runtime, (LocalRuntime, RayRuntime)):
+      if runtime.compilation_cache not in (True, compilation_cache):
+        raise OptionConflictError(
+            f"compilation_cache={compilation_cache!r} but {type(runtime).__name__}."
+            f"compilation_cache={runtime.compilation_cache!r}: give it once, in the runtime")
       runtime = dataclasses.replace(runtime, compilation_cache=compilation_cache)
 
   if not automatic and isinstance(plan, Plan):

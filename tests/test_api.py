@@ -366,6 +366,8 @@ def test_one_place_per_choice_and_the_earlier_spellings():
       dict(plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(schedule="gpipe")),
            schedule="1f1b"),
       dict(solve_options=harpjax.SolveOptions(eps=0.3), eps=0.2),
+      dict(plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(eps=0.3)), eps=0.2),
+      dict(runtime=harpjax.LocalRuntime(compilation_cache=False), compilation_cache="/tmp/c"),
       dict(plan=PLAN, elastic=harpjax.ElasticOptions(), checkpoint="/tmp/x"),
       dict(plan=PLAN, runtime="ray", elastic=harpjax.ElasticOptions()),
       dict(runtime=harpjax.RayRuntime(), runtime_options={"fetch": "all"}),

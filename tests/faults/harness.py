@@ -60,10 +60,10 @@ SMALLER = ["a100-0", "a100-1"]   # hosts replan() takes away (the V100 host is l
 # Where each phase is entered: (owner, attribute); the first call of the attribute during the
 # trial opens the phase. "auto" plans are needed for profile and plan.
 PHASES: dict[str, tuple[str, str]] = {
-    "trace": ("harpjax.api:ParallelStep", "_trace"),
-    "profile": ("harpjax.api", "profile_step"),
-    "plan": ("harpjax.api", "solve"),
-    "compile": ("harpjax.api:ParallelStep", "_compile"),
+    "trace": ("harpjax.api", "trace_phase"),
+    "profile": ("harpjax.phases", "profile_step"),
+    "plan": ("harpjax.phases", "solve"),
+    "compile": ("harpjax.api", "compile_phase"),
     "start": ("harpjax.runtime", "ray_runner"),
     "step": ("harpjax.runtime", "run_step"),
     "step_ray": ("harpjax.runtime.runner:PipelineRunner", "__call__"),
@@ -71,7 +71,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "restore": ("harpjax.runtime.checkpoint:Checkpointer", "restore_newest"),
     "gather": ("harpjax.runtime.handles", "gather"),
     "replan": ("harpjax.api:ParallelStep", "replan"),
-    "recovery": ("harpjax.api:ParallelStep", "_recover"),
+    "recovery": ("harpjax.runtime.elastic:Elastic", "_recover"),
 }
 
 
