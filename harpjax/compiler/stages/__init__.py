@@ -33,7 +33,8 @@ from harpjax.compiler.stages.split import (batch_rows, retrace, Retrace, SplitLa
 from harpjax.compiler.stages.stage import put, row_slice, StageExecutables
 
 __all__ = [
-    "batch_rows", "check_host_memory", "CompiledStep", "compile_group", "compile_stage", "compile_step",
+    "batch_rows", "check_host_memory", "CompiledStep", "compile_group", "compile_stage",
+    "compile_step",
     "default_workers", "GroupLayout", "HOST_MEMORY", "in_flight", "layout_step", "memory_report",
     "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "OffloadOptions",
     "precompile", "put", "resolve_devices", "resolve_plan", "retrace", "Retrace", "row_slice",
