@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -149,6 +150,24 @@ class _Phases:
   @property
   def program(self) -> StepProgram | None:
     return None if self.laid is None else self.laid.program
+
+
+class _Advance:
+  """How a phase's result advances: the next phase for its arguments' structure.
+
+  It holds the step weakly (the step's cache holds the results: a cycle would keep a step,
+  and the Ray workers its runners own, alive until the garbage collector runs) and the
+  arguments' shapes, not their arrays."""
+
+  def __init__(self, step: "weakref.ref[ParallelStep]", key, args):
+    self._step, self._key, self._args = step, key, args
+
+  def __call__(self, until: str):
+    step = self._step()
+    if step is None:
+      raise HarpjaxError("the step this result came from no longer exists: advance from "
+                         "step.trace(*args) of a live step")
+    return step._advance(self._key, self._args, until)
 
 
 @contextlib.contextmanager
@@ -347,8 +366,7 @@ class ParallelStep:
     key = _signature(args) if key is None else key
     p = self._cache.setdefault(key, _Phases())
     local, rt = self.options.local, self.options.runtime
-    # A result advances with the arguments' shapes: it keeps no array of theirs alive.
-    advance = functools.partial(self._advance, key, _abstract(args))
+    advance = _Advance(weakref.ref(self), key, _abstract(args))
     if p.compiled is None and (until == "compile" or (until == "run" and local)):
       self.cluster.local_devices()   # too few devices: said now, not after tracing and planning
     if until == "run" and self.options.checkpoint is not None:

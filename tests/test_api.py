@@ -324,6 +324,19 @@ def test_each_phase_result_advances_itself():
   assert float(abs(out[1] - ref[1])) <= 1e-5 * abs(float(ref[1]))
   with pytest.raises(harpjax.HarpjaxError, match="not made by a harpjax.ParallelStep"):
     harpjax.Traced(traced.step, traced.layers).plan()
+  # The results hold the step weakly: dropping the step frees it (and what it owns, Ray
+  # workers included) at once, not when the garbage collector next runs.
+  import gc
+  import weakref
+  alive = weakref.ref(pstep)
+  gc.disable()
+  try:
+    del pstep
+    assert alive() is None
+  finally:
+    gc.enable()
+  with pytest.raises(harpjax.HarpjaxError, match="no longer exists"):
+    harpjax.Traced(traced.step, traced.layers, traced._advance).plan()
 
 
 def test_every_option_class_is_exported_and_frozen():
