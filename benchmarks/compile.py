@@ -2,7 +2,7 @@
 
 ``auto_parallel``'s local runtime compiles every stage's forward, backward and zeros
 executables and the placement groups when the step is compiled, one stage per thread
-(``runtime_options={"compile_workers": n}``); ``compile_workers=0`` leaves them to ``jax.jit``,
+(``runtime=harpjax.LocalRuntime(compile_workers=n)``); ``compile_workers=0`` leaves them to ``jax.jit``,
 one after another during the first call. Each measurement runs in a fresh process (JAX caches
 compilations per process); modes are interleaved and the median of the repeats is reported.
 
@@ -44,7 +44,7 @@ def child(workers: int, hidden: int) -> dict:
   rng = jax.random.key(2)
   pstep = harpjax.auto_parallel(make_step(), cluster=DEFAULT_CLUSTER, num_microbatches=4,
                                 plan=harpjax.ManualPlan(PLAN),
-                                runtime_options={"compile_workers": workers})
+                                runtime=harpjax.LocalRuntime(compile_workers=workers))
   jax.block_until_ready((state, tokens))
   t0 = time.perf_counter()
   pstep.compile(state, tokens, rng)

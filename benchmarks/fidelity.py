@@ -202,14 +202,14 @@ def measure_stages(name: str, remat: bool, plan_name: str = "planner") -> list[d
   m = MODELS[name]()
   opts = ProfileOptions(remat=remat, **OPTS)
   step = harpjax.auto_parallel(m.step, cluster=CLUSTER, num_microbatches=MICROBATCHES,
-                               profile_options=opts)
+                               plan=harpjax.AutoPlan(profile=opts))
   prof = step.profile(*m.args)
   if plan_name != "planner":
     plan = dataclasses.replace(_manual(len(prof.layers), plan_name),
-                               num_microbatches=MICROBATCHES,
-                               meta={"layers": "auto", "remat": remat})
+                               num_microbatches=MICROBATCHES, layer_source="auto",
+                               remat="full" if remat else "none")
     step = harpjax.auto_parallel(m.step, cluster=CLUSTER, num_microbatches=MICROBATCHES,
-                                 plan=plan, profile_options=opts)
+                                 plan=plan)
   plan = step.plan(*m.args)
   cs = step.compile(*m.args)
   tables = tables_for_plan(prof, cs.plan)
@@ -242,13 +242,13 @@ def measure_plan(name: str, plan_name: str, *, steps: int, min_task_s: float) ->
   """The planner's predicted iteration against the emulated runtime's, for one plan."""
   m = MODELS[name]()
   probe = harpjax.auto_parallel(m.step, cluster=CLUSTER, num_microbatches=MICROBATCHES,
-                                profile_options=ProfileOptions(**OPTS))
+                                plan=harpjax.AutoPlan(profile=ProfileOptions(**OPTS)))
   prof = probe.profile(*m.args)
   if plan_name == "planner":
     plan = probe.plan(*m.args)
   else:
     plan = dataclasses.replace(_manual(len(prof.layers), plan_name),
-                               num_microbatches=MICROBATCHES, meta={"layers": "auto"})
+                               num_microbatches=MICROBATCHES, layer_source="auto")
   tables = tables_for_plan(prof, plan)
   ev = evaluate_plan(tables, plan, MICROBATCHES, schedule=plan.schedule)
   # The stages' times and cuts the runtime derives H-1F1B's warm-ups from, as evaluated.
@@ -261,9 +261,8 @@ def measure_plan(name: str, plan_name: str, *, steps: int, min_task_s: float) ->
   scale = max(1.0, min_task_s / min(fwd))
   emu = Emulation(fwd_s=fwd, bwd_s=bwd, end_s=tuple(ev.end_s) or None, time_scale=scale)
   pstep = harpjax.auto_parallel(m.step, cluster=CLUSTER, num_microbatches=MICROBATCHES,
-                                plan=plan, runtime="ray",
-                                runtime_options={"backend": "threads", "emulation": emu},
-                                profile_options=ProfileOptions(**OPTS))
+                                plan=plan,
+                                runtime=harpjax.RayRuntime(backend="threads", emulation=emu))
   args = m.args
   walls, spans, overruns = [], [], 0
   runner = None

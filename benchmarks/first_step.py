@@ -149,8 +149,10 @@ def child(mode: str, name: str, cache_dir: str) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(jax.jit(step)(*args))
     return {"total_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
-  pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=MICROBATCHES,
-                                profile_options=ProfileOptions(cache_dir=cache_dir))
+  pstep = harpjax.auto_parallel(
+      step, cluster=cluster, num_microbatches=MICROBATCHES,
+      plan=harpjax.AutoPlan(profile=ProfileOptions(cache_dir=cache_dir)),
+      runtime=harpjax.LocalRuntime(compilation_cache=os.path.join(cache_dir, "executables")))
   out, t0, c0 = {}, time.perf_counter(), time.process_time()
   t = t0
   for phase, run in zip(PHASES, (pstep.trace, pstep.plan, pstep.layout, pstep.compile,

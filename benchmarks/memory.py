@@ -150,8 +150,9 @@ def main(argv=None):
         plan = harpjax.ManualPlan([dict(layers=r, subcluster=sc, submesh=sm, logical_mesh=lm,
                                          zero=zero) for r, (sc, sm, lm) in zip(ranges, stages)])
         pstep = harpjax.auto_parallel(step, cluster=CLUSTER, num_microbatches=args.microbatches,
-                                      plan=plan, runtime_options={"compile_workers": 0},
-                                      offload=harpjax.OffloadOptions(optimizer_state=offload))
+                                      plan=harpjax.OffloadOptions(
+                                          optimizer_state=offload).apply(plan),
+                                      runtime=harpjax.LocalRuntime(compile_workers=0))
         cs = pstep.compile(state, tokens)
         for s, (sc, sm, lm) in enumerate(stages):
           r = memory_report(cs, s)

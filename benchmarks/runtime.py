@@ -136,8 +136,8 @@ def fidelity_case(schedule: str, gbps: float, *, backend: str = "ray", steps: in
   if spmd:
     opts["spmd_hosts"] = True
   opts.update(runtime_options or {})
-  pstep = harpjax.auto_parallel(step, cluster=cluster, plan=plan, schedule=schedule,
-                                runtime="ray", runtime_options=opts)
+  pstep = harpjax.auto_parallel(step, cluster=cluster, plan=plan.replace(schedule=schedule),
+                                runtime=harpjax.RayRuntime(**opts))
   s = state
   walls, spans, overruns = [], [], 0
   for i in range(steps + 2):
@@ -223,9 +223,11 @@ def cluster_main(args) -> None:
     import yaml  # pylint: disable=import-outside-toplevel
     with open(args.nic_addresses) as f:
       opts["nic_addresses"] = yaml.safe_load(f)
+  if args.schedule is not None:
+    plan = plan.replace(schedule=args.schedule)
   pstep = harpjax.auto_parallel(step, cluster=cluster, plan=plan,
-                                num_microbatches=args.microbatches, schedule=args.schedule,
-                                runtime="ray", runtime_options=opts)
+                                num_microbatches=args.microbatches,
+                                runtime=harpjax.RayRuntime(**opts))
   s = state
   for i in range(args.steps):
     t = time.perf_counter()

@@ -7,12 +7,18 @@ _exit_on_interrupt()   # `python -m harpjax`: Ctrl-C during the imports below is
 from harpjax._version import __version__ as __version__
 from harpjax.api import ParallelStep as ParallelStep
 from harpjax.api import auto_parallel as auto_parallel
+from harpjax.options import AutoPlan as AutoPlan
+from harpjax.options import ParallelOptions as ParallelOptions
+from harpjax.phases import LaidOut as LaidOut
+from harpjax.phases import Planned as Planned
+from harpjax.phases import Traced as Traced
 from harpjax.cluster import Cluster as Cluster
 from harpjax.cluster import GPU_CATALOG as GPU_CATALOG
 from harpjax.cluster import GPUType as GPUType
 from harpjax.compiler.layers import LayerOptions as LayerOptions
 from harpjax.compiler.layers import LayerSequence as LayerSequence
 from harpjax.compiler.plan import ManualPlan as ManualPlan
+from harpjax.compiler.plan import MixedOptions as MixedOptions
 from harpjax.compiler.plan import Plan as Plan
 from harpjax.compiler.plan import SolveOptions as SolveOptions
 from harpjax.compiler.plan import StageGroup as StageGroup
@@ -30,23 +36,30 @@ from harpjax.compiler.trace import value_and_grad as value_and_grad
 from harpjax.errors import BatchCouplingError as BatchCouplingError
 from harpjax.errors import BatchCouplingWarning as BatchCouplingWarning
 from harpjax.errors import HarpjaxError as HarpjaxError
+from harpjax.errors import OptionConflictError as OptionConflictError
+from harpjax.errors import OptionsError as OptionsError
+from harpjax.errors import UnknownOptionError as UnknownOptionError
 from harpjax.runtime import CheckpointOptions as CheckpointOptions
 from harpjax.runtime import Checkpointer as Checkpointer
 from harpjax.runtime import ElasticOptions as ElasticOptions
+from harpjax.runtime import Emulation as Emulation
 from harpjax.runtime import Failure as Failure
+from harpjax.runtime import LocalRuntime as LocalRuntime
+from harpjax.runtime import RayRuntime as RayRuntime
 from harpjax.runtime import Recovery as Recovery
+from harpjax.runtime import RunnerOptions as RunnerOptions
 from harpjax.runtime import gather as gather
 from harpjax.runtime import restore_checkpoint as restore_checkpoint
 from harpjax.runtime import save_checkpoint as save_checkpoint
 
 __all__ = [
-    "BatchCouplingError", "BatchCouplingWarning", "CheckpointOptions", "Checkpointer", "Cluster", "CostTables", "ElasticOptions", "Failure",
-    "GPU_CATALOG", "GPUType",
-    "HarpjaxError", "LayerOptions", "LayerSequence", "ManualPlan", "OffloadOptions",
-    "ParallelStep", "Plan",
-    "ProfileOptions", "Recovery", "Schedule", "SolveOptions", "StageGroup", "StageSpec",
-    "auto_parallel",
-    "gather", "grad",
-    "load_plan", "make_schedule", "mark_layer_boundary", "restore_checkpoint",
-    "save_checkpoint", "solve", "value_and_grad", "__version__",
+    "AutoPlan", "BatchCouplingError", "BatchCouplingWarning", "CheckpointOptions", "Checkpointer",
+    "Cluster", "CostTables", "ElasticOptions", "Emulation", "Failure", "GPU_CATALOG", "GPUType",
+    "HarpjaxError", "LaidOut", "LayerOptions", "LayerSequence", "LocalRuntime", "ManualPlan",
+    "MixedOptions", "OffloadOptions", "OptionConflictError", "OptionsError", "ParallelOptions",
+    "ParallelStep", "Plan", "Planned", "ProfileOptions", "RayRuntime", "Recovery",
+    "RunnerOptions", "Schedule", "SolveOptions", "StageGroup", "StageSpec", "Traced",
+    "UnknownOptionError", "auto_parallel", "gather", "grad", "load_plan", "make_schedule",
+    "mark_layer_boundary", "restore_checkpoint", "save_checkpoint", "solve", "value_and_grad",
+    "__version__",
 ]

@@ -56,6 +56,34 @@ class UnknownGPUError(ClusterSpecError):
   """
 
 
+class OptionsError(HarpjaxError, ValueError):
+  """An option has a value it cannot take.
+
+  The message names the option's class and field (``RayRuntime.fetch='most'``) and the values
+  it takes. The option classes are exported from :mod:`harpjax` (``AutoPlan``,
+  ``LayerOptions``, ``ProfileOptions``, ``SolveOptions``, ``LocalRuntime``, ``RayRuntime``,
+  ``Emulation``, ``OffloadOptions``, ``CheckpointOptions``, ``ElasticOptions``); each
+  documents its fields.
+  """
+
+
+class UnknownOptionError(OptionsError, TypeError):
+  """An option was given by a name its class does not have (a key of a ``runtime_options``
+  dict, a keyword of an option class). The message lists the names it has; an option of
+  another phase belongs on that phase's class (planning: :class:`harpjax.AutoPlan`; running:
+  :class:`harpjax.LocalRuntime` or :class:`harpjax.RayRuntime`)."""
+
+
+class OptionConflictError(OptionsError):
+  """Two options contradict, or an option was given where it does not apply.
+
+  Every choice is made in one place: the planner's options (``AutoPlan``) apply only when
+  there is no plan to follow, a given plan's schedule and H-1F1B tolerance are the plan's own
+  (``ManualPlan(schedule=..., eps=...)``), elastic recovery needs the Ray runtime and a
+  checkpoint. The message names both options and says which one to keep.
+  """
+
+
 class NotEnoughDevicesError(HarpjaxError):
   """The cluster (or a plan) needs more devices than this machine provides."""
 
@@ -110,12 +138,13 @@ class UnsupportedError(HarpjaxError, NotImplementedError):
 class MemoryKindError(UnsupportedError):
   """Values were to be kept in a memory the devices do not have.
 
-  Keeping a stage's optimizer state in host memory between steps
-  (``auto_parallel(offload=harpjax.OffloadOptions(optimizer_state=True))``) needs the
-  ``"pinned_host"`` memory kind on the stage's devices (JAX's memory kinds: GPUs and TPUs have
-  it, and so do CPUs in recent jaxlib). The message names the stage, its devices' platform and
-  the memory kinds they have. Turn the offload off for that stage (``OffloadOptions.stages``)
-  or run on a backend with host memory.
+  Keeping a stage's optimizer state (or residuals) in host memory (``StageSpec(offload=True)``,
+  ``harpjax.OffloadOptions(optimizer_state=True).apply(plan)``, or the planner's choice) needs
+  the ``"pinned_host"`` memory kind on the stage's devices (JAX's memory kinds: GPUs and TPUs
+  have it, and so do CPUs in recent jaxlib). The message names the stage, its devices' platform
+  and the memory kinds they have. Turn the offload off for that stage (its
+  ``StageSpec.offload``, or ``SolveOptions(offload=False)`` for the planner) or run on a
+  backend with host memory.
   """
 
 

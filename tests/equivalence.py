@@ -50,9 +50,12 @@ def max_rel_err(a, b, floor: float = 0.0) -> float:
 
 def compare_steps(step, state, batches, *, plan, num_microbatches, schedule=None,
                   cluster=DEMO_CLUSTER, extra_args=(), rtol=RTOL, floor=0.0, **kwargs):
-  """Runs ``len(batches)`` steps both ways from ``state``; asserts equal results each step."""
+  """Runs ``len(batches)`` steps both ways from ``state``; asserts equal results each step.
+  ``schedule`` is the given plan's (``plan.replace(schedule=...)``)."""
+  if schedule is not None:
+    plan = plan.replace(schedule=schedule)
   pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=num_microbatches,
-                                plan=plan, schedule=schedule, **kwargs)
+                                plan=plan, **kwargs)
   ref = jax.jit(step)
   s_ref = s_par = state
   for i, batch in enumerate(batches):

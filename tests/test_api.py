@@ -8,7 +8,8 @@ import pytest
 from flax.training import train_state
 
 import harpjax
-from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, PlanError, TraceError)
+from harpjax.errors import (MicrobatchError, NotEnoughDevicesError, OptionsError, PlanError,
+                            TraceError)
 from harpjax.models import MLP
 from tests.equivalence import DEMO_CLUSTER
 
@@ -120,6 +121,8 @@ def test_cluster_larger_than_machine():
 def test_unknown_schedule_and_missing_microbatches():
   step, _, _ = _setup()
   with pytest.raises(PlanError, match="schedule"):
+    harpjax.ManualPlan(PLAN.stages, schedule="zero-bubble")
+  with pytest.raises(OptionsError, match="schedule"):   # the spelling of earlier releases
     harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
                           schedule="zero-bubble")
   with pytest.raises(MicrobatchError):
@@ -157,14 +160,16 @@ def test_compiled_executables_are_kept_for_the_next_process(tmp_path, caplog,
   step, state, batch = _setup()
   where = tmp_path / "executables"
   out = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                              compilation_cache=str(where))(state, batch)
+                              runtime=harpjax.LocalRuntime(compilation_cache=str(where)))(
+                                  state, batch)
   assert jax.config.values["jax_compilation_cache_dir"] == str(where)
   kept = {p.name for p in where.rglob("*") if p.is_file()}
   assert kept
   jax.clear_caches()
   with caplog.at_level("DEBUG", logger="jax._src.compiler"):
     again = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                                  compilation_cache=str(tmp_path / "elsewhere"))(state, batch)
+                                  compilation_cache=str(tmp_path / "elsewhere"))(  # old spelling
+                                      state, batch)
   hits = [r for r in caplog.records if "Persistent compilation cache hit" in r.getMessage()]
   misses = [r.getMessage() for r in caplog.records
             if "Persistent compilation cache miss" in r.getMessage()]
@@ -179,10 +184,12 @@ def test_compiled_executables_are_kept_for_the_next_process(tmp_path, caplog,
 
 def test_compilation_cache_option_is_checked_and_can_be_off(fresh_compilation_cache):
   step, state, batch = _setup()
-  with pytest.raises(PlanError, match="compilation_cache"):
+  with pytest.raises(OptionsError, match="compilation_cache"):
+    harpjax.LocalRuntime(compilation_cache=3)
+  with pytest.raises(OptionsError, match="compilation_cache"):
     harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, plan=PLAN, compilation_cache=3)
   harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                        compilation_cache=False)(state, batch)
+                        runtime=harpjax.LocalRuntime(compilation_cache=False))(state, batch)
   assert jax.config.values["jax_compilation_cache_dir"] is None
 
 
@@ -193,7 +200,7 @@ def test_too_few_devices_is_said_before_any_tracing(monkeypatch):
   def traced(*args, **kwargs):
     raise AssertionError("traced before the device count was checked")
 
-  monkeypatch.setattr(harpjax.api, "trace_step", traced)
+  monkeypatch.setattr(harpjax.phases, "trace_step", traced)
   pstep = harpjax.auto_parallel(step, cluster=cluster, num_microbatches=2)   # automatic plan
   with pytest.raises(NotEnoughDevicesError, match="needs 16 devices"):
     pstep(state, batch)
@@ -244,19 +251,20 @@ def test_ctrl_c_while_compiling_cancels_the_stages_not_started(monkeypatch, sigi
   started, release = [], threading.Event()
   real_as_completed = concurrent.futures.as_completed
 
-  def compiling(layout, stages, group_fns, workers):
-    started.append(sorted(stages))
+  from harpjax.compiler.stages import aot
+
+  def compiling(stage):
+    started.append(stage)
     release.wait(timeout=120)   # released at the end of the test (a bound for a hung one)
-    return 0.0
 
   def as_completed(jobs):   # every stage submitted: Ctrl-C while the driver waits for them
     os.kill(os.getpid(), signal.SIGINT)
     return real_as_completed(jobs)
 
-  monkeypatch.setattr(harpjax.api, "precompile", compiling)
+  monkeypatch.setattr(aot, "_stage", compiling)
   monkeypatch.setattr(concurrent.futures, "as_completed", as_completed)
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan,
-                                runtime_options={"compile_workers": 2})
+                                runtime=harpjax.LocalRuntime(compile_workers=2))
   try:
     with pytest.raises(KeyboardInterrupt):
       pstep.compile(state, batch)
@@ -271,7 +279,7 @@ def test_an_unwritable_profile_cache_is_one_warning(tmp_path, caplog):
   (tmp_path / "file").write_text("x")   # the cache directory would be inside a file
   options = ProfileOptions(cache_dir=str(tmp_path / "file" / "cache"), progress=False)
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                profile_options=options)
+                                plan=harpjax.AutoPlan(profile=options))
   assert pstep.profile(state, batch).stats.computed > 1
   warned = [r for r in caplog.records if r.levelname == "WARNING"
             and "could not write profile cache" in r.getMessage()]
@@ -294,3 +302,116 @@ def test_an_interrupted_plan_save_leaves_the_file_as_it_was(tmp_path, monkeypatc
     PLAN.replace(num_microbatches=8).save(path)
   monkeypatch.undo()
   assert path.read_bytes() == before and os.listdir(tmp_path) == ["plan.json"]
+
+
+# --------------------------------------------------------------------------- the options
+
+
+def test_each_phase_result_advances_itself():
+  # step.trace(*a).plan().layout().compile() walks the same cached phases as the step's own
+  # methods, and the compiled step computes what jax.jit does.
+  step, state, batch = _setup()
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN)
+  traced = pstep.trace(state, batch)
+  planned = traced.plan()
+  laid = planned.layout()
+  compiled = laid.compile()
+  assert isinstance(planned, harpjax.Planned) and isinstance(laid, harpjax.LaidOut)
+  assert planned.traced is traced and planned.plan == pstep.plan(state, batch)
+  assert laid.program is pstep.layout(state, batch) and compiled is pstep.compile(state, batch)
+  assert len(laid.lower().stages) == PLAN.num_stages
+  out, ref = pstep(state, batch), jax.jit(step)(state, batch)
+  assert float(abs(out[1] - ref[1])) <= 1e-5 * abs(float(ref[1]))
+  with pytest.raises(harpjax.HarpjaxError, match="not made by a harpjax.ParallelStep"):
+    harpjax.Traced(traced.step, traced.layers).plan()
+  # The results hold the step weakly: dropping the step frees it (and what it owns, Ray
+  # workers included) at once, not when the garbage collector next runs.
+  import gc
+  import weakref
+  alive = weakref.ref(pstep)
+  gc.disable()
+  try:
+    del pstep
+    assert alive() is None
+  finally:
+    gc.enable()
+  with pytest.raises(harpjax.HarpjaxError, match="no longer exists"):
+    harpjax.Traced(traced.step, traced.layers, traced._advance).plan()
+
+
+def test_every_option_class_is_exported_and_frozen():
+  import dataclasses
+  names = ["AutoPlan", "LayerOptions", "ProfileOptions", "SolveOptions", "MixedOptions",
+           "LocalRuntime", "RayRuntime", "Emulation", "OffloadOptions", "CheckpointOptions",
+           "ElasticOptions", "ParallelOptions"]
+  for name in names:
+    cls = getattr(harpjax, name)
+    assert name in harpjax.__all__ and dataclasses.is_dataclass(cls), name
+    assert cls.__dataclass_params__.frozen, name
+  assert harpjax.RunnerOptions is harpjax.RayRuntime   # the former name
+
+
+def test_one_place_per_choice_and_the_earlier_spellings():
+  step, _, _ = _setup()
+  make = lambda **kw: harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                            **kw).options
+  # Plain spellings of the typed choices.
+  opts = make(runtime="ray")
+  assert opts.plan == harpjax.AutoPlan() and opts.runtime == harpjax.RayRuntime()
+  assert make(plan="auto").plan == harpjax.AutoPlan()
+  # The spellings of earlier releases land in their one place, with a DeprecationWarning.
+  with pytest.warns(DeprecationWarning, match="AutoPlan"):
+    opts = make(schedule="1f1b", eps=0.2)
+  assert (opts.plan.solve.schedule, opts.plan.solve.eps) == ("1f1b", 0.2)
+  with pytest.warns(DeprecationWarning, match="ManualPlan"):
+    opts = make(plan=PLAN, schedule="1f1b", eps=0.2)
+  assert (opts.plan.schedule, opts.plan.eps) == ("1f1b", 0.2)
+  with pytest.warns(DeprecationWarning, match="LocalRuntime"):
+    assert make(plan=PLAN, runtime_options={"compile_workers": 0}).runtime == \
+        harpjax.LocalRuntime(compile_workers=0)
+  with pytest.warns(DeprecationWarning, match="AutoPlan"):
+    opts = make(solve_options=harpjax.SolveOptions(objective="max_throughput_per_dollar"))
+  assert opts.plan.solve.objective == "max_throughput_per_dollar"
+  # An option where it does not apply, or one choice given twice, is refused.
+  conflicts = [
+      dict(plan=PLAN, solve_options=harpjax.SolveOptions()),
+      dict(plan=PLAN, profile_options=harpjax.ProfileOptions()),
+      dict(plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(schedule="gpipe")),
+           schedule="1f1b"),
+      dict(solve_options=harpjax.SolveOptions(eps=0.3), eps=0.2),
+      dict(plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(eps=0.3)), eps=0.2),
+      dict(runtime=harpjax.LocalRuntime(compilation_cache=False), compilation_cache="/tmp/c"),
+      dict(plan=PLAN, elastic=harpjax.ElasticOptions(), checkpoint="/tmp/x"),
+      dict(plan=PLAN, runtime="ray", elastic=harpjax.ElasticOptions()),
+      dict(runtime=harpjax.RayRuntime(), runtime_options={"fetch": "all"}),
+  ]
+  for kw in conflicts:
+    with pytest.raises(harpjax.OptionConflictError):
+      make(**kw)
+  for kw, match in [(dict(runtime="tpu"), "runtime='tpu'"), (dict(plan=3), "plan=3")]:
+    with pytest.raises(OptionsError, match=match):
+      make(**kw)
+  with pytest.raises(OptionsError, match="AutoPlan.solve"):
+    harpjax.AutoPlan(solve=harpjax.ProfileOptions())
+  with pytest.raises(harpjax.UnknownOptionError, match="fetch.*options of runtime='ray'"):
+    make(plan=PLAN, runtime_options={"fetch": "all"})
+
+
+def test_plan_files_written_before_keep_loading(tmp_path):
+  # Earlier versions kept what a plan means in meta: read into the fields, meta keeps the rest.
+  import json
+  data = PLAN.replace(num_microbatches=2).to_json()
+  for key in ("eps", "remat", "layer_source", "layer_options", "microbatch_size"):
+    del data[key]
+  data["meta"] = {"eps": 0.2, "remat": True, "layers": "auto", "microbatch_size": 4,
+                  "model": "gpt-tiny"}
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps(data))
+  plan = harpjax.load_plan(path)
+  assert (plan.eps, plan.remat, plan.layer_source, plan.microbatch_size) == (0.2, "full",
+                                                                             "auto", 4)
+  assert dict(plan.meta) == {"model": "gpt-tiny"}
+  assert all(plan.remat_of(s) == "full" for s in plan.stages)
+  assert harpjax.Plan.from_json(plan.to_json()) == plan
+  with pytest.raises(PlanError, match="layer_options"):
+    PLAN.replace(layer_options=harpjax.LayerOptions(z=3))   # marked layers have no options

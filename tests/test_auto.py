@@ -39,8 +39,8 @@ def auto_step(tmp_path_factory):
   """One automatically planned step, shared (profiling costs seconds)."""
   cache = str(tmp_path_factory.mktemp("profiles"))
   step, state, batches = _gpt(optax.sgd(0.1))
-  pstep = compare_steps(step, state, batches, plan=None, num_microbatches=4,
-                        profile_options=ProfileOptions(cache_dir=cache, progress=False))
+  pstep = compare_steps(step, state, batches, num_microbatches=4, plan=harpjax.AutoPlan(
+      profile=ProfileOptions(cache_dir=cache, progress=False)))
   return pstep, cache, (state, batches[0])
 
 
@@ -72,8 +72,8 @@ def test_auto_plan_with_adam_keeps_the_loss(auto_step):
   # of small gradients into larger parameter differences than SGD's: 1.2e-5 was seen on one
   # CPU, so the bound is a little wider than the 1e-5 of the other comparisons.
   step, state, batches = _gpt(optax.adamw(1e-2, eps=1e-3))
-  compare_steps(step, state, batches, plan=None, num_microbatches=4, rtol=5e-5,
-                profile_options=ProfileOptions(cache_dir=cache, progress=False))
+  compare_steps(step, state, batches, num_microbatches=4, rtol=5e-5, plan=harpjax.AutoPlan(
+      profile=ProfileOptions(cache_dir=cache, progress=False)))
 
 
 def test_plan_cli(tmp_path):
@@ -86,6 +86,16 @@ def test_plan_cli(tmp_path):
   plan = harpjax.load_plan(out)
   assert plan.num_microbatches == 8 and plan.stages[0].layers[0] == 0
   assert dict(plan.meta)["model"] == "gpt-tiny"
+  # The file says what it means: automatic layers (and their options), the microbatch the
+  # times are for; auto_parallel(plan=file) follows it on those same layers.
+  assert plan.layer_source == "auto" and plan.layer_options == harpjax.LayerOptions()
+  assert plan.microbatch_size is not None and plan.remat == "none"
+  from harpjax.models import BUILTIN_MODELS
+  spec = BUILTIN_MODELS["gpt-tiny"](num_microbatches=8, abstract=True)
+  pstep = harpjax.auto_parallel(spec.step_fn, cluster=f"{CONFIGS}/case_study.yaml",
+                                plan=str(out))
+  assert len(pstep.trace(*spec.args).layers) == plan.num_layers
+  assert [s.layers for s in pstep.plan(*spec.args).stages] == [s.layers for s in plan.stages]
 
 
 def test_plan_cli_bad_model(tmp_path):
@@ -101,9 +111,8 @@ def test_model_that_cannot_fit_is_explained(tmp_path):
                        "nics": [{"name": "e", "kind": "ethernet", "gbps": 10,
                                  "network": "n"}]}]})
   step, state, batches = _gpt(optax.sgd(0.1))
-  pstep = harpjax.auto_parallel(step, cluster=tiny, num_microbatches=4,
-                                profile_options=ProfileOptions(cache_dir=str(tmp_path),
-                                                               progress=False))
+  pstep = harpjax.auto_parallel(step, cluster=tiny, num_microbatches=4, plan=harpjax.AutoPlan(
+      profile=ProfileOptions(cache_dir=str(tmp_path), progress=False)))
   with pytest.raises(InfeasiblePlanError, match="memory"):
     pstep(state, batches[0])
 
@@ -119,8 +128,8 @@ def test_model_without_markers_plans_saves_and_reloads(tmp_path):
   state = train_state.TrainState.create(apply_fn=adam_state.apply_fn, params=adam_state.params,
                                         tx=optax.sgd(0.1))
   opts = ProfileOptions(cache_dir=str(tmp_path / "db"), progress=False)
-  pstep = compare_steps(spec.step_fn, state, [batch], plan=None, num_microbatches=2,
-                        profile_options=opts, floor=1e-4)
+  pstep = compare_steps(spec.step_fn, state, [batch], plan=harpjax.AutoPlan(profile=opts),
+                        num_microbatches=2, floor=1e-4)
   layers = pstep.trace(state, batch).layers
   assert len(layers) > 4 and "block" in str(layers)
   path = tmp_path / "plan.json"

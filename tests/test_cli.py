@@ -562,6 +562,22 @@ def test_simulate_still_runs(tmp_path):
   assert [r["schedule"] for r in json.loads(res.stdout)] == ["h1f1b", "1f1b"]
 
 
+def test_simulate_takes_the_tolerance_the_plan_records(tmp_path):
+  # A plan's eps is the one its warm-up counts derive with: --eps may not say otherwise.
+  plan = Plan(stages=(StageSpec((0, 0), "a", (1, 1), time_s=1.0, comm_s=0.2),
+                      StageSpec((1, 1), "b", (1, 1), time_s=1.0)), eps=0.5)
+  path = tmp_path / "plan.json"
+  plan.save(path)
+  common = ("simulate", str(path), "-B", "4", "--schedule", "h1f1b", "--json")
+  _refused(_run(*common, "--eps", "0.1"), "--eps 0.1", "eps=0.5")
+  ours, low = _run(*common), _run("simulate", "--time", "1,1", "--comm", "0.2", "-B", "4",
+                                  "--eps", "0.1", "--schedule", "h1f1b", "--json")
+  assert ours.exit_code == 0 and low.exit_code == 0, (ours.output, low.output)
+  # 2c/t_max = 0.4: no extra warm-up under the plan's eps=0.5, one under 0.1
+  warm = lambda res: json.loads(res.stdout)[0]["warmups"]
+  assert warm(ours) != warm(low), (warm(ours), warm(low))
+
+
 # --------------------------------------------------------------------------- Ctrl-C
 
 
@@ -856,8 +872,7 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   """``harpjax plan`` without options plans as ``auto_parallel`` does without options: the
   same remat, ZeRO, offload and mixed-stage choices (docs/planner.md, "One set of
   defaults")."""
-  from harpjax.compiler.plan import SolveOptions
-  from harpjax.compiler.profile import ProfileOptions
+  from harpjax import AutoPlan
   seen = {}
   real_profile = profile_pkg.profile_step
 
@@ -872,7 +887,8 @@ def test_plan_and_auto_parallel_plan_with_one_set_of_defaults(monkeypatch, clust
   monkeypatch.setattr(plan_pkg, "solve", solve)
   _refused(_run("plan", "--cluster", cluster_file, "--model", "gpt-tiny", "-B", 4),
            "stopped after the options", status=1)
-  api_profile, api_solve = ProfileOptions(), SolveOptions(eps=0.1)   # what auto_parallel uses
+  auto = AutoPlan()   # what auto_parallel plans with when given nothing
+  api_profile, api_solve = auto.profile, auto.solve
   for field in ("source", "remat", "state_bytes_per_param", "optimizer_bytes_per_param"):
     assert getattr(seen["profile"], field) == getattr(api_profile, field), field
   for field in ("eps", "cost_model", "objective", "use_all_devices", "keep_order",

@@ -33,7 +33,7 @@ def _two_stages(case) -> harpjax.Plan:
   else:
     plan = harpjax.ManualPlan([((0, n // 2 - 1), "v100", (1, 2), (2, 1)),
                                ((n // 2, n - 1), "a100", (1, 2), (1, 2))])
-  return dataclasses.replace(plan, meta={"layers": "auto"})
+  return dataclasses.replace(plan, layer_source="auto")
 
 
 def _run(case, references, steps=2, **kwargs):
@@ -77,8 +77,7 @@ def test_label_smoothing_equals_jit_float64(x64):
 @pytest.mark.slow
 def test_batch_normalised_loss_on_ray_equals_jit_float64(x64):
   # The whole batch's token count computed before the pipeline, sent to the stages' actors.
-  test_batch_normalised_losses_equal_jit_float64(x64, "masked_lm", runtime="ray",
-                                                 runtime_options={"num_cpus": 2})
+  test_batch_normalised_losses_equal_jit_float64(x64, "masked_lm", runtime=harpjax.RayRuntime(num_cpus=2))
 
 
 def _coupled(name):

@@ -33,7 +33,7 @@ RANKS = {
     "harpjax.compiler.plan": 6,
     "harpjax.compiler.stages": 7,
     "harpjax.runtime": 8,
-    "harpjax.api": 9,
+    "harpjax.options": 9, "harpjax.phases": 9, "harpjax.api": 9,
     "harpjax": 10,
     "harpjax.models": 11,
     "harpjax.examples": 12, "harpjax.cli": 12, "harpjax.__main__": 12,

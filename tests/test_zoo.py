@@ -22,7 +22,7 @@ def _two_stage_plan(num_layers: int) -> harpjax.Plan:
   half = num_layers // 2
   plan = harpjax.ManualPlan([((0, half - 1), "v100", (1, 2), (2, 1)),
                              ((half, num_layers - 1), "a100", (1, 2), (1, 2))])
-  return dataclasses.replace(plan, meta={"layers": "auto"})
+  return dataclasses.replace(plan, layer_source="auto")
 
 
 def _run_both(case: zoo.Case, plan, steps: int = 2, **kwargs):

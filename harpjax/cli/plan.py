@@ -214,10 +214,13 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     t2 = time.perf_counter()
   except HarpjaxError as e:
     raise click.ClickException(str(e)) from None
+  # The plan says what it means (auto_parallel(plan=file) follows it on the same layers);
+  # the model and the cluster it was made for are provenance.
   plan = solved.plan.replace(meta={**dict(solved.plan.meta), "model": spec.name,
-                                   "cluster": os.path.abspath(cluster_path),
-                                   "microbatch_size": spec.microbatch_size,
-                                   "remat": remat is True})
+                                   "cluster": os.path.abspath(cluster_path)},
+                             microbatch_size=spec.microbatch_size,
+                             remat="full" if remat is True else "none",
+                             layer_source="auto", layer_options=layer_options)
   click.echo("")
   click.echo(plan.table())
   click.echo(f"\npredicted iteration: {plan.predicted_iteration_s:.3f} s (simulated; Eq. 12 "

@@ -175,6 +175,11 @@ def command(ctx, plan_file, fwd, bwd, fb_time, bwd_ratio, comm, comm_bwd, microb
                            "--no-cache only apply with --cluster and --model")
   try:
     plan = load_plan(plan_file) if plan_file else None
+    if plan is not None and plan.eps is not None:   # the plan's warm-ups use its own
+      if given(ctx, "eps") and eps != plan.eps:
+        raise click.UsageError(f"--eps {eps:g} but the plan's warm-up counts use "
+                               f"eps={plan.eps:g} (its \"eps\"): drop --eps")
+      eps = plan.eps
     costed = None
     if costing:
       plan, costed = _cost_plan(plan, cluster_path, model, microbatches or
@@ -301,14 +306,14 @@ def _cost_plan(plan, cluster_path: str, model: str, num_microbatches: int | None
                            "harpjax.compiler.plan.evaluate_mixed")
   if not num_microbatches:
     raise click.UsageError("give the number of microbatches with -B")
-  meta = dict(plan.meta)
-  mbs = microbatch_size or meta.get("microbatch_size")
+  mbs = microbatch_size or plan.microbatch_size
   spec = model_spec(model, num_microbatches, mbs)
-  remat = bool(meta.get("remat", False))
+  remat = plan.remat == "full"
   if any(s.remat is not None for s in plan.stages):   # each stage says its own mode
     remat = "choose"
   result = profile_model(spec, Cluster.load(cluster_path),
-                         profile_options(remat=remat, progress=False, **profile_kw))
+                         profile_options(remat=remat, progress=False, **profile_kw),
+                         plan.layer_options)   # the layers the plan was made on
   if plan.stages[-1].layers[1] != result.tables.num_layers - 1:
     raise click.UsageError(f"the plan covers layers 0..{plan.stages[-1].layers[1]}, but "
                            f"{model} has {result.tables.num_layers} layers "

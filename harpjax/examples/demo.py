@@ -105,10 +105,9 @@ def main(argv=None) -> None:
         ((0, 3), "v100", (1, 4), (2, 2)),   # 4 V100: 2-way data x 2-way tensor parallel
         ((4, 6), "a100", (1, 2), (2, 1)),   # 2 A100 on one host, data parallel
         ((7, 9), "a100", (1, 2), (1, 2)),   # 2 A100 on the other host, tensor parallel
-    ])
+    ], schedule="h1f1b")
     step = harpjax.auto_parallel(make_step(), cluster=cluster,
-                                 num_microbatches=args.microbatches, plan=plan,
-                                 schedule="h1f1b")
+                                 num_microbatches=args.microbatches, plan=plan)
     train(step, state, args, cfg, batch, "a manual 3-stage plan")
   if args.plan in ("auto", "both"):
     step = harpjax.auto_parallel(make_step(), cluster=cluster,

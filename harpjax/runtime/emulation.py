@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from harpjax.cluster import Cluster, Link
 from harpjax.compiler.schedule import simulate as simulate_schedule
-from harpjax.errors import ClusterSpecError, PlanError
+from harpjax.errors import ClusterSpecError, OptionConflictError, OptionsError, PlanError
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,14 @@ def _times(name: str, x) -> tuple[float, ...] | None:
   out = tuple(float(v) for v in x)
   for i, v in enumerate(out):
     if not (math.isfinite(v) and v >= 0):
-      raise PlanError(f"Emulation.{name}[{i}]={v}: times are finite seconds >= 0")
+      raise OptionsError(f"Emulation.{name}[{i}]={v}: times are finite seconds >= 0")
   return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Emulation:
-  """Options of the emulated hardware (pass as ``runtime_options={"emulation": ...}``).
+  """Options of the emulated hardware
+  (``runtime=harpjax.RayRuntime(emulation=harpjax.Emulation(...))``).
 
   Attributes:
     fwd_s: per stage, seconds of one microbatch's forward on the emulated GPUs; ``None``:
@@ -86,21 +87,21 @@ class Emulation:
       for key, model in items:
         a, b = (int(x) for x in key)
         if not isinstance(model, Link):
-          raise PlanError(f"Emulation.links[{key}] must be a Link, got {model!r}")
+          raise OptionsError(f"Emulation.links[{key}] must be a Link, got {model!r}")
         fixed.append(((a, b), model))
       object.__setattr__(self, "links", tuple(sorted(fixed)))
     for name in ("time_scale", "bytes_scale"):
       v = getattr(self, name)
       if not (math.isfinite(v) and v > 0):
-        raise PlanError(f"Emulation.{name}={v}: must be > 0")
+        raise OptionsError(f"Emulation.{name}={v}: must be > 0")
     if not 0 < self.fwd_fraction < 1:
-      raise PlanError(f"Emulation.fwd_fraction={self.fwd_fraction}: must be in (0, 1)")
+      raise OptionsError(f"Emulation.fwd_fraction={self.fwd_fraction}: must be in (0, 1)")
     if (self.fwd_s is None) != (self.bwd_s is None):
-      raise PlanError("Emulation: give both fwd_s and bwd_s, or neither (then the plan's "
-                      "StageSpec.time_s is split by fwd_fraction)")
+      raise OptionsError("Emulation: give both fwd_s and bwd_s, or neither (then the plan's "
+                         "StageSpec.time_s is split by fwd_fraction)")
     if self.fwd_s is not None and len(self.fwd_s) != len(self.bwd_s):
-      raise PlanError(f"Emulation: fwd_s has {len(self.fwd_s)} stages, bwd_s "
-                      f"{len(self.bwd_s)}")
+      raise OptionsError(f"Emulation: fwd_s has {len(self.fwd_s)} stages, bwd_s "
+                         f"{len(self.bwd_s)}")
 
   # ------------------------------------------------------------------ resolution
 
@@ -121,7 +122,8 @@ class Emulation:
       hosts: per stage, its host name (``harpjax.runtime.transport.stage_hosts``).
 
     Raises:
-      PlanError: times are missing, or their count does not match the plan.
+      PlanError: the plan has no times (``StageSpec.time_s``) and the emulation none either.
+      OptionConflictError: the emulation's times are for another number of stages.
     """
     S = plan.num_stages
     fwd, bwd = self.fwd_s, self.bwd_s
@@ -134,7 +136,8 @@ class Emulation:
       fwd = tuple(s.time_s * self.fwd_fraction for s in plan.stages)
       bwd = tuple(s.time_s * (1 - self.fwd_fraction) for s in plan.stages)
     if len(fwd) != S:
-      raise PlanError(f"Emulation has times for {len(fwd)} stages, the plan has {S}")
+      raise OptionConflictError(f"Emulation has times for {len(fwd)} stages, the plan has "
+                                f"{S}")
     links = self.link_map
     if cluster is not None and hosts is not None:
       for a in range(S):

@@ -11,7 +11,10 @@ allow.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import numbers
+import os
 from typing import Any
 
 import jax
@@ -20,11 +23,61 @@ import jax.numpy as jnp
 from harpjax.compiler.schedule import dry_run
 from harpjax.compiler.stages import CompiledStep
 from harpjax.compiler.trace import Lit
+from harpjax.errors import OptionsError
 from harpjax.runtime.interpreter import LocalMessenger, StageRun, place_on_mesh
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_step", "run_region", "strongly_typed"]
+__all__ = ["LocalRuntime", "check_compilation_cache", "run_step", "run_region",
+           "strongly_typed"]
+
+
+def check_compilation_cache(value, where: str):
+  """``value`` as a ``compilation_cache`` option: ``True``, ``False`` or a directory (a
+  ``str``); else an :class:`~harpjax.errors.OptionsError` naming ``where``."""
+  if isinstance(value, bool):
+    return value
+  if isinstance(value, (str, os.PathLike)):
+    return os.fspath(value)
+  raise OptionsError(f"{where}={value!r}: True (harpjax's cache directory, "
+                     "$HARPJAX_CACHE_DIR or ~/.cache/harpjax/profiles, under executables/), "
+                     "False, or a directory")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRuntime:
+  """Run every stage in this process (``auto_parallel(runtime=harpjax.LocalRuntime(...))``;
+  ``runtime="local"`` is ``LocalRuntime()``).
+
+  Attributes:
+    compile_workers: threads compiling the stages' executables ahead of the first call;
+      ``None`` one per stage, at most one per CPU; ``0`` compiles lazily, executable by
+      executable, on the first call.
+    compilation_cache: keep the stages' compiled executables on disk, so the first step of a
+      later process compiles nothing: ``True`` (JAX's persistent compilation cache in
+      ``executables/`` of harpjax's cache directory, ``$HARPJAX_CACHE_DIR`` or
+      ``~/.cache/harpjax/profiles``), a directory, or ``False``. A cache directory configured
+      in JAX is kept; otherwise the setting is process-wide (later ``jax.jit`` compilations
+      are kept too) and JAX's one-second minimum compile time for keeping an executable
+      drops to zero.
+    progress: a progress bar over the stages while they compile (``None``: when stderr is a
+      terminal).
+  """
+  compile_workers: int | None = None
+  compilation_cache: bool | str = True
+  progress: bool | None = None
+
+  name = "local"
+
+  def __post_init__(self):
+    w = self.compile_workers
+    if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0):
+      raise OptionsError(f"LocalRuntime.compile_workers={w!r}: a count of threads >= 0 (0 "
+                         "compiles lazily, on the first call) or None (one per stage)")
+    if w is not None:
+      object.__setattr__(self, "compile_workers", int(w))
+    object.__setattr__(self, "compilation_cache", check_compilation_cache(
+        self.compilation_cache, "LocalRuntime.compilation_cache"))
 
 
 def strongly_typed(x, aval):

@@ -30,8 +30,8 @@ actors are not reused either.
 
 Usage::
 
-    step = harpjax.auto_parallel(train_step, cluster=..., plan=..., runtime="ray",
-                                 runtime_options={"emulation": Emulation(time_scale=0.05)})
+    step = harpjax.auto_parallel(train_step, cluster=..., plan=...,
+                                 runtime=harpjax.RayRuntime(emulation=Emulation(time_scale=0.05)))
     state, loss = step(state, batch)     # state: RemoteArray handles, loss: an array
     state = harpjax.runtime.ray_runtime.gather(state)
 """
@@ -48,18 +48,18 @@ from typing import Any
 
 import ray
 
-from harpjax.errors import HarpjaxError, RuntimeFailure, UnsupportedError
+from harpjax.errors import HarpjaxError, OptionConflictError, RuntimeFailure, UnsupportedError
 from harpjax.runtime import codec, transport
 from harpjax.runtime.channels import Channel
 from harpjax.runtime.group_worker import GroupWorker
 from harpjax.runtime.handles import RemoteArray, gather, load_tree, save_tree
 from harpjax.runtime.measure import MeasuredStep
-from harpjax.runtime.runner import PipelineRunner, RunnerOptions, ThreadBackend
+from harpjax.runtime.runner import PipelineRunner, RayRuntime, RunnerOptions, ThreadBackend
 from harpjax.runtime.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayRunner", "RunnerOptions", "RemoteArray", "MeasuredStep", "gather", "save_tree",
+__all__ = ["RayRunner", "RayRuntime", "RunnerOptions", "RemoteArray", "MeasuredStep", "gather", "save_tree",
            "load_tree", "ObjectStoreChannel", "HOST_RESOURCE_PREFIX", "init_ray", "release_pool"]
 
 HOST_RESOURCE_PREFIX = "harpjax_host:"
@@ -75,9 +75,8 @@ _PING_S = 10.0       # a live actor answers a ping within this
 class RayRunner(PipelineRunner):
   """Runs a compiled step on one Ray actor per stage.
 
-  Built by :meth:`harpjax.ParallelStep.runner` (``runtime="ray"``); the keyword options are
-  ``auto_parallel``'s ``runtime_options``, see
-  :class:`~harpjax.runtime.runner.RunnerOptions` (``address``, ``emulation``, ``transport``,
+  Built by :meth:`harpjax.ParallelStep.runner` (``runtime="ray"`` or a
+  :class:`~harpjax.runtime.runner.RayRuntime`: ``address``, ``emulation``, ``transport``,
   ``nic_addresses``, ``fetch``, timeouts, ...).
 
   Args:
@@ -85,15 +84,20 @@ class RayRunner(PipelineRunner):
       (:class:`~harpjax.compiler.stages.StepProgram`).
     cluster: the :class:`~harpjax.cluster.Cluster`.
     example_args: the step's arguments (arrays, ``ShapeDtypeStruct`` or handles).
-    **options: :class:`~harpjax.runtime.runner.RunnerOptions` fields.
+    options: a :class:`~harpjax.runtime.runner.RayRuntime` (default ``RayRuntime()``).
+    **kwargs: its fields instead (the ``runtime_options`` spelling).
 
   Raises:
-    PlanError: an unknown or invalid option.
+    OptionsError: an unknown or invalid option.
     RuntimeFailure: an actor could not start, compile or connect in ``start_timeout_s``.
   """
 
-  def __init__(self, program, cluster, example_args, **options):
-    opts = RunnerOptions.from_kwargs(options)
+  def __init__(self, program, cluster, example_args, options: RayRuntime | None = None,
+               **kwargs):
+    if options is not None and kwargs:
+      raise OptionConflictError(f"RayRunner: options given both as a RayRuntime and as "
+                                f"keywords {sorted(kwargs)}: give one")
+    opts = options if options is not None else RayRuntime.from_kwargs(kwargs)
     backend = ThreadBackend(opts) if opts.backend == "threads" else RayBackend(opts)
     super().__init__(program, cluster, example_args, backend, opts)
 
@@ -171,7 +175,7 @@ class RayBackend:
   own: each takes the driver's JAX settings when it builds its stage."""
   own_processes = True
 
-  def __init__(self, options: RunnerOptions):
+  def __init__(self, options: RayRuntime):
     self.options = options
     self.actors: list[list] = []     # per stage, its members (leader first)
     self.keys: list[tuple | None] = []

@@ -31,10 +31,12 @@ import numpy as np
 from harpjax import _compat
 from harpjax.compiler.stages import StepProgram, lower_step
 from harpjax.compiler.trace import aval_nbytes
-from harpjax.errors import HarpjaxError, PlanError, RuntimeFailure
+from harpjax.errors import (HarpjaxError, OptionsError, PlanError, RuntimeFailure,
+                            UnknownOptionError)
 from harpjax.runtime import codec, transport
 from harpjax.runtime.channels import LocalChannel
 from harpjax.runtime.emulation import Emulation
+from harpjax.runtime.local import check_compilation_cache
 from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner,
                                      save_tree, unregister_runner)
 from harpjax.runtime.measure import MeasuredStep, measured_step
@@ -42,7 +44,7 @@ from harpjax.runtime.worker import StageWorker, WorkerOptions, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunnerOptions", "PipelineRunner", "ThreadBackend", "FETCH_MODES"]
+__all__ = ["RayRuntime", "RunnerOptions", "PipelineRunner", "ThreadBackend", "FETCH_MODES"]
 
 FETCH_MODES = ("metrics", "all", "none")
 
@@ -51,8 +53,10 @@ FETCH_MODES = ("metrics", "all", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class RunnerOptions:
-  """Options of :class:`~harpjax.runtime.ray_runtime.RayRunner` (``runtime_options``).
+class RayRuntime:
+  """Run each stage in a worker of its own, Ray actors by default
+  (``auto_parallel(runtime=harpjax.RayRuntime(...))``; ``runtime="ray"`` is ``RayRuntime()``).
+  The options of :class:`~harpjax.runtime.ray_runtime.RayRunner`.
 
   Attributes:
     address: Ray cluster address (``"auto"``, ``"ray://host:10001"``...); ``None`` starts a
@@ -90,6 +94,8 @@ class RunnerOptions:
       devices one process can hold every group).
     bind_device: also ``SO_BINDTODEVICE`` TCP sockets to the NIC (root).
     ray_init: extra keyword arguments of ``ray.init``.
+    compilation_cache: keep compiled executables on disk (the driver's JAX setting, which
+      the workers take): as :attr:`harpjax.LocalRuntime.compilation_cache`.
   """
   address: str | None = None
   backend: str = "ray"
@@ -109,35 +115,52 @@ class RunnerOptions:
   group_processes: bool | None = None
   bind_device: bool = False
   ray_init: Any = None
+  compilation_cache: bool | str = True
+
+  name = "ray"
 
   def __post_init__(self):
     if self.backend not in ("ray", "threads"):
-      raise PlanError(f"runtime_options backend={self.backend!r}; choose 'ray' or 'threads'")
+      raise OptionsError(f"RayRuntime.backend={self.backend!r}; choose 'ray' or 'threads'")
     if self.transport not in transport.TRANSPORTS:
-      raise PlanError(f"runtime_options transport={self.transport!r}; choose one of "
+      raise OptionsError(f"RayRuntime.transport={self.transport!r}; choose one of "
                       f"{transport.TRANSPORTS}")
     if self.fetch not in FETCH_MODES:
-      raise PlanError(f"runtime_options fetch={self.fetch!r}; choose one of {FETCH_MODES}")
+      raise OptionsError(f"RayRuntime.fetch={self.fetch!r}; choose one of {FETCH_MODES}")
     if self.emulation is not None and not isinstance(self.emulation, Emulation):
-      raise PlanError("runtime_options emulation must be a harpjax.runtime.emulation.Emulation")
+      raise OptionsError(f"RayRuntime.emulation={self.emulation!r}: give a harpjax.Emulation "
+                         "or None")
     for name in ("recv_timeout_s", "step_timeout_s", "start_timeout_s"):
       v = getattr(self, name)
       if not (isinstance(v, (int, float)) and v > 0):
-        raise PlanError(f"runtime_options {name}={v!r}: must be a positive number of seconds")
-    if int(self.retain_steps) < 1:
-      raise PlanError(f"runtime_options retain_steps={self.retain_steps}: must be >= 1")
+        raise OptionsError(f"RayRuntime.{name}={v!r}: must be a positive number of seconds")
+    if isinstance(self.retain_steps, bool) or not isinstance(self.retain_steps, int) or \
+        self.retain_steps < 1:
+      raise OptionsError(f"RayRuntime.retain_steps={self.retain_steps!r}: a count >= 1")
+    object.__setattr__(self, "compilation_cache", check_compilation_cache(
+        self.compilation_cache, "RayRuntime.compilation_cache"))
 
   @classmethod
-  def from_kwargs(cls, kwargs: dict) -> "RunnerOptions":
+  def from_kwargs(cls, kwargs: dict) -> "RayRuntime":
+    """The options of a ``runtime_options`` dict (the spelling before :class:`RayRuntime`).
+
+    Raises:
+      UnknownOptionError: a key that is not a field.
+    """
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-      raise PlanError(f"unknown runtime_options {unknown}; known: {sorted(known)}")
+      raise UnknownOptionError(f"unknown runtime_options {unknown}: RayRuntime has "
+                               f"{sorted(known)}")
     return cls(**kwargs)
 
   def worker_options(self) -> WorkerOptions:
     return WorkerOptions(recv_timeout_s=float(self.recv_timeout_s),
                          retain_steps=int(self.retain_steps), bind_device=self.bind_device)
+
+
+RunnerOptions = RayRuntime
+"""The former name of :class:`RayRuntime`."""
 
 
 # --------------------------------------------------------------------------- runner
@@ -153,11 +176,11 @@ class PipelineRunner:
     cluster: the :class:`~harpjax.cluster.Cluster`.
     example_args: arguments of this structure (arrays, ``ShapeDtypeStruct`` or handles).
     backend: starts and calls the workers.
-    options: :class:`RunnerOptions`.
+    options: :class:`RayRuntime`.
   """
 
   def __init__(self, program: StepProgram, cluster, example_args, backend,
-               options: RunnerOptions):
+               options: RayRuntime):
     t0 = time.time()
     self.id = new_runner_id()
     self.options = options
@@ -467,8 +490,8 @@ class PipelineRunner:
     emu = emulation.resolve(self.program.plan, self.cluster, self.hosts) if emulation \
         else self.emulation
     if emu is None:
-      raise HarpjaxError("simulate() needs an emulation: pass runtime_options="
-                         "{'emulation': Emulation(...)} or an Emulation here")
+      raise HarpjaxError("simulate() needs an emulation: pass runtime=harpjax.RayRuntime("
+                         "emulation=harpjax.Emulation(...)) or an Emulation here")
     lay = self.layout
     skips = [k for k in list(lay.act_routes) + list(lay.ct_routes) if abs(k[0] - k[1]) != 1]
     if skips:
@@ -569,7 +592,7 @@ class ThreadBackend:
   remote_groups: dict = {}   # every group of a mixed-type stage runs in its stage's thread
   healthy = True
 
-  def __init__(self, options: RunnerOptions):
+  def __init__(self, options: RayRuntime):
     self.options = options
     self.workers: list[StageWorker] = []
     self._pool: cf.ThreadPoolExecutor | None = None

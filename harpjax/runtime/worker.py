@@ -76,7 +76,7 @@ class WorkerSpec:
       the JAX settings the step was lowered under
       (:attr:`~harpjax.compiler.stages.LoweredStep.jax_settings`; :func:`apply_settings`).
     env_settings: names among those settings that the worker's environment sets on purpose
-      (``runtime_options`` ``actor_env``): left as they are, an error if they differ.
+      (``RayRuntime.actor_env``): left as they are, an error if they differ.
     remote_groups: for a stage that splits its rows among groups, the groups that run in
       processes of their own (:mod:`harpjax.runtime.group_worker`); this worker runs the
       others and holds only their devices.
@@ -121,7 +121,7 @@ def apply_settings(spec: WorkerSpec) -> None:
   for name, (driver, here) in sorted(differ.items()):
     var = _compat.setting_env_var(name)
     if name in spec.env_settings:
-      fix = (f"runtime_options actor_env sets {var}={os.environ.get(var)!r}: remove it or give "
+      fix = (f"RayRuntime.actor_env sets {var}={os.environ.get(var)!r}: remove it or give "
              "it the driver's value")
     else:
       fix = (f"it could not be set here ({refused.get(name, 'the value did not take')}): run "

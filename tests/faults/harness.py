@@ -54,16 +54,16 @@ TOLERANCE = 1e-10   # float64, against jax.jit (sums in another order)
 
 # A two-stage plan of the zoo's net cut automatically into its 6 layers.
 PLAN = harpjax.ManualPlan([((0, 2), "v100", (1, 2), (2, 1)),
-                           ((3, 5), "a100", (1, 2))]).replace(meta={"layers": "auto"})
+                           ((3, 5), "a100", (1, 2))]).replace(layer_source="auto")
 SMALLER = ["a100-0", "a100-1"]   # hosts replan() takes away (the V100 host is left)
 
 # Where each phase is entered: (owner, attribute); the first call of the attribute during the
 # trial opens the phase. "auto" plans are needed for profile and plan.
 PHASES: dict[str, tuple[str, str]] = {
-    "trace": ("harpjax.api:ParallelStep", "_trace"),
-    "profile": ("harpjax.api", "profile_step"),
-    "plan": ("harpjax.api", "solve"),
-    "compile": ("harpjax.api:ParallelStep", "_compile"),
+    "trace": ("harpjax.api", "trace_phase"),
+    "profile": ("harpjax.phases", "profile_step"),
+    "plan": ("harpjax.phases", "solve"),
+    "compile": ("harpjax.api", "compile_phase"),
     "start": ("harpjax.runtime", "ray_runner"),
     "step": ("harpjax.runtime", "run_step"),
     "step_ray": ("harpjax.runtime.runner:PipelineRunner", "__call__"),
@@ -71,7 +71,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "restore": ("harpjax.runtime.checkpoint:Checkpointer", "restore_newest"),
     "gather": ("harpjax.runtime.handles", "gather"),
     "replan": ("harpjax.api:ParallelStep", "replan"),
-    "recovery": ("harpjax.api:ParallelStep", "_recover"),
+    "recovery": ("harpjax.runtime.elastic:Elastic", "_recover"),
 }
 
 
@@ -177,20 +177,20 @@ def reference(steps: int) -> list:
 def make_step(scn: Scenario, directory: str):
   c = case()
   kw = {}
+  runtime = scn.runtime
   if scn.runtime == "ray":
-    kw["runtime_options"] = {"step_timeout_s": 120.0, "recv_timeout_s": 60.0,
-                             "start_timeout_s": 300.0}
+    runtime = harpjax.RayRuntime(step_timeout_s=120.0, recv_timeout_s=60.0,
+                                 start_timeout_s=300.0)
   if scn.elastic:
     kw["elastic"] = harpjax.ElasticOptions()
+  plan = PLAN
   if scn.plan == "auto":
-    from harpjax.compiler.plan import SolveOptions
     # Worker processes: without the lower bound, which leaves this small search nothing to
     # hand them (the plan is the same: the bound only skips candidates that cannot win).
-    kw["solve_options"] = SolveOptions(backend=scn.planner,
-                                       bound_pruning=scn.planner != "process")
+    plan = harpjax.AutoPlan(solve=harpjax.SolveOptions(
+        backend=scn.planner, bound_pruning=scn.planner != "process"))
   return harpjax.auto_parallel(
-      c.step, cluster=DEMO_CLUSTER, num_microbatches=2,
-      plan=PLAN if scn.plan == "manual" else None, runtime=scn.runtime,
+      c.step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan, runtime=runtime,
       checkpoint=harpjax.CheckpointOptions(directory, every=scn.every, keep=scn.keep,
                                            asynchronous=scn.asynchronous), **kw)
 

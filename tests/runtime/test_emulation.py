@@ -8,7 +8,7 @@ import pytest
 import harpjax
 from harpjax.cluster import Link
 from harpjax.compiler import schedule as schedules
-from harpjax.errors import PlanError
+from harpjax.errors import OptionConflictError, OptionsError, PlanError
 from harpjax.runtime.emulation import Emulation, annotate_plan
 from benchmarks import runtime as bench
 
@@ -43,11 +43,11 @@ def test_bad_emulations():
   bare = PLAN.with_stages([dataclasses.replace(s, time_s=None) for s in PLAN.stages])
   with pytest.raises(PlanError, match=r"stages \[0, 1, 2\] have no StageSpec.time_s"):
     Emulation().resolve(bare)
-  with pytest.raises(PlanError, match="both fwd_s and bwd_s"):
+  with pytest.raises(OptionsError, match="both fwd_s and bwd_s"):
     Emulation(fwd_s=(1.0,))
-  with pytest.raises(PlanError, match="time_scale"):
+  with pytest.raises(OptionsError, match="time_scale"):
     Emulation(time_scale=0)
-  with pytest.raises(PlanError, match="times for 2 stages"):
+  with pytest.raises(OptionConflictError, match="times for 2 stages"):
     Emulation(fwd_s=(1, 1), bwd_s=(1, 1)).resolve(PLAN)
 
 
@@ -78,8 +78,8 @@ def test_annotated_plan_gives_h1f1b_the_emulated_link():
   assert plan.stages[2].comm_s is None and plan.stages[1].time_s == pytest.approx(0.03)
   t_max = max(s.time_s for s in plan.stages)
   warm = schedules.h1f1b_warmups([s.comm_s for s in plan.stages[:-1]], t_max, 0.1)
-  step = harpjax.auto_parallel(bench.make_step(), cluster=cluster, plan=plan, schedule="h1f1b",
-                               num_microbatches=8)
+  step = harpjax.auto_parallel(bench.make_step(), cluster=cluster,
+                               plan=plan.replace(schedule="h1f1b"), num_microbatches=8)
   # The slow link earns extra warm-ups.
   assert step.plan(state, batch).warmups == warm and warm[0] > 3
 

@@ -203,10 +203,10 @@ def test_activation_recomputation_plan():
   """A plan made with remat=True recomputes each stage's forward in its backward."""
   step, state, batches, _ = _gpt_setup()
   rngs = [(jax.random.key(100 + i),) for i in range(2)]
-  plan = GPT3.replace(meta={"remat": True})
+  plan = GPT3.replace(remat="full")
   pstep = compare_steps(step, state, batches[:2], plan=plan, num_microbatches=2,
                         extra_args=rngs)
-  assert dict(pstep.plan(state, batches[0], *rngs[0]).meta)["remat"] is True
+  assert pstep.plan(state, batches[0], *rngs[0]).remat == "full"
 
 
 def _compiled_during(caplog, fn):
@@ -224,7 +224,7 @@ def test_executables_compile_ahead_and_the_second_step_compiles_nothing(caplog):
   # its parameter's sharding, and TrainState's Python-int step counter is typed as traced.
   step, state, batches, _ = _gpt_setup()
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3,
-                                runtime_options={"compile_workers": 2})
+                                runtime=harpjax.LocalRuntime(compile_workers=2))
   pstep.compile(state, batches[0], jax.random.key(100))
   first = _compiled_during(caplog, lambda: pstep(state, batches[0], jax.random.key(100)))
   ours = [m for m in first if any(f"jit({n})" in m for n in ("fwd", "bwd", "zeros", "fn"))]
@@ -238,10 +238,15 @@ def test_lazy_compilation_and_bad_compile_workers():
   step, state, batches, _ = _gpt_setup()
   rngs = [(jax.random.key(100 + i),) for i in range(2)]
   compare_steps(step, state, batches[:2], plan=GPT3, num_microbatches=4, extra_args=rngs,
-                runtime_options={"compile_workers": 0})
-  for bad, match in [({"compile_workers": -1}, "compile_workers"),
-                     ({"transport": "tcp"}, "not options of the local runtime")]:
-    with pytest.raises(PlanError, match=match):
+                runtime=harpjax.LocalRuntime(compile_workers=0))
+  with pytest.raises(harpjax.OptionsError, match="compile_workers"):
+    harpjax.LocalRuntime(compile_workers=-1)
+  # the spelling of earlier releases: a Ray option given to the local runtime is named so
+  for bad, error, match in [
+      ({"compile_workers": -1}, harpjax.OptionsError, "compile_workers"),
+      ({"transport": "tcp"}, harpjax.UnknownOptionError,
+       r"the local runtime .* they are options of runtime='ray'")]:
+    with pytest.raises(error, match=match):
       harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=GPT3,
                             runtime_options=bad)
 
@@ -265,7 +270,7 @@ def test_scan_over_blocks_across_stages_matches_jit_and_warns(caplog):
   half = len(seq) // 2
   plan = harpjax.ManualPlan([((0, half - 1), "v100", (1, 2)),
                              ((half, len(seq) - 1), "a100", (1, 2))]).replace(
-                                 meta={"layers": "auto"})
+                                 layer_source="auto")
   with caplog.at_level(logging.WARNING, logger="harpjax.api"):
     compare_steps(step, state, xs, plan=plan, num_microbatches=2, rtol=5e-5)
   warned = [r.getMessage() for r in caplog.records if "read by several stages" in r.getMessage()]

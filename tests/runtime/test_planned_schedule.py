@@ -54,7 +54,7 @@ def test_a_planned_eager_1f1b_runs_and_trains_like_jit(x64):
     raise AssertionError("no instance where Eager-1F1B wins")
   base = planner.solve(tables, B, backend="sequential", schedule="h1f1b")
   assert res.iteration_s < base.iteration_s and res.plan.warmups != base.plan.warmups
-  plan = res.plan.replace(meta={**dict(res.plan.meta), "layers": "auto"})
+  plan = res.plan.replace(layer_source="auto")
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
   # What runs: the plan's schedule, with Eager-1F1B's warm-ups, in the runtime's tables.
   planned = pstep.plan(case.state, case.batches[0])

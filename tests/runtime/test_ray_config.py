@@ -104,7 +104,7 @@ def test_a_worker_takes_the_settings_or_names_the_one_that_differs(restore_setti
   jax.config.update("jax_enable_x64", False)
   monkeypatch.setenv("JAX_ENABLE_X64", "0")
   with pytest.raises(RuntimeFailure, match=r"stage 3: .*jax_enable_x64 is True in the driver "
-                     r"but False here; runtime_options actor_env sets JAX_ENABLE_X64='0'"):
+                     r"but False here; RayRuntime.actor_env sets JAX_ENABLE_X64='0'"):
     apply_settings(_spec(driver, frozenset({"jax_enable_x64"}), stage=3))
   with pytest.raises(RuntimeFailure, match=r"jax_no_such_setting is 1 in the driver but None "
                      r"here; it could not be set here \(AttributeError"):
@@ -135,7 +135,7 @@ def test_threads_backend_reports_the_setting_not_a_missing_mailbox():
   step, state, batches = _mlp_step(jnp.float32)
   with jax.default_matmul_precision("highest"):
     pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=PLAN,
-                                  runtime="ray", runtime_options={"backend": "threads"})
+                                  runtime=harpjax.RayRuntime(backend="threads"))
     with pytest.raises(RuntimeFailure) as info:
       pstep(state, batches[0])
   msg = str(info.value)

@@ -25,7 +25,7 @@ def _plan(num_layers: int, first: str, second: str) -> Plan:
   return dataclasses.replace(harpjax.ManualPlan([
       StageSpec((0, half - 1), "v100", (1, 2), (2, 1), remat=first),
       StageSpec((half, num_layers - 1), "a100", (1, 2), (1, 2), remat=second)]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def _num_layers(case):

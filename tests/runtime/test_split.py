@@ -36,7 +36,7 @@ def split_plan(num_layers: int, second_tp: bool = False) -> Plan:
       dict(layers=(half, num_layers - 1), subcluster="v100", submesh=(1, 2), share=3,
            logical_mesh=(1, 2) if second_tp else (2, 1),
            groups=[dict(subcluster="a100", submesh=(1, 1), share=1)])]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def run_both(step, state, batches, plan, B, extra=(), **kw):
@@ -107,7 +107,7 @@ def test_split_gpt_with_dropout_and_aux_matches_jit_float64(x64, runtime):
   B = 1   # one microbatch of 8 rows
   L = _num_layers(step, state, batches[0], B, *rngs[0])
   plan = split_plan(L)
-  kw = {"runtime": "ray", "runtime_options": {"num_cpus": 2}} if runtime == "ray" else {}
+  kw = {"runtime": harpjax.RayRuntime(num_cpus=2)} if runtime == "ray" else {}
   run_both(step, state, batches, plan, B, extra=rngs, **kw)
 
 
@@ -180,7 +180,8 @@ def test_planner_chooses_mixed_stages_and_they_train_like_jit(x64, tmp_path):
   path.write_text(ASYMMETRIC)
   step, state, batches, rngs = _gpt_case(batch=16)
   pstep = harpjax.auto_parallel(step, cluster=str(path), num_microbatches=2,
-                                solve_options=harpjax.SolveOptions(mixed_stages="on"))
+                                plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(
+                                    mixed_stages="on")))
   plan = pstep.plan(state, batches[0], *rngs[0])
   mixed = [s for s in plan.stages if s.mixed]
   assert mixed, plan
@@ -202,7 +203,8 @@ def test_automatic_plan_falls_back_when_rows_cannot_split(x64, tmp_path, monkeyp
   path.write_text(ASYMMETRIC)
   step, state, batches, rngs = _gpt_case(batch=16)
   pstep = harpjax.auto_parallel(step, cluster=str(path), num_microbatches=2,
-                                solve_options=harpjax.SolveOptions(mixed_stages="on"))
+                                plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(
+                                    mixed_stages="on")))
   out_ref = jax.jit(step)(state, batches[0], *rngs[0])
   assert max_rel_err(out_ref, pstep(state, batches[0], *rngs[0])) <= RTOL
   assert not any(s.mixed for s in pstep.plan(state, batches[0], *rngs[0]).stages)
@@ -216,7 +218,7 @@ def host_spanning_plan(num_layers: int) -> Plan:
       dict(layers=(0, half - 1), subcluster="v100", submesh=(1, 2), share=1,
            groups=[dict(subcluster="a100", submesh=(2, 2), share=3)]),
       dict(layers=(half, num_layers - 1), subcluster="v100", submesh=(1, 2))]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def test_group_over_two_hosts_runs_as_one_group_per_host(x64):
@@ -245,7 +247,7 @@ def test_memory_model_of_each_group_of_a_mixed_stage(x64, zero):
       dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 2), share=1, zero=zero,
            groups=[dict(subcluster="a100", submesh=(1, 2), share=3)]),
       dict(layers=(L // 2, L - 1), subcluster="v100", submesh=(1, 2), zero=zero)]),
-      meta={"layers": "auto"})
+      layer_source="auto")
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
   cs = pstep.compile(case.state, case.batches[0])
   home, other = memory_report(cs, 0, group=0), memory_report(cs, 0, group=1)

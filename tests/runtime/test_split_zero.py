@@ -42,7 +42,7 @@ def mixed_zero_plan(num_layers: int, zero: int, offload: bool):
       dict(layers=(half, num_layers - 1), subcluster="a100", submesh=(1, 2),
            logical_mesh=(2, 1), share=3, zero=zero, offload=offload,
            groups=[dict(subcluster="v100", submesh=(1, 2), logical_mesh=(2, 1), share=1)])]),
-      meta={"layers": "auto"})
+      layer_source="auto")
 
 
 def per_device_bytes(leaves) -> dict:
@@ -134,7 +134,7 @@ def test_mixed_stages_with_zero3_and_offload_on_ray_match_jit(x64):
   case = _case("loop")
   plan = mixed_zero_plan(_num_layers(case), 3, True)
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
-                                runtime="ray", runtime_options={"num_cpus": 2})
+                                runtime=harpjax.RayRuntime(num_cpus=2))
   ref = jax.jit(case.step)
   s_ref = s_par = case.state
   for i, batch in enumerate(case.batches[:2]):

@@ -49,7 +49,7 @@ def zero_plan(num_layers, stages):
   ranges = [(0, half - 1), (half, num_layers - 1)]
   return dataclasses.replace(harpjax.ManualPlan([
       dict(layers=r, subcluster=sc, submesh=sm, logical_mesh=lm, zero=z)
-      for r, (sc, sm, lm, z) in zip(ranges, stages)]), meta={"layers": "auto"})
+      for r, (sc, sm, lm, z) in zip(ranges, stages)]), layer_source="auto")
 
 
 def train_twice_like_jit(case, plan, caplog, num_microbatches: int, rtol: float, **kw):
@@ -140,9 +140,8 @@ def test_optimizer_state_offloaded_to_host_memory_float64(x64, caplog):
   model, opt_index, stages = PLANS["adamw:z1dp2,z2dp4"]
   case = _case(model)
   plan = zero_plan(6, stages)
-  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
-                                offload=harpjax.OffloadOptions(optimizer_state=True,
-                                                               stages=(1,)))
+  plan = harpjax.OffloadOptions(optimizer_state=True, stages=(1,)).apply(plan)
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan)
   ref = jax.jit(case.step)
   out_par, out_ref = pstep(case.state, case.batches[0]), ref(case.state, case.batches[0])
   assert max_rel_err(out_ref, out_par) <= RTOL
@@ -192,7 +191,7 @@ def test_offload_chosen_in_the_plan_float64(x64):
 
 def test_offload_options_and_devices_without_host_memory():
   from harpjax.compiler.stages import check_host_memory
-  from harpjax.errors import MemoryKindError, PlanError
+  from harpjax.errors import MemoryKindError
 
   class Memory:
     def __init__(self, kind):
@@ -213,10 +212,20 @@ def test_offload_options_and_devices_without_host_memory():
   check_host_memory(jax.devices()[:2], 0)   # CPU devices of this jaxlib have host memory
   for bad in [dict(optimizer_state="yes"), dict(optimizer_state=True, stages=(0, -1)),
               dict(optimizer_state=True, stages="01")]:
-    with pytest.raises(PlanError, match="OffloadOptions"):
+    with pytest.raises(harpjax.OptionsError, match="OffloadOptions"):
       harpjax.OffloadOptions(**bad)
-  with pytest.raises(PlanError, match="offload="):
-    harpjax.auto_parallel(lambda s, b: s, cluster=DEMO_CLUSTER, offload=True)
+  plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (1, 2))])
+  with pytest.raises(harpjax.OptionsError, match="offload="):
+    harpjax.auto_parallel(lambda s, b: s, cluster=DEMO_CLUSTER, plan=plan, offload=True)
+  # Offloads are the plan's stages' (one place, what the planner prices and the runtime runs).
+  with pytest.raises(harpjax.OptionConflictError, match="chooses that per stage"):
+    harpjax.auto_parallel(lambda s, b: s, cluster=DEMO_CLUSTER,
+                          offload=harpjax.OffloadOptions(optimizer_state=True))
+  with pytest.raises(harpjax.OptionConflictError, match=r"names stage\(s\) \[2\]"):
+    harpjax.OffloadOptions(optimizer_state=True, stages=(2,)).apply(plan)
+  moved = harpjax.OffloadOptions(activations=True, stages=(1,)).apply(plan)
+  assert [(s.offload, s.offload_activations) for s in moved.stages] == [(False, False),
+                                                                       (False, True)]
 
 
 def small_cluster(tmp_path, memory_bytes: float, host_memory_gbps=None,
@@ -283,7 +292,7 @@ def test_planner_chooses_zero_on_small_devices_float64(x64, tmp_path):
   path, res = plans((any_level * level0) ** 0.5)
   assert res is not None and any(s.zero for s in res.plan.stages), (any_level, level0)
   pstep = harpjax.auto_parallel(case.step, cluster=path, num_microbatches=B,
-                                profile_options=popts)
+                                plan=harpjax.AutoPlan(profile=popts))
   planned = pstep.plan(case.state, case.batches[0])
   assert [s.zero for s in planned.stages] == [s.zero for s in res.plan.stages]
   out_par = pstep(case.state, case.batches[0])
@@ -308,9 +317,10 @@ def test_residuals_offloaded_to_host_memory_float64(x64, runtime, monkeypatch):
   seen = _spy_host_residuals(monkeypatch)
   case = _case("loop")
   plan = zero_plan(6, [("v100", (1, 2), (2, 1), 0), ("a100", (1, 2), (2, 1), 1)])
-  kw = {"runtime": "ray", "runtime_options": {"num_cpus": 2}} if runtime == "ray" else {}
+  kw = {"runtime": harpjax.RayRuntime(num_cpus=2)} if runtime == "ray" else {}
+  plan = harpjax.OffloadOptions(activations=True).apply(plan)
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=B, plan=plan,
-                                offload=harpjax.OffloadOptions(activations=True), **kw)
+                                **kw)
   ref = jax.jit(case.step)
   s_ref = s_par = case.state
   for batch in case.batches[:2]:
@@ -404,7 +414,7 @@ def test_planner_keeps_residuals_in_host_memory_on_small_devices_float64(x64, tm
   res = solve(small, B)
   assert any(s.offload_activations for s in res.plan.stages)
   pstep = harpjax.auto_parallel(case.step, cluster=cluster_file(memory), num_microbatches=B,
-                                profile_options=popts)
+                                plan=harpjax.AutoPlan(profile=popts))
   planned = pstep.plan(case.state, case.batches[0])
   chosen = [s for s, st in enumerate(planned.stages) if st.offload_activations]
   assert chosen == [s for s, st in enumerate(res.plan.stages) if st.offload_activations]

@@ -22,8 +22,8 @@ from harpjax.compiler.plan.schedule_choice import (choose_schedule, plan_scorer,
 from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJECTIVES,
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
-from harpjax.compiler.plan.spec import (load_plan, ManualPlan, Plan, REMAT_MODES, row_shares,
-                                        StageGroup, StageSpec)
+from harpjax.compiler.plan.spec import (LAYER_SOURCES, load_plan, ManualPlan, Plan,
+                                        REMAT_MODES, row_shares, StageGroup, StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
@@ -33,7 +33,7 @@ from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusi
 
 __all__ = [
     "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed",
-    "evaluate_plan", "expand_variants", "Fusion", "fused_tables", "load_plan", "ManualPlan",
+    "evaluate_plan", "expand_variants", "Fusion", "fused_tables", "LAYER_SOURCES", "load_plan", "ManualPlan",
     "MIXED_MODES", "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_scorer",
     "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Plan", "plan_scorer", "PlanEvaluation",
     "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",

@@ -114,7 +114,7 @@ class SolveOptions:
 
   Attributes:
     eps: H-1F1B tolerance of :func:`~harpjax.compiler.schedule.warmup_delta` (the runtime
-      must use the same value; it is recorded in the plan's ``meta``).
+      must use the same value; the plan records it, :attr:`~harpjax.Plan.eps`).
     backend: ``"auto"`` (sequential for small searches, else ``"process"``), ``"sequential"``,
       ``"process"`` (local worker processes), ``"thread"`` (threads; the Numba kernel releases
       the GIL) or a registered one (``"ray"``: Ray actors, :mod:`harpjax.runtime`).

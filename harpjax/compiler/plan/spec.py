@@ -14,12 +14,13 @@ import numbers
 import os
 from typing import Any, Iterable, Sequence
 
+from harpjax.compiler.layers import LayerOptions
 from harpjax.compiler.schedule import schedule_key
 from harpjax.compiler.trace import REMAT_MODES
 from harpjax.errors import HarpjaxError, PlanError
 
 __all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares",
-           "REMAT_MODES"]
+           "REMAT_MODES", "LAYER_SOURCES"]
 
 
 
@@ -204,9 +205,9 @@ class StageSpec:
       device holds everything (default); ``1`` the optimizer state is sharded; ``2`` the
       gradient accumulator too (a reduce-scatter instead of an all-reduce); ``3`` the
       parameters too, gathered where they are used. Written to a plan file only when not 0.
-    offload: the stage keeps its optimizer state in host memory between updates (as
-      :class:`harpjax.OffloadOptions` asks for its stages; the runtime offloads a stage when
-      either says so). Written to a plan file only when true.
+    offload: the stage keeps its optimizer state in host memory between updates (the planner
+      sets it where it pays; :meth:`harpjax.OffloadOptions.apply` sets it on a given plan's
+      stages). The one place the runtime reads it from. Written to a plan file only when true.
     groups: more groups of devices running the stage, data-parallel, each on its share of
       every microbatch's rows (a mixed-type stage, :class:`StageGroup`); the fields above
       describe the stage's first group. With ``zero``, every group shards its parameters
@@ -215,14 +216,14 @@ class StageSpec:
       with ``offload``). Written to a plan file only when not empty.
     share: the first group's relative rows per microbatch (used with ``groups``).
     offload_activations: the stage keeps each microbatch's residuals (the activations its
-      backward needs) in host memory between its forward and its backward (as
-      ``harpjax.OffloadOptions(activations=True)`` asks for its stages; the runtime does so
-      when either says so). Written to a plan file only when true.
+      backward needs) in host memory between its forward and its backward (likewise:
+      ``harpjax.OffloadOptions(activations=True).apply(plan)``). Written to a plan file only
+      when true.
     remat: what the stage's backward recomputes (:data:`REMAT_MODES`): ``"none"`` (the
       forward keeps every residual), ``"full"`` (it keeps only the stage's inputs and the
       backward recomputes the rest), ``"dots"`` (it keeps the matmuls' outputs and recomputes
-      the rest); ``None``: as the plan's ``meta["remat"]`` says (``"full"`` if true). Written
-      to a plan file only when set.
+      the rest); ``None``: the plan's (:attr:`Plan.remat`). Written to a plan file only when
+      set.
   """
   layers: tuple[int, int]
   subcluster: str
@@ -373,7 +374,26 @@ class Plan:
     predicted_iteration_s: predicted seconds per iteration under ``schedule`` (the simulator's,
       or HARP Eq. 12).
     eta: load-balance score of Eq. 20, in ``(0, 1]``.
-    meta: free-form provenance (model, cluster, planner options).
+    meta: provenance only (model, cluster, the planner's options and statistics); nothing
+      reads it to decide how the plan runs.
+    eps: the H-1F1B tolerance ``epsilon`` of the warm-up rule
+      (:func:`~harpjax.compiler.schedule.warmup_delta`) the warm-up counts are derived with:
+      the planner's, or for a hand-written plan the one its counts are to be derived with at
+      run time; ``None``: 0.1.
+    remat: what the backward of a stage without its own :attr:`StageSpec.remat` recomputes
+      (:data:`REMAT_MODES`; default ``"none"``).
+    layer_source: how the layers the stages index were cut: ``"marked"`` (the step's
+      ``harpjax.mark_layer_boundary`` calls, or none: the default, and what a hand-written
+      plan means) or ``"auto"`` (constructed automatically from the forward program, as
+      automatic planning and ``harpjax plan`` do: a plan saved from them is followed on the
+      same automatic layers).
+    layer_options: with ``layer_source="auto"``, the :class:`~harpjax.LayerOptions` the
+      layers were constructed with (``None``: the defaults).
+    microbatch_size: rows per microbatch the stages' times were costed at, if known.
+
+  A plan file written before these fields existed kept them in ``meta`` (``"eps"``,
+  ``"remat"`` as a bool, ``"layers": "auto"``, ``"microbatch_size"``); they are read into the
+  fields, and so are such keys of a ``meta`` given to the constructor.
   """
   stages: tuple[StageSpec, ...]
   num_microbatches: int | None = None
@@ -383,14 +403,43 @@ class Plan:
   predicted_iteration_s: float | None = None
   eta: float | None = None
   meta: tuple[tuple[str, Any], ...] = ()
+  eps: float | None = None
+  remat: str = "none"
+  layer_source: str = "marked"
+  layer_options: LayerOptions | None = None
+  microbatch_size: int | None = None
 
   def __post_init__(self):
     stages = tuple(s if isinstance(s, StageSpec) else _stage_from_any(s) for s in self.stages)
     if not stages:
       raise PlanError("a plan needs at least one stage")
     object.__setattr__(self, "stages", stages)
-    if isinstance(self.meta, dict):
-      object.__setattr__(self, "meta", tuple(sorted(self.meta.items())))
+    meta = dict(self.meta)
+    if not all(isinstance(k, str) for k in meta):
+      raise PlanError(f"meta={self.meta!r}: its keys must be strings")
+    self._fields_from_meta(meta)
+    object.__setattr__(self, "meta", tuple(sorted(meta.items())))
+    if self.eps is not None:
+      eps = self.eps
+      if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
+        raise PlanError(f"eps={eps!r} must be a number in [0, 1] (the H-1F1B tolerance) or "
+                        "None")
+      object.__setattr__(self, "eps", float(eps))
+    if self.remat not in REMAT_MODES:
+      raise PlanError(f"remat={self.remat!r} must be one of {REMAT_MODES}")
+    if self.layer_source not in LAYER_SOURCES:
+      raise PlanError(f"layer_source={self.layer_source!r} must be one of {LAYER_SOURCES}")
+    if isinstance(self.layer_options, dict):
+      object.__setattr__(self, "layer_options", _layer_options(self.layer_options))
+    if self.layer_options is not None:
+      if not isinstance(self.layer_options, LayerOptions):
+        raise PlanError(f"layer_options={self.layer_options!r} must be a LayerOptions or None")
+      if self.layer_source != "auto":
+        raise PlanError("layer_options describe automatically constructed layers: give them "
+                        "with layer_source='auto'")
+    if self.microbatch_size is not None:
+      object.__setattr__(self, "microbatch_size",
+                         _int(self.microbatch_size, "microbatch_size", 1))
     try:
       key = schedule_key(self.schedule if isinstance(self.schedule, str) else repr(self.schedule))
     except HarpjaxError as e:
@@ -419,12 +468,28 @@ class Plan:
       return None
     return tuple(int(s.warmup) for s in self.stages)
 
+  def _fields_from_meta(self, meta: dict) -> None:
+    """Moves the keys of ``meta`` that earlier versions kept there into their fields (a field
+    given explicitly wins)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    for key, field in _META_FIELDS.items():
+      if key not in meta:
+        continue
+      value = meta.pop(key)
+      if getattr(self, field) != defaults[field] or value is None:
+        continue
+      if field == "remat" and isinstance(value, bool):
+        value = "full" if value else "none"
+      elif field == "layer_source":
+        value = "auto" if value == "auto" else "marked"
+      object.__setattr__(self, field, value)
+
   def remat_of(self, stage: "StageSpec") -> str:
     """The remat mode of ``stage`` (:attr:`StageSpec.remat`, else the plan's
-    ``meta["remat"]``: ``"full"`` if true)."""
+    :attr:`remat`)."""
     if stage.remat is not None:
       return stage.remat
-    return "full" if dict(self.meta).get("remat") else "none"
+    return self.remat
 
   def replace(self, **changes) -> "Plan":
     return dataclasses.replace(self, **changes)
@@ -462,6 +527,8 @@ class Plan:
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
     lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
     foot = [f"schedule={self.schedule}"]
+    if self.remat != "none":
+      foot.append(f"remat={self.remat}")
     if self.num_microbatches is not None:
       foot.append(f"B={self.num_microbatches}")
     if self.t_max_s is not None:
@@ -487,6 +554,12 @@ class Plan:
         "t_max_s": self.t_max_s,
         "predicted_iteration_s": self.predicted_iteration_s,
         "eta": self.eta,
+        "eps": self.eps,
+        "remat": self.remat,
+        "layer_source": self.layer_source,
+        "layer_options": (None if self.layer_options is None
+                          else dataclasses.asdict(self.layer_options)),
+        "microbatch_size": self.microbatch_size,
         "meta": dict(self.meta),
     }
 
@@ -517,6 +590,9 @@ class Plan:
     meta = data.get("meta") or {}
     if not isinstance(meta, dict):
       raise PlanError(f"meta={meta!r} must be an object")
+    eps = data.get("eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
+      raise PlanError(f"eps={eps!r} must be a number in [0, 1] or null")
     return Plan(stages=tuple(StageSpec.from_json(s, f"stages[{i}]")
                              for i, s in enumerate(stages)),
                 num_microbatches=_optional(data, "num_microbatches", "", _int, 1),
@@ -526,7 +602,12 @@ class Plan:
                 predicted_iteration_s=_seconds(data.get("predicted_iteration_s"),
                                                "predicted_iteration_s"),
                 eta=None if eta is None else float(eta),
-                meta=tuple(sorted(meta.items())))
+                meta=tuple(sorted(meta.items())),
+                eps=eps,
+                remat=data.get("remat") or "none",
+                layer_source=data.get("layer_source") or "marked",
+                layer_options=_layer_options(data.get("layer_options")),
+                microbatch_size=_optional(data, "microbatch_size", "", _int, 1))
 
   def save(self, path: str | os.PathLike) -> None:
     """Writes the plan as JSON: aside, then renamed, so an interrupted save leaves the file
@@ -572,8 +653,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 
 def ManualPlan(stages: Iterable[StageSpec | dict | Sequence], *,  # noqa: N802 - reads as a type
-               num_microbatches: int | None = None, schedule: str | None = None) -> Plan:
-  """A plan written by hand.
+               num_microbatches: int | None = None, schedule: str | None = None,
+               eps: float | None = None, remat: str = "none") -> Plan:
+  """A plan written by hand, on the layers the step marks (``layer_source="marked"``).
 
   Each stage is a :class:`StageSpec`, a dict of its fields, or a tuple
   ``(layers, subcluster, submesh[, logical_mesh])``::
@@ -581,17 +663,42 @@ def ManualPlan(stages: Iterable[StageSpec | dict | Sequence], *,  # noqa: N802 -
     ManualPlan([((0, 3), "v100", (1, 2), (2, 1)),
                 ((4, 9), "a100", (1, 2), (1, 2)),
                 ((10, 15), "a100", (1, 4))])
+
+  ``schedule`` (default ``"h1f1b"``), ``eps`` (the H-1F1B tolerance its warm-up counts are
+  derived with, default 0.1) and ``remat`` (what the stages' backward recomputes, unless a
+  stage says) are the plan's fields (:class:`Plan`).
   """
   kw = {}
   if schedule is not None:
     kw["schedule"] = schedule
   return Plan(stages=tuple(_stage_from_any(s) for s in stages),
-              num_microbatches=num_microbatches, **kw)
+              num_microbatches=num_microbatches, eps=eps, remat=remat, **kw)
 
+
+LAYER_SOURCES = ("marked", "auto")
+"""The values of :attr:`Plan.layer_source`."""
+
+_META_FIELDS = {"eps": "eps", "remat": "remat", "layers": "layer_source",
+                "microbatch_size": "microbatch_size"}
+"""Keys of ``meta`` that plans written before these fields existed used, and their fields."""
 
 _PLAN_FIELDS = ("format", "stages", "num_microbatches", "schedule", "num_layers", "t_max_s",
-                "predicted_iteration_s", "eta", "meta")
+                "predicted_iteration_s", "eta", "eps", "remat", "layer_source",
+                "layer_options", "microbatch_size", "meta")
 """The fields of a plan file (:meth:`Plan.to_json`)."""
+
+
+def _layer_options(data: Any) -> LayerOptions | None:
+  """A plan file's ``layer_options`` object as :class:`LayerOptions` (``None`` stays)."""
+  if data is None:
+    return None
+  known = [f.name for f in dataclasses.fields(LayerOptions)]
+  if not isinstance(data, dict) or set(data) - set(known):
+    raise PlanError(f"layer_options={data!r} must be an object with fields among {known}")
+  try:
+    return LayerOptions(**data)
+  except HarpjaxError as e:
+    raise PlanError(f"layer_options: {e}") from None
 
 
 def _stage_from_any(s: Any) -> StageSpec:

@@ -83,8 +83,8 @@ class ProfileOptions:
     cache_dir: profile database directory; ``None``: ``$HARPJAX_CACHE_DIR`` or
       ``~/.cache/harpjax/profiles``.
     use_cache: read and write the database.
-    progress: show progress bars (profiling; compiling the stages in
-      :func:`harpjax.auto_parallel`); ``None``: when stderr is a terminal.
+    progress: show progress bars while profiling; ``None``: when stderr is a terminal
+      (compiling the stages has its own: ``harpjax.LocalRuntime(progress=...)``).
     state_bytes_per_param: weights + gradients + optimizer state per parameter (16: fp16
       weights and gradients, fp32 master weights and two Adam moments; or fp32 Adam).
     max_tp: largest tensor-parallel degree (default: the hosts' device count).

@@ -28,14 +28,16 @@ from harpjax.compiler.stages.layout import (GroupLayout, HOST_MEMORY, StageLayou
                                             StepLayout)
 from harpjax.compiler.stages.lower import lower_step, LoweredStage, LoweredStep
 from harpjax.compiler.stages.memory import in_flight, memory_report, StageMemoryReport
-from harpjax.compiler.stages.split import Retrace, SplitLayout, SplitStageExecutables
+from harpjax.compiler.stages.split import (batch_rows, retrace, Retrace, SplitLayout,
+                                           SplitStageExecutables)
 from harpjax.compiler.stages.stage import put, row_slice, StageExecutables
 
 __all__ = [
-    "check_host_memory", "CompiledStep", "compile_group", "compile_stage", "compile_step",
+    "batch_rows", "check_host_memory", "CompiledStep", "compile_group", "compile_stage",
+    "compile_step",
     "default_workers", "GroupLayout", "HOST_MEMORY", "in_flight", "layout_step", "memory_report",
     "LOSS_REDUCTIONS", "LoweredStage", "LoweredStep", "lower_step", "OffloadOptions",
-    "precompile", "put", "resolve_devices", "resolve_plan", "Retrace", "row_slice",
+    "precompile", "put", "resolve_devices", "resolve_plan", "retrace", "Retrace", "row_slice",
     "SHARED_PARAMETER_WARNING", "SplitLayout", "SplitStageExecutables",
     "StageExecutables", "StageLayout", "StageMemoryReport", "state_successors", "StepLayout",
     "StepProgram", "warn_shared_parameters",

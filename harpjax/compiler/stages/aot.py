@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,38 +39,57 @@ def default_workers(num_stages: int) -> int:
 
 
 def precompile(layout: StepLayout, stages: Mapping[int, StageExecutables],
-               group_fns: Mapping[int, Callable], workers: int | None = None) -> float:
-  """Compiles stages' executables and placement groups ahead of their first call.
+               group_fns: Mapping[int, Callable], workers: int | None = None,
+               order: Sequence[int] | None = None,
+               done: Callable[[int], None] | None = None) -> float:
+  """Compiles stages' executables and placement groups ahead of their first call, one job per
+  stage (its executables, then the placement groups it runs), in one pool of threads.
 
   Args:
     layout: the step's :class:`~harpjax.compiler.stages.layout.StepLayout`.
     stages: stage index -> its executables (a worker has one, the local runtime all).
     group_fns: placement group index -> its jitted function (the groups of those stages).
     workers: threads (default :func:`default_workers`).
+    order: the stages in the order their jobs start (default: as ``stages`` lists them;
+      the largest first finishes soonest).
+    done: called with each stage as its job completes (a progress bar).
 
   Returns:
     Seconds taken.
   """
   t0 = time.perf_counter()
-  jobs = [(f"stage {s}", lambda st=st: _stage(st)) for s, st in stages.items()]
-  jobs += [(f"a placement group of stage {layout.groups[gi].home}",
-            lambda gi=gi, fn=fn: _group(layout, gi, fn, stages[layout.groups[gi].home].mesh))
-           for gi, fn in group_fns.items()]
+  groups: dict[int, list] = {s: [] for s in stages}
+  for gi, fn in group_fns.items():
+    groups[layout.groups[gi].home].append((gi, fn))
+
+  def job(s: int) -> int:
+    _attempt(f"stage {s}", lambda: _stage(stages[s]))
+    for gi, fn in groups[s]:
+      _attempt(f"a placement group of stage {s}",
+               lambda gi=gi, fn=fn: _group(layout, gi, fn, stages[s].mesh))
+    return s
+
+  order = list(stages) if order is None else [s for s in order if s in stages]
   workers = workers or default_workers(len(stages))
   if workers <= 1:
-    for what, job in jobs:
-      _attempt(what, job)
-  else:
-    ex = concurrent.futures.ThreadPoolExecutor(workers)
-    try:
-      for f in [ex.submit(_attempt, what, job) for what, job in jobs]:
-        f.result()
-    except KeyboardInterrupt:
-      # Hand control back now: queued compilations are cancelled, running ones finish in
-      # their threads (XLA cannot be stopped mid-compile) and their results are dropped.
-      ex.shutdown(wait=False, cancel_futures=True)
-      raise
-    ex.shutdown(wait=True)
+    for s in order:
+      job(s)
+      if done is not None:
+        done(s)
+    return time.perf_counter() - t0
+  ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="harpjax-compile")
+  try:
+    for f in concurrent.futures.as_completed([ex.submit(job, s) for s in order]):
+      s = f.result()
+      if done is not None:
+        done(s)
+  except BaseException:
+    # Ctrl-C (or a failure) hands control back now: queued compilations are cancelled,
+    # running ones finish in their threads (XLA cannot be stopped mid-compile) and their
+    # results are dropped.
+    ex.shutdown(wait=False, cancel_futures=True)
+    raise
+  ex.shutdown(wait=True)
   return time.perf_counter() - t0
 
 

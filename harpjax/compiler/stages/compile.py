@@ -30,7 +30,8 @@ from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stag
                                            stage_functions)
 from harpjax.compiler.trace import (Lit, TracedStep, aval_nbytes, combine_rules, ops_function,
                                    primitives)
-from harpjax.errors import HarpjaxError, MemoryKindError, PlanError
+from harpjax.errors import (HarpjaxError, MemoryKindError, OptionConflictError, OptionsError,
+                            PlanError)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class StepProgram:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
-  """What stages keep in host memory (JAX memory kind ``"pinned_host"``) between steps.
+  """What stages of a given plan keep in host memory (JAX memory kind ``"pinned_host"``):
+  :meth:`apply` writes it into the plan's stages (:attr:`~harpjax.StageSpec.offload`,
+  :attr:`~harpjax.StageSpec.offload_activations`), the one place the runtime reads it from.
+  Automatic planning chooses offloads per stage itself, pricing them
+  (:class:`~harpjax.SolveOptions`).
 
   Attributes:
     optimizer_state: keep the optimizer state (the step inputs :func:`state_successors` finds)
@@ -110,8 +115,7 @@ class OffloadOptions:
     stages: the stages that do (pipeline positions); ``None``: every stage.
 
   Raises:
-    PlanError: a field has the wrong type, or (when the step is laid out) a stage index is
-      not one of the plan's.
+    OptionsError: a field has the wrong type.
   """
   optimizer_state: bool = False
   stages: tuple[int, ...] | None = None
@@ -120,14 +124,32 @@ class OffloadOptions:
   def __post_init__(self):
     for name in ("optimizer_state", "activations"):
       if not isinstance(getattr(self, name), bool):
-        raise PlanError(f"OffloadOptions.{name}={getattr(self, name)!r} must be True or False")
+        raise OptionsError(f"OffloadOptions.{name}={getattr(self, name)!r} must be True or "
+                           "False")
     if self.stages is not None:
       stages = tuple(self.stages) if not isinstance(self.stages, (str, bytes)) else None
       if stages is None or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
                                for x in stages):
-        raise PlanError(f"OffloadOptions.stages={self.stages!r} must be stage indices (ints "
-                        ">= 0) or None for every stage")
+        raise OptionsError(f"OffloadOptions.stages={self.stages!r} must be stage indices "
+                           "(ints >= 0) or None for every stage")
       object.__setattr__(self, "stages", stages)
+
+  def apply(self, plan: Plan) -> Plan:
+    """``plan`` with the stages this names keeping what this says in host memory (what the
+    plan's stages offload already stays offloaded).
+
+    Raises:
+      OptionConflictError: :attr:`stages` names a stage the plan does not have.
+    """
+    bad = [s for s in self.stages or () if s >= plan.num_stages]
+    if bad:
+      raise OptionConflictError(f"OffloadOptions.stages={list(self.stages)} names stage(s) "
+                                f"{bad}, but the plan has {plan.num_stages}")
+    return plan.with_stages([
+        dataclasses.replace(st, offload=st.offload or self.offloads(s),
+                            offload_activations=(st.offload_activations
+                                                 or self.offloads_activations(s)))
+        for s, st in enumerate(plan.stages)])
 
   def offloads(self, stage: int) -> bool:
     """Whether ``stage`` keeps its optimizer state in host memory."""
@@ -151,14 +173,12 @@ def check_host_memory(devices: Sequence, stage: int, residuals: bool = False) ->
       raise MemoryKindError(
           f"stage {stage} keeps {what} in host memory, but device {d} "
           f"({getattr(d, 'platform', '?')}) has the memory kinds {kinds}, not "
-          f"{HOST_MEMORY!r}; leave the stage out of OffloadOptions.stages (or plan with "
-          f"SolveOptions({option}=False), or set the stage's StageSpec.{option} to false), "
-          "or run on a backend with host memory")
+          f"{HOST_MEMORY!r}; set the stage's StageSpec.{option} to false (or plan with "
+          f"SolveOptions({option}=False)), or run on a backend with host memory")
 
 
 def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule: Schedule,
                 loss_reduction: str = "mean",
-                offload: OffloadOptions | None = None,
                 retrace: Retrace | None = None) -> StepProgram:
   """Cuts the step into the plan's stages, lays them out and places the rest of the step.
 
@@ -170,7 +190,6 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
     loss_reduction: how the microbatches' values of a loss or auxiliary output combine where
       examples of different microbatches meet (``traced.couplings``): averaged or added up.
       Elsewhere the data flow decides (:func:`~harpjax.compiler.trace.combine_rules`).
-    offload: what stages keep in host memory (:class:`OffloadOptions`).
     retrace: the step traced at other microbatch sizes
       (:class:`~harpjax.compiler.stages.split.Retrace`); needed when a stage splits its rows
       among groups of devices (:attr:`~harpjax.compiler.plan.StageSpec.groups`). With it, the
@@ -179,8 +198,11 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
       all-reduced every microbatch.
 
   Raises:
-    PlanError: the plan does not cover the layers, or disagrees with the schedule, or
-      ``offload`` names a stage the plan does not have, or a stage cannot split its rows.
+    PlanError: the plan does not cover the layers, or disagrees with the schedule, or a stage
+      cannot split its rows.
+
+  What a stage keeps in host memory is its plan's (:attr:`~harpjax.compiler.plan.StageSpec.
+  offload`, :attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
   """
   if loss_reduction not in LOSS_REDUCTIONS:
     raise PlanError(f"loss_reduction={loss_reduction!r}; choose one of {LOSS_REDUCTIONS}")
@@ -241,16 +263,14 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   preferred = _preferred_specs(traced, prog, layouts, owner)
   _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
-  host = _offloaded(traced, placed, preferred, offload, plan.num_stages,
-                    tuple(st.offload for st in plan.stages))
+  host = _offloaded(traced, placed, preferred, tuple(st.offload for st in plan.stages))
   combine = combine_rules(traced.output_flows, prog, loss_reduction)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
                        preferred, combine, host)
   if splits:
     layout = dataclasses.replace(layout, splits=splits)
-  residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations or (
-      offload is not None and offload.offloads_activations(s)))
-  if residuals:   # the plan's choice or the caller's (OffloadOptions(activations=True))
+  residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations)
+  if residuals:
     layout = dataclasses.replace(layout, host_residuals=residuals)
   log.info("laid out %d stages; %d groups before and %d after the pipeline", len(programs),
            len(placed.before), len(placed.after))
@@ -519,23 +539,17 @@ def _state_homes(traced: TracedStep, placement: placement_lib.Placement) -> dict
 
 
 def _offloaded(traced: TracedStep, placement: placement_lib.Placement, preferred: dict,
-               offload: OffloadOptions | None, num_stages: int,
-               planned: Sequence[bool] = ()) -> frozenset:
+               planned: Sequence[bool]) -> frozenset:
   """``(stage, value)`` of the optimizer state (inputs and successors) kept in host memory:
-  of the stages ``offload`` names and those the plan offloads (``planned``, per stage
+  of the stages the plan offloads (``planned``, per stage
   :attr:`~harpjax.compiler.plan.StageSpec.offload`); each gets a preferred sharding
   (replicated if it had none)."""
   chosen = {s for s, x in enumerate(planned) if x}
-  if (offload is None or not offload.optimizer_state) and not chosen:
+  if not chosen:
     return frozenset()
-  offload = offload or OffloadOptions()
-  bad = [s for s in offload.stages or () if s >= num_stages]
-  if bad:
-    raise PlanError(f"OffloadOptions.stages={list(offload.stages)} names stage(s) {bad}, but "
-                    f"the plan has {num_stages} stages (0..{num_stages - 1})")
   host = set()
   for v, (s, nxt) in _state_homes(traced, placement).items():
-    if offload.offloads(s) or s in chosen:
+    if s in chosen:
       for u in (v, nxt):
         preferred.setdefault((s, u), P())
         host.add((s, u))

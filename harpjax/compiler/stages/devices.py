@@ -88,8 +88,8 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
     num_layers: layers of the model (the plan's stages must cover them).
     num_microbatches: ``B``.
     schedule: a registered schedule's name; default the plan's.
-    eps: the tolerance of the schedule's warm-up rule (H-1F1B's) when the plan's ``meta``
-      does not record one.
+    eps: the tolerance of the schedule's warm-up rule (H-1F1B's) when the plan does not
+      record one (:attr:`~harpjax.compiler.plan.Plan.eps`).
 
   Returns:
     ``(resolved plan, schedule)``.
@@ -119,7 +119,7 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
     own = schedule_kind(plan.schedule) is kind
     warmups = plan.warmups if own else None
     if warmups is None:
-      eps = float(dict(plan.meta).get("eps", eps))
+      eps = plan.eps if plan.eps is not None else eps
       warmups = kind.warmups(PipelineCosts(
           S, num_microbatches, tuple(s.time_s for s in plan.stages),
           tuple(s.comm_s for s in plan.stages[:-1]), eps,

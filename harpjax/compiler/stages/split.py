@@ -42,21 +42,23 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import functools
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harpjax.compiler.layers import LayerSequence
+from harpjax.compiler.layers import LayerSequence, layers_like
 from harpjax.compiler.plan import StageSpec
 from harpjax.compiler.stages.layout import StageLayout, stage_layout
 from harpjax.compiler.stages.stage import (StageExecutables, StageFunctions, StageProgram,
                                            put, row_slice, slice_stages, stage_functions)
-from harpjax.compiler.trace import Lit, TracedStep, primitives, regen_sites
-from harpjax.errors import PlanError
+from harpjax.compiler.trace import (Lit, TracedStep, abstractify, primitives, regen_sites,
+                                    trace_step)
+from harpjax.errors import MicrobatchError, PlanError
 
-__all__ = ["Retrace", "SplitGroup", "SplitLayout", "split_stage", "SplitStageExecutables",
+__all__ = ["batch_rows", "retrace", "Retrace", "SplitGroup", "SplitLayout", "split_stage", "SplitStageExecutables",
            "RemoteGroup", "RemoteResidual", "FIRST", "WEIGHTED", "SUMMED", "Part", "part_at",
            "rows_of"]
 
@@ -77,6 +79,42 @@ class Retrace:
   """
   rows: int
   at: Callable[[int], tuple[TracedStep, LayerSequence]]
+
+
+def batch_rows(args: tuple, batch_argnums: Sequence[int]) -> int:
+  """Rows of the batch: the leading size of the batch arguments' array leaves.
+
+  Raises:
+    MicrobatchError: the batch arguments hold no arrays.
+  """
+  leaves = [x for a in batch_argnums for x in jax.tree_util.tree_leaves(args[a])
+            if np.ndim(x) >= 1]
+  if not leaves:
+    raise MicrobatchError(f"the batch arguments {tuple(batch_argnums)} hold no arrays")
+  return int(np.shape(leaves[0])[0])
+
+
+def retrace(step_fn: Callable, args: tuple, traced: TracedStep, layers: LayerSequence,
+            batch_argnums: Sequence[int]) -> Retrace:
+  """The step ``step_fn`` (traced as ``traced`` from ``args``, cut into ``layers``) traced again
+  on demand with other rows per microbatch, cut into the same layers: the :class:`Retrace`
+  that :func:`~harpjax.compiler.stages.layout_step` asks only where a stage splits its rows.
+  Each row count is traced once."""
+  B = traced.num_microbatches
+  argnums = tuple(batch_argnums)
+  rows = batch_rows(args, argnums)
+
+  @functools.lru_cache(maxsize=None)
+  def at(r: int):
+    scaled = list(jax.tree_util.tree_map(abstractify, args))
+    for a in argnums:
+      scaled[a] = jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct((B * r,) + tuple(x.shape[1:]), x.dtype)
+          if len(x.shape) >= 1 and x.shape[0] == rows else x, scaled[a])
+    ts = trace_step(step_fn, tuple(scaled), num_microbatches=B, batch_argnums=argnums,
+                    like=traced, factor=fractions.Fraction(rows, r))
+    return ts, layers_like(ts, layers)
+  return Retrace(rows // B, at)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -340,7 +340,7 @@ def test_unrolled_scan_runs_pipelined():
   # A plan over the automatic layers (the scan unrolled), as a solved plan records it.
   plan = dataclasses.replace(
       harpjax.ManualPlan([((0, 3), "v100", (1, 2), (1, 2)), ((4, 7), "a100", (1, 2), (2, 1))]),
-      meta=(("layers", "auto"),))
+      layer_source="auto")
   compare_steps(step, state, [x], plan=plan, num_microbatches=2)
 
 

@@ -597,7 +597,7 @@ def test_result_plan_is_a_complete_plan():
   plan = res.plan
   assert isinstance(plan, Plan) and plan.num_layers == tables.num_layers
   assert plan.num_microbatches == 64 and plan.schedule == "h1f1b"
-  assert dict(plan.meta)["eps"] == 0.1
+  assert plan.eps == 0.1 and "eps" not in dict(plan.meta)
   assert Plan.from_json(plan.to_json()) == plan
   assert "Layer Range" in res.table()
   for s, spec in zip(res.stages, plan.stages):

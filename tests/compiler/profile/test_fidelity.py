@@ -28,7 +28,8 @@ def _two_dp_stages(zero, opts, num_microbatches):
   from harpjax.compiler.plan import ManualPlan
   step_fn, state, tokens = _gpt_step()
   probe = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER,
-                                num_microbatches=num_microbatches, profile_options=opts)
+                                num_microbatches=num_microbatches,
+                                plan=harpjax.AutoPlan(profile=opts))
   prof = probe.profile(state, tokens)
   L = len(prof.layers)
   plan = ManualPlan([dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 4),
@@ -36,7 +37,7 @@ def _two_dp_stages(zero, opts, num_microbatches):
                      dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2),
                           logical_mesh=(2, 1), zero=zero)])
   step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=num_microbatches,
-                               plan=plan, profile_options=opts)
+                               plan=plan)
   return state, tokens, prof, step
 
 
@@ -44,7 +45,8 @@ def _two_dp_stages(zero, opts, num_microbatches):
 def test_stage_flops_within_3_percent_of_xla(remat):
   step_fn, state, tokens = _gpt_step()
   step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=B,
-                               profile_options=ProfileOptions(remat=remat, use_cache=False))
+                               plan=harpjax.AutoPlan(profile=ProfileOptions(remat=remat,
+                                                                            use_cache=False)))
   plan, prof = step.plan(state, tokens), step.profile(state, tokens)
   cs = step.compile(state, tokens)
   assert all(plan.remat_of(s) == ("full" if remat else "none") for s in plan.stages)

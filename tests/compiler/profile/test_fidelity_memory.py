@@ -94,8 +94,7 @@ def stage_memory_errors(name: str, remat: bool, plan=None):
     ev0 = evaluate_plan(tables_for_plan(prof, plan), plan, B, schedule=plan.schedule)
     plan = plan.with_stages([dataclasses.replace(s, warmup=p.warmup)
                              for s, p in zip(plan.stages, ev0.stages)])
-    step = harpjax.auto_parallel(m.step, cluster=cluster, num_microbatches=B, plan=plan,
-                                 profile_options=opts)
+    step = harpjax.auto_parallel(m.step, cluster=cluster, num_microbatches=B, plan=plan)
   cs = step.compile(*m.args)
   ev = evaluate_plan(tables_for_plan(prof, cs.plan), cs.plan, B, schedule=cs.plan.schedule)
   out = []

@@ -29,7 +29,7 @@ def _plan(num_layers: int, zero: int = 0):
                              ((num_layers // 2, num_layers - 1), "a100", (1, 2), (1, 2))])
   stages = tuple(dataclasses.replace(s, zero=zero) if i == 0 else s
                  for i, s in enumerate(plan.stages))
-  return dataclasses.replace(plan, stages=stages, meta={"layers": "auto"})
+  return dataclasses.replace(plan, stages=stages, layer_source="auto")
 
 
 def _num_layers(case):
@@ -68,8 +68,8 @@ def test_backward_of_replicas_holds_no_all_reduce_and_the_step_reduces_once(x64,
 def test_replicas_on_ray_actors_match_jit_float64(x64):
   # The replicas' forward, backward and reduction lowered for the stage's actor.
   case = zoo.linen("loop")
-  step, _ = _compiled(case, _plan(_num_layers(case), 1), runtime="ray",
-                      runtime_options={"num_cpus": 2})
+  step, _ = _compiled(case, _plan(_num_layers(case), 1),
+                      runtime=harpjax.RayRuntime(num_cpus=2))
   runner_stage = step.compile(case.state, case.batches[0]).layout.stages[0]
   assert runner_stage.replicas
   ref = jax.jit(case.step)
