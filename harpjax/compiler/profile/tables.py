@@ -106,8 +106,8 @@ def with_remat_choice(*tables: "CostTables", **by_mode: "CostTables") -> "CostTa
 
 def in_remat_mode(tables: "CostTables", mode: str) -> "CostTables":
   """``tables`` costed in one rematerialisation ``mode`` and saying so: ``"none"``/``"full"``
-  as they are (the plan's ``meta["remat"]`` names them), any other mode in
-  :attr:`CostTables.remat_modes`, so the planned stages carry it."""
+  as they are (the plan's :attr:`~harpjax.compiler.plan.Plan.remat` names them), any other
+  mode in :attr:`CostTables.remat_modes`, so the planned stages carry it."""
   if mode in ("none", "full"):
     return tables
   return tables.replace(remat_modes=tuple((mode,) * len(s) for s in tables.submeshes))
@@ -282,7 +282,7 @@ class CostTables:
       (:func:`with_remat_choice`) let the planner choose it per stage, each priced (the
       recompute's time, the residuals it saves). Shapes then repeat, once per mode. Tables of
       one mode other than ``"none"``/``"full"`` say it here too (:func:`in_remat_mode`).
-      ``None``: the tables cost one mode, the plan's ``meta["remat"]``.
+      ``None``: the tables cost one mode, the plan's :attr:`~harpjax.compiler.plan.Plan.remat`.
     offload_bandwidth_bytes_per_s: optional ``[K]`` bandwidth between a device and its host's
       memory, one direction (PCIe); with it (and ``opt_mem_bytes``) the planner may keep a
       stage's optimizer state in host memory, ``2 O / bandwidth`` seconds per iteration, and
