@@ -1012,3 +1012,31 @@ def test_builtin_gpt_15b_is_alpa_and_harps_size():
   import jax
   n = sum(x.size for x in jax.tree_util.tree_leaves(spec.args[0].params))
   assert 15.0e9 < n < 15.8e9
+
+
+def test_ctrl_c_inside_a_c_callback_is_an_interrupt():
+  """Ctrl-C handled inside a C callback (NumPy's dtype hooks, a Numba dispatcher) surfaces as a
+  ``SystemError`` chained to the ``KeyboardInterrupt``: the command still exits with 130."""
+  import click
+  from click.testing import CliRunner
+  from harpjax import cli as cli_lib
+
+  @click.group(cls=cli_lib._Group)
+  def group():
+    pass
+
+  @group.command()
+  def work():
+    try:
+      raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+      raise SystemError("<function f> returned a result with an exception set") from e
+
+  @group.command()
+  def broken():
+    raise SystemError("something else")
+
+  runner = CliRunner()
+  assert runner.invoke(group, ["work"]).exit_code == cli_lib.INTERRUPTED
+  out = runner.invoke(group, ["broken"])
+  assert out.exit_code == 1 and isinstance(out.exception, SystemError)

@@ -127,7 +127,14 @@ class _Group(click.Group):
 
   def invoke(self, ctx: click.Context):
     try:
-      return super().invoke(ctx)
+      try:
+        return super().invoke(ctx)
+      except SystemError as e:
+        # Ctrl-C handled inside a C callback (NumPy's dtype hooks, a Numba dispatcher) comes
+        # back as "returned a result with an exception set", chained to the interrupt
+        if isinstance(e.__cause__, KeyboardInterrupt):
+          raise KeyboardInterrupt from None
+        raise
     except KeyboardInterrupt:
       if _WATCHER is not None:
         _WATCHER.announce()
