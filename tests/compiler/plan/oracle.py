@@ -313,6 +313,18 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
                           warmups=tuple(best[3]), num_plans=counts[0], num_valid=counts[1])
 
 
+def last_hit(t, c, period, link_hits=True):
+  """``("stage", x)`` or ``("cut", x)``: the plan's last stage of time ``period``, or the cut
+  of ``period`` after it (``link_hits``); ``None`` without one."""
+  last = None
+  for x in range(len(t)):
+    if t[x] == period:
+      last = ("stage", x)
+    if link_hits and x < len(t) - 1 and c[x] == period:
+      last = ("cut", x)
+  return last
+
+
 def surrogate_minimum(tables: CostTables, num_microbatches: int, eps: float, period: float,
                       discount: float, *, link_hits: bool = True, **modes) -> float:
   """The DP's value at one candidate period, by enumeration: over the plans whose period is
@@ -333,12 +345,7 @@ def surrogate_minimum(tables: CostTables, num_microbatches: int, eps: float, per
     if not fits(tables, stages, warm, B):
       continue
     value = sum(x + 2.0 * y for x, y in zip(t, c)) + ends[0]
-    last = None
-    for x in range(len(t)):
-      if t[x] == period:
-        last = ("stage", x)
-      if link_hits and x < len(t) - 1 and c[x] == period:
-        last = ("cut", x)
+    last = last_hit(t, c, period, link_hits)
     if last[0] == "stage":
       value -= discount * period * (min(warm[last[1]], B) - 1)
     best = min(best, value)

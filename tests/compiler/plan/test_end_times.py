@@ -33,12 +33,7 @@ def _with_ends(tables, rng, scale=None):
 def _end_path_value(t, c, ends, warm, B, period, discount, link_hits=True):
   """The DP's end-path value of one plan (``solve_tau``'s docstring): ``sum (t + 2c)``, the
   discount at the last hit ``h``, and ``max_{s <= h} (e_s - U_s)``; ``None`` without a hit."""
-  last = None
-  for x in range(len(t)):
-    if t[x] == period:
-      last = ("stage", x)
-    if link_hits and x < len(t) - 1 and c[x] == period:
-      last = ("cut", x)
+  last = oracle.last_hit(t, c, period, link_hits)
   if last is None:
     return None
   h = last[1]
