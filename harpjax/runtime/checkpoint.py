@@ -586,8 +586,8 @@ def _quiet_abandoned_reads(path: str) -> None:
   """After a read of checkpoint ``path`` that failed half-way, the reads of other arrays
   still in flight complete into the event loop Orbax has closed: each prints ``RuntimeError:
   Event loop is closed`` when the process's unraisable-exception hook reports it, and a
-  failed one ``Future exception was never retrieved`` (asyncio's log, often at exit) when its
-  future is collected. Those (and only those) pass silently: the damage was reported once.
+  failed one ``Future exception was never retrieved`` (or ``Task exception ...``: asyncio's
+  log, often at exit) when its future is collected. Those (and only those) pass silently: the damage was reported once.
   Called on the disk thread, which then gives them a moment to arrive."""
   _ABANDONED.add(os.path.abspath(path))
   prev = sys.unraisablehook
@@ -604,12 +604,16 @@ def _quiet_abandoned_reads(path: str) -> None:
   time.sleep(0.2)
 
 
+# asyncio's words for a failed future (or a task wrapping one) that nobody awaited
+_NEVER_RETRIEVED = ("Future exception was never retrieved", "Task exception was never retrieved")
+
+
 class _AbandonedReads(logging.Filter):
   """Drops asyncio's report of a never-retrieved failed read of an abandoned checkpoint."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
-    if exc is None or not str(record.msg).startswith("Future exception was never retrieved"):
+    if exc is None or not str(record.msg).startswith(_NEVER_RETRIEVED):
       return True
     text = str(exc)
     return not any(path in text for path in list(_ABANDONED))

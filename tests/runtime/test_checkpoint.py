@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -374,6 +375,13 @@ def test_abandoned_reads_of_a_damaged_checkpoint_are_not_reported_again(tmp_path
   assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
   collected(f'DATA_LOSS: Error reading local file "{tmp_path / "elsewhere"}"')
   assert [r for r in caplog.records if r.name == "asyncio"], caplog.text
+  # a task wrapping such a read says "Task exception was never retrieved"
+  caplog.clear()
+  err = ValueError(f'OUT_OF_RANGE: Error reading "leaf_00002/.zarray" at local file '
+                   f'"{tmp_path / "ck" / "2" / "arrays"}/"')
+  logging.getLogger("asyncio").error("Task exception was never retrieved\nfuture: <Task>",
+                                     exc_info=(ValueError, err, None))
+  assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
 
 
 def test_step_restore_starts_fresh_then_resumes_past_a_damaged_checkpoint(x64, tmp_path,
