@@ -200,7 +200,7 @@ def test_ctrl_c_in_the_planners_search_on_a_large_model(sigint):
   # kernels that release the GIL, in this process), interrupted at five moments of it: a
   # KeyboardInterrupt each time it strikes, never Numba's SystemError.
   import time
-  from harpjax import api
+  from harpjax import phases
   from harpjax.cluster import Cluster
   from harpjax.compiler.plan import SolveOptions
   from harpjax.compiler.profile import ProfileOptions, profile_step
@@ -212,7 +212,7 @@ def test_ctrl_c_in_the_planners_search_on_a_large_model(sigint):
                         options=ProfileOptions(progress=False, remat=True)).tables
   opts = SolveOptions(backend="sequential")
   t0 = time.monotonic()
-  api.solve(tables, 128, options=opts)
+  phases.solve(tables, 128, options=opts)
   whole = time.monotonic() - t0
   struck = 0
   for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
@@ -220,7 +220,7 @@ def test_ctrl_c_in_the_planners_search_on_a_large_model(sigint):
     raised = None
     with injector.installed():
       try:
-        api.solve(tables, 128, options=opts)
+        phases.solve(tables, 128, options=opts)
       except BaseException as e:  # noqa: BLE001 -- what it raises is the point
         raised = e
     assert raised is None or type(raised) is KeyboardInterrupt, repr(raised)
