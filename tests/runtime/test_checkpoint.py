@@ -299,9 +299,10 @@ def _damage(path, kind: str) -> None:
       f.write("{not json")
   elif kind == "meta missing":
     os.remove(os.path.join(path, "meta", "metadata"))
-  elif kind == "array data truncated":
-    with open(data[-1], "r+b") as f:
-      f.truncate(os.path.getsize(data[-1]) // 2)
+  elif kind == "array data truncated":   # every data file: the read cannot miss the damage
+    for name in data:
+      with open(name, "r+b") as f:
+        f.truncate(os.path.getsize(name) // 2)
   elif kind == "array data flipped":
     for f in data:   # the same length, other bytes: only the checksum can tell
       blob = bytearray(open(f, "rb").read())
