@@ -33,8 +33,9 @@ of the library. Three parts:
   counted from the program (:func:`layer_residual_bytes`, the ``jax.vjp`` residuals of
   :class:`tools.llama.LlamaBlock` at the row's shape; checked against XLA's
   ``memory_analysis`` by the test). The planner chooses per stage; on these rows the
-  residuals of the unfused attention (several bytes per score) never fit, so every stage
-  recomputes.
+  residuals of the unfused attention (several bytes per score: 0.55 GB per 1024-token
+  sequence of a 7B layer) fit only on a few stages of clusters B and C, so most stages
+  recompute.
 
 What our tables keep of Zorse's setting, and what they do not (each marked where it favours
 one side): the per-layer times are Zorse's measurements (PyTorch kernels; ours would be XLA's);
