@@ -101,8 +101,8 @@ def test_residual_bytes_match_xla(monkeypatch):
     return y, jax.tree_util.tree_leaves(vjp)
 
   def xla_out_bytes(rows):
-    x = jnp.ones((rows, 32, 64), jnp.float16)
-    p = block.init(jax.random.PRNGKey(0), x)
+    x = jax.ShapeDtypeStruct((rows, 32, 64), jnp.float16)
+    p = jax.eval_shape(block.init, jax.random.PRNGKey(0), x)
     m = jax.jit(fwd_res).lower(p, x).compile().memory_analysis()
     return m.output_size_in_bytes - rows * 32 * 64 * 2   # less the output y
   a, b = xla_out_bytes(2), xla_out_bytes(4)
