@@ -10,12 +10,14 @@ with them and the search times. Groups inside one host are searched on clusters 
 GPUs (on cluster B's 8-GPU hosts they multiply the fusions: about a minute per search).
 
 Per-layer times are Zorse's published measurements (``/work/shared/data``, MIT licence): the
-linear fit of a LLaMA layer's forward+backward milliseconds against the microbatch size on
-each GPU type, at the microbatch of the instance, spread over a submesh's devices as the
+linear fits of a LLaMA layer's forward and backward milliseconds against the microbatch size
+on each GPU type, at the microbatch of the instance, spread over a submesh's devices as the
 analytic tables do (``CostTables.from_layer_costs``; data-parallel gradient all-reduce once
 per iteration, ring model on the host or subcluster link). A layer keeps 16 bytes of state
 per parameter (fp16 weights and gradients, fp32 Adam) and its input per microbatch in flight
-(activation checkpointing). The mixed-stage time model takes ``fixed_fraction`` from the same
+(activation checkpointing), and its time charges the recomputation that checkpointing costs:
+forward twice plus backward (as Zorse's own latency model does; an earlier version timed
+forward plus backward only). The mixed-stage time model takes ``fixed_fraction`` from the same
 fits (the intercept's share at 4 rows per device, the median over the GPU types).
 
 Clusters:
@@ -23,15 +25,16 @@ Clusters:
 * ``6 A100 + 5 V100 + 3 T4``: A100-40G hosts of 2, V100-16G and T4 hosts of 1 (and with hosts
   of 2/1/3 devices), 100 Gbps between all hosts.
 * ``8 A100 + 4 V100 + 2 T4``: one host each (8, 4, 2 devices), 100 Gbps.
-* Zorse's cluster A (2 hosts x 2 H100-NVL + 2 hosts x 8 A100-80G, 50 Gbps between hosts),
-  cluster B (8 A100-40G + 2 x 8 A10G + 2 x 8 V100-16G + 3 x 8 T4, 25 Gbps between hosts) and
-  cluster C (two regions: 2 x 8 A10G + 6 x 8 T4, and 2 x 8 V100-16G + 6 x 8 T4; 25 Gbps inside
-  a region, 5 Gbps between them; ``mixed_stages="auto"``, which fuses only inside a region),
-  at its global batch of 1M tokens and sequence lengths 4096 (A), 1024 (B) and 512 (C); Zorse
-  reports TFLOPs of its own runs (Table 5), shown beside ours as the model FLOPs over the
-  simulated iteration (our plans use neither offloading nor interleaving, so the columns are
-  not a like-for-like comparison). The link speeds are ours: the paper gives 50 Gbps for A
-  only.
+* Zorse's ten model/cluster rows (``tools/zorse.py``): cluster A (2 hosts x 2 H100-NVL + 2
+  hosts x 8 A100-80G, 50 Gbps between hosts) with LLaMA 7B to 65B, cluster B (8 A100-40G + 2 x
+  8 A10G + 2 x 8 V100-16G + 3 x 8 T4, 25 Gbps between hosts) and cluster C (two regions: 2 x 8
+  A10G + 6 x 8 T4, and 2 x 8 V100-16G + 6 x 8 T4; 25 Gbps inside a region, 5 Gbps between
+  them; ``mixed_stages="auto"``, which fuses only inside a region) with 7B to 33B, at its
+  global batch of 1M tokens and sequence lengths 4096 (A), 1024 (B) and 512 (C). "Zorse s" is
+  the iteration time Zorse measured (its Table 5 TFLOPs under its own FLOP count,
+  :func:`tools.zorse.zorse_iteration_s`); these plans use no ZeRO, offload or interleaving
+  (``benchmarks/peers.py`` compares with ZeRO and offload chosen). The link speeds of B and C
+  are ours: the paper gives 50 Gbps for A only.
 
 The last column says which searches proved their optimum (plain, mixed, and the two with every
 GPU placed; ``y``/``n``): on the large instances none does, and a difference between two
@@ -62,6 +65,7 @@ from harpjax.compiler.profile import CostTables, LayerProfile, SubclusterSpec  #
 from harpjax.compiler.profile.calibration import (default_zorse_dir, load_zorse,  # noqa: E402
                                                   zorse_fit_ms)
 from harpjax import errors as planner_errors  # noqa: E402
+from tools import zorse as zorse_lib  # noqa: E402
 
 GiB = 2.0 ** 30
 GBPS = 1e9 / 8
@@ -78,11 +82,13 @@ GPUS = {
 
 
 def layer_ms(data: dict, model: str, gpu: str, seq: int, rows: int) -> tuple[float, float]:
-  """``(fwd+bwd ms of one layer at `rows` sequences, intercept share at 4 rows)`` from Zorse's
-  linear fit (fp16)."""
+  """``(ms of one layer's forward, recomputation and backward at `rows` sequences, intercept
+  share of forward+backward at 4 rows)`` from Zorse's linear fits (fp16)."""
   entry = data[model][GPUS[gpu][0]][str(seq)]["float16"]
   icpt = zorse_fit_ms(entry, 0)
-  return zorse_fit_ms(entry, rows), max(0.0, icpt) / zorse_fit_ms(entry, 4)
+  fwd_s, bwd_s = zorse_lib.layer_fits_s(data, model, gpu, seq, rows)
+  # Forward, recomputed forward, backward: the recomputation checkpointing costs.
+  return 1e3 * (2 * fwd_s + bwd_s), max(0.0, icpt) / zorse_fit_ms(entry, 4)
 
 
 def llama_tables(model: str, cluster: list[tuple], seq: int, rows: int, B: int,
@@ -120,14 +126,9 @@ def llama_tables(model: str, cluster: list[tuple], seq: int, rows: int, B: int,
 _C1 = [("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1), ("t4", "T4", 3, 1)]
 _C2 = [("a100", "A100-40G", 3, 2), ("v100", "V100-16G", 5, 1), ("t4", "T4", 1, 3)]
 _C3 = [("a100", "A100-40G", 1, 8), ("v100", "V100-16G", 1, 4), ("t4", "T4", 1, 2)]
-_ZA = [("h100", "H100-NVL", 2, 2), ("a100", "A100-80G", 2, 8)]
-_ZB = [("a100", "A100-40G", 1, 8), ("a10g", "A10G", 2, 8), ("v100", "V100-16G", 2, 8),
-       ("t4", "T4", 3, 8)]
-_ZC = [("a10g", "A10G", 2, 8, 1), ("t4a", "T4", 6, 8, 1), ("v100", "V100-16G", 2, 8, 2),
-       ("t4b", "T4", 6, 8, 2)]   # two regions, 5 Gbps between them
 
 INSTANCES = [
-    # (label, model, cluster, seq, rows, B, inter Gbps, Zorse TFLOPs or None); rows x B x seq
+    # (label, model, cluster, seq, rows, B, inter Gbps, Zorse row or None); rows x B x seq
     # is Zorse's global batch of 1M tokens.
     ("6 A100 + 5 V100 + 3 T4, hosts 2/1/1", "deepspeedllama_7b", _C1, 1024, 32, 32, 100.0,
      None),
@@ -139,15 +140,19 @@ INSTANCES = [
      None),
     ("8 A100 + 4 V100 + 2 T4, hosts 8/4/2", "deepspeedllama_7b", _C3, 1024, 64, 16, 100.0,
      None),
-    ("Zorse A: 4 H100 + 16 A100-80G", "deepspeedllama_7b", _ZA, 4096, 16, 16, 50.0, 4370.56),
-    ("Zorse A: 4 H100 + 16 A100-80G", "deepspeedllama_13b", _ZA, 4096, 16, 16, 50.0, 4917.87),
-    ("Zorse B: 8 A100 + 16 A10G + 16 V100 + 24 T4", "deepspeedllama_7b", _ZB, 1024, 32, 32,
-     25.0, 3412.88),
-    ("Zorse B: 8 A100 + 16 A10G + 16 V100 + 24 T4", "deepspeedllama_13b", _ZB, 1024, 32, 32,
-     25.0, 2965.64),
-    ("Zorse C: 16 A10G + 48 T4, 16 V100 + 48 T4", "deepspeedllama_7b", _ZC, 512, 64, 32, 25.0,
-     3936.94),
 ]
+
+
+# Zorse's ten rows, microbatches of 16 (A), 32 (B) and 64 (C) sequences.
+_ZORSE_ROWS = {"A": 16, "B": 32, "C": 64}
+INSTANCES += [
+    (f"Zorse {r.cluster}: {zorse_lib.CLUSTERS[r.cluster].label}", r.model,
+     [(p.name, p.gpu, p.num_hosts, p.devices_per_host, p.region)
+      for p in zorse_lib.CLUSTERS[r.cluster].pools],
+     zorse_lib.CLUSTERS[r.cluster].seq_len, _ZORSE_ROWS[r.cluster],
+     zorse_lib.CLUSTERS[r.cluster].global_batch // _ZORSE_ROWS[r.cluster],
+     zorse_lib.CLUSTERS[r.cluster].inter_gbps, r)
+    for r in zorse_lib.ROWS]
 
 
 def _solve_both(tables, B, mo, mode, **kw):
@@ -195,12 +200,12 @@ def main() -> None:
   warm = llama_tables(*INSTANCES[0][1:3], 1024, 32, 32, 100.0, data, stats)[0]
   planner.solve(warm, 32)   # compile the kernels once
   head = ("cluster", "model", "B x rows", "plain s (GPUs)", "mixed s (GPUs)", "faster",
-          "all GPUs: plain s", "all GPUs: mixed s", "faster", "TFLOPs", "Zorse TFLOPs",
+          "all GPUs: plain s", "all GPUs: mixed s", "faster", "Zorse s",
           "mixed stages (rows)", "mixed search s", "proved")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   alphas = []
   for label, model, cluster, seq, rows, B, gbps, zorse in instances:
-    tables, alpha, flops = llama_tables(model, cluster, seq, rows, B, gbps, data, stats)
+    tables, alpha, _ = llama_tables(model, cluster, seq, rows, B, gbps, data, stats)
     alphas.append(alpha)
     # Sub-host groups multiply the fusions on 8-GPU hosts: whole hosts only on cluster B.
     mo = planner.MixedOptions(microbatch_rows=rows, fixed_fraction=alpha,
@@ -214,7 +219,6 @@ def main() -> None:
       if res is not None:
         ev = planner.evaluate_mixed(tables, res.plan, B, mo)
         assert ev.iteration_s == res.plan.predicted_iteration_s
-    best = min((r for r in (plain, mixed) if r is not None), key=lambda r: r.iteration_s)
     shown = mixed if mixed is not None and any(s.groups for s in mixed.plan.stages) else \
         mixed_all
     groups = [] if shown is None else [
@@ -224,7 +228,7 @@ def main() -> None:
         f"| {label} | {tables.num_layers}x{model.split('_')[-1]} | {B} x {rows} | "
         f"{_cell(plain)} | {_cell(mixed)} | {_gain(plain, mixed)} | {_cell(plain_all)} | "
         f"{_cell(mixed_all)} | {_gain(plain_all, mixed_all)} | "
-        f"{flops / best.iteration_s / 1e12:.0f} | {'-' if zorse is None else f'{zorse:.0f}'} | "
+        f"{'-' if zorse is None else f'{zorse_lib.zorse_iteration_s(zorse, stats):.3f}'} | "
         f"{'; '.join(groups) or '-'}{'' if shown is not mixed_all or not groups else ' (all)'}"
         f" | {secs:.1f} / {secs_all:.1f} | {_proved(plain, mixed, plain_all, mixed_all)} |")
     print(f"{label}, {model}, B={B} x {rows}: plain {_cell(plain)}, mixed {_cell(mixed)}; "

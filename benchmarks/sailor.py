@@ -18,6 +18,7 @@ Python port's own time is printed only as a note).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -123,15 +124,59 @@ def describe_ours(r) -> str:
                     f"{s.submesh[1]} {s.logical_mesh}" for s in r.stages)
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--setups", nargs="*", help="subset of the setups")
-  ap.add_argument("--plans", action="store_true", help="print the plans")
-  args = ap.parse_args(argv)
+@dataclasses.dataclass(frozen=True)
+class SetupRow:
+  """One planner's plan on one setup, as the table prints it.
+
+  Attributes:
+    setup: the setup's name (a key of :data:`SETUPS`).
+    model: the model's name.
+    objective: the setup's objective.
+    planner: ``"ours"`` or ``"Sailor"`` (with its bound where the two differ).
+    gpus: GPUs the plan uses (0: no plan).
+    microbatch: global microbatch ``b``.
+    simulated_s: our simulator's seconds per iteration (``None``: not one of our plans).
+    estimate_s: Sailor's own estimate ``Tpp`` (``None`` for ours).
+    rate_per_hour: USD per hour of the GPUs used.
+    fees_usd: transfer fees per iteration.
+    usd_per_iteration: GPU time and fees per iteration.
+    plan_time: plan time as printed (ours measured; Sailor's quoted from its paper).
+    plan: the plan, described.
+  """
+  setup: str
+  model: str
+  objective: str
+  planner: str
+  gpus: int
+  microbatch: int
+  simulated_s: float | None
+  estimate_s: float | None
+  rate_per_hour: float
+  fees_usd: float
+  usd_per_iteration: float
+  plan_time: str
+  plan: str
+
+  @property
+  def iteration_s(self) -> float:
+    """The plan's seconds per iteration by the model that can score it: our simulator where
+    it can, else Sailor's estimate."""
+    return self.simulated_s if self.simulated_s is not None else (
+        self.estimate_s if self.estimate_s is not None else math.inf)
+
+  @property
+  def iterations_per_usd(self) -> float:
+    u = self.usd_per_iteration
+    return 1.0 / u if u and u > 0 and math.isfinite(u) else math.nan
+
+
+def run_setups(names=None) -> tuple[list[SetupRow], list[str]]:
+  """Both planners on each setup of :data:`SETUPS` (all if ``names`` is ``None``); returns
+  the rows (ours then Sailor's, per setup) and notes (the Python port's own search time)."""
   net = load_network()
   models, rows, notes = {}, [], []
   for name, (model_name, pools, objective, bound, *sailor_budget) in SETUPS.items():
-    if args.setups and name not in args.setups:
+    if names and name not in names:
       continue
     if model_name not in models:
       models[model_name] = load_model(model_name)
@@ -143,44 +188,58 @@ def main(argv=None) -> int:
     fees = transfer_fees_usd(pools, [(s.layers[0], s.layers[1], s.subcluster) for s in r.stages],
                              tables.boundary_bytes, B, net)
     usd = r.rate_per_hour * r.iteration_s / 3600 + fees
-    rows.append((name, model.name, objective, "ours", r.num_devices, b, r.iteration_s, None,
-                 r.rate_per_hour, fees, usd, f"{t_ours:.2f}", describe_ours(r)))
-    kw = {}
+    ours_label = "ours" + (f" (<= {bound:g} USD/h)" if objective == "min_time_within_budget"
+                           else "")
+    rows.append(SetupRow(name, model.name, objective, ours_label, r.num_devices, b,
+                         r.iteration_s, None, r.rate_per_hour, fees, usd, f"{t_ours:.2f}",
+                         describe_ours(r)))
+    kw, sailor_label = {}, "Sailor"
     if objective == "min_time_within_budget":
       kw["budget_per_iteration"] = sailor_budget[0]
+      sailor_label = f"Sailor (<= {sailor_budget[0]:g} USD/iter)"
     elif objective == "min_cost_within_time":
       kw["time_limit_s"] = bound
     try:
       sp = sailor_plan(model, pools, objective=objective, network=net, **kw)
     except PlanError as e:
-      rows.append((name, model.name, objective, "Sailor", 0, 0, math.inf, math.inf, math.nan,
-                   math.nan, math.nan, SAILOR_PLAN_TIME_PAPER, f"none: {e}"))
+      rows.append(SetupRow(name, model.name, objective, sailor_label, 0, 0, None, math.inf,
+                           math.nan, math.nan, math.nan, SAILOR_PLAN_TIME_PAPER, f"none: {e}"))
       continue
     sim = sp.iteration_s if sp.evaluation is not None else None
-    rows.append((name, model.name, objective, "Sailor", sp.num_devices, sp.microbatch, sim,
-                 sp.estimate_s, sp.rate_per_hour, sp.fees_usd, sp.cost_per_iteration,
-                 SAILOR_PLAN_TIME_PAPER, sp.describe()))
+    rows.append(SetupRow(name, model.name, objective, sailor_label, sp.num_devices,
+                         sp.microbatch, sim, sp.estimate_s, sp.rate_per_hour, sp.fees_usd,
+                         sp.cost_per_iteration, SAILOR_PLAN_TIME_PAPER, sp.describe()))
     notes.append(f"{name}: the Python port of Sailor's search took {sp.seconds:.2f} s "
                  f"({sp.candidates} configurations kept)")
+  return rows, notes
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--setups", nargs="*", help="subset of the setups")
+  ap.add_argument("--plans", action="store_true", help="print the plans")
+  args = ap.parse_args(argv)
+  rows, notes = run_setups(args.setups)
   print("Sailor's profiles, prices, fitted links and fees. 'simulated s' is our simulator "
         "(H-1F1B for ours, 1F1B for Sailor's plan where it is one of ours); 'Sailor's "
         "estimate' is its own Tpp. USD per iteration counts transfer fees for both.\n")
   print("| setup | objective | planner | GPUs | b | simulated s | Sailor's estimate s | USD/h "
         "| fees USD/iter | USD/iter | iters per USD | plan s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for (name, mname, obj, label, gpus, mb, T, est, rate, fees, usd, secs, _) in rows:
+  for x in rows:
+    T = x.simulated_s
     ts = "—" if T is None else (f"{T:.3f}" if math.isfinite(T) else "none")
-    es = "" if est is None else f"{est:.3f}"
-    per = 1.0 / usd if usd and usd > 0 and math.isfinite(usd) else math.nan
-    print(f"| {name} ({mname}) | {obj} | {label} | {gpus} | {mb} | {ts} | {es} | {rate:.1f} | "
-          f"{fees:.4f} | {usd:.4f} | {per:.2f} | {secs} |")
+    es = "" if x.estimate_s is None else f"{x.estimate_s:.3f}"
+    print(f"| {x.setup} ({x.model}) | {x.objective} | {x.planner} | {x.gpus} | {x.microbatch} "
+          f"| {ts} | {es} | {x.rate_per_hour:.1f} | {x.fees_usd:.4f} | "
+          f"{x.usd_per_iteration:.4f} | {x.iterations_per_usd:.2f} | {x.plan_time} |")
   print()
   for n in notes:
     print(n)
   if args.plans:
     print()
-    for (name, _, _, label, *_, plan) in rows:
-      print(f"{name} / {label}: {plan}")
+    for x in rows:
+      print(f"{x.setup} / {x.planner}: {x.plan}")
   return 0
 
 
