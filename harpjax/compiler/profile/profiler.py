@@ -698,15 +698,17 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       weights = np.minimum(grads, state / 2.0)
       opt = state - 2.0 * weights
     opt = opt * owned_ratio
+    # the largest layer's gradient, in the state's bytes per parameter: a layer reading a
+    # slice of a stacked parameter writes the slice's gradient, which XLA adds into the
+    # (donated) accumulator of the whole stack in place
+    gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
+        grads > 0, grads, 1.0), 1.0)
     shared = weights * np.maximum(held_ratio - owned_ratio, 0.0)
     weights = weights * held_ratio
     zero_cols = (opt, allgather_time_s(weights, dp, link)) if zero is not None else (None, None)
     # the forward's and the backward's workspaces apart (two executables)
     work_f = range_max(arr.get("fwd_temp_bytes", arr["temp_bytes"]))
     work_b = range_max(arr.get("bwd_temp_bytes", arr["temp_bytes"]))
-    # the largest layer's gradient, in the state's bytes per parameter
-    gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
-        grads > 0, grads, 1.0), 1.0)
     act = range_sums(arr["act_mem_bytes"]) if inputs is None else np.where(
         np.isfinite(range_sums(arr["time_s"])), inputs / dp, np.inf)
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
