@@ -75,7 +75,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params"]
 
-ESTIMATE_VERSION = "7"
+ESTIMATE_VERSION = "8"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -574,8 +574,8 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   nbytes = _bytes_accessed(fb, sizes, read)
   fr_sizes = _fwd_sizes(traced, dp, tp)
   if traced.bwd_start is None or lv is fb:   # one program: its workspace
-    temp = _peak_live(fb, sizes, read)
-  else:   # the forward and the backward run apart: the larger of their workspaces
+    temp = fwd_temp = bwd_temp = _peak_live(fb, sizes, read)
+  else:   # the forward and the backward run apart: each its own workspace
     fwd_temp = _peak_live(traced.fwd_res, fr_sizes, _read(traced.fwd_res))
     bwd_temp = _peak_live(lv, lv_sizes, lv_read, traced.bwd_start)
     temp = max(fwd_temp, bwd_temp)
@@ -595,7 +595,8 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   stats = pieces_lib.XlaStats(flops=work.flops, bytes_accessed=nbytes, transcendentals=0.0,
                               collective_bytes=colls, temp_bytes=temp, residual_bytes=residual,
                               param_bytes=local_bytes, num_params=local_n,
-                              compile_s=traced.trace_s)
+                              compile_s=traced.trace_s, fwd_temp_bytes=fwd_temp,
+                              bwd_temp_bytes=bwd_temp)
   return stats, work
 
 

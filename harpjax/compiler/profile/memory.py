@@ -124,7 +124,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
                  shared_param_bytes: float = 0.0,
                  offload_optimizer: bool = False,
                  offload_activations: bool = False, updates: bool = True,
-                 replicas: bool = False, grad_out_bytes: float | None = None) -> StageMemory:
+                 replicas: bool = False, grad_out_bytes: float | None = None,
+                 bwd_workspace_bytes: float | None = None) -> StageMemory:
   """Per-device memory of a stage at ZeRO level ``zero``.
 
   Args:
@@ -135,7 +136,8 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
     zero: the level, 0 to 3.
     grad_bytes: gradient-accumulator bytes at level 0 (default ``param_bytes``).
     out_bytes: bytes of the forward's outputs per microbatch per device (what it sends on).
-    workspace_bytes: the layers' temporaries (the cost tables' largest ``temp_bytes``).
+    workspace_bytes: the layers' temporaries (the cost tables' largest ``temp_bytes``); with
+      ``bwd_workspace_bytes``, the forward's alone (the largest ``fwd_temp_bytes``).
     reduce_scatter: the backend turns "all-reduce, keep my part" into a reduce-scatter
       (XLA:GPU does; XLA:CPU does not).
     shared_param_bytes: of ``param_bytes``, the parameters another stage owns (held, with
@@ -151,6 +153,10 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       adding them in (default: all of ``grad_bytes``). Where the accumulator is donated and
       not reduced in the backward (one device, or replicas at levels 0 and 1), XLA adds each
       layer's gradient in as it goes: the largest layer's.
+    bwd_workspace_bytes: the backward's temporaries where they differ from the forward's (the
+      largest ``bwd_temp_bytes``: the runtime runs the two as executables of their own, and
+      a forward's random draws or a backward's recomputation make one much the larger);
+      default ``workspace_bytes``.
 
   Returns:
     The :class:`StageMemory`. Everything is assumed to split evenly over ``dp``; values whose
@@ -168,10 +174,11 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
   else:
     reduced = np.where(many, G / dp if zero >= 2 and reduce_scatter else G, 0.0)
   replicas = bool(replicas) and zero <= 1 and bool(np.any(many))
-  ws = np.asarray(workspace_bytes, np.float64) if np.ndim(workspace_bytes) else \
-      float(workspace_bytes)
+  ws = num(workspace_bytes)
+  ws_b = ws if bwd_workspace_bytes is None else num(bwd_workspace_bytes)
   out = np.asarray(out_bytes, np.float64) if np.ndim(out_bytes) else float(out_bytes)
-  scalar = not any(np.ndim(x) for x in (P, G, O, act_bytes, dp, ws, out, shared_param_bytes,
+  scalar = not any(np.ndim(x) for x in (P, G, O, act_bytes, dp, ws, ws_b, out,
+                                        shared_param_bytes,
                                         0.0 if grad_out_bytes is None else grad_out_bytes))
   return _as_floats(scalar, StageMemory(
       param_bytes=P / dp if zero >= 3 else P,
@@ -180,7 +187,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       act_bytes=np.asarray(act_bytes, np.float64) if np.ndim(act_bytes) else float(act_bytes),
       fwd_workspace_bytes=out + ws + gathered,
       bwd_workspace_bytes=(G if grad_out_bytes is None else num(grad_out_bytes))
-      + np.maximum(reduced, gathered) + ws,
+      + np.maximum(reduced, gathered) + ws_b,
       update_workspace_bytes=np.where(many, P / dp, 0.0) if zero in (1, 2) else np.zeros_like(P),
       shared_bytes=num(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),

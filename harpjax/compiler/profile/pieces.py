@@ -231,6 +231,9 @@ class XlaStats:
     collective_bytes: ``{kind: [bytes, count]}`` of all-reduce, all-gather,
       reduce-scatter, all-to-all and collective-permute results in the partitioned HLO.
     temp_bytes: XLA's temporary buffer (workspace) size.
+    fwd_temp_bytes, bwd_temp_bytes: the workspace of the forward and of the backward where
+      they run as two executables, as the runtime runs them (default ``temp_bytes``: the
+      joint forward+backward's serves as both).
     residual_bytes: bytes of the forward's residuals kept for the backward (inputs that are
       merely forwarded excluded): activation memory per in-flight microbatch.
     param_bytes: bytes of this device's shard of the parameters.
@@ -246,13 +249,20 @@ class XlaStats:
   param_bytes: float
   num_params: float
   compile_s: float = 0.0
+  fwd_temp_bytes: float | None = None
+  bwd_temp_bytes: float | None = None
+
+  def __post_init__(self):
+    for f in ("fwd_temp_bytes", "bwd_temp_bytes"):
+      if getattr(self, f) is None:
+        object.__setattr__(self, f, self.temp_bytes)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
   @classmethod
   def from_json(cls, d: dict) -> "XlaStats":
-    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 _COLLECTIVE = re.compile(

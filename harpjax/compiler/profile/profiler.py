@@ -513,7 +513,7 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
 
 
 COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops",
-               "grad_bytes")
+               "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes")
 
 
 def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
@@ -698,19 +698,27 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       weights = np.minimum(grads, state / 2.0)
       opt = state - 2.0 * weights
     opt = opt * owned_ratio
+    # the largest layer's gradient, in the state's bytes per parameter: a layer reading a
+    # slice of a stacked parameter writes the slice's gradient, which XLA adds into the
+    # (donated) accumulator of the whole stack in place
+    gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
+        grads > 0, grads, 1.0), 1.0)
     shared = weights * np.maximum(held_ratio - owned_ratio, 0.0)
     weights = weights * held_ratio
     zero_cols = (opt, allgather_time_s(weights, dp, link)) if zero is not None else (None, None)
-    work = range_max(arr["temp_bytes"])
-    # the largest layer's gradient, in the state's bytes per parameter
-    gout = range_max(arr["grad_bytes"]) * np.where(grads > 0, weights / np.where(
-        grads > 0, grads, 1.0), 1.0)
+    # the forward's and the backward's workspaces apart (two executables)
+    work_f = range_max(arr.get("fwd_temp_bytes", arr["temp_bytes"]))
+    work_b = range_max(arr.get("bwd_temp_bytes", arr["temp_bytes"]))
     act = range_sums(arr["act_mem_bytes"]) if inputs is None else np.where(
         np.isfinite(range_sums(arr["time_s"])), inputs / dp, np.inf)
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
                        act_bytes=act, dp=dp, zero=0,
-                       out_bytes=out / dp, workspace_bytes=work, replicas=True,
-                       grad_out_bytes=gout, shared_param_bytes=shared)
+                       out_bytes=out / dp, workspace_bytes=work_f, replicas=True,
+                       grad_out_bytes=gout, shared_param_bytes=shared,
+                       bwd_workspace_bytes=work_b)
+    # The tables carry one workspace beside the larger of the outputs and the gradient (what
+    # the ZeRO variants rebuild the model from): the one giving the same level-0 pipeline.
+    work = np.maximum(out / dp + work_f, gout + work_b) - np.maximum(out / dp, gout)
     return (mesh, range_sums(arr["time_s"]), mem.fixed_bytes(),
             act, sync + update, *zero_cols, sync, work,
             mem.step_bytes(), gout)

@@ -125,7 +125,9 @@ class LayerCost:
     comm_s: the part of ``time_s`` spent in collectives (analytic sources).
     param_mem_bytes: weights + gradients + optimizer state of this device's shard.
     act_mem_bytes: residuals kept per in-flight microbatch.
-    temp_bytes: XLA's workspace.
+    temp_bytes: XLA's workspace (the larger of the forward's and the backward's).
+    fwd_temp_bytes, bwd_temp_bytes: the forward's and the backward's workspace, which the
+      runtime runs as two executables (default ``temp_bytes``).
     flops: FLOPs per device.
     grad_bytes: bytes of this device's gradient shard (what the data-parallel replicas
       reduce).
@@ -137,6 +139,13 @@ class LayerCost:
   temp_bytes: float
   flops: float
   grad_bytes: float = 0.0
+  fwd_temp_bytes: float | None = None
+  bwd_temp_bytes: float | None = None
+
+  def __post_init__(self):
+    for f in ("fwd_temp_bytes", "bwd_temp_bytes"):
+      if getattr(self, f) is None:
+        object.__setattr__(self, f, self.temp_bytes)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -186,6 +195,8 @@ def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
   return LayerCost(time_s=t_comp + t_coll, comm_s=t_coll,
                    param_mem_bytes=st.num_params * state_bytes_per_param,
                    act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
+                   fwd_temp_bytes=st.fwd_temp_bytes / scale,
+                   bwd_temp_bytes=st.bwd_temp_bytes / scale,
                    flops=st.flops / scale + acc.light_flops, grad_bytes=st.param_bytes)
 
 
@@ -398,7 +409,8 @@ class MeasuredSource:
     return LayerCost(time_s=float(statistics.median(times)), comm_s=0.0,
                      param_mem_bytes=st.num_params * self.state_bytes_per_param,
                      act_mem_bytes=st.residual_bytes, temp_bytes=st.temp_bytes, flops=st.flops,
-                     grad_bytes=st.param_bytes)
+                     grad_bytes=st.param_bytes, fwd_temp_bytes=st.fwd_temp_bytes,
+                     bwd_temp_bytes=st.bwd_temp_bytes)
 
 
 def _random(s, rng):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -102,6 +103,15 @@ def _device_bytes(aval, sharding) -> float:
 
 
 
+def _fwd_results(compiled, num_outputs: int) -> tuple[float, float]:
+  """Per-device bytes of a compiled forward's outputs (its first ``num_outputs`` results) and
+  of its residuals (the rest), each in the sharding XLA gave it."""
+  info = jax.tree_util.tree_leaves(compiled.out_info)
+  shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
+  sizes = [_device_bytes(i, sh) for i, sh in zip(info, shardings, strict=True)]
+  return float(sum(sizes[:num_outputs])), float(sum(sizes[num_outputs:]))
+
+
 def _analysis(compiled) -> tuple[float, float, float, float]:
   m = compiled.memory_analysis()
   return (float(m.argument_size_in_bytes), float(m.output_size_in_bytes),
@@ -162,8 +172,10 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   opt = sum(held(outer.avals[v], pref(v)) for v in opt_vids)
   opt0 = sum(held(outer.avals[v], sharding_lib.without_dp(pref(v))) for v in opt_vids)
   on_host = sum(held(outer.avals[v], pref(v)) for v in opt_vids if (stage, v) in lay.host)
-  outs = sum(held(sl.avals[v], sl.specs[v]) for v in sl.output_ids)
-  residual = max(ex["fwd"][1] - outs, 0.0)
+  # One microbatch's outputs and residuals as the forward returns them: in the shardings XLA
+  # chose for its results (a tensor-parallel stage may return its outputs split, which the
+  # runtime then sends on, and keeps its residuals whole).
+  outs, residual = _fwd_results(c["fwd"], len(sl.output_ids))
   n = in_flight(cs.schedule, stage)
   n_dev = min(n, 2) if stage in lay.host_residuals else n   # residuals held on the devices
   extra_in = sum(held(sl.avals[v], sl.specs[v]) for v in sl.act_ids + sl.act_int_ids
