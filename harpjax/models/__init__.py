@@ -2,9 +2,10 @@
 Mixtral-shaped MoE transformer.
 
 :data:`BUILTIN_MODELS` maps a name (``"gpt-39b"``, ``"gpt-15b"``, ``"gpt-2.6b"``,
-``"gpt-tiny"``, ``"moe-tiny"``, ``"mixtral-8x7b"``, ``"mixtral-tiny"``) to a factory ``factory(*, microbatch_size=None,
-num_microbatches=1, abstract=True, **config_overrides) -> ModelSpec``. With ``abstract=True`` (the default) the
-train state and batch are ``jax.ShapeDtypeStruct`` s, so a 39B-parameter model is traced and
+``"gpt-tiny"``, ``"moe-tiny"``, ``"mixtral-8x7b"``, ``"mixtral-tiny"``) to a factory
+``factory(*, microbatch_size=None, num_microbatches=1, abstract=True, **config_overrides) ->
+ModelSpec``. With ``abstract=True`` (the default) the train state and batch are
+``jax.ShapeDtypeStruct`` s, so a 39B-parameter model is traced and
 costed without allocating it (what ``python -m harpjax plan --model gpt-39b`` needs)::
 
     spec = BUILTIN_MODELS["gpt-39b"](num_microbatches=4)
