@@ -17,7 +17,8 @@ Automatic construction (:func:`construct_layers`, HARP §5.1; see ``docs/layers.
    tensors (section "step 3": a DP over low-crossing cut points), and apply the same relative
    cuts to every instance, so layers of one repeat have the signatures of any other.
 
-Manual :func:`harpjax.mark_layer_boundary` calls win where present
+Each module records whether it holds a routed block (a mixture of experts: :func:`routes`,
+``Module.routed``). Manual :func:`harpjax.mark_layer_boundary` calls win where present
 (:func:`layers_from_boundaries`). :func:`layers_for_step` and :func:`traced_step_for` connect
 layers with a traced step.
 """
@@ -317,9 +318,10 @@ def routes(program: Program, facts: Facts, a: int, b: int,
 
   A routed block is a router, a dispatch, experts and a combine: a data-dependent choice
   (``argmax``, ``argmin``, ``top_k``, or a ``sort`` that carries indices, i.e. ``argsort``)
-  over scores computed by a matmul, whose choice reaches a compute-heavy op of the same range
-  (the matmuls or gathers that move tokens to the chosen experts and back). Attention's
-  softmax, a loss's ``argmax`` for an accuracy, or a ``sort`` of values alone do not qualify.
+  over scores computed by a matmul, whose choice reaches, through any ops, a compute-heavy op
+  of the same range (the dispatch einsum that moves tokens to the chosen experts; with a gather
+  by index instead, the expert matmuls reading the gathered tokens). Attention's softmax, a
+  loss's ``argmax`` for an accuracy, or a ``sort`` of values alone do not qualify.
 
   Args:
     program: the forward program.

@@ -69,3 +69,37 @@ def test_dense_models_and_a_loss_argmax_are_not_routed():
   seq = L.layers_for_step(ts)
   assert any(op.name == "argmax" for op in seq.program.ops)
   assert not seq.routed_modules()
+
+
+def test_routing_by_gather_is_routed():
+  # Top-1 routing written with indices: argsort of the tokens by expert, the tokens gathered in
+  # that order, each token's expert weights gathered by index, the outputs scattered back.
+  class GatherExperts(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      t, h = x.shape
+      expert = jnp.argmax(nn.Dense(4, use_bias=False, name="router")(x), -1)
+      order = jnp.argsort(expert)
+      w = self.param("w", nn.initializers.lecun_normal(), (4, h, h))
+      y = jnp.einsum("th,thf->tf", x[order], w[expert[order]])
+      return x + jnp.zeros_like(y).at[order].set(y)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(2):
+        x = nn.Dense(8, name=f"fc_{i}")(x)
+        x = GatherExperts(name=f"experts_{i}")(x)
+      return x
+
+  net = Net()
+  x = jax.ShapeDtypeStruct((6, 8), jnp.float32)
+  params = jax.eval_shape(net.init, jax.random.key(0), x)
+
+  def step(p, batch):
+    import harpjax
+    return harpjax.value_and_grad(lambda q: jnp.mean(net.apply(q, batch) ** 2))(p)
+
+  seq = L.layers_for_step(trace_step(step, (params, x), num_microbatches=1,
+                                     batch_argnums=(1,)))
+  assert len(seq.routed_modules()) == 2, [(m.name, m.routed) for m in seq.modules]
