@@ -33,7 +33,7 @@ def model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
     raise click.BadParameter(f"{model!r} is a directory; give a YAML/JSON file of GPT config "
                              "fields", param_hint="--model")
   import yaml
-  from harpjax.models import GPT, GPT_39B, MoEConfig, MoETransformer
+  from harpjax.models import GPT, GPT_39B, MIXTRAL_8X7B, Mixtral, MoEConfig, MoETransformer
   try:
     with open(model) as f:
       cfg = yaml.safe_load(f) or {}
@@ -52,9 +52,11 @@ def model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
   if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
     raise click.BadParameter(f"{model}: microbatch_size={mbs!r} must be an integer >= 1",
                              param_hint="--model")
-  # Fields not given are GPT-39B's (the paper's model: fp16, automatic layers).
+  # Fields not given are GPT-39B's (the paper's model: fp16, automatic layers), or
+  # Mixtral-8x7B's for the Mixtral family.
   classes = {"gpt": (GPT_39B, GPT),
-             "moe": (MoEConfig(**dataclasses.asdict(GPT_39B)), MoETransformer)}
+             "moe": (MoEConfig(**dataclasses.asdict(GPT_39B)), MoETransformer),
+             "mixtral": (MIXTRAL_8X7B, Mixtral)}
   if not isinstance(family, str) or family not in classes:
     raise click.BadParameter(f"{model}: family {family!r}; choose one of {sorted(classes)}",
                              param_hint="--model")
@@ -80,6 +82,10 @@ def model_spec(model: str, num_microbatches: int, microbatch_size: int | None):
                       num_microbatches=num_microbatches)
 
 
+_OPTIONAL = ("capacity_factor", "num_kv_heads")
+"""Model config fields that take ``null`` (no drops; as many key/value heads as heads)."""
+
+
 def config_problem(name: str, value, default) -> str | None:
   """What is wrong with a model config field's value (its type is the default's)."""
   if name.endswith("dtype"):
@@ -91,8 +97,12 @@ def config_problem(name: str, value, default) -> str | None:
     except TypeError:
       return "is not a dtype name (float32, bfloat16, float16, ...)"
     return None if isinstance(value, str) else "must be a dtype name"
+  if value is None and name in _OPTIONAL:
+    return None
   if isinstance(default, bool):
     return None if isinstance(value, bool) else "must be true or false"
+  if isinstance(default, str):
+    return None if isinstance(value, str) else "must be a string"
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     return "must be a number"
   if isinstance(default, int) and not isinstance(value, int):
@@ -103,6 +113,8 @@ def config_problem(name: str, value, default) -> str | None:
     return None if 0 <= value < 1 else "must be in [0, 1)"
   if name == "layer_marks":
     return None if value in (0, 1, 2) else "must be 0, 1 or 2"
+  if name == "aux_loss_coef":
+    return None if value >= 0 else "must be >= 0"
   return None if value > 0 else "must be > 0"
 
 

@@ -1,9 +1,11 @@
-"""Built-in models: the GPT of the examples and of the paper, MLPs and MoE blocks.
+"""Built-in models: the GPT of the examples and of the paper, MLPs, MoE blocks and a
+Mixtral-shaped MoE transformer.
 
 :data:`BUILTIN_MODELS` maps a name (``"gpt-39b"``, ``"gpt-15b"``, ``"gpt-2.6b"``,
-``"gpt-tiny"``, ``"moe-tiny"``) to a factory ``factory(*, microbatch_size=None,
-num_microbatches=1, abstract=True, **config_overrides) -> ModelSpec``. With ``abstract=True`` (the default) the
-train state and batch are ``jax.ShapeDtypeStruct`` s, so a 39B-parameter model is traced and
+``"gpt-tiny"``, ``"moe-tiny"``, ``"mixtral-8x7b"``, ``"mixtral-tiny"``) to a factory
+``factory(*, microbatch_size=None, num_microbatches=1, abstract=True, **config_overrides) ->
+ModelSpec``. With ``abstract=True`` (the default) the train state and batch are
+``jax.ShapeDtypeStruct`` s, so a 39B-parameter model is traced and
 costed without allocating it (what ``python -m harpjax plan --model gpt-39b`` needs)::
 
     spec = BUILTIN_MODELS["gpt-39b"](num_microbatches=4)
@@ -22,14 +24,15 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from harpjax.models import gpt, moe
+from harpjax.models import gpt, mixtral, moe
 from harpjax.models.gpt import GPT, GPT_2_6B, GPT_15B, GPT_39B, GPT_TINY, GPTConfig
+from harpjax.models.mixtral import MIXTRAL_8X7B, MIXTRAL_TINY, Mixtral, MixtralConfig
 from harpjax.models.mlp import MLP, DropoutMLP
 from harpjax.models.moe import MOE_TINY, MoEConfig, MoETransformer
 
 __all__ = ["ModelSpec", "BUILTIN_MODELS", "make_lm_spec", "GPT", "GPTConfig", "GPT_39B",
            "GPT_15B", "GPT_2_6B", "GPT_TINY", "MLP", "DropoutMLP", "MoEConfig", "MoETransformer",
-           "MOE_TINY"]
+           "MOE_TINY", "Mixtral", "MixtralConfig", "MIXTRAL_8X7B", "MIXTRAL_TINY", "lm_loss_for"]
 
 
 class ModelSpec(NamedTuple):
@@ -55,14 +58,24 @@ class ModelSpec(NamedTuple):
   microbatch_size: int
 
 
+def lm_loss_for(config) -> Callable:
+  """The train loss ``loss(outputs, labels)`` of a built-in model's configuration: the token
+  cross-entropy, plus the weighted load-balancing loss for a :class:`MixtralConfig`."""
+  if isinstance(config, MixtralConfig):
+    return lambda outputs, labels: mixtral.mixtral_loss(outputs, labels, config.aux_loss_coef)
+  return gpt.lm_loss
+
+
 def make_lm_spec(name: str, model, config, *, microbatch_size: int, num_microbatches: int = 1,
                  abstract: bool = True, seed: int = 0) -> ModelSpec:
-  """A language-model train step (token cross-entropy, Adam) around ``model``."""
+  """A language-model train step (token cross-entropy, Adam) around ``model``; its loss is
+  :func:`lm_loss_for` ``(config)``."""
   import harpjax  # late: harpjax imports the compiler, which does not import models
 
   batch_size = microbatch_size * num_microbatches
   tokens = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
   tx = optax.adam(1e-4)
+  loss_of = lm_loss_for(config)
 
   def create(key):
     params = model.init(key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
@@ -70,8 +83,8 @@ def make_lm_spec(name: str, model, config, *, microbatch_size: int, num_microbat
 
   def step(state, batch):
     def loss_fn(params):
-      logits = state.apply_fn({"params": params}, batch["tokens"])
-      return gpt.lm_loss(logits, batch["labels"])
+      outputs = state.apply_fn({"params": params}, batch["tokens"])
+      return loss_of(outputs, batch["labels"])
     loss, grads = harpjax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
@@ -104,5 +117,7 @@ BUILTIN_MODELS: dict[str, Callable[..., ModelSpec]] = {
     "gpt-2.6b": _gpt_factory("gpt-2.6b", gpt.GPT_2_6B, 8),
     "gpt-tiny": _gpt_factory("gpt-tiny", gpt.GPT_TINY, 2),
     "moe-tiny": _gpt_factory("moe-tiny", moe.MOE_TINY, 2, cls=moe.MoETransformer),
+    "mixtral-8x7b": _gpt_factory("mixtral-8x7b", mixtral.MIXTRAL_8X7B, 1, cls=mixtral.Mixtral),
+    "mixtral-tiny": _gpt_factory("mixtral-tiny", mixtral.MIXTRAL_TINY, 2, cls=mixtral.Mixtral),
 }
 """Name -> factory of a :class:`ModelSpec` (see the module docstring)."""

@@ -149,6 +149,7 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits, labels):
-  """Mean token cross-entropy, computed in float32."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  """Mean token cross-entropy, computed in float32 (in float64 for float64 logits)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
+                            axis=-1)
   return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()

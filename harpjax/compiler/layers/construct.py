@@ -17,7 +17,8 @@ Automatic construction (:func:`construct_layers`, HARP §5.1; see ``docs/layers.
    tensors (section "step 3": a DP over low-crossing cut points), and apply the same relative
    cuts to every instance, so layers of one repeat have the signatures of any other.
 
-Manual :func:`harpjax.mark_layer_boundary` calls win where present
+Each module records whether it holds a routed block (a mixture of experts: :func:`routes`,
+``Module.routed``). Manual :func:`harpjax.mark_layer_boundary` calls win where present
 (:func:`layers_from_boundaries`). :func:`layers_for_step` and :func:`traced_step_for` connect
 layers with a traced step.
 """
@@ -169,6 +170,8 @@ def construct_layers(program: Program, input_kinds: Sequence[str] | None = None,
   names = _kind_names(mods, paths)
   plan = _cluster(mods, facts, opts)
   layers, modules = [], []
+  routed_kind: dict[int, bool] = {}
+  after_matmul = _after_matmul(program, facts)
   for mi, (a, b, kind, path) in enumerate(mods):
     first = len(layers)
     rel = plan[kind]
@@ -177,8 +180,10 @@ def construct_layers(program: Program, input_kinds: Sequence[str] | None = None,
       layers.append(_layer(program, facts, len(layers), x, y, module=names[kind],
                            module_index=mi, position=q))
     repeated = sum(1 for m in mods if m[2] == kind) > 1
+    if kind not in routed_kind:
+      routed_kind[kind] = routes(program, facts, a, b, after_matmul)
     modules.append(Module(mi, kind, names[kind], "/".join(path), a, b, first,
-                          len(layers) - 1, repeated))
+                          len(layers) - 1, repeated, routed_kind[kind]))
   seq = LayerSequence(program, tuple(layers), _summary(layers, modules), tuple(modules), kinds,
                       origin)
   log.info("layer construction: %d ops -> %s (%.2f s)", n, seq.summary,
@@ -192,10 +197,12 @@ def _from_manual(program, facts, cuts, kinds, origin) -> LayerSequence:
   kind_of: dict[str, int] = {}
   modules = []
   count = collections.Counter(l.signature for l in layers)
+  after_matmul = _after_matmul(program, facts)
   for l in layers:
     k = kind_of.setdefault(l.signature, len(kind_of))
     modules.append(Module(l.index, k, l.name, l.name, l.start, l.end, l.index, l.index,
-                          count[l.signature] > 1))
+                          count[l.signature] > 1,
+                          routes(program, facts, l.start, l.end, after_matmul)))
   layers = [dataclasses.replace(l, module=l.name, module_index=l.index) for l in layers]
   n = len(layers)
   return LayerSequence(program, tuple(layers),
@@ -292,6 +299,53 @@ def _kind_names(mods, paths) -> dict[int, str]:
       name = f"{name}#{seen[name]}"
     out[k] = name
   return out
+
+
+# ------------------------------------------------------------------ routed blocks (MoE)
+
+_SELECTIONS = frozenset({"argmax", "argmin", "top_k"})
+
+
+def _after_matmul(program: Program, facts: Facts) -> set[int]:
+  """Ids of the values computed, transitively, from a compute-heavy op's results."""
+  return program.dependents((), sources={i for i in range(len(program.ops))
+                                         if facts.heavy[i] > 0})
+
+
+def routes(program: Program, facts: Facts, a: int, b: int,
+           after_matmul: set[int] | None = None) -> bool:
+  """Whether ops ``[a, b)`` hold a routed block (a mixture of experts).
+
+  A routed block is a router, a dispatch, experts and a combine: a data-dependent choice
+  (``argmax``, ``argmin``, ``top_k``, or a ``sort`` that carries indices, i.e. ``argsort``)
+  over scores computed by a matmul, whose choice reaches, through any ops, a compute-heavy op
+  of the same range (the dispatch einsum that moves tokens to the chosen experts; with a gather
+  by index instead, the expert matmuls reading the gathered tokens). Attention's softmax, a
+  loss's ``argmax`` for an accuracy, or a ``sort`` of values alone do not qualify.
+
+  Args:
+    program: the forward program.
+    facts: its per-op facts (compute-heavy counts).
+    a, b: the op range.
+    after_matmul: :func:`_after_matmul` of the program, if already computed.
+
+  Returns:
+    ``True`` where the range routes.
+  """
+  after = _after_matmul(program, facts) if after_matmul is None else after_matmul
+  for i in range(a, b):
+    op = program.ops[i]
+    selects = op.name in _SELECTIONS or (op.name == "sort" and len(op.invars) > 1)
+    if not selects or not any(v in after for v in op.in_ids()):
+      continue
+    chosen = {v for v in op.outvars if v >= 0}
+    for j in range(i + 1, b):
+      later = program.ops[j]
+      if any(v in chosen for v in later.in_ids()):
+        if facts.heavy[j] > 0:
+          return True
+        chosen.update(v for v in later.outvars if v >= 0)
+  return False
 
 
 # ----------------------------------------------------------- step 3: clustering into layers

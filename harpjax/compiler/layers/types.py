@@ -65,6 +65,11 @@ class Module:
     start, end: op range.
     first_layer, last_layer: inclusive layer range.
     repeated: whether the kind has several instances.
+    routed: whether the module holds a routed block (a mixture of experts): a router's
+      data-dependent choice (``argmax``, ``top_k``, an index-returning ``sort``) over scores
+      computed by a matmul, reaching the matmuls that dispatch tokens to experts and combine
+      their outputs, inside the module. Equal for every instance of a kind. See
+      docs/layers.md, "Module kinds".
   """
   index: int
   kind: int
@@ -75,6 +80,7 @@ class Module:
   first_layer: int
   last_layer: int
   repeated: bool
+  routed: bool = False
 
   @property
   def num_layers(self) -> int:
@@ -178,6 +184,10 @@ class LayerSequence:
     counts = collections.Counter(m.name for m in self.modules
                                  if m.repeated or not repeated_only)
     return dict(counts)
+
+  def routed_modules(self) -> list[Module]:
+    """The module instances holding a routed block (:attr:`Module.routed`)."""
+    return [m for m in self.modules if m.routed]
 
   def instances(self, name: str) -> list[Module]:
     """The module instances of kind ``name``."""
