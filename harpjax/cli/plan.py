@@ -46,8 +46,9 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               type=click.Path(exists=True, dir_okay=False),
               help="Cluster YAML file (see docs/cluster.md).")
 @click.option("--model", required=True,
-              help="Built-in model (gpt-39b, gpt-15b, gpt-2.6b, gpt-tiny, moe-tiny) or a "
-                   "YAML/JSON file of GPT config fields (family: gpt|moe, hidden, num_blocks, "
+              help="Built-in model (gpt-39b, gpt-15b, gpt-2.6b, gpt-tiny, moe-tiny, mixtral-8x7b, "
+                   "mixtral-tiny) or a YAML/JSON file of config fields (family: "
+                   "gpt|moe|mixtral, hidden, num_blocks, "
                    "num_heads, seq_len, vocab_size, microbatch_size, ...).")
 @click.option("-B", "--microbatches", "num_microbatches",
               type=click.IntRange(1, MAX_MICROBATCHES),
