@@ -36,8 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.schedule.zebra import (bipartite_all_to_all_time_s, simulate_zebra,
-                                             ZebraCosts)
+from harpjax.compiler.schedule import bipartite_all_to_all_time_s, simulate_zebra, ZebraCosts
 from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,9 @@ from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups,
                                               h1f1b_rule, h1f1b_warmups, one_f_one_b_warmups,
                                               PipelineCosts, pipeline_period, plan_warmups,
                                               warmup_delta)
-from harpjax.compiler.schedule.zebra import (simulate_zebra, theorem1_order, ZebraCosts,
-                                             ZebraOrder, ZebraResult, ZebraTask)
+from harpjax.compiler.schedule.zebra import (bipartite_all_to_all_time_s, simulate_zebra,
+                                             theorem1_order, ZebraCosts, ZebraOrder,
+                                             ZebraResult, ZebraTask)
 
 __all__ = [
     "as_task", "dry_run", "EAGER_1F1B", "eager_1f1b_warmups", "format_tables", "GPIPE",
@@ -45,6 +46,6 @@ __all__ = [
     "Schedule", "schedule_key", "schedule_kind", "schedule_names", "SCHEDULE_NAMES",
     "ScheduleKind", "SimResult", "simulate", "table_from_warmups", "table_warmups",
     "tables_to_arrays", "Task", "timeline", "TimelineEvent", "unregister_schedule",
-    "validate_tables", "warmup_delta", "simulate_zebra", "theorem1_order", "ZebraCosts",
+    "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_order", "ZebraCosts",
     "ZebraOrder", "ZebraResult", "ZebraTask",
 ]
