@@ -220,6 +220,7 @@ GPU_CATALOG: dict[str, GPUType] = {g.name: g for g in (
     _catalog_entry("H100-80G", 989, 80, 3350, 900),     # SXM5, NVLink 4
     _catalog_entry("H200", 989, 141, 4800, 900),        # SXM, NVLink 4
     _catalog_entry("L40S", 362, 48, 864, 64),           # PCIe Gen4
+    _catalog_entry("A40", 149.7, 48, 696, 64),          # PCIe Gen4 (GA102, GDDR6)
     _catalog_entry("A10G", 70, 24, 600, 64),            # PCIe Gen4 (AWS g5)
     _catalog_entry("T4", 65, 16, 320, 32),              # PCIe Gen3
     _catalog_entry("RTX-4090", 165.2, 24, 1008, 64),    # PCIe Gen4, fp16 accumulate

@@ -10,7 +10,9 @@ dependency-valid order :func:`dry_run`), :mod:`~harpjax.compiler.schedule.regist
 :func:`register_schedule`, :func:`make_schedule`), :mod:`~harpjax.compiler.schedule.sim_kernel`
 (the simulator's Numba kernel, its Python twin and an event-driven reference),
 :mod:`~harpjax.compiler.schedule.simulator` (:func:`simulate`) and
-:mod:`~harpjax.compiler.schedule.timeline` (Chrome traces, Gantt charts). A new schedule is a
+:mod:`~harpjax.compiler.schedule.timeline` (Chrome traces, Gantt charts) and
+:mod:`~harpjax.compiler.schedule.zebra` (a mixture-of-experts stage split between an attention
+group and an expert group: its tasks, Theorem 1's order, its event-driven simulator). A new schedule is a
 registered :class:`ScheduleKind`, or any table that passes :func:`validate_tables`.
 """
 
@@ -31,6 +33,9 @@ from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups,
                                               h1f1b_rule, h1f1b_warmups, one_f_one_b_warmups,
                                               PipelineCosts, pipeline_period, plan_warmups,
                                               warmup_delta)
+from harpjax.compiler.schedule.zebra import (bipartite_all_to_all_time_s, simulate_zebra,
+                                             theorem1_order, ZebraCosts, ZebraOrder,
+                                             ZebraResult, ZebraTask)
 
 __all__ = [
     "as_task", "dry_run", "EAGER_1F1B", "eager_1f1b_warmups", "format_tables", "GPIPE",
@@ -41,5 +46,6 @@ __all__ = [
     "Schedule", "schedule_key", "schedule_kind", "schedule_names", "SCHEDULE_NAMES",
     "ScheduleKind", "SimResult", "simulate", "table_from_warmups", "table_warmups",
     "tables_to_arrays", "Task", "timeline", "TimelineEvent", "unregister_schedule",
-    "validate_tables", "warmup_delta",
+    "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_order", "ZebraCosts",
+    "ZebraOrder", "ZebraResult", "ZebraTask",
 ]
