@@ -1,8 +1,12 @@
 """Phase 3, profiling: cost tables (the planner's only input) from a layer sequence and a
 cluster, each distinct layer costed once per GPU type, submesh and logical mesh (HARP §5.1).
 
-Modules: :mod:`~harpjax.compiler.profile.tables` (:class:`CostTables` and the one builder of
-them), :mod:`~harpjax.compiler.profile.collectives` (collective times on a link),
+Modules: :mod:`~harpjax.compiler.profile.tables` (:class:`CostTables`, the type and its
+checks), :mod:`~harpjax.compiler.profile.assemble` (:func:`assemble_tables`, the one builder
+of them), :mod:`~harpjax.compiler.profile.layer_profile` (the layer-profile cost model:
+:class:`LayerProfile`, :class:`SubclusterSpec`, :func:`synthetic_gpt_profile`),
+:mod:`~harpjax.compiler.profile.remat_choice` (:func:`with_remat_choice`: the remat mode as a
+per-stage choice), :mod:`~harpjax.compiler.profile.collectives` (collective times on a link),
 :mod:`~harpjax.compiler.profile.calibration` (the analytic time model, its per-GPU factors and
 the published measurements), :mod:`~harpjax.compiler.profile.pieces` (a layer as a standalone
 function and what XLA says of it), :mod:`~harpjax.compiler.profile.estimate` (the same
@@ -19,9 +23,11 @@ from harpjax.compiler.profile.cache import CACHE_DIR_ENV, default_cache_dir, Pro
 from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, profile_step,
                                                ProfileOptions, ProfileResult, ProfileStats,
                                                progress_bar, SOURCES, tables_for_plan)
-from harpjax.compiler.profile.tables import (assemble_tables, CostTables, LayerProfile,
-                                             memory_to_compute_order, SubclusterSpec,
-                                             synthetic_gpt_profile, with_remat_choice)
+from harpjax.compiler.profile.assemble import assemble_tables
+from harpjax.compiler.profile.layer_profile import (LayerProfile, memory_to_compute_order,
+                                                    SubclusterSpec, synthetic_gpt_profile)
+from harpjax.compiler.profile.remat_choice import with_remat_choice
+from harpjax.compiler.profile.tables import CostTables
 from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_time_s,
                                            stage_memory, StageMemory, ZERO_LEVELS,
                                            zero_collectives, zero_layer_costs,
