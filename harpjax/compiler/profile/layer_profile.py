@@ -21,6 +21,7 @@ import numpy as np
 from harpjax.cluster import Link, paper_submeshes
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
+from harpjax.compiler.profile.routes import replica_link
 from harpjax.compiler.profile.tables import (check_int, check_seq, check_submeshes, CostTables,
                                              range_sums)
 from harpjax.errors import CostTablesError
@@ -307,7 +308,7 @@ class LayerProfile:
         if tp > 1:
           t = t + allreduce_time_s(sums["tp_comm_bytes"] / dp, tp, host)
         sync = 0.0
-        link = host if n == 1 else node
+        link = replica_link((n, m), host, node)
         if dp > 1:
           sync = allreduce_time_s(sums["param_bytes"] / tp, dp, link)
         zero = ()
