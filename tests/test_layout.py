@@ -183,3 +183,39 @@ def test_only_the_runtime_imports_ray():
 def test_each_package_states_its_surface(unit):
   assert _exports(unit) or unit in ("harpjax.compiler", "harpjax.examples"), \
       f"{unit}/__init__.py has no __all__"
+
+
+def _named_in_layout_doc() -> set[str]:
+  """The module paths the tree of ``docs/layout.md`` names: every ``name.py`` on a line of the
+  tree, in the folder its line's indentation puts it (a line that starts with one ``name/``
+  opens that folder at that indentation; the names on it are inside)."""
+  text = (ROOT.parent / "docs" / "layout.md").read_text()
+  tree = text.split("```\nharpjax/\n", 1)[1].split("```", 1)[0]
+  named, folders = set(), [(-1, "harpjax")]   # (indentation, folder)
+  for line in tree.splitlines():
+    if not line.strip():
+      continue
+    indent = len(line) - len(line.lstrip())
+    first = line.split()[0]
+    if first.endswith("/") or first.endswith(".py"):
+      while folders[-1][0] >= indent:
+        folders.pop()
+      if indent == 0:   # a top-level folder beside harpjax/ (tools/)
+        folders = [(-1, "")]
+    words = line.split()
+    if first.endswith("/") and sum(w.endswith("/") for w in words) == 1:
+      folders.append((indent, "/".join(p for p in (folders[-1][1], first.rstrip("/")) if p)))
+    here = folders[-1][1]
+    for w in words:
+      w = w.strip("(),;:`")
+      if w.endswith(".py") and "/" not in w:
+        named.add(f"{here}/{w}" if here else w)
+  return named
+
+
+def test_layout_doc_names_every_module():
+  named = _named_in_layout_doc()
+  missing = sorted(str(p.relative_to(ROOT.parent)) for p in MODULES.values()
+                   if p.name != "__init__.py" and str(p.relative_to(ROOT.parent)) not in named)
+  assert not missing, ("docs/layout.md does not name these modules; add each to its folder "
+                       "in the tree, with what it holds: " + ", ".join(missing))

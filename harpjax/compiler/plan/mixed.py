@@ -19,7 +19,8 @@ groups once per iteration before the update. This module costs such stages on th
   :mod:`harpjax.compiler.stages.split`), so every other group also waits for its rows of the
   stage's inputs and outputs to cross the link from and to the home, forward and backward:
   ``route_g = 2 (in_i + out_j) r / b / bw + 4 lat`` (``in_i`` the boundary bytes of the cut
-  before layer ``i``, ``out_j`` of the cut after ``j``; none at the ends of the model). The
+  before layer ``i``, ``out_j`` of the cut after ``j``; none at the ends of the model;
+  :func:`~harpjax.compiler.profile.group_route_s`). The
   stage's forward+backward time per microbatch is ``max_g (t_g(r_g) + route_g)`` (the groups
   run in parallel on their own devices). ``r_g`` must be a multiple of ``dp_g``.
 * *memory* per device of group ``g``: its entry's parameter bytes (parameters, gradients and
@@ -29,10 +30,13 @@ groups once per iteration before the update. This module costs such stages on th
   ``end_time_s``) plus the cross-group sum as the runtime does it: every other group sends
   its gradient (one replica's bytes) to the home, which sums them, updates, and sends the
   parameters back, one group after the other over the link between them,
-  ``sum over g != home of 2 (grad_bytes / bandwidth + latency)``. The gradient bytes are
+  ``sum over g != home of 2 (grad_bytes / bandwidth + latency)``
+  (:func:`~harpjax.compiler.profile.home_sync_s`). The gradient bytes are
   :attr:`MixedOptions.grad_bytes` summed over the layers when given, else
   ``grad_fraction`` (0.25: weights, gradient and two Adam moments of one size) times the
-  largest per-replica state of the groups (``param_mem_bytes * tp``).
+  largest per-replica state of the groups (``param_mem_bytes * tp``,
+  :func:`~harpjax.compiler.profile.replica_grad_bytes`). Every formula here is one of
+  :mod:`harpjax.compiler.profile`'s; this module composes them.
 * *cuts*: between the homes of two stages, at the full ``b`` rows: the tables' cut between
   the two home subclusters (the other groups' rows travel inside the stage time above). A
   plain stage is its own home, so between two plain stages this is the tables' cut.
@@ -103,7 +107,8 @@ from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
 from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
                                            variant_arrays)
-from harpjax.compiler.profile import CostTables
+from harpjax.compiler.profile import (CostTables, group_route_s, home_sync_s, range_sums,
+                                      replica_grad_bytes, sync_per_microbatch)
 from harpjax.compiler.schedule import (H1F1B, PipelineCosts, pipeline_period, schedule_kind,
                                        ScheduleKind)
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
@@ -190,47 +195,12 @@ def _group_time(t_full, rows, b: int, alpha: float):
   return t_full * (alpha + (1.0 - alpha) * (rows / b))
 
 
-def _route_s(tables: CostTables, home: int, k: int, rows: int, b: int, i, j):
-  """Seconds a group on subcluster ``k`` with ``rows`` of ``b`` rows waits per microbatch for
-  its rows of a stage on layers ``i..j`` (scalars or index arrays) to cross from and to the
-  home on ``home``: inputs and outputs forward, their cotangents backward."""
-  bw, lat = _link(tables, home, k) if home != k else _link(tables, k, k)
-  L = tables.num_layers
-  bb = np.asarray(tables.boundary_bytes, float)
-  i, j = np.asarray(i), np.asarray(j)
-  into = np.where(i > 0, bb[np.maximum(i - 1, 0)], 0.0)
-  out = np.where(j < L - 1, bb[np.minimum(j, L - 1)], 0.0)
-  if not bw > 0:
-    return np.full(np.broadcast(into, out).shape, np.inf)
-  return 2.0 * (into + out) * (rows / b) / bw + 4.0 * lat
-
-
-def _home_sync_s(tables: CostTables, home: int, others: Sequence[int], nbytes):
-  """The cross-group sum: each other group's gradient to the home and the parameters back,
-  one group after the other."""
-  total = 0.0 * nbytes
-  for k in others:
-    bw, lat = _link(tables, home, k) if home != k else _link(tables, k, k)
-    if not bw > 0:
-      return math.inf + total
-    total = total + 2.0 * (nbytes / bw + lat)
-  return total
-
-
-def _link(tables: CostTables, a: int, b: int) -> tuple[float, float]:
-  """``(bandwidth, latency)`` from subcluster ``a`` to ``b`` (its own link when equal);
-  bandwidth ``0``: no link."""
-  if a == b:
-    return float(tables.intra_bandwidth_bytes_per_s[a]), float(tables.intra_latency_s[a])
-  return (float(tables.link_bandwidth_bytes_per_s[a][b]),
-          float(tables.link_latency_s[a][b]))
-
-
 def _cut(tables: CostTables, j: int, send: Sequence[tuple[int, int]],
          recv: Sequence[tuple[int, int]]) -> float:
   """Seconds of the cut after layer ``j`` between stages on groups ``send`` and ``recv``, each
   a list of ``(subcluster, rows)``, home first: the tables' cut between the homes (``b``
-  rows; the other groups' rows cross inside the stages' times, :func:`_route_s`)."""
+  rows; the other groups' rows cross inside the stages' times,
+  :func:`~harpjax.compiler.profile.group_route_s`)."""
   return float(tables.pair_comm_s[send[0][0], recv[0][0], j])
 
 
@@ -305,8 +275,9 @@ def _grad_bytes(tables: CostTables, options: MixedOptions, i: int, j: int,
       raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
                       f"{tables.num_layers} layers")
     return float(sum(options.grad_bytes[i:j + 1]))
-  return max(options.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
-             * tables.logical_mesh_of(k, i, j, s)[1] for k, s in entries)
+  return max(replica_grad_bytes(float(tables.param_mem_bytes[k][i, j, s]),
+                                tables.logical_mesh_of(k, i, j, s)[1], options.grad_fraction)
+             for k, s in entries)
 
 
 def _zero_numbers(tables: CostTables, layers: tuple[int, int], k: int, s: int, zero: int,
@@ -395,10 +366,9 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
       act_bytes = a_v * frac
     if not single and zero < 2 and tables.sync_time_s is not None:
       # A mixed-type stage's groups reduce their gradients every microbatch, not once.
-      y = float(tables.sync_time_s[k][i, j, s])
-      time_s, end_s = time_s + y, max(end_s - y, 0.0)
+      time_s, end_s = sync_per_microbatch(time_s, end_s, float(tables.sync_time_s[k][i, j, s]))
     if x:
-      time_s += float(_route_s(tables, home, k, r, b, i, j))
+      time_s += float(group_route_s(tables, home, k, r, b, i, j))
     out.append(GroupCost(
         subcluster=k, submesh_index=s, submesh=tables.submeshes[k][s], logical_mesh=lm, rows=r,
         time_s=time_s, param_bytes=param_bytes, act_bytes=act_bytes, end_s=end_s,
@@ -408,7 +378,7 @@ def mixed_stage_cost(tables: CostTables, layers: tuple[int, int],
   sync = gb = 0.0
   if len(out) > 1:
     gb = _grad_bytes(tables, options, i, j, [(g.subcluster, g.submesh_index) for g in out])
-    sync = float(_home_sync_s(tables, home, [g.subcluster for g in out[1:]], gb))
+    sync = float(home_sync_s(tables, home, [g.subcluster for g in out[1:]], gb))
   return MixedStageCost(layers=(i, j), groups=tuple(out), time_s=max(g.time_s for g in out),
                         end_s=end + sync, sync_s=sync, grad_bytes=gb)
 
@@ -943,19 +913,18 @@ def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOption
       p, act, e = pz[:, :, s], az[:, :, s], ez[:, :, s]
     if zero < 2 and tables.sync_time_s is not None:
       # A mixed-type stage's groups reduce their gradients every microbatch, not once.
-      y = tables.sync_time_s[k][:, :, s]
-      T_g, e = T_g + y, np.maximum(e - y, 0.0)
-    t = np.maximum(t, T_g + (_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
+      T_g, e = sync_per_microbatch(T_g, e, tables.sync_time_s[k][:, :, s])
+    t = np.maximum(t, T_g + (group_route_s(tables, home, k, r, b, ii, jj) if x else 0.0))
     nmax = np.minimum(nmax, _max_inflight(p, act * (r / b), tables.device_memory_bytes[k], B))
     end = np.maximum(end, e)
-    gb = np.maximum(gb, options.grad_fraction * p0 * tp)
+    gb = np.maximum(gb, replica_grad_bytes(p0, tp, options.grad_fraction))
   if options.grad_bytes is not None:
     if len(options.grad_bytes) != L:
       raise PlanError(f"MixedOptions.grad_bytes has {len(options.grad_bytes)} entries for "
                       f"{L} layers")
-    gb = _range_sums(options.grad_bytes)
+    gb = range_sums(options.grad_bytes)
   ok &= nmax >= 1
-  sync = _home_sync_s(tables, home, [k for k, _, _ in parts[1:]], np.where(ok, gb, 0.0))
+  sync = home_sync_s(tables, home, [k for k, _, _ in parts[1:]], np.where(ok, gb, 0.0))
   t_v[:, :, 0] = np.where(ok, t, np.inf)
   a_v[:, :, 0] = np.where(ok, 1.0 / (np.maximum(nmax, 1) + 0.5), 0.0)
   e_v[:, :, 0] = np.where(ok, end + sync, 0.0)
@@ -1165,12 +1134,3 @@ def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: Mixe
 
 
 register_mixed_search(solve_mixed)
-
-
-def _range_sums(x: Sequence[float]) -> np.ndarray:
-  """``[L, L]`` sums of ``x[i..j]`` added left to right (as :func:`sum` adds them)."""
-  L = len(x)
-  out = np.zeros((L, L))
-  for i in range(L):
-    out[i, i:] = np.cumsum(np.asarray(x[i:], np.float64))
-  return out

@@ -17,7 +17,10 @@ offloads of the variant they use (:attr:`~harpjax.compiler.plan.StageSpec.zero`,
 degree, ``P`` its ``param_mem_bytes``, ``O`` its ``opt_mem_bytes``, weights and gradients
 ``W = G = (P - O) / 2``, ``A`` its ``act_mem_bytes``, ``g`` its ``gather_time_s``, ``t`` and
 ``e`` its stage and end times, ``bw`` the subcluster's ``offload_bandwidth_bytes_per_s``;
-:mod:`harpjax.compiler.profile.zero` for the levels):
+:mod:`harpjax.compiler.profile.zero` for the levels, whose functions compute every number
+below: the split by :func:`~harpjax.compiler.profile.stage_memory`, the times by
+:func:`~harpjax.compiler.profile.zero_stage_times`, the transfers to host memory by
+:func:`~harpjax.compiler.profile.offload_time_s`):
 
 * state held: ``W_z + G_z + O_z`` with ``O_z = O / dp`` from level 1, ``G_z = G / dp`` from
   level 2, ``W_z = W / dp`` at level 3; with offload the pipeline holds ``W_z + G_z`` only,
@@ -78,7 +81,8 @@ from typing import Sequence
 
 import numpy as np
 
-from harpjax.compiler.profile import CostTables, stage_memory
+from harpjax.compiler.profile import (activation_offload_time_s, CostTables, offload_time_s,
+                                      stage_memory, zero_stage_times)
 from harpjax.errors import PlanError
 from harpjax.compiler.trace import REMAT_MODES
 
@@ -195,28 +199,24 @@ def _variant(tables: CostTables, k: int, zero: int, offload: bool, offload_activ
                            (L, L, S))
     g = tables.gather_time_s[k] if tables.gather_time_s is not None else np.zeros_like(P)
     model = memory_model(tables, k, dp, zero, offload)
-    O_z = O / dp if zero >= 1 else O
-    G_z = G / dp if zero >= 2 else G
-    W_z = W / dp if zero >= 3 else W
-    state = W_z + G_z + O_z if model is None else model.fixed_bytes()
-    t = t0 + 2.0 * g if zero >= 3 else t0
-    e = e0 + g if zero in (1, 2) else e0
-    if zero >= 2 and y is not None:   # reduce-scattered every microbatch, not all-reduced
-      t = t + g
-      e = np.maximum(e - y, 0.0)
+    # the level's split of the state over dp (the one of stage_memory)
+    split = stage_memory(param_bytes=W, grad_bytes=G, opt_bytes=O, act_bytes=0.0, dp=dp,
+                         zero=zero)
+    state = split.state_bytes if model is None else model.fixed_bytes()
+    t, e = zero_stage_times(t0, e0, g, y, zero)
     if model is not None:   # the memory model's reduction and update
       step = model.step_bytes()
       allowed = np.isfinite(t0) & (step <= mem)
     elif offload:
       allowed = finite & (state <= mem)
     if offload:
-      e = e + 2.0 * O_z / tables.offload_bandwidth_bytes_per_s[k]
+      e = e + offload_time_s(split.opt_bytes, tables.offload_bandwidth_bytes_per_s[k])
       if model is None:
-        state = W_z + G_z
+        state = split.param_bytes + split.grad_bytes
   if offload_activations:
     # At most two microbatches' residuals on the device, as fixed bytes; none per microbatch
-    # in flight; both trips over the host link per microbatch (activation_offload_time_s).
-    t = t + 2.0 * a / tables.offload_bandwidth_bytes_per_s[k]
+    # in flight; both trips over the host link per microbatch.
+    t = t + activation_offload_time_s(a, tables.offload_bandwidth_bytes_per_s[k])
     state = state + 2.0 * a
     a = np.zeros_like(a)
   return t, state, a, e, allowed, step

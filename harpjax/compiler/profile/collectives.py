@@ -1,8 +1,13 @@
-"""Collective communication times on one link (ring algorithms).
+"""Collective communication times on one link (ring algorithms), and the round trip of a
+point-to-point transfer.
 
 The one cost model of collectives in harpjax: the profiler's per-layer tensor-parallel
-collectives and gradient all-reduce, and :meth:`CostTables.from_layer_costs
-<harpjax.compiler.profile.CostTables.from_layer_costs>`'s per-range ones.
+collectives and gradient all-reduce, :meth:`CostTables.from_layer_costs
+<harpjax.compiler.profile.CostTables.from_layer_costs>`'s per-range ones, and ZeRO's
+(:mod:`~harpjax.compiler.profile.zero`). :func:`round_trip_time_s` is every transfer there and
+back: the optimizer state or the residuals to host memory and back
+(:func:`~harpjax.compiler.profile.offload_time_s`), a mixed-type stage's rows and gradients to
+its home group and back (:mod:`~harpjax.compiler.profile.routes`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import numpy as np
 
 from harpjax.cluster import Link
 
-__all__ = ["allreduce_time_s", "allgather_time_s", "collective_time_s"]
+__all__ = ["allreduce_time_s", "allgather_time_s", "collective_time_s", "round_trip_time_s"]
 
 
 def allreduce_time_s(nbytes, p: int, link: Link):
@@ -61,3 +66,15 @@ def collective_time_s(colls: dict, p: int, link: Link) -> float:
     else:                              # all-gather, all-to-all
       total += (p - 1) / p * nbytes / bw + (p - 1) * lat * count
   return total
+
+
+def round_trip_time_s(nbytes, bandwidth_bytes_per_s: float, latency_s: float = 0.0):
+  """Seconds to send ``nbytes`` over a link and as many back: ``2 (latency + bytes /
+  bandwidth)`` (``latency_s`` per direction: the latency of every message sent that way).
+
+  Args:
+    nbytes: bytes each way (a scalar, or an array: then so is the result).
+    bandwidth_bytes_per_s: the link's bandwidth, one direction.
+    latency_s: seconds per direction.
+  """
+  return 2.0 * (latency_s + nbytes / bandwidth_bytes_per_s)

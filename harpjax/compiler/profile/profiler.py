@@ -47,8 +47,9 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
 from harpjax.compiler.profile.memory import stage_memory
-from harpjax.compiler.profile.tables import (CostTables, assemble_tables, in_remat_mode,
-                                             range_max, range_sums, with_remat_choice)
+from harpjax.compiler.profile.assemble import assemble_tables
+from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
+from harpjax.compiler.profile.tables import CostTables, range_max, range_sums
 from harpjax.compiler.trace import REMAT_MODES, Lit, aval_nbytes, remat_mode, trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 

@@ -1,4 +1,4 @@
-"""Cost tables: the planner's only input, as plain arrays, and the one builder of them.
+"""Cost tables: the planner's only input, as plain arrays.
 
 A :class:`CostTables` says, for every subcluster ``k`` (in pipeline order), every layer range
 ``i..j`` (inclusive, 0-indexed) and every submesh choice ``s`` of that subcluster, how long one
@@ -13,11 +13,20 @@ inside it, and the link between two subclusters for a cut from one to the other
 (:meth:`CostTables.cut_costs`).
 
 Tables can be written by hand (tests, other systems' profiles); both ways of building them from
-per-layer costs go through :func:`assemble_tables`, which turns per-(submesh, logical mesh)
-range costs into the arrays and chooses the logical mesh of each entry: the profiler
-(:mod:`harpjax.compiler.profile.profiler`, per-layer costs measured or analysed per mesh) and
-:meth:`CostTables.from_layer_costs` (one single-device time per layer, a
-:class:`LayerProfile`, and a simple cluster description, :class:`SubclusterSpec`).
+per-layer costs go through :func:`~harpjax.compiler.profile.assemble.assemble_tables`, which
+turns per-(submesh, logical mesh) range costs into the arrays and chooses the logical mesh of
+each entry: the profiler (:mod:`harpjax.compiler.profile.profiler`, per-layer costs measured or
+analysed per mesh) and :meth:`CostTables.from_layer_costs` (one single-device time per layer,
+a :class:`~harpjax.compiler.profile.LayerProfile`, and a simple cluster description, a
+:class:`~harpjax.compiler.profile.SubclusterSpec`: :mod:`harpjax.compiler.profile.layer_profile`).
+The choice of a rematerialisation mode per stage is a transformation of tables
+(:mod:`harpjax.compiler.profile.remat_choice`).
+
+This module is the type: its fields, their checks (:meth:`CostTables.__post_init__` and the
+argument checks the other modules of the phase share), what derives from them (GPU offsets, the
+seconds of a cut on each link), its own transformations (``coarsen``,
+``without_communication``) and the range arithmetic its ``[L, L]`` entries are made of
+(:func:`range_sums`, :func:`range_max`).
 
 Submesh shapes follow the paper (:func:`harpjax.cluster.paper_submeshes`): ``(1, 1), (1, 2),
 (1, 4), ..., (1, M)`` then ``(2, M), ..., (N, M)``. Any single-host ``(1, m)`` with ``m <= M``
@@ -32,88 +41,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from harpjax.cluster import Link, host_joins, is_divisibility_chain, paper_submeshes
-from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
+from harpjax.cluster import Link, host_joins, is_divisibility_chain
 from harpjax.errors import CostTablesError
 from harpjax.compiler.trace import REMAT_MODES
 
-__all__ = ["CostTables", "SubclusterSpec", "LayerProfile", "check_submeshes",
-           "memory_to_compute_order", "synthetic_gpt_profile", "assemble_tables", "range_sums",
-           "range_max", "with_remat_choice", "in_remat_mode", "ENTRY_ARRAYS"]
+__all__ = ["CostTables", "check_submeshes", "check_int", "check_seq", "range_sums", "range_max",
+           "ENTRY_ARRAYS"]
 
 ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mesh",
                 "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
                 "workspace_bytes", "grad_out_bytes", "step_mem_bytes")
 """The :class:`CostTables` fields with one value per entry, ``[L, L, S_k]`` per subcluster
 (``logical_mesh``: ``[L, L, S_k, 2]``)."""
-
-
-def with_remat_choice(*tables: "CostTables", **by_mode: "CostTables") -> "CostTables":
-  """One set of tables whose submesh choices are each submesh once per rematerialisation
-  mode (:attr:`CostTables.remat_modes`), from the tables of the same layers and cluster
-  costed in each mode: the planner then chooses the mode per stage.
-
-  ``with_remat_choice(none, full)`` (positional: the modes ``"none"`` and ``"full"``, in that
-  order) or by name, ``with_remat_choice(none=a, full=b, dots=c)``
-  (:data:`~harpjax.compiler.trace.REMAT_MODES`); at least two modes. A table may already say
-  its one mode (``remat_modes`` all equal to its name).
-
-  Raises:
-    CostTablesError: fewer than two modes, an unknown or repeated mode, tables that do not
-      describe the same layers and submeshes, or one already expanded into variants or
-      carrying another choice.
-  """
-  if len(tables) > 2:
-    raise CostTablesError("with_remat_choice takes at most two tables by position (none, "
-                          "full); name the modes for more: with_remat_choice(none=..., "
-                          "full=..., dots=...)")
-  given = dict(zip(("none", "full"), tables))
-  for mode, t in by_mode.items():
-    if mode not in REMAT_MODES or mode in given:
-      raise CostTablesError(f"with_remat_choice: mode {mode!r} is unknown or given twice; "
-                            f"the modes are {REMAT_MODES}")
-    given[mode] = t
-  if len(given) < 2:
-    raise CostTablesError("with_remat_choice needs the tables of at least two modes")
-  modes = [m for m in REMAT_MODES if m in given]
-  first = given[modes[0]]
-  for mode in modes:
-    t = given[mode]
-    own = t.remat_modes is None or all(x == mode for row in t.remat_modes for x in row)
-    if t.variants is not None or not own:
-      raise CostTablesError("with_remat_choice takes tables of one remat mode each, before "
-                            "their expansion into variants")
-    if t.num_layers != first.num_layers or t.submeshes != first.submeshes or \
-        t.subcluster_names != first.subcluster_names:
-      raise CostTablesError("with_remat_choice: the tables must cost the same layers on the "
-                            "same subclusters and submeshes")
-  both = {}
-  for f in ENTRY_ARRAYS:
-    arrays = [getattr(given[m], f) for m in modes]
-    if any(a is None for a in arrays) != all(a is None for a in arrays):
-      raise CostTablesError(f"with_remat_choice: {f} is given in some of the tables only")
-    if arrays[0] is not None:
-      both[f] = tuple(np.concatenate(xs, axis=2) for xs in zip(*arrays))
-  return first.replace(submeshes=tuple(s * len(modes) for s in first.submeshes),
-                       remat_modes=tuple(tuple(m for m in modes for _ in s)
-                                         for s in first.submeshes), **both)
-
-
-def in_remat_mode(tables: "CostTables", mode: str) -> "CostTables":
-  """``tables`` costed in one rematerialisation ``mode`` and saying so: ``"none"``/``"full"``
-  as they are (the plan's :attr:`~harpjax.compiler.plan.Plan.remat` names them), any other
-  mode in :attr:`CostTables.remat_modes`, so the planned stages carry it."""
-  if mode in ("none", "full"):
-    return tables
-  return tables.replace(remat_modes=tuple((mode,) * len(s) for s in tables.submeshes))
-
-
-log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -149,7 +92,9 @@ def check_submeshes(name: str, num_hosts: int, devices_per_host: int,
   return tuple(out)
 
 
-def _int(v, where: str) -> int:
+def check_int(v, where: str) -> int:
+  """``v`` as an int; :class:`~harpjax.errors.CostTablesError` naming ``where`` unless it is
+  an integral number."""
   try:
     iv = int(v)
   except (TypeError, ValueError):
@@ -159,7 +104,9 @@ def _int(v, where: str) -> int:
   return iv
 
 
-def _seq(v, where: str, n: int) -> tuple:
+def check_seq(v, where: str, n: int) -> tuple:
+  """``v`` as a tuple of ``n`` entries (one per subcluster, or per link);
+  :class:`~harpjax.errors.CostTablesError` naming ``where`` otherwise."""
   try:
     t = tuple(v)
   except TypeError:
@@ -171,14 +118,14 @@ def _seq(v, where: str, n: int) -> tuple:
 
 
 def _positive(v, where: str, n: int) -> tuple[float, ...]:
-  t = tuple(float(x) for x in _seq(v, where, n))
+  t = tuple(float(x) for x in check_seq(v, where, n))
   if any(not (x > 0 and np.isfinite(x)) for x in t):
     raise CostTablesError(f"{where}={t}: every entry must be finite and > 0")
   return t
 
 
 def _nonneg(v, where: str, n: int) -> tuple[float, ...]:
-  t = tuple(float(x) for x in _seq(v, where, n))
+  t = tuple(float(x) for x in check_seq(v, where, n))
   if any(not (x >= 0 and np.isfinite(x)) for x in t):
     raise CostTablesError(f"{where}={t}: every entry must be finite and >= 0")
   return t
@@ -331,7 +278,7 @@ class CostTables:
   host_latency_s: tuple[float, ...] | None = None
 
   def __post_init__(self):
-    L = _int(self.num_layers, "num_layers")
+    L = check_int(self.num_layers, "num_layers")
     if L < 1:
       raise CostTablesError(f"num_layers={self.num_layers} must be >= 1")
     names = tuple(str(n) for n in self.subcluster_names)
@@ -344,13 +291,13 @@ class CostTables:
     set_("num_layers", L)
     set_("subcluster_names", names)
     if self.microbatch_rows is not None:
-      rows = _int(self.microbatch_rows, "microbatch_rows")
+      rows = check_int(self.microbatch_rows, "microbatch_rows")
       if rows < 1:
         raise CostTablesError(f"microbatch_rows={self.microbatch_rows} must be >= 1")
       set_("microbatch_rows", rows)
     for field in ("num_hosts", "devices_per_host"):
-      vals = tuple(_int(v, f"{field}[{k}]") for k, v in enumerate(_seq(getattr(self, field),
-                                                                         field, K)))
+      vals = tuple(check_int(v, f"{field}[{k}]")
+                   for k, v in enumerate(check_seq(getattr(self, field), field, K)))
       if min(vals) < 1:
         raise CostTablesError(f"{field}={vals}: every entry must be >= 1")
       set_(field, vals)
@@ -373,11 +320,11 @@ class CostTables:
     repeats = self.variants is not None or self.remat_modes is not None
     shapes = tuple(check_submeshes(names[k], self.num_hosts[k], self.devices_per_host[k],
                                    s, repeats=repeats)
-                   for k, s in enumerate(_seq(self.submeshes, "submeshes", K)))
+                   for k, s in enumerate(check_seq(self.submeshes, "submeshes", K)))
     set_("submeshes", shapes)
     if self.remat_modes is not None:
       modes = tuple(tuple(str(x) for x in row)
-                    for row in _seq(self.remat_modes, "remat_modes", K))
+                    for row in check_seq(self.remat_modes, "remat_modes", K))
       for k, row in enumerate(modes):
         if len(row) != len(shapes[k]) or any(x not in REMAT_MODES for x in row):
           raise CostTablesError(f"remat_modes[{k}] must give one of {REMAT_MODES} for each "
@@ -400,7 +347,7 @@ class CostTables:
         fields += (extra,)
     for field in fields:
       arrs = []
-      for k, a in enumerate(_seq(getattr(self, field), field, K)):
+      for k, a in enumerate(check_seq(getattr(self, field), field, K)):
         a = np.array(a, dtype=np.float64)
         want = (L, L, len(shapes[k]))
         if a.shape != want:
@@ -458,7 +405,7 @@ class CostTables:
     set_("boundary_bytes", b)
     if self.logical_mesh is not None:
       meshes = []
-      for k, a in enumerate(_seq(self.logical_mesh, "logical_mesh", K)):
+      for k, a in enumerate(check_seq(self.logical_mesh, "logical_mesh", K)):
         a = np.array(a, dtype=np.int64)
         if a.shape != (L, L, len(shapes[k]), 2):
           raise CostTablesError(f"logical_mesh[{k}] has shape {a.shape}, expected "
@@ -481,7 +428,7 @@ class CostTables:
     """Checks :attr:`variants`: one ``(zero, offload, offload_activations)`` per submesh entry
     (a pair means no residual offload), no (shape, variant) twice."""
     rows = []
-    for k, row in enumerate(_seq(self.variants, "variants", K)):
+    for k, row in enumerate(check_seq(self.variants, "variants", K)):
       try:
         row = tuple((int(v[0]), bool(v[1]), bool(v[2]) if len(v) == 3 else False)
                     for v in row if 2 <= len(v) <= 3)
@@ -759,207 +706,24 @@ class CostTables:
                        order: str | Sequence[str] | None = None,
                        end_cost: bool = False,
                        optimizer_share: float | None = None) -> "CostTables":
-    """Builds tables from per-layer costs and a simple cluster description.
+    """Builds tables from per-layer costs and a simple cluster description: the layer-profile
+    cost model, ``layers.cost_tables(subclusters, inter_links, ...)``
+    (:meth:`~harpjax.compiler.profile.LayerProfile.cost_tables`, which states its equations
+    and arguments).
 
-    For each range ``i..j``, submesh ``(n, m)`` of ``g = n * m`` devices and logical mesh
-    ``(dp, tp)`` (``tp`` divides ``m``, so tensor parallelism stays inside a host):
-
-    * time = ``sum(layer_time) / g`` + all-reduce of ``sum(tp_comm_bytes) / dp`` over ``tp``
-      devices on the host link + all-reduce of the gradients ``sum(param_bytes) / tp`` over
-      ``dp`` devices (host link if ``n == 1``, else the subcluster link), divided by
-      ``grad_sync_microbatches`` (the gradient sync runs once per iteration);
-    * parameter memory per device = ``sum(param_mem_bytes) / tp`` (data parallelism
-      replicates it); activation memory = ``sum(act_bytes) / dp``.
-
-    The logical mesh is chosen by :func:`assemble_tables`. Range sums add layers left to
-    right, so ranges of identical layers get bit-identical costs (fewer distinct ``t_max``
-    candidates).
-
-    Args:
-      layers: the per-layer profile (``L`` layers).
-      subclusters: the subclusters, :class:`SubclusterSpec`.
-      inter_links: the links between subclusters (:class:`harpjax.cluster.Link`): one for
-        every pair, a sequence of ``K - 1`` for consecutive pairs in the given order, or a
-        mapping from ``(name_a, name_b)`` to a link (used both ways unless ``(name_b, name_a)``
-        is given too; pairs not listed have no link, but consecutive ones in the pipeline
-        order must).
-      layer_time_s: optional per-subcluster ``[L]`` forward+backward seconds of each layer on
-        one device (a sequence in the given order or a mapping by name); default
-        ``flops / (peak_flops * efficiency)``.
-      grad_sync_microbatches: microbatches per iteration over which the gradient all-reduce
-        is amortised (``B``; 1 charges it to every microbatch); with ``end_cost``, the
-        microbatches over which the end time is spread when logical meshes are compared.
-      max_tp: largest tensor-parallel degree considered (default ``M``).
-      order: ``None`` (as given), ``"memory_to_compute"`` (HARP §5.2.1) or a sequence of
-        names: the pipeline order of the subclusters.
-      end_cost: put the gradient all-reduce where it runs, once per iteration after the
-        stage's last backward (:attr:`CostTables.end_time_s`), instead of amortising it over
-        ``grad_sync_microbatches``; with the subcluster's ``mem_bandwidth_bytes_per_s`` the
-        optimizer update (reading and writing the state, ``2 * param_mem_bytes / tp``) is
-        added to it.
-      optimizer_share: the optimizer state's share of ``param_mem_bytes`` (``0.75`` for
-        mixed-precision Adam, 12 of 16 bytes; ``0.5`` for float32 Adam); with it the tables
-        carry :attr:`CostTables.opt_mem_bytes` and :attr:`CostTables.gather_time_s` (a ring
-        all-gather of ``param_bytes / tp`` over the ``dp`` replicas, on the gradient sync's
-        link), so the planner may choose a ZeRO level per stage, and, where every subcluster
-        has ``offload_bandwidth_bytes_per_s``, host offload of the optimizer state.
-
-    Returns:
-      The :class:`CostTables`.
+    Raises:
+      CostTablesError: ``layers`` is not a :class:`~harpjax.compiler.profile.LayerProfile`,
+        or the arguments are invalid (see there).
     """
-    return _from_layer_profile(layers, subclusters, inter_links, layer_time_s,
-                               grad_sync_microbatches, max_tp, order, end_cost,
-                               optimizer_share)
+    if not callable(getattr(layers, "cost_tables", None)):
+      raise CostTablesError(f"from_layer_costs takes a harpjax.compiler.profile.LayerProfile, "
+                            f"got {type(layers).__name__}")
+    return layers.cost_tables(subclusters, inter_links, layer_time_s=layer_time_s,
+                              grad_sync_microbatches=grad_sync_microbatches, max_tp=max_tp,
+                              order=order, end_cost=end_cost, optimizer_share=optimizer_share)
 
 
-# --------------------------------------------------------------------------- per-layer costs
-
-
-@dataclasses.dataclass(frozen=True)
-class SubclusterSpec:
-  """One homogeneous subcluster, as plain numbers (no dependence on ``harpjax.cluster``).
-
-  Attributes:
-    name: subcluster name (``"a100"``).
-    num_hosts: ``N``.
-    devices_per_host: ``M``.
-    memory_bytes: memory of one device.
-    peak_flops: peak FLOP/s of one device (used with ``efficiency`` to turn FLOPs into seconds).
-    efficiency: achieved fraction of ``peak_flops``.
-    bandwidth_bytes_per_s: link between hosts of this subcluster (pipeline cuts inside it and
-      collectives that span hosts).
-    latency_s: latency of that link.
-    host_bandwidth_bytes_per_s: link inside one host (NVLink/PCIe) for collectives of a
-      single-host submesh; defaults to ``bandwidth_bytes_per_s``.
-    host_latency_s: its latency.
-    submeshes: shapes; default :func:`paper_submeshes`.
-    price_per_gpu_hour: optional price of one device per hour.
-    mem_bandwidth_bytes_per_s: optional device memory bandwidth (the optimizer update's time
-      with ``from_layer_costs(..., end_cost=True)``).
-    offload_bandwidth_bytes_per_s: optional bandwidth between a device and its host's memory,
-      one direction (PCIe 3.0 x16 ~12e9, 4.0 ~25e9): host offload of the optimizer state.
-  """
-  name: str
-  num_hosts: int
-  devices_per_host: int
-  memory_bytes: float
-  bandwidth_bytes_per_s: float
-  peak_flops: float | None = None
-  efficiency: float = 0.5
-  latency_s: float = 0.0
-  host_bandwidth_bytes_per_s: float | None = None
-  host_latency_s: float = 0.0
-  submeshes: tuple[tuple[int, int], ...] | None = None
-  price_per_gpu_hour: float | None = None
-  mem_bandwidth_bytes_per_s: float | None = None
-  offload_bandwidth_bytes_per_s: float | None = None
-
-  def __post_init__(self):
-    where = f"subcluster {self.name!r}"
-    if self.offload_bandwidth_bytes_per_s is not None and not (
-        np.isfinite(self.offload_bandwidth_bytes_per_s)
-        and self.offload_bandwidth_bytes_per_s > 0):
-      raise CostTablesError(f"{where}: offload_bandwidth_bytes_per_s="
-                            f"{self.offload_bandwidth_bytes_per_s} must be finite and > 0")
-    if self.mem_bandwidth_bytes_per_s is not None and not (
-        np.isfinite(self.mem_bandwidth_bytes_per_s) and self.mem_bandwidth_bytes_per_s > 0):
-      raise CostTablesError(f"{where}: mem_bandwidth_bytes_per_s="
-                            f"{self.mem_bandwidth_bytes_per_s} must be finite and > 0")
-    if self.price_per_gpu_hour is not None and not (
-        np.isfinite(self.price_per_gpu_hour) and self.price_per_gpu_hour >= 0):
-      raise CostTablesError(f"{where}: price_per_gpu_hour={self.price_per_gpu_hour} must be "
-                            "finite and >= 0")
-    if _int(self.num_hosts, f"{where}: num_hosts") < 1 or \
-        _int(self.devices_per_host, f"{where}: devices_per_host") < 1:
-      raise CostTablesError(f"{where}: num_hosts and devices_per_host must be >= 1")
-    for f in ("memory_bytes", "bandwidth_bytes_per_s"):
-      if not float(getattr(self, f)) > 0:
-        raise CostTablesError(f"{where}: {f}={getattr(self, f)} must be > 0")
-    if self.peak_flops is not None and not float(self.peak_flops) > 0:
-      raise CostTablesError(f"{where}: peak_flops={self.peak_flops} must be > 0")
-    if not 0 < float(self.efficiency) <= 1:
-      raise CostTablesError(f"{where}: efficiency={self.efficiency} must be in (0, 1]")
-    if self.host_bandwidth_bytes_per_s is not None and not self.host_bandwidth_bytes_per_s > 0:
-      raise CostTablesError(f"{where}: host_bandwidth_bytes_per_s must be > 0")
-    if self.latency_s < 0 or self.host_latency_s < 0:
-      raise CostTablesError(f"{where}: latencies must be >= 0")
-    shapes = self.submeshes or paper_submeshes(self.num_hosts, self.devices_per_host)
-    object.__setattr__(self, "submeshes", check_submeshes(self.name, self.num_hosts,
-                                                          self.devices_per_host, shapes))
-
-  @property
-  def num_devices(self) -> int:
-    return self.num_hosts * self.devices_per_host
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LayerProfile:
-  """Per-layer costs of one microbatch, for :meth:`CostTables.from_layer_costs`.
-
-  All arrays are ``[L]``.
-
-  Attributes:
-    flops: forward+backward FLOPs (including any recomputation).
-    param_bytes: bytes of the layer's weights (what the data-parallel gradient all-reduce
-      moves, fp16 gradients of the same size).
-    param_mem_bytes: bytes of weights + gradients + optimizer state for one model replica.
-    act_bytes: activation bytes kept per in-flight microbatch.
-    boundary_bytes: bytes of the layer's output per microbatch (what a cut after it sends).
-    tp_comm_bytes: bytes all-reduced per microbatch (forward+backward) under tensor
-      parallelism.
-    names: optional layer names.
-  """
-  flops: np.ndarray
-  param_bytes: np.ndarray
-  param_mem_bytes: np.ndarray
-  act_bytes: np.ndarray
-  boundary_bytes: np.ndarray
-  tp_comm_bytes: np.ndarray | None = None
-  names: tuple[str, ...] | None = None
-
-  def __post_init__(self):
-    n = None
-    for f in ("flops", "param_bytes", "param_mem_bytes", "act_bytes", "boundary_bytes",
-              "tp_comm_bytes"):
-      v = getattr(self, f)
-      if v is None:
-        continue
-      a = np.array(v, dtype=np.float64).reshape(-1)
-      if n is None:
-        n = a.size
-      if a.size != n or not np.isfinite(a).all() or (a < 0).any():
-        raise CostTablesError(f"layer profile {f}: expected {n} finite values >= 0")
-      a.setflags(write=False)
-      object.__setattr__(self, f, a)
-    if not n:
-      raise CostTablesError("a layer profile needs at least one layer")
-    if self.tp_comm_bytes is None:
-      z = np.zeros(n)
-      z.setflags(write=False)
-      object.__setattr__(self, "tp_comm_bytes", z)
-    if self.names is not None and len(self.names) != n:
-      raise CostTablesError(f"layer profile names: {len(self.names)} names for {n} layers")
-
-  @property
-  def num_layers(self) -> int:
-    return int(self.flops.size)
-
-
-def memory_to_compute_order(subclusters: Sequence[SubclusterSpec]) -> tuple[str, ...]:
-  """Subcluster names, higher memory-to-compute ratio first (HARP §5.2.1).
-
-  Early pipeline stages hold the most in-flight microbatches, so the subcluster with the most
-  memory per FLOP/s goes first. Ties keep the given order.
-  """
-  def ratio(s):
-    if s.peak_flops is None:
-      raise CostTablesError(f"subcluster {s.name!r}: peak_flops is needed to order by "
-                            "memory-to-compute ratio")
-    return s.memory_bytes / (s.peak_flops * s.efficiency)
-  return tuple(s.name for s in sorted(subclusters, key=lambda s: -ratio(s)))
-
-
-# --------------------------------------------------------------------------- the builder
+# --------------------------------------------------------------------------- range arithmetic
 
 
 def range_sums(x: np.ndarray) -> np.ndarray:
@@ -981,388 +745,3 @@ def range_max(x: np.ndarray) -> np.ndarray:
   for i in range(L):
     out[i, i:] = np.maximum.accumulate(x[i:])
   return out
-
-
-MeshCosts = tuple  # (mesh, time, param bytes, act bytes[, end time]); arrays [L, L]
-"""``((dp, tp), time_s [L, L], param_mem_bytes [L, L], act_mem_bytes [L, L])`` of every layer
-range on one submesh under one logical mesh."""
-
-
-def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
-                    devices_per_host: Sequence[int], memory_bytes: Sequence[float],
-                    submeshes: Sequence[Sequence[tuple[int, int]]],
-                    mesh_costs: Callable[[int, int], Iterable[MeshCosts]],
-                    boundary_bytes: Sequence[float], intra_links: Sequence[Link],
-                    inter_links: Sequence[Link], peak_flops: Sequence[float] | None = None,
-                    layer_flops: Sequence[float] | None = None, imbalance: float = np.inf,
-                    layer_names: Sequence[str] | None = None,
-                    pair_links: Sequence[Sequence[Link | None]] | None = None,
-                    price_per_gpu_hour: Sequence[float] | None = None,
-                    offload_bandwidth_bytes_per_s: Sequence[float] | None = None,
-                    host_links: Sequence[Link] | None = None,
-                    num_microbatches: int | None = None
-                    ) -> tuple[CostTables, dict]:
-  """Builds :class:`CostTables` from the range costs of every (submesh, logical mesh).
-
-  For each entry (layer range, submesh) the logical mesh kept is the fastest (time per
-  microbatch, plus the end time over ``num_microbatches`` when given) of those whose
-  parameters plus one in-flight microbatch fit the device; if none fits, with the optimizer
-  state given, the fastest that fits with its state split over its ``dp`` devices (what the
-  planner's ZeRO variants can use); else the one with the smallest footprint (its time is
-  kept: the planner drops the entry by its memory check).
-  A multi-layer range whose share of the model's FLOPs exceeds ``imbalance`` times its
-  submesh's share of the cluster's peak FLOP/s is hopelessly imbalanced (§5.1) and marked
-  infeasible (``inf``).
-
-  Args:
-    names, num_hosts, devices_per_host, memory_bytes: ``[K]`` per subcluster, in pipeline
-      order.
-    submeshes: ``[K]`` tuples of ``(n, m)``.
-    mesh_costs: ``mesh_costs(k, s)`` yields :data:`MeshCosts` of submesh ``s`` of subcluster
-      ``k``: ``((dp, tp), time, param bytes, act bytes)`` ``[L, L]`` arrays (an ``inf`` time
-      marks a range that cannot run), optionally with a fifth, the end-of-iteration seconds
-      (:attr:`CostTables.end_time_s`), and then a sixth and a seventh, the optimizer state's
-      bytes and the weights' all-gather seconds (:attr:`CostTables.opt_mem_bytes`,
-      :attr:`CostTables.gather_time_s`; both ``None``: no ZeRO data), and an eighth, the
-      gradient all-reduce's part of the end time (:attr:`CostTables.sync_time_s`), and a
-      ninth, a tenth and an eleventh, the layers' largest temporaries, the peak after the
-      pipeline and the most gradient a backward writes beside the accumulator
-      (:attr:`CostTables.workspace_bytes`, :attr:`CostTables.step_mem_bytes`,
-      :attr:`CostTables.grad_out_bytes`).
-    boundary_bytes: ``[L]``.
-    intra_links: ``[K]`` links inside each subcluster; inter_links: ``[K - 1]`` between
-      consecutive ones.
-    pair_links: optional ``[K, K]`` links between any two subclusters (``None`` where there is
-      none; the diagonal is ignored); ``inter_links`` may then be empty.
-    price_per_gpu_hour: optional ``[K]`` price of one device per hour.
-    offload_bandwidth_bytes_per_s: optional ``[K]`` device-to-host-memory bandwidth
-      (:attr:`CostTables.offload_bandwidth_bytes_per_s`).
-    host_links: optional ``[K]`` links between two devices of one host (cuts between stages
-      sharing a host, :attr:`CostTables.host_bandwidth_bytes_per_s`).
-    peak_flops: optional ``[K]`` peak FLOP/s of one device (the imbalance rule and the
-      load-balance score).
-    layer_flops: ``[L]`` forward FLOPs per layer, for the imbalance rule.
-    imbalance: the pruning factor (``inf`` disables it).
-    layer_names: optional ``[L]``.
-    num_microbatches: the iteration's microbatches, over which an end time is spread when
-      logical meshes are compared (``None``: meshes are compared by time per microbatch).
-
-  Returns:
-    ``(tables, counts)``, counts of entries that fit no logical mesh (``"oom"``) and of entries
-    pruned as imbalanced (``"imbalance"``).
-  """
-  K, L = len(names), len(boundary_bytes)
-  iu = np.triu_indices(L)
-  hopeless_share = None
-  if np.isfinite(imbalance):
-    flops = np.asarray(layer_flops, dtype=np.float64)
-    share_f = range_sums(flops) / max(flops.sum(), 1e-30)
-    total_peak = sum(peak_flops[k] * num_hosts[k] * devices_per_host[k] for k in range(K))
-    multi = np.zeros((L, L), dtype=bool)
-    multi[iu] = iu[0] < iu[1]
-    hopeless_share = lambda k, g: multi & (share_f > imbalance * peak_flops[k] * g / total_peak)
-  counts = {"oom": 0, "imbalance": 0}
-  stage_t, param_m, act_m, logical, end_t, opt_m, gat_t, sync_t = [], [], [], [], [], [], [], []
-  work_m, step_m, gout_m = [], [], []
-  has_end = has_zero = has_sync = has_mem = False
-  per_iteration = 0.0 if num_microbatches is None else 1.0 / num_microbatches
-  for k in range(K):
-    S = len(submeshes[k])
-    t_k = np.full((L, L, S), np.inf)
-    p_k, a_k, e_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
-    o_k, g_k, y_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
-    w_k, z_k, q_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
-    lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
-    for s, (n, m) in enumerate(submeshes[k]):
-      g = n * m
-      lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
-      # [fits, time, param, act, dp, tp, footprint, end, opt, gather, tier, sync, rank];
-      # tier 2: fits at level 0, 1: fits only with its state split over dp (ZeRO-3, given
-      # the optimizer state), 0: neither. Rank: the time per microbatch with the end time
-      # spread over the iteration's microbatches.
-      best = None
-      for (dp, tp), t, pm, am, *rest in mesh_costs(k, s):
-        has_end |= bool(rest)
-        end = rest[0] if rest else 0.0
-        with_zero = len(rest) > 1 and rest[1] is not None
-        opt, gat = (rest[1], rest[2]) if with_zero else (0.0, 0.0)
-        has_zero |= with_zero
-        sync = rest[3] if len(rest) > 3 else 0.0
-        has_sync |= len(rest) > 3
-        work, step, gout = (rest[4], rest[5], rest[6]) if len(rest) > 6 else (0.0, 0.0, 0.0)
-        has_mem |= len(rest) > 6
-        rank = t + np.asarray(end) * per_iteration if per_iteration else t
-        foot = pm + am
-        fits = np.isfinite(t) & (foot <= memory_bytes[k]) & (step <= memory_bytes[k])
-        tier = np.where(fits, 2, 0)
-        if with_zero:
-          tier = np.where(~fits & np.isfinite(t) & (pm / dp + am <= memory_bytes[k]), 1, tier)
-        if best is None:
-          best = [fits, t, pm, am, np.full((L, L), dp), np.full((L, L), tp), foot,
-                  np.broadcast_to(end, (L, L)), np.broadcast_to(opt, (L, L)),
-                  np.broadcast_to(gat, (L, L)), tier, np.broadcast_to(sync, (L, L)),
-                  np.broadcast_to(rank, (L, L)), np.broadcast_to(work, (L, L)),
-                  np.broadcast_to(step, (L, L)), np.broadcast_to(gout, (L, L))]
-          continue
-        better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (rank < best[12])) | \
-            ((tier == 0) & (best[10] == 0) & (foot < best[6]))
-        for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier, sync,
-                                   rank, work, step, gout)):
-          best[idx] = np.where(better, new, best[idx])
-      if best is None:
-        continue
-      fits, t, pm, am, dps, tps, _, ends, opts, gats, _, syncs, _, works, steps, gouts = best
-      keep = np.isfinite(t)
-      counts["oom"] += int(np.sum(~fits[iu]))
-      if hopeless_share is not None:
-        hopeless = hopeless_share(k, g)
-        counts["imbalance"] += int(np.sum((hopeless & fits)[iu]))
-        keep &= ~hopeless
-      t_k[iu[0], iu[1], s] = np.where(keep, t, np.inf)[iu]
-      p_k[iu[0], iu[1], s] = np.where(np.isfinite(pm), pm, 0.0)[iu]
-      a_k[iu[0], iu[1], s] = np.where(np.isfinite(am), am, 0.0)[iu]
-      e_k[iu[0], iu[1], s] = np.where(np.isfinite(ends), ends, 0.0)[iu]
-      o_k[iu[0], iu[1], s] = np.where(np.isfinite(opts), opts, 0.0)[iu]
-      g_k[iu[0], iu[1], s] = np.where(np.isfinite(gats), gats, 0.0)[iu]
-      y_k[iu[0], iu[1], s] = np.where(np.isfinite(syncs), syncs, 0.0)[iu]
-      w_k[iu[0], iu[1], s] = np.where(np.isfinite(works), works, 0.0)[iu]
-      z_k[iu[0], iu[1], s] = np.where(np.isfinite(steps), steps, 0.0)[iu]
-      q_k[iu[0], iu[1], s] = np.where(np.isfinite(gouts), gouts, 0.0)[iu]
-      lm_k[..., s, 0] = np.where(keep, dps, g)
-      lm_k[..., s, 1] = np.where(keep, tps, 1)
-    stage_t.append(t_k)
-    param_m.append(p_k)
-    act_m.append(a_k)
-    logical.append(lm_k)
-    end_t.append(e_k)
-    opt_m.append(np.minimum(o_k, p_k))
-    gat_t.append(g_k)
-    sync_t.append(np.minimum(y_k, e_k))
-    work_m.append(np.minimum(w_k, p_k))
-    step_m.append(z_k)
-    gout_m.append(q_k)
-  tables = CostTables(
-      num_layers=L, subcluster_names=tuple(names), num_hosts=tuple(num_hosts),
-      devices_per_host=tuple(devices_per_host), device_memory_bytes=tuple(memory_bytes),
-      submeshes=tuple(tuple(s) for s in submeshes), stage_time_s=tuple(stage_t),
-      param_mem_bytes=tuple(param_m), act_mem_bytes=tuple(act_m),
-      boundary_bytes=np.asarray(boundary_bytes, dtype=np.float64),
-      intra_bandwidth_bytes_per_s=tuple(l.bandwidth_bytes_per_s for l in intra_links),
-      intra_latency_s=tuple(l.latency_s for l in intra_links),
-      inter_bandwidth_bytes_per_s=tuple(l.bandwidth_bytes_per_s for l in inter_links),
-      inter_latency_s=tuple(l.latency_s for l in inter_links),
-      link_bandwidth_bytes_per_s=None if pair_links is None else tuple(
-          tuple(0.0 if (l is None or a == b) else l.bandwidth_bytes_per_s
-                for b, l in enumerate(row)) for a, row in enumerate(pair_links)),
-      link_latency_s=None if pair_links is None else tuple(
-          tuple(0.0 if (l is None or a == b) else l.latency_s for b, l in enumerate(row))
-          for a, row in enumerate(pair_links)),
-      price_per_gpu_hour=None if price_per_gpu_hour is None else tuple(
-          float(p) for p in price_per_gpu_hour),
-      logical_mesh=tuple(logical), end_time_s=tuple(end_t) if has_end else None,
-      opt_mem_bytes=tuple(opt_m) if has_zero else None,
-      gather_time_s=tuple(gat_t) if has_zero else None,
-      sync_time_s=tuple(sync_t) if has_sync and has_end else None,
-      workspace_bytes=tuple(work_m) if has_mem else None,
-      step_mem_bytes=tuple(step_m) if has_mem else None,
-      grad_out_bytes=tuple(gout_m) if has_mem else None,
-      offload_bandwidth_bytes_per_s=None if offload_bandwidth_bytes_per_s is None else tuple(
-          float(b) for b in offload_bandwidth_bytes_per_s),
-      host_bandwidth_bytes_per_s=None if host_links is None else tuple(
-          l.bandwidth_bytes_per_s for l in host_links),
-      host_latency_s=None if host_links is None else tuple(l.latency_s for l in host_links),
-      peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
-      layer_names=tuple(layer_names) if layer_names is not None else None)
-  return tables, counts
-
-
-def _from_layer_profile(layers: LayerProfile, subclusters, inter_links, layer_time_s,
-                        grad_sync_microbatches, max_tp, order, end_cost=False,
-                        optimizer_share=None) -> CostTables:
-  """The body of :meth:`CostTables.from_layer_costs` (see there for the equations)."""
-  specs = list(subclusters)
-  if not specs or not all(isinstance(s, SubclusterSpec) for s in specs):
-    raise CostTablesError("subclusters must be a non-empty sequence of SubclusterSpec")
-  names = [s.name for s in specs]
-  if len(set(names)) != len(names):
-    raise CostTablesError(f"subcluster names {names} repeat")
-  if _int(grad_sync_microbatches, "grad_sync_microbatches") < 1:
-    raise CostTablesError("grad_sync_microbatches must be >= 1")
-  if optimizer_share is not None and not 0.0 <= float(optimizer_share) < 1.0:
-    raise CostTablesError(f"optimizer_share={optimizer_share} must be in [0, 1): the optimizer "
-                          "state's share of param_mem_bytes")
-  L = layers.num_layers
-  # Per-layer single-device seconds, keyed by name.
-  times: dict[str, np.ndarray] = {}
-  if layer_time_s is None:
-    for s in specs:
-      if s.peak_flops is None:
-        raise CostTablesError(f"subcluster {s.name!r}: give peak_flops or layer_time_s")
-      times[s.name] = layers.flops / (s.peak_flops * s.efficiency)
-  else:
-    items = (layer_time_s.items() if isinstance(layer_time_s, Mapping)
-             else zip(names, _seq(layer_time_s, "layer_time_s", len(specs))))
-    for name, v in items:
-      a = np.array(v, dtype=np.float64).reshape(-1)
-      if a.shape != (L,) or not np.isfinite(a).all() or (a <= 0).any():
-        raise CostTablesError(f"layer_time_s[{name!r}] must be {L} finite values > 0")
-      times[str(name)] = a
-    if set(times) != set(names):
-      raise CostTablesError(f"layer_time_s names {sorted(times)} != subclusters {sorted(names)}")
-  # Pipeline order.
-  if order is None:
-    ordered = names
-  elif isinstance(order, str):
-    if order != "memory_to_compute":
-      raise CostTablesError(f"order={order!r}: use None, 'memory_to_compute' or a list of names")
-    ordered = list(memory_to_compute_order(specs))
-  else:
-    ordered = [str(x) for x in order]
-    if sorted(ordered) != sorted(names):
-      raise CostTablesError(f"order={ordered} must list each subcluster {names} once")
-  by_name = {s.name: s for s in specs}
-  specs = [by_name[n] for n in ordered]
-  # Links between subclusters: every pair that has one.
-  K = len(ordered)
-  pair: list[list[Link | None]] = [[None] * K for _ in range(K)]
-  if isinstance(inter_links, Link):
-    pair = [[None if a == b else inter_links for b in range(K)] for a in range(K)]
-  elif isinstance(inter_links, Mapping):
-    for (a, b), link in inter_links.items():
-      if a not in ordered or b not in ordered:
-        raise CostTablesError(f"inter_links: unknown subcluster in ({a!r}, {b!r}); the "
-                              f"subclusters are {names}")
-      pair[ordered.index(a)][ordered.index(b)] = link
-      if (b, a) not in inter_links:
-        pair[ordered.index(b)][ordered.index(a)] = link
-  else:
-    seq = list(inter_links)
-    if len(seq) != len(names) - 1 or ordered != names:
-      raise CostTablesError("inter_links as a sequence needs K - 1 links in the given order; "
-                            "use a mapping {(a, b): Link} when reordering")
-    for k, link in enumerate(seq):
-      pair[k][k + 1] = pair[k + 1][k] = link
-  for a in range(K):
-    for b in range(K):
-      link = pair[a][b]
-      if a != b and link is not None and not isinstance(link, Link):
-        raise CostTablesError(f"inter_links: expected harpjax.cluster.Link, got {link!r}")
-  for a, b in zip(range(K), range(1, K)):
-    if pair[a][b] is None:
-      raise CostTablesError(f"inter_links has no link between {ordered[a]!r} and "
-                            f"{ordered[b]!r}")
-  links = [pair[k][k + 1] for k in range(K - 1)]
-  sums = {f: range_sums(getattr(layers, f))
-          for f in ("param_bytes", "param_mem_bytes", "act_bytes", "tp_comm_bytes")}
-
-  def mesh_costs(k: int, si: int):
-    s = specs[k]
-    n, m = s.submeshes[si]
-    g = n * m
-    host = Link(s.host_bandwidth_bytes_per_s or s.bandwidth_bytes_per_s,
-                s.host_latency_s if s.host_bandwidth_bytes_per_s else s.latency_s)
-    node = Link(s.bandwidth_bytes_per_s, s.latency_s)
-    tsum = range_sums(times[s.name])
-    for tp in range(1, m + 1):
-      if m % tp or (max_tp is not None and tp > max_tp):
-        continue
-      dp = g // tp
-      t = tsum / g
-      if tp > 1:
-        t = t + allreduce_time_s(sums["tp_comm_bytes"] / dp, tp, host)
-      sync = 0.0
-      link = host if n == 1 else node
-      if dp > 1:
-        sync = allreduce_time_s(sums["param_bytes"] / tp, dp, link)
-      zero = ()
-      if optimizer_share is not None:
-        gather = allgather_time_s(sums["param_bytes"] / tp, dp, link)
-        zero = (float(optimizer_share) * sums["param_mem_bytes"] / tp, gather)
-      if not end_cost:
-        if zero:
-          yield (dp, tp), t + sync / grad_sync_microbatches, sums["param_mem_bytes"] / tp, \
-              sums["act_bytes"] / dp, np.zeros((L, L)), *zero
-        else:
-          yield (dp, tp), t + sync / grad_sync_microbatches, sums["param_mem_bytes"] / tp, \
-              sums["act_bytes"] / dp
-        continue
-      end = sync + np.zeros((L, L))
-      if s.mem_bandwidth_bytes_per_s is not None:
-        end = end + 2.0 * sums["param_mem_bytes"] / tp / s.mem_bandwidth_bytes_per_s
-      yield ((dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end, *zero,
-             *((sync + np.zeros((L, L)),) if zero else ()))
-
-  peak = None
-  if all(s.peak_flops is not None for s in specs):
-    peak = tuple(float(s.peak_flops) for s in specs)
-  prices = None
-  if any(s.price_per_gpu_hour is not None for s in specs):
-    missing = [s.name for s in specs if s.price_per_gpu_hour is None]
-    if missing:
-      raise CostTablesError(f"subclusters {missing} have no price_per_gpu_hour while others "
-                            "have one; price every subcluster or none")
-    prices = [float(s.price_per_gpu_hour) for s in specs]
-  offload = None
-  if optimizer_share is not None and all(s.offload_bandwidth_bytes_per_s for s in specs):
-    offload = [float(s.offload_bandwidth_bytes_per_s) for s in specs]
-  tables, _ = assemble_tables(
-      names=ordered, num_hosts=[s.num_hosts for s in specs],
-      devices_per_host=[s.devices_per_host for s in specs],
-      memory_bytes=[float(s.memory_bytes) for s in specs],
-      submeshes=[s.submeshes for s in specs], mesh_costs=mesh_costs,
-      boundary_bytes=layers.boundary_bytes,
-      intra_links=[Link(float(s.bandwidth_bytes_per_s), float(s.latency_s)) for s in specs],
-      inter_links=links, peak_flops=peak, layer_names=layers.names, pair_links=pair,
-      price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=offload,
-      host_links=[Link(float(s.host_bandwidth_bytes_per_s or s.bandwidth_bytes_per_s),
-                       float(s.host_latency_s if s.host_bandwidth_bytes_per_s else s.latency_s))
-                  for s in specs],
-      num_microbatches=grad_sync_microbatches if end_cost else None)
-  log.debug("cost tables: %d layers x %d subclusters built from layer costs", L, len(specs))
-  return tables
-
-
-# --------------------------------------------------------------------------- synthetic profiles
-
-
-def synthetic_gpt_profile(num_blocks: int = 48, hidden: int = 8192, seq_len: int = 1024,
-                          microbatch: int = 8, vocab: int = 51200, dtype_bytes: int = 2,
-                          state_bytes_per_param: int = 16) -> LayerProfile:
-  """An analytic GPT profile: embedding, ``3`` layers per block, head (``3 * blocks + 2``).
-
-  The three layers of a block are ``attn`` (LayerNorm, QKV projection, attention core),
-  ``proj`` (output projection, residual) and ``mlp`` (LayerNorm, two matmuls, residual). With
-  activation recomputation at layer boundaries, forward+backward costs ``4x`` the forward
-  FLOPs and a layer keeps only its input per in-flight microbatch. The cut after ``attn``
-  carries the attention output and the residual stream (twice the ``(tokens, hidden)``
-  tensor); the other cuts carry one. Under tensor parallelism a block all-reduces the
-  ``(tokens, hidden)`` tensor six times (two forward, two recomputed, two backward).
-
-  Args:
-    num_blocks: transformer blocks (48 for GPT-39B).
-    hidden: hidden size (8192).
-    seq_len: tokens per sequence (1024).
-    microbatch: sequences per microbatch (8).
-    vocab: vocabulary size.
-    dtype_bytes: bytes of one activation/weight element (2 for fp16).
-    state_bytes_per_param: bytes of weights + gradients + optimizer state per parameter
-      (16 for mixed-precision Adam).
-
-  Returns:
-    The :class:`LayerProfile`.
-  """
-  h, tok = float(hidden), float(microbatch * seq_len)
-  x = tok * h * dtype_bytes
-  rows = [("embed", 2 * h, (vocab + seq_len) * h, x, x, 0.0)]
-  for b in range(num_blocks):
-    rows += [(f"block{b}.attn", 6 * h * h + 4 * seq_len * h, 3 * h * h + 5 * h, x, 2 * x, x),
-             (f"block{b}.proj", 2 * h * h, h * h + h, 2 * x, x, 2 * x),
-             (f"block{b}.mlp", 16 * h * h, 8 * h * h + 7 * h, x, x, 3 * x)]
-  rows.append(("head", 2 * h * vocab, h * vocab + 2 * h, x, 0.0, 0.0))
-  names, fwd_per_token, params, act, boundary, tpc = zip(*rows)
-  params = np.array(params)
-  return LayerProfile(flops=4 * tok * np.array(fwd_per_token), param_bytes=params * dtype_bytes,
-                      param_mem_bytes=params * state_bytes_per_param, act_bytes=np.array(act),
-                      boundary_bytes=np.array(boundary), tp_comm_bytes=np.array(tpc),
-                      names=tuple(names))
-

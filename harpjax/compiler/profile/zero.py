@@ -73,37 +73,44 @@ import dataclasses
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.profile.collectives import collective_time_s
+from harpjax.compiler.profile.collectives import collective_time_s, round_trip_time_s
 from harpjax.compiler.profile.memory import (check_level, StageMemory,  # noqa: F401
                                             stage_memory, ZERO_LEVELS)
 from harpjax.compiler.profile.profiler import (dp_link, MeshConfig, ordered_subclusters,
                                                tables_from_layer_costs)
 from harpjax.errors import HarpjaxError
 
-__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s", "zero_collectives",
-           "zero_sync_time_s", "zero_state_bytes_per_param", "zero_layer_costs", "zero_tables"]
+__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s",
+           "activation_offload_time_s", "zero_collectives", "zero_sync_time_s",
+           "zero_state_bytes_per_param", "zero_stage_times", "sync_per_microbatch",
+           "replica_grad_bytes", "zero_layer_costs", "zero_tables"]
 
 
-def offload_time_s(opt_bytes: float, host_bandwidth_bytes_per_s: float,
-                   latency_s: float = 0.0) -> float:
+def offload_time_s(opt_bytes, host_bandwidth_bytes_per_s: float, latency_s: float = 0.0):
   """Seconds per step of a stage's optimizer state kept in host memory: brought to the device
-  for the update and written back, ``2 * (latency + opt_bytes / bandwidth)``.
+  for the update and written back, ``2 * (latency + opt_bytes / bandwidth)``
+  (:func:`~harpjax.compiler.profile.collectives.round_trip_time_s`); ``0`` where there is
+  nothing to move.
 
   Args:
-    opt_bytes: optimizer-state bytes one device holds (after ZeRO's split).
+    opt_bytes: optimizer-state bytes one device holds (after ZeRO's split): a number, or an
+      array (then so is the result).
     host_bandwidth_bytes_per_s: the device's link to host memory, one direction (PCIe 4.0
       x16: ~25e9 in practice).
     latency_s: per transfer.
   """
   if not host_bandwidth_bytes_per_s > 0:
     raise HarpjaxError(f"host_bandwidth_bytes_per_s={host_bandwidth_bytes_per_s} must be > 0")
+  if np.ndim(opt_bytes):
+    x = np.asarray(opt_bytes, np.float64)
+    return np.where(x > 0, round_trip_time_s(x, host_bandwidth_bytes_per_s, latency_s), 0.0)
   if opt_bytes <= 0:
     return 0.0
-  return 2.0 * (latency_s + float(opt_bytes) / host_bandwidth_bytes_per_s)
+  return round_trip_time_s(float(opt_bytes), host_bandwidth_bytes_per_s, latency_s)
 
 
-def activation_offload_time_s(act_bytes: float, host_bandwidth_bytes_per_s: float,
-                              latency_s: float = 0.0) -> float:
+def activation_offload_time_s(act_bytes, host_bandwidth_bytes_per_s: float,
+                              latency_s: float = 0.0):
   """Seconds per microbatch of a stage whose residuals wait for their backward in host memory:
   written there after the forward and read back before the backward, ``2 * (latency +
   act_bytes / bandwidth)`` (an upper bound on what it adds to the stage's time: the runtime
@@ -111,7 +118,7 @@ def activation_offload_time_s(act_bytes: float, host_bandwidth_bytes_per_s: floa
   leaves room).
 
   Args:
-    act_bytes: residual bytes of one microbatch per device.
+    act_bytes: residual bytes of one microbatch per device (a number or an array).
     host_bandwidth_bytes_per_s: the device's link to host memory, one direction.
     latency_s: per transfer.
   """
@@ -123,11 +130,58 @@ def zero_state_bytes_per_param(weight_bytes: float, grad_bytes: float, optimizer
   """Bytes per parameter a device holds for parameters, gradients and optimizer state.
 
   E.g. mixed-precision Adam (2 + 2 + 12 bytes): 16 at level 0, ``4 + 12 / dp`` at level 1,
-  ``2 + 14 / dp`` at level 2, ``16 / dp`` at level 3.
+  ``2 + 14 / dp`` at level 2, ``16 / dp`` at level 3 (the split of
+  :func:`~harpjax.compiler.profile.stage_memory`, its :attr:`StageMemory.state_bytes`).
   """
-  check_level(zero, dp)
-  return (weight_bytes / (dp if zero >= 3 else 1) + grad_bytes / (dp if zero >= 2 else 1)
-          + optimizer_bytes / (dp if zero >= 1 else 1))
+  return stage_memory(param_bytes=weight_bytes, grad_bytes=grad_bytes,
+                      opt_bytes=optimizer_bytes, act_bytes=0.0, dp=dp, zero=zero).state_bytes
+
+
+def zero_stage_times(time_s, end_s, gather_s, sync_s, zero: int):
+  """A stage's seconds per microbatch and at the end of the iteration at ZeRO level ``zero``,
+  from level 0's, with its collectives (:func:`zero_collectives`) priced by the tables' two:
+  ``gather_s``, one all-gather of its weights among its ``dp`` replicas, and ``sync_s``, the
+  gradient all-reduce its end time holds (``None``: the time per microbatch already reduces
+  the gradient; the tables' :attr:`~harpjax.compiler.profile.CostTables.sync_time_s`).
+
+  Level 3 gathers the weights in the forward and again in the backward (``+ 2 gather_s`` per
+  microbatch); levels 1 and 2 gather the updated weights once (``+ gather_s`` at the end);
+  from level 2 the gradient is reduce-scattered after every backward (``+ gather_s`` per
+  microbatch: the same bytes on the same link) and nothing is left to all-reduce at the end
+  (``- sync_s``).
+
+  Args:
+    time_s, end_s: level 0's seconds per microbatch and at the end (numbers or arrays).
+    gather_s: seconds of one all-gather of the weights.
+    sync_s: seconds of the gradient all-reduce within ``end_s``, or ``None``.
+    zero: the level.
+
+  Returns:
+    ``(time_s, end_s)`` at the level.
+  """
+  check_level(zero, 1)
+  t = time_s + 2.0 * gather_s if zero >= 3 else time_s
+  e = end_s + gather_s if zero in (1, 2) else end_s
+  if zero >= 2 and sync_s is not None:   # reduce-scattered every microbatch, not all-reduced
+    t = t + gather_s
+    e = np.maximum(e - sync_s, 0.0)
+  return t, e
+
+
+def sync_per_microbatch(time_s, end_s, sync_s):
+  """``(time_s, end_s)`` of a stage that reduces its gradient after every backward instead of
+  once per iteration (a mixed-type stage's groups): the all-reduce ``sync_s`` moves from the
+  end into the time per microbatch (numbers or arrays)."""
+  end = np.maximum(end_s - sync_s, 0.0)
+  return time_s + sync_s, (float(end) if np.ndim(end) == 0 else end)
+
+
+def replica_grad_bytes(state_bytes, tp, grad_fraction: float):
+  """One model replica's gradient bytes from the state bytes one device of it holds at level 0
+  (parameters, gradients and optimizer state, split ``tp`` ways): ``grad_fraction * state *
+  tp`` (``0.25`` for weights, gradient and two Adam moments of one size; numbers or
+  arrays)."""
+  return grad_fraction * state_bytes * tp
 
 
 def zero_collectives(param_bytes: float, dp: int, zero: int, grad_bytes: float | None = None

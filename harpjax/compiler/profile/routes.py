@@ -1,0 +1,81 @@
+"""Link routing on the cost tables: which link a transfer between subclusters takes, and the
+seconds of the transfers a mixed-type stage adds (HARP's heterogeneous subclusters, the
+mixed stages of :mod:`harpjax.compiler.plan.mixed`).
+
+* :func:`subcluster_link`: the link from a stage on subcluster ``a`` to one on ``b``: the
+  tables' link between them, or subcluster ``a``'s own link between hosts when ``a == b``
+  (the links :attr:`~harpjax.compiler.profile.CostTables.pair_comm_s` prices cuts on).
+* :func:`group_route_s`: a mixed stage's values arrive at and leave from its first group, the
+  *home*; every other group waits for its ``r`` of the ``b`` rows of the stage's inputs and
+  outputs to cross from and to the home, forward and backward:
+  ``2 (in_i + out_j) r / b / bw + 4 lat`` (a round trip of two messages,
+  :func:`~harpjax.compiler.profile.collectives.round_trip_time_s`; ``in_i`` the boundary bytes
+  of the cut before layer ``i``, ``out_j`` of the cut after ``j``, none at the ends of the
+  model).
+* :func:`home_sync_s`: the cross-group sum of a mixed stage's gradients as the runtime does
+  it: every other group sends its gradient to the home, which sums them, updates, and sends
+  the parameters back, one group after the other, ``sum over g != home of 2 (bytes / bw +
+  lat)``.
+* :func:`replica_link`: the link between a submesh's data-parallel replicas: inside a host
+  for a one-host submesh, else the subcluster's link between hosts.
+
+A missing link (bandwidth ``0`` in the tables) costs ``inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from harpjax.cluster import Link
+from harpjax.compiler.profile.collectives import round_trip_time_s
+
+__all__ = ["subcluster_link", "group_route_s", "home_sync_s", "replica_link"]
+
+
+def subcluster_link(tables, a: int, b: int) -> tuple[float, float]:
+  """``(bandwidth, latency)`` from a stage on subcluster ``a`` to one on ``b`` of ``tables`` (a
+  :class:`~harpjax.compiler.profile.CostTables`): subcluster ``a``'s own link between hosts
+  when ``a == b``; bandwidth ``0``: no link."""
+  if a == b:
+    return float(tables.intra_bandwidth_bytes_per_s[a]), float(tables.intra_latency_s[a])
+  return (float(tables.link_bandwidth_bytes_per_s[a][b]),
+          float(tables.link_latency_s[a][b]))
+
+
+def group_route_s(tables, home: int, k: int, rows: int, b: int, i, j):
+  """Seconds a group on subcluster ``k`` with ``rows`` of ``b`` rows waits per microbatch for
+  its rows of a stage on layers ``i..j`` (scalars or index arrays) to cross from and to the
+  home on ``home``: inputs and outputs forward, their cotangents backward (``inf`` without a
+  link)."""
+  bw, lat = subcluster_link(tables, home, k)
+  L = tables.num_layers
+  bb = np.asarray(tables.boundary_bytes, float)
+  i, j = np.asarray(i), np.asarray(j)
+  into = np.where(i > 0, bb[np.maximum(i - 1, 0)], 0.0)
+  out = np.where(j < L - 1, bb[np.minimum(j, L - 1)], 0.0)
+  if not bw > 0:
+    return np.full(np.broadcast(into, out).shape, np.inf)
+  return round_trip_time_s((into + out) * (rows / b), bw, 2.0 * lat)
+
+
+def home_sync_s(tables, home: int, others: Sequence[int], nbytes):
+  """Seconds of the cross-group sum of a mixed stage whose home group is on subcluster
+  ``home`` and whose other groups are on ``others``: each sends its gradient, ``nbytes`` (a
+  number or an array), to the home and receives the parameters back, one group after the
+  other (``inf`` without a link)."""
+  total = 0.0 * nbytes
+  for k in others:
+    bw, lat = subcluster_link(tables, home, k)
+    if not bw > 0:
+      return math.inf + total
+    total = total + round_trip_time_s(nbytes, bw, lat)
+  return total
+
+
+def replica_link(submesh: Sequence[int], host_link: Link, node_link: Link) -> Link:
+  """The link between the data-parallel replicas of ``submesh`` ``(n, m)``: ``host_link``
+  (inside one host) when ``n == 1``, else ``node_link`` (between the subcluster's hosts)."""
+  return host_link if submesh[0] == 1 else node_link
