@@ -12,7 +12,9 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
   depends on a batch-split input does ``1 / dp`` of it; an op the tensor-parallel rules split
   (:func:`~harpjax.compiler.layers.sharding.tp_plan` run over the forward *and* backward ops:
   a column-parallel matmul, what flows from it, the row-parallel matmul that reduces it) does
-  ``1 / tp`` of it.
+  ``1 / tp`` of it. As XLA counts them: the ops its simplifier removes cost nothing
+  (:func:`simplified_away`), the cheap elementwise ops its fusion computes in several
+  fusions are counted in each (at most twice).
 * **Bytes accessed**: every op reads its operands and writes its results, except broadcasts,
   conversions, reshapes, transposes and iotas, which XLA computes inside their consumers (a
   consumer reads their operands instead). This is close to XLA:CPU's count, which fuses
