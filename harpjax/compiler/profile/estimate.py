@@ -656,6 +656,8 @@ def _op_flops(prog: Program, op) -> float:
   return primitives.eqn_flops(op.name, op.params, ins, outs)
 
 
+# Operations on PRNG keys: tens of FLOPs per key (a threefry hash), no kernel of their own.
+_KEY_OPS = frozenset({"random_fold_in", "random_split"})
 # Data movement XLA computes inside its consumers like an elementwise op (a slice of a draw).
 _SLICES = frozenset({"slice", "dynamic_slice"})
 # A random draw, whose last step (threefry's final xor) XLA computes in each consumer's
@@ -808,8 +810,9 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
     light_f += flops
     light_b += nbytes
     out_elems = sum(primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
-    # (computed again inside another fusion is no kernel of its own)
-    if (op.name in _OWN_KERNELS or once > max(out_elems, 1)
+    # (computed again inside another fusion is no kernel of its own; a key's hash, a few
+    # scalar operations, is computed where its draw is)
+    if (op.name in _OWN_KERNELS or (once > max(out_elems, 1) and op.name not in _KEY_OPS)
         or (op.name in primitives.REDUCTIONS and raw > 0)):
       kernels += 1   # a reduction, scan or sort, or data movement XLA does not fuse away
   return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)
