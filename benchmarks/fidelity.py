@@ -312,15 +312,23 @@ def print_stage_tables(rows: list[dict]) -> dict:
   summary = {}
 
   print("\n### FLOPs per device (forward + backward of one microbatch)\n")
-  print(head + " tables (MFLOP) | XLA (MFLOP) | error |")
-  print(sep + "---|---|---|")
-  errs = []
+  print("The bytes ratio is the time model's bytes (`Work.bytes`, read off the same forward, "
+        "recompute and backward as the FLOPs) over XLA's `bytes accessed` of the same two "
+        "executables.\n")
+  print(head + " tables (MFLOP) | XLA (MFLOP) | error | bytes: time model / XLA |")
+  print(sep + "---|---|---|---|")
+  errs, ratios = [], []
   for r in rows:
     t, x = r["flops"]
+    w, _, xb = r["bytes"]
     errs.append(_err(t, x))
-    print(f"{key(r)} {t / 1e6:.3f} | {x / 1e6:.3f} | {_pct(errs[-1])} |")
+    ratios.append(w / xb if xb else float("nan"))
+    print(f"{key(r)} {t / 1e6:.3f} | {x / 1e6:.3f} | {_pct(errs[-1])} | {ratios[-1]:.2f} |")
   summary["flops"] = _worst(errs)
-  print(f"\nLargest |FLOPs error|: {summary['flops']}")
+  finite = [q for q in ratios if np.isfinite(q)]
+  print(f"\nLargest |FLOPs error|: {summary['flops']}; bytes ratio "
+        + (f"{min(finite):.2f} to {max(finite):.2f}, median {statistics.median(finite):.2f}"
+           if finite else "n/a"))
 
   print("\n### Bytes accessed per device (forward + backward of one microbatch)\n")
   print(head + " time model (MB) | error | jaxpr_stats (MB) | error | XLA (MB) |")

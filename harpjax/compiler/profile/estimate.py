@@ -12,7 +12,9 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
   depends on a batch-split input does ``1 / dp`` of it; an op the tensor-parallel rules split
   (:func:`~harpjax.compiler.layers.sharding.tp_plan` run over the forward *and* backward ops:
   a column-parallel matmul, what flows from it, the row-parallel matmul that reduces it) does
-  ``1 / tp`` of it.
+  ``1 / tp`` of it. As XLA counts them: the ops its simplifier removes cost nothing
+  (:func:`simplified_away`), the cheap elementwise ops its fusion computes in several
+  fusions are counted in each (at most twice).
 * **Bytes accessed**: every op reads its operands and writes its results, except broadcasts,
   conversions, reshapes, transposes and iotas, which XLA computes inside their consumers (a
   consumer reads their operands instead). This is close to XLA:CPU's count, which fuses
@@ -73,7 +75,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
                                     primitives, regen, strip_markers)
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
-           "accumulated_params"]
+           "accumulated_params", "simplified_away"]
 
 ESTIMATE_VERSION = "8"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
@@ -169,23 +171,29 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False,
   """Traces a piece's forward+backward (from ``jax.ShapeDtypeStruct`` s; nothing compiled).
 
   The forward+backward returns the forward's outputs too, so the ops computing them are
-  costed (the stage's forward sends them on). With ``remat`` (``"full"`` or ``True``,
-  ``"dots"``) the backward recomputes the forward as the runtime's does
-  (:func:`~harpjax.compiler.trace.checkpointed`): the work counted is the forward, its
-  recomputation and the backward, the residuals are what the mode keeps (the inputs alone
-  under ``"full"``), and the backward's workspace holds the recomputed forward's values. With
-  ``num_microbatches`` (B), a batch-sized random draw is drawn at the full batch and sliced,
-  as the stage draws it (:func:`~harpjax.compiler.profile.pieces.redraws`).
+  costed (the stage's forward sends them on), those without a cotangent (keys split for later
+  layers, :attr:`~harpjax.compiler.profile.pieces.Piece.extra_out_ids`) included. With
+  ``remat`` (``"full"`` or ``True``, ``"dots"``) the backward recomputes the forward as the
+  runtime's does (:func:`~harpjax.compiler.trace.checkpointed`): the work counted is the
+  forward, its recomputation and the backward, the residuals are what the mode keeps (the
+  inputs alone under ``"full"``), and the backward's workspace holds the recomputed
+  forward's values. With ``num_microbatches`` (B), a batch-sized random draw is drawn at the
+  full batch and sliced, as the stage draws it
+  (:func:`~harpjax.compiler.profile.pieces.redraws`).
   """
   t0 = time.perf_counter()
-  run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
+  n_out = len(piece.out_ids)
+  run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids,
+                     piece.out_ids + piece.extra_out_ids)
   hook = pieces_lib.redraw_hook(piece, num_microbatches)
   primal = checkpointed(remat)(lambda p, a, aux: run(*p, *a, *aux, hook=hook))
 
   def live(params, acts, aux, cts):
-    outs, vjp = jax.vjp(lambda p, a: primal(p, a, aux), params, acts)
+    # the values later layers read without a cotangent (keys split for them) as its aux
+    split = lambda p, a: (lambda o: (tuple(o[:n_out]), tuple(o[n_out:])))(primal(p, a, aux))
+    outs, vjp, extra = jax.vjp(split, params, acts, has_aux=True)
     _CUT.bind()   # the backward begins: the runtime runs it in an executable of its own
-    return outs, vjp(cts)
+    return outs, vjp(cts), extra
 
   fwd_bwd, _ = pieces_lib.make_functions(piece, False, num_microbatches)
   _, fwd_res = pieces_lib.make_functions(piece, remat, num_microbatches)
@@ -649,8 +657,74 @@ def _op_flops(prog: Program, op) -> float:
   return primitives.eqn_flops(op.name, op.params, ins, outs)
 
 
+# Operations on PRNG keys: tens of FLOPs per key (a threefry hash), no kernel of their own.
+_KEY_OPS = frozenset({"random_fold_in", "random_split"})
 # Data movement XLA computes inside its consumers like an elementwise op (a slice of a draw).
 _SLICES = frozenset({"slice", "dynamic_slice"})
+# A random draw, whose last step (threefry's final xor) XLA computes in each consumer's
+# fusion, and a reinterpretation of bits (elementwise, in the same fusions).
+_BIT_OPS = frozenset({"random_bits", "bitcast_convert_type"})
+# Arithmetic XLA's algebraic simplifier removes when an operand is a constant 1 (``x * 1``,
+# ``x / 1``) or 0 (``x + 0``, ``x - 0``): position of that operand, ``None`` for either.
+_IDENTITY_OF = {"mul": (1.0, None), "div": (1.0, 1), "add": (0.0, None),
+                "add_any": (0.0, None), "sub": (0.0, 1)}
+# Ops that carry a constant's value to their result unchanged (every element alike).
+_CARRY_CONST = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze",
+                          "expand_dims", "copy", "copy_p"})
+_CONST_FN = {"add": np.add, "add_any": np.add, "sub": np.subtract, "mul": np.multiply,
+             "div": np.divide, "max": np.maximum, "min": np.minimum, "neg": np.negative}
+
+
+def _constants(prog: Program) -> tuple[dict, set]:
+  """``(value -> the number its every element is, constant arithmetic folded away)``: the
+  values made from literals by broadcasts, conversions, reshapes and arithmetic."""
+  const: dict = {}
+  folded: set = set()
+  for op in prog.ops:
+    outs = [o for o in op.outvars if o >= 0]
+    if len(outs) != 1 or not op.invars:
+      continue
+    vals = [_const_value(r, const) for r in op.invars]
+    if op.name in _CARRY_CONST and vals[0] is not None:
+      const[outs[0]] = vals[0]
+    elif op.name in _CONST_FN and all(v is not None for v in vals):
+      with np.errstate(all="ignore"):
+        const[outs[0]] = _CONST_FN[op.name](*[np.float64(v) for v in vals])
+      folded.add(op.index)
+  return const, folded
+
+
+def _const_value(r, const: dict):
+  if isinstance(r, Lit):
+    v = np.asarray(r.value)
+    return v.flat[0] if v.size and np.all(v == v.flat[0]) else None
+  return const.get(r)
+
+
+def simplified_away(prog: Program) -> set:
+  """Indices of the ops XLA removes before counting FLOPs: arithmetic on constants alone
+  (constant folding: ``maxval - minval`` of ``jax.random.uniform``) and arithmetic with a
+  constant identity (``x * (maxval - minval)`` with ``maxval - minval == 1``, ``x + minval``
+  with ``minval == 0``: the algebraic simplifier; a dropout mask's ``uniform`` does both).
+  A constant here is a value every element of which is the same known number, made from
+  literals by broadcasts, conversions, reshapes and the arithmetic above."""
+  const, gone = _constants(prog)
+  for op in prog.ops:
+    outs = [o for o in op.outvars if o >= 0]
+    ident = _IDENTITY_OF.get(op.name)
+    if ident is None or len(outs) != 1 or len(op.invars) != 2 or op.index in gone:
+      continue
+    vals = [_const_value(r, const) for r in op.invars]
+    unit, pos = ident
+    sides = (0, 1) if pos is None else (pos,)
+    if any(vals[i] is not None and float(vals[i]) == unit
+           and prog.avals[outs[0]].shape == _shape(op.invars[1 - i], prog) for i in sides):
+      gone.add(op.index)
+  return gone
+
+
+def _shape(r, prog: Program) -> tuple:
+  return tuple(np.shape(r.value)) if isinstance(r, Lit) else tuple(prog.avals[r].shape)
 
 
 def _readers(prog: Program, read: dict) -> tuple[set, dict]:
@@ -671,20 +745,37 @@ def _copies(prog: Program, read: dict) -> dict:
   cheap elementwise op (not :data:`~harpjax.compiler.trace.primitives.EXPENSIVE`), a slice,
   and a random draw's last step (the xor that ends threefry, which lands in its consumers).
   A value that two elementwise fusions read (or one, and the program returns it) is computed
-  in each, and so is the chain of such ops computing it; every other op once (at most twice:
-  XLA's fusion does not duplicate without bound). Read off XLA:CPU's optimized HLO: a
-  dropout mask the forward returns as a residual and also applies is computed twice, the
-  hash's last xor with it."""
+  in each, and so is the chain of such ops computing it (a reinterpretation of its bits, as
+  ``uniform`` makes floats of the hash's bits, is one of them); every other op once (at most
+  twice: XLA's fusion does not duplicate without bound). Read off XLA:CPU's optimized HLO: a
+  dropout mask the forward returns as a residual and also applies is computed twice, from
+  the hash's last xor (at the drawn shape, before the microbatch's rows are sliced) on."""
   outputs, readers = _readers(prog, read)
+  const, _ = _constants(prog)
   copies: dict = {}
   for op in reversed(prog.ops):
     outs = [o for o in op.outvars if o >= 0]
-    if len(outs) != 1 or not (op.name in _SLICES or op.name == "random_bits" or (
+    if len(outs) != 1 or not (op.name in _SLICES or op.name in _BIT_OPS or (
         op.name in primitives.ELEMENTWISE and op.name not in primitives.EXPENSIVE)):
       continue
-    fusing = [copies[r.index] for r in readers.get(outs[0], ()) if r.index in copies]
-    copies[op.index] = min(2, max(1, sum(fusing) + (outs[0] in outputs)))
+    mine = readers.get(outs[0], ())
+    fusing = [copies[r.index] for r in mine if r.index in copies]
+    n = sum(fusing) + (outs[0] in outputs)
+    # An effectively unary op (one array operand, the others constants) that a reduction
+    # reads is computed inside the reduction's fusion too, and once more for a reader that
+    # fuses nothing (a matmul): XLA duplicates it rather than read it back.
+    if (op.name in primitives.ELEMENTWISE and _arrays_read(op, prog, const) <= 1
+        and any(r.name in primitives.REDUCTIONS for r in mine)):
+      n += 1 + any(r.index not in copies and r.name not in primitives.REDUCTIONS
+                   for r in mine)
+    copies[op.index] = min(2, max(1, n))
   return copies
+
+
+def _arrays_read(op, prog: Program, const: dict) -> int:
+  """How many of an op's operands are arrays (not literals, constants or single elements)."""
+  return sum(1 for r in op.invars if not isinstance(r, Lit) and r not in const
+             and primitives.aval_size(prog.avals[r]) > 1)
 
 
 def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
@@ -693,8 +784,9 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
   heavy_f, heavy_b = [], []
   light_f = light_b = kernels = 0.0
   copies = _copies(prog, read)
+  gone = simplified_away(prog)
   for op in prog.ops:
-    raw = once = _op_flops(prog, op)
+    raw = once = 0.0 if op.index in gone else _op_flops(prog, op)
     scale = sizes.op_scale(op)
     if op.name == "random_bits":
       if scale < 1:   # each device draws its part, setting up the key all the same
@@ -719,8 +811,9 @@ def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
     light_f += flops
     light_b += nbytes
     out_elems = sum(primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
-    # (computed again inside another fusion is no kernel of its own)
-    if (op.name in _OWN_KERNELS or once > max(out_elems, 1)
+    # (computed again inside another fusion is no kernel of its own; a key's hash, a few
+    # scalar operations, is computed where its draw is)
+    if (op.name in _OWN_KERNELS or (once > max(out_elems, 1) and op.name not in _KEY_OPS)
         or (op.name in primitives.REDUCTIONS and raw > 0)):
       kernels += 1   # a reduction, scan or sort, or data movement XLA does not fuse away
   return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)

@@ -45,6 +45,9 @@ class Piece:
     batch_ids: inputs and outputs whose axis 0 is the batch.
     param_bytes: bytes of ``param_ids``.
     num_params: elements of ``param_ids``.
+    extra_out_ids: values produced here and read later that receive no cotangent (PRNG keys
+      split for later layers, integer or boolean activations): the stage's forward computes
+      and sends them, so their ops are costed with the forward's.
   """
   program: Program
   ops: tuple
@@ -55,6 +58,7 @@ class Piece:
   batch_ids: frozenset
   param_bytes: int
   num_params: int
+  extra_out_ids: tuple = ()
 
 
 def batch_dependent(program: Program, input_kinds: Sequence[str] | None) -> frozenset:
@@ -99,15 +103,17 @@ def build_piece(seq: LayerSequence, first: int, last: int, batch_dep: frozenset)
     for v in op.in_ids():
       last_use[v] = op.index
   outset = {v for v in prog.outvars if not isinstance(v, Lit)}
-  outs = tuple(sorted(v for v in defined if (v in last_use or v in outset)
-                      and primitives.is_float(prog.avals[v])))
+  read_later = [v for v in defined if v in last_use or v in outset]
+  outs = tuple(sorted(v for v in read_later if primitives.is_float(prog.avals[v])))
+  extra = tuple(sorted(v for v in read_later if not primitives.is_float(prog.avals[v])))
   if not outs:   # a dead-end range still costs its forward; give it one output
     floats = [o for op in ops for o in op.outvars if o >= 0 and primitives.is_float(prog.avals[o])]
     outs = tuple(floats[-1:])
   pbytes = sum(prog.nbytes(v) for v in p_ids)
   nparams = sum(primitives.aval_size(prog.avals[v]) for v in p_ids)
   batch = frozenset(v for v in acts + aux + outs if v in batch_dep)
-  return Piece(prog, tuple(ops), p_ids, acts, aux, outs, batch, int(pbytes), int(nparams))
+  return Piece(prog, tuple(ops), p_ids, acts, aux, outs, batch, int(pbytes), int(nparams),
+               extra)
 
 
 def redraws(piece: Piece, num_microbatches: int | None) -> dict:

@@ -13,7 +13,9 @@ FLOP per output element) and named once in the log.
 
 A ``random_bits`` draw is costed as XLA's cost analysis counts the hash that produces it
 (:func:`random_bits_flops`): threefry is integer arithmetic on counters, tens of operations
-per element, which XLA counts as FLOPs.
+per element, which XLA counts as FLOPs. So are the key operations ``random_fold_in`` and
+``random_split`` (:func:`random_key_flops`): each new key is one threefry hash (about 42
+FLOPs on XLA:CPU), not one operation.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ __all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "REDUCTIONS", "FUSES_PR
            "EXPENSIVE",
            "dot_operand_copies", "info", "is_compute_heavy", "is_view", "eqn_flops",
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
-           "aval_nbytes", "aval_size", "is_float", "random_bits_flops"]
+           "aval_nbytes", "aval_size", "is_float", "random_bits_flops", "random_key_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,59 @@ def _fit_draw(key_aval, bits: int, rank: int) -> tuple[float, float]:
   return per, a - per * n_small
 
 
+_KEY_FITS: dict[tuple, tuple[float, float]] = {}
+_KEY_OPS = frozenset({"random_fold_in", "random_split"})
+
+
+def random_key_flops(name: str, key_aval, out_avals) -> float:
+  """FLOPs of a ``random_fold_in`` or ``random_split`` as XLA's cost analysis counts them.
+
+  Each key the operation makes is one hash of the PRNG (threefry: twenty rounds of add,
+  rotate and xor on two 32-bit words), which XLA counts as integer FLOPs (42 per key on
+  XLA:CPU, 11 more to set up a ``fold_in``; ``split`` 44 per key and 13), not one per
+  element. The count is affine in the keys made, for a given key type and backend, so it is
+  read once off XLA like :func:`random_bits_flops` (two small compilations, memoised); one
+  FLOP per key if the operation cannot be compiled alone.
+
+  Args:
+    name: ``"random_fold_in"`` or ``"random_split"``.
+    key_aval: the abstract key operand (a typed PRNG key array).
+    out_avals: the abstract results (the new keys).
+  """
+  n_out = float(sum(aval_size(a) for a in out_avals))
+  key = (jax.default_backend(), name, str(getattr(key_aval, "dtype", "")),
+         bool(jax.config.jax_threefry_partitionable))
+  fit = _KEY_FITS.get(key)
+  if fit is None:
+    fit = _KEY_FITS[key] = _fit_key_op(name, key_aval)
+  per, fixed = fit
+  return per * n_out + fixed
+
+
+def _fit_key_op(name: str, key_aval) -> tuple[float, float]:
+  """``(FLOPs per key made, fixed FLOPs)`` of a key operation, from XLA's cost analysis of the
+  operation making one and two keys (``fold_in``) or two and four (``split``)."""
+  try:
+    dtype = key_aval.dtype
+
+    def flops(fn, shape):
+      ca = jax.jit(fn).lower(jax.ShapeDtypeStruct(shape, dtype)).compile().cost_analysis()
+      ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+      return float(ca.get("flops", 0.0))
+    if name == "random_fold_in":
+      fold = jax.vmap(lambda k: jax.random.fold_in(k, 7))
+      (n_a, a), (n_b, b) = (1, flops(fold, (1,))), (2, flops(fold, (2,)))
+    else:
+      (n_a, a), (n_b, b) = ((n, flops(lambda k, n=n: jax.random.split(k, n), ()))
+                            for n in (2, 4))
+  except Exception as e:  # noqa: BLE001 -- an unusual PRNG: one FLOP per key
+    log.info("%s of %s cannot be costed by XLA alone (%s); one FLOP per key", name,
+             getattr(key_aval, "dtype", "?"), e)
+    return 1.0, 0.0
+  per = (b - a) / (n_b - n_a)
+  return per, a - per * n_a
+
+
 PRIMITIVES: dict[str, PrimitiveInfo] = {}
 """Primitive name -> :class:`PrimitiveInfo`."""
 
@@ -236,7 +291,7 @@ EXPENSIVE = frozenset({
     "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt",
     "cbrt", "pow", "erf", "erfc", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
     "bessel_i0e", "bessel_i1e", "polygamma", "zeta", "regularized_incomplete_beta",
-    "random_gamma", "threefry2x32",
+    "random_gamma", "threefry2x32", "random_fold_in",
 })
 """Elementwise ops XLA's fusion does not duplicate into several consumers (transcendentals:
 XLA's ``InstructionFusion::IsExpensive``); the other elementwise ops it recomputes inside every
@@ -244,7 +299,7 @@ fusion that reads them."""
 """Ops XLA computes their elementwise operands inside of (loop and input fusion): an
 elementwise result read by these alone is never written to memory."""
 
-_register(sorted(ELEMENTWISE | {"random_split", "rng_uniform", "rng_bit_generator"}),
+_register(sorted((ELEMENTWISE - _KEY_OPS) | {"rng_uniform", "rng_bit_generator"}),
           flops=_out_elems)   # one FLOP per output element
 _register([  # reductions: one FLOP per element combined into a result
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -255,6 +310,8 @@ _register([  # arg-reductions and scans over an axis: one FLOP per input element
     "approx_top_k",
 ], flops=_in_elems)
 _register(["random_bits"], flops=lambda p, i, o: random_bits_flops(i[0], p))
+for _name in sorted(_KEY_OPS):
+  _register([_name], flops=lambda p, i, o, _name=_name: random_key_flops(_name, i[0], o))
 _register(["sort"], flops=_sort_flops)
 _register(["reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
            "select_and_scatter_add", "select_and_gather_add", "select_and_scatter"],
