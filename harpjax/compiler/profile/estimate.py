@@ -77,7 +77,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params", "simplified_away"]
 
-ESTIMATE_VERSION = "8"
+ESTIMATE_VERSION = "9"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
