@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from harpjax.compiler.trace import Lit, Op, Program
 
-__all__ = ["DP", "TP", "EP", "LogicalMesh", "abstract_mesh", "ep_dims", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
+__all__ = ["DP", "TP", "EP", "LogicalMesh", "abstract_mesh", "ep_dims", "expert_exchange_bytes", "expert_counts", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
            "batch_spec", "zero_spec", "without_dp", "ZERO_LEVELS", "TPPlan", "tp_plan"]
 
 DP, TP, EP = "dp", "tp", "ep"
@@ -125,15 +125,19 @@ def logical_meshes(num_devices: int) -> list[tuple[int, int]]:
 
 
 def submesh_logical_meshes(submesh: tuple[int, int], *, microbatch_size: int | None = None,
-                           max_tp: int | None = None) -> list[tuple[int, int]]:
+                           max_tp: int | None = None, experts: Sequence[int] = ()
+                           ) -> list[tuple[int, ...]]:
   """Logical meshes worth considering on a ``(n, m)`` submesh.
 
   Tensor parallelism stays inside a host (``tp`` divides ``m``: its collectives run on the
   host link), and data parallelism must split the microbatch (``dp`` divides
-  ``microbatch_size`` when given).
+  ``microbatch_size`` when given). With ``experts`` (the expert counts of the model's routed
+  blocks, :func:`expert_counts`), also every ``(dp, tp, ep)`` with ``ep > 1`` dividing each
+  count and ``dp * ep`` splitting the microbatch.
 
   Returns:
-    ``[(dp, tp)]`` with ``dp * tp == n * m``, data-parallel first.
+    ``[(dp, tp)]`` with ``dp * tp == n * m``, data-parallel first; then the
+    ``(dp, tp, ep)``, by ``tp`` then ``ep``.
   """
   n, m = submesh
   out = []
@@ -143,6 +147,15 @@ def submesh_logical_meshes(submesh: tuple[int, int], *, microbatch_size: int | N
     if microbatch_size is not None and dp > 1 and microbatch_size % dp:
       continue
     out.append((dp, tp))
+  for dp, tp in list(out) if experts else ():
+    for ep in range(2, n * m // tp + 1):
+      ways = n * m // tp
+      if ways % ep or any(e % ep for e in experts):
+        continue
+      if microbatch_size is not None and microbatch_size % ways:
+        continue
+      if (ways // ep, tp, ep) not in out and dp == ways:
+        out.append((ways // ep, tp, ep))
   return out
 
 
@@ -267,6 +280,54 @@ def param_specs(program: Program, ops: Iterable[Op], param_ids: Sequence[int],
       e = e[:-1]
     specs[pid] = P(*e)
   return specs
+
+
+def expert_counts(program: Program, ops: Iterable[Op], param_ids: Sequence[int]) -> tuple:
+  """The sizes of the experts' dimensions of the expert weights read by ``ops``
+  (:func:`ep_dims`), sorted and distinct: ``(8,)`` for a model of 8-expert blocks."""
+  return tuple(sorted({int(program.avals[p].shape[d])
+                       for p, d in ep_dims(program, ops, param_ids, 1).items()}))
+
+
+def expert_exchange_bytes(program: Program, ops: Iterable[Op], param_ids: Sequence[int]
+                          ) -> float:
+  """Bytes the forward of ``ops`` moves between the tokens' and the experts' devices under
+  expert parallelism, at the program's batch: the tokens dispatched to the experts (the
+  activations the expert matmuls read that no expert matmul produced) and the experts'
+  outputs combined back (values an expert matmul produced, through elementwise ops, that a
+  matmul with no expert weight reads). Under a ``(dp, tp, ep)`` mesh each device holds
+  ``1 / (dp * ep)`` of each and sends ``(ep - 1) / ep`` of that to the other experts'
+  devices; the backward moves their cotangents, as many bytes."""
+  ops = list(ops)
+  experts = ep_dims(program, ops, param_ids, 1)
+  if not experts:
+    return 0.0
+  pset = set(param_ids)
+  view: dict[int, int] = {}                 # value id -> parameter it views
+  side: set[int] = set()                    # values computed on the experts' side
+  dispatched: set[int] = set()
+  combined: set[int] = set()
+  nbytes = lambda v: float(np.prod(program.avals[v].shape)) * program.avals[v].dtype.itemsize
+  for op in ops:
+    ins = [r for r in op.invars if not isinstance(r, Lit)]
+    outs = [o for o in op.outvars if o >= 0]
+    base = lambda r: r if r in pset else view.get(r)
+    if ins and len(outs) == 1 and _is_view_op(op) and base(ins[0]) is not None:
+      view[outs[0]] = base(ins[0])
+      continue
+    if op.name == "dot_general":
+      w = [r for r in ins if base(r) is not None]
+      acts = [r for r in ins if base(r) is None]
+      if any(base(r) in experts for r in w):
+        dispatched.update(a for a in acts if a not in side)
+        side.update(outs)
+      else:
+        combined.update(a for a in acts if a in side)
+      continue
+    acts = [r for r in ins if base(r) is None]
+    if acts and all(a in side for a in acts):
+      side.update(outs)
+  return sum(nbytes(v) for v in dispatched | combined)
 
 
 def ep_dims(program: Program, ops: Iterable[Op], param_ids: Sequence[int],
