@@ -127,3 +127,84 @@ def test_mixtral_ep2_with_tp_routed_per_sequence_equals_jit(x64):
 def test_mixtral_ep_routed_over_the_batch_equals_jit_per_microbatch(x64, plan):
   case = _mixtral(capacity_factor=1.0)
   assert _worst(case, plan, zoo.per_microbatch_reference(case, B)) <= RTOL
+
+
+def _result_bytes(shape: str) -> int:
+  """Bytes of an HLO result shape: ``f64[1,4,16]`` or a tuple of them."""
+  size = {"f64": 8, "f32": 4, "bf16": 2, "s32": 4, "f16": 2}
+  total = 0
+  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+    total += size[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
+
+
+def test_all_to_all_bytes_of_the_cost_model_are_xla_s(x64):
+  # The profile charges a routed layer of a (dp, tp, ep) stage the tokens dispatched and
+  # combined, read off the program, 1 / (dp * ep) per device, forward once and backward twice
+  # (harpjax.compiler.profile.profiler.expert_parallel_costs); XLA's compiled stage moves
+  # exactly that.
+  case = _mixtral(routing_group="sequence", capacity_factor=1.0)
+  cs = _pstep(case, EP4).compile(case.state, case.batches[0])
+  st, sp, layers = cs.stages[0], cs.program.programs[0], cs.program.layers
+  prog = layers.program
+  per_device = sharding.expert_exchange_bytes(
+      prog, prog.ops[sp.own_range[0]:sp.own_range[1]], sp.param_ids) / 4
+  # [experts 4, sequences 4, capacity 4, hidden 16] f64 dispatched, as many combined.
+  assert per_device == 2 * 4 * 4 * 4 * 16 * 8 / 4
+  compiled = compile_stage(st)
+  moved = {key: sum(_result_bytes(s) for k, s in _collectives(compiled[key].as_text())
+                    if k == "all-to-all") for key in ("fwd", "bwd")}
+  assert moved == {"fwd": per_device, "bwd": 2 * per_device}, (moved, per_device)
+
+
+def _toy_cluster(tmp_path, memory_bytes: int) -> str:
+  path = tmp_path / f"toy_{memory_bytes}.yaml"
+  path.write_text(f"""name: toy
+gpus:
+  - {{name: toy, tflops: 100, memory_gb: {memory_bytes / 2**30!r}, mem_bandwidth_gbs: 900}}
+subclusters:
+  - name: toy
+    gpu: toy
+    hosts: 1
+    devices_per_host: 4
+    nics:
+      - {{name: eth0, kind: ethernet, gbps: 100, network: dc}}
+""")
+  return str(path)
+
+
+@pytest.mark.slow
+def test_planner_chooses_ep_where_experts_do_not_fit_unsharded_and_trains_exactly(x64, tmp_path):
+  from harpjax.compiler.plan import solve
+  from tests.compiler.plan import oracle
+  case = _mixtral(routing_group="sequence", capacity_factor=1.0)
+  auto = harpjax.AutoPlan(profile=harpjax.ProfileOptions(max_tp=1))   # no Megatron split
+
+  def planned(memory_bytes):
+    pstep = harpjax.auto_parallel(case.step, cluster=_toy_cluster(tmp_path, memory_bytes),
+                                  num_microbatches=B, plan=auto)
+    return pstep, pstep.plan(case.state, case.batches[0]), \
+        pstep.profile(case.state, case.batches[0])
+
+  # Enough memory: a pipeline of data-parallel stages, no all-to-all.
+  _, roomy, _ = planned(400_000)
+  assert all(len(s.logical_mesh) == 2 for s in roomy.stages), roomy
+  # 250 kB: no stage holding a routed block's 4 experts whole fits (the profile's (dp, tp)
+  # entries of the routed layers do not); one expert-parallel stage does.
+  pstep, plan, prof = planned(250_000)
+  assert [(s.layers, s.submesh, s.logical_mesh) for s in plan.stages] == \
+      [((0, 7), (1, 4), (1, 1, 4))], plan
+  assert plan.predicted_iteration_s > roomy.predicted_iteration_s
+  tables = prof.tables
+  assert tables.logical_mesh_of(0, 0, 7, tables.submeshes[0].index((1, 4))) == (1, 1, 4)
+  # The search over the tables with their expert-parallel entries: brute force agrees.
+  res = solve(tables, B)
+  bf = oracle.brute_force(tables, B, eps=res.plan.eps if res.plan.eps is not None else 0.1)
+  assert res.plan.predicted_iteration_s == pytest.approx(bf.objective_s, rel=1e-9)
+  # And the planned step trains as jax.jit does.
+  s_par = s_ref = case.state
+  ref = jax.jit(case.step)
+  for batch in case.batches:
+    out, want = pstep(s_par, batch), ref(s_ref, batch)
+    assert max_rel_err(want, out) <= RTOL
+    s_par, s_ref = out[0], want[0]
