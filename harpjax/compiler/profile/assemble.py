@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.layers.sharding import LogicalMesh
+from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.profile.tables import CostTables, range_sums
 
 __all__ = ["assemble_tables", "MeshCosts"]

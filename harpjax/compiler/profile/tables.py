@@ -47,7 +47,7 @@ import numpy as np
 
 from harpjax.cluster import Link, host_joins, is_divisibility_chain
 from harpjax.errors import CostTablesError
-from harpjax.compiler.layers.sharding import LogicalMesh
+from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.trace import REMAT_MODES
 
 __all__ = ["CostTables", "check_submeshes", "check_int", "check_seq", "range_sums", "range_max",
