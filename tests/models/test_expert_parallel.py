@@ -90,7 +90,7 @@ def _collectives(hlo: str) -> list[tuple[str, str]]:
   return [(k, s) for s, k in re.findall(pat, hlo)]
 
 
-def test_expert_weights_split_on_ep_and_tokens_move_by_all_to_all(x64):
+def test_expert_weights_split_on_ep_and_tokens_move_by_all_to_all_as_costed(x64):
   case = _mixtral(routing_group="sequence", capacity_factor=1.0)
   cs = _pstep(case, EP4).compile(case.state, case.batches[0])
   st = cs.stages[0]
@@ -109,6 +109,27 @@ def test_expert_weights_split_on_ep_and_tokens_move_by_all_to_all(x64):
     # No all-gather of an expert weight ([4, 16, 24] or [4, 24, 16]).
     gathered = [s for k, s in colls if k == "all-gather"]
     assert not any(re.match(r"f64\[4,(16,24|24,16)\]", s) for s in gathered), gathered
+  # The profile charges a routed layer of a (dp, tp, ep) stage the tokens dispatched and
+  # combined, read off the program, 1 / (dp * ep) per device, forward once and backward twice
+  # (harpjax.compiler.profile.profiler.expert_parallel_costs); XLA's compiled stage moves
+  # exactly that.
+  sp, prog = cs.program.programs[0], cs.program.layers.program
+  per_device = sharding.expert_exchange_bytes(
+      prog, prog.ops[sp.own_range[0]:sp.own_range[1]], sp.param_ids) / 4
+  # [experts 4, sequences 4, capacity 4, hidden 16] f64 dispatched, as many combined.
+  assert per_device == 2 * 4 * 4 * 4 * 16 * 8 / 4
+  moved = {key: sum(_result_bytes(s) for k, s in _collectives(compiled[key].as_text())
+                    if k == "all-to-all") for key in ("fwd", "bwd")}
+  assert moved == {"fwd": per_device, "bwd": 2 * per_device}, (moved, per_device)
+
+
+def _result_bytes(shape: str) -> int:
+  """Bytes of an HLO result shape: ``f64[1,4,16]`` or a tuple of them."""
+  size = {"f64": 8, "f32": 4, "bf16": 2, "s32": 4, "f16": 2}
+  total = 0
+  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+    total += size[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
 
 
 def test_mixtral_ep4_routed_per_sequence_equals_jit(x64):
@@ -127,34 +148,6 @@ def test_mixtral_ep2_with_tp_routed_per_sequence_equals_jit(x64):
 def test_mixtral_ep_routed_over_the_batch_equals_jit_per_microbatch(x64, plan):
   case = _mixtral(capacity_factor=1.0)
   assert _worst(case, plan, zoo.per_microbatch_reference(case, B)) <= RTOL
-
-
-def _result_bytes(shape: str) -> int:
-  """Bytes of an HLO result shape: ``f64[1,4,16]`` or a tuple of them."""
-  size = {"f64": 8, "f32": 4, "bf16": 2, "s32": 4, "f16": 2}
-  total = 0
-  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
-    total += size[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-  return total
-
-
-def test_all_to_all_bytes_of_the_cost_model_are_xla_s(x64):
-  # The profile charges a routed layer of a (dp, tp, ep) stage the tokens dispatched and
-  # combined, read off the program, 1 / (dp * ep) per device, forward once and backward twice
-  # (harpjax.compiler.profile.profiler.expert_parallel_costs); XLA's compiled stage moves
-  # exactly that.
-  case = _mixtral(routing_group="sequence", capacity_factor=1.0)
-  cs = _pstep(case, EP4).compile(case.state, case.batches[0])
-  st, sp, layers = cs.stages[0], cs.program.programs[0], cs.program.layers
-  prog = layers.program
-  per_device = sharding.expert_exchange_bytes(
-      prog, prog.ops[sp.own_range[0]:sp.own_range[1]], sp.param_ids) / 4
-  # [experts 4, sequences 4, capacity 4, hidden 16] f64 dispatched, as many combined.
-  assert per_device == 2 * 4 * 4 * 4 * 16 * 8 / 4
-  compiled = compile_stage(st)
-  moved = {key: sum(_result_bytes(s) for k, s in _collectives(compiled[key].as_text())
-                    if k == "all-to-all") for key in ("fwd", "bwd")}
-  assert moved == {"fwd": per_device, "bwd": 2 * per_device}, (moved, per_device)
 
 
 def _toy_cluster(tmp_path, memory_bytes: int) -> str:

@@ -451,7 +451,7 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
   keys: dict[str, dict] = {}
   assign = []
   pruned = 0
-  expert_parallel = {}
+  expert_parallel, ep_memo = {}, {}
   routed = {l.index for l in layers if layers.modules[l.module_index].routed}
   for c, cfg in enumerate(configs):
     sub = subs[cfg.subcluster]
@@ -468,8 +468,10 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
     for i in range(L):
       full = piece(layers, i)
       if lm.ep > 1 and i in routed:
-        expert_parallel[(c, i)] = expert_parallel_costs(full, lm, ep_link,
-                                                        opts.state_bytes_per_param)
+        memo = (layers[i].signature, cfg.mesh, ep_link)
+        if memo not in ep_memo:
+          ep_memo[memo] = expert_parallel_costs(full, lm, ep_link, opts.state_bytes_per_param)
+        expert_parallel[(c, i)] = ep_memo[memo]
       split = tp * (dp if opts.optimizer_bytes_per_param is not None else 1)
       saved = expert_parallel.get((c, i), (0.0, 0.0, 0.0))[1]
       if full.num_params / split * opts.state_bytes_per_param - saved > sub.memory_bytes:
