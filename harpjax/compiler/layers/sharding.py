@@ -33,11 +33,12 @@ import dataclasses
 from typing import Iterable, Sequence
 
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from harpjax.compiler.trace import Lit, Op, Program
 
-__all__ = ["DP", "TP", "EP", "LogicalMesh", "abstract_mesh", "ep_dims", "expert_exchange_bytes", "expert_counts", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
+__all__ = ["DP", "TP", "EP", "LogicalMesh", "abstract_mesh", "ep_dims", "expert_exchange_bytes",
+           "expert_counts", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
            "batch_spec", "zero_spec", "without_dp", "ZERO_LEVELS", "TPPlan", "tp_plan"]
 
 DP, TP, EP = "dp", "tp", "ep"
@@ -113,7 +114,6 @@ class LogicalMesh:
 
 def abstract_mesh(logical_mesh):
   """The device-free ``AbstractMesh`` of a logical mesh (a :class:`LogicalMesh` or tuple)."""
-  from jax.sharding import AbstractMesh
   lm = LogicalMesh.of(logical_mesh)
   return AbstractMesh(lm.shape, lm.axis_names)
 

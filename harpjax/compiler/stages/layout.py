@@ -104,10 +104,10 @@ def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
                  batch_dependent: set[int], logical_mesh: tuple[int, int],
                  zero: int = 0) -> StageLayout:
   """The layout of stage ``sp`` (a :class:`~harpjax.compiler.stages.stage.StageProgram`) on a
-  ``(dp, tp)`` or ``(dp, tp, ep)`` logical mesh: parameters split
-  Megatron-style on ``tp`` (:mod:`harpjax.compiler.layers.sharding`), expert weights on ``ep``,
-  batch-carrying values on ``dp`` (and ``ep``), the rest replicated. With ``zero >= 2`` the gradient accumulators are also split on
-  ``dp`` (:func:`~harpjax.compiler.layers.sharding.zero_spec`), with ``zero == 3`` the
+  ``(dp, tp)`` or ``(dp, tp, ep)`` logical mesh: parameters split Megatron-style on ``tp``
+  (:mod:`harpjax.compiler.layers.sharding`), expert weights on ``ep``, batch-carrying values on
+  ``dp`` (and ``ep``), the rest replicated. With ``zero >= 2`` the gradient accumulators are
+  also split on ``dp`` (:func:`~harpjax.compiler.layers.sharding.zero_spec`), with ``zero == 3`` the
   parameters too (gathered where used)."""
   prog = layers.program
   lm = sharding_lib.LogicalMesh.of(logical_mesh)
