@@ -201,3 +201,23 @@ def test_planner_chooses_ep_where_experts_do_not_fit_unsharded_and_trains_exactl
     out, want = pstep(s_par, batch), ref(s_ref, batch)
     assert max_rel_err(want, out) <= RTOL
     s_par, s_ref = out[0], want[0]
+
+
+@pytest.mark.slow
+def test_interleaved_moe_with_ep_equals_jit(x64):
+  # The dense/MoE interleaved model (top-1 per sequence, capacity 0.5: drops): embed 0 ·
+  # DenseBlock 1-3 · MoEBlock 4-6 · DenseBlock 7-9 · MoEBlock 10-12 · ln_f 13.
+  from harpjax.models import MoEConfig, MoETransformer, gpt
+  cfg = MoEConfig(vocab_size=64, seq_len=8, hidden=16, num_heads=4, num_blocks=4,
+                  dtype="float64", param_dtype="float64", key_bias=False, layer_marks=0,
+                  num_experts=4, capacity_factor=0.5)
+  case = _case(MoETransformer(cfg), gpt.lm_loss, cfg.seq_len, cfg.vocab_size)
+  rng = np.random.default_rng(2)
+  case = dataclasses.replace(case, batches=[
+      {k: jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (ROWS, cfg.seq_len)),
+                            jax.numpy.int32) for k in ("tokens", "labels")} for _ in range(2)])
+  plan = harpjax.ManualPlan([((0, 6), "v100", (1, 4), (1, 1, 4)),
+                             ((7, 13), "a100", (2, 2), (2, 1, 2))])
+  cs = _pstep(case, plan).compile(case.state, case.batches[0])
+  assert any(s == P("ep") for s in cs.stages[0].layout.specs.values())
+  assert _worst(case, plan, jax.jit(case.step)) <= RTOL
