@@ -17,6 +17,7 @@ from harpjax.cluster import GPU_CATALOG as GPU_CATALOG
 from harpjax.cluster import GPUType as GPUType
 from harpjax.compiler.layers import LayerOptions as LayerOptions
 from harpjax.compiler.layers import LayerSequence as LayerSequence
+from harpjax.compiler.layers import LogicalMesh as LogicalMesh
 from harpjax.compiler.plan import ManualPlan as ManualPlan
 from harpjax.compiler.plan import MixedOptions as MixedOptions
 from harpjax.compiler.plan import Plan as Plan
@@ -55,10 +56,10 @@ from harpjax.runtime import save_checkpoint as save_checkpoint
 __all__ = [
     "AutoPlan", "BatchCouplingError", "BatchCouplingWarning", "CheckpointOptions", "Checkpointer",
     "Cluster", "CostTables", "ElasticOptions", "Emulation", "Failure", "GPU_CATALOG", "GPUType",
-    "HarpjaxError", "LaidOut", "LayerOptions", "LayerSequence", "LocalRuntime", "ManualPlan",
-    "MixedOptions", "OffloadOptions", "OptionConflictError", "OptionsError", "ParallelOptions",
-    "ParallelStep", "Plan", "Planned", "ProfileOptions", "RayRuntime", "Recovery",
-    "RunnerOptions", "Schedule", "SolveOptions", "StageGroup", "StageSpec", "Traced",
+    "HarpjaxError", "LaidOut", "LayerOptions", "LayerSequence", "LocalRuntime", "LogicalMesh",
+    "ManualPlan", "MixedOptions", "OffloadOptions", "OptionConflictError", "OptionsError",
+    "ParallelOptions", "ParallelStep", "Plan", "Planned", "ProfileOptions", "RayRuntime",
+    "Recovery", "RunnerOptions", "Schedule", "SolveOptions", "StageGroup", "StageSpec", "Traced",
     "UnknownOptionError", "auto_parallel", "gather", "grad", "load_plan", "make_schedule",
     "mark_layer_boundary", "restore_checkpoint", "save_checkpoint", "solve", "value_and_grad",
     "__version__",

@@ -15,6 +15,16 @@ choice computes the unsharded function (up to summation order).
 
 Training state can also be split on ``dp`` (ZeRO, :func:`zero_spec`): a value's largest
 dimension that is not already split and divides by ``dp`` is split on it.
+
+**Expert parallelism.** A logical mesh may carry a third axis, ``"ep"``
+(:class:`LogicalMesh`): ``dp * ep * tp`` devices laid out ``(dp, ep, tp)``, ``tp`` innermost.
+The ``ep`` devices are also data-parallel for everything but the experts (GShard, Switch):
+batch-carrying values are split on ``("dp", "ep")``. A parameter read by a matmul as its
+*batch* dimension (an expert's weights ``[experts, in, out]`` contracted per expert,
+``einsum("egch,ehf->egcf")``) is split on ``ep`` along that dimension (:func:`ep_dims`), so
+each device holds ``experts / ep`` experts; XLA's partitioner then moves the tokens to the
+experts' devices and back with all-to-all (the dispatch and combine einsums' contraction over
+tokens) instead of gathering the weights.
 """
 
 from __future__ import annotations
@@ -23,17 +33,89 @@ import dataclasses
 from typing import Iterable, Sequence
 
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from harpjax.compiler.trace import Lit, Op, Program
 
-__all__ = ["DP", "TP", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
+__all__ = ["DP", "TP", "EP", "LogicalMesh", "abstract_mesh", "ep_dims", "expert_exchange_bytes",
+           "expert_counts", "logical_meshes", "submesh_logical_meshes", "make_mesh", "param_specs",
            "batch_spec", "zero_spec", "without_dp", "ZERO_LEVELS", "TPPlan", "tp_plan"]
 
-DP, TP = "dp", "tp"
+DP, TP, EP = "dp", "tp", "ep"
 
 _SAME_DIMS = frozenset({"convert_element_type", "copy", "copy_p", "slice", "dynamic_slice",
                         "stop_gradient", "optimization_barrier", "reduce_precision"})
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalMesh:
+  """How a stage views its ``dp * tp * ep`` devices.
+
+  Plans, tables and layouts carry a logical mesh as a tuple, ``(dp, tp)`` (``ep == 1``, the
+  form every plan file had) or ``(dp, tp, ep)``; :meth:`of` reads either, :meth:`as_tuple`
+  writes the shortest.
+
+  Attributes:
+    dp: data-parallel degree (replicas of everything).
+    tp: tensor-parallel degree (Megatron splits, inside a host).
+    ep: expert-parallel degree: experts split over ``ep`` devices, which are data-parallel
+      for the rest of the stage.
+  """
+  dp: int
+  tp: int
+  ep: int = 1
+
+  def __post_init__(self):
+    for name in ("dp", "tp", "ep"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"LogicalMesh.{name}={v!r} must be an integer >= 1")
+      object.__setattr__(self, name, int(v))
+
+  @classmethod
+  def of(cls, mesh) -> "LogicalMesh":
+    """A :class:`LogicalMesh` from itself or a ``(dp, tp)`` / ``(dp, tp, ep)`` tuple."""
+    if isinstance(mesh, LogicalMesh):
+      return mesh
+    t = tuple(int(x) for x in mesh)
+    if len(t) not in (2, 3):
+      raise ValueError(f"logical mesh {mesh!r} must be (dp, tp) or (dp, tp, ep)")
+    return cls(*t)
+
+  def as_tuple(self) -> tuple[int, ...]:
+    """``(dp, tp)`` when ``ep == 1``, else ``(dp, tp, ep)``."""
+    return (self.dp, self.tp) if self.ep == 1 else (self.dp, self.tp, self.ep)
+
+  @property
+  def size(self) -> int:
+    """Devices: ``dp * tp * ep``."""
+    return self.dp * self.tp * self.ep
+
+  @property
+  def batch_ways(self) -> int:
+    """Ways the batch is split: ``dp * ep``."""
+    return self.dp * self.ep
+
+  @property
+  def axis_names(self) -> tuple[str, ...]:
+    """``("dp", "tp")``, or ``("dp", "ep", "tp")`` with ``ep > 1``."""
+    return (DP, TP) if self.ep == 1 else (DP, EP, TP)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The mesh's shape, in :attr:`axis_names` order."""
+    return (self.dp, self.tp) if self.ep == 1 else (self.dp, self.ep, self.tp)
+
+  @property
+  def batch_axes(self):
+    """The mesh axes a batch dimension is split on: ``"dp"``, or ``("dp", "ep")``."""
+    return DP if self.ep == 1 else (DP, EP)
+
+
+def abstract_mesh(logical_mesh):
+  """The device-free ``AbstractMesh`` of a logical mesh (a :class:`LogicalMesh` or tuple)."""
+  lm = LogicalMesh.of(logical_mesh)
+  return AbstractMesh(lm.shape, lm.axis_names)
 
 
 def logical_meshes(num_devices: int) -> list[tuple[int, int]]:
@@ -43,15 +125,19 @@ def logical_meshes(num_devices: int) -> list[tuple[int, int]]:
 
 
 def submesh_logical_meshes(submesh: tuple[int, int], *, microbatch_size: int | None = None,
-                           max_tp: int | None = None) -> list[tuple[int, int]]:
+                           max_tp: int | None = None, experts: Sequence[int] = ()
+                           ) -> list[tuple[int, ...]]:
   """Logical meshes worth considering on a ``(n, m)`` submesh.
 
   Tensor parallelism stays inside a host (``tp`` divides ``m``: its collectives run on the
   host link), and data parallelism must split the microbatch (``dp`` divides
-  ``microbatch_size`` when given).
+  ``microbatch_size`` when given). With ``experts`` (the expert counts of the model's routed
+  blocks, :func:`expert_counts`), also every ``(dp, tp, ep)`` with ``ep > 1`` dividing each
+  count and ``dp * ep`` splitting the microbatch.
 
   Returns:
-    ``[(dp, tp)]`` with ``dp * tp == n * m``, data-parallel first.
+    ``[(dp, tp)]`` with ``dp * tp == n * m``, data-parallel first; then the
+    ``(dp, tp, ep)``, by ``tp`` then ``ep``.
   """
   n, m = submesh
   out = []
@@ -61,20 +147,36 @@ def submesh_logical_meshes(submesh: tuple[int, int], *, microbatch_size: int | N
     if microbatch_size is not None and dp > 1 and microbatch_size % dp:
       continue
     out.append((dp, tp))
+  for dp, tp in list(out) if experts else ():
+    for ep in range(2, n * m // tp + 1):
+      ways = n * m // tp
+      if ways % ep or any(e % ep for e in experts):
+        continue
+      if microbatch_size is not None and microbatch_size % ways:
+        continue
+      if (ways // ep, tp, ep) not in out and dp == ways:
+        out.append((ways // ep, tp, ep))
   return out
 
 
-def make_mesh(devices: Sequence, logical_mesh: tuple[int, int] | None = None) -> Mesh:
-  """A ``Mesh`` over ``devices`` with axes ``("dp", "tp")`` of sizes ``logical_mesh``
-  (default ``(1, len(devices))``)."""
-  shape = logical_mesh or (1, len(devices))
-  return Mesh(np.asarray(devices, dtype=object).reshape(shape), (DP, TP))
+def make_mesh(devices: Sequence, logical_mesh=None) -> Mesh:
+  """A ``Mesh`` over ``devices`` with the axes of ``logical_mesh`` (a :class:`LogicalMesh`,
+  ``(dp, tp)`` or ``(dp, tp, ep)``; default ``(1, len(devices))``): ``("dp", "tp")``, or
+  ``("dp", "ep", "tp")`` with ``ep > 1``, ``tp`` innermost (neighbouring devices)."""
+  lm = LogicalMesh.of(logical_mesh or (1, len(devices)))
+  return Mesh(np.asarray(devices, dtype=object).reshape(lm.shape), lm.axis_names)
 
 
-def batch_spec(shape: Sequence[int], axis: int, dp: int) -> P:
-  """Shards ``axis`` on ``dp`` when it divides evenly, else replicates."""
-  if dp > 1 and len(shape) > axis >= 0 and shape[axis] % dp == 0:
-    return P(*([None] * axis + [DP]))
+def batch_spec(shape: Sequence[int], axis: int, dp) -> P:
+  """Shards ``axis`` on ``dp`` (an int) or on a logical mesh's batch axes (``("dp", "ep")``
+  with ``ep > 1``) when it divides evenly, else replicates."""
+  if isinstance(dp, (int, np.integer)):
+    ways, axes = int(dp), DP
+  else:
+    lm = LogicalMesh.of(dp)
+    ways, axes = lm.batch_ways, lm.batch_axes
+  if ways > 1 and len(shape) > axis >= 0 and shape[axis] % ways == 0:
+    return P(*([None] * axis + [axes]))
   return P()
 
 
@@ -145,25 +247,137 @@ class TPPlan:
 
 
 def param_specs(program: Program, ops: Iterable[Op], param_ids: Sequence[int],
-                tp: int) -> dict[int, P]:
-  """Tensor-parallel specs for the parameters read by ``ops``.
+                tp, ep: int = 1) -> dict[int, P]:
+  """Tensor- and expert-parallel specs for the parameters read by ``ops``.
 
   Args:
     program: the program the ops belong to (for shapes).
     ops: the stage's ops, in order.
     param_ids: value ids of the parameters.
-    tp: tensor-parallel degree; ``1`` replicates everything.
+    tp: tensor-parallel degree (``1`` splits nothing on ``tp``), or a :class:`LogicalMesh`
+      (then its ``tp`` and ``ep``).
+    ep: expert-parallel degree: the experts' dimension of expert weights (:func:`ep_dims`)
+      is split on ``"ep"``.
 
   Returns:
     value id -> ``PartitionSpec`` for every id of ``param_ids`` (``P()`` when not split).
   """
+  if not isinstance(tp, (int, np.integer)):
+    lm = LogicalMesh.of(tp)
+    tp, ep = lm.tp, lm.ep
+  ops = list(ops)
   specs = {pid: P() for pid in param_ids}
-  if tp <= 1:
-    return specs
-  plan = tp_plan(program, ops, param_ids, tp)
-  for pid, d in plan.param_dims.items():
-    specs[pid] = P(*([None] * d + [TP]))
+  entries = {pid: [None] * len(program.avals[pid].shape) for pid in param_ids}
+  if tp > 1:
+    for pid, d in tp_plan(program, ops, param_ids, tp).param_dims.items():
+      entries[pid][d] = TP
+  if ep > 1:
+    for pid, d in ep_dims(program, ops, param_ids, ep).items():
+      if entries[pid][d] is None:
+        entries[pid][d] = EP
+  for pid, e in entries.items():
+    while e and e[-1] is None:
+      e = e[:-1]
+    specs[pid] = P(*e)
   return specs
+
+
+def expert_counts(program: Program, ops: Iterable[Op], param_ids: Sequence[int]) -> tuple:
+  """The sizes of the experts' dimensions of the expert weights read by ``ops``
+  (:func:`ep_dims`), sorted and distinct: ``(8,)`` for a model of 8-expert blocks."""
+  return tuple(sorted({int(program.avals[p].shape[d])
+                       for p, d in ep_dims(program, ops, param_ids, 1).items()}))
+
+
+def expert_exchange_bytes(program: Program, ops: Iterable[Op], param_ids: Sequence[int]
+                          ) -> float:
+  """Bytes the forward of ``ops`` moves between the tokens' and the experts' devices under
+  expert parallelism, at the program's batch: the tokens dispatched to the experts (the
+  activations the expert matmuls read that no expert matmul produced) and the experts'
+  outputs combined back (values an expert matmul produced, through elementwise ops, that a
+  matmul with no expert weight reads). Under a ``(dp, tp, ep)`` mesh each device holds
+  ``1 / (dp * ep)`` of each and sends ``(ep - 1) / ep`` of that to the other experts'
+  devices; the backward moves their cotangents, as many bytes."""
+  ops = list(ops)
+  experts = ep_dims(program, ops, param_ids, 1)
+  if not experts:
+    return 0.0
+  pset = set(param_ids)
+  view: dict[int, int] = {}                 # value id -> parameter it views
+  side: set[int] = set()                    # values computed on the experts' side
+  dispatched: set[int] = set()
+  combined: set[int] = set()
+  nbytes = lambda v: float(np.prod(program.avals[v].shape)) * program.avals[v].dtype.itemsize
+  for op in ops:
+    ins = [r for r in op.invars if not isinstance(r, Lit)]
+    outs = [o for o in op.outvars if o >= 0]
+    base = lambda r: r if r in pset else view.get(r)
+    if ins and len(outs) == 1 and _is_view_op(op) and base(ins[0]) is not None:
+      view[outs[0]] = base(ins[0])
+      continue
+    if op.name == "dot_general":
+      w = [r for r in ins if base(r) is not None]
+      acts = [r for r in ins if base(r) is None]
+      if any(base(r) in experts for r in w):
+        dispatched.update(a for a in acts if a not in side)
+        side.update(outs)
+      else:
+        combined.update(a for a in acts if a in side)
+      continue
+    acts = [r for r in ins if base(r) is None]
+    if acts and all(a in side for a in acts):
+      side.update(outs)
+  return sum(nbytes(v) for v in dispatched | combined)
+
+
+def ep_dims(program: Program, ops: Iterable[Op], param_ids: Sequence[int],
+            ep: int) -> dict[int, int]:
+  """The experts' dimension of each expert weight read by ``ops``.
+
+  An expert weight is a parameter (or a view of one: a cast, a reshape) that a
+  ``dot_general`` reads with a *batch* dimension against an activation, as the per-expert
+  matmuls of a routed block do (``einsum("egch,ehf->egcf", tokens, w)``: dimension ``0`` of
+  ``w``). The first such dimension whose size divides by ``ep`` is the one split.
+
+  Returns:
+    parameter id -> its experts' dimension (parameters without one are absent).
+  """
+  pset = set(param_ids)
+  view: dict[int, tuple[int, dict]] = {}
+  out: dict[int, int] = {}
+  shape = lambda r: tuple(np.shape(r.value)) if isinstance(r, Lit) else program.avals[r].shape
+
+  def as_view(r):
+    if isinstance(r, Lit):
+      return None
+    if r in pset:
+      return (r, {d: d for d in range(len(shape(r)))})
+    return view.get(r)
+
+  for op in ops:
+    ins, outs = op.invars, [o for o in op.outvars if o >= 0]
+    first = as_view(ins[0]) if ins else None
+    if first is not None and len(outs) == 1 and _is_view_op(op):
+      vm = _map_dims(op, shape(ins[0]), program.avals[outs[0]].shape, ep, inverse=True)
+      if vm is not None:
+        view[outs[0]] = (first[0], {d: first[1][s] for d, s in vm.items() if s in first[1]})
+      continue
+    if op.name != "dot_general":
+      continue
+    (_, _), (lb, rb) = op.params["dimension_numbers"]
+    for w_ref, a_ref, batch in ((ins[1], ins[0], rb), (ins[0], ins[1], lb)):
+      w = as_view(w_ref)
+      if w is None or as_view(a_ref) is not None or isinstance(a_ref, Lit):
+        continue
+      pid, vm = w
+      if pid in out:
+        continue
+      for d in batch:
+        pd = vm.get(int(d))
+        if pd is not None and program.avals[pid].shape[pd] % ep == 0:
+          out[pid] = pd
+          break
+  return out
 
 
 # --------------------------------------------------------------------------- propagation

@@ -80,11 +80,16 @@ def _check_mesh(obj, where: str) -> None:
   submesh = _ints(obj.submesh, f"{where}: submesh", 1, 2)
   object.__setattr__(obj, "submesh", submesh)
   size = submesh[0] * submesh[1]
-  logical = (size, 1) if obj.logical_mesh is None else \
-      _ints(obj.logical_mesh, f"{where}: logical_mesh", 1)
-  if len(logical) != 2 or logical[0] * logical[1] != size:
+  given = obj.logical_mesh
+  if hasattr(given, "as_tuple"):   # a LogicalMesh
+    given = given.as_tuple()
+  logical = (size, 1) if given is None else _ints(given, f"{where}: logical_mesh", 1)
+  if len(logical) not in (2, 3) or math.prod(logical) != size:
     raise PlanError(f"{where}: logical_mesh={obj.logical_mesh!r} must be (dp, tp) with "
-                    f"dp * tp == {size} devices of submesh {submesh}")
+                    f"dp * tp == {size} devices of submesh {submesh}, or (dp, tp, ep) with "
+                    f"dp * tp * ep == {size}")
+  if len(logical) == 3 and logical[2] == 1:   # ep = 1 is the (dp, tp) mesh
+    logical = logical[:2]
   object.__setattr__(obj, "logical_mesh", logical)
   if obj.devices is not None:
     devices = _ints(obj.devices, f"{where}: devices", 0)
@@ -141,7 +146,7 @@ class StageGroup:
     try:
       return cls(subcluster=data["subcluster"],
                  submesh=_ints(data["submesh"], f"{where}.submesh", 1, 2),
-                 logical_mesh=_optional(data, "logical_mesh", where, _ints, 1, 2),
+                 logical_mesh=_optional(data, "logical_mesh", where, _ints, 1),
                  devices=_optional(data, "devices", where, _ints, 0),
                  share=_optional(data, "share", where, _int, 1) or 1,
                  time_s=_seconds(data.get("time_s"), f"{where}.time_s"))
@@ -196,7 +201,11 @@ class StageSpec:
     layers: inclusive ``(first, last)`` layer indices.
     subcluster: name of the subcluster whose devices run the stage.
     submesh: ``(n, m)``: ``n`` hosts times ``m`` devices per host.
-    logical_mesh: ``(dp, tp)`` with ``dp * tp == n * m``; default ``(n * m, 1)``.
+    logical_mesh: ``(dp, tp)`` with ``dp * tp == n * m``; default ``(n * m, 1)``; or
+      ``(dp, tp, ep)`` with ``dp * tp * ep == n * m``: the stage's routed blocks split their
+      experts over ``ep`` devices, which are data-parallel for the rest
+      (:class:`~harpjax.compiler.layers.sharding.LogicalMesh`; ``ep = 1`` is read as
+      ``(dp, tp)``).
     devices: optional explicit global device indices (cluster order), ``n * m`` of them.
     warmup: H-1F1B warm-up count ``N_i`` (filled in by the planner or the runtime).
     time_s: forward+backward seconds per microbatch predicted for this stage, if known.
@@ -333,7 +342,7 @@ class StageSpec:
     kw = {"layers": _ints(data["layers"], f"{where}.layers", 0, 2),
           "subcluster": data["subcluster"],
           "submesh": _ints(data["submesh"], f"{where}.submesh", 1, 2),
-          "logical_mesh": _optional(data, "logical_mesh", where, _ints, 1, 2),
+          "logical_mesh": _optional(data, "logical_mesh", where, _ints, 1),
           "devices": _optional(data, "devices", where, _ints, 0),
           "warmup": _optional(data, "warmup", where, _int, 1),
           "time_s": _seconds(data.get("time_s"), f"{where}.time_s"),

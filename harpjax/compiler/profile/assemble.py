@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from harpjax.cluster import Link
+from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.profile.tables import CostTables, range_sums
 
 __all__ = ["assemble_tables", "MeshCosts"]
@@ -108,6 +109,7 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
     o_k, g_k, y_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
     w_k, z_k, q_k = np.zeros((L, L, S)), np.zeros((L, L, S)), np.zeros((L, L, S))
     lm_k = np.zeros((L, L, S, 2), dtype=np.int64)
+    ep_k = np.ones((L, L, S), dtype=np.int64)
     for s, (n, m) in enumerate(submeshes[k]):
       g = n * m
       lm_k[..., s, 0], lm_k[..., s, 1] = g, 1
@@ -116,7 +118,9 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       # the optimizer state), 0: neither. Rank: the time per microbatch with the end time
       # spread over the iteration's microbatches.
       best = None
-      for (dp, tp), t, pm, am, *rest in mesh_costs(k, s):
+      for mesh, t, pm, am, *rest in mesh_costs(k, s):
+        lmesh = LogicalMesh.of(mesh)
+        dp, tp, ep = lmesh.dp, lmesh.tp, lmesh.ep
         has_end |= bool(rest)
         end = rest[0] if rest else 0.0
         with_zero = len(rest) > 1 and rest[1] is not None
@@ -137,16 +141,18 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
                   np.broadcast_to(end, (L, L)), np.broadcast_to(opt, (L, L)),
                   np.broadcast_to(gat, (L, L)), tier, np.broadcast_to(sync, (L, L)),
                   np.broadcast_to(rank, (L, L)), np.broadcast_to(work, (L, L)),
-                  np.broadcast_to(step, (L, L)), np.broadcast_to(gout, (L, L))]
+                  np.broadcast_to(step, (L, L)), np.broadcast_to(gout, (L, L)),
+                  np.full((L, L), ep)]
           continue
         better = (tier > best[10]) | ((tier == best[10]) & (tier > 0) & (rank < best[12])) | \
             ((tier == 0) & (best[10] == 0) & (foot < best[6]))
         for idx, new in enumerate((fits, t, pm, am, dp, tp, foot, end, opt, gat, tier, sync,
-                                   rank, work, step, gout)):
+                                   rank, work, step, gout, ep)):
           best[idx] = np.where(better, new, best[idx])
       if best is None:
         continue
-      fits, t, pm, am, dps, tps, _, ends, opts, gats, _, syncs, _, works, steps, gouts = best
+      fits, t, pm, am, dps, tps, _, ends, opts, gats, _, syncs, _, works, steps, gouts, eps = \
+          best
       keep = np.isfinite(t)
       counts["oom"] += int(np.sum(~fits[iu]))
       if hopeless_share is not None:
@@ -165,10 +171,13 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
       q_k[iu[0], iu[1], s] = np.where(np.isfinite(gouts), gouts, 0.0)[iu]
       lm_k[..., s, 0] = np.where(keep, dps, g)
       lm_k[..., s, 1] = np.where(keep, tps, 1)
+      ep_k[..., s] = np.where(keep, eps, 1)
     stage_t.append(t_k)
     param_m.append(p_k)
     act_m.append(a_k)
-    logical.append(lm_k)
+    # (dp, tp), or (dp, tp, ep) where some entry keeps an expert-parallel mesh
+    logical.append(np.concatenate([lm_k, ep_k[..., None]], axis=-1) if (ep_k > 1).any()
+                   else lm_k)
     end_t.append(e_k)
     opt_m.append(np.minimum(o_k, p_k))
     gat_t.append(g_k)

@@ -16,7 +16,8 @@ import numpy as np
 
 from harpjax.cluster import Link
 
-__all__ = ["allreduce_time_s", "allgather_time_s", "collective_time_s", "round_trip_time_s"]
+__all__ = ["allreduce_time_s", "allgather_time_s", "all_to_all_time_s", "collective_time_s",
+           "round_trip_time_s"]
 
 
 def allreduce_time_s(nbytes, p: int, link: Link):
@@ -48,6 +49,15 @@ def allgather_time_s(nbytes, p: int, link: Link):
     t = (p - 1) / p * x / link.bandwidth_bytes_per_s + (p - 1) * link.latency_s
   t = np.where((x > 0) & (p > 1), t, 0.0)
   return float(t) if t.ndim == 0 else t
+
+
+def all_to_all_time_s(nbytes, p: int, link: Link):
+  """All-to-all among ``p`` devices, each holding ``nbytes`` of which it keeps ``1 / p`` and
+  sends ``1 / p`` to each of the others (expert parallelism's dispatch and combine):
+  ``(p - 1) / p * bytes / bandwidth + (p - 1) * latency`` on the link the devices share (the
+  ring model's bytes; :func:`collective_time_s`'s ``"all-to-all"``); ``0`` when ``p <= 1`` or
+  there is nothing to send; scalars or arrays, as :func:`allreduce_time_s`."""
+  return allgather_time_s(nbytes, p, link)
 
 
 def collective_time_s(colls: dict, p: int, link: Link) -> float:

@@ -45,7 +45,8 @@ from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
 from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_step, relayer,
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
-from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
+from harpjax.compiler.profile.collectives import (all_to_all_time_s, allgather_time_s,
+                                                  allreduce_time_s)
 from harpjax.compiler.profile.memory import stage_memory
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
@@ -345,12 +346,57 @@ class ProfileTasks:
     assign: per configuration, per layer, the task id costing it (``None``: pruned, the
       parameters alone do not fit the device).
     pruned: number of pruned (configuration, layer) pairs.
+    expert_parallel: ``(configuration, layer) -> (seconds, state bytes, gradient bytes)``
+      for the routed layers of ``(dp, tp, ep)`` configurations, whose task is the
+      ``(dp * ep, tp)`` one's: the all-to-all seconds it adds per microbatch, and the expert
+      weights' state and gradient bytes per device it saves (:func:`expert_parallel_costs`).
   """
   configs: tuple[MeshConfig, ...]
   tasks: dict
   keys: dict
   assign: tuple[tuple[str | None, ...], ...]
   pruned: int
+  expert_parallel: dict = dataclasses.field(default_factory=dict)
+
+
+def expert_parallel_costs(piece, mesh, link: Link, state_bytes_per_param: float
+                          ) -> tuple[float, float, float]:
+  """What a ``(dp, tp, ep)`` mesh changes in a layer's costs against ``(dp * ep, tp)``.
+
+  Args:
+    piece: the layer's piece at the full microbatch.
+    mesh: the logical mesh (``ep > 1``).
+    link: the link the ``ep`` devices share.
+    state_bytes_per_param: weights + gradients + optimizer state per parameter.
+
+  Returns:
+    ``(all-to-all seconds, state bytes saved, gradient bytes saved)`` per device and
+    microbatch: the forward's dispatch and combine all-to-alls (the tokens' bytes read off the
+    program, :func:`~harpjax.compiler.layers.sharding.expert_exchange_bytes`,
+    ``1 / (dp * ep)`` per device) and the backward's, twice as many bytes (the cotangents of
+    both, and the experts' outputs and tokens again for the combine weights' and the
+    dispatched tokens' gradients, as XLA partitions them: the compiled stage's HLO moves
+    ``3x`` the forward's bytes in all, ``tests/models/test_expert_parallel.py``); the expert
+    weights split ``ep`` ways instead of held whole.
+  """
+  lm = sharding.LogicalMesh.of(mesh)
+  prog, ops, ids = piece.program, piece.ops, piece.param_ids
+  per_device = sharding.expert_exchange_bytes(prog, ops, ids) / lm.batch_ways
+  seconds = 3.0 * all_to_all_time_s(per_device, lm.ep, link)
+
+  def held(specs):
+    elements = nbytes = 0.0
+    for v, spec in specs.items():
+      shape, ways = prog.avals[v].shape, 1
+      for e in spec:
+        for ax in (e if isinstance(e, tuple) else (e,)):
+          ways *= {sharding.TP: lm.tp, sharding.EP: lm.ep}.get(ax, 1)
+      n = float(np.prod(shape)) / ways
+      elements, nbytes = elements + n, nbytes + n * prog.avals[v].dtype.itemsize
+    return elements, nbytes
+  e0, b0 = held(sharding.param_specs(prog, ops, ids, lm.tp))
+  e1, b1 = held(sharding.param_specs(prog, ops, ids, lm))
+  return seconds, (e0 - e1) * state_bytes_per_param, b0 - b1
 
 
 class _Pieces:
@@ -392,27 +438,43 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
   local_trace = _local_trace(opts.source)
   piece = _Pieces()
   devices_of = _measured_devices(cluster) if measured else None
+  # Routed blocks (Module.routed) add the expert-parallel meshes their expert counts allow.
+  experts = sharding.expert_counts(layers.program, layers.program.ops,
+                                   _param_ids(layers)) if layers.routed_modules() else ()
   configs = tuple(MeshConfig(k, s, tuple(nm), mesh)
                   for k, sub in enumerate(subs)
                   for s, nm in enumerate(sub.submesh_shapes())
                   for mesh in sharding.submesh_logical_meshes(nm, microbatch_size=b,
-                                                              max_tp=opts.max_tp))
+                                                              max_tp=opts.max_tp,
+                                                              experts=experts))
   tasks: dict[str, sources.LayerTask] = {}
   keys: dict[str, dict] = {}
   assign = []
   pruned = 0
-  for cfg in configs:
+  expert_parallel, ep_memo = {}, {}
+  routed = {l.index for l in layers if layers.modules[l.module_index].routed}
+  for c, cfg in enumerate(configs):
     sub = subs[cfg.subcluster]
-    dp, tp = cfg.mesh
+    lm = sharding.LogicalMesh.of(cfg.mesh)
+    # An expert-parallel mesh costs as its data-parallel twin (dp * ep, tp), plus the
+    # routed layers' all-to-all and minus their expert weights' share (expert_parallel).
+    dp, tp = lm.batch_ways, lm.tp
     host = Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
     nl = cluster.intra_subcluster_link(sub.name)
     node = Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+    ep_link = host if lm.ep * lm.tp <= cfg.submesh[1] else node
     scaled = local_trace and not has_local(dp)
     row = []
     for i in range(L):
       full = piece(layers, i)
+      if lm.ep > 1 and i in routed:
+        memo = (layers[i].signature, cfg.mesh, ep_link)
+        if memo not in ep_memo:
+          ep_memo[memo] = expert_parallel_costs(full, lm, ep_link, opts.state_bytes_per_param)
+        expert_parallel[(c, i)] = ep_memo[memo]
       split = tp * (dp if opts.optimizer_bytes_per_param is not None else 1)
-      if full.num_params / split * opts.state_bytes_per_param > sub.memory_bytes:
+      saved = expert_parallel.get((c, i), (0.0, 0.0, 0.0))[1]
+      if full.num_params / split * opts.state_bytes_per_param - saved > sub.memory_bytes:
         row.append(None)
         pruned += 1
         continue
@@ -423,7 +485,7 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
         return seq, piece(seq, i)
       task = sources.LayerTask(
           layer=i, signature=layers[i].signature, local=resolve, full_piece=full,
-          gpu=sub.gpu, submesh=cfg.submesh, mesh=cfg.mesh, microbatch=b,
+          gpu=sub.gpu, submesh=cfg.submesh, mesh=(dp, tp), microbatch=b,
           local_batch=b if (measured or scaled) else b // dp, host_link=host, node_link=node,
           devices=devices_of(sub, cfg.submesh) if devices_of else None, dp_scaled=scaled)
       key = task.key(source_name, extra)
@@ -432,7 +494,13 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
         tasks[kid], keys[kid] = task, key
       row.append(kid)
     assign.append(tuple(row))
-  return ProfileTasks(configs, tasks, keys, tuple(assign), pruned)
+  return ProfileTasks(configs, tasks, keys, tuple(assign), pruned, expert_parallel)
+
+
+def _param_ids(layers: LayerSequence) -> tuple:
+  """The parameter inputs of the layers' program."""
+  kinds = layers.input_kinds or ()
+  return tuple(v for v, kind in zip(layers.program.invars, kinds) if kind == "param")
 
 
 def _measured_devices(cluster):
@@ -520,7 +588,7 @@ COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_byt
 def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
   """Per configuration, ``{field: [L] array}`` of :data:`COST_FIELDS` (``inf`` time: pruned)."""
   out = []
-  for row in found.assign:
+  for c_ix, row in enumerate(found.assign):
     arr = {f: np.zeros(num_layers) for f in COST_FIELDS}
     for i, kid in enumerate(row):
       if kid is None:
@@ -529,6 +597,12 @@ def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dic
       c = results[kid]
       for f in COST_FIELDS:
         arr[f][i] = getattr(c, f)
+      if (c_ix, i) in found.expert_parallel:   # the routed layer of a (dp, tp, ep) mesh
+        a2a, state, grads = found.expert_parallel[(c_ix, i)]
+        arr["time_s"][i] += a2a
+        arr["comm_s"][i] += a2a
+        arr["param_mem_bytes"][i] -= state
+        arr["grad_bytes"][i] -= grads
     out.append(arr)
   return out
 
@@ -681,7 +755,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
     sub = subs[k]
     link = dp_link(cluster, sub, sub.submesh_shapes()[s])
     for mesh, arr in by_submesh.get((k, s), []):
-      dp = mesh[0]
+      dp = sharding.LogicalMesh.of(mesh).batch_ways   # the replicas of the non-expert part
       state = range_sums(arr["param_mem_bytes"])
       grads = range_sums(arr["grad_bytes"])
       sync = allreduce_time_s(grads, dp, link)

@@ -47,6 +47,7 @@ import numpy as np
 
 from harpjax.cluster import Link, host_joins, is_divisibility_chain
 from harpjax.errors import CostTablesError
+from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.trace import REMAT_MODES
 
 __all__ = ["CostTables", "check_submeshes", "check_int", "check_seq", "range_sums", "range_max",
@@ -56,7 +57,7 @@ ENTRY_ARRAYS = ("stage_time_s", "param_mem_bytes", "act_mem_bytes", "logical_mes
                 "end_time_s", "opt_mem_bytes", "gather_time_s", "sync_time_s",
                 "workspace_bytes", "grad_out_bytes", "step_mem_bytes")
 """The :class:`CostTables` fields with one value per entry, ``[L, L, S_k]`` per subcluster
-(``logical_mesh``: ``[L, L, S_k, 2]``)."""
+(``logical_mesh``: ``[L, L, S_k, 2]`` or ``[L, L, S_k, 3]``)."""
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -187,8 +188,10 @@ class CostTables:
     link_latency_s: optional ``[K, K]`` latencies of those links.
     price_per_gpu_hour: optional ``[K]`` price of one device of each subcluster per hour (any
       currency; the plan's hourly rate is the sum over its stages of devices times price).
-    logical_mesh: optional ``[K]`` int arrays ``[L, L, S_k, 2]`` of the chosen ``(dp, tp)``;
-      ``None`` means ``(n * m, 1)`` everywhere.
+    logical_mesh: optional ``[K]`` int arrays ``[L, L, S_k, 2]`` of the chosen ``(dp, tp)``,
+      or ``[L, L, S_k, 3]`` of the chosen ``(dp, tp, ep)`` (expert parallelism,
+      :class:`~harpjax.compiler.layers.sharding.LogicalMesh`); ``None`` means ``(n * m, 1)``
+      everywhere.
     peak_flops: optional ``[K]`` peak FLOP/s of one device (for the load-balance score).
     layer_names: optional ``[L]`` names.
     end_time_s: optional ``[K]`` arrays ``[L, L, S_k]``: seconds a stage of layers ``i..j`` on
@@ -407,15 +410,18 @@ class CostTables:
       meshes = []
       for k, a in enumerate(check_seq(self.logical_mesh, "logical_mesh", K)):
         a = np.array(a, dtype=np.int64)
-        if a.shape != (L, L, len(shapes[k]), 2):
+        if a.shape[:-1] != (L, L, len(shapes[k])) or a.shape[-1] not in (2, 3):
           raise CostTablesError(f"logical_mesh[{k}] has shape {a.shape}, expected "
-                                f"{[L, L, len(shapes[k]), 2]}")
+                                f"{[L, L, len(shapes[k]), 2]} ((dp, tp)) or "
+                                f"{[L, L, len(shapes[k]), 3]} ((dp, tp, ep))")
         sizes = np.array([n * m for n, m in shapes[k]])
-        ok = (a[..., 0] * a[..., 1] == sizes) | ~np.isfinite(self.stage_time_s[k])
+        ok = ((np.prod(a, axis=-1) == sizes) & (a >= 1).all(axis=-1)) | \
+            ~np.isfinite(self.stage_time_s[k])
         if not ok.all():
           i, j, s = (int(x) for x in np.argwhere(~ok)[0])
+          what = "dp * tp" if a.shape[-1] == 2 else "dp * tp * ep"
           raise CostTablesError(f"logical_mesh[{k}][{i}, {j}, {s}] = {tuple(a[i, j, s])}: "
-                                f"dp * tp must be {sizes[s]} devices of submesh {shapes[k][s]}")
+                                f"{what} must be {sizes[s]} devices of submesh {shapes[k][s]}")
         a.setflags(write=False)
         meshes.append(a)
       set_("logical_mesh", tuple(meshes))
@@ -628,13 +634,13 @@ class CostTables:
     (``0`` without :attr:`end_time_s`)."""
     return 0.0 if self.end_time_s is None else float(self.end_time_s[k][i, j, s])
 
-  def logical_mesh_of(self, k: int, i: int, j: int, s: int) -> tuple[int, int]:
-    """``(dp, tp)`` chosen for layers ``i..j`` on submesh ``s`` of subcluster ``k``."""
+  def logical_mesh_of(self, k: int, i: int, j: int, s: int) -> tuple[int, ...]:
+    """``(dp, tp)`` (or ``(dp, tp, ep)`` with ``ep > 1``) chosen for layers ``i..j`` on
+    submesh ``s`` of subcluster ``k``."""
     if self.logical_mesh is None:
       n, m = self.submeshes[k][s]
       return (n * m, 1)
-    dp, tp = self.logical_mesh[k][i, j, s]
-    return (int(dp), int(tp))
+    return LogicalMesh.of(self.logical_mesh[k][i, j, s]).as_tuple()
 
   # ------------------------------------------------------------------ transformations
 

@@ -276,8 +276,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
            len(placed.before), len(placed.after))
   fns = []
   for g in groups:
-    mesh = AbstractMesh(tuple(plan.stages[g.home].logical_mesh),
-                        (sharding_lib.DP, sharding_lib.TP))
+    mesh = sharding_lib.abstract_mesh(plan.stages[g.home].logical_mesh)
     fns.append(group_function(g, {i: NamedSharding(mesh, preferred[(g.home, v)],
                                                    memory_kind="device")
                                   for i, v in enumerate(g.in_ids) if (g.home, v) in host}))
@@ -292,9 +291,10 @@ def _replicas(s: int, plan: Plan, sp, layout, traced: TracedStep, layers: LayerS
   or more, a mixed-type stage, examples that meet in the step, a step that traces otherwise
   at the replica's rows."""
   spec = plan.stages[s]
-  dp, tp = spec.logical_mesh
+  lm = sharding_lib.LogicalMesh.of(spec.logical_mesh)
+  dp, tp = lm.dp, lm.tp
   b = int(retrace.rows)
-  if dp <= 1 or spec.zero >= 2 or spec.mixed or traced.couplings or b % dp:
+  if dp <= 1 or lm.ep > 1 or spec.zero >= 2 or spec.mixed or traced.couplings or b % dp:
     return None
   try:
     part = part_at(s, plan.stages, sp, traced, layers, retrace, b // dp, (1, tp), remat)
@@ -583,8 +583,9 @@ def _zero_state_specs(traced: TracedStep, placement: placement_lib.Placement, la
     if lay.zero < 1:
       continue
     base = without.get((s, v), P())
+    lm = sharding_lib.LogicalMesh.of(lay.logical_mesh)
     spec = sharding_lib.zero_spec(outer.avals[v].shape, sharding_lib.without_dp(base),
-                                  *lay.logical_mesh)
+                                  lm.dp, lm.tp)
     preferred[(s, v)] = preferred[(s, nxt)] = spec
 
 

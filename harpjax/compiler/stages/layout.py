@@ -44,7 +44,8 @@ class StageLayout:
 
   Attributes:
     index: stage number.
-    logical_mesh: ``(dp, tp)``.
+    logical_mesh: ``(dp, tp)``, or ``(dp, tp, ep)`` with expert parallelism
+      (:class:`~harpjax.compiler.layers.sharding.LogicalMesh`).
     param_ids: region value ids of the parameters read, in the executables' order.
     data_ids: region value ids of the region inputs read that change per step (split per
       microbatch or whole); constant inputs are baked into the executables.
@@ -52,7 +53,7 @@ class StageLayout:
     act_int_ids: non-floating activations from earlier stages.
     output_ids: values produced here and read later or returned by the region.
     ct_present: per output, whether a cotangent flows back into it.
-    specs: value id -> ``PartitionSpec`` over ``("dp", "tp")`` of every value above (inputs
+    specs: value id -> ``PartitionSpec`` over the mesh's axes of every value above (inputs
       as the executables take them, outputs as they return them; a cotangent has the sharding
       of its output).
     avals: value id -> ``jax.ShapeDtypeStruct`` of every value above.
@@ -103,15 +104,16 @@ def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
                  batch_dependent: set[int], logical_mesh: tuple[int, int],
                  zero: int = 0) -> StageLayout:
   """The layout of stage ``sp`` (a :class:`~harpjax.compiler.stages.stage.StageProgram`) on a
-  ``(dp, tp)`` logical mesh: parameters split
-  Megatron-style on ``tp`` (:mod:`harpjax.compiler.layers.sharding`), batch-carrying values on
-  ``dp``, the rest replicated. With ``zero >= 2`` the gradient accumulators are also split on
-  ``dp`` (:func:`~harpjax.compiler.layers.sharding.zero_spec`), with ``zero == 3`` the
+  ``(dp, tp)`` or ``(dp, tp, ep)`` logical mesh: parameters split Megatron-style on ``tp``
+  (:mod:`harpjax.compiler.layers.sharding`), expert weights on ``ep``, batch-carrying values on
+  ``dp`` (and ``ep``), the rest replicated. With ``zero >= 2`` the gradient accumulators are
+  also split on ``dp`` (:func:`~harpjax.compiler.layers.sharding.zero_spec`), with ``zero == 3`` the
   parameters too (gathered where used)."""
   prog = layers.program
-  dp, tp = logical_mesh
+  lm = sharding_lib.LogicalMesh.of(logical_mesh)
+  dp, tp = lm.dp, lm.tp
   own_ops = prog.ops[sp.own_range[0]:sp.own_range[1]]
-  specs = dict(sharding_lib.param_specs(prog, own_ops, sp.param_ids, tp))
+  specs = dict(sharding_lib.param_specs(prog, own_ops, sp.param_ids, lm))
   acc_specs, gather_specs = {}, {}
   for v in sp.param_ids:
     split = sharding_lib.zero_spec(prog.avals[v].shape, specs[v], dp, tp)
@@ -123,15 +125,15 @@ def stage_layout(sp, ts: TracedStep, layers: LayerSequence,
   data = tuple(v for v in sp.data_ids if inputs_by_id[v].kind != "static")
   for v in data:
     inp = inputs_by_id[v]
-    specs[v] = (sharding_lib.batch_spec(prog.avals[v].shape, inp.axis, dp)
+    specs[v] = (sharding_lib.batch_spec(prog.avals[v].shape, inp.axis, lm)
                 if inp.kind == "split" else P())
   for v in sp.act_ids + sp.act_int_ids + sp.output_ids:
-    specs[v] = (sharding_lib.batch_spec(prog.avals[v].shape, 0, dp) if v in batch_dependent
+    specs[v] = (sharding_lib.batch_spec(prog.avals[v].shape, 0, lm) if v in batch_dependent
                 else P())
   avals = {v: jax.ShapeDtypeStruct(prog.avals[v].shape, prog.avals[v].dtype,
                                    weak_type=getattr(prog.avals[v], "weak_type", False))
            for v in specs}
-  return StageLayout(sp.index, tuple(logical_mesh), tuple(sp.param_ids), data, sp.act_ids,
+  return StageLayout(sp.index, lm.as_tuple(), tuple(sp.param_ids), data, sp.act_ids,
                      sp.act_int_ids, sp.output_ids, sp.ct_present, specs, avals, int(zero),
                      acc_specs, gather_specs)
 

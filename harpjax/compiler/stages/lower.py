@@ -208,7 +208,7 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
     fwd, bwd, zeros = _lower_functions(lay, program.functions[s], platform)
     parts = ()
     if program.functions[s].reduce is not None:
-      mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+      mesh = sharding_lib.abstract_mesh(lay.logical_mesh)
       held = tuple(jax.ShapeDtypeStruct(lay.held_acc_aval(v).shape, lay.avals[v].dtype)
                    for v in lay.param_ids)
       reduce = export.export(jax.jit(program.functions[s].reduce,
@@ -219,7 +219,7 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
     fwd = bwd = zeros = b""
     parts = tuple(_lower_functions(g.layout, fns, platform)
                   for g, fns in zip(split.groups, program.split_functions[s]))
-  mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+  mesh = sharding_lib.abstract_mesh(lay.logical_mesh)
   sharded = lambda spec: NamedSharding(mesh, spec)
   step_lay = program.layout
   groups = {}
@@ -237,7 +237,7 @@ def _lower_stage(program: StepProgram, s: int, platform: str) -> LoweredStage:
 
 def _lower_functions(lay, fns, platform: str) -> tuple[bytes, bytes, bytes]:
   """A stage's (or a group's) forward, backward and zeros, serialised."""
-  mesh = AbstractMesh(tuple(lay.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+  mesh = sharding_lib.abstract_mesh(lay.logical_mesh)
   sharded = lambda spec: NamedSharding(mesh, spec)
   in_specs = fwd_in_specs(lay)
   in_sh = jax.tree_util.tree_map(sharded, in_specs, is_leaf=lambda x: isinstance(x, P))

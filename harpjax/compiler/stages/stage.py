@@ -224,7 +224,7 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
 
   gather, acc_sh = {}, None
   if layout is not None and (layout.gather_specs or layout.zero >= 2):
-    mesh = AbstractMesh(tuple(layout.logical_mesh), (sharding_lib.DP, sharding_lib.TP))
+    mesh = sharding_lib.abstract_mesh(layout.logical_mesh)
     gather = {i: NamedSharding(mesh, layout.gather_specs[v])
               for i, v in enumerate(sp.param_ids) if v in layout.gather_specs}
     if layout.zero >= 2:
