@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost", "link_rows",
            "fitting_submeshes", "prefix_bound", "prefix_bound_kernel", "prefix_bounds",
-           "prefix_rate",
+           "prefix_rate", "cover_costs",
            "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
            "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK",
            "KIND_TIME", "KIND_COST"]
@@ -481,6 +481,26 @@ def _prefix_rate_impl(ix, tau, check_comm, held, price):
             if v < lbr[j + 1, d2]:
               lbr[j + 1, d2] = v
   return lbr
+
+
+def _cover_impl(ent_i, ent_j, ent_t, w, by_j, taus, L):
+  """Per ``taus[g]``, the least ``sum w_e`` of entries of time ``<= taus[g]`` that cover the
+  layers ``0 .. L - 1`` in order (``inf``: none); ``by_j`` the entries by last layer."""
+  out = np.empty(taus.shape[0])
+  f = np.empty(L + 1)
+  for g in range(taus.shape[0]):
+    tau = taus[g]
+    f[:] = np.inf
+    f[0] = 0.0
+    for y in range(by_j.shape[0]):
+      e = by_j[y]
+      if ent_t[e] > tau:
+        continue
+      v = f[ent_i[e]] + w[e]
+      if v < f[ent_j[e] + 1]:
+        f[ent_j[e] + 1] = v
+    out[g] = f[L]
+  return out
 
 
 def _suffix_bound_impl(ix, tau, check_comm, lb):
@@ -992,6 +1012,7 @@ if HAVE_NUMBA:
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
   _prefix_rate = _numba.njit(cache=True, nogil=True)(_prefix_rate_impl)
+  _cover = _numba.njit(cache=True, nogil=True)(_cover_impl)
   _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
   _hit_floor = _numba.njit(cache=True, nogil=True)(_hit_floor_impl)
   _solve_tau_numba = _numba.njit(cache=True, nogil=True)(_solve_tau_impl)
@@ -1002,6 +1023,7 @@ else:  # pragma: no cover
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
   _prefix_rate = _prefix_rate_impl
+  _cover = _cover_impl
   _hit_possible = _hit_possible_impl
   _hit_floor = _hit_floor_impl
   _solve_tau_numba = None
@@ -1035,6 +1057,21 @@ def prefix_rate(ix: DPArrays, tau: float, held: np.ndarray, price: np.ndarray,
   fn = _prefix_rate if (use_numba and HAVE_NUMBA) else _prefix_rate_impl
   return fn(ix, float(tau), bool(check_comm), np.ascontiguousarray(held, np.int64),
             np.ascontiguousarray(price, np.float64))
+
+
+@interruptible_kernel
+def cover_costs(ent_i: np.ndarray, ent_j: np.ndarray, ent_t: np.ndarray, weight: np.ndarray,
+                taus: np.ndarray, num_layers: int, use_numba: bool = True) -> np.ndarray:
+  """``[P]``: per period ``taus[g]`` the least total ``weight`` of entries (first layer
+  ``ent_i``, last ``ent_j``, time ``ent_t``) of time ``<= taus[g]`` that cover every layer
+  once, in order; ``inf``: none. Memory and devices ignored: with ``weight`` an entry's hourly
+  rate, a lower bound on the rate of any plan within the period
+  (:meth:`~harpjax.compiler.plan.index.SparseIndex.cover_rates`)."""
+  fn = _cover if (use_numba and HAVE_NUMBA) else _cover_impl
+  by_j = np.argsort(ent_j, kind="stable").astype(np.int64)
+  return fn(np.asarray(ent_i, np.int64), np.asarray(ent_j, np.int64),
+            np.asarray(ent_t, np.float64), np.asarray(weight, np.float64), by_j,
+            np.ascontiguousarray(taus, np.float64), int(num_layers))
 
 
 @interruptible_kernel

@@ -250,20 +250,8 @@ class SparseIndex:
       return np.zeros(M)
     a = self.arrays
     grid = np.unique(np.linspace(0, M - 1, min(M, num_points)).round().astype(np.int64))
-    taus = cand[grid]
-    w = price[self.ent_k] * self.ent_m
-    f = np.full((grid.size, L + 1), np.inf)
-    f[:, 0] = 0.0
-    order = np.argsort(a.ent_j, kind="stable")
-    ends = np.searchsorted(a.ent_j[order], np.arange(L + 1))
-    for j in range(L):
-      es = order[ends[j]:ends[j + 1]]
-      if es.size == 0:
-        continue
-      vals = f[:, self.ent_i[es]] + w[es][None, :]
-      vals[a.ent_t[es][None, :] > taus[:, None]] = np.inf
-      f[:, j + 1] = vals.min(axis=1)
-    at_grid = f[:, L]
+    at_grid = dp_kernel.cover_costs(self.ent_i, a.ent_j, a.ent_t, price[self.ent_k] * self.ent_m,
+                                    cand[grid], L)
     return at_grid[np.searchsorted(grid, np.arange(M))]
 
   def prefix_rate(self, tau: float, price: np.ndarray) -> np.ndarray:

@@ -534,21 +534,27 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   priced = scoring.priced
   price = np.asarray(scoring.price, np.float64)
   out, runs = [], 0
-  taus = sorted(taus)
   # With the simulator's model every stage's end time counts in the DP's bound, whose prefix
   # bounds pay for themselves at every BOUND_CHUNK candidates (those left by the floor); so
   # do those with prices, whose frontiers are larger.
   end_path = not priced and scoring.simulated and scoring.discount > 0 and index.has_ends
   chunk = BOUND_CHUNK if (end_path or priced) else len(taus)
   lb = sb = lbf = live = lbr = None
-  covered = -1   # candidates up to this index share the bounds
+  shared: set[int] = set()   # the candidates that share the bounds
   slack = 1.0 + BOUND_SLACK
 
   def floor(c: int, at_bound: float | None) -> float:
     sig = sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
     return _floor(index, scoring, c, sig, at_bound)
 
+  # In ascending period; with prices the least floor first (a good plan found early prunes
+  # the rest: a money objective's value varies little with the period). Either way a run of
+  # candidates shares the bounds taken at the largest period among them.
+  taus = sorted(taus)
   floors = np.array([floor(c, None) for c in taus])
+  if priced:
+    order = np.lexsort((np.asarray(taus), floors))
+    taus, floors = [taus[o] for o in order], floors[order]
   if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
     live = index.prefix_bound(top)
@@ -558,10 +564,10 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     hit_cap = None if priced else scoring.capped(tau, index.hit_cap(tau, B), bound)
     if floor(idx, bound) > bound * slack:
       continue
-    if idx > covered:
-      left = np.flatnonzero(floors[x:] <= bound * slack) + x
-      covered = taus[int(left[min(chunk, left.size) - 1])]
-      top = float(index.candidates[covered])
+    if idx not in shared:
+      left = np.flatnonzero(floors[x:] <= bound * slack)[:chunk] + x
+      shared = {taus[int(y)] for y in left}
+      top = float(index.candidates[max(shared)])
       if end_path:
         lb, lbf = index.prefix_bounds(top, scoring.discount, live=live)
       else:
@@ -921,8 +927,14 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   slack = 1.0 + BOUND_SLACK
   feasible = lambda idx: math.isfinite(g(idx)[0])
   if math.isfinite(beat):   # periods whose floor is beyond beat cannot win: not even tested
-    r_lo = index.r_min(price) if goal.kind == KIND_COST else 1.0
-    top = int(np.searchsorted(cand, beat * slack / (B * max(r_lo, 1e-300)), side="right"))
+    if priced:
+      floors = index.cover_rates(price) * B * cand
+      floors[(B * cand > t_limit * slack) | (index.cover_rates(price) > rate_max * slack)] = \
+          math.inf
+      within = np.flatnonzero(floors <= beat * slack)
+      top = int(within[-1]) + 1 if within.size else 0
+    else:
+      top = int(np.searchsorted(cand, beat * slack / B, side="right"))
     if top == 0 or not feasible(top - 1):
       return None
     t_s_idx = _smallest_feasible(top, feasible)
