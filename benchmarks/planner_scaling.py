@@ -17,8 +17,9 @@ between), a 146-layer GPT (hidden 4096, sequence 1024, one sequence per microbat
 
 ``--compare-with DIR`` times each case (``--gpus`` rows and ``--money``) side by side with the
 planner of another checkout (``git archive <commit> | tar -x -C DIR``): both run in fresh
-worker processes, one after the other, each warmed up first, best of ``--repeat`` runs, and the
-table says whether the two plans are identical.
+worker processes, one after the other, each warmed up first, best of ``--repeat`` runs (wall
+and CPU seconds: on a shared machine the CPU seconds of the worker are the steadier of the
+two), and the table says whether the two plans are identical.
 
 Each row: entries of the sparse index, period candidates, DP runs (window and feasibility),
 the plan time of :func:`harpjax.compiler.plan.solve` (warm: Numba kernels compiled before),
@@ -116,15 +117,17 @@ def _worker(name: str, backend: str, repeat: int) -> None:
     planner.solve(money_tables(2), MONEY_B, objective="max_throughput_per_dollar")
   planner.solve(three_type_tables(16, 20), B)
   tables, nb, kw = _case(name)
-  times, res = [], None
+  times, cpu, res = [], [], None
   for _ in range(repeat):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = planner.solve(tables, nb, backend=backend, **kw)
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
   stages = [[list(s.layers), s.subcluster, list(s.submesh), s.warmup]
             for s in res.plan.stages]
-  print(json.dumps(dict(seconds=times, stages=stages, iteration_s=res.iteration_s,
-                        cost=res.cost_per_iteration, devices=res.num_devices)))
+  print(json.dumps(dict(seconds=times, cpu_seconds=cpu, stages=stages,
+                        iteration_s=res.iteration_s, cost=res.cost_per_iteration,
+                        devices=res.num_devices)))
 
 
 def _run_worker(root: str, name: str, backend: str, repeat: int) -> dict:
@@ -144,12 +147,13 @@ def _compare(names: list[str], other: str, backend: str, repeat: int) -> None:
     label = ("max_throughput_per_dollar, 12 GPUs, B=1024" if name == "money" else
              f"min_time, {name.split(':')[1]} GPUs, B={B}")
     rows.append([label, f"{min(new['seconds']):.2f}", f"{min(old['seconds']):.2f}",
-                 f"{min(old['seconds']) / min(new['seconds']):.1f}x",
+                 f"{min(old['seconds']) / min(new['seconds']):.2f}x",
+                 f"{min(new['cpu_seconds']):.2f}", f"{min(old['cpu_seconds']):.2f}",
                  "yes" if new["stages"] == old["stages"] else "no",
                  f"{new['iteration_s']:.3f}", f"{old['iteration_s']:.3f}"])
     print("  ".join(rows[-1]), file=sys.stderr, flush=True)
-  head = ["case", "plan s (this tree)", f"plan s ({other})", "speed-up", "same plan",
-          "iter s (this)", "iter s (other)"]
+  head = ["case", "plan s (this tree)", f"plan s ({other})", "speed-up", "CPU s (this)",
+          "CPU s (other)", "same plan", "iter s (this)", "iter s (other)"]
   widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
   print(f"== against {other} (best of {repeat}, warm, fresh processes) ==")
   print("  ".join(h.rjust(w) for h, w in zip(head, widths)))

@@ -64,6 +64,7 @@ __all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost",
            "fitting_submeshes", "prefix_bound", "prefix_bound_kernel", "prefix_bounds",
            "prefix_rate", "cover_costs",
            "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
+           "warmup_delta_kernel",
            "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK",
            "KIND_TIME", "KIND_COST"]
 
@@ -79,19 +80,18 @@ KIND_COST = 1
 """The value ranked is the hourly rate times the iteration time (cost per iteration)."""
 
 
-def warmup_step(n_next, c, tau, eps, num_microbatches, p, a, mem):
-  """The transition of every kernel: the H-1F1B warm-up count of a stage and its memory check.
+def warmup_step(n_next, delta, num_microbatches, p, a, mem):
+  """The transition of every kernel: a stage's H-1F1B warm-up count and its memory check.
 
-  A stage followed (over a cut of ``c`` seconds) by a suffix whose first stage launches
-  ``n_next`` microbatches launches ``n = min(n_next + warmup_delta(c, tau, eps), B)`` (Eq. 1-2,
-  :func:`harpjax.compiler.schedule.warmup_delta`) and holds ``n`` microbatches' activations:
-  it fits when ``p + n a <= mem`` (Eq. 18).
+  A stage followed by a suffix whose first stage launches ``n_next`` microbatches launches
+  ``n = min(n_next + delta, B)`` (Eq. 1-2), ``delta = warmup_delta(c, tau, eps)`` of the cut
+  between them (:func:`harpjax.compiler.schedule.warmup_delta`, the schedules' own rule, which
+  the callers take once per cut), and holds ``n`` microbatches' activations: it fits when
+  ``p + n a <= mem`` (Eq. 18).
 
   Args:
     n_next: warm-up count of the next stage (``>= 1``).
-    c: seconds of the cut between the two stages.
-    tau: the candidate period, seconds.
-    eps: H-1F1B tolerance.
+    delta: ``warmup_delta(c, tau, eps)`` of the cut between the two stages.
     num_microbatches: ``B``.
     p, a: the stage's fixed bytes and bytes per microbatch in flight (per device).
     mem: device memory, bytes.
@@ -100,7 +100,7 @@ def warmup_step(n_next, c, tau, eps, num_microbatches, p, a, mem):
     ``n``, or ``-1`` when the stage does not fit with it. The kernels call the compiled
     :data:`warmup_step_kernel`; this function is its Python twin (the same code).
   """
-  n = n_next + _warmup_delta(c, tau, eps)
+  n = n_next + delta
   if n > num_microbatches:
     n = num_microbatches
   if p + n * a > mem:
@@ -815,6 +815,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             if check_comm and c > tau:
               continue
             step = t_end + 2.0 * c
+            dl = _warmup_delta(c, tau, eps)
             hit_c = 1 if (require_hit and link_hits and c == tau) else 0
             add = 0.0 if ix.mv_sub[x] == k else charge   # the move leaves k: charge it
             for h2 in range(H):
@@ -826,7 +827,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
               own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
               q0 = first[j + 1, a2, h2]
               for q in range(q0, q0 + count[j + 1, a2, h2]):
-                n = _warmup_step(pool.n[q], c, tau, eps, B, p, a, mk)
+                n = _warmup_step(pool.n[q], dl, B, p, a, mk)
                 if n < 0 or n > n_cap:
                   break  # n grows along the frontier
                 v = pool.cost[q] + step - own * (n - 1)
@@ -1001,8 +1002,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
 
 if HAVE_NUMBA:
   # ``cache=True`` keys the on-disk cache on this file only: touch it when warmup_delta changes.
-  _warmup_delta = _numba.njit(cache=True)(warmup_delta)
-  _warmup_step = _numba.njit(cache=True)(warmup_step)
+  _warmup_delta = _numba.njit(cache=True, inline="always")(warmup_delta)
+  _warmup_step = _numba.njit(cache=True, inline="always")(warmup_step)
   _priced_out = _numba.njit(cache=True)(_priced_out)
   _new_frontier = _numba.njit(cache=True)(_new_frontier)
   _grow_frontier = _numba.njit(cache=True)(_grow_frontier)
@@ -1033,6 +1034,9 @@ prefix_bound_kernel = _prefix_bound
 
 warmup_step_kernel = _warmup_step
 """The compiled :func:`warmup_step`, the transition every kernel calls."""
+
+warmup_delta_kernel = _warmup_delta
+"""The compiled :func:`harpjax.compiler.schedule.warmup_delta` the kernels take once per cut."""
 
 _NO_BOUND = np.zeros((0, 0))
 
@@ -1288,13 +1292,14 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
           if check_comm and c > tau:
             continue
           step = t_end + 2.0 * c
+          dl = warmup_delta(c, tau, eps)
           hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
             h = 1 if (h2 == 1 or hit or hit_c) else 0
             own = discount * tau if (h2 == 0 and hit and not hit_c) else 0.0
             src = F[j + 1, d2, :, h2]                      # [NC + 1] by n'
             for n_prev in np.flatnonzero(np.isfinite(src[1:])) + 1:
-              n_new = warmup_step(int(n_prev), c, tau, eps, B, p, a, mk)
+              n_new = warmup_step(int(n_prev), dl, B, p, a, mk)
               if n_new < 0 or n_new > NC:
                 continue
               v = src[n_prev] + step - own * (n_new - 1)
@@ -1367,7 +1372,7 @@ def _solve_tau_paths_twin(ix: DPArrays, tau: float, num_microbatches: int, eps: 
           succ += [(n2, v2, xe2, z) for n2 in n_idx[1:]
                    for z, (v2, xe2, _, _) in enumerate(F1.get((j + 1, d2, n2), []))]
           for n2, v2, xe2, z in succ:
-            n = warmup_step(int(n2), c, tau, eps, B, p, a, mk)
+            n = warmup_step(int(n2), warmup_delta(c, tau, eps), B, p, a, mk)
             if n < 0 or n > NC:
               continue
             own = discount * tau if (xe2 is None and hit and not hit_c) else 0.0
@@ -1471,7 +1476,7 @@ def _solve_tau_rate_twin(ix: DPArrays, pr: Pricing, tau: float, num_microbatches
             for n_prev, r_prev in zip(*np.nonzero(np.isfinite(src))):
               if n_prev < 1:
                 continue
-              n_new = warmup_step(int(n_prev), c, tau, eps, B, p, a, mk)
+              n_new = warmup_step(int(n_prev), warmup_delta(c, tau, eps), B, p, a, mk)
               if n_new < 0 or n_new > NC:
                 continue
               v = src[n_prev, r_prev] + t_end + 2.0 * c

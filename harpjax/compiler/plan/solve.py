@@ -543,9 +543,9 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   shared: set[int] = set()   # the candidates that share the bounds
   slack = 1.0 + BOUND_SLACK
 
-  def floor(c: int, at_bound: float | None) -> float:
+  def floor(c: int, hit_cap: int | None) -> float:
     sig = sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
-    return _floor(index, scoring, c, sig, at_bound)
+    return _floor(index, scoring, c, sig, hit_cap)
 
   # In ascending period; with prices the least floor first (a good plan found early prunes
   # the rest: a money objective's value varies little with the period). Either way a run of
@@ -562,7 +562,7 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   for x, idx in enumerate(taus):
     tau = float(index.candidates[idx])
     hit_cap = None if priced else scoring.capped(tau, index.hit_cap(tau, B), bound)
-    if floor(idx, bound) > bound * slack:
+    if floor(idx, hit_cap) > bound * slack:
       continue
     if idx not in shared:
       left = np.flatnonzero(floors[x:] <= bound * slack)[:chunk] + x
@@ -984,7 +984,8 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
       if found is not None:
         score, idx, sur, path = found
         keep([(idx, sur, score, path)])
-    window = [c for c in window if _floor(index, scoring, c, sigma_lb[c], bound) <= bound * slack]
+    window = [c for c in window if _floor(index, scoring, c, sigma_lb[c], scoring.capped(
+        cand[c], index.hit_cap(cand[c], B), bound)) <= bound * slack]
   log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g, %d candidates up to "
            "%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
            num_window, t_e, len(window))
@@ -1050,19 +1051,17 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
 
 
 def _floor(index: SparseIndex, scoring: Scoring, c: int, sigma_lb: float = 0.0,
-           bound: float | None = None) -> float:
+           hit_cap: int | None = None) -> float:
   """A lower bound on the ranked value of every plan of period ``candidates[c]``: with prices
   the cheapest cover's rate (:meth:`~harpjax.compiler.plan.index.SparseIndex.cover_rates`)
   times ``B tau`` (``inf`` beyond the budget or the time limit); else :meth:`Scoring.floor`
-  with ``sigma_lb`` (and, given the ``bound``, the discount capped by ``hidden_share``)."""
+  with ``sigma_lb`` and ``hit_cap``."""
   tau = float(index.candidates[c])
   if scoring.priced:
     cover = index.cover_rates(np.asarray(scoring.price, np.float64))[c]
     if cover > scoring.rate_max * (1.0 + BOUND_SLACK):
       return math.inf
     return scoring.priced_floor(tau, cover)
-  B = scoring.num_microbatches
-  hit_cap = None if bound is None else scoring.capped(tau, index.hit_cap(tau, B), bound)
   return scoring.floor(tau, sigma_lb, hit_cap, index.hit_end(tau))
 
 

@@ -38,8 +38,10 @@ def test_warmup_step_is_the_recurrence_and_its_memory_check():
     mem = float(rng.uniform(0, 30))
     n = min(n_next + warmup_delta(c, tau, eps), B)
     want = n if p + n * a <= mem else -1
-    assert dp_kernel.warmup_step(n_next, c, tau, eps, B, p, a, mem) == want
-    assert dp_kernel.warmup_step_kernel(n_next, c, tau, eps, B, p, a, mem) == want
+    delta = dp_kernel.warmup_delta_kernel(c, tau, eps)
+    assert delta == warmup_delta(c, tau, eps)
+    assert dp_kernel.warmup_step(n_next, delta, B, p, a, mem) == want
+    assert dp_kernel.warmup_step_kernel(n_next, delta, B, p, a, mem) == want
 
 
 def test_cover_costs_equal_every_cover_enumerated():
