@@ -10,6 +10,17 @@ Two sweeps, each printed as a table:
 1. GPUs 16, 32, ..., 1024 at 146 layers (48 blocks);
 2. layers 50, 100, ..., 300 at ``--layer-gpus`` GPUs (default 128).
 
+``--money`` adds the money objective's case: ``max_throughput_per_dollar`` on 12 GPUs (2 hosts x
+4 V100-32G at 2.55 per GPU-hour + 1 host x 4 A100-40G at 4.05; 100 Gbps inside, 25 Gbps
+between), a 146-layer GPT (hidden 4096, sequence 1024, one sequence per microbatch, 48 blocks),
+``B = 1024``.
+
+``--compare-with DIR`` times each case (``--gpus`` rows and ``--money``) side by side with the
+planner of another checkout (``git archive <commit> | tar -x -C DIR``): both run in fresh
+worker processes, one after the other, each warmed up first, best of ``--repeat`` runs (wall
+and CPU seconds: on a shared machine the CPU seconds of the worker are the steadier of the
+two), and the table says whether the two plans are identical.
+
 Each row: entries of the sparse index, period candidates, DP runs (window and feasibility),
 the plan time of :func:`harpjax.compiler.plan.solve` (warm: Numba kernels compiled before),
 with the default cost model (the simulator judges) and, with ``--eq12``, the paper's, the
@@ -26,17 +37,21 @@ Usage::
 
   .venv/bin/python benchmarks/planner_scaling.py [--gbps 100] [--max-gpus 1024]
       [--gpus 512] [--layer-gpus 128] [--max-layers 300] [--eq12] [--amortised]
-      [--backend sequential]
+      [--backend sequential] [--money] [--compare-with DIR] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A worker of --compare-with imports the planner of another checkout.
+sys.path.insert(0, os.environ.get("PLANNER_SCALING_ROOT") or _REPO)
 
 from harpjax.cluster import Link  # noqa: E402
 from harpjax.compiler import plan as planner  # noqa: E402
@@ -69,6 +84,83 @@ def three_type_tables(num_gpus: int, num_layers: int = 146, gbps: float = 100.0,
   return CostTables.from_layer_costs(prof, specs, Link(gbps * GBPS, 1e-4),
                                      grad_sync_microbatches=B, order="memory_to_compute",
                                      end_cost=end_cost)
+
+
+MONEY_B = 1024
+
+
+def money_tables(blocks: int = 48) -> CostTables:
+  """The money objective's 12-GPU case: 2 x 4 V100-32G and 1 x 4 A100-40G, priced."""
+  prof = synthetic_gpt_profile(num_blocks=blocks, hidden=4096, seq_len=1024, microbatch=1)
+
+  def spec(name, hosts, mem_gib, tflops, price, host_bw):
+    return SubclusterSpec(name, hosts, 4, mem_gib * GiB, 100 * GBPS, peak_flops=tflops * 1e12,
+                          efficiency=0.5, latency_s=5e-6, host_bandwidth_bytes_per_s=host_bw,
+                          host_latency_s=2e-6, price_per_gpu_hour=price)
+
+  specs = [spec("v100", 2, 32, 125, 2.55, 150e9), spec("a100", 1, 40, 312, 4.05, 300e9)]
+  return CostTables.from_layer_costs(prof, specs, Link(25 * GBPS, 1e-4),
+                                     grad_sync_microbatches=MONEY_B, order="memory_to_compute")
+
+
+def _case(name: str):
+  """``(tables, B, solve options)`` of a named case: ``money`` or ``gpus:<N>:<gbps>``."""
+  if name == "money":
+    return money_tables(), MONEY_B, dict(objective="max_throughput_per_dollar")
+  _, gpus, gbps = name.split(":")
+  return three_type_tables(int(gpus), 146, float(gbps)), B, {}
+
+
+def _worker(name: str, backend: str, repeat: int) -> None:
+  """Times one case in this process (warmed up first) and prints it as JSON."""
+  if name == "money":
+    planner.solve(money_tables(2), MONEY_B, objective="max_throughput_per_dollar")
+  planner.solve(three_type_tables(16, 20), B)
+  tables, nb, kw = _case(name)
+  times, cpu, res = [], [], None
+  for _ in range(repeat):
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = planner.solve(tables, nb, backend=backend, **kw)
+    times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
+  stages = [[list(s.layers), s.subcluster, list(s.submesh), s.warmup]
+            for s in res.plan.stages]
+  print(json.dumps(dict(seconds=times, cpu_seconds=cpu, stages=stages,
+                        iteration_s=res.iteration_s, cost=res.cost_per_iteration,
+                        devices=res.num_devices)))
+
+
+def _run_worker(root: str, name: str, backend: str, repeat: int) -> dict:
+  env = dict(os.environ, PLANNER_SCALING_ROOT=root)
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name,
+                        "--backend", backend, "--repeat", str(repeat)], env=env,
+                       capture_output=True, text=True, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _compare(names: list[str], other: str, backend: str, repeat: int) -> None:
+  """Each case with this checkout's planner and with ``other``'s, side by side."""
+  rows = []
+  for name in names:
+    new = _run_worker(_REPO, name, backend, repeat)
+    old = _run_worker(other, name, backend, repeat)
+    label = ("max_throughput_per_dollar, 12 GPUs, B=1024" if name == "money" else
+             f"min_time, {name.split(':')[1]} GPUs, B={B}")
+    rows.append([label, f"{min(new['seconds']):.2f}", f"{min(old['seconds']):.2f}",
+                 f"{min(old['seconds']) / min(new['seconds']):.2f}x",
+                 f"{min(new['cpu_seconds']):.2f}", f"{min(old['cpu_seconds']):.2f}",
+                 "yes" if new["stages"] == old["stages"] else "no",
+                 f"{new['iteration_s']:.3f}", f"{old['iteration_s']:.3f}"])
+    print("  ".join(rows[-1]), file=sys.stderr, flush=True)
+  head = ["case", "plan s (this tree)", f"plan s ({other})", "speed-up", "CPU s (this)",
+          "CPU s (other)", "same plan", "iter s (this)", "iter s (other)"]
+  widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
+  print(f"== against {other} (best of {repeat}, warm, fresh processes) ==")
+  print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+  print("  ".join("-" * w for w in widths))
+  for r in rows:
+    print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+  print()
 
 
 def _row(tables: CostTables, backend: str, eq12: bool,
@@ -123,7 +215,22 @@ def main() -> None:
                   help="also time the search on tables with the gradient all-reduce amortised "
                   "over the microbatches (the model before once-per-step sync)")
   ap.add_argument("--gpus", help="comma-separated GPU counts instead of 16, 32, ..., max")
+  ap.add_argument("--money", action="store_true",
+                  help="also the money objective's 12-GPU case (B=1024)")
+  ap.add_argument("--compare-with", metavar="DIR",
+                  help="time the --gpus rows and --money beside another checkout's planner")
+  ap.add_argument("--repeat", type=int, default=3, help="runs per case of --compare-with")
+  ap.add_argument("--worker", help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.worker:
+    _worker(args.worker, args.backend, args.repeat)
+    return
+  if args.compare_with:
+    names = ([f"gpus:{int(x)}:{args.gbps:g}" for x in args.gpus.split(",")] if args.gpus
+             else [])
+    _compare(names + (["money"] if args.money else []), os.path.abspath(args.compare_with),
+             args.backend, args.repeat)
+    return
   planner.solve(three_type_tables(16, 20), B)  # compile / load the kernels once
   planner.solve(three_type_tables(16, 20, end_cost=False), B)
   print(f"GPT-39B-like layers, 1/4 V100 + 1/4 A100 + 1/2 H100, {args.gbps:g} Gbps between "
@@ -140,6 +247,17 @@ def main() -> None:
             [16 * 2 ** p for p in range(64) if 16 * 2 ** p <= args.max_gpus])
   rows = [row(gpus, 146) for gpus in counts]
   _print("plan time against GPU count (146 layers)", rows, args.eq12, args.amortised)
+  if args.money:
+    planner.solve(money_tables(2), MONEY_B, objective="max_throughput_per_dollar")
+    tables = money_tables()
+    t0 = time.perf_counter()
+    res = planner.solve(tables, MONEY_B, backend=args.backend,
+                        objective="max_throughput_per_dollar")
+    print(f"== max_throughput_per_dollar, 12 GPUs (8 V100 + 4 A100), {tables.num_layers} "
+          f"layers, B={MONEY_B} ==\nplan s {time.perf_counter() - t0:.2f}, "
+          f"{res.num_devices} devices, iteration {res.iteration_s:.3f} s, "
+          f"{res.rate_per_hour:.4g} per hour, {res.cost_per_iteration:.6g} per iteration, "
+          f"proved: {'yes' if res.stats.proved else 'no'}\n")
   if args.gpus:
     return
   rows = [row(args.layer_gpus, layers) for layers in range(50, args.max_layers + 1, 50)]

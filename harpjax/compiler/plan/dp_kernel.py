@@ -60,16 +60,89 @@ try:  # Numba is a hard dependency; the twin keeps the planner usable without it
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["DPArrays", "Frontier", "moves", "cut_cost", "link_rows", "fitting_submeshes",
-           "prefix_bound", "prefix_bound_kernel", "prefix_bounds", "suffix_bound",
-           "hit_possible", "hit_floor",
-           "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK"]
+__all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost", "link_rows",
+           "fitting_submeshes", "prefix_bound", "prefix_bound_kernel", "prefix_bounds",
+           "prefix_rate", "cover_costs",
+           "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
+           "warmup_delta_kernel",
+           "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK",
+           "KIND_TIME", "KIND_COST"]
 
 HAVE_NUMBA = _numba is not None
 
 # Relative slack of the pruning bound: values within it of the best are always evaluated, so
 # the search returns the same plan however its candidates are batched.
 BOUND_SLACK = 1e-9
+
+KIND_TIME = 0
+""":attr:`Pricing.kind` (and the bounded search's): the value ranked is the iteration time."""
+KIND_COST = 1
+"""The value ranked is the hourly rate times the iteration time (cost per iteration)."""
+
+
+def warmup_step(n_next, delta, num_microbatches, p, a, mem):
+  """The transition of every kernel: a stage's H-1F1B warm-up count and its memory check.
+
+  A stage followed by a suffix whose first stage launches ``n_next`` microbatches launches
+  ``n = min(n_next + delta, B)`` (Eq. 1-2), ``delta = warmup_delta(c, tau, eps)`` of the cut
+  between them (:func:`harpjax.compiler.schedule.warmup_delta`, the schedules' own rule, which
+  the callers take once per cut), and holds ``n`` microbatches' activations: it fits when
+  ``p + n a <= mem`` (Eq. 18).
+
+  Args:
+    n_next: warm-up count of the next stage (``>= 1``).
+    delta: ``warmup_delta(c, tau, eps)`` of the cut between the two stages.
+    num_microbatches: ``B``.
+    p, a: the stage's fixed bytes and bytes per microbatch in flight (per device).
+    mem: device memory, bytes.
+
+  Returns:
+    ``n``, or ``-1`` when the stage does not fit with it. The kernels call the compiled
+    :data:`warmup_step_kernel`; this function is its Python twin (the same code).
+  """
+  n = n_next + delta
+  if n > num_microbatches:
+    n = num_microbatches
+  if p + n * a > mem:
+    return -1
+  return n
+
+
+class Pricing(NamedTuple):
+  """The rate criterion of :func:`solve_tau` (the objectives with prices).
+
+  With pricing the DP keeps, per state, every suffix not dominated in (warm-ups ``n``, hourly
+  rate ``R``, cost): the rate of subcluster ``k`` is charged when its last stage runs (the
+  move that leaves ``k`` or ends the plan knows the devices of ``k`` the stages hold,
+  ``held``), so ``R`` is additive over the suffix. The value is Eq. 12's
+  ``T = cost + (B - 1) tau`` (no discount, first stage's end time included), ranked as ``T``
+  (:data:`KIND_TIME`, ``R <= rate_max``) or ``R T`` (:data:`KIND_COST`, ``T <= t_limit``).
+
+  Attributes:
+    held: ``[G, S_max]`` int64 devices of the current subcluster the stages hold once a stage
+      on submesh ``s`` ran from state ``g`` (``[0, 0]``: no pricing, :data:`NO_PRICING`).
+    price: ``[K]`` float64 price of one device per hour.
+    kind: :data:`KIND_TIME` or :data:`KIND_COST`.
+    rate_max: largest hourly rate allowed (``inf``: none).
+    t_limit: largest iteration time ``T`` allowed, seconds (``inf``: none).
+    relief: seconds by which the ranked time may fall below ``T`` (``T - relief`` is compared
+      with the bound and ``t_limit`` while pruning): when the simulator judges, ``T`` is not
+      a lower bound on its time, ``T - phi tau (n_max - 1)`` is.
+    lbr: ``[L + 1, G]`` :func:`prefix_rate` at the candidate or above (the least rate the
+      stages before a suffix add to it), or ``[0, 0]``: none (``0`` assumed).
+  """
+  held: np.ndarray
+  price: np.ndarray
+  kind: int
+  rate_max: float
+  t_limit: float
+  relief: float
+  lbr: np.ndarray
+
+
+NO_PRICING = Pricing(np.zeros((0, 0), np.int64), np.zeros(0), KIND_TIME, np.inf, np.inf, 0.0,
+                     np.zeros((0, 0)))
+"""The time objective: no rate criterion."""
 
 
 class DPArrays(NamedTuple):
@@ -198,17 +271,19 @@ class Frontier(NamedTuple):
     xe: ``[cap]`` float64 with ``end_path``, of a suffix that has the plan's last hit: the
       largest ``e_s - U_s`` over its stages ``s`` at or above that hit, ``U_s`` the backward
       and cut seconds from the suffix's first stage down to ``s`` (:func:`solve_tau`).
+    r: ``[cap]`` float64 with :class:`Pricing`, the suffix's hourly rate.
   """
   n: np.ndarray
   cost: np.ndarray
   entry: np.ndarray
   succ: np.ndarray
   xe: np.ndarray
+  r: np.ndarray
 
 
 def _new_frontier(cap: int) -> Frontier:
   return Frontier(np.empty(cap, np.int64), np.empty(cap, np.float64), np.empty(cap, np.int64),
-                  np.empty(cap, np.int64), np.empty(cap, np.float64))
+                  np.empty(cap, np.int64), np.empty(cap, np.float64), np.empty(cap, np.float64))
 
 
 def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
@@ -224,6 +299,7 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
   bigger.entry[:used] = pool.entry[:used]
   bigger.succ[:used] = pool.succ[:used]
   bigger.xe[:used] = pool.xe[:used]
+  bigger.r[:used] = pool.r[:used]
   return bigger
 
 
@@ -361,6 +437,70 @@ def _prefix_pair_impl(ix, tau, check_comm, phi, live_lb, live_sb):
           if ix.ent_j[e] == L - 1 and v < lb[L, 0]:
             lb[L, 0] = v
   return lb, lbf
+
+
+def _prefix_rate_impl(ix, tau, check_comm, held, price):
+  """``lbr[i, d]``: the least hourly rate a prefix reaching layer ``i`` in device state ``d``
+  with every stage (and, with ``check_comm``, cut) ``<= tau`` charges, memory ignored: the
+  subclusters it left, each at the devices it held there (those of the current subcluster are
+  charged by the suffix, :class:`Pricing`); ``inf``: unreachable. Non-decreasing as ``tau``
+  falls: the bound at a larger candidate holds at a smaller one."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  inf = np.inf
+  lbr = np.full((L + 1, G), inf)
+  for r in ix.roots:
+    lbr[0, r] = 0.0
+  for i in range(L - 1):
+    for d in range(G):
+      base = lbr[i, d]
+      if base == inf:
+        continue
+      k = ix.st_sub[d]
+      gx = (k * L + i) * S_max
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        if m0 == m1:
+          continue
+        charge = price[k] * held[d, s]
+        for e in range(ix.sp_ptr[gx + s], ix.sp_ptr[gx + s + 1]):
+          if ix.ent_t[e] > tau:
+            break
+          j = ix.ent_j[e]
+          if j == L - 1:
+            continue
+          for x in range(m0, m1):
+            if check_comm and ix.c_link[ix.mv_link[x], j] > tau:
+              continue
+            d2 = ix.mv_state[x]
+            v = base if ix.mv_sub[x] == k else base + charge
+            if v < lbr[j + 1, d2]:
+              lbr[j + 1, d2] = v
+  return lbr
+
+
+def _cover_impl(ent_i, ent_j, ent_t, w, by_j, taus, L):
+  """Per ``taus[g]``, the least ``sum w_e`` of entries of time ``<= taus[g]`` that cover the
+  layers ``0 .. L - 1`` in order (``inf``: none); ``by_j`` the entries by last layer."""
+  out = np.empty(taus.shape[0])
+  f = np.empty(L + 1)
+  for g in range(taus.shape[0]):
+    tau = taus[g]
+    f[:] = np.inf
+    f[0] = 0.0
+    for y in range(by_j.shape[0]):
+      e = by_j[y]
+      if ent_t[e] > tau:
+        continue
+      v = f[ent_i[e]] + w[e]
+      if v < f[ent_j[e] + 1]:
+        f[ent_j[e] + 1] = v
+    out[g] = f[L]
+  return out
 
 
 def _suffix_bound_impl(ix, tau, check_comm, lb):
@@ -510,33 +650,45 @@ def _hit_floor_impl(ix, lb, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, dis
   return best
 
 
+def _priced_out(pr, rate, t, limit):
+  """Whether a suffix of hourly ``rate`` in a plan of at least ``t`` seconds is out: over the
+  budget, the time limit or the bound ``limit`` on the ranked value (:class:`Pricing`)."""
+  if rate > pr.rate_max or t > pr.t_limit:
+    return True
+  return (t if pr.kind == KIND_TIME else rate * t) > limit
+
+
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
-                    link_hits, discount, lb, sb, hit_cap, end_path, lbf, hit_e, hit_j):
-  """Kernel body (compiled by Numba when available); see :func:`solve_tau`."""
+                    link_hits, discount, lb, sb, hit_cap, end_path, lbf, hit_e, hit_j, pr):
+  """Kernel body (compiled by Numba when available); see :func:`solve_tau`. Returns
+  ``(value, rate, cost, path)`` (``rate`` ``0`` and ``cost == value`` without pricing)."""
   L = ix.ent_ptr.shape[1] - 1
   G = ix.st_sub.shape[0]
   S_max = ix.st_stay.shape[1]
   B = num_microbatches
   H = 2 if require_hit else 1
   inf = np.inf
+  priced = pr.held.shape[0] == G and G > 0
   if lb.shape[0] != L + 1:
     lb = _prefix_bound(ix, tau, check_comm)
   if lb[L, 0] == inf:
-    return inf, np.zeros(0, np.int64)   # no plan has every stage within tau
+    return inf, inf, inf, np.zeros(0, np.int64)   # no plan has every stage within tau
   use_sb = sb.shape[0] == L + 1
   # With end_path (require_hit only) a hit suffix's value is cost + xe: the end times of
   # every stage at or above the plan's last hit, not the first stage's alone.
-  paths = end_path and H == 2
+  paths = end_path and H == 2 and not priced
   if paths and lbf.shape[0] != L + 1:
     lbf = _prefix_pair(ix, tau, check_comm, discount, _NO_BOUND, _NO_BOUND)[1]
   budget_all = inf
   if bound < inf:
     budget_all = bound * (1.0 + BOUND_SLACK) - (B - 1) * tau
+  limit = bound * (1.0 + BOUND_SLACK)
+  tail = (B - 1) * tau - pr.relief   # with pricing: the time compared with the limits
   # The most a hit stage further up can still take off a suffix without one (see solve_tau).
   nmax = n_cap if n_cap < B else B
   if hit_cap < nmax:
     nmax = hit_cap
-  disc_max = discount * tau * (nmax - 1) if require_hit else 0.0
+  disc_max = discount * tau * (nmax - 1) if (require_hit and not priced) else 0.0
   # The frontiers are kept for the states some prefix reaches only (their own numbering).
   act = np.full(G, -1, np.int64)
   n_act = 0
@@ -554,13 +706,16 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   tc = np.full((n_cap + 1, H), inf)
   te = np.zeros((n_cap + 1, H), np.int64)
   ts = np.zeros((n_cap + 1, H), np.int64)
-  # With end_path, the hit suffixes per n: staircases over (cost, cost + xe).
-  scap = 4 if paths else 1
-  sv = np.empty((n_cap + 1, scap))
-  sw = np.empty((n_cap + 1, scap))
-  se = np.empty((n_cap + 1, scap), np.int64)
-  sq = np.empty((n_cap + 1, scap), np.int64)
-  scnt = np.zeros(n_cap + 1, np.int64)
+  # Staircases: with end_path the hit suffixes per n over (cost, cost + xe); with pricing
+  # every suffix per (h, n) (row h (n_cap + 1) + n) over (cost, rate).
+  stairs = paths or priced
+  nrows = (n_cap + 1) * H if priced else n_cap + 1
+  scap = 4 if stairs else 1
+  sv = np.empty((nrows, scap))
+  sw = np.empty((nrows, scap))
+  se = np.empty((nrows, scap), np.int64)
+  sq = np.empty((nrows, scap), np.int64)
+  scnt = np.zeros(nrows, np.int64)
   phi_b = 1.0 - discount   # a stage's backward share
   # jmin[d]: the first layer (of those done) with a suffix from state d; a stage from (i, d)
   # can only lead to a layer at or beyond it.
@@ -569,7 +724,9 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     for d in range(G):
       if lb[i, d] == inf or (use_sb and sb[i, d] == inf):
         continue   # no prefix reaches (i, d), or no suffix leaves it
-      budget = budget_all - lb[i, d]
+      pre = lb[i, d]
+      pre_r = pr.lbr[i, d] if (priced and pr.lbr.shape[0] == L + 1) else 0.0
+      budget = budget_all - pre
       # No hit ends before layer i: a suffix from here without one can never get one.
       no_miss = H == 2 and i <= hit_j
       # A whole plan costs at least the forward half of its prefix, the suffix and the end
@@ -593,6 +750,9 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             jlo = v
         if jlo >= L:
           continue  # the submesh does not fit, or nothing after it has a suffix yet
+        # With pricing: the rate of subcluster k once this stage ran (charged when the plan
+        # leaves k or ends).
+        charge = pr.price[k] * pr.held[d, s] if priced else 0.0
         e0 = ix.sp_ptr[gx + s]
         e1 = ix.sp_ptr[gx + s + 1]
         if jlo > i:   # the first entry that may reach jlo; the others are skipped one by one
@@ -610,6 +770,17 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             continue  # no move from here has a suffix at j + 1 (a group not sorted by layer)
           if j == L - 1:
             if not may_end or (hit == 0 and no_miss):
+              continue
+            if priced:
+              if _priced_out(pr, pre_r + charge, pre + t_end + tail, limit):
+                continue
+              row = hit * (n_cap + 1) + 1
+              if scnt[row] == scap:
+                sv, sw, se, sq = _grow_stairs(sv, sw, se, sq, scap)
+                scap *= 2
+              _stair_add(sv, sw, se, sq, scnt, row, t_end, charge, e, -1)
+              nlo = min(nlo, 1)
+              nhi = max(nhi, 1)
               continue
             if t_end - (disc_max if hit == 0 else 0.0) > budget:
               continue
@@ -643,9 +814,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             c = ix.c_link[ix.mv_link[x], j]
             if check_comm and c > tau:
               continue
-            dl = _warmup_delta(c, tau, eps)
             step = t_end + 2.0 * c
+            dl = _warmup_delta(c, tau, eps)
             hit_c = 1 if (require_hit and link_hits and c == tau) else 0
+            add = 0.0 if ix.mv_sub[x] == k else charge   # the move leaves k: charge it
             for h2 in range(H):
               h = 1 if (h2 == 1 or hit == 1 or hit_c == 1) else 0
               if h == 0 and no_miss:
@@ -655,12 +827,24 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
               own = discount * tau if (h2 == 0 and hit == 1 and hit_c == 0) else 0.0
               q0 = first[j + 1, a2, h2]
               for q in range(q0, q0 + count[j + 1, a2, h2]):
-                n = pool.n[q] + dl
-                if n > B:
-                  n = B
-                if n > n_cap or p + n * a > mk:
+                n = _warmup_step(pool.n[q], dl, B, p, a, mk)
+                if n < 0 or n > n_cap:
                   break  # n grows along the frontier
                 v = pool.cost[q] + step - own * (n - 1)
+                if priced:
+                  rate = pool.r[q] + add
+                  if _priced_out(pr, pre_r + rate, pre + v + tail, limit):
+                    continue
+                  row = h * (n_cap + 1) + n
+                  if scnt[row] == scap:
+                    sv, sw, se, sq = _grow_stairs(sv, sw, se, sq, scap)
+                    scap *= 2
+                  _stair_add(sv, sw, se, sq, scnt, row, v, rate, e, q)
+                  if n < nlo:
+                    nlo = n
+                  if n > nhi:
+                    nhi = n
+                  continue
                 if v - (disc_max if h == 0 else 0.0) > budget:
                   continue  # costs fall along the frontier: later points may fit
                 if paths:
@@ -694,20 +878,47 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
       # Compress into Pareto frontiers (h = 1 first: without the discount it also dominates
       # h = 0 points). With the discount, an h = 0 point with more warm-ups gets more off at
       # its hit stage further up: its frontier is over (n, cost - discount * tau * n). With
-      # end_path the hit frontier is over (n, cost, cost + xe), by n and then by cost.
-      pool = _grow_frontier(pool, used, used + H * (nhi - nlo + 1) * (scap if paths else 1))
+      # end_path the hit frontier is over (n, cost, cost + xe), by n and then by cost; with
+      # pricing every frontier is over (n, rate, cost), by n, then rate, then cost.
+      pool = _grow_frontier(pool, used, used + H * (nhi - nlo + 1) * (scap if stairs else 1))
+      ad = act[d]
       for h in range(H - 1, -1, -1):
-        first[i, act[d], h] = used
+        first[i, ad, h] = used
         best_same = inf
         best_hit = inf
         slope = discount * tau if (h == 0 and H == 2) else 0.0
-        if paths and h == 1:
+        if priced:
+          for n in range(nlo, nhi + 1):
+            row = h * (n_cap + 1) + n
+            for z in range(scnt[row] - 1, -1, -1):   # rate ascending, cost descending
+              v = sv[row, z]
+              w = sw[row, z]
+              kept = True
+              for q in range(first[i, ad, h], used):   # those of no more warm-ups
+                if pool.r[q] <= w and pool.cost[q] <= v:
+                  kept = False
+                  break
+              if kept and h == 0 and H == 2:   # a hit suffix dominates one without
+                for q in range(first[i, ad, 1], first[i, ad, 0]):
+                  if pool.n[q] <= n and pool.r[q] <= w and pool.cost[q] <= v:
+                    kept = False
+                    break
+              if kept:
+                pool.n[used] = n
+                pool.cost[used] = v
+                pool.entry[used] = se[row, z]
+                pool.succ[used] = sq[row, z]
+                pool.xe[used] = 0.0
+                pool.r[used] = w
+                used += 1
+            scnt[row] = 0
+        elif paths and h == 1:
           for n in range(nlo, nhi + 1):
             for z in range(scnt[n]):
               v = sv[n, z]
               w = sw[n, z]
               kept = True
-              for q in range(first[i, act[d], h], used):   # those of fewer warm-ups
+              for q in range(first[i, ad, h], used):   # those of fewer warm-ups
                 if pool.n[q] < n and pool.cost[q] <= v and pool.cost[q] + pool.xe[q] <= w:
                   kept = False
                   break
@@ -717,6 +928,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                 pool.entry[used] = se[n, z]
                 pool.succ[used] = sq[n, z]
                 pool.xe[used] = w - v
+                pool.r[used] = 0.0
                 used += 1
             scnt[n] = 0
         else:
@@ -731,21 +943,36 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
               pool.entry[used] = te[n, h]
               pool.succ[used] = ts[n, h]
               pool.xe[used] = 0.0
+              pool.r[used] = 0.0
               used += 1
-        count[i, act[d], h] = used - first[i, act[d], h]
-        if count[i, act[d], h] > 0:
+        count[i, ad, h] = used - first[i, ad, h]
+        if count[i, ad, h] > 0:
           jmin[d] = i
-      for n in range(nlo, nhi + 1):
-        for h in range(H):
-          tc[n, h] = inf
+      if not priced:
+        for n in range(nlo, nhi + 1):
+          for h in range(H):
+            tc[n, h] = inf
   hf = H - 1
   best_q = -1
   value = inf
+  best_rate = inf
   for r in ix.roots:
     if act[r] < 0:
       continue
     m = count[0, act[r], hf]
     if m == 0:
+      continue
+    if priced:   # the least ranked value within the limits; ties to the lower rate
+      for q in range(first[0, act[r], hf], first[0, act[r], hf] + m):
+        tt = pool.cost[q] + tail
+        if tt > pr.t_limit or pool.r[q] > pr.rate_max:
+          continue
+        tt += pr.relief
+        val = tt if pr.kind == KIND_TIME else pool.r[q] * tt
+        if val < value or (val == value and pool.r[q] < best_rate):
+          value = val
+          best_rate = pool.r[q]
+          best_q = q
       continue
     if paths:   # the least cost + xe of the frontier
       for q in range(first[0, act[r], hf], first[0, act[r], hf] + m):
@@ -757,10 +984,10 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     if pool.cost[q] < value:
       value = pool.cost[q]
       best_q = q
-  if bound < inf and value + (B - 1) * tau > bound * (1.0 + BOUND_SLACK):
-    return inf, np.zeros(0, np.int64)
+  if not priced and bound < inf and value + (B - 1) * tau > bound * (1.0 + BOUND_SLACK):
+    return inf, inf, inf, np.zeros(0, np.int64)
   if best_q < 0:
-    return inf, np.zeros(0, np.int64)
+    return inf, inf, inf, np.zeros(0, np.int64)
   path = np.empty(L, np.int64)
   s = 0
   q = best_q
@@ -768,12 +995,16 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     path[s] = pool.entry[q]
     s += 1
     q = pool.succ[q]
-  return value, path[:s]
+  if priced:
+    return value, best_rate, pool.cost[best_q], path[:s]
+  return value, 0.0, value, path[:s]
 
 
 if HAVE_NUMBA:
   # ``cache=True`` keys the on-disk cache on this file only: touch it when warmup_delta changes.
-  _warmup_delta = _numba.njit(cache=True)(warmup_delta)
+  _warmup_delta = _numba.njit(cache=True, inline="always")(warmup_delta)
+  _warmup_step = _numba.njit(cache=True, inline="always")(warmup_step)
+  _priced_out = _numba.njit(cache=True)(_priced_out)
   _new_frontier = _numba.njit(cache=True)(_new_frontier)
   _grow_frontier = _numba.njit(cache=True)(_grow_frontier)
   _grow_stairs = _numba.njit(cache=True)(_grow_stairs)
@@ -781,20 +1012,31 @@ if HAVE_NUMBA:
   _prefix_pair = _numba.njit(cache=True, nogil=True)(_prefix_pair_impl)
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
+  _prefix_rate = _numba.njit(cache=True, nogil=True)(_prefix_rate_impl)
+  _cover = _numba.njit(cache=True, nogil=True)(_cover_impl)
   _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
   _hit_floor = _numba.njit(cache=True, nogil=True)(_hit_floor_impl)
   _solve_tau_numba = _numba.njit(cache=True, nogil=True)(_solve_tau_impl)
 else:  # pragma: no cover
   _warmup_delta = warmup_delta
+  _warmup_step = warmup_step
   _prefix_pair = _prefix_pair_impl
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
+  _prefix_rate = _prefix_rate_impl
+  _cover = _cover_impl
   _hit_possible = _hit_possible_impl
   _hit_floor = _hit_floor_impl
   _solve_tau_numba = None
 
 prefix_bound_kernel = _prefix_bound
 """The compiled :func:`prefix_bound` ``(ix, tau, check_comm)``, callable from other kernels."""
+
+warmup_step_kernel = _warmup_step
+"""The compiled :func:`warmup_step`, the transition every kernel calls."""
+
+warmup_delta_kernel = _warmup_delta
+"""The compiled :func:`harpjax.compiler.schedule.warmup_delta` the kernels take once per cut."""
 
 _NO_BOUND = np.zeros((0, 0))
 
@@ -807,6 +1049,33 @@ def suffix_bound(ix: DPArrays, tau: float, lb: np.ndarray, check_comm: bool = Tr
   :func:`prefix_bound` ``lb`` (at ``tau`` or above) says a prefix reaches."""
   fn = _suffix_bound if (use_numba and HAVE_NUMBA) else _suffix_bound_impl
   return fn(ix, float(tau), bool(check_comm), lb)
+
+
+@interruptible_kernel
+def prefix_rate(ix: DPArrays, tau: float, held: np.ndarray, price: np.ndarray,
+                check_comm: bool = True, use_numba: bool = True) -> np.ndarray:
+  """``[L + 1, G]``: the least hourly rate that the stages of a prefix reaching layer ``i`` in
+  device state ``d`` charge (the subclusters it left, at the devices held there; every stage
+  and cut ``<= tau``, memory ignored; ``inf``: unreachable). A bound at ``tau`` holds at every
+  smaller candidate; :class:`Pricing` ``lbr``."""
+  fn = _prefix_rate if (use_numba and HAVE_NUMBA) else _prefix_rate_impl
+  return fn(ix, float(tau), bool(check_comm), np.ascontiguousarray(held, np.int64),
+            np.ascontiguousarray(price, np.float64))
+
+
+@interruptible_kernel
+def cover_costs(ent_i: np.ndarray, ent_j: np.ndarray, ent_t: np.ndarray, weight: np.ndarray,
+                taus: np.ndarray, num_layers: int, use_numba: bool = True) -> np.ndarray:
+  """``[P]``: per period ``taus[g]`` the least total ``weight`` of entries (first layer
+  ``ent_i``, last ``ent_j``, time ``ent_t``) of time ``<= taus[g]`` that cover every layer
+  once, in order; ``inf``: none. Memory and devices ignored: with ``weight`` an entry's hourly
+  rate, a lower bound on the rate of any plan within the period
+  (:meth:`~harpjax.compiler.plan.index.SparseIndex.cover_rates`)."""
+  fn = _cover if (use_numba and HAVE_NUMBA) else _cover_impl
+  by_j = np.argsort(ent_j, kind="stable").astype(np.int64)
+  return fn(np.asarray(ent_i, np.int64), np.asarray(ent_j, np.int64),
+            np.asarray(ent_t, np.float64), np.asarray(weight, np.float64), by_j,
+            np.ascontiguousarray(taus, np.float64), int(num_layers))
 
 
 @interruptible_kernel
@@ -869,9 +1138,10 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
               discount: float = 0.0, use_numba: bool = True,
               lb: np.ndarray | None = None, sb: np.ndarray | None = None,
               hit_cap: int | None = None, end_path: bool = False,
-              lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1
-              ) -> tuple[float, np.ndarray]:
-  """The DP at one candidate period ``tau`` (Numba kernel).
+              lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1,
+              pricing: Pricing | None = None
+              ) -> tuple[float, np.ndarray] | tuple[float, float, float, np.ndarray]:
+  """The DP at one candidate period ``tau`` (Numba kernel), for any objective.
 
   Args:
     ix: the entries and device states, :class:`DPArrays`.
@@ -918,17 +1188,38 @@ def solve_tau(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap
     hit_j: (with ``require_hit``) no stage of time ``tau`` ends, and no cut that may take
       ``tau`` follows, a layer before ``hit_j``: suffixes without a hit that start at or
       before it are not kept (no prefix can give them one). ``-1``: no such layer known.
+    pricing: the objectives with prices (:class:`Pricing`): the same DP with the hourly rate
+      as one more criterion of the frontiers (``discount`` and ``end_path`` then unused; the
+      value is Eq. 12's, ranked by ``pricing.kind``, and ``bound`` is on that ranked value).
+      ``None``: the time objective.
 
   Returns:
     ``(value, path)``: the smallest value (``inf`` if none) and the entry index of each stage
     in pipeline order. ``e_0`` is the end-of-iteration time of the first stage (``ent_e``).
+    With ``pricing``: ``(value, rate, cost, path)``, the best ranked value (time, or rate
+    times time; plus ``(B - 1) tau``), its hourly rate and its ``sum (t_i + 2 c_i) + e_0``;
+    ties of the value go to the lower rate.
   """
   fn = _solve_tau_numba if (use_numba and HAVE_NUMBA) else _solve_tau_impl
-  return fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
-            bool(check_comm), float(bound), bool(link_hits), float(discount),
-            _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb,
-            int(num_microbatches) if hit_cap is None else int(hit_cap), bool(end_path),
-            _NO_BOUND if lbf is None else lbf, float(hit_e), int(hit_j))
+  pr = NO_PRICING if pricing is None else _pricing_arrays(pricing)
+  out = fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap), bool(require_hit),
+           bool(check_comm), float(bound), bool(link_hits),
+           0.0 if pricing is not None else float(discount),
+           _NO_BOUND if lb is None else lb, _NO_BOUND if sb is None else sb,
+           int(num_microbatches) if hit_cap is None else int(hit_cap),
+           bool(end_path) and pricing is None,
+           _NO_BOUND if lbf is None else lbf, float(hit_e), int(hit_j), pr)
+  if pricing is None:
+    return float(out[0]), out[3]
+  return float(out[0]), float(out[1]), float(out[2]), out[3]
+
+
+def _pricing_arrays(pricing: Pricing) -> Pricing:
+  """``pricing`` with the types the compiled kernel takes (one specialisation)."""
+  return Pricing(np.ascontiguousarray(pricing.held, np.int64),
+                 np.ascontiguousarray(pricing.price, np.float64), int(pricing.kind),
+                 float(pricing.rate_max), float(pricing.t_limit), float(pricing.relief),
+                 np.ascontiguousarray(pricing.lbr, np.float64))
 
 
 def active_entries(ix: DPArrays, k: int, i: int, tau: float) -> list[int]:
@@ -952,12 +1243,17 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
                     discount: float = 0.0, use_numba: bool = False,
                     lb: np.ndarray | None = None, sb: np.ndarray | None = None,
                     hit_cap: int | None = None, end_path: bool = False,
-                    lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1
-                    ) -> tuple[float, np.ndarray]:
+                    lbf: np.ndarray | None = None, hit_e: float = 0.0, hit_j: int = -1,
+                    pricing: Pricing | None = None
+                    ) -> tuple[float, np.ndarray] | tuple[float, float, float, np.ndarray]:
   """The pure-NumPy twin of :func:`solve_tau` (dense ``F[i, d, n, h]``, same arguments; with
   ``end_path`` the hit suffixes of each ``(i, d, n)`` are a list of every point that no other
-  beats in both cost and cost plus end term)."""
+  beats in both cost and cost plus end term; with ``pricing`` dense over the distinct rates a
+  suffix can have too, ``F[i, d, n, h, r]``)."""
   del use_numba, lb, sb, hit_cap, lbf, hit_e, hit_j
+  if pricing is not None:
+    return _solve_tau_rate_twin(ix, pricing, tau, num_microbatches, eps, n_cap, require_hit,
+                                check_comm, bound, link_hits)
   if end_path and require_hit:
     return _solve_tau_paths_twin(ix, tau, num_microbatches, eps, n_cap, check_comm, bound,
                                  link_hits, discount)
@@ -974,7 +1270,6 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
   par_d = np.zeros(F.shape, np.int64)
   par_n = np.zeros(F.shape, np.int64)
   par_h = np.zeros(F.shape, np.int64)
-  n_idx = np.arange(NC + 1)
   for i in range(L - 1, -1, -1):
     for d in range(G):
       k = int(st_sub[d])
@@ -990,24 +1285,24 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
             par_n[i, d, 1, hit] = 0
           continue
         p, a, mk = float(ent_p[e]), float(ent_a[e]), float(mem[k])
-        n_ok = (n_idx >= 1) & (p + n_idx * a <= mk)
         mp = d * st_stay.shape[1] + s
         for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
           d2 = int(ix.mv_state[x])
           c = float(cut_cost(ix, k, x, j))
           if check_comm and c > tau:
             continue
-          dl = warmup_delta(c, tau, eps)
           step = t_end + 2.0 * c
+          dl = warmup_delta(c, tau, eps)
           hit_c = 1 if (require_hit and link_hits and c == tau) else 0
           for h2 in range(H):
             h = 1 if (h2 == 1 or hit or hit_c) else 0
             own = discount * tau if (h2 == 0 and hit and not hit_c) else 0.0
             src = F[j + 1, d2, :, h2]                      # [NC + 1] by n'
-            tgt = np.minimum(n_idx[1:] + dl, B)            # n of the new first stage
-            vals = src[1:] + step - own * (tgt - 1)
-            ok = (tgt <= NC) & n_ok[np.minimum(tgt, NC)] & np.isfinite(vals)
-            for n_prev, n_new, v in zip(n_idx[1:][ok], tgt[ok], vals[ok]):
+            for n_prev in np.flatnonzero(np.isfinite(src[1:])) + 1:
+              n_new = warmup_step(int(n_prev), dl, B, p, a, mk)
+              if n_new < 0 or n_new > NC:
+                continue
+              v = src[n_prev] + step - own * (n_new - 1)
               if v < F[i, d, n_new, h]:
                 F[i, d, n_new, h] = v
                 par_e[i, d, n_new, h] = e
@@ -1071,15 +1366,14 @@ def _solve_tau_paths_twin(ix: DPArrays, tau: float, num_microbatches: int, eps: 
           c = float(cut_cost(ix, k, x, j))
           if check_comm and c > tau:
             continue
-          dl = warmup_delta(c, tau, eps)
           hit_c = link_hits and c == tau
           succ = [(n2, float(F0[j + 1, d2, n2]), None, 0) for n2 in n_idx[1:]
                   if np.isfinite(F0[j + 1, d2, n2])]
           succ += [(n2, v2, xe2, z) for n2 in n_idx[1:]
                    for z, (v2, xe2, _, _) in enumerate(F1.get((j + 1, d2, n2), []))]
           for n2, v2, xe2, z in succ:
-            n = min(n2 + dl, B)
-            if n > NC or not p + n * a <= mk:
+            n = warmup_step(int(n2), warmup_delta(c, tau, eps), B, p, a, mk)
+            if n < 0 or n > NC:
               continue
             own = discount * tau if (xe2 is None and hit and not hit_c) else 0.0
             v = v2 + t + 2.0 * c - own * (n - 1)
@@ -1117,3 +1411,101 @@ def _solve_tau_paths_twin(ix: DPArrays, tau: float, num_microbatches: int, eps: 
       _, _, e, where = F1[(i, d, n)][z]
     path.append(int(e))
   return float(best), np.asarray(path, np.int64)
+
+
+class _RateIds(dict):
+  """Index of a rate among the distinct sums (rounded to 1e-9: sums in another order)."""
+
+  def __init__(self, rates):
+    super().__init__((r, x) for x, r in enumerate(rates))
+
+  def __getitem__(self, rate):
+    return super().__getitem__(round(rate, 9))
+
+
+def _solve_tau_rate_twin(ix: DPArrays, pr: Pricing, tau: float, num_microbatches: int,
+                         eps: float, n_cap: int, require_hit: bool, check_comm: bool,
+                         bound: float, link_hits: bool
+                         ) -> tuple[float, float, float, np.ndarray]:
+  """:func:`solve_tau_numpy` with pricing: dense over the distinct suffix rates."""
+  (st_sub, st_stay, _, st_end, roots, ent_ptr, ent_j, ent_s, ent_t, ent_p, ent_a, mem,
+   _) = ix[:13]
+  L, B, K, G = ent_ptr.shape[1] - 1, int(num_microbatches), ent_ptr.shape[0], int(st_sub.size)
+  H = 2 if require_hit else 1
+  NC = int(n_cap)
+  relief = float(pr.relief)
+  # Every rate a suffix can have: sums over subclusters of one charge each.
+  charges = [sorted({float(pr.price[k] * h) for g in range(G) if st_sub[g] == k
+                     for h in pr.held[g] if h >= 0}) for k in range(K)]
+  rates = {0.0}
+  for k in range(K):
+    rates |= {r + c for r in rates for c in charges[k]}
+  rates = sorted({round(r, 9) for r in rates})
+  rid = _RateIds(rates)
+  F = np.full((L + 1, G, NC + 1, H, len(rates)), np.inf)
+  par = {}
+  for i in range(L - 1, -1, -1):
+    for d in range(G):
+      k = int(st_sub[d])
+      for e in _active(ix, k, i, tau):
+        t = float(ent_t[e])
+        s, j = int(ent_s[e]), int(ent_j[e])
+        hit = 1 if (require_hit and t == tau) else 0
+        if pr.held[d, s] < 0:   # the stage does not fit the subcluster
+          continue
+        charge = float(pr.price[k] * pr.held[d, s])
+        t_end = t + float(ix.ent_e[e]) if i == 0 else t
+        if j == L - 1:
+          r = rid[charge]
+          if st_end[d, s] and t_end < F[i, d, 1, hit, r]:
+            F[i, d, 1, hit, r] = t_end
+            par[(i, d, 1, hit, r)] = (e, -1, 0, 0, 0)
+          continue
+        p, a, mk = float(ent_p[e]), float(ent_a[e]), float(mem[k])
+        mp = d * st_stay.shape[1] + s
+        for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
+          d2 = int(ix.mv_state[x])
+          add = 0.0 if ix.mv_sub[x] == k else charge
+          c = float(cut_cost(ix, k, x, j))
+          if check_comm and c > tau:
+            continue
+          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
+          for h2 in range(H):
+            h = 1 if (h2 == 1 or hit or hit_c) else 0
+            src = F[j + 1, d2, :, h2, :]                  # [NC + 1, rates] by (n', r')
+            for n_prev, r_prev in zip(*np.nonzero(np.isfinite(src))):
+              if n_prev < 1:
+                continue
+              n_new = warmup_step(int(n_prev), warmup_delta(c, tau, eps), B, p, a, mk)
+              if n_new < 0 or n_new > NC:
+                continue
+              v = src[n_prev, r_prev] + t_end + 2.0 * c
+              r = rid[rates[r_prev] + add]
+              if v < F[i, d, n_new, h, r]:
+                F[i, d, n_new, h, r] = v
+                par[(i, d, n_new, h, r)] = (e, d2, int(n_prev), h2, int(r_prev))
+  best = (np.inf, np.inf, None)
+  tail = (B - 1) * tau
+  for root in roots:
+    for n in range(NC + 1):
+      for r in range(len(rates)):
+        v = F[0, root, n, H - 1, r]
+        tt = v + tail
+        if not np.isfinite(v) or tt - relief > pr.t_limit or rates[r] > pr.rate_max:
+          continue
+        val = tt if pr.kind == KIND_TIME else rates[r] * tt
+        if (val, rates[r]) < best[:2]:
+          best = (val, rates[r], (0, int(root), n, H - 1, r))
+  val, rate, key = best
+  low = val - relief * (1.0 if pr.kind == KIND_TIME else rate)
+  if key is None or low > bound * (1.0 + BOUND_SLACK):
+    return np.inf, np.inf, np.inf, np.zeros(0, np.int64)
+  cost = float(F[key])
+  path = []
+  while True:
+    e, d2, n_prev, h2, r_prev = par[key]
+    path.append(e)
+    if d2 < 0:
+      break
+    key = (int(ent_j[e]) + 1, d2, n_prev, h2, r_prev)
+  return float(val), float(rate), cost, np.asarray(path, np.int64)

@@ -181,19 +181,23 @@ class SparseIndex:
           n_cap: int | None = None, discount: float = 0.0,
           lb: np.ndarray | None = None, sb: np.ndarray | None = None,
           link_hits: bool | None = None, hit_cap: int | None = None,
-          end_path: bool = False, lbf: np.ndarray | None = None
-          ) -> tuple[float, np.ndarray]:
+          end_path: bool = False, lbf: np.ndarray | None = None,
+          pricing: dp_kernel.Pricing | None = None
+          ) -> tuple[float, np.ndarray] | tuple[float, float, float, np.ndarray]:
     """Runs the DP at ``tau``; see :func:`harpjax.compiler.plan.dp_kernel.solve_tau` (cuts
     of ``tau`` are hits when the index is ``link_bound``, unless ``link_hits`` says otherwise;
     ``lb``, ``sb``, ``lbf``: a :meth:`prefix_bound`, :meth:`suffix_bound` and
     the forward half of :meth:`prefix_bounds`, at ``tau`` or above). ``end_path`` counts every
     stage's end
     time (where the entries have any; the suffix without a hit is pruned by
-    :meth:`hit_end`)."""
+    :meth:`hit_end`). ``pricing``: the objectives with prices (:meth:`pricing`; the result is
+    then ``(value, rate, cost, path)``)."""
     fn = dp_kernel.solve_tau if kernel == "numba" else dp_kernel.solve_tau_numpy
     if n_cap is None:
       n_cap = self.n_cap(num_microbatches, check_comm)
     hits = self.link_bound if link_hits is None else link_hits
+    if pricing is not None:
+      discount, end_path = 0.0, False
     if hit_cap is None and discount > 0 and require_hit:
       hit_cap = self.hit_cap(tau, num_microbatches)
     end_path = bool(end_path and require_hit and self.has_ends)
@@ -202,7 +206,57 @@ class SparseIndex:
       hit_e = self.hit_end(tau) if hits else self._stage_hit_end(tau)
     return fn(self.arrays, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
               hits, discount, lb=lb, sb=sb, hit_cap=hit_cap, end_path=end_path, lbf=lbf,
-              hit_e=hit_e, hit_j=self.first_hit_layer(tau, hits) if require_hit else -1)
+              hit_e=hit_e, hit_j=self.first_hit_layer(tau, hits) if require_hit else -1,
+              pricing=pricing)
+
+  def r_min(self, price: np.ndarray) -> float:
+    """The least hourly rate of one stage (an entry's devices times its subcluster's
+    ``price``): a lower bound on any plan's rate (``0`` without entries)."""
+    if not self.num_entries:
+      return 0.0
+    key = ("r_min", np.asarray(price, np.float64).tobytes())
+    cache = self.__dict__.setdefault("_memo", {})
+    if key not in cache:
+      cache[key] = float(np.min(np.asarray(price, np.float64)[self.ent_k] * self.ent_m))
+    return cache[key]
+
+  def pricing(self, price: np.ndarray, kind: int, rate_max: float = math.inf,
+              t_limit: float = math.inf, relief: float = 0.0,
+              lbr: np.ndarray | None = None) -> dp_kernel.Pricing:
+    """The :class:`~harpjax.compiler.plan.dp_kernel.Pricing` of :meth:`run` for ``price`` per
+    device-hour of each subcluster (the devices each state holds: :class:`DeviceStates`);
+    ``lbr``: a :meth:`prefix_rate` at the candidate or above."""
+    return dp_kernel.Pricing(self.states.held, np.asarray(price, np.float64), int(kind),
+                             float(rate_max), float(t_limit), float(relief),
+                             np.zeros((0, 0)) if lbr is None else lbr)
+
+  def cover_rates(self, price: np.ndarray, num_points: int = 256) -> np.ndarray:
+    """Per candidate ``tau`` (:attr:`candidates`), a lower bound on the rate (price per hour)
+    of any plan whose stages all take at most ``tau``: the cheapest cover of the layers by
+    entries of time ``<= tau`` (devices and memory otherwise ignored). Exact at up to
+    ``num_points`` candidates spread over the sorted ones; between them, the value at the next
+    one up (the cheapest cover only gets cheaper as ``tau`` grows). Kept per ``price``."""
+    price = np.asarray(price, np.float64)
+    key = ("cover", price.tobytes(), int(num_points))
+    cache = self.__dict__.setdefault("_memo", {})
+    if key not in cache:
+      cache[key] = self._cover_rates(price, int(num_points))
+    return cache[key]
+
+  def _cover_rates(self, price: np.ndarray, num_points: int) -> np.ndarray:
+    cand = self.candidates
+    M, L = cand.size, self.num_layers
+    if M == 0 or self.num_entries == 0:
+      return np.zeros(M)
+    a = self.arrays
+    grid = np.unique(np.linspace(0, M - 1, min(M, num_points)).round().astype(np.int64))
+    at_grid = dp_kernel.cover_costs(self.ent_i, a.ent_j, a.ent_t, price[self.ent_k] * self.ent_m,
+                                    cand[grid], L)
+    return at_grid[np.searchsorted(grid, np.arange(M))]
+
+  def prefix_rate(self, tau: float, price: np.ndarray) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_rate` at ``tau``."""
+    return dp_kernel.prefix_rate(self.arrays, tau, self.states.held, price)
 
   def first_hit_layer(self, tau: float, link_hits: bool) -> int:
     """The first layer that a stage of time exactly ``tau`` ends, or (with ``link_hits``) that

@@ -42,8 +42,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, DPArrays, prefix_bounds
-from harpjax.compiler.schedule import iteration_time_kernel, warmup_delta
+from harpjax.compiler.plan.dp_kernel import (BOUND_SLACK, KIND_COST, KIND_TIME, DPArrays,
+                                             prefix_bounds, warmup_delta_kernel,
+                                             warmup_step_kernel)
+from harpjax.compiler.schedule import iteration_time_kernel
 from harpjax.errors import interruptible_kernel
 
 try:
@@ -53,8 +55,8 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["ProofArrays", "proof_arrays", "bounded_search", "KIND_TIME", "KIND_COST"]
 
-KIND_TIME = 0
-KIND_COST = 1
+_warmup_step = warmup_step_kernel   # the DP's transition (warm-up count and memory check)
+_warmup_delta = warmup_delta_kernel
 
 
 class ProofArrays(NamedTuple):
@@ -247,10 +249,9 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
               if c > tau:
                 f_y[depth] = f_yend[depth]   # the same cut for every entry of this move
                 continue
-              n2 = f_n[depth] + _warmup_delta(c, tau, eps)
-              if n2 > B:
-                n2 = B
-              if ix.ent_p[e2] + n2 * ix.ent_a[e2] > ix.mem[k2]:
+              n2 = _warmup_step(f_n[depth], _warmup_delta(c, tau, eps), B, ix.ent_p[e2],
+                                ix.ent_a[e2], ix.mem[k2])
+              if n2 < 0:
                 continue
               h2 = f_h[depth] + t2 + 2.0 * c
               g2 = f_g[depth]
@@ -300,10 +301,8 @@ def _search_impl(ix, px, taus, num_mb, eps, phi, n_max, kind, best, rate_max, t_
 
 
 if _numba is not None:
-  _warmup_delta = _numba.njit(cache=True)(warmup_delta)
   _search_jit = _numba.njit(cache=True, nogil=True)(_search_impl)
 else:  # pragma: no cover
-  _warmup_delta = warmup_delta
   _search_jit = _search_impl
 
 

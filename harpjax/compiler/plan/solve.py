@@ -26,6 +26,12 @@ The search over ``t_max`` (§5.2.4):
    actors: ``backend="ray"``, registered by :mod:`harpjax.runtime`); every backend returns the
    identical plan (ties broken by the smaller ``t_max``).
 
+Every objective (:data:`OBJECTIVE_REGISTRY`: time, money, time within a budget, money within
+a time) is a parameter of this one search (one driver, one candidate evaluator,
+:func:`evaluate_candidates`): with prices the DP runs with its rate criterion
+(:class:`~harpjax.compiler.plan.dp_kernel.Pricing`), the feasibility test keeps to the
+budget, and a candidate's floor is the cheapest cover's rate times ``B tau``.
+
 The pieces, along the data flow: :mod:`~harpjax.compiler.plan.spec` (the plan types),
 :mod:`~harpjax.compiler.plan.index` (device states and the kernels' input),
 :mod:`~harpjax.compiler.plan.dp_kernel` (the DP), :mod:`~harpjax.compiler.plan.evaluate`
@@ -49,9 +55,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from harpjax.compiler.plan import proof_kernel, rate_kernel
+from harpjax.compiler.plan import proof_kernel
 from harpjax.compiler.plan import variants as variants_lib
-from harpjax.compiler.plan.dp_kernel import BOUND_SLACK
+from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, KIND_COST, KIND_TIME
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
                                             infeasible_error)
 from harpjax.compiler.plan.index import SparseIndex
@@ -65,13 +71,77 @@ from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError, Runtime
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
            "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS", "MIXED_MODES",
-           "register_mixed_search"]
+           "register_mixed_search", "Objective", "OBJECTIVE_REGISTRY", "objective_of"]
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = ("min_time", "max_throughput_per_dollar", "min_time_within_budget",
-              "min_cost_within_time")
-"""What :func:`solve` optimises (:class:`SolveOptions`)."""
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """One thing :func:`solve` can optimise (``SolveOptions.objective``, ``harpjax plan
+  --objective``): a parameter of the one search, not a search of its own.
+
+  Attributes:
+    name: the option's value.
+    kind: what is ranked: :data:`~harpjax.compiler.plan.dp_kernel.KIND_TIME` (the iteration
+      time ``T``, seconds) or :data:`~harpjax.compiler.plan.dp_kernel.KIND_COST` (the cost of
+      an iteration, ``R T`` with ``R`` the plan's hourly rate; reported per iteration as
+      ``R T / 3600``).
+    priced: needs the tables' prices (``CostTables.price_per_gpu_hour``).
+    requires: the :class:`SolveOptions` bound it needs (``"budget_per_hour"`` or
+      ``"time_limit_s"``), or ``None``.
+    accepts: the bounds it may be given (a budget bounds ``"min_time"`` too).
+    summary: one line, for help texts.
+  """
+  name: str
+  kind: int
+  priced: bool
+  requires: str | None
+  accepts: tuple[str, ...]
+  summary: str
+
+  def value(self, rate_per_hour: float | None, seconds: float) -> float:
+    """The ranked value of a plan of ``seconds`` per iteration at ``rate_per_hour``."""
+    return seconds if self.kind == KIND_TIME else rate_per_hour * seconds
+
+  def check(self, budget_per_hour: float | None, time_limit_s: float | None) -> None:
+    """Raises :class:`~harpjax.errors.PlanError` when a bound is missing or not used."""
+    given = {"budget_per_hour": budget_per_hour, "time_limit_s": time_limit_s}
+    if self.requires is not None and given[self.requires] is None:
+      raise PlanError(f"objective {self.name!r} needs {self.requires}")
+    for field, v in given.items():
+      if v is not None and field not in self.accepts:
+        owner = next(o.name for o in OBJECTIVE_REGISTRY.values() if o.requires == field)
+        raise PlanError(f"{field} is the bound of {owner!r}; objective {self.name!r} does not "
+                        "use it")
+
+
+OBJECTIVE_REGISTRY: dict[str, Objective] = {o.name: o for o in (
+    Objective("min_time", KIND_TIME, False, None, ("budget_per_hour",),
+              "the shortest iteration (with budget_per_hour: within it)"),
+    Objective("max_throughput_per_dollar", KIND_COST, True, None, (),
+              "the lowest cost per iteration"),
+    Objective("min_time_within_budget", KIND_TIME, True, "budget_per_hour",
+              ("budget_per_hour",), "the shortest iteration within budget_per_hour"),
+    Objective("min_cost_within_time", KIND_COST, True, "time_limit_s", ("time_limit_s",),
+              "the lowest cost per iteration within time_limit_s"),
+)}
+"""Every :class:`Objective`, by name."""
+
+OBJECTIVES = tuple(OBJECTIVE_REGISTRY)
+"""What :func:`solve` optimises (:class:`SolveOptions`): the names of
+:data:`OBJECTIVE_REGISTRY`."""
+
+
+def objective_of(name: str) -> Objective:
+  """The registered :class:`Objective` called ``name``.
+
+  Raises:
+    PlanError: no such objective.
+  """
+  try:
+    return OBJECTIVE_REGISTRY[name]
+  except (KeyError, TypeError):
+    raise PlanError(f"SolveOptions.objective={name!r}; choose one of {OBJECTIVES}") from None
 
 COST_MODELS = ("simulator", "eq12")
 """How :func:`solve` ranks plans (:class:`SolveOptions`)."""
@@ -228,24 +298,13 @@ class SolveOptions:
       raise PlanError(f"SolveOptions.hidden_share={self.hidden_share} must be in [0, 1]")
     if int(self.proof_nodes) != self.proof_nodes or self.proof_nodes < 0:
       raise PlanError(f"SolveOptions.proof_nodes={self.proof_nodes} must be an integer >= 0")
-    if self.objective not in OBJECTIVES:
-      raise PlanError(f"SolveOptions.objective={self.objective!r}; choose one of {OBJECTIVES}")
+    goal = objective_of(self.objective)
     for name in ("budget_per_hour", "time_limit_s"):
       v = getattr(self, name)
       if v is not None and (isinstance(v, bool) or not (isinstance(v, (int, float))
                                                         and math.isfinite(v) and v > 0)):
         raise PlanError(f"SolveOptions.{name}={v!r} must be a finite number > 0")
-    if self.objective == "min_time_within_budget" and self.budget_per_hour is None:
-      raise PlanError("objective 'min_time_within_budget' needs budget_per_hour")
-    if self.objective == "min_cost_within_time" and self.time_limit_s is None:
-      raise PlanError("objective 'min_cost_within_time' needs time_limit_s")
-    if self.budget_per_hour is not None and self.objective not in ("min_time",
-                                                                   "min_time_within_budget"):
-      raise PlanError(f"budget_per_hour is the bound of 'min_time_within_budget'; objective "
-                      f"{self.objective!r} does not use it")
-    if self.time_limit_s is not None and self.objective != "min_cost_within_time":
-      raise PlanError(f"time_limit_s is the bound of 'min_cost_within_time'; objective "
-                      f"{self.objective!r} does not use it")
+    goal.check(self.budget_per_hour, self.time_limit_s)
     if not (self.eps >= 0 and math.isfinite(self.eps)):
       raise PlanError(f"SolveOptions.eps={self.eps} must be finite and >= 0")
     known = BACKENDS + tuple(_PARALLEL_BACKENDS)
@@ -334,6 +393,12 @@ class PlanResult:
   period_s: float = math.nan
 
   @property
+  def value(self) -> float:
+    """What the objective ranks: ``objective_s``, or the hourly rate times it
+    (:meth:`Objective.value`)."""
+    return objective_of(self.objective).value(self.rate_per_hour, self.objective_s)
+
+  @property
   def num_devices(self) -> int:
     """Devices the plan uses (every group of a mixed stage)."""
     return sum(s.num_devices for s in self.plan.stages)
@@ -357,8 +422,10 @@ class Scoring(NamedTuple):
     fwd_fraction: the forward's share of a stage's time.
     nmax: largest in-flight count of any stage (``min(n_cap, B)``).
     hidden_share: see :class:`SolveOptions`.
-    kind: ``-1`` for the time DP; for the objectives with prices the rate DP's kind
-      (:data:`~harpjax.compiler.plan.rate_kernel.KIND_TIME` or ``KIND_COST``), with the
+    kind: ``-1`` for the time objective; with prices what is ranked (the
+      :class:`Objective`'s kind: :data:`~harpjax.compiler.plan.dp_kernel.KIND_TIME` or
+      ``KIND_COST``; the DP's rate criterion, :class:`~harpjax.compiler.plan.dp_kernel.
+      Pricing`), with the
       budget ``rate_max``, the time limit ``t_limit`` and the ``price`` per device-hour.
   """
   num_microbatches: int
@@ -373,6 +440,20 @@ class Scoring(NamedTuple):
   rate_max: float = math.inf
   t_limit: float = math.inf
   price: tuple[float, ...] = ()
+
+  @property
+  def priced(self) -> bool:
+    """Whether the objective has prices (the DP's rate criterion)."""
+    return self.kind >= 0
+
+  def priced_floor(self, tau: float, r_min: float) -> float:
+    """With prices: a lower bound on the ranked value of any plan of period ``tau`` (``inf``
+    beyond the time limit): its time is at least ``B tau``, its rate at least ``r_min`` (the
+    cheapest single stage)."""
+    B = self.num_microbatches
+    if B * tau > self.t_limit * (1.0 + BOUND_SLACK):
+      return math.inf
+    return B * tau if self.kind == KIND_TIME else r_min * B * tau
 
   def capped(self, tau: float, hit_cap: int, bound: float) -> int:
     """``hit_cap`` under the ``hidden_share`` assumption: the hit stage's warm-up forwards
@@ -426,57 +507,74 @@ def simulate_paths(index: SparseIndex, paths: Sequence[np.ndarray], scoring: Sco
 
 
 def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scoring,
-                        bound: float, sigma_lb: float | dict[int, float]
+                        bound: float, sigma_lb: float | dict[int, float] = 0.0
                         ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
   """Exact DP at candidates ``taus`` (ascending indices), each plan scored, tightening
-  ``bound`` as it goes. ``sigma_lb``: a lower bound on the DP's value (before the discount)
-  of every plan of those periods, or per candidate index.
+  ``bound`` as it goes: one loop for every objective (``scoring.kind``).
 
-  When the simulator judges, a candidate that is a stage time and has a plan also gets the
-  plan of the paper's model there (Eq. 12, every cut within the stage time): the old rule's
-  optimum is then among the plans simulated, so the result never simulates slower than it.
+  ``sigma_lb``: a lower bound on the DP's value (before the discount) of every plan of those
+  periods, or per candidate index (the time objective). The candidates share prefix and
+  suffix bounds taken at the largest of a run of them (bounds at every smaller one); a
+  candidate that no plan can have as its period is skipped without a DP.
+
+  Time objective: when the simulator judges, a candidate that is a stage time and has a plan
+  also gets the plan of the paper's model there (Eq. 12, every cut within the stage time):
+  the old rule's optimum is then among the plans simulated, so the result never simulates
+  slower than it. Objectives with prices: the DP with the rate criterion
+  (:class:`~harpjax.compiler.plan.dp_kernel.Pricing`), its Eq. 12 value less the most the
+  warm-ups can hide when the simulator judges compared with ``bound``.
 
   Returns:
-    ``(candidate index, DP value + (B - 1) tau, score, path)`` for every plan found within the
-    bound, and the number of DP runs.
+    For every plan found within the bound ``(candidate index, x, score, path)``, ``x`` the DP
+    value plus ``(B - 1) tau`` (time objective) or the plan's hourly rate (with prices); and
+    the number of DP runs.
   """
-  if scoring.kind >= 0:
-    return _evaluate_priced(index, taus, scoring, bound)
   B = scoring.num_microbatches
   n_cap = index.n_cap(B)
+  priced = scoring.priced
+  price = np.asarray(scoring.price, np.float64)
   out, runs = [], 0
-  taus = sorted(taus)
-  # Prefix and suffix bounds shared by a run of candidates, at its largest: bounds at every
-  # smaller one. A candidate that no plan can have as its period is skipped without a DP.
   # With the simulator's model every stage's end time counts in the DP's bound, whose prefix
-  # bounds pay for themselves at every BOUND_CHUNK candidates (those left by the floor).
-  end_path = scoring.simulated and scoring.discount > 0 and index.has_ends
-  chunk = BOUND_CHUNK if end_path else len(taus)
-  lb = sb = lbf = live = None
-  covered = -1   # candidates up to this index share the bounds
+  # bounds pay for themselves at every BOUND_CHUNK candidates (those left by the floor); so
+  # do those with prices, whose frontiers are larger.
+  end_path = not priced and scoring.simulated and scoring.discount > 0 and index.has_ends
+  chunk = BOUND_CHUNK if (end_path or priced) else len(taus)
+  lb = sb = lbf = live = lbr = None
+  shared: set[int] = set()   # the candidates that share the bounds
   slack = 1.0 + BOUND_SLACK
-  floors = np.array([scoring.floor(
-      float(index.candidates[c]), sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict)
-      else sigma_lb, None, index.hit_end(float(index.candidates[c]))) for c in taus])
+
+  def floor(c: int, hit_cap: int | None) -> float:
+    sig = sigma_lb.get(c, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
+    return _floor(index, scoring, c, sig, hit_cap)
+
+  # In ascending period; with prices the least floor first (a good plan found early prunes
+  # the rest: a money objective's value varies little with the period). Either way a run of
+  # candidates shares the bounds taken at the largest period among them.
+  taus = sorted(taus)
+  floors = np.array([floor(c, None) for c in taus])
+  if priced:
+    order = np.lexsort((np.asarray(taus), floors))
+    taus, floors = [taus[o] for o in order], floors[order]
   if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
     live = index.prefix_bound(top)
     live = (live, index.suffix_bound(top, live))
   for x, idx in enumerate(taus):
     tau = float(index.candidates[idx])
-    sig = sigma_lb.get(idx, 0.0) if isinstance(sigma_lb, dict) else sigma_lb
-    hit_cap = scoring.capped(tau, index.hit_cap(tau, B), bound)
-    if scoring.floor(tau, sig, hit_cap, index.hit_end(tau)) > bound * slack:
+    hit_cap = None if priced else scoring.capped(tau, index.hit_cap(tau, B), bound)
+    if floor(idx, hit_cap) > bound * slack:
       continue
-    if idx > covered:
-      left = np.flatnonzero(floors[x:] <= bound * slack) + x
-      covered = taus[int(left[min(chunk, left.size) - 1])]
-      top = float(index.candidates[covered])
+    if idx not in shared:
+      left = np.flatnonzero(floors[x:] <= bound * slack)[:chunk] + x
+      shared = {taus[int(y)] for y in left}
+      top = float(index.candidates[max(shared)])
       if end_path:
         lb, lbf = index.prefix_bounds(top, scoring.discount, live=live)
       else:
         lb = index.prefix_bound(top)
       sb = index.suffix_bound(top, lb)
+      if priced:
+        lbr = index.prefix_rate(top, price)
     if not index.may_have_period(tau, lb, sb):
       continue
     if end_path and index.hit_floor(tau, lb, lbf, sb, B, hit_cap, scoring.fwd_fraction) > \
@@ -485,6 +583,22 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     runs += 1
     log.debug("planner: DP at period %.6g s (%d active entries), bound %.6g s", tau,
               index.active_entries(tau), bound)
+    if priced:
+      relief = scoring.discount * tau * (scoring.nmax - 1)
+      value, rate, _, path = index.run(
+          tau, B, scoring.eps, require_hit=True, bound=bound, kernel=scoring.kernel,
+          n_cap=n_cap, lb=lb, sb=sb, pricing=index.pricing(
+              price, scoring.kind, scoring.rate_max, scoring.t_limit, relief, lbr))
+      if not math.isfinite(value):
+        continue
+      if scoring.simulated:
+        sim = float(simulate_paths(index, [path], scoring)[0])
+        if sim > scoring.t_limit:
+          continue
+        value = sim if scoring.kind == KIND_TIME else rate * sim
+      out.append((idx, rate, value, path))
+      bound = min(bound, value)
+      continue
     value, path = index.run(tau, B, scoring.eps, require_hit=True, bound=bound,
                             kernel=scoring.kernel, n_cap=n_cap, discount=scoring.discount,
                             lb=lb, sb=sb, hit_cap=hit_cap, end_path=end_path, lbf=lbf)
@@ -502,42 +616,6 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       score = float(simulate_paths(index, [path], scoring)[0]) if scoring.simulated else sur
       out.append((idx, sur, score, path))
       bound = min(bound, score)
-  return out, runs
-
-
-def _evaluate_priced(index: SparseIndex, taus: Sequence[int], scoring: Scoring, bound: float
-                     ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
-  """:func:`evaluate_candidates` for the objectives with prices: the rate DP at each candidate
-  (its Eq. 12 value, less the most the warm-ups can hide when the simulator judges, compared
-  with ``bound``), each plan scored. Returns ``(candidate, rate, value, path)``."""
-  B = scoring.num_microbatches
-  price = np.asarray(scoring.price, np.float64)
-  rx = rate_kernel.RateArrays(index.states.held, price)
-  fn = (rate_kernel.solve_tau_rate if scoring.kernel == "numba"
-        else rate_kernel.solve_tau_rate_numpy)
-  n_cap = index.n_cap(B)
-  r_min = float(np.min(price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
-  slack = 1.0 + BOUND_SLACK
-  out, runs = [], 0
-  for idx in sorted(taus):
-    tau = float(index.candidates[idx])
-    floor = B * tau if scoring.kind == rate_kernel.KIND_TIME else r_min * B * tau
-    if B * tau > scoring.t_limit * slack or floor > bound * slack:
-      continue
-    runs += 1
-    relief = scoring.discount * tau * (scoring.nmax - 1)
-    value, rate, _, path = fn(index.arrays, rx, tau, B, scoring.eps, n_cap, True, True, bound,
-                              scoring.rate_max, scoring.t_limit, scoring.kind, index.link_bound,
-                              relief)
-    if not math.isfinite(value):
-      continue
-    if scoring.simulated:
-      sim = float(simulate_paths(index, [path], scoring)[0])
-      if sim > scoring.t_limit:
-        continue
-      value = sim if scoring.kind == rate_kernel.KIND_TIME else rate * sim
-    out.append((idx, rate, value, path))
-    bound = min(bound, value)
   return out, runs
 
 
@@ -721,11 +799,8 @@ def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: So
 
 
 def _value(result: PlanResult) -> float:
-  """What the objective ranks: seconds, or for the cost objectives the hourly rate times
-  them."""
-  if result.objective in ("min_time", "min_time_within_budget"):
-    return result.objective_s
-  return result.rate_per_hour * result.objective_s
+  """What the objective ranks (:attr:`PlanResult.value`)."""
+  return result.value
 
 
 def single_subcluster(tables: CostTables, k: int) -> CostTables:
@@ -779,20 +854,40 @@ def _best_of_single_subclusters(tables: CostTables, B: int, opts: SolveOptions,
 
 def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
             beat: float = math.inf) -> PlanResult | None:
-  """:func:`solve` on one set of tables; with ``beat`` finite, only plans whose value is
-  below it count (``None`` if there is none)."""
+  """:func:`solve` on one set of tables, for any objective; with ``beat`` finite, only plans
+  whose value is below it count (``None`` if there is none).
+
+  One search for every :class:`Objective`: the smallest feasible period ``t_S`` (galloping,
+  then binary: monotone in ``tau``; within the budget where there is one), an incumbent from
+  ``t_S`` up, the window of candidates whose floor (:func:`_floor`) the incumbent leaves,
+  evaluated in batches on the chosen backend (:func:`evaluate_candidates`: the DP of
+  :mod:`~harpjax.compiler.plan.dp_kernel`, with the rate criterion when the objective has
+  prices), and with the simulator the bounded exact search. The time objective also bounds
+  the window by ``G`` (``bound_pruning``).
+  """
+  goal = objective_of(opts.objective)
+  priced = goal.priced or opts.budget_per_hour is not None
+  if priced and not tables.has_prices:
+    raise PlanError(f"objective {opts.objective!r} (or a budget) needs prices: give the "
+                    "subclusters price_per_gpu_hour (CostTables.price_per_gpu_hour)")
   simulated = opts.cost_model == "simulator"
   index = SparseIndex.build(tables, use_all_devices=opts.use_all_devices,
                             keep_order=opts.keep_order, link_bound=simulated)
-  if opts.objective != "min_time" or opts.budget_per_hour is not None:
-    return _solve_priced(tables, index, B, opts, start, beat)
   cand = index.candidates
   M = cand.size
   kernel = opts.kernel
+  rate_max = math.inf if opts.budget_per_hour is None else float(opts.budget_per_hour)
+  t_limit = math.inf if opts.time_limit_s is None else float(opts.time_limit_s)
+  price = (np.asarray(tables.price_per_gpu_hour, np.float64) if priced else np.zeros(0))
   scoring = Scoring(B, opts.eps, kernel, opts.fwd_fraction if simulated else 0.0, simulated,
-                    opts.fwd_fraction, min(index.n_cap(B), B), opts.hidden_share)
+                    opts.fwd_fraction, min(index.n_cap(B), B),
+                    opts.hidden_share if not priced else 1.0,
+                    kind=goal.kind if priced else -1, rate_max=rate_max, t_limit=t_limit,
+                    price=tuple(float(x) for x in price))
   log.info("planner: %d layers, %d devices, %d feasible entries, %d period candidates",
            tables.num_layers, tables.total_devices, index.num_entries, M)
+  # Feasibility of "a plan with every stage and cut <= tau" (within the budget, if any).
+  budget = index.pricing(price, goal.kind, rate_max) if math.isfinite(rate_max) else None
 
   n_g = [0]
   known = {}   # the bounds at the first candidate found feasible: bounds below it too
@@ -802,9 +897,9 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     tau = float(cand[idx])
     if known and known["idx"] > idx:
       out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=known["lb"],
-                      sb=known["sb"])
+                      sb=known["sb"], pricing=budget)
     else:
-      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel)
+      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, pricing=budget)
     if math.isfinite(out[0]) and not known:   # the gallop's first feasible candidate
       lb = index.prefix_bound(tau)
       known.update(idx=idx, lb=lb, sb=index.suffix_bound(tau, lb))
@@ -830,52 +925,68 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     return value
 
   slack = 1.0 + BOUND_SLACK
-  if math.isfinite(beat):   # periods beyond beat / B cannot win: do not even test them
-    top = int(np.searchsorted(cand, beat * slack / B, side="right"))
-    if top == 0 or not math.isfinite(g(top - 1)[0]):
+  feasible = lambda idx: math.isfinite(g(idx)[0])
+  if math.isfinite(beat):   # periods whose floor is beyond beat cannot win: not even tested
+    if priced:
+      floors = index.cover_rates(price) * B * cand
+      floors[(B * cand > t_limit * slack) | (index.cover_rates(price) > rate_max * slack)] = \
+          math.inf
+      within = np.flatnonzero(floors <= beat * slack)
+      top = int(within[-1]) + 1 if within.size else 0
+    else:
+      top = int(np.searchsorted(cand, beat * slack / B, side="right"))
+    if top == 0 or not feasible(top - 1):
       return None
-    t_s_idx = _smallest_feasible(top, lambda idx: math.isfinite(g(idx)[0]))
+    t_s_idx = _smallest_feasible(top, feasible)
   else:
     # A first probe a little above the work-based estimate is usually feasible; its bounds
     # then make every probe below it cheap.
     guess = int(np.searchsorted(cand, 1.25 * _period_estimate(tables)))
-    t_s_idx = (_smallest_feasible(M, lambda idx: math.isfinite(g(idx)[0]), guess, cand)
-               if M else None)
+    t_s_idx = _smallest_feasible(M, feasible, guess, cand) if M else None
   if t_s_idx is None:
+    if M and budget is not None and math.isfinite(index.run(
+        float(cand[-1]), B, opts.eps, require_hit=False, kernel=kernel)[0]):
+      raise _budget_error(tables, B, opts)
     raise infeasible()
-  best = None
-  if math.isfinite(beat):   # the window up to what must be beaten; no incumbent needed
-    first, bound, n_incumbent = t_s_idx, beat, 0
-  else:
-    for idx in range(t_s_idx, M):  # usually one step: t_S is a plan's own period
-      found, _ = evaluate_candidates(index, [idx], scoring, math.inf, 0.0)
+  best = None   # (score, key, candidate index, x, path): the least (score, key, index) wins
+  bound = beat
+  n_incumbent = 0
+
+  def keep(found):
+    nonlocal best, bound
+    for idx, x, score, path in found:
+      key = x if priced else 0.0   # with prices, ties go to the lower rate
+      if score < beat and (best is None or (score, key, idx) < best[:3]):
+        best = (score, key, idx, x, path)
+        bound = min(bound, score)
+
+  first = t_s_idx
+  if not math.isfinite(beat):   # the incumbent: from t_S up until a candidate has a plan
+    while first < M and _floor(index, scoring, first) <= bound * slack:
+      found, runs = evaluate_candidates(index, [first], scoring, bound)
+      n_incumbent += runs
+      keep(found)
+      first += 1
       if found:
-        i, sur, score, path = found[0]
-        best = (score, i, sur, path)
         break
-    if best is None:  # every plan within a period fails at its own period
+    if best is None and not priced:   # every plan within a period fails at its own period
       raise infeasible()
-    n_incumbent = best[1] - t_s_idx + 1
-    first, bound = best[1] + 1, best[0]
-  window = [c for c in range(first, M)
-            if scoring.floor(cand[c], 0.0, None, index.hit_end(cand[c])) <= bound * slack]
+  window = [c for c in range(first, M) if _floor(index, scoring, c) <= bound * slack]
   t_e = float(cand[window[-1]]) if window else float(cand[first - 1])
-  sigma_lb: dict[int, float] = {}
+  sigma_lb: dict[int, float] | float = {} if not priced else 0.0
   num_window = len(window)
-  if opts.bound_pruning and window:
+  if opts.bound_pruning and window and not priced:
     sigma_lb = _piecewise_sigma(index, window, g_bounded, opts.bound_pieces)
     # The plans behind those bounds (every stage within a slice's top): the valid ones (their
     # memory checked with the warm-ups of their own period) tighten the bound first.
     for path in g_plans:
       found = _valid_plan(index, path, scoring)
-      if found is not None and (found[0], found[1]) < ((best[0], best[1]) if best else
-                                                       (math.inf, 0)):
-        best = found
-        bound = min(bound, found[0])
-    window = [c for c in window if scoring.floor(
-        cand[c], sigma_lb[c], scoring.capped(cand[c], index.hit_cap(cand[c], B), bound),
-        index.hit_end(cand[c])) <= bound * slack]
-  log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g s, %d candidates up to "
+      if found is not None:
+        score, idx, sur, path = found
+        keep([(idx, sur, score, path)])
+    window = [c for c in window if _floor(index, scoring, c, sigma_lb[c], scoring.capped(
+        cand[c], index.hit_cap(cand[c], B), bound)) <= bound * slack]
+  log.info("planner: t_S=%.6g s (candidate %d), incumbent %.6g, %d candidates up to "
            "%.6g s, %d left after the lower bound", cand[t_s_idx], t_s_idx, bound,
            num_window, t_e, len(window))
   backend, workers = _backend(opts, index, window)
@@ -888,19 +999,28 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     results, runs = _run_parallel(index, batches, args, backend, workers, opts.timeout_s,
                                   opts.start_method)
     workers_used = min(workers, len(batches))
-  for idx, sur, score, path in results:
-    if best is None or (score, idx) < (best[0], best[1]):
-      best = (score, idx, sur, path)
-  if best is None or best[0] >= beat:
+  keep(results)
+  if best is None and math.isfinite(beat):
     return None
-  num_sim = (len(results) + 1) if simulated else 0
+  num_sim = (len(results) + n_incumbent) if simulated else 0
   proved, nodes = None, 0
-  if simulated and opts.proof_nodes > 0:
-    found, proved, nodes, n_sim = prove_time(index, scoring, best[0], opts.proof_nodes)
+  if simulated and opts.proof_nodes > 0 and (best is not None or priced):
+    found, proved, nodes, n_sim = prove_time(index, scoring, bound, opts.proof_nodes)
     num_sim += n_sim
-    if found is not None and found[0] < best[0]:
-      best = (found[0], found[1], math.nan, found[2])
-  score, idx, _, path = best
+    if found is not None and (best is None or found[0] < best[0]):
+      best = (found[0], -math.inf, found[1], math.nan, found[2])
+  if best is None and math.isfinite(beat):
+    return None
+  if best is None:
+    if math.isfinite(t_limit):
+      err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} runs an "
+                                f"iteration within time_limit_s={t_limit:g} s"
+                                + (f" and budget {rate_max:g}/h" if math.isfinite(rate_max)
+                                   else ""))
+      err.constraint = "time"
+      raise err
+    raise infeasible()
+  score, _, idx, _, path = best
   stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[t_s_idx]),
                       t_e=t_e, num_window=num_window,
                       num_pruned_by_bound=num_window - len(window),
@@ -908,12 +1028,41 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
                       backend=backend, workers=workers_used,
                       seconds=time.perf_counter() - start, num_simulated=num_sim,
                       proved=proved, proof_nodes=nodes)
-  result = _assemble(tables, index, path, B, float(cand[idx]), score, stats, opts)
-  log.info("planner: %d stages, t_max=%.6g s, %s %.6g s, %.2f s search (%s)%s",
-           len(result.stages), result.t_max_s, "simulated" if simulated else "Eq. 12", score,
-           stats.seconds, backend, "" if proved is None else
+  result = _assemble(tables, index, path, B, float(cand[idx]),
+                     math.nan if priced else score, stats, opts)
+  if priced:   # the time each objective ranks by: the simulated one, or Eq. 12 (+ e_0)
+    objective = (result.iteration_s if simulated
+                 else result.eq12_s + float(index.arrays.ent_e[int(np.asarray(path)[0])]))
+    cost = result.rate_per_hour * objective / 3600.0
+    result = dataclasses.replace(result, objective_s=objective, cost_per_iteration=cost,
+                                 plan=result.plan.replace(meta=dict(
+                                     result.plan.meta, cost_per_iteration=cost)))
+    assert math.isclose(result.value, score, rel_tol=1e-9), (result.value, score)
+    assert result.rate_per_hour <= rate_max * (1 + 1e-12), (result.rate_per_hour, rate_max)
+    assert objective <= t_limit * (1 + 1e-12), (objective, t_limit)
+  log.info("planner: %s, %d stages on %d devices, t_max=%.6g s, %s %.6g s, %s%.2f s search "
+           "(%s)%s", opts.objective, len(result.stages), result.num_devices, result.t_max_s,
+           "simulated" if simulated else "Eq. 12", result.objective_s,
+           "" if result.rate_per_hour is None else
+           f"{result.rate_per_hour:.6g} per hour, {result.cost_per_iteration:.6g} per "
+           "iteration, ", stats.seconds, backend, "" if proved is None else
            (", optimum proved" if proved else ", proof budget exhausted"))
   return result
+
+
+def _floor(index: SparseIndex, scoring: Scoring, c: int, sigma_lb: float = 0.0,
+           hit_cap: int | None = None) -> float:
+  """A lower bound on the ranked value of every plan of period ``candidates[c]``: with prices
+  the cheapest cover's rate (:meth:`~harpjax.compiler.plan.index.SparseIndex.cover_rates`)
+  times ``B tau`` (``inf`` beyond the budget or the time limit); else :meth:`Scoring.floor`
+  with ``sigma_lb`` and ``hit_cap``."""
+  tau = float(index.candidates[c])
+  if scoring.priced:
+    cover = index.cover_rates(np.asarray(scoring.price, np.float64))[c]
+    if cover > scoring.rate_max * (1.0 + BOUND_SLACK):
+      return math.inf
+    return scoring.priced_floor(tau, cover)
+  return scoring.floor(tau, sigma_lb, hit_cap, index.hit_end(tau))
 
 
 def _backend(opts: SolveOptions, index: SparseIndex, window: Sequence[int]) -> tuple[str, int]:
@@ -1008,35 +1157,6 @@ def _piecewise_sigma(index: SparseIndex, window: list[int],
   return out
 
 
-def cover_rates(index: SparseIndex, price: np.ndarray, num_points: int = 256) -> np.ndarray:
-  """Per candidate ``tau`` (``index.candidates``), a lower bound on the rate (price per hour)
-  of any plan whose stages all take at most ``tau``: the cheapest cover of the layers by
-  entries of time ``<= tau`` (devices and memory otherwise ignored). Exact at up to
-  ``num_points`` candidates spread over the sorted ones; between them, the value at the next
-  one up (the cheapest cover only gets cheaper as ``tau`` grows)."""
-  cand = index.candidates
-  M, L = cand.size, index.num_layers
-  if M == 0 or index.num_entries == 0:
-    return np.zeros(M)
-  a = index.arrays
-  grid = np.unique(np.linspace(0, M - 1, min(M, num_points)).round().astype(np.int64))
-  taus = cand[grid]
-  w = np.asarray(price, np.float64)[index.ent_k] * index.ent_m
-  f = np.full((grid.size, L + 1), np.inf)
-  f[:, 0] = 0.0
-  order = np.argsort(a.ent_j, kind="stable")
-  ends = np.searchsorted(a.ent_j[order], np.arange(L + 1))
-  for j in range(L):
-    es = order[ends[j]:ends[j + 1]]
-    if es.size == 0:
-      continue
-    vals = f[:, index.ent_i[es]] + w[es][None, :]
-    vals[a.ent_t[es][None, :] > taus[:, None]] = np.inf
-    f[:, j + 1] = vals.min(axis=1)
-  at_grid = f[:, L]
-  return at_grid[np.searchsorted(grid, np.arange(M))]
-
-
 def _period_estimate(tables: CostTables) -> float:
   """A guess at the smallest period, from below when each stage costs at least its layers'
   single-device work spread over its devices (additive costs): the model's single-device time
@@ -1097,11 +1217,10 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
                     iteration_s=iteration, eq12_s=ev.eq12_s, period_s=ev.period_s)
 
 
-def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: int,
-               price: np.ndarray | None = None, kind: int = proof_kernel.KIND_TIME,
-               rate_max: float = math.inf, t_limit: float = math.inf
+def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: int
                ) -> tuple[tuple[float, int, np.ndarray] | None, bool, int, int]:
-  """The bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) after the DP.
+  """The bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) after the DP, for
+  the objective of ``scoring`` (its prices, budget and time limit).
 
   Returns:
     ``(found, complete, nodes, simulated)``: ``(value, candidate index, path)`` of a plan
@@ -1112,6 +1231,9 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   cand = index.candidates
   px = index.proof
   r_min = 0.0
+  price = np.asarray(scoring.price, np.float64) if scoring.priced else None
+  kind = scoring.kind if scoring.priced else KIND_TIME
+  rate_max, t_limit = scoring.rate_max, scoring.t_limit
   if price is not None:
     px = px._replace(price=np.asarray(price, np.float64))
     r_min = float(np.min(px.price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
@@ -1119,9 +1241,9 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   if price is None:
     floor = B * cand
   else:
-    cover = cover_rates(index, px.price)
+    cover = index.cover_rates(px.price)
     ok &= cover <= rate_max * (1.0 + BOUND_SLACK)
-    floor = B * cand if kind == proof_kernel.KIND_TIME else cover * B * cand
+    floor = B * cand if kind == KIND_TIME else cover * B * cand
   keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & ok)
   value, pos, path, nodes, n_sim, complete = proof_kernel.bounded_search(
       index.arrays, px, cand[keep], B, scoring.eps, scoring.fwd_fraction, scoring.nmax, kind,
@@ -1130,165 +1252,6 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
            "complete" if complete else "budget exhausted")
   found = None if pos < 0 else (value, int(keep[pos]), path)
   return found, complete, nodes, n_sim
-
-
-# --------------------------------------------------------------------------- prices
-
-
-def _solve_priced(tables: CostTables, index: SparseIndex, B: int, opts: SolveOptions,
-                  start: float, beat: float = math.inf) -> PlanResult | None:
-  """The search for the objectives with prices (:mod:`~harpjax.compiler.plan.rate_kernel`).
-
-  A binary search for the smallest ``t_S`` at which some plan within the budget has every
-  stage ``<= t_S`` (monotone in ``tau``), then the exact DP at every candidate from ``t_S``
-  up, sequentially, until no later candidate can win: the time is at least ``B tau``, so
-  ``B tau`` beyond the best time (or the time limit) ends the search; for cost, ``R T >=
-  R(tau) B tau`` with ``R(tau)`` the cheapest cover of the layers at ``tau``
-  (:func:`cover_rates`; above the budget, no plan). With ``cost_model="eq12"`` the DP is exact
-  for Eq. 12 and the bound tightens as it goes. With the simulator as the
-  judge the DP proposes, per candidate, the best plan by Eq. 12 among those whose lower bound
-  on the simulated time (``T - phi tau (n_max - 1)``) can still win; each is simulated, and
-  the bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) ends it.
-  """
-  if not tables.has_prices:
-    raise PlanError(f"objective {opts.objective!r} (or a budget) needs prices: give the "
-                    "subclusters price_per_gpu_hour (CostTables.price_per_gpu_hour)")
-  eps = opts.eps
-  simulated = opts.cost_model == "simulator"
-  timed = opts.objective in ("min_time", "min_time_within_budget")
-  kind = rate_kernel.KIND_TIME if timed else rate_kernel.KIND_COST
-  rate_max = math.inf if opts.budget_per_hour is None else float(opts.budget_per_hour)
-  t_limit = math.inf if opts.time_limit_s is None else float(opts.time_limit_s)
-  price = np.asarray(tables.price_per_gpu_hour, np.float64)
-  rx = rate_kernel.RateArrays(index.states.held, price)
-  fn = rate_kernel.solve_tau_rate if opts.kernel == "numba" else rate_kernel.solve_tau_rate_numpy
-  n_cap = index.n_cap(B)
-  scoring = Scoring(B, eps, opts.kernel, opts.fwd_fraction if simulated else 0.0, simulated,
-                    opts.fwd_fraction, min(n_cap, B))
-  cand = index.candidates
-  M = cand.size
-  runs = [0, 0]
-
-  def run(idx, exact, bound=math.inf, limit=math.inf, relief=0.0):
-    runs[0 if exact else 1] += 1
-    return fn(index.arrays, rx, float(cand[idx]), B, eps, n_cap, exact, True, bound, rate_max,
-              limit, kind, index.link_bound, relief)
-
-  def feasible(idx):
-    return math.isfinite(run(idx, False)[0])
-
-  def infeasible():
-    return infeasible_error(tables, B, eps, opts.use_all_devices, opts.keep_order, simulated)
-
-  top = M if not math.isfinite(beat) else int(np.searchsorted(
-      cand, beat * (1 + BOUND_SLACK) / (B * (1.0 if kind == rate_kernel.KIND_TIME else
-                                               max(float(np.min(price)), 1e-300))),
-      side="right"))
-  lo = _smallest_feasible(top, feasible) if top else None
-  if lo is None and math.isfinite(beat):
-    return None
-  if lo is None:
-    if M and math.isfinite(rate_max) and math.isfinite(
-        fn(index.arrays, rx, float(cand[-1]), B, eps, n_cap, False, True, math.inf, math.inf,
-           math.inf, kind, index.link_bound, 0.0)[0]):
-      raise _budget_error(tables, B, opts)
-    raise infeasible()
-  best = None   # (value, rate, candidate index, path)
-  bound = beat
-  n_sim = 0
-  scoring = scoring._replace(kind=kind, rate_max=rate_max, t_limit=t_limit,
-                             price=tuple(float(x) for x in price))
-
-  cover = cover_rates(index, price)   # no plan at tau is cheaper per hour
-
-  def floor(idx):
-    tau = float(cand[idx])
-    if B * tau > t_limit * (1 + BOUND_SLACK) or cover[idx] > rate_max * (1 + BOUND_SLACK):
-      return math.inf
-    return B * tau if kind == rate_kernel.KIND_TIME else cover[idx] * B * tau
-
-  def keep(found):
-    nonlocal best, bound
-    for idx, rate, value, path in found:
-      if value < beat and (best is None or (value, rate, idx) < (best[0], best[1], best[2])):
-        best = (value, rate, idx, path)
-        bound = min(bound, value)
-
-  # The incumbent: candidates from t_S up until one has a plan (almost always t_S itself).
-  first = lo
-  while first < M and floor(first) <= bound * (1 + BOUND_SLACK):
-    found, r = _evaluate_priced(index, [first], scoring, bound)
-    runs[0] += r
-    n_sim += len(found) if simulated else 0
-    keep(found)
-    first += 1
-    if found:
-      break
-  # The rest of the window, in batches on the chosen backend (the same plan on every one).
-  window = [c for c in range(first, M) if floor(c) <= bound * (1 + BOUND_SLACK)]
-  backend, workers_used = "sequential", 1
-  if window:
-    backend, workers = _backend(opts, index, window)
-    if backend != "sequential":
-      workers_used = min(workers, len(window))
-    if backend == "sequential":
-      results, r = _evaluate_priced(index, window, scoring, bound)
-    else:
-      results, r = _run_parallel(index, _balanced_batches(index, window, workers),
-                                 (scoring, bound, 0.0), backend, workers, opts.timeout_s,
-                                 opts.start_method)
-    runs[0] += r
-    n_sim += len(results) if simulated else 0
-    keep(results)
-  proved, nodes = None, 0
-  if simulated and opts.proof_nodes > 0:
-    found, proved, nodes, n = prove_time(index, scoring, bound, opts.proof_nodes, price,
-                                         kind, rate_max, t_limit)
-    n_sim += n
-    if found is not None:
-      value, idx, path = found
-      best = (value, math.nan, idx, path)
-  if best is None and math.isfinite(beat):
-    return None
-  if best is None:
-    if math.isfinite(t_limit):
-      err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} runs an "
-                                f"iteration within time_limit_s={t_limit:g} s"
-                                + (f" and budget {rate_max:g}/h" if math.isfinite(rate_max)
-                                   else ""))
-      err.constraint = "time"
-      raise err
-    raise infeasible()
-  _, _, idx, path = best
-  tau = float(cand[idx])
-  e = np.asarray(path, np.int64)
-  t, c, ends, _ = plan_arrays(index, e, eps)
-  eq12 = float(np.sum(t + 2.0 * c) + ends[0] + (B - 1) * t.max())
-  stats = SearchStats(num_entries=index.num_entries, num_candidates=M, t_s=float(cand[lo]),
-                      t_e=tau, num_window=len(window), num_pruned_by_bound=0,
-                      num_evaluated=runs[0], num_feasibility_runs=runs[1], backend=backend,
-                      workers=workers_used,
-                      seconds=time.perf_counter() - start, num_simulated=n_sim, proved=proved,
-                      proof_nodes=nodes)
-  placeholder = math.nan
-  result = _assemble(tables, index, path, B, tau, placeholder, stats, opts)
-  # The time each objective ranks by: the simulated one, or Eq. 12 (+ the first end time).
-  objective = result.iteration_s if simulated else eq12
-  cost = result.rate_per_hour * objective / 3600.0
-  result = dataclasses.replace(result, objective_s=objective, cost_per_iteration=cost,
-                               plan=result.plan.replace(meta=dict(
-                                   result.plan.meta, cost_per_iteration=cost)))
-  rate = result.rate_per_hour
-  if timed:
-    assert math.isclose(objective, best[0], rel_tol=1e-9), (objective, best[0])
-  else:
-    assert math.isclose(rate * objective, best[0], rel_tol=1e-9), (rate * objective, best[0])
-  assert rate <= rate_max * (1 + 1e-12) and objective <= t_limit * (1 + 1e-12)
-  log.info("planner: %s, %d stages on %d devices, t_max=%.6g s, T=%.6g s, %.6g per hour, "
-           "%.6g per iteration, %.2f s search", opts.objective, len(result.stages),
-           result.num_devices, result.t_max_s, objective, rate, result.cost_per_iteration,
-           stats.seconds)
-  return result
 
 
 def _budget_error(tables: CostTables, B: int, opts: SolveOptions) -> InfeasiblePlanError:
