@@ -1041,3 +1041,11 @@ def test_ctrl_c_inside_a_c_callback_is_an_interrupt():
   assert runner.invoke(group, ["work"]).exit_code == cli_lib.INTERRUPTED
   out = runner.invoke(group, ["broken"])
   assert out.exit_code == 1 and isinstance(out.exception, SystemError)
+
+
+def test_objective_choices_are_the_planners_objectives():
+  # The command line's --objective lists exactly the planner's registered objectives.
+  from harpjax.cli.plan import command as plan_command
+  from harpjax.compiler.plan import OBJECTIVES
+  (opt,) = [p for p in plan_command.params if p.name == "objective"]
+  assert tuple(opt.type.choices) == OBJECTIVES

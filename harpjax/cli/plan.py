@@ -138,7 +138,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
             remat, remat_choice, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.plan import RANK, solve
+  from harpjax.compiler.plan import OBJECTIVE_REGISTRY, RANK, objective_of, solve
   from harpjax.compiler.schedule import schedule_key
 
   # Every argument is checked before the long work (tracing, profiling, the search).
@@ -147,16 +147,14 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                            "give --bandwidth too, or drop --latency-us")
   if no_cache and given(ctx, "cache_dir"):
     raise click.UsageError("--no-cache and --cache-dir contradict each other; give one")
-  if objective == "min_time_within_budget" and budget is None:
-    raise click.UsageError("--objective min_time_within_budget needs --budget")
-  if objective == "min_cost_within_time" and time_limit is None:
-    raise click.UsageError("--objective min_cost_within_time needs --time-limit")
-  if budget is not None and objective not in ("min_time", "min_time_within_budget"):
-    raise click.UsageError(f"--budget bounds min_time_within_budget; --objective {objective} "
-                           "does not use it")
-  if time_limit is not None and objective != "min_cost_within_time":
-    raise click.UsageError(f"--time-limit bounds min_cost_within_time; --objective "
-                           f"{objective} does not use it")
+  bounds = {"budget_per_hour": (budget, "--budget"), "time_limit_s": (time_limit, "--time-limit")}
+  wanted = objective_of(objective)
+  if wanted.requires is not None and bounds[wanted.requires][0] is None:
+    raise click.UsageError(f"--objective {objective} needs {bounds[wanted.requires][1]}")
+  for field, (value, flag) in bounds.items():
+    if value is not None and field not in wanted.accepts:
+      owner = next(o.name for o in OBJECTIVE_REGISTRY.values() if o.requires == field)
+      raise click.UsageError(f"{flag} bounds {owner}; --objective {objective} does not use it")
   if given(ctx, "order") and not use_all_devices:
     raise click.UsageError("--order is the order --use-all-devices keeps; without it the "
                            "planner chooses the order: add --use-all-devices or drop --order")

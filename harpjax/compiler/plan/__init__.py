@@ -20,6 +20,7 @@ from harpjax.compiler.plan.evaluate import evaluate_plan, PlanEvaluation, Planne
 from harpjax.compiler.plan.schedule_choice import (choose_schedule, plan_scorer, RANK,
                                                    ScheduleScore, schedule_scores)
 from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJECTIVES,
+                                         Objective, OBJECTIVE_REGISTRY, objective_of,
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
 from harpjax.compiler.plan.spec import (LAYER_SOURCES, load_plan, ManualPlan, Plan,
@@ -35,7 +36,7 @@ __all__ = [
     "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed",
     "evaluate_plan", "expand_variants", "Fusion", "fused_tables", "LAYER_SOURCES", "load_plan", "ManualPlan",
     "MIXED_MODES", "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_scorer",
-    "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Plan", "plan_scorer", "PlanEvaluation",
+    "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Objective", "OBJECTIVE_REGISTRY", "objective_of", "Plan", "plan_scorer", "PlanEvaluation",
     "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",
     "schedule_scores", "ScheduleScore", "SearchStats", "single_subcluster", "solve", "solve_mixed",
     "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",

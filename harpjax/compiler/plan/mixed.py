@@ -984,12 +984,6 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
   return tuple(specs)
 
 
-def _value(result: PlanResult) -> float:
-  if result.objective in ("min_time", "min_time_within_budget"):
-    return result.objective_s
-  return result.rate_per_hour * result.objective_s
-
-
 def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
                 ) -> PlanResult:
   """The best plan with or without mixed-type stages (``options.mixed_stages``).
@@ -1061,8 +1055,8 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       if res is None or not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
       found += 1
-      mixed_plans.append((_value(res), len(mixed_plans), fusion))
-      if best is None or _value(res) < _value(best):
+      mixed_plans.append((res.value, len(mixed_plans), fusion))
+      if best is None or res.value < best.value:
         best, chosen = res, ((fusion,), fused)
     # Two shapes of mixed stage in one plan: pairs of the best fusions that leave each other
     # the hosts they reserve.
@@ -1076,7 +1070,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       pairs += 1
       res = attempt(fused)
       if res is not None and {0, 1} <= {s.subcluster for s in res.stages} \
-          and _value(res) < _value(best):
+          and res.value < best.value:
         best, chosen = res, ((f1, f2), fused)
     log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, %d "
              "pairs, %.2f s", len(fusions), tried, found, pairs, time.perf_counter() - start)
