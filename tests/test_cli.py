@@ -794,6 +794,7 @@ ASYMMETRIC_YAML = cluster_yaml("asym", (("a100", "A100-40G", 3, 2), ("v100", "V1
                                         ("t4", "T4", 3, 1)))
 
 
+@pytest.mark.slow
 def test_plan_with_mixed_stages(tmp_path):
   """6 A100 + 5 V100 + 3 T4: the plan has stages on two GPU types, scored and saved."""
   path = tmp_path / "asym.yaml"

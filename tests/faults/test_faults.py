@@ -63,6 +63,7 @@ def test_ctrl_c_in_each_phase_then_retry(phase, scn, nth, calls):
   _check(h.in_process_trial(phase, scn, seed, moment))
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_process_then_a_new_one_resumes():
   seed = _seed("kill_process")
   out = h.kill_process_trial(h.Scenario(steps=4, asynchronous=True), seed,

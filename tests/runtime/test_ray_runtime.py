@@ -237,6 +237,7 @@ def test_stage_over_two_hosts_in_one_process_or_refused():
   runner.shutdown()
 
 
+@pytest.mark.slow
 def test_killed_member_of_a_group_is_a_clear_error_not_a_hang():
   step, state, batches = _mlp_setup()
   plan = harpjax.ManualPlan([((0, 1), "v100", (1, 2)), ((2, 3), "a100", (2, 2))])

@@ -101,7 +101,7 @@ def _gpt_case(batch=8):
   return step, state, batches, rngs
 
 
-@pytest.mark.parametrize("runtime", ["local", "ray"])
+@pytest.mark.parametrize("runtime", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_split_gpt_with_dropout_and_aux_matches_jit_float64(x64, runtime):
   step, state, batches, rngs = _gpt_case()
   B = 1   # one microbatch of 8 rows

@@ -130,6 +130,7 @@ def test_mixed_stages_with_zero_match_jit_and_shard_per_group(x64, name, caplog)
       assert kinds == {"pinned_host" if host else "device"}, (s, what, kinds)
 
 
+@pytest.mark.slow
 def test_mixed_stages_with_zero3_and_offload_on_ray_match_jit(x64):
   case = _case("loop")
   plan = mixed_zero_plan(_num_layers(case), 3, True)

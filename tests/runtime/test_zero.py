@@ -310,7 +310,7 @@ def _spy_host_residuals(monkeypatch) -> list:
   return seen
 
 
-@pytest.mark.parametrize("runtime", ["local", "ray"])
+@pytest.mark.parametrize("runtime", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_residuals_offloaded_to_host_memory_float64(x64, runtime, monkeypatch):
   # Every stage keeps each microbatch's residuals in host memory between its forward and its
   # backward: jax.jit's numbers, and every residual waiting for its backward is in host memory.

@@ -492,6 +492,7 @@ def test_evaluate_mixed_prices_zero_and_offload_per_group():
              for g, g2 in zip(c.groups, c2.groups))
 
 
+@pytest.mark.slow
 def test_evaluate_mixed_with_zero_agrees_with_evaluate_plan_on_plain_stages():
   tables = asymmetric_tables(16, optimizer_share=0.75, offload_bps=25e9)
   mo = MixedOptions(microbatch_rows=64)

@@ -137,7 +137,7 @@ def test_budget_below_every_plan_is_explained():
   assert e.value.constraint == "time"
 
 
-@pytest.mark.parametrize("backend", ["thread", "process"])
+@pytest.mark.parametrize("backend", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_money_objectives_on_parallel_backends_return_the_identical_plan(backend):
   """The objectives with prices evaluate their window in batches on any backend, with the
   same plan as sequentially (the simulator judging, and Eq. 12)."""

@@ -549,6 +549,7 @@ def test_parallel_backends_return_the_identical_plan(backend):
   assert par.plan == seq.plan and par.objective_s == seq.objective_s
 
 
+@pytest.mark.slow
 def test_ray_backend_returns_the_identical_plan():  # ~12 s on 2 cores, mostly Ray start-up
   pytest.importorskip("ray")
   tables = _medium_tables()

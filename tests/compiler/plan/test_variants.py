@@ -40,7 +40,7 @@ def _chunks(ci, slow):
   return [*range(ci), *(pytest.param(c, marks=pytest.mark.slow) for c in range(ci, ci + slow))]
 
 
-@pytest.mark.parametrize("chunk", _chunks(2, 2))
+@pytest.mark.parametrize("chunk", _chunks(1, 3))
 def test_optimum_with_zero_and_offload_matches_brute_force(chunk):
   """25 random memory-tight instances per chunk (100 in all): the planner's optimum equals
   brute force over every variant, is proved, is never worse than at level 0 alone (itself
