@@ -8,7 +8,8 @@ stages read, plus any loss/auxiliary output it computes.
 * ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, residuals)``: the outputs and the
   leaves of the ``jax.vjp`` closure, kept on the stage's devices;
 * ``bwd(params, residuals, cotangents, grad_acc) -> (grad_acc + grads,
-  activation_cotangents)``: the parameters are passed again rather than kept as residuals.
+  activation_cotangents)``: the parameters are passed again rather than kept as residuals,
+  and views of them alone (a slice of an ``nn.scan`` stack) are taken from them again.
 
 Sections, in order: the slice of the program a stage runs (:class:`StageProgram`), its
 :class:`StageFunctions` and, jitted on a submesh, its :class:`StageExecutables`. What the stage
