@@ -661,14 +661,13 @@ def stage_workspaces(arr: Mapping, remat: str = "none") -> tuple[np.ndarray, np.
   temp = np.asarray(arr["temp_bytes"], np.float64)
   fwd = np.asarray(arr.get("fwd_temp_bytes", temp), np.float64)
   bwd = np.asarray(arr.get("bwd_temp_bytes", temp), np.float64)
-  L = fwd.size
-  zero = np.zeros(L)
-  draws = stage_draw_workspace_bytes(range_sums(arr.get("draw_bytes", zero)),
-                                     range_max(arr.get("draw_max_bytes", zero)))
-  upper = np.arange(L)[None, :] >= np.arange(L)[:, None]
-  draws = np.where(upper, draws, 0.0)
   if remat_mode(remat) == "none":
     return range_max(fwd), range_max(bwd)
+  L = fwd.size
+  zero = np.zeros(L)
+  upper = np.arange(L)[None, :] >= np.arange(L)[:, None]
+  draws = np.where(upper, stage_draw_workspace_bytes(
+      range_sums(arr.get("draw_bytes", zero)), range_max(arr.get("draw_max_bytes", zero))), 0.0)
   work_f = np.maximum(range_max(fwd), draws)
   held = np.asarray(arr.get("remat_held_bytes", zero), np.float64)
   before = np.concatenate([[0.0], np.cumsum(held)[:-1]])   # sum(held[0..l-1])
