@@ -113,12 +113,16 @@ ENTRY_FIELDS: dict[str, dict[str, Rule]] = {
     # A layer's cost (LayerCost): seconds per microbatch > 0, the rest >= 0.
     "layer-cost": {"time_s": _TIME, "comm_s": _AMOUNT, "param_mem_bytes": _AMOUNT,
                    "act_mem_bytes": _AMOUNT, "temp_bytes": _AMOUNT, "flops": _AMOUNT,
-                   "grad_bytes": _AMOUNT, "fwd_temp_bytes": _AMOUNT, "bwd_temp_bytes": _AMOUNT},
+                   "grad_bytes": _AMOUNT, "fwd_temp_bytes": _AMOUNT, "bwd_temp_bytes": _AMOUNT,
+                   "draw_bytes": _AMOUNT, "draw_max_bytes": _AMOUNT,
+                   "remat_held_bytes": _AMOUNT},
     # XLA's statistics of a compiled piece (XlaStats).
     "xla-stats": {"flops": _AMOUNT, "bytes_accessed": _AMOUNT, "transcendentals": _AMOUNT,
                   "collective_bytes": _collectives, "temp_bytes": _AMOUNT,
                   "residual_bytes": _AMOUNT, "param_bytes": _AMOUNT, "num_params": _COUNT,
-                  "compile_s": _AMOUNT, "fwd_temp_bytes": _AMOUNT, "bwd_temp_bytes": _AMOUNT},
+                  "compile_s": _AMOUNT, "fwd_temp_bytes": _AMOUNT, "bwd_temp_bytes": _AMOUNT,
+                  "draw_bytes": _AMOUNT, "draw_max_bytes": _AMOUNT,
+                  "remat_held_bytes": _AMOUNT},
     # Per-layer FLOPs and bytes of a published model's block (tools/calibration.py).
     "zorse-block": {"layers": _rows},
 }

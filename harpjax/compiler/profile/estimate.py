@@ -23,8 +23,12 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
 * **Collectives**: one all-reduce per matmul the rules make row-parallel (the forward's second
   matmul of a Megatron pair, the backward's input gradient of the first), of its result.
 * **Residuals** (activation memory per in-flight microbatch): the leaves of the forward's
-  ``jax.vjp`` closure, parameters excluded, activation inputs the backward keeps included, as
-  :func:`~harpjax.compiler.profile.pieces.xla_stats` counts them, divided as above.
+  ``jax.vjp`` closure, parameters and views of them excluded (the stage's backward takes the
+  parameters again and views them anew), activation inputs the backward keeps included,
+  divided as above.
+* **For the stage level** (:func:`~harpjax.compiler.profile.profiler.stage_workspaces`): the
+  bytes of the forward's random draws (their sum and the largest), and, where the backward
+  rematerialises, what it keeps of its recomputed forward for its backward proper.
 * **Workspace**: the larger of the forward's and the backward's, which the runtime compiles
   as two executables: the peak bytes of the results each writes live at once, its inputs and
   outputs excluded (the residuals are the forward's outputs and the backward's inputs: they
@@ -72,12 +76,12 @@ from harpjax.compiler.layers import sharding
 from harpjax.compiler.profile import pieces as pieces_lib
 from harpjax.compiler.profile.calibration import Work
 from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxpr, ops_function,
-                                    primitives, regen, strip_markers)
+                                    primitives, regen, remat_mode, strip_markers)
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params", "simplified_away"]
 
-ESTIMATE_VERSION = "9"
+ESTIMATE_VERSION = "10"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -120,6 +124,8 @@ class TracedPiece:
     trace_s: seconds spent tracing.
     bwd_start: index of the first op of ``live`` 's backward (the ops before it are the
       forward's, which the runtime runs in an executable of its own); ``None``: not known.
+    remat: the rematerialisation mode it was traced in (``"none"``: its backward reads the
+      forward's residuals, recomputes nothing).
   """
   piece: pieces_lib.Piece
   fwd_bwd: Program
@@ -128,6 +134,7 @@ class TracedPiece:
   trace_s: float
   live: Program | None = None
   bwd_start: int | None = None
+  remat: str = "none"
 
 
 def _flatten(closed) -> Program:
@@ -201,7 +208,8 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False,
   fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
   lv, start = _split_fwd_bwd(jax.make_jaxpr(live)(*args))
   fr = _dce(_flatten(jax.make_jaxpr(fwd_res)(*args[:3])))
-  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv, start)
+  return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv, start,
+                     remat_mode(remat))
 
 
 def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
@@ -429,20 +437,26 @@ def _bytes_accessed(prog: Program, sizes: _Sizes, read: dict) -> float:
   return total
 
 
-def _fused(prog: Program, read: dict) -> tuple[dict, set]:
+def _fused(prog: Program, read: dict, shared_expensive: bool = False) -> tuple[dict, set]:
   """What XLA's fusion leaves unwritten, for the workspace: ``(read, fused)`` with ``fused``
   the elementwise ops computed inside their consumers (every op reading their result is an
   elementwise op or a reduction, :data:`~harpjax.compiler.trace.primitives.FUSES_PRODUCERS`,
   and the program does not return it) and ``read`` as :func:`_read`'s, those ops' operands
   read in their stead. Only the memory statistics see this: the bytes accessed stay those
-  XLA:CPU's cost analysis counts, which the calibrated factors were fitted against."""
+  XLA:CPU's cost analysis counts, which the calibrated factors were fitted against. With
+  ``shared_expensive``, an expensive op (:data:`~harpjax.compiler.trace.primitives.EXPENSIVE`)
+  that several ops read is written once rather than computed inside each (XLA's fusion does
+  not duplicate them: a rematerialised GELU's ``tanh``, which its forward and its derivative
+  read, is a buffer of XLA:CPU's recomputing backward)."""
   outputs, readers = _readers(prog, read)
   fused = set()
   for op in prog.ops:
     outs = [o for o in op.outvars if o >= 0]
     if (op.name in primitives.ELEMENTWISE and len(outs) == 1 and outs[0] not in outputs
         and outs[0] in readers
-        and all(r.name in primitives.FUSES_PRODUCERS for r in readers[outs[0]])):
+        and all(r.name in primitives.FUSES_PRODUCERS for r in readers[outs[0]])
+        and not (shared_expensive and op.name in primitives.EXPENSIVE
+                 and len(readers[outs[0]]) > 1)):
       fused.add(op.index)
   src: dict = {}
   for op in prog.ops:
@@ -492,13 +506,39 @@ def _fit_draw_temp(key_aval, bits: int) -> tuple[float, float]:
   return per, a - per * 4096 * size
 
 
+def _scatters_in_place(prog: Program, read: dict) -> set:
+  """Indices of the scatter-adds into zeros whose every reader adds them to another value:
+  XLA rewrites ``x + scatter(0, i, u)`` as ``scatter(x, i, u)``, which writes into ``x``'s
+  buffer (the gradient of a cross-entropy's gather of the labels' logits: no buffer of its
+  own beside the sum, read off XLA:CPU's buffer assignment of the head's backward)."""
+  _, readers = _readers(prog, read)
+  zeros = {o for op in prog.ops if op.name == "broadcast_in_dim" and op.invars
+           and isinstance(op.invars[0], Lit) and np.all(np.asarray(op.invars[0].value) == 0)
+           for o in op.outvars if o >= 0}
+  out = set()
+  for op in prog.ops:
+    outs = [o for o in op.outvars if o >= 0]
+    if (op.name in _SCATTER_ADDS and len(outs) == 1 and op.invars
+        and (isinstance(op.invars[0], Lit) or op.invars[0] in zeros)
+        and readers.get(outs[0])
+        and all(r.name in ("add", "add_any") for r in readers[outs[0]])):
+      out.add(op.index)
+  return out
+
+
 def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> float:
   """Peak bytes of written results live at once (inputs and outputs excluded; :func:`_fused`
   ops write nothing; a matmul's operands XLA reorders are copied,
   :func:`~harpjax.compiler.trace.primitives.dot_operand_copies`), counting the results of the
   ops from ``start`` on only (the values of earlier ops are the inputs of the executable that
-  runs them)."""
+  runs them). A backward (``start > 0``) that draws again what its recomputed forward drew
+  draws first: the draw depends on the key alone, and XLA:CPU schedules it at the start
+  (read off the buffer assignment of the GPT's and BERT's rematerialised layers), its loop's
+  state (both halves: twice the draw's bytes) held from there to the draw's last reader, its
+  counters (the rest of its workspace) while it runs."""
   read, fused = _fused(prog, read)
+  hoisted = lambda op: start > 0 and op.name == "random_bits"
+  at = lambda op: start if hoisted(op) else op.index
   outputs = {u for v in prog.outvars if not isinstance(v, Lit) for u in read.get(v, (v,))}
   last = {}
   for op in prog.ops:
@@ -507,14 +547,28 @@ def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> floa
     for v in op.in_ids():
       for u in read.get(v, (v,)):
         last[u] = op.index
+  if start > 0:   # a hoisted draw's state lives as long as what slices and converts it
+    made = {o: op for op in prog.ops for o in op.outvars if o >= 0}
+    for op in reversed(prog.ops[start:]):
+      ins = list(op.in_ids())
+      if len(ins) == 1 and (op.name in _SLICES or op.name in _FOLDED or op.name in _BIT_OPS):
+        src = made.get(ins[0])
+        if src is not None and src.index >= start and (
+            src.name == "random_bits" or src.name in _SLICES or src.name in _FOLDED
+            or src.name in _BIT_OPS):
+          for o in op.outvars:
+            if o in last:
+              last[ins[0]] = max(last.get(ins[0], -1), last[o])
+  in_place = _scatters_in_place(prog, read)
   delta = [0.0] * (len(prog.ops) + 1)
   for op in prog.ops[start:]:
-    if op.name in _FOLDED or op.index in fused:
+    if op.name in _FOLDED or op.index in fused or op.index in in_place:
       continue
     for v in op.outvars:
       if v >= 0 and v not in outputs and v in last:
-        delta[op.index] += sizes.nbytes(v)
-        delta[last[v] + 1] -= sizes.nbytes(v)
+        held = sizes.nbytes(v) * (2 if hoisted(op) else 1)
+        delta[at(op)] += held
+        delta[last[v] + 1] -= held
   # A random draw's hash works in buffers of its own while it runs (XLA:CPU's threefry loop
   # carries its counters and the two halves of its state: three times the draw's bytes).
   for op in prog.ops[start:]:
@@ -523,8 +577,10 @@ def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> floa
       if outs and not isinstance(op.invars[0], Lit):
         ws = random_bits_temp_bytes(prog.avals[op.invars[0]], op.params,
                                     sizes.nbytes(outs[0]))
-        delta[op.index] += ws
-        delta[op.index + 1] -= ws
+        if hoisted(op) and outs[0] in last and outs[0] not in outputs:
+          ws = max(ws - sizes.nbytes(outs[0]), 0.0)   # its second half is held above
+        delta[at(op)] += ws
+        delta[at(op) + 1] -= ws
   # Operands a matmul reads in another order are copied as soon as they exist (XLA schedules
   # the copy right after what it copies; an input's at the start), kept until the last
   # matmul reading them.
@@ -593,6 +649,11 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
                     for i in sizes.row_ops for o in fb.ops[i].outvars if o >= 0)
     colls["all-reduce"] = [out_bytes, len(sizes.row_ops)]
   residual = _residual_bytes(traced, fr_sizes)
+  draws = _draw_bytes(traced.fwd_res, fr_sizes)
+  held = 0.0
+  if traced.remat != "none" and traced.bwd_start is not None and lv is not fb:
+    held = _recompute_held_bytes(lv, lv_sizes, lv_read, traced.bwd_start,
+                                 lv.invars[len(lv.invars) - len(piece.out_ids):])
   specs = sharding.param_specs(piece.program, piece.ops, piece.param_ids, tp)
   local_bytes, local_n = 0.0, 0.0
   for v in piece.param_ids:
@@ -604,8 +665,69 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
                               collective_bytes=colls, temp_bytes=temp, residual_bytes=residual,
                               param_bytes=local_bytes, num_params=local_n,
                               compile_s=traced.trace_s, fwd_temp_bytes=fwd_temp,
-                              bwd_temp_bytes=bwd_temp)
+                              bwd_temp_bytes=bwd_temp, draw_bytes=draws[0],
+                              draw_max_bytes=draws[1], remat_held_bytes=held)
   return stats, work
+
+
+def _draw_bytes(prog: Program, sizes: _Sizes) -> tuple[float, float]:
+  """``(sum, largest)`` per-device bytes of the random draws a forward makes (the
+  ``random_bits`` results), which
+  :func:`~harpjax.compiler.profile.memory.stage_draw_workspace_bytes` adds up over a stage."""
+  each = [sizes.nbytes(o) for op in prog.ops if op.name == "random_bits"
+          for o in op.outvars[:1] if o >= 0]
+  return float(sum(each)), float(max(each, default=0.0))
+
+
+def _recompute_held_bytes(prog: Program, sizes: _Sizes, read: dict, start: int,
+                          cts) -> float:
+  """Per-device bytes of the values a rematerialising backward recomputes (its ops from
+  ``start`` that do not depend on the cotangents ``cts``) and keeps for the ops that do: the
+  written ones (:func:`_fused` ops compute inside their readers, and so do the views; an
+  expensive op read several times is written), read by an op of the backward proper. A
+  random draw read there through the ops that slice and convert it (computed inside its
+  readers) is held whole, both halves of the hash's state (twice the draw's bytes), as
+  XLA:CPU holds a draw's loop results until their last reader. In a stage of several layers
+  that rematerialises as a whole, these are what an earlier layer holds while the later
+  layers' backward runs."""
+  read, fused = _fused(prog, read, shared_expensive=True)
+  ct_dep = prog.dependents([v for v in cts if not isinstance(v, Lit)])
+  made = {o: op for op in prog.ops for o in op.outvars if o >= 0}
+  recomputed = {o for op in prog.ops[start:] for o in op.outvars
+                if o >= 0 and o not in ct_dep}
+  kept = set()
+  for op in prog.ops[start:]:
+    if op.name in _FOLDED or op.index in fused or not any(o in ct_dep for o in op.outvars):
+      continue
+    for v in op.in_ids():
+      kept.update(u for u in read.get(v, (v,)) if u in recomputed)
+
+  def draw_of(u):   # the draw a value merely slices or converts, or None
+    while u in made:
+      op = made[u]
+      if op.name == "random_bits":
+        return u
+      ins = list(op.in_ids())
+      if len(ins) != 1 or not (op.name in _SLICES or op.name in _FOLDED
+                               or op.name in _BIT_OPS):
+        return None
+      u = ins[0]
+    return None
+  total, draws = 0.0, set()
+  for u in kept:
+    d = draw_of(u)
+    if d is not None:
+      if d not in draws:
+        draws.add(d)
+        total += 2.0 * sizes.nbytes(d)
+    elif made[u].name not in _FOLDED and made[u].index not in fused:
+      total += sizes.nbytes(u)
+  return float(total)
+
+
+# What turns a draw's bits into floats: computed inside the draw's readers.
+_BIT_OPS = frozenset({"shift_right_logical", "shift_left", "or", "and", "bitcast_convert_type",
+                      "convert_element_type"})
 
 
 _SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
@@ -826,16 +948,24 @@ def _fwd_sizes(traced: TracedPiece, dp: int, tp: int) -> _Sizes:
 
 
 def _residual_bytes(traced: TracedPiece, sizes: _Sizes) -> float:
-  """Per-device bytes of the forward's residuals (parameters excluded; activation inputs the
-  backward keeps included), as :func:`~harpjax.compiler.profile.pieces.xla_stats` counts."""
+  """Per-device bytes of the forward's residuals (parameters and views of them excluded:
+  the stage's backward takes the parameters again and views them anew, as
+  :func:`~harpjax.compiler.stages.stage_functions` does; activation inputs the backward keeps
+  included)."""
   piece, fr = traced.piece, traced.fwd_res
   dp = sizes.dp
   inputs = fr.invars[fr.num_consts:]
   pos = {v: i for i, v in enumerate(inputs)}
   n_p = len(piece.param_ids)
+  views = set(inputs[:n_p])
+  for op in fr.ops:
+    ins = list(op.in_ids())
+    if primitives.is_view(op.name) and ins and all(v in views for v in ins) \
+        and op.params.get("jaxpr") is None:
+      views.update(o for o in op.outvars if o >= 0)
   total, seen = 0.0, set()
   for v in fr.outvars[traced.num_outputs:]:
-    if isinstance(v, Lit) or v in seen:
+    if isinstance(v, Lit) or v in seen or (v in views and v not in pos):
       continue
     seen.add(v)
     if v in pos:

@@ -13,7 +13,8 @@ import numpy as np
 
 from harpjax.errors import HarpjaxError
 
-__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "check_level"]
+__all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "check_level",
+           "stage_draw_workspace_bytes"]
 
 ZERO_LEVELS = (0, 1, 2, 3)
 
@@ -192,6 +193,22 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       shared_bytes=num(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),
       updates=bool(updates), replicas=replicas))
+
+
+def stage_draw_workspace_bytes(total, largest):
+  """XLA:CPU's temporaries for the random draws of a stage's forward (or of a backward that
+  recomputes it) whose draws add up to ``total`` bytes, the largest ``largest``: a draw
+  depends on the key alone, so the scheduler computes every draw's counters (two buffers of
+  the draw's size) first and runs the hash loops one after the other, each writing its two
+  state halves; the draws then wait for their readers. While the ``k``-th loop runs, the
+  earlier loops' results and the later loops' counters are alive: ``2 * total + 2 * b_k``
+  at most, ``2 * total + 2 * largest``. Read off the buffer assignment of the GPT's and
+  BERT's stage executables (one draw alone: four times its bytes, three of them temporaries
+  and one its result, as :func:`~harpjax.compiler.profile.estimate.random_bits_temp_bytes`
+  measures). Takes numbers or
+  arrays; ``0`` where there is no draw."""
+  total = np.asarray(total, np.float64)
+  return np.where(total > 0, 2.0 * total + 2.0 * np.asarray(largest, np.float64), 0.0)
 
 
 def _as_floats(scalar: bool, m: StageMemory) -> StageMemory:

@@ -242,6 +242,10 @@ class XlaStats:
       joint forward+backward's serves as both).
     residual_bytes: bytes of the forward's residuals kept for the backward (inputs that are
       merely forwarded excluded): activation memory per in-flight microbatch.
+    draw_bytes, draw_max_bytes: the sum and the largest of the forward's random draws'
+      bytes (the jaxpr estimate; ``0``: not known).
+    remat_held_bytes: of a rematerialising backward's recomputed values, the bytes it keeps
+      for its backward proper (the jaxpr estimate; ``0``: none or not known).
     param_bytes: bytes of this device's shard of the parameters.
     num_params: elements of this device's shard of the parameters.
     compile_s: seconds spent compiling.
@@ -257,6 +261,9 @@ class XlaStats:
   compile_s: float = 0.0
   fwd_temp_bytes: float | None = None
   bwd_temp_bytes: float | None = None
+  draw_bytes: float = 0.0
+  draw_max_bytes: float = 0.0
+  remat_held_bytes: float = 0.0
 
   def __post_init__(self):
     for f in ("fwd_temp_bytes", "bwd_temp_bytes"):

@@ -47,7 +47,7 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import (all_to_all_time_s, allgather_time_s,
                                                   allreduce_time_s)
-from harpjax.compiler.profile.memory import stage_memory
+from harpjax.compiler.profile.memory import stage_draw_workspace_bytes, stage_memory
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
 from harpjax.compiler.profile.tables import CostTables, range_max, range_sums
@@ -582,7 +582,8 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
 
 
 COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops",
-               "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes")
+               "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "draw_bytes",
+               "draw_max_bytes", "remat_held_bytes")
 
 
 def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
@@ -713,6 +714,42 @@ def stage_input_bytes(layers: LayerSequence) -> np.ndarray:
     items[key] = items.get(key, 0.0) + float(aval_nbytes(prog.avals[v]))
   return _range_union_bytes(items, L)
 
+def stage_workspaces(arr: Mapping, remat: str = "none") -> tuple[np.ndarray, np.ndarray]:
+  """``[L, L]`` workspaces of a stage's forward and backward executables on layers ``i..j``
+  from its layers' costs ``arr`` (``{field: [L] array}`` of :data:`COST_FIELDS`; missing
+  fields are taken as ``temp_bytes`` or ``0``):
+
+  * each executable needs at least its largest layer's (``fwd_temp_bytes``,
+    ``bwd_temp_bytes``);
+  * where the stage rematerialises (``remat`` not ``"none"``), its random draws run
+    together, ahead of what reads them, in its forward and again in its backward: their
+    workspace is :func:`~harpjax.compiler.profile.memory.stage_draw_workspace_bytes`.
+    (Without rematerialisation XLA:CPU overlapped them in the forward of two of the GPT's
+    three stages with dropout and not in the third, where one draw's workspace was the
+    forward's; the model keeps the layers' largest there.)
+  * a backward that recomputes the stage's forward as a whole holds each layer's recomputed
+    values (``remat_held_bytes``) from the recompute to that layer's backward: while layer
+    ``l``'s backward runs (its own recompute included, ``bwd_temp_bytes[l]``), those of
+    layers ``i..l-1`` are alive. ``max over l of (sum(held[i..l-1]) + bwd[l])``: exact for
+    every range (a range maximum of prefix sums, no approximation across ranges).
+  """
+  temp = np.asarray(arr["temp_bytes"], np.float64)
+  fwd = np.asarray(arr.get("fwd_temp_bytes", temp), np.float64)
+  bwd = np.asarray(arr.get("bwd_temp_bytes", temp), np.float64)
+  if remat_mode(remat) == "none":
+    return range_max(fwd), range_max(bwd)
+  L = fwd.size
+  zero = np.zeros(L)
+  upper = np.arange(L)[None, :] >= np.arange(L)[:, None]
+  draws = np.where(upper, stage_draw_workspace_bytes(
+      range_sums(arr.get("draw_bytes", zero)), range_max(arr.get("draw_max_bytes", zero))), 0.0)
+  work_f = np.maximum(range_max(fwd), draws)
+  held = np.asarray(arr.get("remat_held_bytes", zero), np.float64)
+  before = np.concatenate([[0.0], np.cumsum(held)[:-1]])   # sum(held[0..l-1])
+  work_b = np.where(upper, range_max(before + bwd) - before[:, None], 0.0)
+  return work_f, np.maximum(work_b, draws)
+
+
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
                             imbalance: float, zero: tuple[float, float] | None = None,
                             num_microbatches: int | None = None, remat: str = "none"
@@ -781,9 +818,8 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
     shared = weights * np.maximum(held_ratio - owned_ratio, 0.0)
     weights = weights * held_ratio
     zero_cols = (opt, allgather_time_s(weights, dp, link)) if zero is not None else (None, None)
-    # the forward's and the backward's workspaces apart (two executables)
-    work_f = range_max(arr.get("fwd_temp_bytes", arr["temp_bytes"]))
-    work_b = range_max(arr.get("bwd_temp_bytes", arr["temp_bytes"]))
+    # the forward's and the backward's workspaces apart (two executables), at stage level
+    work_f, work_b = stage_workspaces(arr, remat)
     act = range_sums(arr["act_mem_bytes"]) if inputs is None else np.where(
         np.isfinite(range_sums(arr["time_s"])), inputs / dp, np.inf)
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,

@@ -131,6 +131,10 @@ class LayerCost:
     flops: FLOPs per device.
     grad_bytes: bytes of this device's gradient shard (what the data-parallel replicas
       reduce).
+    draw_bytes, draw_max_bytes: the sum and the largest of the forward's random draws
+      (:func:`~harpjax.compiler.profile.memory.stage_draw_workspace_bytes`).
+    remat_held_bytes: what a rematerialising backward keeps of its recomputed forward for
+      its backward proper (what the layer holds while later layers of its stage run theirs).
   """
   time_s: float
   comm_s: float
@@ -141,6 +145,9 @@ class LayerCost:
   grad_bytes: float = 0.0
   fwd_temp_bytes: float | None = None
   bwd_temp_bytes: float | None = None
+  draw_bytes: float = 0.0
+  draw_max_bytes: float = 0.0
+  remat_held_bytes: float = 0.0
 
   def __post_init__(self):
     for f in ("fwd_temp_bytes", "bwd_temp_bytes"):
@@ -197,7 +204,9 @@ def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
                    act_mem_bytes=st.residual_bytes / scale, temp_bytes=st.temp_bytes / scale,
                    fwd_temp_bytes=st.fwd_temp_bytes / scale,
                    bwd_temp_bytes=st.bwd_temp_bytes / scale,
-                   flops=st.flops / scale + acc.light_flops, grad_bytes=st.param_bytes)
+                   flops=st.flops / scale + acc.light_flops, grad_bytes=st.param_bytes,
+                   draw_bytes=st.draw_bytes / scale, draw_max_bytes=st.draw_max_bytes / scale,
+                   remat_held_bytes=st.remat_held_bytes / scale)
 
 
 def compute_time_s(work: calib.Work, task: LayerTask, efficiencies: dict | None) -> float:

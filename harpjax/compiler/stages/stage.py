@@ -8,7 +8,8 @@ stages read, plus any loss/auxiliary output it computes.
 * ``fwd(params, acts, acts_int, data, mb_index) -> (outputs, residuals)``: the outputs and the
   leaves of the ``jax.vjp`` closure, kept on the stage's devices;
 * ``bwd(params, residuals, cotangents, grad_acc) -> (grad_acc + grads,
-  activation_cotangents)``: the parameters are passed again rather than kept as residuals.
+  activation_cotangents)``: the parameters are passed again rather than kept as residuals,
+  and views of them alone (a slice of an ``nn.scan`` stack) are taken from them again.
 
 Sections, in order: the slice of the program a stage runs (:class:`StageProgram`), its
 :class:`StageFunctions` and, jitted on a submesh, its :class:`StageExecutables`. What the stage
@@ -219,8 +220,15 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
   hook = _make_hook(ts, rows)
   residual_tree = []   # (the vjp closure's tree structure, which leaves are parameters)
 
-  run = ops_function(sp.ops, sp.param_ids + sp.act_ids + sp.act_int_ids + dyn_data,
+  # Views of the parameters alone (a layer's slice of an ``nn.scan`` stack): the forward
+  # computes them outside the differentiated function and the backward again from the
+  # parameters it takes, so that no microbatch keeps a copy of them among its residuals.
+  view_ops, ops = _parameter_views(sp.ops, sp.param_ids)
+  view_ids = tuple(o for op in view_ops for o in op.outvars if o >= 0)
+  views_of = ops_function(view_ops, sp.param_ids, view_ids, static_env)
+  run = ops_function(ops, sp.param_ids + view_ids + sp.act_ids + sp.act_int_ids + dyn_data,
                      sp.output_ids, static_env)
+  n_p = len(sp.param_ids)
 
   gather, acc_sh = {}, None
   if layout is not None and (layout.gather_specs or layout.zero >= 2):
@@ -241,8 +249,12 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
 
   checkpointed = remat_lib.checkpointed(remat)
 
+  def with_views(params):
+    """The parameters and their views: what the differentiated function reads."""
+    return tuple(params) + tuple(views_of(*params)) if view_ids else tuple(params)
+
   def fwd(params, acts, acts_int, data, mb_index):
-    params = used(params)
+    params = with_views(used(params))
     f = lambda p, a: primal(p, a, acts_int, data, mb_index)
     outs, vjp = jax.vjp(checkpointed(f), params, acts)
     leaves, tree = jax.tree_util.tree_flatten(vjp)
@@ -257,8 +269,9 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
       raise AssertionError(f"stage {sp.index}: the backward was traced before the forward")
     tree, slots = residual_tree[0]
     params, it = used(params), iter(residuals)
+    read = with_views(params)
     vjp_fn = jax.tree_util.tree_unflatten(
-        tree, [params[slot] if slot >= 0 else next(it) for slot in slots])
+        tree, [read[slot] if slot >= 0 else next(it) for slot in slots])
     it = iter(cts_present)
     cts = []
     for aval, present in zip(out_avals, sp.ct_present):
@@ -268,7 +281,11 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
         cts.append(next(it))
       else:
         cts.append(jnp.zeros(aval.shape, aval.dtype))
-    g_params, g_acts = vjp_fn(tuple(cts))
+    g_read, g_acts = vjp_fn(tuple(cts))
+    g_params = g_read[:n_p]
+    if view_ids:   # the views' gradients back onto the parameters they view
+      _, views_vjp = jax.vjp(lambda *p: tuple(views_of(*p)), *params)
+      g_params = tuple(a + b for a, b in zip(g_params, views_vjp(tuple(g_read[n_p:]))))
     acc = tuple(a + g for a, g in zip(acc, g_params))
     if acc_sh is not None:
       acc = tuple(jax.lax.with_sharding_constraint(a, sh) for a, sh in zip(acc, acc_sh))
@@ -280,6 +297,25 @@ def stage_functions(sp: StageProgram, ts: TracedStep, layers: LayerSequence,
     return tuple(jnp.zeros(a.shape, a.dtype) for a in param_avals)
 
   return StageFunctions(fwd, bwd, zeros)
+
+
+def _parameter_views(ops: Sequence[Op], param_ids: Sequence[int]
+                     ) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+  """``(views, rest)``: the ops that only re-address a parameter (or such a view of one:
+  :func:`~harpjax.compiler.trace.primitives.is_view`, every other operand a literal), and the
+  other ops, each in program order."""
+  derived = set(param_ids)
+  views, rest = [], []
+  for op in ops:
+    outs = [o for o in op.outvars if o >= 0]
+    ins = list(op.in_ids())
+    if (primitives.is_view(op.name) and outs and ins and all(v in derived for v in ins)
+        and op.params.get("jaxpr") is None):
+      derived.update(outs)
+      views.append(op)
+    else:
+      rest.append(op)
+  return tuple(views), tuple(rest)
 
 
 def acc_shardings(layout: StageLayout, mesh) -> tuple:
