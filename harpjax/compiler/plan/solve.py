@@ -183,8 +183,9 @@ class SolveOptions:
   """Options of :func:`solve`.
 
   Attributes:
-    eps: H-1F1B tolerance of :func:`~harpjax.compiler.schedule.warmup_delta` (the runtime
-      must use the same value; the plan records it, :attr:`~harpjax.Plan.eps`).
+    eps: H-1F1B tolerance of :func:`~harpjax.compiler.schedule.warmup_delta`, in [0, 1] (the
+      runtime must use the same value; the plan records it, :attr:`~harpjax.Plan.eps`, which
+      takes the same range).
     backend: ``"auto"`` (sequential for small searches, else ``"process"``), ``"sequential"``,
       ``"process"`` (local worker processes), ``"thread"`` (threads; the Numba kernel releases
       the GIL) or a registered one (``"ray"``: Ray actors, :mod:`harpjax.runtime`).
