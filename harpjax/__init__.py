@@ -37,6 +37,7 @@ from harpjax.compiler.trace import value_and_grad as value_and_grad
 from harpjax.errors import BatchCouplingError as BatchCouplingError
 from harpjax.errors import BatchCouplingWarning as BatchCouplingWarning
 from harpjax.errors import HarpjaxError as HarpjaxError
+from harpjax.errors import InvalidOptionError as InvalidOptionError
 from harpjax.errors import OptionConflictError as OptionConflictError
 from harpjax.errors import OptionsError as OptionsError
 from harpjax.errors import UnknownOptionError as UnknownOptionError
@@ -56,11 +57,11 @@ from harpjax.runtime import save_checkpoint as save_checkpoint
 __all__ = [
     "AutoPlan", "BatchCouplingError", "BatchCouplingWarning", "CheckpointOptions", "Checkpointer",
     "Cluster", "CostTables", "ElasticOptions", "Emulation", "Failure", "GPU_CATALOG", "GPUType",
-    "HarpjaxError", "LaidOut", "LayerOptions", "LayerSequence", "LocalRuntime", "LogicalMesh",
-    "ManualPlan", "MixedOptions", "OffloadOptions", "OptionConflictError", "OptionsError",
-    "ParallelOptions", "ParallelStep", "Plan", "Planned", "ProfileOptions", "RayRuntime",
-    "Recovery", "RunnerOptions", "Schedule", "SolveOptions", "StageGroup", "StageSpec", "Traced",
-    "UnknownOptionError", "auto_parallel", "gather", "grad", "load_plan", "make_schedule",
-    "mark_layer_boundary", "restore_checkpoint", "save_checkpoint", "solve", "value_and_grad",
-    "__version__",
+    "HarpjaxError", "InvalidOptionError", "LaidOut", "LayerOptions", "LayerSequence",
+    "LocalRuntime", "LogicalMesh", "ManualPlan", "MixedOptions", "OffloadOptions",
+    "OptionConflictError", "OptionsError", "ParallelOptions", "ParallelStep", "Plan", "Planned",
+    "ProfileOptions", "RayRuntime", "Recovery", "RunnerOptions", "Schedule", "SolveOptions",
+    "StageGroup", "StageSpec", "Traced", "UnknownOptionError", "auto_parallel", "gather", "grad",
+    "load_plan", "make_schedule", "mark_layer_boundary", "restore_checkpoint", "save_checkpoint",
+    "solve", "value_and_grad", "__version__",
 ]

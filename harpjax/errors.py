@@ -8,6 +8,7 @@ which object, which value and what to change. ``assert`` is kept for internal in
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 import sys
@@ -57,14 +58,92 @@ class UnknownGPUError(ClusterSpecError):
 
 
 class OptionsError(HarpjaxError, ValueError):
-  """An option has a value it cannot take.
+  """A mistake in the options: the base of the three kinds, each its own class.
 
-  The message names the option's class and field (``RayRuntime.fetch='most'``) and the values
-  it takes. The option classes are exported from :mod:`harpjax` (``AutoPlan``,
-  ``LayerOptions``, ``ProfileOptions``, ``SolveOptions``, ``LocalRuntime``, ``RayRuntime``,
-  ``Emulation``, ``OffloadOptions``, ``CheckpointOptions``, ``ElasticOptions``); each
-  documents its fields.
+  * :class:`InvalidOptionError`: a field has a value it cannot take;
+  * :class:`UnknownOptionError`: an option was given by a name its class does not have;
+  * :class:`OptionConflictError`: two options contradict, or one was given where it does
+    not apply.
+
+  The message names the option's class and field (``RayRuntime.fetch='most'``) and what to
+  change. The option classes are exported from :mod:`harpjax` and listed, with the phase that
+  reads each, in ``docs/options.md``.
   """
+
+
+class PlanError(HarpjaxError, ValueError):
+  """A pipeline plan is invalid: layer ranges, submeshes, logical meshes or devices."""
+
+
+class InvalidOptionError(OptionsError, PlanError):
+  """A field of an option class has a value it cannot take (``SolveOptions.eps=-1``,
+  ``LayerOptions.criterion='size'``, ``Emulation.time_scale=0``).
+
+  Every option class raises it from its constructor, its message naming the class, the field,
+  the value given and the values it takes (``"ProfileOptions.source='guess'; choose one of
+  jaxpr, analytic, measured, imported"``). Change that field.
+
+  It is also a :class:`PlanError`: the planner's and the runtime's option classes raised
+  ``PlanError`` for a bad value in earlier releases, and ``except PlanError`` keeps catching
+  it (as ``except OptionsError`` and ``except ValueError`` do).
+  """
+
+
+def check_count(where: str, value, minimum: int = 0, *, allow_none: bool = False) -> None:
+  """Raises :class:`InvalidOptionError` unless ``value`` is an integer (not a bool) of at
+  least ``minimum`` (or ``None`` where ``allow_none``); ``where`` names the option
+  (``"LayerOptions.z"``)."""
+  if value is None and allow_none:
+    return
+  try:
+    ok = not isinstance(value, bool) and int(value) == value and value >= minimum
+  except (TypeError, ValueError, OverflowError):
+    ok = False
+  if not ok:
+    raise InvalidOptionError(f"{where}={value!r} must be an integer >= {minimum}"
+                             + (" or None" if allow_none else ""))
+
+
+def check_number(where: str, value, low: float, high: float = math.inf, *,
+                 low_open: bool = False, high_open: bool = False, finite: bool = True,
+                 allow_none: bool = False) -> None:
+  """Raises :class:`InvalidOptionError` unless ``value`` is a real number (not a bool) in the
+  interval from ``low`` to ``high`` (each end closed unless ``*_open``), finite unless
+  ``finite=False`` (then ``inf`` is allowed where ``high`` is), or ``None`` where
+  ``allow_none``; ``where`` names the option (``"SolveOptions.eps"``)."""
+  if value is None and allow_none:
+    return
+  try:
+    v = float(value)
+    ok = (not isinstance(value, bool) and v == value and not math.isnan(v)
+          and (not finite or math.isfinite(v))
+          and (low < v if low_open else low <= v) and (v < high if high_open else v <= high))
+  except (TypeError, ValueError, OverflowError):
+    ok = False
+  if not ok:
+    if high == math.inf:
+      span = f"a {'finite ' if finite else ''}number {'>' if low_open else '>='} {low:g}"
+    else:
+      span = (f"a number in {'(' if low_open else '['}{low:g}, {high:g}"
+              f"{')' if high_open else ']'}")
+    raise InvalidOptionError(f"{where}={value!r} must be {span}"
+                             + (" or None" if allow_none else ""))
+
+
+def check_choice(where: str, value, choices) -> None:
+  """Raises :class:`InvalidOptionError` unless ``value`` is one of ``choices``."""
+  try:
+    ok = value in tuple(choices)
+  except (TypeError, ValueError):
+    ok = False
+  if not ok:
+    raise InvalidOptionError(f"{where}={value!r}; choose one of {tuple(choices)}")
+
+
+def check_flag(where: str, value) -> None:
+  """Raises :class:`InvalidOptionError` unless ``value`` is ``True`` or ``False``."""
+  if not isinstance(value, bool):
+    raise InvalidOptionError(f"{where}={value!r} must be True or False")
 
 
 class UnknownOptionError(OptionsError, TypeError):
@@ -86,10 +165,6 @@ class OptionConflictError(OptionsError):
 
 class NotEnoughDevicesError(HarpjaxError):
   """The cluster (or a plan) needs more devices than this machine provides."""
-
-
-class PlanError(HarpjaxError, ValueError):
-  """A pipeline plan is invalid: layer ranges, submeshes, logical meshes or devices."""
 
 
 class ScheduleError(HarpjaxError, ValueError):

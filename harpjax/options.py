@@ -33,13 +33,13 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from harpjax.compiler.layers import LayerOptions
-from harpjax.compiler.plan import RANK, Plan, SolveOptions
+from harpjax.compiler.plan import RANK, MixedOptions, Plan, SolveOptions
 from harpjax.compiler.profile import ProfileOptions
 from harpjax.compiler.schedule import schedule_key
 from harpjax.compiler.stages import LOSS_REDUCTIONS, OffloadOptions
 from harpjax.compiler.trace import BATCH_COUPLING
-from harpjax.errors import (HarpjaxError, MicrobatchError, OptionConflictError, OptionsError,
-                            UnknownOptionError)
+from harpjax.errors import (HarpjaxError, InvalidOptionError, MicrobatchError,
+                            OptionConflictError, UnknownOptionError)
 from harpjax.runtime import CheckpointOptions, ElasticOptions, LocalRuntime, RayRuntime
 
 __all__ = ["AutoPlan", "ParallelOptions", "RUNTIMES", "parallel_options"]
@@ -64,7 +64,7 @@ class AutoPlan:
       stages).
 
   Raises:
-    OptionsError: a field is not of its class.
+    InvalidOptionError: a field is not of its class.
   """
   layers: LayerOptions = dataclasses.field(default_factory=LayerOptions)
   profile: ProfileOptions = dataclasses.field(default_factory=ProfileOptions)
@@ -77,7 +77,11 @@ class AutoPlan:
       if v is None:
         object.__setattr__(self, name, cls())
       elif not isinstance(v, cls):
-        raise OptionsError(f"AutoPlan.{name}={v!r}: give a harpjax.{cls.__name__}")
+        raise InvalidOptionError(f"AutoPlan.{name}={v!r}: give a harpjax.{cls.__name__}")
+    mixed = self.solve.mixed_options
+    if mixed is not None and not isinstance(mixed, MixedOptions):
+      raise InvalidOptionError(f"SolveOptions.mixed_options={mixed!r}: give a "
+                               "harpjax.MixedOptions or None")
 
   def replace(self, **changes) -> "AutoPlan":
     return dataclasses.replace(self, **changes)
@@ -119,25 +123,25 @@ class ParallelOptions:
     elif isinstance(plan, os.PathLike):
       object.__setattr__(self, "plan", os.fspath(plan))
     elif not isinstance(plan, (AutoPlan, Plan, str)):
-      raise OptionsError(f"plan={plan!r}: give a harpjax.Plan (harpjax.ManualPlan(...)), a "
+      raise InvalidOptionError(f"plan={plan!r}: give a harpjax.Plan (harpjax.ManualPlan(...)), a "
                          "saved plan's path, or harpjax.AutoPlan(...) (automatic planning)")
     runtime = self.runtime
     if isinstance(runtime, str):
       if runtime not in RUNTIMES:
-        raise OptionsError(f"runtime={runtime!r}; choose one of {tuple(RUNTIMES)} or give a "
+        raise InvalidOptionError(f"runtime={runtime!r}; choose one of {tuple(RUNTIMES)} or give a "
                            "harpjax.LocalRuntime or harpjax.RayRuntime")
       object.__setattr__(self, "runtime", RUNTIMES[runtime]())
     elif not isinstance(runtime, (LocalRuntime, RayRuntime)):
-      raise OptionsError(f"runtime={runtime!r}: give 'local', 'ray', a harpjax.LocalRuntime "
+      raise InvalidOptionError(f"runtime={runtime!r}: give 'local', 'ray', a harpjax.LocalRuntime "
                          "or a harpjax.RayRuntime")
     if isinstance(self.checkpoint, (str, os.PathLike)):
       object.__setattr__(self, "checkpoint", CheckpointOptions(os.fspath(self.checkpoint)))
     if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointOptions):
-      raise OptionsError(f"checkpoint={self.checkpoint!r}: give a directory or a "
+      raise InvalidOptionError(f"checkpoint={self.checkpoint!r}: give a directory or a "
                          "harpjax.CheckpointOptions")
     if self.elastic is not None:
       if not isinstance(self.elastic, ElasticOptions):
-        raise OptionsError(f"elastic={self.elastic!r}: give a harpjax.ElasticOptions")
+        raise InvalidOptionError(f"elastic={self.elastic!r}: give a harpjax.ElasticOptions")
       if not isinstance(self.runtime, RayRuntime):
         raise OptionConflictError("elastic recovery is for the Ray runtime (workers that can "
                                   "be lost; runtime='ray' or harpjax.RayRuntime(...)); the "
@@ -146,10 +150,10 @@ class ParallelOptions:
         raise OptionConflictError("elastic recovery restores a checkpoint: pass "
                                   "checkpoint=... too")
     if self.loss_reduction not in LOSS_REDUCTIONS:
-      raise OptionsError(f"loss_reduction={self.loss_reduction!r}; choose one of "
+      raise InvalidOptionError(f"loss_reduction={self.loss_reduction!r}; choose one of "
                          f"{LOSS_REDUCTIONS}")
     if self.batch_coupling not in BATCH_COUPLING:
-      raise OptionsError(f"batch_coupling={self.batch_coupling!r}; choose one of "
+      raise InvalidOptionError(f"batch_coupling={self.batch_coupling!r}; choose one of "
                          f"{BATCH_COUPLING}")
     B = self.num_microbatches
     if B is not None and (isinstance(B, bool) or not isinstance(B, numbers.Integral) or B < 1):
@@ -157,7 +161,7 @@ class ParallelOptions:
     try:
       object.__setattr__(self, "batch_argnums", tuple(int(a) for a in self.batch_argnums))
     except (TypeError, ValueError):
-      raise OptionsError(f"batch_argnums={self.batch_argnums!r}: positions of the step's "
+      raise InvalidOptionError(f"batch_argnums={self.batch_argnums!r}: positions of the step's "
                          "batch arguments (ints)") from None
 
   @property
@@ -201,6 +205,17 @@ def _with_schedule(schedule: str) -> Callable[[Plan], Plan]:
   return change
 
 
+def _with_eps(eps: float) -> Callable[[Plan], Plan]:
+  def change(plan: Plan) -> Plan:
+    if plan.eps == eps:
+      return plan
+    # warm-up counts the plan records follow its own tolerance: the new one derives its own
+    # (kept, they would leave the tolerance asked for without effect)
+    return plan.replace(eps=eps, stages=tuple(
+        dataclasses.replace(s, warmup=None) for s in plan.stages))
+  return change
+
+
 def _with_offload(offload: OffloadOptions) -> Callable[[Plan], Plan]:
   return offload.apply
 
@@ -229,7 +244,7 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
   earlier releases moved to their one place (each with a ``DeprecationWarning``).
 
   Raises:
-    OptionsError: a value an option cannot take.
+    InvalidOptionError: a value an option cannot take.
     UnknownOptionError: a ``runtime_options`` key its runtime does not have.
     OptionConflictError: an option given where it does not apply (a planner's option with a
       given plan), or the same choice given twice differently.
@@ -249,7 +264,7 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
     if value is None:
       continue
     if not isinstance(value, cls):
-      raise OptionsError(f"{old}={value!r}: give a harpjax.{cls.__name__}")
+      raise InvalidOptionError(f"{old}={value!r}: give a harpjax.{cls.__name__}")
     if not automatic:
       if old == "layer_options":
         _deprecated(old, "a plan made on automatic layers records them (Plan.layer_options)")
@@ -268,7 +283,7 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
     try:
       key = schedule_key(schedule)
     except HarpjaxError as e:
-      raise OptionsError(f"schedule={schedule!r}: {e}") from None
+      raise InvalidOptionError(f"schedule={schedule!r}: {e}") from None
     if automatic:
       _deprecated("schedule=...", "pass plan=harpjax.AutoPlan(solve=harpjax.SolveOptions("
                   "schedule=...))")
@@ -283,7 +298,7 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
       changes.append(_with_schedule(key))
   if eps is not None:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps <= 1:
-      raise OptionsError(f"eps={eps!r} must be a number in [0, 1]")
+      raise InvalidOptionError(f"eps={eps!r} must be a number in [0, 1]")
     if automatic:
       _deprecated("eps=...", "pass plan=harpjax.AutoPlan(solve=harpjax.SolveOptions(eps=...))")
       if plan.solve.eps not in (SolveOptions().eps, eps):
@@ -293,10 +308,10 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
     else:
       _deprecated("eps=...", "a given plan's warm-up counts use its own tolerance: "
                   "ManualPlan(..., eps=...) or plan.replace(eps=...)")
-      changes.append(lambda p, eps=float(eps): p if p.eps == eps else p.replace(eps=eps))
+      changes.append(_with_eps(float(eps)))
   if offload is not None:
     if not isinstance(offload, OffloadOptions):
-      raise OptionsError(f"offload={offload!r}: give a harpjax.OffloadOptions")
+      raise InvalidOptionError(f"offload={offload!r}: give a harpjax.OffloadOptions")
     if automatic:
       raise OptionConflictError(
           "offload= forces stages of a given plan to keep state in host memory; automatic "
@@ -309,11 +324,11 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
 
   # how to run
   if isinstance(runtime, str) and runtime not in RUNTIMES:
-    raise OptionsError(f"runtime={runtime!r}; choose one of {tuple(RUNTIMES)} or give a "
+    raise InvalidOptionError(f"runtime={runtime!r}; choose one of {tuple(RUNTIMES)} or give a "
                        "harpjax.LocalRuntime or harpjax.RayRuntime")
   if runtime_options:
     if not isinstance(runtime_options, dict):
-      raise OptionsError(f"runtime_options={runtime_options!r}: a dict")
+      raise InvalidOptionError(f"runtime_options={runtime_options!r}: a dict")
     if not isinstance(runtime, str):
       raise OptionConflictError(f"runtime_options given with runtime={runtime!r}: give the "
                                 "options in the runtime object only")

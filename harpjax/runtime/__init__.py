@@ -20,7 +20,8 @@ GPUs and links), :mod:`~harpjax.runtime.handles`, :mod:`~harpjax.runtime.checkpo
 """
 
 from harpjax.runtime import planner_pool as planner_pool
-from harpjax.runtime.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
+from harpjax.runtime.checkpoint import (CheckpointError, CheckpointOptions,
+                                        CheckpointOptionsError, Checkpointer,
                                         restore_checkpoint, save_checkpoint)
 from harpjax.runtime.elastic import Elastic, ElasticOptions, Failure, Recovery
 from harpjax.runtime.emulation import Emulation
@@ -28,10 +29,10 @@ from harpjax.runtime.handles import RemoteArray, gather
 from harpjax.runtime.local import LocalRuntime, run_step
 from harpjax.runtime.runner import RayRuntime, RunnerOptions
 
-__all__ = ["CheckpointError", "CheckpointOptions", "Checkpointer", "Elastic", "ElasticOptions",
-           "Emulation", "Failure", "gather", "LocalRuntime", "planner_pool", "ray_runner",
-           "RayRuntime", "Recovery", "RemoteArray", "restore_checkpoint", "run_step",
-           "RunnerOptions", "save_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointOptions", "CheckpointOptionsError", "Checkpointer",
+           "Elastic", "ElasticOptions", "Emulation", "Failure", "gather", "LocalRuntime",
+           "planner_pool", "ray_runner", "RayRuntime", "Recovery", "RemoteArray",
+           "restore_checkpoint", "run_step", "RunnerOptions", "save_checkpoint"]
 
 
 def ray_runner(program, cluster, example_args, options: RayRuntime | None = None, **kwargs):

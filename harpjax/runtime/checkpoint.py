@@ -51,17 +51,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harpjax.errors import HarpjaxError
+from harpjax.errors import HarpjaxError, InvalidOptionError, check_count, check_flag
 from harpjax.runtime.handles import gather
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointOptions", "Checkpointer", "CheckpointError", "save_checkpoint",
-           "restore_checkpoint"]
+__all__ = ["CheckpointOptions", "Checkpointer", "CheckpointError", "CheckpointOptionsError",
+           "save_checkpoint", "restore_checkpoint"]
 
 
 class CheckpointError(HarpjaxError):
   """A checkpoint cannot be written or does not fit the state it is restored into."""
+
+
+class CheckpointOptionsError(InvalidOptionError, CheckpointError):
+  """A field of :class:`CheckpointOptions` has a value it cannot take: an
+  :class:`~harpjax.errors.InvalidOptionError`, and a :class:`CheckpointError` as well (which
+  ``CheckpointOptions`` raised in earlier releases). The message names the field; change it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +89,16 @@ class CheckpointOptions:
   state_output: int | None = 0
 
   def __post_init__(self):
-    if not isinstance(self.every, int) or self.every < 1:
-      raise CheckpointError(f"CheckpointOptions.every must be a positive integer, got "
-                            f"{self.every!r}")
-    if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-      raise CheckpointError(f"CheckpointOptions.keep must be a positive integer or None, got "
-                            f"{self.keep!r}")
+    if not isinstance(self.directory, str) and not hasattr(self.directory, "__fspath__"):
+      raise CheckpointOptionsError(f"CheckpointOptions.directory={self.directory!r} must be a "
+                                   "directory (a str or path)")
+    try:
+      check_count("CheckpointOptions.every", self.every, 1)
+      check_count("CheckpointOptions.keep", self.keep, 1, allow_none=True)
+      check_count("CheckpointOptions.state_output", self.state_output, 0, allow_none=True)
+      check_flag("CheckpointOptions.asynchronous", self.asynchronous)
+    except InvalidOptionError as e:
+      raise CheckpointOptionsError(str(e)) from None
 
   def state_of(self, result):
     """The training state inside a step's result."""

@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol
 
 import jax
 
-from harpjax.errors import OptionsError, RuntimeFailure
+from harpjax.errors import InvalidOptionError, RuntimeFailure
 from harpjax.runtime.checkpoint import CheckpointOptions, Checkpointer
 from harpjax.runtime.handles import RemoteArray
 
@@ -71,11 +71,12 @@ class ElasticOptions:
 
   def __post_init__(self):
     if not callable(self.policy) and self.policy not in POLICIES:
-      raise OptionsError(f"ElasticOptions.policy={self.policy!r}: choose one of {POLICIES} or "
-                         "pass a callable taking a harpjax Failure")
+      raise InvalidOptionError(f"ElasticOptions.policy={self.policy!r}: choose one of "
+                               f"{POLICIES} or pass a callable taking a harpjax Failure")
     if isinstance(self.max_recoveries, bool) or not isinstance(self.max_recoveries, int) or \
         self.max_recoveries < 0:
-      raise OptionsError(f"ElasticOptions.max_recoveries={self.max_recoveries!r}: a count >= 0")
+      raise InvalidOptionError(f"ElasticOptions.max_recoveries={self.max_recoveries!r}: a "
+                               "count >= 0")
 
   def decide(self, failure: Failure):
     """The policy's answer: ``"stop"``, or the cluster to continue on."""
@@ -88,8 +89,8 @@ class ElasticOptions:
       return failure.cluster.without_hosts(failure.lost_hosts)
     if hasattr(answer, "subclusters"):
       return answer
-    raise OptionsError(f"the elastic policy answered {answer!r}; it must return 'shrink', "
-                       "'stop' or a harpjax.Cluster")
+    raise InvalidOptionError(f"ElasticOptions.policy answered {answer!r}; it must return "
+                             "'shrink', 'stop' or a harpjax.Cluster")
 
 
 @dataclasses.dataclass(frozen=True)

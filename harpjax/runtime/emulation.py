@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 
 from harpjax.cluster import Cluster, Link
 from harpjax.compiler.schedule import simulate as simulate_schedule
-from harpjax.errors import ClusterSpecError, OptionConflictError, OptionsError, PlanError
+from harpjax.errors import (ClusterSpecError, InvalidOptionError, OptionConflictError, PlanError,
+                            check_number)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,14 @@ __all__ = ["Emulation", "annotate_plan"]
 def _times(name: str, x) -> tuple[float, ...] | None:
   if x is None:
     return None
-  out = tuple(float(v) for v in x)
+  try:
+    out = tuple(float(v) for v in x)
+  except (TypeError, ValueError):
+    raise InvalidOptionError(f"Emulation.{name}={x!r}: per stage, seconds (finite numbers "
+                             ">= 0), or None") from None
   for i, v in enumerate(out):
     if not (math.isfinite(v) and v >= 0):
-      raise OptionsError(f"Emulation.{name}[{i}]={v}: times are finite seconds >= 0")
+      raise InvalidOptionError(f"Emulation.{name}[{i}]={v}: times are finite seconds >= 0")
   return out
 
 
@@ -85,23 +90,26 @@ class Emulation:
       items = links.items() if isinstance(links, Mapping) else links
       fixed = []
       for key, model in items:
-        a, b = (int(x) for x in key)
+        try:
+          a, b = (int(x) for x in key)
+        except (TypeError, ValueError):
+          raise InvalidOptionError(f"Emulation.links: key {key!r} must be a pair of stage "
+                                   "indices (src_stage, dst_stage)") from None
         if not isinstance(model, Link):
-          raise OptionsError(f"Emulation.links[{key}] must be a Link, got {model!r}")
+          raise InvalidOptionError(f"Emulation.links[{key}] must be a harpjax Link, got "
+                                   f"{model!r}")
         fixed.append(((a, b), model))
       object.__setattr__(self, "links", tuple(sorted(fixed)))
     for name in ("time_scale", "bytes_scale"):
-      v = getattr(self, name)
-      if not (math.isfinite(v) and v > 0):
-        raise OptionsError(f"Emulation.{name}={v}: must be > 0")
-    if not 0 < self.fwd_fraction < 1:
-      raise OptionsError(f"Emulation.fwd_fraction={self.fwd_fraction}: must be in (0, 1)")
+      check_number(f"Emulation.{name}", getattr(self, name), 0, low_open=True)
+    check_number("Emulation.fwd_fraction", self.fwd_fraction, 0, 1, low_open=True,
+                 high_open=True)
     if (self.fwd_s is None) != (self.bwd_s is None):
-      raise OptionsError("Emulation: give both fwd_s and bwd_s, or neither (then the plan's "
-                         "StageSpec.time_s is split by fwd_fraction)")
+      raise OptionConflictError("Emulation: give both fwd_s and bwd_s, or neither (then the "
+                                "plan's StageSpec.time_s is split by fwd_fraction)")
     if self.fwd_s is not None and len(self.fwd_s) != len(self.bwd_s):
-      raise OptionsError(f"Emulation: fwd_s has {len(self.fwd_s)} stages, bwd_s "
-                         f"{len(self.bwd_s)}")
+      raise OptionConflictError(f"Emulation: fwd_s has {len(self.fwd_s)} stages, bwd_s "
+                                f"{len(self.bwd_s)}: give both per stage of the plan")
 
   # ------------------------------------------------------------------ resolution
 

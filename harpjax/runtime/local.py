@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from harpjax.compiler.schedule import dry_run
 from harpjax.compiler.stages import CompiledStep
 from harpjax.compiler.trace import Lit
-from harpjax.errors import OptionsError
+from harpjax.errors import InvalidOptionError
 from harpjax.runtime.interpreter import LocalMessenger, StageRun, place_on_mesh
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,14 @@ __all__ = ["LocalRuntime", "check_compilation_cache", "run_step", "run_region",
 
 def check_compilation_cache(value, where: str):
   """``value`` as a ``compilation_cache`` option: ``True``, ``False`` or a directory (a
-  ``str``); else an :class:`~harpjax.errors.OptionsError` naming ``where``."""
+  ``str``); else an :class:`~harpjax.errors.InvalidOptionError` naming ``where``."""
   if isinstance(value, bool):
     return value
   if isinstance(value, (str, os.PathLike)):
     return os.fspath(value)
-  raise OptionsError(f"{where}={value!r}: True (harpjax's cache directory, "
-                     "$HARPJAX_CACHE_DIR or ~/.cache/harpjax/profiles, under executables/), "
-                     "False, or a directory")
+  raise InvalidOptionError(f"{where}={value!r}: True (harpjax's cache directory, "
+                           "$HARPJAX_CACHE_DIR or ~/.cache/harpjax/profiles, under "
+                           "executables/), False, or a directory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +72,16 @@ class LocalRuntime:
   def __post_init__(self):
     w = self.compile_workers
     if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0):
-      raise OptionsError(f"LocalRuntime.compile_workers={w!r}: a count of threads >= 0 (0 "
-                         "compiles lazily, on the first call) or None (one per stage)")
+      raise InvalidOptionError(f"LocalRuntime.compile_workers={w!r}: a count of threads >= 0 "
+                               "(0 compiles lazily, on the first call) or None (one per "
+                               "stage)")
     if w is not None:
       object.__setattr__(self, "compile_workers", int(w))
     object.__setattr__(self, "compilation_cache", check_compilation_cache(
         self.compilation_cache, "LocalRuntime.compilation_cache"))
+    if self.progress is not None and not isinstance(self.progress, bool):
+      raise InvalidOptionError(f"LocalRuntime.progress={self.progress!r} must be True, False "
+                               "or None (when stderr is a terminal)")
 
 
 def strongly_typed(x, aval):

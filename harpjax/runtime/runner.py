@@ -31,8 +31,9 @@ import numpy as np
 from harpjax import _compat
 from harpjax.compiler.stages import StepProgram, lower_step
 from harpjax.compiler.trace import aval_nbytes
-from harpjax.errors import (HarpjaxError, OptionsError, PlanError, RuntimeFailure,
-                            UnknownOptionError)
+from harpjax.errors import (HarpjaxError, InvalidOptionError, PlanError, RuntimeFailure,
+                            UnknownOptionError, check_choice, check_count, check_flag,
+                            check_number)
 from harpjax.runtime import codec, transport
 from harpjax.runtime.channels import LocalChannel
 from harpjax.runtime.emulation import Emulation
@@ -120,23 +121,30 @@ class RayRuntime:
   name = "ray"
 
   def __post_init__(self):
-    if self.backend not in ("ray", "threads"):
-      raise OptionsError(f"RayRuntime.backend={self.backend!r}; choose 'ray' or 'threads'")
-    if self.transport not in transport.TRANSPORTS:
-      raise OptionsError(f"RayRuntime.transport={self.transport!r}; choose one of "
-                      f"{transport.TRANSPORTS}")
-    if self.fetch not in FETCH_MODES:
-      raise OptionsError(f"RayRuntime.fetch={self.fetch!r}; choose one of {FETCH_MODES}")
+    check_choice("RayRuntime.backend", self.backend, ("ray", "threads"))
+    check_choice("RayRuntime.transport", self.transport, transport.TRANSPORTS)
+    check_choice("RayRuntime.fetch", self.fetch, FETCH_MODES)
+    if self.address is not None and not isinstance(self.address, str):
+      raise InvalidOptionError(f"RayRuntime.address={self.address!r}: a Ray address (a str, "
+                               "'auto', 'ray://host:10001') or None (a local Ray instance)")
     if self.emulation is not None and not isinstance(self.emulation, Emulation):
-      raise OptionsError(f"RayRuntime.emulation={self.emulation!r}: give a harpjax.Emulation "
-                         "or None")
+      raise InvalidOptionError(f"RayRuntime.emulation={self.emulation!r}: give a "
+                               "harpjax.Emulation or None")
     for name in ("recv_timeout_s", "step_timeout_s", "start_timeout_s"):
+      check_number(f"RayRuntime.{name}", getattr(self, name), 0, low_open=True, finite=False)
+    check_number("RayRuntime.interrupt_grace_s", self.interrupt_grace_s, 0)
+    check_count("RayRuntime.retain_steps", self.retain_steps, 1)
+    check_count("RayRuntime.num_cpus", self.num_cpus, 1, allow_none=True)
+    for name in ("nic_addresses", "actor_env", "ray_init"):
       v = getattr(self, name)
-      if not (isinstance(v, (int, float)) and v > 0):
-        raise OptionsError(f"RayRuntime.{name}={v!r}: must be a positive number of seconds")
-    if isinstance(self.retain_steps, bool) or not isinstance(self.retain_steps, int) or \
-        self.retain_steps < 1:
-      raise OptionsError(f"RayRuntime.retain_steps={self.retain_steps!r}: a count >= 1")
+      if v is not None and not hasattr(v, "items"):
+        raise InvalidOptionError(f"RayRuntime.{name}={v!r} must be a dict or None")
+    for name in ("pin_hosts", "spmd_hosts", "group_processes"):
+      v = getattr(self, name)
+      if v is not None and not isinstance(v, bool):
+        raise InvalidOptionError(f"RayRuntime.{name}={v!r} must be True, False or None (the "
+                                 "default: decided from the cluster)")
+    check_flag("RayRuntime.bind_device", self.bind_device)
     object.__setattr__(self, "compilation_cache", check_compilation_cache(
         self.compilation_cache, "RayRuntime.compilation_cache"))
 

@@ -12,7 +12,6 @@ import collections
 import dataclasses
 
 from harpjax.compiler.trace import Program
-from harpjax.errors import HarpjaxError
 
 __all__ = ["Layer", "Module", "LayerOptions", "LayerSequence"]
 
@@ -119,18 +118,16 @@ class LayerOptions:
   max_unroll: int = 512
 
   def __post_init__(self):
-    if int(self.z) < 1:
-      raise HarpjaxError(f"LayerOptions.z={self.z} must be >= 1")
-    if self.criterion not in ("coverage", "frequency"):
-      raise HarpjaxError(f"LayerOptions.criterion={self.criterion!r}: use 'coverage' or "
-                         "'frequency'")
+    from harpjax.errors import check_choice, check_count, check_flag, check_number
+    check_count("LayerOptions.z", self.z, 1)
+    check_choice("LayerOptions.criterion", self.criterion, ("coverage", "frequency"))
     for f in ("target_layers", "layers_per_module"):
-      v = getattr(self, f)
-      if v is not None and int(v) < 1:
-        raise HarpjaxError(f"LayerOptions.{f}={v} must be >= 1 or None")
-    if self.max_layers_per_module < 1 or not self.max_boundary_ratio > 0:
-      raise HarpjaxError("LayerOptions.max_layers_per_module must be >= 1 and "
-                         "max_boundary_ratio > 0")
+      check_count(f"LayerOptions.{f}", getattr(self, f), 1, allow_none=True)
+    check_count("LayerOptions.max_layers_per_module", self.max_layers_per_module, 1)
+    check_number("LayerOptions.max_boundary_ratio", self.max_boundary_ratio, 0, low_open=True)
+    check_flag("LayerOptions.use_name_stack", self.use_name_stack)
+    check_flag("LayerOptions.unroll_scan", self.unroll_scan)
+    check_count("LayerOptions.max_unroll", self.max_unroll, 0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

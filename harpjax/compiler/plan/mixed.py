@@ -160,31 +160,27 @@ class MixedOptions:
   pair_candidates: int = 4
 
   def __post_init__(self):
-    if self.microbatch_rows is not None and (int(self.microbatch_rows) != self.microbatch_rows
-                                             or self.microbatch_rows < 1):
-      raise PlanError(f"MixedOptions.microbatch_rows={self.microbatch_rows!r} must be a "
-                      "positive integer (the rows of one microbatch)")
-    if not 0.0 <= self.fixed_fraction < 1.0:
-      raise PlanError(f"MixedOptions.fixed_fraction={self.fixed_fraction} must be in [0, 1)")
-    if not 0.0 <= self.grad_fraction <= 1.0:
-      raise PlanError(f"MixedOptions.grad_fraction={self.grad_fraction} must be in [0, 1]")
+    from harpjax.errors import (InvalidOptionError, check_choice, check_count, check_flag,
+                                check_number)
+    check_count("MixedOptions.microbatch_rows", self.microbatch_rows, 1, allow_none=True)
+    check_number("MixedOptions.fixed_fraction", self.fixed_fraction, 0, 1, high_open=True)
+    check_number("MixedOptions.grad_fraction", self.grad_fraction, 0, 1)
     if self.grad_bytes is not None:
-      g = tuple(float(x) for x in self.grad_bytes)
+      try:
+        g = tuple(float(x) for x in self.grad_bytes)
+      except (TypeError, ValueError):
+        g = (math.nan,)
       if any(not (math.isfinite(x) and x >= 0) for x in g):
-        raise PlanError("MixedOptions.grad_bytes must be finite bytes >= 0 per layer")
+        raise InvalidOptionError(f"MixedOptions.grad_bytes={self.grad_bytes!r} must be finite "
+                                 "bytes >= 0 per layer, or None")
       object.__setattr__(self, "grad_bytes", g)
-    if not self.min_link_ratio >= 0:
-      raise PlanError(f"MixedOptions.min_link_ratio={self.min_link_ratio} must be >= 0")
-    if int(self.max_hosts_per_group) < 1 or int(self.max_members) < 2:
-      raise PlanError("MixedOptions: max_hosts_per_group must be >= 1 and max_members >= 2")
-    if int(self.split_radius) != self.split_radius or self.split_radius < 0:
-      raise PlanError(f"MixedOptions.split_radius={self.split_radius!r} must be an integer "
-                      ">= 0")
-    if int(self.pair_candidates) != self.pair_candidates or self.pair_candidates < 0:
-      raise PlanError(f"MixedOptions.pair_candidates={self.pair_candidates!r} must be an "
-                      "integer >= 0")
-    if self.shares not in ("speed", "all"):
-      raise PlanError(f"MixedOptions.shares={self.shares!r}; choose 'speed' or 'all'")
+    check_number("MixedOptions.min_link_ratio", self.min_link_ratio, 0, finite=False)
+    check_count("MixedOptions.max_hosts_per_group", self.max_hosts_per_group, 1)
+    check_count("MixedOptions.max_members", self.max_members, 2)
+    check_count("MixedOptions.split_radius", self.split_radius, 0)
+    check_count("MixedOptions.pair_candidates", self.pair_candidates, 0)
+    check_choice("MixedOptions.shares", self.shares, ("speed", "all"))
+    check_flag("MixedOptions.sub_host", self.sub_host)
 
 
 # --------------------------------------------------------------------------- the cost model

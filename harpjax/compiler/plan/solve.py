@@ -183,8 +183,9 @@ class SolveOptions:
   """Options of :func:`solve`.
 
   Attributes:
-    eps: H-1F1B tolerance of :func:`~harpjax.compiler.schedule.warmup_delta` (the runtime
-      must use the same value; the plan records it, :attr:`~harpjax.Plan.eps`).
+    eps: H-1F1B tolerance of :func:`~harpjax.compiler.schedule.warmup_delta`, in [0, 1] (the
+      runtime must use the same value; the plan records it, :attr:`~harpjax.Plan.eps`, which
+      takes the same range).
     backend: ``"auto"`` (sequential for small searches, else ``"process"``), ``"sequential"``,
       ``"process"`` (local worker processes), ``"thread"`` (threads; the Numba kernel releases
       the GIL) or a registered one (``"ray"``: Ray actors, :mod:`harpjax.runtime`).
@@ -277,43 +278,53 @@ class SolveOptions:
   schedule: str = RANK
 
   def __post_init__(self):
+    from harpjax.errors import (InvalidOptionError, check_choice, check_count, check_flag,
+                                check_number)
     if self.schedule != RANK:
       try:
         object.__setattr__(self, "schedule", schedule_key(self.schedule))
       except HarpjaxError as e:
-        raise PlanError(f"SolveOptions.schedule={self.schedule!r}: {RANK!r} (the planner "
-                        f"ranks the schedules) or a registered schedule; {e}") from None
-    variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload,
-                                               self.offload_activations)
+        raise InvalidOptionError(f"SolveOptions.schedule={self.schedule!r}: {RANK!r} (the "
+                                 f"planner ranks the schedules) or a registered schedule; "
+                                 f"{e}") from None
+    try:
+      variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload,
+                                                 self.offload_activations)
+    except PlanError as e:
+      raise InvalidOptionError(f"SolveOptions.{e}") from None
     object.__setattr__(self, "zero_levels", variant_opts.zero_levels)
-    if self.mixed_stages not in MIXED_MODES:
-      raise PlanError(f"SolveOptions.mixed_stages={self.mixed_stages!r}; choose one of "
-                      f"{MIXED_MODES}")
-    if self.cost_model not in COST_MODELS:
-      raise PlanError(f"SolveOptions.cost_model={self.cost_model!r}; choose one of "
-                      f"{COST_MODELS}")
-    if not 0.0 < self.fwd_fraction < 1.0:
-      raise PlanError(f"SolveOptions.fwd_fraction={self.fwd_fraction} must be in (0, 1)")
-    if not 0.0 <= self.hidden_share <= 1.0:
-      raise PlanError(f"SolveOptions.hidden_share={self.hidden_share} must be in [0, 1]")
-    if int(self.proof_nodes) != self.proof_nodes or self.proof_nodes < 0:
-      raise PlanError(f"SolveOptions.proof_nodes={self.proof_nodes} must be an integer >= 0")
-    goal = objective_of(self.objective)
+    check_choice("SolveOptions.mixed_stages", self.mixed_stages, MIXED_MODES)
+    check_choice("SolveOptions.cost_model", self.cost_model, COST_MODELS)
+    check_number("SolveOptions.fwd_fraction", self.fwd_fraction, 0, 1, low_open=True,
+                 high_open=True)
+    check_number("SolveOptions.hidden_share", self.hidden_share, 0, 1)
+    check_count("SolveOptions.proof_nodes", self.proof_nodes, 0)
+    check_count("SolveOptions.bound_pieces", self.bound_pieces, 1)
+    check_count("SolveOptions.parallel_min_work", self.parallel_min_work, 0)
+    try:
+      goal = objective_of(self.objective)
+    except PlanError as e:
+      raise InvalidOptionError(str(e)) from None
     for name in ("budget_per_hour", "time_limit_s"):
-      v = getattr(self, name)
-      if v is not None and (isinstance(v, bool) or not (isinstance(v, (int, float))
-                                                        and math.isfinite(v) and v > 0)):
-        raise PlanError(f"SolveOptions.{name}={v!r} must be a finite number > 0")
-    goal.check(self.budget_per_hour, self.time_limit_s)
-    if not (self.eps >= 0 and math.isfinite(self.eps)):
-      raise PlanError(f"SolveOptions.eps={self.eps} must be finite and >= 0")
+      check_number(f"SolveOptions.{name}", getattr(self, name), 0, low_open=True,
+                   allow_none=True)
+    try:
+      goal.check(self.budget_per_hour, self.time_limit_s)
+    except PlanError as e:
+      raise InvalidOptionError(f"SolveOptions: {e}") from None
+    # the range Plan.eps takes: the plan records the tolerance it was made with
+    check_number("SolveOptions.eps", self.eps, 0, 1)
     known = BACKENDS + tuple(_PARALLEL_BACKENDS)
     if self.backend not in known:
-      raise PlanError(f"SolveOptions.backend={self.backend!r}; choose one of {known}")
-    if self.kernel not in ("numba", "numpy"):
-      raise PlanError(f"SolveOptions.kernel={self.kernel!r}; choose 'numba' or 'numpy'")
-    if self.workers is not None and int(self.workers) < 1:
-      raise PlanError(f"SolveOptions.workers={self.workers} must be >= 1")
+      raise InvalidOptionError(f"SolveOptions.backend={self.backend!r}; choose one of {known}")
+    check_choice("SolveOptions.kernel", self.kernel, ("numba", "numpy"))
+    check_count("SolveOptions.workers", self.workers, 1, allow_none=True)
+    check_number("SolveOptions.timeout_s", self.timeout_s, 0, low_open=True, finite=False)
+    if self.start_method is not None:
+      check_choice("SolveOptions.start_method", self.start_method,
+                   multiprocessing.get_all_start_methods())
+    for name in ("bound_pruning", "use_all_devices", "keep_order"):
+      check_flag(f"SolveOptions.{name}", getattr(self, name))
 
 
 @dataclasses.dataclass(frozen=True)

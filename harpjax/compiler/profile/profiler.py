@@ -150,26 +150,48 @@ class ProfileOptions:
     return (remat_mode(self.remat),)
 
   def __post_init__(self):
+    from harpjax.errors import (InvalidOptionError, check_choice, check_count, check_flag,
+                                check_number)
     try:
       modes = self.remat_modes
     except HarpjaxError:
       modes = ()
     if not modes or len(set(modes)) != len(modes) or (
         isinstance(self.remat, tuple) and len(modes) < 2):
-      raise HarpjaxError(f"ProfileOptions.remat={self.remat!r}; choose one of {REMAT_MODES} "
-                         "(True is 'full', False 'none'), 'choose' (the planner picks one per "
-                         "stage) or a tuple of two or more distinct modes to choose among")
-    if self.source not in SOURCES:
-      raise HarpjaxError(f"ProfileOptions.source={self.source!r}; choose one of "
-                         f"{', '.join(SOURCES)}")
-    if self.optimizer_bytes_per_param is not None and not (
-        0 <= self.optimizer_bytes_per_param < self.state_bytes_per_param):
-      raise HarpjaxError(f"ProfileOptions.optimizer_bytes_per_param="
-                         f"{self.optimizer_bytes_per_param} must be in [0, "
-                         f"state_bytes_per_param={self.state_bytes_per_param})")
-    if not self.imbalance > 0 or self.state_bytes_per_param <= 0 or self.workers < 1:
-      raise HarpjaxError("ProfileOptions: imbalance and state_bytes_per_param must be > 0 and "
-                         "workers >= 1")
+      raise InvalidOptionError(
+          f"ProfileOptions.remat={self.remat!r}; choose one of {REMAT_MODES} (True is 'full', "
+          "False 'none'), 'choose' (the planner picks one per stage) or a tuple of two or more "
+          "distinct modes to choose among")
+    check_choice("ProfileOptions.source", self.source, SOURCES)
+    for name in ("cache_dir", "imported_data_dir"):
+      v = getattr(self, name)
+      if v is not None and not (isinstance(v, str) or hasattr(v, "__fspath__")):
+        raise InvalidOptionError(f"ProfileOptions.{name}={v!r} must be a directory (a str "
+                                 "or path) or None")
+    for name in ("imported_model", "imported_module"):
+      v = getattr(self, name)
+      if v is not None and not isinstance(v, str):
+        raise InvalidOptionError(f"ProfileOptions.{name}={v!r} must be a name (a str) or None")
+    check_flag("ProfileOptions.use_cache", self.use_cache)
+    if self.progress is not None:
+      check_flag("ProfileOptions.progress", self.progress)
+    check_number("ProfileOptions.state_bytes_per_param", self.state_bytes_per_param, 0,
+                 low_open=True)
+    check_number("ProfileOptions.optimizer_bytes_per_param", self.optimizer_bytes_per_param,
+                 0, self.state_bytes_per_param, high_open=True, allow_none=True)
+    check_count("ProfileOptions.max_tp", self.max_tp, 1, allow_none=True)
+    check_number("ProfileOptions.imbalance", self.imbalance, 0, low_open=True, finite=False)
+    order = self.order
+    if order is not None and order != "memory_to_compute" and (
+        isinstance(order, (str, bytes)) or not isinstance(order, (tuple, list))
+        or not all(isinstance(n, str) for n in order)):
+      raise InvalidOptionError(f"ProfileOptions.order={order!r}: None (the cluster's order), "
+                               "'memory_to_compute' or a sequence of subcluster names")
+    if self.efficiencies is not None and not hasattr(self.efficiencies, "items"):
+      raise InvalidOptionError(f"ProfileOptions.efficiencies={self.efficiencies!r} must be a "
+                               "dict of GPU name -> Efficiency, or None")
+    check_count("ProfileOptions.repeats", self.repeats, 1)
+    check_count("ProfileOptions.workers", self.workers, 1)
 
 
 @dataclasses.dataclass(frozen=True)
