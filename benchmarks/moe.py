@@ -25,8 +25,14 @@ Methods, for the same global batch (``--seqs-per-gpu`` sequences per GPU of the 
   summed (no cross-type communication);
 * ``Zebra``: zebra parallelism (best ``R``), without and with asymmetric expert assignment
   (exhaustive when small, else Algorithm 1 + local search).
+* ``(d) Pipeline``: :func:`harpjax.compiler.plan.solve` on cost tables of the same per-block
+  costs (each stage expert-parallel over its GPUs of one type), best ``B``;
+* ``P+Z``: pipeline + zebra, two stages (a zebra stage, and a zebra or EP stage), estimated by
+  Eq. 12 with each zebra stage's latency and period (not simulated).
 
-Run ``python benchmarks/moe.py`` (about a minute); ``--quick`` runs one setting. The table is
+Run ``python benchmarks/moe.py`` (about 2.5 minutes); ``--quick`` runs one setting (20 s). The
+(d) and pipeline + zebra methods are described at :func:`pipeline_tables` and
+:func:`best_pipeline_zebra`; the tables are
 in docs/moe.md.
 """
 
