@@ -25,8 +25,14 @@ Methods, for the same global batch (``--seqs-per-gpu`` sequences per GPU of the 
   summed (no cross-type communication);
 * ``Zebra``: zebra parallelism (best ``R``), without and with asymmetric expert assignment
   (exhaustive when small, else Algorithm 1 + local search).
+* ``(d) Pipeline``: :func:`harpjax.compiler.plan.solve` on cost tables of the same per-block
+  costs (each stage expert-parallel over its GPUs of one type), best ``B``;
+* ``P+Z``: pipeline + zebra, two stages (a zebra stage, and a zebra or EP stage), estimated by
+  Eq. 12 with each zebra stage's latency and period (not simulated).
 
-Run ``python benchmarks/moe.py`` (about a minute); ``--quick`` runs one setting. The table is
+Run ``python benchmarks/moe.py`` (about 2.5 minutes); ``--quick`` runs one setting (20 s). The
+(d) and pipeline + zebra methods are described at :func:`pipeline_tables` and
+:func:`best_pipeline_zebra`; the tables are
 in docs/moe.md.
 """
 
@@ -45,11 +51,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flax.linen as nn                                               # noqa: E402
 import jax                                                            # noqa: E402
 import jax.numpy as jnp                                               # noqa: E402
+import numpy as np                                                    # noqa: E402
 
 from harpjax.cluster import GPU_CATALOG, Link                         # noqa: E402
 from harpjax.compiler.layers import construct_layers, LayerOptions    # noqa: E402
+from harpjax.compiler.plan import SolveOptions, solve                 # noqa: E402
 from harpjax.compiler.plan.expert_assignment import (                 # noqa: E402
     ExpertAssignmentProblem, gather_and_squeeze, optimize_assignment)
+from harpjax.compiler.profile import CostTables                       # noqa: E402
+from harpjax.errors import InfeasiblePlanError                        # noqa: E402
 from harpjax.compiler.profile import calibration as calib             # noqa: E402
 from harpjax.compiler.profile import estimate                         # noqa: E402
 from harpjax.compiler.profile import pieces as pieces_lib             # noqa: E402
@@ -60,6 +70,7 @@ from harpjax.models.gpt import Attention, GPTConfig                   # noqa: E4
 
 TOP_K = 2
 DTYPE_BYTES = 2
+UNBOUNDED_BYTES = 1e30     # device memory of the pipeline's tables: memory is not modelled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,19 +223,197 @@ def ep_iteration_s(m: MoEModel, seq: int, gpus: list[tuple[str, int]], seqs_per_
   return m.layers * per_layer
 
 
-def zebra_problem(m: MoEModel, s: Setup, seq: int, batch_seqs: int, R: int
-                  ) -> ExpertAssignmentProblem:
-  M, N = s.num_new, s.num_old
+def zebra_problem(m: MoEModel, s: Setup, seq: int, batch_seqs: int, R: int, *,
+                  num_attn: int | None = None, num_expert: int | None = None,
+                  layers: int | None = None) -> ExpertAssignmentProblem:
+  """A zebra stage of ``layers`` (default all) blocks, ``num_attn`` of the setup's newer GPUs
+  for attention and ``num_expert`` of its older ones for experts (default all of each), on
+  ``batch_seqs`` sequences cut into ``R`` microbatches."""
+  M = s.num_new if num_attn is None else num_attn
+  N = s.num_old if num_expert is None else num_expert
+  L = m.layers if layers is None else layers
   seqs_attn = batch_seqs / (M * R)              # per attention GPU per microbatch
   tokens_mb = batch_seqs * seq / R * TOP_K      # routed copies of one microbatch
   ta = attn_s(m, seq, seqs_attn, s.new)
   te = experts_s(m, m.experts // N, tokens_mb / N, s.old)
   tx = experts_s(m, m.experts // N, tokens_mb / N, s.new)
-  L = m.layers
   return ExpertAssignmentProblem(
       m.experts, M, N, R, [ta / 3] * L + [0.0], [2 * ta / 3] * L + [0.0], [te / 3] * L,
       [2 * te / 3] * L, [tx / 3] * L, [2 * tx / 3] * L,
       routed_bytes=[tokens_mb * m.hidden * DTYPE_BYTES] * L, link=link_of(s))
+
+
+# --------------------------------------------------------------------------- (d) the pipeline
+
+
+def divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ep_block_s(m: MoEModel, s: Setup, seq: int, gpu: str, p: int, mb_seqs: int) -> float:
+  """One block, forward+backward, of a microbatch of ``mb_seqs`` sequences on ``p`` GPUs of
+  type ``gpu`` running expert parallelism over all ``p`` (logical mesh ``(1, 1, p)``): the EP
+  column's model on those GPUs alone; ``inf`` where ``p`` divides neither the experts nor the
+  microbatch's sequences (a sequence's attention is not split)."""
+  if m.experts % p or mb_seqs % p:
+    return math.inf
+  return ep_iteration_s(m, seq, [(gpu, p)], mb_seqs / p, link_of(s)) / m.layers
+
+
+def pipeline_tables(m: MoEModel, s: Setup, seq: int, mb_seqs: int) -> CostTables:
+  """Cost tables of the model's blocks (one planner layer per block, so no stage splits a
+  block's attention from its experts) on the setup's two GPU types, by the model the other
+  columns use: a stage of blocks ``i..j`` on ``(1, p)`` takes ``(j - i + 1)`` times
+  :func:`ep_block_s`; a cut sends a microbatch's hidden states (fp16) each way over the
+  setup's link, which also joins the GPUs of one type (as in the EP column). Memory, gradient
+  synchronisation and the optimizer step are left out, as in every column: device memory is
+  unbounded and the tables have no end times."""
+  L = m.layers
+  link = link_of(s)
+  names, counts, times, meshes, subs = [], [], [], [], []
+  for gpu, count in ((s.new, s.num_new), (s.old, s.num_old)):
+    widths = list(range(1, count + 1))
+    per_block = np.array([ep_block_s(m, s, seq, gpu, p, mb_seqs) for p in widths])
+    t = np.full((L, L, len(widths)), np.inf)
+    for i in range(L):
+      for j in range(i, L):
+        t[i, j] = (j - i + 1) * per_block
+    mesh = np.zeros((L, L, len(widths), 3), dtype=np.int64)
+    mesh[..., 0], mesh[..., 1], mesh[..., 2] = 1, 1, np.array(widths)
+    names.append(gpu)
+    counts.append(count)
+    times.append(t)
+    meshes.append(mesh)
+    subs.append(tuple((1, p) for p in widths))
+  zeros = tuple(np.zeros((L, L, len(x))) for x in subs)
+  return CostTables(
+      num_layers=L, subcluster_names=tuple(names), num_hosts=(1, 1),
+      devices_per_host=tuple(counts), device_memory_bytes=(UNBOUNDED_BYTES,) * 2,
+      submeshes=tuple(subs), stage_time_s=tuple(times), param_mem_bytes=zeros,
+      act_mem_bytes=zeros,
+      boundary_bytes=np.full(L, float(mb_seqs * seq * m.hidden * DTYPE_BYTES)),
+      intra_bandwidth_bytes_per_s=(link.bandwidth_bytes_per_s,) * 2,
+      intra_latency_s=(link.latency_s,) * 2,
+      inter_bandwidth_bytes_per_s=(link.bandwidth_bytes_per_s,),
+      inter_latency_s=(link.latency_s,), logical_mesh=tuple(meshes),
+      layer_names=tuple(f"block_{i}" for i in range(L)))
+
+
+def best_pipeline(m: MoEModel, s: Setup, seq: int, batch: int, cost_model: str = "simulator"):
+  """(d): ``solve`` on :func:`pipeline_tables` for every microbatch count ``B`` dividing the
+  batch; the fastest plan's (seconds, B, PlanResult). ``cost_model="eq12"`` ranks by HARP's
+  Eq. 12 instead of the simulator (the seconds are then Eq. 12's)."""
+  best = None
+  for B in divisors(batch):
+    tables = pipeline_tables(m, s, seq, batch // B)
+    try:
+      r = solve(tables, B, options=SolveOptions(mixed_stages="off", backend="sequential",
+                                                cost_model=cost_model))
+    except InfeasiblePlanError:
+      continue
+    t = r.iteration_s if cost_model == "simulator" else r.eq12_s
+    if best is None or t < best[0]:
+      best = (t, B, r)
+  return best
+
+
+def best_zebra_estimate(m: MoEModel, s: Setup, seq: int, batch: int) -> float:
+  """Zebra alone (one stage, every GPU, no offload) by the pipeline estimate, best ``B``."""
+  out = math.inf
+  for B in divisors(batch):
+    e = zebra_stage_estimate(m, s, seq, batch // B, s.num_new, s.num_old, m.layers)
+    if e is not None:
+      out = min(out, pipeline_estimate_s([e], 0.0, B))
+  return out
+
+
+def plan_text(r) -> str:
+  """``A40 1+V100-16G 3 ...``: each stage's GPU type, blocks and devices, pipeline order."""
+  out = []
+  for st in r.plan.stages:
+    i, j = st.layers
+    out.append(f"{st.subcluster}[{i}-{j}]x{st.submesh[1]}")
+  return " ".join(out)
+
+
+# --------------------------------------------------------------------------- pipeline + zebra
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEstimate:
+  """One stage of a pipeline, per microbatch: ``latency_s`` (its forward+backward chain, one
+  microbatch alone) and ``period_s`` (its busiest stream: the steady-state time between
+  microbatches)."""
+  what: str
+  latency_s: float
+  period_s: float
+
+
+@functools.lru_cache(maxsize=None)
+def zebra_stage_estimate(m: MoEModel, s: Setup, seq: int, mb_seqs: int, M: int, N: int,
+                         layers: int) -> StageEstimate | None:
+  """A zebra stage of ``layers`` blocks on ``M`` newer (attention) + ``N`` older (experts)
+  GPUs, every expert on the expert GPUs; ``None`` where ``N`` does not divide the experts or
+  ``M`` the microbatch's sequences."""
+  if M < 1 or N < 1 or m.experts % N or mb_seqs % M:
+    return None
+  c = zebra_problem(m, s, seq, mb_seqs, 1, num_attn=M, num_expert=N,
+                    layers=1).costs([0])
+  streams = {"attn": sum(c.attn_fwd_s) + sum(c.attn_bwd_s),
+             "expert": sum(c.expert_fwd_s) + sum(c.expert_bwd_s),
+             "dispatch": sum(c.dispatch_fwd_s) + sum(c.dispatch_bwd_s),
+             "combine": sum(c.combine_fwd_s) + sum(c.combine_bwd_s)}
+  return StageEstimate(f"Z({M}+{N})x{layers}", layers * sum(streams.values()),
+                       layers * max(streams.values()))
+
+
+@functools.lru_cache(maxsize=None)
+def ep_stage_estimate(m: MoEModel, s: Setup, seq: int, mb_seqs: int, gpu: str, p: int,
+                      layers: int) -> StageEstimate | None:
+  """``layers`` blocks with expert parallelism on ``p`` GPUs of type ``gpu``."""
+  t = layers * ep_block_s(m, s, seq, gpu, p, mb_seqs) if p >= 1 else math.inf
+  if not math.isfinite(t):
+    return None
+  return StageEstimate(f"EP({p}{'N' if gpu == s.new else 'O'})x{layers}", t, t)
+
+
+def pipeline_estimate_s(stages: list[StageEstimate], cut_s: float, B: int) -> float:
+  """Eq. 12 with a zebra stage's latency and period told apart: ``sum_i (latency_i + 2 c) +
+  (B - 1) max_i max(period_i, c)``; for stages of one stream (latency = period) it is HARP's
+  Eq. 12."""
+  cuts = len(stages) - 1
+  period = max(max(x.period_s for x in stages), cut_s if cuts else 0.0)
+  return sum(x.latency_s for x in stages) + 2 * cuts * cut_s + (B - 1) * period
+
+
+def best_pipeline_zebra(m: MoEModel, s: Setup, seq: int, batch: int):
+  """Pipeline + zebra, estimated: two stages over the setup's link, the first a zebra stage
+  (``M_1`` newer + ``N_1`` older GPUs), the second a zebra stage on the rest or expert
+  parallelism on up to the rest of one type (the order of the two does not change the
+  estimate); every split of the blocks and GPUs, every ``B``
+  dividing the batch; the best (estimated seconds, B, stages)."""
+  L, best = m.layers, None
+  for B in divisors(batch):
+    b = batch // B
+    link = link_of(s)
+    cut = link.latency_s + b * seq * m.hidden * DTYPE_BYTES / link.bandwidth_bytes_per_s
+    for l1 in range(1, L):
+      for M1 in range(1, s.num_new + 1):
+        for N1 in range(1, s.num_old + 1):
+          first = zebra_stage_estimate(m, s, seq, b, M1, N1, l1)
+          if first is None:
+            continue
+          M2, N2, l2 = s.num_new - M1, s.num_old - N1, L - l1
+          rest = [zebra_stage_estimate(m, s, seq, b, M2, N2, l2)]
+          rest += [ep_stage_estimate(m, s, seq, b, s.new, p, l2) for p in range(1, M2 + 1)]
+          rest += [ep_stage_estimate(m, s, seq, b, s.old, p, l2) for p in range(1, N2 + 1)]
+          for second in rest:
+            if second is None:
+              continue
+            t = pipeline_estimate_s([first, second], cut, B)
+            if best is None or t < best[0]:
+              best = (t, B, (first, second))
+  return best
 
 
 def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
@@ -250,10 +439,21 @@ def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
     opt = optimize_assignment(p)
     if best_asym is None or opt.iteration_time < best_asym[0]:
       best_asym = (opt.iteration_time, R, opt.offload, gather_and_squeeze(p).iteration_time)
+  pipe = best_pipeline(m, s, seq, batch)
+  pz = best_pipeline_zebra(m, s, seq, batch)
+  zebra_est = pipeline_estimate_s(
+      [zebra_stage_estimate(m, s, seq, batch // best_zebra[1], s.num_new, s.num_old,
+                            m.layers)], 0.0, best_zebra[1])
   return {"ep": tokens / ep, "dist": tokens / dist, "ideal": ideal_tput,
           "zebra": tokens / best_zebra[0], "zebra_R": best_zebra[1],
           "asym": tokens / best_asym[0], "asym_R": best_asym[1], "offload": best_asym[2],
-          "alg1": tokens / best_asym[3]}
+          "alg1": tokens / best_asym[3],
+          "pipe": tokens / pipe[0], "pipe_B": pipe[1], "pipe_plan": plan_text(pipe[2]),
+          "pipe_eq12_over_sim": pipe[2].eq12_s / pipe[2].iteration_s,
+          "pz": tokens / pz[0], "pz_B": pz[1], "pz_stages": " then ".join(x.what for x in pz[2]),
+          "zebra_est_over_sim": zebra_est / best_zebra[0],
+          "est_zebra": tokens / best_zebra_estimate(m, s, seq, batch),
+          "est_pipe": tokens / best_pipeline(m, s, seq, batch, cost_model="eq12")[0]}
 
 
 def part_ratios(m: MoEModel, s: Setup, seq: int) -> tuple[float, float]:
@@ -282,14 +482,16 @@ def main(argv=None):
     print(f"  {s.new} vs {s.old}: " + "; ".join(cells))
   print()
   header = ("| setup | model | seq | EP | DistEP | EP (Ideal) | Zebra | Zebra+Asym-EA "
-            "(R, offload) | Alg. 1 only | vs EP | vs DistEP | vs Ideal |")
+            "(R, offload) | Alg. 1 only | (d) Pipeline | vs EP | vs DistEP | vs Ideal | vs (d) |")
   print(header)
-  print("|---" * 12 + "|")
-  ratios = {"ep": [], "dist": [], "ideal": []}
+  print("|---" * 14 + "|")
+  ratios = {"ep": [], "dist": [], "ideal": [], "pipe": []}
+  rows = []
   for sname, mname in runs:
     s, m = SETUPS[sname], MODELS[mname]
     for seq in seqs:
       r = run_one(m, s, seq, args.seqs_per_gpu)
+      rows.append((s, mname, seq, r))
       k = lambda v: f"{v / 1e3:.1f}"
       vs = {x: r["asym"] / r[x] for x in ratios}
       for x in ratios:
@@ -298,12 +500,43 @@ def main(argv=None):
       print(f"| {s.num_new}x{s.new}+{s.num_old}x{s.old} | {mname} | {seq // 1024}K | "
             f"{k(r['ep'])} | {k(r['dist'])} | {k(r['ideal'])} | {k(r['zebra'])} "
             f"(R={r['zebra_R']}) | {k(r['asym'])} (R={r['asym_R']}; {off}) | {k(r['alg1'])} | "
-            f"{vs['ep']:.2f}x | {vs['dist']:.2f}x | {vs['ideal']:.2f}x |")
+            f"{k(r['pipe'])} | {vs['ep']:.2f}x | {vs['dist']:.2f}x | {vs['ideal']:.2f}x | "
+            f"{vs['pipe']:.2f}x |")
   print()
-  for x, name in (("ep", "EP"), ("dist", "DistEP"), ("ideal", "EP (Ideal)")):
+  for x, name in (("ep", "EP"), ("dist", "DistEP"), ("ideal", "EP (Ideal)"),
+                  ("pipe", "(d) Pipeline")):
     v = ratios[x]
     print(f"Zebra+Asym-EA over {name}: mean {sum(v) / len(v):.2f}x, min {min(v):.2f}x, "
           f"max {max(v):.2f}x")
+  print()
+  print("(d) and pipeline + zebra (P+Z, estimated: two stages, Eq. 12 with each zebra stage's "
+        "latency and period):")
+  print("| setup | model | seq | Zebra+Asym-EA | (d) Pipeline (B; stages) | P+Z est. (B; stages) "
+        "| P+Z over the better | best | est.: Zebra / (d) / P+Z | best by est. |")
+  print("|---" * 10 + "|")
+  wins = {"P+Z": 0, "Zebra": 0, "(d)": 0}
+  est_wins = {"P+Z": 0, "Zebra": 0, "(d)": 0}
+  for s, mname, seq, r in rows:
+    k = lambda v: f"{v / 1e3:.1f}"
+    better = max(r["asym"], r["pipe"])
+    best = "P+Z" if r["pz"] > better else ("Zebra" if r["asym"] >= r["pipe"] else "(d)")
+    wins[best] += 1
+    est = {"Zebra": r["est_zebra"], "(d)": r["est_pipe"], "P+Z": r["pz"]}
+    best_est = max(est, key=est.get)
+    est_wins[best_est] += 1
+    print(f"| {s.num_new}x{s.new}+{s.num_old}x{s.old} | {mname} | {seq // 1024}K | "
+          f"{k(r['asym'])} | {k(r['pipe'])} (B={r['pipe_B']}; {r['pipe_plan']}) | "
+          f"{k(r['pz'])} (B={r['pz_B']}; {r['pz_stages']}) | {r['pz'] / better:.2f}x | {best} | "
+          f"{k(est['Zebra'])} / {k(est['(d)'])} / {k(est['P+Z'])} | {best_est} |")
+  print()
+  print("best (P+Z's estimate against the others' simulated times): "
+        + ", ".join(f"{name} in {n} of {len(rows)}" for name, n in wins.items()))
+  print("best, all three by the estimate: "
+        + ", ".join(f"{name} in {n} of {len(rows)}" for name, n in est_wins.items()))
+  ze = [r["zebra_est_over_sim"] for *_, r in rows]
+  pe = [r["pipe_eq12_over_sim"] for *_, r in rows]
+  print(f"the estimate over the simulated time: zebra alone (its R) {min(ze):.3f}-{max(ze):.3f}; "
+        f"Eq. 12 of (d)'s plans {min(pe):.3f}-{max(pe):.3f}")
   print(f"(throughput in thousands of tokens/s; {time.time() - t_start:.0f} s)")
 
 
