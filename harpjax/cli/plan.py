@@ -71,7 +71,7 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Fewest matmuls in a repeated module.")
 @click.option("--target-layers", type=click.IntRange(min=1), default=None,
               help="Layers wanted in total.")
-@click.option("--eps", type=Finite(min=0), default=0.1, show_default=True,
+@click.option("--eps", type=Finite(min=0, max=1), default=0.1, show_default=True,
               help="H-1F1B tolerance (2c/t_max below it needs no extra warm-up).")
 @click.option("--schedule", default="rank", show_default=True,
               help="The pipeline schedule: rank (the fastest of 1f1b, eager_1f1b and h1f1b "

@@ -117,7 +117,7 @@ def _fit(values: list[float] | None, n: int, what: str) -> list[float] | None:
 @click.option("--table", "table_file", type=click.Path(exists=True, dir_okay=False),
               help="A custom task table (text of format_tables: one 'stage i: F0 F1 B0 ...' "
               "line per stage), simulated as schedule 'custom'.")
-@click.option("--eps", type=Finite(min=0), default=0.1, show_default=True,
+@click.option("--eps", type=Finite(min=0, max=1), default=0.1, show_default=True,
               help="H-1F1B tolerance: links with 2c/t_max <= eps get no extra warm-up.")
 @click.option("--end-cost", help="End-of-iteration time per stage (grad sync + update).")
 @click.option("--act-bytes", help="Activation bytes per in-flight microbatch, per stage.")
