@@ -54,7 +54,8 @@ from flax.training import train_state  # noqa: E402
 
 import harpjax  # noqa: E402
 from harpjax.compiler.plan import evaluate_plan  # noqa: E402
-from harpjax.compiler.profile import ProfileOptions, estimate, pieces, tables_for_plan  # noqa: E402
+from harpjax.compiler.profile import (ProfileOptions, estimate, pieces, stage_flops,  # noqa: E402
+                                      tables_for_plan)
 from harpjax.compiler.stages import compile_stage, memory_report  # noqa: E402
 from harpjax.models import GPT, GPTConfig  # noqa: E402
 from harpjax.runtime.emulation import Emulation  # noqa: E402
@@ -228,7 +229,7 @@ def measure_stages(name: str, remat: bool, plan_name: str = "planner") -> list[d
         model=name if plan_name == "planner" else f"{name} [{plan_name}]",
         remat=cs.plan.remat_of(spec), stage=s, layers=f"{i}-{j}",
         where=f"{spec.subcluster} {tuple(spec.logical_mesh)}", zero=spec.zero,
-        flops=(float(np.sum(costs["flops"][i:j + 1])), xla_flops),
+        flops=(float(stage_flops(costs, cs.plan.remat_of(spec))[i, j]), xla_flops),
         bytes=(work_bytes, stats_bytes, xla_bytes),
         mem=(ps.peak_mem_bytes, r.xla_peak_bytes, max(r.phases, key=r.phases.get),
              ps.inflight, r.in_flight)))

@@ -25,7 +25,8 @@ chosen in ``profiler._make_source``.
 from harpjax.compiler.profile.cache import CACHE_DIR_ENV, default_cache_dir, ProfileDB
 from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, profile_step,
                                                ProfileOptions, ProfileResult, ProfileStats,
-                                               progress_bar, SOURCES, tables_for_plan)
+                                               progress_bar, SOURCES, stage_flops,
+                                               stage_times, tables_for_plan)
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.layer_profile import (LayerProfile, memory_to_compute_order,
                                                     SubclusterSpec, synthetic_gpt_profile)
@@ -46,7 +47,7 @@ __all__ = [
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "range_sums", "replica_grad_bytes", "replica_link", "SOURCES", "stage_memory",
-    "StageMemory", "subcluster_link", "SubclusterSpec", "sync_per_microbatch",
+    "StageMemory", "stage_flops", "stage_times", "subcluster_link", "SubclusterSpec", "sync_per_microbatch",
     "synthetic_gpt_profile", "tables_for_plan", "with_remat_choice",
     "ZERO_LEVELS", "zero_collectives", "zero_layer_costs", "zero_stage_times",
     "zero_state_bytes_per_param", "zero_sync_time_s", "zero_tables",

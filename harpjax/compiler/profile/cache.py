@@ -115,7 +115,8 @@ ENTRY_FIELDS: dict[str, dict[str, Rule]] = {
                    "act_mem_bytes": _AMOUNT, "temp_bytes": _AMOUNT, "flops": _AMOUNT,
                    "grad_bytes": _AMOUNT, "fwd_temp_bytes": _AMOUNT, "bwd_temp_bytes": _AMOUNT,
                    "draw_bytes": _AMOUNT, "draw_max_bytes": _AMOUNT,
-                   "remat_held_bytes": _AMOUNT},
+                   "remat_held_bytes": _AMOUNT, "inner_remat_flops": _AMOUNT,
+                   "inner_remat_time_s": _AMOUNT},
     # XLA's statistics of a compiled piece (XlaStats).
     "xla-stats": {"flops": _AMOUNT, "bytes_accessed": _AMOUNT, "transcendentals": _AMOUNT,
                   "collective_bytes": _collectives, "temp_bytes": _AMOUNT,

@@ -7,7 +7,9 @@ collectives and gradient all-reduce, :meth:`CostTables.from_layer_costs
 (:mod:`~harpjax.compiler.profile.zero`). :func:`round_trip_time_s` is every transfer there and
 back: the optimizer state or the residuals to host memory and back
 (:func:`~harpjax.compiler.profile.offload_time_s`), a mixed-type stage's rows and gradients to
-its home group and back (:mod:`~harpjax.compiler.profile.routes`).
+its home group and back (:mod:`~harpjax.compiler.profile.routes`). :func:`update_time_s` is
+the optimizer update's traffic in device memory, which every stage's end time holds beside
+its gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from harpjax.cluster import Link
 
 __all__ = ["allreduce_time_s", "allgather_time_s", "all_to_all_time_s", "collective_time_s",
-           "round_trip_time_s"]
+           "round_trip_time_s", "update_time_s"]
 
 
 def allreduce_time_s(nbytes, p: int, link: Link):
@@ -88,3 +90,10 @@ def round_trip_time_s(nbytes, bandwidth_bytes_per_s: float, latency_s: float = 0
     latency_s: seconds per direction.
   """
   return 2.0 * (latency_s + nbytes / bandwidth_bytes_per_s)
+
+
+def update_time_s(state_bytes, mem_bandwidth_bytes_per_s: float):
+  """Seconds of an optimizer update on one device: its state (weights, gradients, optimizer
+  state: ``state_bytes``, a number or an array) read and written once at the device's memory
+  bandwidth, ``2 * state_bytes / bandwidth``."""
+  return 2.0 * state_bytes / mem_bandwidth_bytes_per_s

@@ -79,9 +79,10 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
                                     primitives, regen, remat_mode, strip_markers)
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
-           "accumulated_params", "simplified_away"]
+           "accumulated_params", "simplified_away", "outputs_recompute_ops",
+           "outputs_recompute_work"]
 
-ESTIMATE_VERSION = "10"
+ESTIMATE_VERSION = "11"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -631,9 +632,7 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   if lv is fb:
     lv_sizes, lv_read = sizes, read
   else:
-    lv_params, lv_batch = _input_roles(piece, lv, with_cts=True)
-    lv_grads = lv.outvars[traced.num_outputs:traced.num_outputs + n_p]
-    lv_sizes, lv_read = _Sizes(lv, lv_params, lv_batch, dp, tp, lv_grads), _read(lv)
+    lv_sizes, lv_read = _live_sizes(traced, dp, tp), _read(lv)
   work = _work(lv, lv_sizes, lv_read)
   nbytes = _bytes_accessed(fb, sizes, read)
   fr_sizes = _fwd_sizes(traced, dp, tp)
@@ -668,6 +667,97 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
                               bwd_temp_bytes=bwd_temp, draw_bytes=draws[0],
                               draw_max_bytes=draws[1], remat_held_bytes=held)
   return stats, work
+
+
+def _live_sizes(traced: TracedPiece, dp: int, tp: int) -> _Sizes:
+  """:class:`_Sizes` of the forward+backward that returns the outputs (``traced.live``)."""
+  lv, piece = traced.live, traced.piece
+  params, batch = _input_roles(piece, lv, with_cts=True)
+  n_p = len(piece.param_ids)
+  grads = lv.outvars[traced.num_outputs:traced.num_outputs + n_p]
+  return _Sizes(lv, params, batch, dp, tp, grads)
+
+
+def outputs_recompute_ops(traced: TracedPiece) -> set:
+  """Indices of the ops of ``traced.live`` 's forward that a stage rematerialising as a whole
+  computes again in its backward when this layer is not the stage's last, and that the
+  layer's own rematerialised backward does not: what makes the layer's outputs (the next
+  layer's recomputation reads them) from what that backward has (the inputs, the residuals
+  its mode saves, the values it recomputes for itself). Empty without rematerialisation.
+
+  The GPT block's MLP ends with its second matmul, dropout and the residual add: its own
+  backward needs none of them (the cotangent of the sum is that of the matmul's output), so
+  it recomputes only up to the first matmul's activation; the stage's backward recomputes
+  them all, since the next block's layer norm reads the sum. Under ``"dots"`` the matmuls'
+  outputs are saved (:func:`~harpjax.compiler.trace.checkpointed`'s policy), so only what
+  follows them is computed again.
+
+  A value the backward recomputes is found by structure: an op of the backward that depends
+  on no cotangent and does what a forward op does (same primitive and parameters) to the same
+  operands (the same inputs, or values found so).
+  """
+  lv, start = traced.live, traced.bwd_start
+  if traced.remat == "none" or lv is None or start is None:
+    return set()
+  piece = traced.piece
+  n_out = traced.num_outputs
+  n_extra = len(piece.extra_out_ids)
+  roots = list(lv.outvars[:n_out]) + (list(lv.outvars[len(lv.outvars) - n_extra:])
+                                       if n_extra else [])
+  cts = [v for v in lv.invars[len(lv.invars) - len(piece.out_ids):] if not isinstance(v, Lit)]
+  ct_dep = lv.dependents(cts)
+  ids: dict = {}     # structural key -> small int
+  key_of: dict = {}  # value id -> its key's int
+  made: dict = {}    # forward value id -> its op
+  recomputed: set = set()
+  saved: set = set()
+  for op in lv.ops:
+    operands = tuple(("lit", repr(np.asarray(r.value).tolist())) if isinstance(r, Lit)
+                     else key_of.get(r, ("in", r)) for r in op.invars)
+    k = ids.setdefault((op.name, repr(sorted((n, str(v)) for n, v in op.params.items())),
+                        operands), len(ids))
+    for pos, o in enumerate(op.outvars):
+      if o < 0:
+        continue
+      key_of[o] = ids.setdefault((k, pos), len(ids))
+      if op.index < start:
+        made[o] = op
+      elif o not in ct_dep:
+        recomputed.add(key_of[o])
+    if op.index >= start:
+      saved.update(v for v in op.in_ids() if v in made)
+  dots = traced.remat == "dots"
+  extra: set = set()
+  todo = [v for v in roots if not isinstance(v, Lit)]
+  seen: set = set()
+  while todo:
+    v = todo.pop()
+    if v in seen or v not in made or v in saved or key_of[v] in recomputed:
+      continue
+    seen.add(v)
+    op = made[v]
+    if dots and op.name in _SAVED_BY_DOTS:
+      continue
+    extra.add(op.index)
+    todo.extend(op.in_ids())
+  return extra
+
+
+# What ``jax.checkpoint_policies.dots_saveable`` saves (the ``"dots"`` mode).
+_SAVED_BY_DOTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def outputs_recompute_work(traced: TracedPiece, mesh_shape: tuple[int, int]) -> Work:
+  """The per-device :class:`~harpjax.compiler.profile.calibration.Work` of
+  :func:`outputs_recompute_ops` on a ``(dp, tp)`` logical mesh, each op counted as in the
+  layer's own work (:func:`jaxpr_work`): what a stage rematerialising layers ``i..j`` as a
+  whole adds to the sum of its layers' work for each of ``i..j-1``."""
+  ops = outputs_recompute_ops(traced)
+  if not ops:
+    return Work()
+  dp, tp = mesh_shape
+  lv = traced.live
+  return _work(lv, _live_sizes(traced, dp, tp), _read(lv), only=ops)
 
 
 def _draw_bytes(prog: Program, sizes: _Sizes) -> tuple[float, float]:
@@ -900,14 +990,17 @@ def _arrays_read(op, prog: Program, const: dict) -> int:
              and primitives.aval_size(prog.avals[r]) > 1)
 
 
-def _work(prog: Program, sizes: _Sizes, read: dict) -> Work:
+def _work(prog: Program, sizes: _Sizes, read: dict, only: set | None = None) -> Work:
   """The :class:`Work` of a program: FLOPs (split as :class:`_Sizes` says), bytes as
-  :func:`_bytes_accessed` counts them op by op, and the ops with a kernel of their own."""
+  :func:`_bytes_accessed` counts them op by op, and the ops with a kernel of their own; with
+  ``only`` (op indices), of those ops alone, each counted as it is in the whole program."""
   heavy_f, heavy_b = [], []
   light_f = light_b = kernels = 0.0
   copies = _copies(prog, read)
   gone = simplified_away(prog)
   for op in prog.ops:
+    if only is not None and op.index not in only:
+      continue
     raw = once = 0.0 if op.index in gone else _op_flops(prog, op)
     scale = sizes.op_scale(op)
     if op.name == "random_bits":

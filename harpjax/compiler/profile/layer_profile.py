@@ -20,7 +20,8 @@ import numpy as np
 
 from harpjax.cluster import Link, paper_submeshes
 from harpjax.compiler.profile.assemble import assemble_tables
-from harpjax.compiler.profile.collectives import allgather_time_s, allreduce_time_s
+from harpjax.compiler.profile.collectives import (allgather_time_s, allreduce_time_s,
+                                                  update_time_s)
 from harpjax.compiler.profile.routes import replica_link
 from harpjax.compiler.profile.tables import (check_int, check_seq, check_submeshes, CostTables,
                                              range_sums)
@@ -325,7 +326,7 @@ class LayerProfile:
           continue
         end = sync + np.zeros((L, L))
         if s.mem_bandwidth_bytes_per_s is not None:
-          end = end + 2.0 * sums["param_mem_bytes"] / tp / s.mem_bandwidth_bytes_per_s
+          end = end + update_time_s(sums["param_mem_bytes"] / tp, s.mem_bandwidth_bytes_per_s)
         yield ((dp, tp), t, sums["param_mem_bytes"] / tp, sums["act_bytes"] / dp, end, *zero,
                *((sync + np.zeros((L, L)),) if zero else ()))
 

@@ -41,13 +41,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
+from harpjax.cluster import Link
 from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_step, relayer,
                                      sharding, unroll_scans)
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import (all_to_all_time_s, allgather_time_s,
-                                                  allreduce_time_s)
+                                                  allreduce_time_s, update_time_s)
 from harpjax.compiler.profile.memory import stage_draw_workspace_bytes, stage_memory
+from harpjax.compiler.profile.routes import host_link, node_link, replica_link
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
 from harpjax.compiler.profile.tables import CostTables, range_max, range_sums
@@ -60,7 +61,7 @@ __all__ = ["ProfileOptions", "ProfileStats", "ProfileResult", "MeshConfig", "Pro
            "profile_layers", "profile_step", "enumerate_tasks", "cost_tasks", "layer_costs",
            "tables_from_layer_costs", "ordered_subclusters", "SOURCES", "COST_FIELDS",
            "microbatch_size", "dp_link", "tables_for_plan",
-           "progress_bar"]
+           "progress_bar", "inner_range_sums", "stage_flops", "stage_times"]
 
 _SOURCE_CLASSES = {"jaxpr": sources.JaxprSource, "analytic": sources.AnalyticSource,
                    "measured": sources.MeasuredSource, "imported": sources.ImportedSource}
@@ -481,11 +482,12 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
     # An expert-parallel mesh costs as its data-parallel twin (dp * ep, tp), plus the
     # routed layers' all-to-all and minus their expert weights' share (expert_parallel).
     dp, tp = lm.batch_ways, lm.tp
-    host = Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
-    nl = cluster.intra_subcluster_link(sub.name)
-    node = Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+    host, node = host_link(sub), node_link(cluster, sub)
     ep_link = host if lm.ep * lm.tp <= cfg.submesh[1] else node
     scaled = local_trace and not has_local(dp)
+    # what a device holds of a parameter's state: with ZeRO data, its share at level 3
+    # (a layer the planner can place only at that level is still costed), else all of it
+    per_param = _state_bytes_per_param(opts, dp)
     row = []
     for i in range(L):
       full = piece(layers, i)
@@ -494,9 +496,8 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
         if memo not in ep_memo:
           ep_memo[memo] = expert_parallel_costs(full, lm, ep_link, opts.state_bytes_per_param)
         expert_parallel[(c, i)] = ep_memo[memo]
-      split = tp * (dp if opts.optimizer_bytes_per_param is not None else 1)
       saved = expert_parallel.get((c, i), (0.0, 0.0, 0.0))[1]
-      if full.num_params / split * opts.state_bytes_per_param - saved > sub.memory_bytes:
+      if full.num_params / tp * per_param - saved > sub.memory_bytes:
         row.append(None)
         pruned += 1
         continue
@@ -517,6 +518,17 @@ def enumerate_tasks(layers: LayerSequence, cluster, subs, opts: ProfileOptions, 
       row.append(kid)
     assign.append(tuple(row))
   return ProfileTasks(configs, tasks, keys, tuple(assign), pruned, expert_parallel)
+
+
+def _state_bytes_per_param(opts: ProfileOptions, dp: int) -> float:
+  """Bytes per parameter a device of ``dp`` replicas holds at the least: ZeRO-3's split of
+  the state (:func:`~harpjax.compiler.profile.stage_memory`'s, weights and gradients sharing
+  what is not optimizer state) where the options give the optimizer's share, else level 0's
+  (the whole state)."""
+  opt = opts.optimizer_bytes_per_param
+  w = (opts.state_bytes_per_param - (opt or 0.0)) / 2.0
+  return float(stage_memory(param_bytes=w, grad_bytes=w, opt_bytes=opt or 0.0, act_bytes=0.0,
+                            dp=dp, zero=0 if opt is None else 3).state_bytes)
 
 
 def _param_ids(layers: LayerSequence) -> tuple:
@@ -605,7 +617,8 @@ def cost_tasks(found: ProfileTasks, source, db, opts: ProfileOptions, layers: La
 
 COST_FIELDS = ("time_s", "comm_s", "param_mem_bytes", "act_mem_bytes", "temp_bytes", "flops",
                "grad_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "draw_bytes",
-               "draw_max_bytes", "remat_held_bytes")
+               "draw_max_bytes", "remat_held_bytes", "inner_remat_flops",
+               "inner_remat_time_s")
 
 
 def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dict]:
@@ -631,12 +644,9 @@ def layer_costs(found: ProfileTasks, results: dict, num_layers: int) -> list[dic
 
 
 def dp_link(cluster, sub, submesh: Sequence[int]) -> Link:
-  """The link between a submesh's data-parallel replicas: inside a host for a one-host
-  submesh, else the subcluster's."""
-  if submesh[0] == 1:
-    return Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
-  nl = cluster.intra_subcluster_link(sub.name)
-  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+  """The link between a submesh's data-parallel replicas on subcluster ``sub`` of
+  ``cluster``: :func:`~harpjax.compiler.profile.replica_link` of its host and node links."""
+  return replica_link(submesh, host_link(sub), node_link(cluster, sub))
 
 
 def _range_union_bytes(items: dict, L: int) -> np.ndarray:
@@ -772,13 +782,54 @@ def stage_workspaces(arr: Mapping, remat: str = "none") -> tuple[np.ndarray, np.
   return work_f, np.maximum(work_b, draws)
 
 
+def inner_range_sums(x) -> np.ndarray:
+  """``[L, L]`` sums of ``x[i..j-1]``: a stage's layers but its last (0 on the diagonal,
+  ``inf`` below it), added left to right as :func:`~harpjax.compiler.profile.tables.range_sums`
+  adds them."""
+  x = np.asarray(x, dtype=np.float64)
+  L = x.size
+  out = np.full((L, L), np.inf)
+  for i in range(L):
+    out[i, i] = 0.0
+    out[i, i + 1:] = np.cumsum(x[i:L - 1])
+  return out
+
+
+def _stage_sums(arr: Mapping, field: str, inner: str, remat: str) -> np.ndarray:
+  """``[L, L]`` range sums of ``arr[field]``, plus, where the stage rematerialises, the inner
+  sums of ``arr[inner]`` (see :func:`stage_times`)."""
+  total = range_sums(arr[field])
+  if remat_mode(remat) == "none" or inner not in arr:
+    return total
+  return total + inner_range_sums(arr[inner])
+
+
+def stage_times(arr: Mapping, remat: str = "none") -> np.ndarray:
+  """``[L, L]`` forward+backward seconds of a stage on layers ``i..j`` per microbatch, from
+  its layers' costs ``arr`` (``{field: [L] array}`` of :data:`COST_FIELDS`): the sum of their
+  times and, where the stage rematerialises (``remat`` not ``"none"``), of
+  ``inner_remat_time_s`` over ``i..j-1``. The stage's backward recomputes its forward from the
+  stage's own inputs, so each layer but the last also recomputes what makes its outputs (the
+  next layer's recomputation reads them), which its own rematerialised backward, costed alone,
+  does not (:func:`~harpjax.compiler.profile.estimate.outputs_recompute_ops`). Exact for every
+  range: a term of the stage, not of the layer, which cannot know whether it ends its stage."""
+  return _stage_sums(arr, "time_s", "inner_remat_time_s", remat)
+
+
+def stage_flops(arr: Mapping, remat: str = "none") -> np.ndarray:
+  """``[L, L]`` FLOPs per device of a stage's forward and backward executables on layers
+  ``i..j`` per microbatch, as :func:`stage_times` sums the seconds (what XLA's
+  ``cost_analysis`` of the two executables counts)."""
+  return _stage_sums(arr, "flops", "inner_remat_flops", remat)
+
+
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
                             imbalance: float, zero: tuple[float, float] | None = None,
                             num_microbatches: int | None = None, remat: str = "none"
                             ) -> tuple[CostTables, dict]:
   """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
   times and residuals, and the sum of their parameter state plus the largest XLA workspace
-  among them (:func:`~harpjax.compiler.profile.tables.assemble_tables` picks the logical
+  among them (:func:`~harpjax.compiler.profile.assemble.assemble_tables` picks the logical
   mesh, the end time spread over ``num_microbatches``). Once per iteration, after its last
   backward (:attr:`~harpjax.compiler.profile.CostTables.end_time_s`), a stage all-reduces its
   gradients among its ``dp`` replicas (one ring all-reduce of the stage's gradient bytes on
@@ -792,7 +843,9 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   Where several layers of a stage read one parameter (an ``nn.scan`` stack, a tied
   embedding) the stage holds it, and its gradient, once and whole, and its optimizer state
   only if it is the parameter's first reader (:func:`param_holding`). Under ``remat="full"``
-  a stage keeps of each microbatch only what it takes in (:func:`stage_input_bytes`)."""
+  a stage keeps of each microbatch only what it takes in (:func:`stage_input_bytes`); under
+  any rematerialisation its time is :func:`stage_times`' (each layer but its last also
+  recomputes what makes its outputs)."""
   by_submesh: dict[tuple[int, int], list] = {}
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
@@ -818,7 +871,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       state = range_sums(arr["param_mem_bytes"])
       grads = range_sums(arr["grad_bytes"])
       sync = allreduce_time_s(grads, dp, link)
-      update = 2.0 * state / sub.gpu.mem_bandwidth_bytes_per_s
+      update = update_time_s(state, sub.gpu.mem_bandwidth_bytes_per_s)
       with np.errstate(invalid="ignore", divide="ignore"):
         entry = _entry_costs(mesh, arr, state, grads, sync, update, zero, dp, link, out)
       yield entry
@@ -852,7 +905,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
     # The tables carry one workspace beside the larger of the outputs and the gradient (what
     # the ZeRO variants rebuild the model from): the one giving the same level-0 pipeline.
     work = np.maximum(out / dp + work_f, gout + work_b) - np.maximum(out / dp, gout)
-    return (mesh, range_sums(arr["time_s"]), mem.fixed_bytes(),
+    return (mesh, stage_times(arr, remat), mem.fixed_bytes(),
             act, sync + update, *zero_cols, sync, work,
             mem.step_bytes(), gout)
 
@@ -874,7 +927,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
       peak_flops=[sub.gpu.peak_flops for sub in subs], layer_flops=[l.flops for l in layers],
       imbalance=imbalance, layer_names=[l.name for l in layers], pair_links=pair,
       price_per_gpu_hour=prices, offload_bandwidth_bytes_per_s=host,
-      host_links=[Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S) for sub in subs])
+      host_links=[host_link(sub) for sub in subs])
 
 
 def _link_or_none(cluster, a: str, b: str):

@@ -17,7 +17,8 @@ mixed stages of :mod:`harpjax.compiler.plan.mixed`).
   the parameters back, one group after the other, ``sum over g != home of 2 (bytes / bw +
   lat)``.
 * :func:`replica_link`: the link between a submesh's data-parallel replicas: inside a host
-  for a one-host submesh, else the subcluster's link between hosts.
+  for a one-host submesh, else the subcluster's link between hosts; :func:`host_link` and
+  :func:`node_link` are those two links of a cluster's subcluster.
 
 A missing link (bandwidth ``0`` in the tables) costs ``inf``.
 """
@@ -29,10 +30,11 @@ from typing import Sequence
 
 import numpy as np
 
-from harpjax.cluster import Link
+from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
 from harpjax.compiler.profile.collectives import round_trip_time_s
 
-__all__ = ["subcluster_link", "group_route_s", "home_sync_s", "replica_link"]
+__all__ = ["subcluster_link", "group_route_s", "home_sync_s", "replica_link", "host_link",
+           "node_link"]
 
 
 def subcluster_link(tables, a: int, b: int) -> tuple[float, float]:
@@ -79,3 +81,16 @@ def replica_link(submesh: Sequence[int], host_link: Link, node_link: Link) -> Li
   """The link between the data-parallel replicas of ``submesh`` ``(n, m)``: ``host_link``
   (inside one host) when ``n == 1``, else ``node_link`` (between the subcluster's hosts)."""
   return host_link if submesh[0] == 1 else node_link
+
+
+def host_link(sub) -> Link:
+  """The link between two devices of one host of subcluster ``sub``: its intra-host bandwidth
+  at :data:`~harpjax.cluster.INTRA_HOST_LATENCY_S`."""
+  return Link(sub.intra_host_bytes_per_s, INTRA_HOST_LATENCY_S)
+
+
+def node_link(cluster, sub) -> Link:
+  """The link between two hosts of subcluster ``sub`` of ``cluster``
+  (:meth:`~harpjax.cluster.Cluster.intra_subcluster_link`, as a plain :class:`Link`)."""
+  nl = cluster.intra_subcluster_link(sub.name)
+  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)

@@ -135,6 +135,13 @@ class LayerCost:
       (:func:`~harpjax.compiler.profile.memory.stage_draw_workspace_bytes`).
     remat_held_bytes: what a rematerialising backward keeps of its recomputed forward for
       its backward proper (what the layer holds while later layers of its stage run theirs).
+    inner_remat_flops, inner_remat_time_s: what the layer adds to a stage that
+      rematerialises as a whole when it is not the stage's last layer: the FLOPs and seconds
+      of recomputing what makes its outputs, which the next layer's recomputation reads and
+      its own backward does not need
+      (:func:`~harpjax.compiler.profile.estimate.outputs_recompute_work`; the tables charge
+      them for layers ``i..j-1`` of a stage on ``i..j``). 0 without rematerialisation, and
+      for the sources that do not read the layer's jaxpr.
   """
   time_s: float
   comm_s: float
@@ -148,6 +155,8 @@ class LayerCost:
   draw_bytes: float = 0.0
   draw_max_bytes: float = 0.0
   remat_held_bytes: float = 0.0
+  inner_remat_flops: float = 0.0
+  inner_remat_time_s: float = 0.0
 
   def __post_init__(self):
     for f in ("fwd_temp_bytes", "bwd_temp_bytes"):
@@ -181,8 +190,8 @@ class CostSource(Protocol):
 
 def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
                     efficiencies: dict | None, state_bytes_per_param: float,
-                    scale: float = 1.0, accumulated: tuple[float, float] | None = None
-                    ) -> LayerCost:
+                    scale: float = 1.0, accumulated: tuple[float, float] | None = None,
+                    inner_remat: calib.Work | None = None) -> LayerCost:
   """A task's :class:`LayerCost` from per-device statistics of its piece: the calibrated time
   model of the GPU type on its :class:`~harpjax.compiler.profile.calibration.Work`, the
   tensor-parallel collectives on the host link; the gradients' bytes for the all-reduce over
@@ -192,7 +201,9 @@ def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
   the gradient and the accumulator and writing the sum; ``accumulated`` (elements, bytes)
   says which, default all of them (a gradient a scatter-add produces, an embedding's, is
   added into the accumulator by the scatter itself:
-  :func:`~harpjax.compiler.profile.estimate.accumulated_params`)."""
+  :func:`~harpjax.compiler.profile.estimate.accumulated_params`). ``inner_remat``: the work a
+  stage rematerialising as a whole adds for the layer when it is not the stage's last
+  (:attr:`LayerCost.inner_remat_flops`), timed by the same model (no floor, no collective)."""
   dp, tp = task.mesh
   n_acc, b_acc = accumulated if accumulated is not None else (st.num_params, st.param_bytes)
   acc = calib.Work((), (), float(n_acc), 3.0 * float(b_acc), 0.0)
@@ -206,7 +217,18 @@ def cost_from_stats(st: pieces_lib.XlaStats, work: calib.Work, task: LayerTask,
                    bwd_temp_bytes=st.bwd_temp_bytes / scale,
                    flops=st.flops / scale + acc.light_flops, grad_bytes=st.param_bytes,
                    draw_bytes=st.draw_bytes / scale, draw_max_bytes=st.draw_max_bytes / scale,
-                   remat_held_bytes=st.remat_held_bytes / scale)
+                   remat_held_bytes=st.remat_held_bytes / scale,
+                   **_inner_remat(inner_remat, scale, task, efficiencies))
+
+
+def _inner_remat(work: calib.Work | None, scale: float, task: LayerTask,
+                 efficiencies: dict | None) -> dict:
+  """:class:`LayerCost`'s ``inner_remat_*`` fields of ``work`` (none: zeros)."""
+  if work is None or not (work.flops or work.kernels or work.bytes):
+    return {}
+  w = work.scaled(scale)
+  return dict(inner_remat_flops=w.flops,
+              inner_remat_time_s=compute_time_s(w, task, efficiencies))
 
 
 def compute_time_s(work: calib.Work, task: LayerTask, efficiencies: dict | None) -> float:
@@ -287,9 +309,12 @@ class JaxprSource:
 
   def cost(self, task: LayerTask) -> LayerCost:
     st, work = self.stats(task)
-    acc = estimate.accumulated_params(self.traced(task), tuple(task.mesh))
+    traced = self.traced(task)
+    acc = estimate.accumulated_params(traced, tuple(task.mesh))
     return cost_from_stats(st, work, task, self.efficiencies, self.state_bytes_per_param,
-                           accumulated=acc)
+                           accumulated=acc,
+                           inner_remat=estimate.outputs_recompute_work(traced,
+                                                                       tuple(task.mesh)))
 
 
 class AnalyticSource:
