@@ -51,7 +51,7 @@ subclusters:
 LAYER_COST = {"time_s": 1e-3, "comm_s": 1e-5, "param_mem_bytes": 1024.0, "act_mem_bytes": 64.0,
               "temp_bytes": 0.0, "flops": 1e6, "grad_bytes": 256.0, "fwd_temp_bytes": 0.0,
               "bwd_temp_bytes": 0.0, "draw_bytes": 0.0, "draw_max_bytes": 0.0,
-              "remat_held_bytes": 0.0}
+              "remat_held_bytes": 0.0, "inner_remat_flops": 0.0, "inner_remat_time_s": 0.0}
 XLA_STATS = {"flops": 4e5, "bytes_accessed": 2e5, "transcendentals": 10.0,
              "collective_bytes": {"all-reduce": [4480.0, 3]}, "temp_bytes": 25104.0,
              "residual_bytes": 4224.0, "param_bytes": 8448.0, "num_params": 2112.0,
