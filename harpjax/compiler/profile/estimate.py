@@ -82,7 +82,7 @@ __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jax
            "accumulated_params", "simplified_away", "outputs_recompute_ops",
            "outputs_recompute_work"]
 
-ESTIMATE_VERSION = "11"
+ESTIMATE_VERSION = "12"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -552,11 +552,12 @@ def _peak_live(prog: Program, sizes: _Sizes, read: dict, start: int = 0) -> floa
     made = {o: op for op in prog.ops for o in op.outvars if o >= 0}
     for op in reversed(prog.ops[start:]):
       ins = list(op.in_ids())
-      if len(ins) == 1 and (op.name in _SLICES or op.name in _FOLDED or op.name in _BIT_OPS):
+      if len(ins) == 1 and (op.name in _SLICES or op.name in _FOLDED
+                            or op.name in _DRAW_TO_FLOAT_OPS):
         src = made.get(ins[0])
         if src is not None and src.index >= start and (
             src.name == "random_bits" or src.name in _SLICES or src.name in _FOLDED
-            or src.name in _BIT_OPS):
+            or src.name in _DRAW_TO_FLOAT_OPS):
           for o in op.outvars:
             if o in last:
               last[ins[0]] = max(last.get(ins[0], -1), last[o])
@@ -799,7 +800,7 @@ def _recompute_held_bytes(prog: Program, sizes: _Sizes, read: dict, start: int,
         return u
       ins = list(op.in_ids())
       if len(ins) != 1 or not (op.name in _SLICES or op.name in _FOLDED
-                               or op.name in _BIT_OPS):
+                               or op.name in _DRAW_TO_FLOAT_OPS):
         return None
       u = ins[0]
     return None
@@ -815,9 +816,10 @@ def _recompute_held_bytes(prog: Program, sizes: _Sizes, read: dict, start: int,
   return float(total)
 
 
-# What turns a draw's bits into floats: computed inside the draw's readers.
-_BIT_OPS = frozenset({"shift_right_logical", "shift_left", "or", "and", "bitcast_convert_type",
-                      "convert_element_type"})
+# What turns a draw's bits into floats: computed inside the draw's readers (the memory
+# model's; the FLOPs count's own set of a draw's fused steps is :data:`_BIT_OPS`).
+_DRAW_TO_FLOAT_OPS = frozenset({"shift_right_logical", "shift_left", "or", "and",
+                                "bitcast_convert_type", "convert_element_type"})
 
 
 _SCATTER_ADDS = frozenset({"scatter-add", "scatter_add"})
