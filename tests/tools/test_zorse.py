@@ -8,20 +8,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harpjax.compiler.profile.calibration import load_zorse, load_zorse_stats
+from harpjax.compiler.profile.calibration import default_zorse_dir, load_zorse, load_zorse_stats
 from tools import zorse
+
+# Zorse's published measurements live beside the repository (../shared/data), not in it.
+needs_data = pytest.mark.skipif(
+    not all((default_zorse_dir() / f).exists()
+            for f in ("zorse_model_latencies.json", "zorse_model_stats.json")),
+    reason="Zorse's published measurements not found beside the repo")
 
 
 @pytest.fixture(scope="module")
 def data():
+  if not (default_zorse_dir() / "zorse_model_latencies.json").exists():
+    pytest.skip("Zorse's published measurements not found beside the repo")
   return load_zorse()
 
 
 @pytest.fixture(scope="module")
 def stats():
+  if not (default_zorse_dir() / "zorse_model_stats.json").exists():
+    pytest.skip("Zorse's published measurements not found beside the repo")
   return load_zorse_stats()
 
 
+@needs_data
 def test_ten_rows_of_table5_with_data_for_each():
   assert [r.name for r in zorse.ROWS] == ["A-7B", "A-13B", "A-33B", "A-65B", "B-7B", "B-13B",
                                           "B-33B", "C-7B", "C-13B", "C-33B"]
