@@ -606,9 +606,13 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       continue
     found = [(value, path)]
     if scoring.simulated and scoring.discount > 0 and index.is_stage_time(tau):
+      # Its simulated time is at least its Eq. 12 value less the most the warm-ups can hide
+      # (``relief``, as with prices): a plan whose value exceeds the bound by more cannot win.
       runs += 1
+      relief = scoring.discount * tau * (scoring.nmax - 1)
       found.append(index.run(tau, B, scoring.eps, require_hit=True, kernel=scoring.kernel,
-                             n_cap=n_cap, lb=lb, sb=sb, link_hits=False))
+                             n_cap=n_cap, lb=lb, sb=sb, link_hits=False,
+                             bound=bound + relief))
     for value, path in found:
       if not math.isfinite(value):
         continue
