@@ -15,6 +15,11 @@ Two sweeps, each printed as a table:
 between), a 146-layer GPT (hidden 4096, sequence 1024, one sequence per microbatch, 48 blocks),
 ``B = 1024``.
 
+``--zero`` gives the tables the optimizer state's share (mixed-precision Adam: 12 of 16 bytes
+per parameter) and a 25 GB/s link to host memory, so the planner chooses a ZeRO level (0-3)
+and the offload of the optimizer state and of the residuals per stage (the issue's "ZeRO levels
+and offload in the tables"); with ``--compare-with`` it applies to the ``--gpus`` rows.
+
 ``--compare-with DIR`` times each case (``--gpus`` rows and ``--money``) side by side with the
 planner of another checkout (``git archive <commit> | tar -x -C DIR``): both run in fresh
 worker processes, one after the other, each warmed up first, best of ``--repeat`` runs (wall
@@ -37,7 +42,7 @@ Usage::
 
   .venv/bin/python benchmarks/planner_scaling.py [--gbps 100] [--max-gpus 1024]
       [--gpus 512] [--layer-gpus 128] [--max-layers 300] [--eq12] [--amortised]
-      [--backend sequential] [--money] [--compare-with DIR] [--repeat 3]
+      [--backend sequential] [--money] [--zero] [--compare-with DIR] [--repeat 3]
 """
 
 from __future__ import annotations
