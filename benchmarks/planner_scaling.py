@@ -15,6 +15,11 @@ Two sweeps, each printed as a table:
 between), a 146-layer GPT (hidden 4096, sequence 1024, one sequence per microbatch, 48 blocks),
 ``B = 1024``.
 
+``--zero`` gives the tables the optimizer state's share (mixed-precision Adam: 12 of 16 bytes
+per parameter) and a 25 GB/s link to host memory, so the planner chooses a ZeRO level (0-3)
+and the offload of the optimizer state and of the residuals per stage (the issue's "ZeRO levels
+and offload in the tables"); with ``--compare-with`` it applies to the ``--gpus`` rows.
+
 ``--compare-with DIR`` times each case (``--gpus`` rows and ``--money``) side by side with the
 planner of another checkout (``git archive <commit> | tar -x -C DIR``): both run in fresh
 worker processes, one after the other, each warmed up first, best of ``--repeat`` runs (wall
@@ -37,7 +42,7 @@ Usage::
 
   .venv/bin/python benchmarks/planner_scaling.py [--gbps 100] [--max-gpus 1024]
       [--gpus 512] [--layer-gpus 128] [--max-layers 300] [--eq12] [--amortised]
-      [--backend sequential] [--money] [--compare-with DIR] [--repeat 3]
+      [--backend sequential] [--money] [--zero] [--compare-with DIR] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -63,27 +68,36 @@ GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 B = 128
 
 
+OFFLOAD_BYTES_PER_S = 25e9   # device to host memory (PCIe) with --zero
+OPTIMIZER_SHARE = 0.75       # mixed-precision Adam: 12 of 16 bytes per parameter
+
+
 def _spec(name: str, gpus: int, mem_gib: float, tflops: float, link_gbps: float,
-          host_gbps: float) -> SubclusterSpec:
+          host_gbps: float, zero: bool = False) -> SubclusterSpec:
   per_host = min(8, gpus)
   return SubclusterSpec(name, gpus // per_host, per_host, mem_gib * GiB, link_gbps * GBPS,
                         peak_flops=tflops * 1e12, efficiency=0.5, latency_s=5e-6,
-                        host_bandwidth_bytes_per_s=host_gbps, host_latency_s=2e-6)
+                        host_bandwidth_bytes_per_s=host_gbps, host_latency_s=2e-6,
+                        offload_bandwidth_bytes_per_s=OFFLOAD_BYTES_PER_S if zero else None)
 
 
 def three_type_tables(num_gpus: int, num_layers: int = 146, gbps: float = 100.0,
-                      end_cost: bool = True) -> CostTables:
-  """GPT-39B-like tables on ``num_gpus`` GPUs: 1/4 V100-32G, 1/4 A100-40G, 1/2 H100-80G."""
+                      end_cost: bool = True, zero: bool = False) -> CostTables:
+  """GPT-39B-like tables on ``num_gpus`` GPUs: 1/4 V100-32G, 1/4 A100-40G, 1/2 H100-80G;
+  with ``zero`` the optimizer state's share (ZeRO levels 0-3 for the planner) and a host link
+  (offload of the optimizer state and of the residuals)."""
   if num_gpus % 16:
     raise SystemExit(f"--gpus {num_gpus}: use a multiple of 16")
   blocks = max(1, round((num_layers - 2) / 3))
   prof = synthetic_gpt_profile(num_blocks=blocks, hidden=8192, seq_len=1024, microbatch=8)
   q = num_gpus // 4
-  specs = [_spec("v100", q, 32, 125, 200, 150e9), _spec("a100", q, 40, 312, 200, 300e9),
-           _spec("h100", 2 * q, 80, 989, 400, 900e9)]
+  specs = [_spec("v100", q, 32, 125, 200, 150e9, zero),
+           _spec("a100", q, 40, 312, 200, 300e9, zero),
+           _spec("h100", 2 * q, 80, 989, 400, 900e9, zero)]
   return CostTables.from_layer_costs(prof, specs, Link(gbps * GBPS, 1e-4),
                                      grad_sync_microbatches=B, order="memory_to_compute",
-                                     end_cost=end_cost)
+                                     end_cost=end_cost,
+                                     optimizer_share=OPTIMIZER_SHARE if zero else None)
 
 
 MONEY_B = 1024
@@ -104,11 +118,12 @@ def money_tables(blocks: int = 48) -> CostTables:
 
 
 def _case(name: str):
-  """``(tables, B, solve options)`` of a named case: ``money`` or ``gpus:<N>:<gbps>``."""
+  """``(tables, B, solve options)`` of a named case: ``money``, ``gpus:<N>:<gbps>`` or
+  ``zero:<N>:<gbps>`` (ZeRO levels and offload in the tables)."""
   if name == "money":
     return money_tables(), MONEY_B, dict(objective="max_throughput_per_dollar")
-  _, gpus, gbps = name.split(":")
-  return three_type_tables(int(gpus), 146, float(gbps)), B, {}
+  kind, gpus, gbps = name.split(":")
+  return three_type_tables(int(gpus), 146, float(gbps), zero=kind == "zero"), B, {}
 
 
 def _worker(name: str, backend: str, repeat: int) -> None:
@@ -123,8 +138,8 @@ def _worker(name: str, backend: str, repeat: int) -> None:
     res = planner.solve(tables, nb, backend=backend, **kw)
     times.append(time.perf_counter() - t0)
     cpu.append(time.process_time() - c0)
-  stages = [[list(s.layers), s.subcluster, list(s.submesh), s.warmup]
-            for s in res.plan.stages]
+  stages = [[list(s.layers), s.subcluster, list(s.submesh), s.warmup, s.zero, s.offload,
+             s.offload_activations] for s in res.plan.stages]
   print(json.dumps(dict(seconds=times, cpu_seconds=cpu, stages=stages,
                         iteration_s=res.iteration_s, cost=res.cost_per_iteration,
                         devices=res.num_devices)))
@@ -145,7 +160,8 @@ def _compare(names: list[str], other: str, backend: str, repeat: int) -> None:
     new = _run_worker(_REPO, name, backend, repeat)
     old = _run_worker(other, name, backend, repeat)
     label = ("max_throughput_per_dollar, 12 GPUs, B=1024" if name == "money" else
-             f"min_time, {name.split(':')[1]} GPUs, B={B}")
+             f"min_time, {name.split(':')[1]} GPUs, B={B}"
+             + (", ZeRO + offload" if name.startswith("zero") else ""))
     rows.append([label, f"{min(new['seconds']):.2f}", f"{min(old['seconds']):.2f}",
                  f"{min(old['seconds']) / min(new['seconds']):.2f}x",
                  f"{min(new['cpu_seconds']):.2f}", f"{min(old['cpu_seconds']):.2f}",
@@ -220,13 +236,17 @@ def main() -> None:
   ap.add_argument("--compare-with", metavar="DIR",
                   help="time the --gpus rows and --money beside another checkout's planner")
   ap.add_argument("--repeat", type=int, default=3, help="runs per case of --compare-with")
+  ap.add_argument("--zero", action="store_true",
+                  help="tables with the optimizer state's share and a host link: the planner "
+                  "chooses ZeRO levels 0-3 and offloads per stage")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker:
     _worker(args.worker, args.backend, args.repeat)
     return
   if args.compare_with:
-    names = ([f"gpus:{int(x)}:{args.gbps:g}" for x in args.gpus.split(",")] if args.gpus
+    kind = "zero" if args.zero else "gpus"
+    names = ([f"{kind}:{int(x)}:{args.gbps:g}" for x in args.gpus.split(",")] if args.gpus
              else [])
     _compare(names + (["money"] if args.money else []), os.path.abspath(args.compare_with),
              args.backend, args.repeat)
@@ -239,7 +259,8 @@ def main() -> None:
   def row(gpus, layers):
     amort = (three_type_tables(gpus, layers, args.gbps, end_cost=False) if args.amortised
              else None)
-    out = _row(three_type_tables(gpus, layers, args.gbps), args.backend, args.eq12, amort)
+    out = _row(three_type_tables(gpus, layers, args.gbps, zero=args.zero), args.backend,
+               args.eq12, amort)
     print("  ".join(out), file=sys.stderr, flush=True)
     return out
 

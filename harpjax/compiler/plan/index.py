@@ -304,6 +304,22 @@ class SparseIndex:
         return 0.0
     return self._stage_hit_end(tau)
 
+  @functools.cached_property
+  def candidate_hit_ends(self) -> np.ndarray:
+    """``[M]``: :meth:`hit_end` of every period candidate, in one pass (the search's floors
+    read it once per candidate; the same numbers, minima of the same floats)."""
+    cand = self.candidates
+    out = np.zeros(cand.size)
+    if self.sorted_t.size:
+      times, starts = np.unique(self.sorted_t, return_index=True)
+      least = np.minimum.reduceat(self.arrays.ent_e[self.by_t], starts)
+      pos = np.minimum(np.searchsorted(times, cand), times.size - 1)
+      hit = times[pos] == cand
+      out[hit] = least[pos[hit]]
+    if self.link_bound and self.cut_values is not None and self.cut_values.size:
+      out[np.isin(cand, self.cut_values)] = 0.0
+    return out
+
   def _stage_hit_end(self, tau: float) -> float:
     """The least end time of the entries of time exactly ``tau`` (``0``: none)."""
     lo = int(np.searchsorted(self.sorted_t, tau, side="left"))

@@ -617,9 +617,13 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       continue
     found = [(value, path)]
     if scoring.simulated and scoring.discount > 0 and index.is_stage_time(tau):
+      # Its simulated time is at least its Eq. 12 value less the most the warm-ups can hide
+      # (``relief``, as with prices): a plan whose value exceeds the bound by more cannot win.
       runs += 1
+      relief = scoring.discount * tau * (scoring.nmax - 1)
       found.append(index.run(tau, B, scoring.eps, require_hit=True, kernel=scoring.kernel,
-                             n_cap=n_cap, lb=lb, sb=sb, link_hits=False))
+                             n_cap=n_cap, lb=lb, sb=sb, link_hits=False,
+                             bound=bound + relief))
     for value, path in found:
       if not math.isfinite(value):
         continue
@@ -764,46 +768,66 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   if opts.mixed_stages != "off" and _MIXED_SEARCH:
     return _MIXED_SEARCH[0](tables, B, opts)   # it chooses the schedule too
   asked, opts = opts, dataclasses.replace(opts, schedule=H1F1B.name)   # the search's schedule
-  start = time.perf_counter()
-  given = tables
-  if variants_lib.has_variant_data(tables):
+  result = _solve_plain(tables, B, opts, time.perf_counter())
+  return choose_schedule(result, plan_scorer(tables, B, opts.eps, opts.fwd_fraction), asked)
+
+
+def _solve_plain(given: CostTables, B: int, opts: SolveOptions, start: float,
+                 beat: float = math.inf) -> PlanResult | None:
+  """:func:`solve` without mixed-type stages, for H-1F1B, before the schedule is chosen: the
+  search on the tables' variants, then (not proved) each subcluster alone and fewer memory
+  options. With ``beat`` finite only plans whose value is below it count (``None`` if there
+  is none): every search of the cascade then starts from that bound."""
+  tables = given
+  if variants_lib.has_variant_data(given):
     tables = variants_lib.expand_variants(
-        tables, variants_lib.VariantOptions(opts.zero_levels, opts.offload,
-                                            opts.offload_activations), B)
-  result = _search(tables, B, opts, start)
+        given, variants_lib.VariantOptions(opts.zero_levels, opts.offload,
+                                           opts.offload_activations), B)
+  result = _search(tables, B, opts, start, beat=beat)
   if (opts.cost_model == "simulator" and not opts.use_all_devices
-      and tables.num_subclusters > 1 and not result.stats.proved):
-    result = _best_of_single_subclusters(tables, B, opts, result, start)
+      and tables.num_subclusters > 1 and (result is None or not result.stats.proved)):
+    result = _best_of_single_subclusters(tables, B, opts, result, start, beat)
   if tables is not given:
-    result = _with_fewer_variants(given, tables, B, opts, result, start)
-  return choose_schedule(result, plan_scorer(given, B, opts.eps, opts.fwd_fraction), asked)
+    result = _with_fewer_variants(given, tables, B, opts, result, start, beat)
+  return result
 
 
 def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: SolveOptions,
-                         result: PlanResult, start: float) -> PlanResult:
+                         result: PlanResult | None, start: float, beat: float = math.inf
+                         ) -> PlanResult | None:
   """The stages' submesh indices in the caller's tables (``given``; ``tables`` are its
-  variants). When the search could not prove its optimum: :func:`solve` without offload and
-  at level 0 alone too, the best result kept, so that the new freedom never makes the
-  result worse than planning without it."""
-  result = dataclasses.replace(result, stages=tuple(
-      dataclasses.replace(st, submesh_index=variants_lib.base_index(
-          tables, st.subcluster, st.submesh_index)) for st in result.stages))
-  if result.stats.proved:
-    return result
+  variants). When the search could not prove its optimum: the search without offload and at
+  level 0 alone too, the best result kept (strictly better only), so that the new freedom
+  never makes the result worse than planning without it. Those searches only look for plans
+  better than the best so far (``beat``): a plan of theirs that is not could not be kept."""
+  if result is not None:
+    result = dataclasses.replace(result, stages=tuple(
+        dataclasses.replace(st, submesh_index=variants_lib.base_index(
+            tables, st.subcluster, st.submesh_index)) for st in result.stages))
+    if result.stats.proved:
+      return result
   # Without offload first; that search (unless it proves its optimum) tries level 0 alone.
   fewer = [dict(zero_levels=(0,), offload=False, offload_activations=False)]
   if given.offload_bandwidth_bytes_per_s is not None and (opts.offload
                                                           or opts.offload_activations):
     fewer = [dict(offload=False, offload_activations=False)]
   for change in fewer:
+    alt_opts = dataclasses.replace(opts, **change)
+    best = beat if result is None else min(beat, _value(result))
     try:
-      alt = solve(given, B, options=dataclasses.replace(opts, **change))
+      alt = _solve_plain(given, B, alt_opts, time.perf_counter(), beat=best)
     except InfeasiblePlanError:
       continue
-    if _value(alt) < _value(result):
+    if alt is None:
+      continue
+    alt = choose_schedule(alt, plan_scorer(given, B, alt_opts.eps, alt_opts.fwd_fraction),
+                          alt_opts)
+    if _value(alt) < best:
       log.info("planner: a plan with fewer memory options (%s) simulates better: %.6g",
                change, _value(alt))
       result = alt
+  if result is None:
+    return None
   # Proved or not is about the whole problem, with every variant: not proved here.
   stats = dataclasses.replace(result.stats, seconds=time.perf_counter() - start, proved=False)
   return dataclasses.replace(result, stats=stats)
@@ -839,23 +863,26 @@ def single_subcluster(tables: CostTables, k: int) -> CostTables:
 
 
 def _best_of_single_subclusters(tables: CostTables, B: int, opts: SolveOptions,
-                                result: PlanResult, start: float) -> PlanResult:
+                                result: PlanResult | None, start: float,
+                                beat: float = math.inf) -> PlanResult | None:
   """When the search could not prove its optimum: the same search on each subcluster alone
-  (a smaller problem the DP covers better), its plan kept if it simulates better; so the
-  result is never worse than :func:`solve` restricted to any one subcluster."""
-  best, best_quads = _value(result), None
+  (a smaller problem the DP covers better), its plan kept if it simulates better (than
+  ``result``, and than ``beat``); so the result is never worse than :func:`solve` restricted
+  to any one subcluster."""
+  best, best_quads, stats = (beat if result is None else min(beat, _value(result))), None, None
   for k in range(tables.num_subclusters):
     try:
       alone = _search(single_subcluster(tables, k), B, opts, time.perf_counter(), beat=best)
     except InfeasiblePlanError:
       continue
     if alone is not None and _value(alone) < best:
-      best = _value(alone)
+      best, stats = _value(alone), alone.stats
       best_quads = [(s.layers[0], s.layers[1], k, s.submesh_index) for s in alone.stages]
   if best_quads is None:
     return result
   log.info("planner: a plan on one subcluster simulates better: %.6g", best)
-  stats = dataclasses.replace(result.stats, seconds=time.perf_counter() - start)
+  stats = dataclasses.replace(stats if result is None else result.stats,
+                              seconds=time.perf_counter() - start)
   ev = evaluate_plan(tables, best_quads, B, eps=opts.eps, simulator=True,
                      fwd_fraction=opts.fwd_fraction)
   out = _assemble(tables, None, best_quads, B, ev.period_s, ev.iteration_s, stats, opts)
@@ -982,7 +1009,9 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
         break
     if best is None and not priced:   # every plan within a period fails at its own period
       raise infeasible()
-  window = [c for c in range(first, M) if _floor(index, scoring, c) <= bound * slack]
+  # Without prices every floor is at least B tau: the candidates beyond bound / B are out.
+  last = M if priced else min(M, int(np.searchsorted(cand, bound * slack / B, side="right")))
+  window = [c for c in range(first, last) if _floor(index, scoring, c) <= bound * slack]
   t_e = float(cand[window[-1]]) if window else float(cand[first - 1])
   sigma_lb: dict[int, float] | float = {} if not priced else 0.0
   num_window = len(window)
@@ -1073,7 +1102,7 @@ def _floor(index: SparseIndex, scoring: Scoring, c: int, sigma_lb: float = 0.0,
     if cover > scoring.rate_max * (1.0 + BOUND_SLACK):
       return math.inf
     return scoring.priced_floor(tau, cover)
-  return scoring.floor(tau, sigma_lb, hit_cap, index.hit_end(tau))
+  return scoring.floor(tau, sigma_lb, hit_cap, float(index.candidate_hit_ends[c]))
 
 
 def _backend(opts: SolveOptions, index: SparseIndex, window: Sequence[int]) -> tuple[str, int]:
