@@ -345,14 +345,8 @@ def ep_dims(program: Program, ops: Iterable[Op], param_ids: Sequence[int],
   pset = set(param_ids)
   view: dict[int, tuple[int, dict]] = {}
   out: dict[int, int] = {}
-  shape = lambda r: tuple(np.shape(r.value)) if isinstance(r, Lit) else program.avals[r].shape
-
-  def as_view(r):
-    if isinstance(r, Lit):
-      return None
-    if r in pset:
-      return (r, {d: d for d in range(len(shape(r)))})
-    return view.get(r)
+  shape = lambda r: _shape_of(program, r)
+  as_view = lambda r: _param_view(program, pset, view, r)
 
   for op in ops:
     ins, outs = op.invars, [o for o in op.outvars if o >= 0]
@@ -390,14 +384,8 @@ def tp_plan(program: Program, ops: Iterable[Op], param_ids: Sequence[int], tp: i
   view: dict[int, tuple[int, dict]] = {}  # value id -> (param id, value dim -> param dim)
   split: dict[int, int] = {}              # activation id -> split dim
   row_ops = []
-  shape = lambda r: tuple(np.shape(r.value)) if isinstance(r, Lit) else program.avals[r].shape
-
-  def as_view(r):
-    if isinstance(r, Lit):
-      return None
-    if r in pset:
-      return (r, {d: d for d in range(len(shape(r)))})
-    return view.get(r)
+  shape = lambda r: _shape_of(program, r)
+  as_view = lambda r: _param_view(program, pset, view, r)
 
   def decide(v, dim_in_view) -> bool:
     """Splits the parameter behind view ``v`` at the view's dim; False if impossible."""
@@ -452,6 +440,21 @@ def tp_plan(program: Program, ops: Iterable[Op], param_ids: Sequence[int], tp: i
     if vm is not None and src in vm and len(outs) == 1:
       split[outs[0]] = vm[src]
   return TPPlan({p: d for p, d in decided.items() if d is not None}, split, tuple(row_ops))
+
+
+def _shape_of(program, r) -> tuple:
+  """The shape of value or literal ``r``."""
+  return tuple(np.shape(r.value)) if isinstance(r, Lit) else program.avals[r].shape
+
+
+def _param_view(program, pset, view, r):
+  """``(parameter id, value dim -> parameter dim)`` when ``r`` is a parameter or a view of one
+  recorded in ``view``; ``None`` otherwise."""
+  if isinstance(r, Lit):
+    return None
+  if r in pset:
+    return (r, {d: d for d in range(len(_shape_of(program, r)))})
+  return view.get(r)
 
 
 def _is_view_op(op: Op) -> bool:
