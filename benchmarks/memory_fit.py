@@ -41,6 +41,7 @@ from harpjax.compiler import plan as planner  # noqa: E402
 from harpjax.compiler.profile import (CostTables, SubclusterSpec,  # noqa: E402
                                       synthetic_gpt_profile)
 from harpjax.errors import InfeasiblePlanError  # noqa: E402
+from tools.baselines import join_runs  # noqa: E402
 
 GBPS = 1e9 / 8
 B = 8
@@ -131,14 +132,7 @@ def describe(plan) -> str:
         "+res" if s.offload_activations else "")
     parts.append(f"{s.subcluster}({s.submesh[0]},{s.submesh[1]}){tp}:"
                  f"{s.layers[1] - s.layers[0] + 1}:{state}")
-  out, x = [], 0
-  while x < len(parts):
-    y = x
-    while y < len(parts) and parts[y] == parts[x]:
-      y += 1
-    out.append(parts[x] if y - x == 1 else f"{y - x}x {parts[x]}")
-    x = y
-  return ", ".join(out)
+  return join_runs(parts)
 
 
 def _table(head, rows) -> None:

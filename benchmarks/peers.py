@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harpjax.compiler.profile.calibration import load_zorse, load_zorse_stats  # noqa: E402
 from tools import zorse  # noqa: E402
+from tools.baselines import join_runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -98,14 +99,7 @@ def _describe(plan) -> str:
         " +res" if s.offload_activations else "") + (" keep" if s.remat == "none" else "")
     parts.append(f"{s.subcluster}({s.submesh[0]},{s.submesh[1]}){tp}:"
                  f"{s.layers[1] - s.layers[0] + 1}{extra}")
-  out, x = [], 0
-  while x < len(parts):
-    y = x
-    while y < len(parts) and parts[y] == parts[x]:
-      y += 1
-    out.append(parts[x] if y - x == 1 else f"{y - x}x {parts[x]}")
-    x = y
-  return ", ".join(out)
+  return join_runs(parts)
 
 
 def zorse_table(names=None, full: bool = False, log=print) -> str:

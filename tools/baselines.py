@@ -26,7 +26,7 @@ from harpjax.compiler.plan import (PlanEvaluation, PlanResult, SolveOptions, eva
 from harpjax.compiler.profile import CostTables
 from harpjax.errors import InfeasiblePlanError, PlanError
 
-__all__ = ["BaselineResult", "homogeneous_plan", "coarse_plan", "equal_work_cuts", "group_cuts",
+__all__ = ["join_runs", "BaselineResult", "homogeneous_plan", "coarse_plan", "equal_work_cuts", "group_cuts",
            "comm_unaware_plan", "schedule_variants"]
 
 Quad = tuple[int, int, int, int]  # (first layer, last layer, subcluster, submesh index)
@@ -168,3 +168,16 @@ def schedule_variants(tables: CostTables, result: PlanResult,
   quads = _quads(result)
   return {s: BaselineResult(s, quads, evaluate_plan(tables, quads, result.num_microbatches, s,
                                                     eps=result.eps)) for s in schedules}
+
+
+def join_runs(parts) -> str:
+  """``parts`` joined by commas, each run of equal neighbours written once as ``"n x part"``
+  (a plan's stages, for a table cell)."""
+  out, x = [], 0
+  while x < len(parts):
+    y = x
+    while y < len(parts) and parts[y] == parts[x]:
+      y += 1
+    out.append(parts[x] if y - x == 1 else f"{y - x}x {parts[x]}")
+    x = y
+  return ", ".join(out)
