@@ -25,7 +25,7 @@ __all__ = [
     "TFLOPS", "GIB", "GBS", "GBPS", "GPUType", "GPU_CATALOG", "GPU_ALIASES", "lookup_gpu", "NIC",
     "NIC_LATENCY_S", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "Host", "SubCluster",
     "DeviceInfo", "MAX_HOSTS", "MAX_DEVICES_PER_HOST", "MAX_DEVICES", "MEMORY_GB_BOUNDS",
-    "GBPS_BOUNDS", "check_physical",
+    "GBPS_BOUNDS", "check_physical", "LINK_CLASSES", "TransferFees", "BYTES_PER_GB",
 ]
 
 TFLOPS = 1e12        # TFLOP/s -> FLOP/s
@@ -405,6 +405,65 @@ def nic_pair_link(src: Sequence[NIC], dst: Sequence[NIC]) -> Link | None:
   return best
 
 
+# ------------------------------------------------------------------------------------ fees
+
+LINK_CLASSES = ("same_zone", "other_zone", "other_region")
+"""The classes of a link between two subclusters, by where they sit: one zone, two zones of
+one region, two regions. Transfer fees are charged per class (:class:`TransferFees`)."""
+
+BYTES_PER_GB = 1e9
+"""Bytes of the GB transfer fees are quoted per (cloud providers bill decimal GB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferFees:
+  """Data-transfer fees per GB (1e9 bytes) sent over a link of each class, in the currency of
+  the subclusters' ``price_per_gpu_hour``.
+
+  The defaults are Sailor's (Strati et al., SOSP'25, §4.2.3: the cost per iteration is
+  ``C_comp + C_comm``; the numbers are its ``sailor/providers/gcp/communication_cost.json``,
+  eth-easl/sailor @ 37ded10, GCP's list prices in USD): nothing inside a zone, 0.01 per GB
+  between two zones of one region, 0.02 per GB between regions.
+
+  Attributes:
+    same_zone: fee per GB between two subclusters of one zone (or inside a subcluster).
+    other_zone: fee per GB between two zones of one region.
+    other_region: fee per GB between two regions.
+
+  Raises:
+    ClusterSpecError: a fee that is not a finite number >= 0.
+  """
+  same_zone: float = 0.0
+  other_zone: float = 0.01
+  other_region: float = 0.02
+
+  def __post_init__(self):
+    for name in LINK_CLASSES:
+      object.__setattr__(self, name, float(check_number(
+          getattr(self, name), f"transfer_fee_per_gb.{name}", minimum=0.0)))
+
+  def per_gb(self, link_class: str) -> float:
+    """The fee per GB of a link class (one of :data:`LINK_CLASSES`)."""
+    if link_class not in LINK_CLASSES:
+      raise ClusterSpecError(f"unknown link class {link_class!r}; known: "
+                             f"{', '.join(LINK_CLASSES)}")
+    return getattr(self, link_class)
+
+  def per_byte(self, link_class: str) -> float:
+    """The fee per byte of a link class."""
+    return self.per_gb(link_class) / BYTES_PER_GB
+
+  def as_tuple(self) -> tuple[float, float, float]:
+    """The fees per GB in the order of :data:`LINK_CLASSES`."""
+    return tuple(getattr(self, c) for c in LINK_CLASSES)
+
+  def to_dict(self) -> dict:
+    """The classes whose fee differs from the default (what the cluster file needs)."""
+    default = TransferFees()
+    return {c: _clean(getattr(self, c)) for c in LINK_CLASSES
+            if getattr(self, c) != getattr(default, c)}
+
+
 # ------------------------------------------------------------------------------------ hosts
 
 
@@ -448,8 +507,12 @@ class SubCluster:
       GPU type's default.
     price_per_gpu_hour: optional price of one device per hour (any currency), for the
       planner's objectives with money.
-    zone: optional zone or region label; a ``links`` entry between two zones sets the link
-      between their subclusters.
+    zone: optional zone label; a ``links`` entry between two zones sets the link between
+      their subclusters, and the transfer fees of a link follow the zones (and regions) of
+      its two ends (:meth:`~harpjax.cluster.Cluster.link_class`).
+    region: optional region of the zone (needs ``zone``): two zones of one region are linked
+      at the ``other_zone`` fee, of two regions at ``other_region``
+      (:class:`TransferFees`).
     host_memory_bytes_per_s: optional bandwidth between a device and its host's memory, one
       direction (PCIe: ~12e9 for Gen3 x16, ~25e9 for Gen4); given for every subcluster, the
       planner may keep a stage's optimizer state, or its residuals between forward and
@@ -465,6 +528,7 @@ class SubCluster:
   price_per_gpu_hour: float | None = None
   zone: str | None = None
   host_memory_bytes_per_s: float | None = None
+  region: str | None = None
   hosts: tuple[Host, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
@@ -490,6 +554,11 @@ class SubCluster:
           self.price_per_gpu_hour, f"{where}.price_per_gpu_hour", minimum=0.0))
     if self.zone is not None:
       check_str(self.zone, f"{where}.zone")
+    if self.region is not None:
+      check_str(self.region, f"{where}.region")
+      if self.zone is None:
+        raise ClusterSpecError(f"{where}.region: {self.region!r} needs a zone; give the "
+                               "subcluster a zone label too (zone: ...)")
     if self.host_memory_bytes_per_s is not None:
       check_pos_number(self.host_memory_bytes_per_s, f"{where}.host_memory_bytes_per_s")
     object.__setattr__(self, "hosts", tuple(
@@ -550,6 +619,8 @@ class SubCluster:
       d["price_per_gpu_hour"] = _clean(self.price_per_gpu_hour)
     if self.zone is not None:
       d["zone"] = self.zone
+    if self.region is not None:
+      d["region"] = self.region
     if self.host_memory_bytes_per_s is not None:
       d["host_memory_gbps"] = _clean(self.host_memory_bytes_per_s / GBPS)
     return d

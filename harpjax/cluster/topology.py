@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 
 from harpjax.cluster.hardware import (GBPS, GIB, NIC, NIC_LATENCY_S, TFLOPS, DeviceInfo, GPUType,
                                       GPU_CATALOG, Host, Link, LinkOverride, MAX_DEVICES,
-                                      SubCluster, did_you_mean, nic_pair_link)
+                                      SubCluster, TransferFees, did_you_mean, nic_pair_link)
 from harpjax.cluster.packing import allocate_submeshes
 from harpjax.cluster.yaml_file import cluster_fields, dump_yaml, parse_yaml
 from harpjax.errors import ClusterSpecError, NotEnoughDevicesError, PlanError
@@ -53,11 +53,14 @@ class Cluster:
     gpus: user-declared GPU types (those used by subclusters but missing from the catalog are
       added automatically, so that the cluster saves and loads back).
     name: optional label.
+    transfer_fees: the fee per GB sent over a link of each class (:meth:`link_class`);
+      Sailor's defaults unless the cluster file's ``transfer_fee_per_gb`` overrides one.
   """
   subclusters: tuple[SubCluster, ...]
   links: tuple[LinkOverride, ...] = ()
   gpus: tuple[GPUType, ...] = ()
   name: str | None = None
+  transfer_fees: TransferFees = TransferFees()
   _by_name: dict = dataclasses.field(init=False, repr=False, compare=False)
   _offsets: tuple = dataclasses.field(init=False, repr=False, compare=False)
   _hosts: dict = dataclasses.field(init=False, repr=False, compare=False)
@@ -100,6 +103,10 @@ class Cluster:
     if clash:
       raise ClusterSpecError(f"zones {sorted(clash)} are also subcluster names; zones and "
                              "subclusters need different names")
+    self._check_regions(subs)
+    if not isinstance(self.transfer_fees, TransferFees):
+      raise ClusterSpecError(f"Cluster.transfer_fees: expected a TransferFees, got "
+                             f"{self.transfer_fees!r}")
     for i, ov in enumerate(self.links):
       if not isinstance(ov, LinkOverride):
         raise ClusterSpecError(f"Cluster.links[{i}]: expected a LinkOverride, got {ov!r}")
@@ -125,6 +132,32 @@ class Cluster:
         self._pair_link(s.name, s.name)
     for a, b in zip(subs, subs[1:]):
       self._pair_link(a.name, b.name)
+
+  @staticmethod
+  def _check_regions(subs: Sequence[SubCluster]) -> None:
+    """A zone lies in one region; regions are given for every zoned subcluster or none."""
+    region_of: dict[str, tuple[str | None, str]] = {}
+    for s in subs:
+      if s.zone is None:
+        continue
+      seen = region_of.setdefault(s.zone, (s.region, s.name))
+      if seen[0] != s.region:
+        raise ClusterSpecError(
+            f"subcluster {s.name!r}: zone {s.zone!r} is in region {s.region!r} here but in "
+            f"{seen[0]!r} for subcluster {seen[1]!r}; a zone lies in one region: give both "
+            "the same region")
+    zoned = [s for s in subs if s.zone is not None]
+    with_region = [s.name for s in zoned if s.region is not None]
+    if with_region and len(with_region) != len(zoned):
+      missing = [s.name for s in zoned if s.region is None]
+      raise ClusterSpecError(
+          f"subclusters {missing} have a zone but no region while {with_region} have one; give "
+          "every zoned subcluster its region (or none: then every two zones are in one region)")
+    if any(s.zone is None for s in subs) and zoned:
+      missing = [s.name for s in subs if s.zone is None]
+      raise ClusterSpecError(
+          f"subclusters {missing} have no zone while {[s.name for s in zoned]} have one; the "
+          "transfer fees of a link follow the zones of its ends: give every subcluster its zone")
 
   # ------------------------------------------------------------------ construction
 
@@ -208,6 +241,9 @@ class Cluster:
     d["subclusters"] = [s.to_dict() for s in self.subclusters]
     if self.links:
       d["links"] = [ov.to_dict() for ov in self.links]
+    fees = self.transfer_fees.to_dict()
+    if fees:
+      d["transfer_fee_per_gb"] = fees
     return d
 
   def to_yaml(self) -> str:
@@ -400,6 +436,23 @@ class Cluster:
       self.device_info(i)
       return Link(math.inf, 0.0, kind="local")
     return self.link_between_hosts(self.host_of_device(i), self.host_of_device(j))
+
+  def link_class(self, name_a: str, name_b: str) -> str:
+    """The class of the link between subclusters ``name_a`` and ``name_b`` (one of
+    :data:`~harpjax.cluster.LINK_CLASSES`): ``"same_zone"`` for one subcluster, two of one
+    zone, or a cluster without zones; ``"other_region"`` for two zones whose regions differ;
+    else ``"other_zone"``."""
+    a, b = self.subcluster(name_a), self.subcluster(name_b)
+    if a.zone == b.zone:
+      return "same_zone"
+    if a.region is not None and b.region is not None and a.region != b.region:
+      return "other_region"
+    return "other_zone"
+
+  def transfer_fee_per_byte(self, name_a: str, name_b: str) -> float:
+    """Fee per byte sent between subclusters ``name_a`` and ``name_b`` (:attr:`transfer_fees`
+    of their :meth:`link_class`)."""
+    return self.transfer_fees.per_byte(self.link_class(name_a, name_b))
 
   def _pair_link(self, a: str, b: str) -> Link:
     sa, sb = self._by_name[a], self._by_name[b]

@@ -15,7 +15,7 @@ import yaml
 
 from harpjax.cluster.hardware import (
     GBPS, GBPS_BOUNDS, GPUType, LinkOverride, MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS,
-    NIC, SubCluster, check_count, check_keys, check_kind, check_list, check_number,
+    NIC, LINK_CLASSES, SubCluster, TransferFees, check_count, check_keys, check_kind, check_list, check_number,
     check_physical, check_pos_number, check_str, did_you_mean, or_empty, lookup_gpu)
 from harpjax.errors import ClusterSpecError
 
@@ -70,18 +70,19 @@ def parse_yaml(text: str, source: str) -> Any:
   return data
 
 
-_TOP_KEYS = ("name", "gpus", "subclusters", "links")
+_TOP_KEYS = ("name", "gpus", "subclusters", "links", "transfer_fee_per_gb")
 _GPU_KEYS = ("name", "tflops", "memory_gb", "mem_bandwidth_gbs", "intra_host_gbps")
 _SUB_KEYS = ("name", "gpu", "hosts", "devices_per_host", "intra_host_gbps", "nics",
-             "price_per_gpu_hour", "zone", "host_memory_gbps")
+             "price_per_gpu_hour", "zone", "host_memory_gbps", "region")
 _NIC_KEYS = ("name", "kind", "gbps", "network", "latency_us")
 _LINK_KEYS = ("between", "gbps", "latency_us", "kind")
 _DEFAULT_GPU_INTRA_HOST_GBPS = 512  # PCIe Gen4 x16, 64 GB/s
 
 
 def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverride, ...],
-                                       tuple[GPUType, ...], str | None]:
-  """Checks a parsed cluster file; returns ``(subclusters, links, gpus, name)`` for ``Cluster``."""
+                                       tuple[GPUType, ...], str | None, TransferFees]:
+  """Checks a parsed cluster file; returns ``(subclusters, links, gpus, name, transfer_fees)``
+  for ``Cluster``."""
   check_keys(data, "cluster", _TOP_KEYS, ("subclusters",))
   name = data.get("name")
   if name is not None:
@@ -133,10 +134,16 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
       if zone in seen:
         raise ClusterSpecError(f"{w}.zone: {zone!r} is also a subcluster name; zones and "
                                "subclusters need different names (links may name either)")
+    region = s.get("region")
+    if region is not None:
+      check_str(region, f"{w}.region")
+      if zone is None:
+        raise ClusterSpecError(f"{w}.region: {region!r} needs a zone; give the subcluster a "
+                               "zone label too (zone: ...), the zone it sits in inside the region")
     subs.append(SubCluster(s["name"], gpu, hosts, per_host,
                            _nics_from_list(or_empty(s.get("nics")), f"{w}.nics"), intra,
                            price_per_gpu_hour=price, zone=zone,
-                           host_memory_bytes_per_s=host_memory))
+                           host_memory_bytes_per_s=host_memory, region=region))
   links = []
   for i, ln in enumerate(check_list(or_empty(data.get("links")), "links")):
     w = f"links[{i}]"
@@ -158,7 +165,17 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     links.append(LinkOverride(tuple(between),
                               check_physical(ln["gbps"], f"{w}.gbps", GBPS_BOUNDS, "Gbit/s"),
                               lat, kind))
-  return tuple(subs), tuple(links), tuple(gpus), name
+  return tuple(subs), tuple(links), tuple(gpus), name, _fees(data.get("transfer_fee_per_gb"))
+
+
+def _fees(raw: Any) -> TransferFees:
+  """The ``transfer_fee_per_gb`` mapping: a fee per GB for any of the link classes, the
+  others keep Sailor's defaults (:class:`~harpjax.cluster.TransferFees`)."""
+  if raw is None:
+    return TransferFees()
+  w = "transfer_fee_per_gb"
+  check_keys(raw, w, LINK_CLASSES, ())
+  return TransferFees(**{c: check_number(v, f"{w}.{c}", minimum=0.0) for c, v in raw.items()})
 
 
 def _nics_from_list(raw: Any, where: str) -> tuple[NIC, ...]:
