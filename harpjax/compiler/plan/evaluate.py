@@ -28,7 +28,7 @@ from harpjax.cluster import place_stages
 from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
-from harpjax.compiler.profile import CostTables
+from harpjax.compiler.profile import CostTables, plan_transfer
 from harpjax.compiler.schedule import (PipelineCosts, pipeline_period, schedule_kind,
                                        ScheduleKind, simulate)
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
@@ -122,6 +122,11 @@ class PlanEvaluation:
     uses_all_devices: every device of every subcluster is in some stage.
     violations: human-readable list of what fails.
     num_devices: devices the stages use.
+    transfer_bytes: ``[3]`` bytes per iteration the plan's cuts send over links of each class
+      (``same_zone``, ``other_zone``, ``other_region``:
+      :func:`~harpjax.compiler.profile.plan_transfer`); fees_per_iteration: their transfer
+      fee (the tables' :attr:`~harpjax.compiler.profile.CostTables.fees`; ``0`` without).
+      :attr:`cost_per_iteration` and :attr:`rate_with_fees_per_hour` count it.
     rate_per_hour: sum over stages of devices times the subcluster's price per device-hour
       (``None`` when the tables have no prices).
   """
@@ -145,10 +150,31 @@ class PlanEvaluation:
   period_s: float = 0.0
   end_s: tuple[float, ...] = ()
 
+  transfer_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+  fees_per_iteration: float = 0.0
+
+  @property
+  def gpu_cost_per_iteration(self) -> float | None:
+    """The GPUs' money per iteration, ``rate_per_hour * iteration_s / 3600`` (``None``
+    without prices)."""
+    return None if self.rate_per_hour is None else self.rate_per_hour * self.iteration_s / 3600
+
   @property
   def cost_per_iteration(self) -> float | None:
-    """``rate_per_hour * iteration_s / 3600`` (``None`` without prices)."""
-    return None if self.rate_per_hour is None else self.rate_per_hour * self.iteration_s / 3600
+    """Money per iteration with the transfer fees: ``rate_per_hour * iteration_s / 3600 +
+    fees_per_iteration`` (``None`` without prices)."""
+    gpus = self.gpu_cost_per_iteration
+    return None if gpus is None else gpus + self.fees_per_iteration
+
+  @property
+  def rate_with_fees_per_hour(self) -> float | None:
+    """The hourly rate with the transfer fees: ``rate_per_hour + 3600 fees_per_iteration /
+    iteration_s`` (what a budget per hour bounds; ``None`` without prices)."""
+    if self.rate_per_hour is None:
+      return None
+    if self.fees_per_iteration == 0.0:
+      return self.rate_per_hour
+    return self.rate_per_hour + 3600.0 * self.fees_per_iteration / self.iteration_s
 
   @property
   def feasible(self) -> bool:
@@ -332,6 +358,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
     if delta >= 1:
       steady = max(steady, (t[x] + t[x + 1] + 2.0 * c[x]) / (delta + 1))
   iteration, model = head + (B - 1) * steady + max(ends), "analytic"
+  transfer = plan_transfer(tables, quads, B)
   if simulator and math.isfinite(t_max):
     iteration, model = simulated_time(t, c, kind, B, warm, fwd_fraction, ends), "simulator"
   return PlanEvaluation(schedule=kind.name, num_microbatches=B, stages=tuple(planned),
@@ -341,7 +368,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
                         devices_ok=devices_ok, uses_all_devices=uses_all,
                         violations=tuple(violations), num_devices=sum(taken),
                         rate_per_hour=_rate(tables, planned), period_s=period,
-                        end_s=tuple(ends))
+                        end_s=tuple(ends), transfer_bytes=transfer.bytes_by_class,
+                        fees_per_iteration=transfer.fee_per_iteration)
 
 
 def _rate(tables: CostTables, stages: Sequence[PlannedStage]) -> float | None:

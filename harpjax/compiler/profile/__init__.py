@@ -16,7 +16,8 @@ and :mod:`~harpjax.compiler.profile.profiler` (:func:`profile_layers`, :func:`pr
 :mod:`~harpjax.compiler.profile.zero` says what each ZeRO level costs a stage in memory and
 collectives (:func:`stage_memory`, :func:`zero_stage_times`, :func:`offload_time_s`,
 :func:`zero_tables`), and :mod:`~harpjax.compiler.profile.routes` which link a transfer
-between subclusters takes and what a mixed-type stage's transfers cost. Every cost formula
+between subclusters takes and what a mixed-type stage's transfers cost, and
+:mod:`~harpjax.compiler.profile.fees` what a plan's transfers between zones and regions pay. Every cost formula
 of the planner is one of these modules'.
 A new cost source implements :class:`~harpjax.compiler.profile.sources.CostSource` and is
 chosen in ``profiler._make_source``.
@@ -30,6 +31,8 @@ from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, 
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.layer_profile import (LayerProfile, memory_to_compute_order,
                                                     SubclusterSpec, synthetic_gpt_profile)
+from harpjax.compiler.profile.fees import (group_sync_transfer, LinkFees, plan_transfer,
+                                           PlanTransfer, with_fees)
 from harpjax.compiler.profile.remat_choice import with_remat_choice
 from harpjax.compiler.profile.routes import (group_route_s, home_sync_s, replica_link,
                                              subcluster_link)
@@ -43,7 +46,8 @@ from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_ti
 
 __all__ = [
     "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables",
-    "default_cache_dir", "group_route_s", "home_sync_s", "LayerProfile",
+    "default_cache_dir", "group_route_s", "group_sync_transfer", "LinkFees", "plan_transfer",
+    "PlanTransfer", "with_fees", "home_sync_s", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "range_sums", "replica_grad_bytes", "replica_link", "SOURCES", "stage_memory",

@@ -47,6 +47,7 @@ import numpy as np
 
 from harpjax.cluster import Link, host_joins, is_divisibility_chain
 from harpjax.errors import CostTablesError
+from harpjax.compiler.profile.fees import LinkFees
 from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.trace import REMAT_MODES
 
@@ -178,6 +179,11 @@ class CostTables:
       :func:`harpjax.cluster.place_stages`). ``None``: every cut inside a subcluster is priced
       at ``intra_*``.
     host_latency_s: optional ``[K]`` its latency (``0`` when only the bandwidth is given).
+    fees: optional :class:`~harpjax.compiler.profile.fees.LinkFees`: each subcluster's zone
+      and region (by name, a superset of ``subcluster_names``) and the transfer fee per GB of
+      each link class, what :func:`~harpjax.compiler.profile.plan_transfer` charges a plan's
+      cuts (:func:`~harpjax.compiler.profile.with_fees` sets it from a cluster). ``None``:
+      no fees.
     inter_bandwidth_bytes_per_s: ``[K - 1]`` bandwidth between subclusters ``k`` and ``k+1``
       (may be left empty when ``link_bandwidth_bytes_per_s`` is given: then derived from it).
     inter_latency_s: ``[K - 1]`` its latency.
@@ -279,6 +285,7 @@ class CostTables:
   microbatch_rows: int | None = None
   host_bandwidth_bytes_per_s: tuple[float, ...] | None = None
   host_latency_s: tuple[float, ...] | None = None
+  fees: LinkFees | None = None
 
   def __post_init__(self):
     L = check_int(self.num_layers, "num_layers")
@@ -316,6 +323,14 @@ class CostTables:
     elif self.host_latency_s is not None:
       raise CostTablesError("host_latency_s needs host_bandwidth_bytes_per_s")
     self._set_links(K)
+    if self.fees is not None:
+      if not isinstance(self.fees, LinkFees):
+        raise CostTablesError(f"fees: expected a LinkFees, got {self.fees!r}")
+      missing = [n for n in names if n not in self.fees.names]
+      if missing:
+        raise CostTablesError(f"fees: subclusters {missing} have no zone in the tables' "
+                              f"transfer fees (they know {', '.join(self.fees.names)}); "
+                              "build them from the tables' cluster (with_fees)")
     if self.price_per_gpu_hour is not None:
       set_("price_per_gpu_hour", _nonneg(self.price_per_gpu_hour, "price_per_gpu_hour", K))
     if self.peak_flops is not None:
