@@ -1053,3 +1053,28 @@ def test_objective_choices_are_the_planners_objectives():
   from harpjax.compiler.plan import OBJECTIVES
   (opt,) = [p for p in plan_command.params if p.name == "objective"]
   assert tuple(opt.type.choices) == OBJECTIVES
+
+
+def test_plan_reports_transfer_fees_between_zones(warm_cache, tmp_path):
+  """Two one-GPU subclusters in two regions, every device used: the plan's cut crosses
+  regions and the report gives its bytes, its fee, and the rate and cost with it."""
+  cluster = tmp_path / "zones.yaml"
+  cluster.write_text("""\
+subclusters:
+  - {name: a, gpu: A100-40G, hosts: 1, devices_per_host: 1, zone: za, region: ra,
+     price_per_gpu_hour: 2.0, nics: [{name: eth0, kind: ethernet, gbps: 10, network: wan}]}
+  - {name: b, gpu: A100-40G, hosts: 1, devices_per_host: 1, zone: zb, region: rb,
+     price_per_gpu_hour: 2.0, nics: [{name: eth0, kind: ethernet, gbps: 10, network: wan}]}
+transfer_fee_per_gb: {other_region: 1000.0}
+""")
+  res = _run("plan", "--cluster", cluster, "--model", "gpt-tiny", "-B", 4, "--no-simulate",
+             "--no-progress", "--cache-dir", warm_cache[0], "--use-all-devices")
+  assert res.exit_code == 0, res.output
+  got = re.search(r"transfer fees: ([0-9.e+-]+) GB between zones, ([0-9.e+-]+) GB between "
+                  r"regions per iteration: ([0-9.]+) per iteration; with fees ([0-9.]+) per "
+                  r"hour, ([0-9.]+) per iteration", res.output)
+  assert got, res.output
+  region_gb, fee = float(got.group(2)), float(got.group(3))
+  assert float(got.group(1)) == 0.0 and region_gb > 0
+  assert fee == pytest.approx(region_gb * 1000.0, rel=1e-3, abs=1e-4)
+  assert float(got.group(4)) > 4.0

@@ -35,7 +35,7 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
   lat = None if latency_us is None else latency_us * 1e-6
   new = [LinkOverride(between=(a, b), gbps=gbps, latency_s=lat) for a, b in zip(names, names[1:])]
   return Cluster(cluster.subclusters, links=tuple(kept + new), gpus=cluster.gpus,
-                 name=cluster.name)
+                 name=cluster.name, transfer_fees=cluster.transfer_fees)
 
 
 @click.command("plan", help="Plan a model on a cluster without owning the GPUs: trace from "
@@ -138,7 +138,8 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
             remat, remat_choice, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.plan import OBJECTIVE_REGISTRY, RANK, objective_of, solve
+  from harpjax.compiler.plan import OBJECTIVE_REGISTRY, RANK, objective_of, solve_with_fees
+  from harpjax.compiler.profile import with_fees
   from harpjax.compiler.schedule import schedule_key
 
   # Every argument is checked before the long work (tracing, profiling, the search).
@@ -209,7 +210,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
                f"{result.tables.total_devices} devices ...", err=True)
     t1 = time.perf_counter()
-    solved = solve(result.tables, num_microbatches, options=solve_opts)
+    tables = with_fees(result.tables, cluster)
+    priced = solve_with_fees(tables, num_microbatches, options=solve_opts)
+    solved = priced.result
     t2 = time.perf_counter()
   except HarpjaxError as e:
     raise click.ClickException(str(e)) from None
@@ -232,6 +235,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
              + ("" if solved.rate_per_hour is None else
                 f"; cost {solved.rate_per_hour:.2f} per hour, "
                 f"{solved.cost_per_iteration:.4f} per iteration"))
+  fees_line = _fees_line(tables, priced)
+  if fees_line:
+    click.echo(fees_line)
   click.echo(_schedule_line(plan, schedule))
   if any(s.groups for s in plan.stages):
     click.echo(f"mixed-type stages: {plan.schedule}, on {sum(1 for s in plan.stages if s.groups)}"
@@ -245,6 +251,22 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
       raise click.ClickException(f"could not write the plan to {json_path!r}: "
                                  f"{e.strerror or e}") from None
     click.echo(f"\nwrote {json_path}")
+
+
+def _fees_line(tables, priced) -> str | None:
+  """The plan's transfer fees and its money with them, where the cluster charges fees."""
+  ev = priced.evaluation
+  if ev is None or tables.fees is None or not tables.fees.charges:
+    return None
+  _, zone, region = ev.transfer_bytes
+  line = (f"transfer fees: {zone / 1e9:.4g} GB between zones, {region / 1e9:.4g} GB between "
+          f"regions per iteration: {ev.fees_per_iteration:.4f} per iteration")
+  if ev.rate_per_hour is not None:
+    line += (f"; with fees {ev.rate_with_fees_per_hour:.2f} per hour, "
+             f"{ev.cost_per_iteration:.4f} per iteration")
+  if priced.rounds > 1:
+    line += f" ({priced.rounds} searches to keep the budget with fees)"
+  return line
 
 
 def _schedule_line(plan, asked: str) -> str:

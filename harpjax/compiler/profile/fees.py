@@ -71,6 +71,10 @@ class LinkFees:
   def names(self) -> tuple[str, ...]:
     return tuple(p[0] for p in self.places)
 
+  def zone_of(self, name: str) -> str | None:
+    """The zone of subcluster ``name`` (``None``: the cluster gives no zones)."""
+    return self._place(name)[0]
+
   def _place(self, name: str) -> tuple[str | None, str | None]:
     for n, z, r in self.places:
       if n == name:

@@ -117,3 +117,31 @@ def test_group_sync_bytes_per_class():
   assert got.bytes_by_class == (0.0, 2e9, 4e9)
   assert got.fee_per_iteration == pytest.approx(2 * 0.01 + 4 * 0.02)
   assert math.isclose((got + got).fee_per_iteration, 2 * got.fee_per_iteration)
+
+
+def test_budget_holds_with_fees():
+  """Across two regions the fee-blind search's plan exceeds the budget once its fees count;
+  solve_with_fees returns one that keeps it, and says so."""
+  from harpjax.compiler.plan import solve_with_fees
+  fees = TransferFees(other_region=2.0)           # dear links: fees dominate
+  t = _tables(prices=(3.0, 1.0, 1.0)).replace(fees=LinkFees(
+      (("a", "x", "r1"), ("b", "z", "r2"), ("c", "z", "r2"))))
+  B = 16
+  kw = dict(objective="min_time_within_budget", use_all_devices=False)
+  fast = solve(t, B, budget_per_hour=1e6, **kw)
+  budget = fast.rate_per_hour * 1.001
+  blind = solve(t, B, budget_per_hour=budget, **kw)
+  blind_ev = evaluate_plan(t, list(blind.stages), B)
+  assert blind_ev.fees_per_iteration > 0                    # the case this test is about
+  assert blind_ev.rate_with_fees_per_hour > budget
+  got = solve_with_fees(t, B, budget_per_hour=budget, **kw)
+  assert got.rate_with_fees_per_hour <= budget * (1 + 1e-12)
+  assert got.evaluation.rate_per_hour <= got.gpu_budget_per_hour * (1 + 1e-12)
+  # No plan inside one zone (none pays a fee) within the budget is faster.
+  from harpjax.compiler.plan.priced import zone_tables
+  best = min(solve(zone_tables(t, z), B, budget_per_hour=budget, **kw).iteration_s
+             for z in ("x", "z"))
+  assert got.evaluation.iteration_s <= best * (1 + 1e-12)
+  assert got.cost_per_iteration == pytest.approx(
+      got.evaluation.rate_per_hour * got.evaluation.iteration_s / 3600
+      + got.fees_per_iteration, rel=1e-12)
