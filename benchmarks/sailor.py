@@ -5,9 +5,11 @@ For each setup (pools of A100-40 and V100-16 GPUs in GCP zones; OPT-350M with gl
 ``benchmarks/data/sailor/``) both planners choose the GPUs and the plan. Sailor's plan is the
 one its public planner picks (``tools/sailor.py`` follows its code path) with its own estimate
 and cost (fees included); where that plan is one of ours (each stage on one pool) our simulator
-scores it too. Our planner is :func:`harpjax.solve` at every global microbatch ``b`` (a power
-of two dividing the batch), the best kept; its fees are counted outside the planner, as Sailor
-counts them (every cut between zones or regions, forward and back, per microbatch). Plan times:
+scores it too. Our planner is :func:`harpjax.compiler.plan.solve_with_fees` at every global microbatch ``b``
+(a power of two dividing the batch), the best kept by the objective with fees; the tables carry
+Sailor's zones and fees, so our evaluation counts a plan's fees as Sailor counts them (every cut
+between zones or regions, forward and back, per microbatch) and a budget per hour bounds the
+rate with them. Plan times:
 ours measured here; Sailor's are quoted from its paper (its C++ planner was not run here; the
 Python port's own time is printed only as a note).
 
@@ -26,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harpjax.compiler.plan import SolveOptions, solve  # noqa: E402
+from harpjax.compiler.plan import SolveOptions, solve, solve_with_fees  # noqa: E402
 from harpjax.errors import InfeasiblePlanError, PlanError  # noqa: E402
 from tools.sailor import (Pool, load_model, load_network, sailor_plan, sailor_tables,  # noqa: E402
                           transfer_fees_usd)
@@ -89,19 +91,22 @@ def _bounds(objective: str, bound: float | None) -> dict:
 
 
 def ours(model, pools, objective: str, bound: float | None, microbatches=None):
-  """Best of :func:`solve` over the global microbatches; ``(result, b, seconds)``."""
+  """Best of :func:`solve_with_fees` over the global microbatches, ranked with the transfer
+  fees (the tables carry Sailor's zones and fees) and held to the budget with them;
+  ``(result, b, seconds)`` with ``result`` a :class:`~harpjax.compiler.plan.FeeResult`."""
   G = model.global_batch
   start = time.perf_counter()
   best, best_key, best_b = None, math.inf, None
   for b in microbatches or microbatch_choices(G):
     tables = sailor_tables(model, pools, b)
     try:
-      r = solve(tables, G // b, options=SolveOptions(objective=objective,
-                                                     **_bounds(objective, bound)))
+      r = solve_with_fees(tables, G // b, options=SolveOptions(objective=objective,
+                                                               **_bounds(objective, bound)))
     except InfeasiblePlanError:
       continue
     key = r.cost_per_iteration if objective in ("max_throughput_per_dollar",
-                                                "min_cost_within_time") else r.iteration_s
+                                                "min_cost_within_time") else \
+        r.evaluation.iteration_s
     if key < best_key:
       best, best_key, best_b = r, key, b
   return best, best_b, time.perf_counter() - start
@@ -182,12 +187,14 @@ def run_setups(names=None) -> tuple[list[SetupRow], list[str]]:
       models[model_name] = load_model(model_name)
       warm_up(models[model_name])
     model = models[model_name]
-    r, b, t_ours = ours(model, pools, objective, bound)
+    fr, b, t_ours = ours(model, pools, objective, bound)
+    r, ev = fr.result, fr.evaluation
     B = model.global_batch // b
     tables = sailor_tables(model, pools, b)
     fees = transfer_fees_usd(pools, [(s.layers[0], s.layers[1], s.subcluster) for s in r.stages],
                              tables.boundary_bytes, B, net)
-    usd = r.rate_per_hour * r.iteration_s / 3600 + fees
+    assert math.isclose(fees, ev.fees_per_iteration, rel_tol=1e-9, abs_tol=1e-15)
+    usd = ev.cost_per_iteration
     ours_label = "ours" + (f" (<= {bound:g} USD/h)" if objective == "min_time_within_budget"
                            else "")
     rows.append(SetupRow(name, model.name, objective, ours_label, r.num_devices, b,

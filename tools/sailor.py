@@ -48,7 +48,11 @@ devices with logical mesh ``(D, tp_i)``, global microbatch ``b = D * mbs`` and
 ``ceil(G / b)`` microbatches; :func:`score_plan` scores it with
 :func:`~harpjax.compiler.plan.evaluate_plan` (1F1B, as Sailor runs it, and H-1F1B) on the
 same tables as our planner. Other plans (a stage mixing types or zones) keep Sailor's estimate
-only. :func:`transfer_fees_usd` counts our plan's fees the same way, outside our planner.
+only. The tables carry Sailor's zones, regions and fees (:func:`pool_fees`), so
+:func:`~harpjax.compiler.plan.evaluate_plan` counts a plan's fees as Sailor does (every cut
+between zones or regions, forward and back, per microbatch) and
+:func:`~harpjax.compiler.plan.solve_with_fees` holds our plan to a budget with them;
+:func:`transfer_fees_usd` is that count for a plan given by its pools.
 
 **Left out**: links whose sender sits in a zone not transcribed (us-west1-b) use the reverse
 link, and inside such a zone us-central1-a's links; an unprofiled (microbatch, tensor degree)
@@ -70,14 +74,15 @@ import numpy as np
 
 from harpjax.cluster import Link, paper_submeshes
 from harpjax.compiler.plan import PlanEvaluation, evaluate_plan
-from harpjax.compiler.profile import CostTables, assemble_tables
+from harpjax.cluster import TransferFees
+from harpjax.compiler.profile import CostTables, LinkFees, assemble_tables, cuts_transfer
 from harpjax.compiler.profile.collectives import allreduce_time_s
 from harpjax.compiler.profile.tables import range_sums
 from harpjax.errors import PlanError
 
 __all__ = ["DATA_DIR", "SailorModel", "Pool", "load_model", "sailor_tables", "SailorNetwork",
            "load_network", "SailorPlan", "sailor_plan", "sailor_stages", "score_plan",
-           "stage_entry", "transfer_fees_usd"]
+           "stage_entry", "transfer_fees_usd", "pool_fees"]
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "benchmarks", "data", "sailor")
@@ -272,8 +277,17 @@ def sailor_tables(model: SailorModel, pools: Sequence[Pool], microbatch: int,
       intra_links=[Link(_pool_link(model, p)) for p in pools], inter_links=[],
       pair_links=pair, price_per_gpu_hour=[model.price_per_gpu_hour[p.gpu] for p in pools])
   tables = tables.replace(boundary_bytes=np.where(np.arange(L) == L - 1, 0.0,
-                                                  tables.boundary_bytes))
+                                                  tables.boundary_bytes),
+                          fees=pool_fees(pools))
   return tables
+
+
+def pool_fees(pools: Sequence[Pool], network: "SailorNetwork | None" = None) -> LinkFees:
+  """The pools' zones and regions (Sailor's: :func:`zone_region`) and Sailor's fees per GB
+  (``network.json``'s, the library's defaults), for the tables' transfer fees."""
+  fee = (network or load_network()).fee_usd_per_gb
+  return LinkFees(tuple((p.name, p.zone, zone_region(p.zone)) for p in pools),
+                  TransferFees(fee["same_zone"], fee["other_zone"], fee["other_region"]))
 
 
 # --------------------------------------------------------------------------- Sailor's network
@@ -913,17 +927,16 @@ def score_plan(model: SailorModel, pools: Sequence[Pool], plan: SailorPlan,
 
 def transfer_fees_usd(pools: Sequence[Pool], stages, boundary_bytes, num_microbatches: int,
                       network: SailorNetwork) -> float:
-  """Data-transfer fees per iteration of one of our plans, counted as Sailor counts them:
-  every cut sends its boundary bytes forward and the gradient back once per microbatch, at
-  the fee between the two pools' zones. Our stages sit in one pool (one zone), so their
-  data-parallel syncs cost no fee.
+  """Data-transfer fees per iteration of one of our plans, counted as Sailor counts them and
+  as our evaluation does (:func:`~harpjax.compiler.profile.plan_transfer`): every cut sends
+  its boundary bytes forward and the gradient back once per microbatch, at the fee between
+  the two pools' zones. Our stages sit in one pool (one zone), so their data-parallel syncs
+  cost no fee.
 
   Args:
     stages: ``(first, last, pool)`` per stage.
     boundary_bytes: ``[L]`` bytes a cut after each layer carries per microbatch.
   """
-  fee = 0.0
-  for (_, last, k), (_, _, k2) in zip(stages, stages[1:]):
-    fee += (2 * num_microbatches * float(boundary_bytes[last]) / 1e9
-            * network.fee_per_gb(pools[k].zone, pools[k2].zone))
-  return fee
+  names = tuple(p.name for p in pools)
+  return cuts_transfer(pool_fees(pools, network), names, boundary_bytes,
+                       [(j, k) for _, j, k in stages], num_microbatches).fee_per_iteration

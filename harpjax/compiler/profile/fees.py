@@ -34,7 +34,8 @@ from typing import Mapping, Sequence
 from harpjax.cluster import LINK_CLASSES, TransferFees
 from harpjax.errors import CostTablesError
 
-__all__ = ["LinkFees", "PlanTransfer", "with_fees", "plan_transfer", "group_sync_transfer"]
+__all__ = ["LinkFees", "PlanTransfer", "with_fees", "plan_transfer", "cuts_transfer",
+           "group_sync_transfer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +154,19 @@ def plan_transfer(tables, stages: Sequence[tuple[int, int, int, int]],
     The :class:`PlanTransfer`: each cut after layer ``j`` from subcluster ``a`` to ``b`` adds
     ``2 B boundary_bytes[j]`` bytes to the class of ``(a, b)``, at its fee per byte.
   """
-  fees = tables.fees
-  names = tables.subcluster_names
+  return cuts_transfer(tables.fees, tables.subcluster_names, tables.boundary_bytes,
+                       [(st[1], st[2]) for st in stages], num_microbatches)
+
+
+def cuts_transfer(fees: LinkFees | None, names: Sequence[str], boundary_bytes,
+                  stages: Sequence[tuple[int, int]], num_microbatches: int) -> PlanTransfer:
+  """:func:`plan_transfer` from its parts: ``fees``, the subclusters' ``names``, the
+  ``[L]`` ``boundary_bytes`` and ``(last layer, subcluster index)`` per stage."""
   by_class = [0.0, 0.0, 0.0]
   fee = 0.0
   B = int(num_microbatches)
-  for x in range(len(stages) - 1):
-    a, b, j = stages[x][2], stages[x + 1][2], stages[x][1]
-    nbytes = 2.0 * B * float(tables.boundary_bytes[j])
+  for (j, a), (_, b) in zip(stages, stages[1:]):
+    nbytes = 2.0 * B * float(boundary_bytes[j])
     fee += _charge(fees, by_class, names[a], names[b], nbytes)
   return PlanTransfer(tuple(by_class), fee)
 
