@@ -55,7 +55,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from harpjax.compiler.plan import proof_kernel
+from harpjax.compiler.plan import dp_kernel
 from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, KIND_COST, KIND_TIME
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
@@ -1259,8 +1259,9 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
 
 def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: int
                ) -> tuple[tuple[float, int, np.ndarray] | None, bool, int, int]:
-  """The bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) after the DP, for
-  the objective of ``scoring`` (its prices, budget and time limit).
+  """The bounded exact search (:func:`~harpjax.compiler.plan.dp_kernel.bounded_search`) after
+  the DP, over the index's state graph, for the objective of ``scoring`` (its prices, budget
+  and time limit).
 
   Returns:
     ``(found, complete, nodes, simulated)``: ``(value, candidate index, path)`` of a plan
@@ -1269,25 +1270,24 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   """
   B = scoring.num_microbatches
   cand = index.candidates
-  px = index.proof
   r_min = 0.0
   price = np.asarray(scoring.price, np.float64) if scoring.priced else None
   kind = scoring.kind if scoring.priced else KIND_TIME
   rate_max, t_limit = scoring.rate_max, scoring.t_limit
   if price is not None:
-    px = px._replace(price=np.asarray(price, np.float64))
-    r_min = float(np.min(px.price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
+    r_min = index.r_min(price)
   ok = B * cand <= t_limit * (1.0 + BOUND_SLACK)
   if price is None:
     floor = B * cand
   else:
-    cover = index.cover_rates(px.price)
+    cover = index.cover_rates(price)
     ok &= cover <= rate_max * (1.0 + BOUND_SLACK)
     floor = B * cand if kind == KIND_TIME else cover * B * cand
   keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & ok)
-  value, pos, path, nodes, n_sim, complete = proof_kernel.bounded_search(
-      index.arrays, px, cand[keep], B, scoring.eps, scoring.fwd_fraction, scoring.nmax, kind,
-      best, rate_max, t_limit, r_min, node_budget, use_numba=scoring.kernel == "numba")
+  value, pos, path, nodes, n_sim, complete = dp_kernel.bounded_search(
+      index.arrays, index.ends, cand[keep], B, scoring.eps, scoring.fwd_fraction,
+      scoring.nmax, kind, best, price, rate_max, t_limit, r_min, node_budget,
+      use_numba=scoring.kernel == "numba")
   log.info("planner: bounded exact search: %d suffixes, %d plans simulated, %s", nodes, n_sim,
            "complete" if complete else "budget exhausted")
   found = None if pos < 0 else (value, int(keep[pos]), path)
