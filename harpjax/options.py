@@ -315,8 +315,9 @@ def parallel_options(*, cluster, num_microbatches=None, plan=None, runtime="loca
     if automatic:
       raise OptionConflictError(
           "offload= forces stages of a given plan to keep state in host memory; automatic "
-          "planning chooses that per stage where it pays "
-          "(harpjax.SolveOptions(offload=..., offload_activations=...)), pricing it")
+          "planning chooses that per stage where it pays, pricing it; to require it on every "
+          "stage, plan with harpjax.AutoPlan(solve=harpjax.SolveOptions(offload='always')) "
+          "or offload_activations='always'")
     _deprecated("offload=...", "a plan's stages say what they keep in host memory "
                 "(StageSpec.offload, StageSpec.offload_activations; "
                 "harpjax.OffloadOptions(...).apply(plan))")

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from harpjax.compiler.schedule import warmup_delta
+from harpjax.compiler.schedule import iteration_time_kernel, warmup_delta
 from harpjax.errors import interruptible_kernel
 
 try:  # Numba is a hard dependency; the twin keeps the planner usable without it.
@@ -65,8 +65,8 @@ __all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost",
            "prefix_rate", "cover_costs",
            "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
            "warmup_delta_kernel",
-           "active_entries", "solve_tau", "solve_tau_numpy", "HAVE_NUMBA", "BOUND_SLACK",
-           "KIND_TIME", "KIND_COST"]
+           "active_entries", "solve_tau", "solve_tau_numpy", "moves_into", "bounded_search",
+           "bounded_search_numpy", "HAVE_NUMBA", "BOUND_SLACK", "KIND_TIME", "KIND_COST"]
 
 HAVE_NUMBA = _numba is not None
 
@@ -190,6 +190,12 @@ class DPArrays(NamedTuple):
       faster logical mesh than a shorter one that fits another).
     fs_ptr: ``[G + 1]``, ``fs_s``: the submeshes a stage may use from state ``g`` (a move
       follows, or it may be the last) are ``fs_s[fs_ptr[g] .. fs_ptr[g + 1] - 1]``.
+    mv_from: ``[V]`` int64 ``g S_max + s`` of each move: the state and submesh of the stage it
+      follows.
+    in_ptr: ``[G + 1]`` int64, ``in_mv``: ``[V]`` the same moves read backwards: those *into*
+      state ``d`` are ``in_mv[in_ptr[d] .. in_ptr[d + 1] - 1]`` (in move order), for the
+      bounded search (:func:`bounded_search`), which extends a suffix by the stage before it.
+    ent_i: ``[E]`` int64 first layer of each entry; ``ent_m``: ``[E]`` int64 its devices.
   """
   st_sub: np.ndarray
   st_stay: np.ndarray
@@ -214,6 +220,11 @@ class DPArrays(NamedTuple):
   fs_s: np.ndarray
   mv_link: np.ndarray
   c_link: np.ndarray
+  mv_from: np.ndarray
+  in_ptr: np.ndarray
+  in_mv: np.ndarray
+  ent_i: np.ndarray
+  ent_m: np.ndarray
 
 
 def cut_cost(ix, k, x, j):
@@ -231,6 +242,16 @@ def link_rows(mv_sub: np.ndarray, mv_host: np.ndarray, st_sub: np.ndarray, mv_pt
   src = st_sub[np.repeat(np.arange(mv_ptr.size - 1) // num_submeshes, np.diff(mv_ptr))]
   rows = np.where(mv_host, K * K + src, src * K + mv_sub).astype(np.int64)
   return rows, np.ascontiguousarray(np.concatenate([c_pair.reshape(K * K, L), c_host]))
+
+
+def moves_into(mv_ptr: np.ndarray, mv_state: np.ndarray, num_states: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``(mv_from, in_ptr, in_mv)`` of :class:`DPArrays`: each move's source ``g S_max + s``
+  and the moves grouped by the state they lead into (stable: in move order)."""
+  mv_from = np.repeat(np.arange(mv_ptr.size - 1, dtype=np.int64), np.diff(mv_ptr))
+  in_mv = np.argsort(mv_state, kind="stable").astype(np.int64)
+  in_ptr = np.searchsorted(mv_state[in_mv], np.arange(num_states + 1), side="left")
+  return mv_from, in_ptr.astype(np.int64), in_mv
 
 
 def fitting_submeshes(mv_ptr: np.ndarray, st_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1509,3 +1530,356 @@ def _solve_tau_rate_twin(ix: DPArrays, pr: Pricing, tau: float, num_microbatches
       break
     key = (int(ent_j[e]) + 1, d2, n_prev, h2, r_prev)
   return float(val), float(rate), cost, np.asarray(path, np.int64)
+
+
+# --------------------------------------------------------------------------- bounded search
+#
+# The DP minimises, per candidate period ``P``, a lower bound on the simulated iteration time;
+# the simulator then scores its plans. A plan the DP did not propose can still simulate
+# faster. The bounded exact search settles it, over the same state graph (:class:`DPArrays`,
+# its moves read backwards: ``in_ptr``/``in_mv``), with the same transition
+# (:func:`warmup_step`) and the same suffix points (:class:`Frontier`): for each candidate
+# period it enumerates, last stage first, every suffix whose *lower bound* on the objective is
+# below the best value found, simulates the whole plans that survive, and keeps the best. Where
+# the DP keeps per state the suffixes no other dominates, the search keeps the one suffix being
+# extended: its pool holds a point per stage of it (``succ`` the stage after, ``xe`` its end
+# term ``z`` below). When it finishes within its node budget no plan beats the result: the
+# optimum over all plans, by the simulator, is proved.
+#
+# Lower bound. For a plan with stage times ``t_s`` (forward ``f_s = phi t_s``), cuts ``c_s``,
+# warm-ups ``w_s = min(N_s, B)`` and first stage's end time ``e_0``, the simulated iteration
+# time ``T`` satisfies (paths of the pipeline's DAG, ``docs/schedules.md``)::
+#
+#   T >= H + e_0 + max( max_s [(B - 1) t_s - (w_s - 1) f_s],  max_s (B - 1) c_s ),
+#   H = sum_s (t_s + 2 c_s).
+#
+# The first term is the path through stage ``s``: microbatch 0 down to ``s``, its round trip
+# below ``s`` (of which ``w_s - 1`` forwards hide the part they overlap), every other task of
+# ``s``, the last gradient back up, then stage 0's end of iteration. The second is the path
+# through the ``B`` messages of one link direction. Both paths may instead stop at any stage
+# ``s' <= s``, whose end of iteration follows its last backward: ``T >= H - U_s' + e_s' +
+# [the term of s]``, ``U_s'`` the backwards and cuts above ``s'`` (``(1 - phi) t + c`` each),
+# so ``T >= H + Z`` with ``Z`` the largest such pair (``s' = 0`` gives the bound above); a
+# suffix carries its own ``Z`` and a plan costs at least the forward half of the suffix's
+# prefix (``sum (phi t + c)``) plus the suffix's ``H`` and ``Z``. Also ``T >= B P`` for the
+# plan's period ``P = max(t_max, max_s c_s)``. A suffix (the stages after layer ``i``, chosen
+# last stage first, so its warm-ups are known) extends to a plan costing at least the cheapest
+# prefix ``lb[i, d]`` (a forward pass at ``P``) plus the suffix's part of the bound; when the
+# suffix has no stage or cut of time ``P`` yet, the prefix has one, contributing at least
+# ``P (B - 1 - phi (n_max - 1))``. (``lb`` is computed once, at the largest candidate period:
+# a bound at every smaller one.) Money objectives multiply by the hourly rate (at least the
+# suffix's plus the cheapest stage when a prefix remains).
+
+# Columns of the search's per-depth walk (besides its Frontier point): the state the suffix
+# starts in, whether it has a hit, the cursor over the moves into that state and over the
+# entries of the current move (and that group's end); its largest path term and its cut.
+_W_D, _W_HIT, _W_X, _W_Y, _W_YEND = range(5)
+_W_G, _W_C = range(2)
+
+
+def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind, best,
+                 rate_max, t_limit, r_min, node_budget, out_path, lb, lbf):
+  """Kernel body; see :func:`bounded_search`."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  B = num_mb
+  inf = np.inf
+  is_root = np.zeros(G, np.bool_)
+  for r in ix.roots:
+    is_root[r] = True
+  # The suffix being extended: point ``q`` its stage at depth ``q`` (0: the last stage), with
+  # n its warm-ups, cost its ``H``, xe its ``Z``, r its hourly rate.
+  pool = _new_frontier(L + 1)
+  wi = np.zeros((L + 1, 5), np.int64)
+  wf = np.zeros((L + 1, 2))
+  t_arr = np.zeros(L)
+  c_arr = np.zeros(L)
+  e_arr = np.zeros(L)
+  w_arr = np.zeros(L, np.int64)
+  nodes = 0
+  n_sim = 0
+  best_len = 0
+  best_tau = -1
+  aborted = False
+  slack = 1.0 + BOUND_SLACK
+  for ti in range(taus.shape[0]):
+    tau = taus[ti]
+    floor = B * tau if kind == KIND_TIME else r_min * B * tau
+    if floor > best * slack or B * tau > t_limit * slack:
+      continue
+    miss = tau * (B - 1 - phi * (n_max - 1))   # the least a prefix hit still adds
+    for d0 in range(G):
+      k0 = ix.st_sub[d0]
+      for s0 in range(S_max):
+        if not ix.st_end[d0, s0]:
+          continue
+        x0 = (k0 * L + (L - 1)) * S_max + s0
+        for y0 in range(end_ptr[x0], end_ptr[x0 + 1]):
+          e0 = by_end[y0]
+          t0 = ix.ent_t[e0]
+          if t0 > tau:
+            break
+          if lb[ix.ent_i[e0], d0] == inf:
+            continue
+          # The suffix made of the last stage alone.
+          depth = 0
+          pool.entry[0] = e0
+          pool.n[0] = 1
+          pool.cost[0] = t0
+          pool.xe[0] = (B - 1) * t0 + ix.ent_e[e0]
+          pool.r[0] = price[k0] * ix.ent_m[e0]
+          pool.succ[0] = -1
+          wi[0, _W_D] = d0
+          wi[0, _W_HIT] = 1 if t0 == tau else 0
+          wi[0, _W_X] = -1
+          wf[0, _W_G] = (B - 1) * t0
+          wf[0, _W_C] = 0.0
+          nodes += 1
+          while depth >= 0:
+            if nodes > node_budget:
+              aborted = True
+              break
+            e = pool.entry[depth]
+            d = wi[depth, _W_D]
+            i = ix.ent_i[e]
+            if wi[depth, _W_X] == -1:
+              # First visit: a complete plan if the suffix starts at layer 0.
+              if i == 0:
+                h = pool.cost[depth]
+                rate = pool.r[depth]
+                if is_root[d] and wi[depth, _W_HIT] == 1:
+                  lbv = h + ix.ent_e[e] + wf[depth, _W_G]
+                  if h + pool.xe[depth] > lbv:
+                    lbv = h + pool.xe[depth]
+                  val = lbv if kind == KIND_TIME else rate * lbv
+                  if val <= best * slack and lbv <= t_limit * slack and \
+                      rate <= rate_max * slack:
+                    S = depth + 1
+                    q = depth
+                    for z in range(S):
+                      t_arr[z] = ix.ent_t[pool.entry[q]]
+                      c_arr[z] = wf[q, _W_C]
+                      e_arr[z] = ix.ent_e[pool.entry[q]]
+                      w_arr[z] = pool.n[q]
+                      q = pool.succ[q]
+                    sim = iteration_time_kernel(t_arr[:S], c_arr[:S], e_arr[:S], w_arr[:S], B,
+                                                phi)
+                    n_sim += 1
+                    val = sim if kind == KIND_TIME else rate * sim
+                    if sim <= t_limit and val < best:
+                      best = val
+                      best_tau = ti
+                      best_len = S
+                      q = depth
+                      for z in range(S):
+                        out_path[z] = pool.entry[q]
+                        q = pool.succ[q]
+                depth -= 1
+                continue
+              wi[depth, _W_X] = ix.in_ptr[d]
+              wi[depth, _W_Y] = 0
+              wi[depth, _W_YEND] = 0
+            # Next child: advance the entry cursor, else the move cursor.
+            pushed = False
+            while not pushed:
+              if wi[depth, _W_Y] >= wi[depth, _W_YEND]:
+                x = wi[depth, _W_X]
+                if x >= ix.in_ptr[d + 1] or nodes > node_budget:
+                  break
+                wi[depth, _W_X] = x + 1
+                src = ix.mv_from[ix.in_mv[x]]
+                d2 = src // S_max
+                gx = (ix.st_sub[d2] * L + (i - 1)) * S_max + src % S_max
+                wi[depth, _W_Y] = end_ptr[gx]
+                wi[depth, _W_YEND] = end_ptr[gx + 1]
+                continue
+              y = wi[depth, _W_Y]
+              wi[depth, _W_Y] = y + 1
+              nodes += 1   # the budget counts every entry looked at
+              mv = ix.in_mv[wi[depth, _W_X] - 1]
+              d2 = ix.mv_from[mv] // S_max
+              k2 = ix.st_sub[d2]
+              e2 = by_end[y]
+              t2 = ix.ent_t[e2]
+              if t2 > tau:
+                wi[depth, _W_Y] = wi[depth, _W_YEND]   # sorted by time: the rest is slower
+                continue
+              i2 = ix.ent_i[e2]
+              pre = lb[i2, d2]
+              if pre == inf:
+                continue
+              c = ix.c_link[ix.mv_link[mv], i - 1]
+              if c > tau:
+                wi[depth, _W_Y] = wi[depth, _W_YEND]   # the same cut for every entry
+                continue
+              n2 = _warmup_step(pool.n[depth], _warmup_delta(c, tau, eps), B, ix.ent_p[e2],
+                                ix.ent_a[e2], ix.mem[k2])
+              if n2 < 0:
+                continue
+              h2 = pool.cost[depth] + t2 + 2.0 * c
+              g2 = wf[depth, _W_G]
+              gs = (B - 1) * t2 - phi * t2 * (n2 - 1)
+              if gs > g2:
+                g2 = gs
+              if (B - 1) * c > g2:
+                g2 = (B - 1) * c
+              hit2 = 1 if (wi[depth, _W_HIT] == 1 or t2 == tau or c == tau) else 0
+              r2 = pool.r[depth] + price[k2] * ix.ent_m[e2]
+              if r2 > rate_max * slack:
+                continue
+              bnd = pre + h2 + (g2 if (hit2 == 1 or g2 >= miss) else miss)
+              if i2 == 0:
+                bnd += ix.ent_e[e2]
+              z2 = pool.xe[depth] - (1.0 - phi) * t2 - c
+              if ix.ent_e[e2] + g2 > z2:
+                z2 = ix.ent_e[e2] + g2
+              if lbf[i2, d2] + h2 + z2 > bnd:
+                bnd = lbf[i2, d2] + h2 + z2   # the prefix's forward half, then a path's end
+              val = bnd if kind == KIND_TIME else (r2 + (r_min if i2 > 0 else 0.0)) * bnd
+              if val > best * slack or bnd > t_limit * slack:
+                continue
+              q = depth + 1
+              pool.entry[q] = e2
+              pool.n[q] = n2
+              pool.cost[q] = h2
+              pool.xe[q] = z2
+              pool.r[q] = r2
+              pool.succ[q] = depth
+              wi[q, _W_D] = d2
+              wi[q, _W_HIT] = hit2
+              wi[q, _W_X] = -1
+              wf[q, _W_G] = g2
+              wf[q, _W_C] = c
+              depth = q
+              pushed = True
+            if not pushed:
+              depth -= 1
+          if aborted:
+            break
+        if aborted:
+          break
+      if aborted:
+        break
+    if aborted:
+      break
+  return best, best_tau, best_len, nodes, n_sim, aborted
+
+
+if HAVE_NUMBA:
+  _search_numba = _numba.njit(cache=True, nogil=True)(_search_impl)
+else:  # pragma: no cover
+  _search_numba = _search_impl
+
+
+@interruptible_kernel
+def bounded_search(ix: DPArrays, ends: tuple[np.ndarray, np.ndarray], taus: np.ndarray,
+                   num_microbatches: int, eps: float, fwd_fraction: float, n_max: int,
+                   kind: int, best: float, price: np.ndarray | None = None,
+                   rate_max: float = np.inf, t_limit: float = np.inf, r_min: float = 0.0,
+                   node_budget: int = 2_000_000, use_numba: bool = True
+                   ) -> tuple[float, int, np.ndarray, int, int, bool]:
+  """The bounded exact search: simulates every plan whose lower bound (the section's comment)
+  beats ``best``, over the DP's state graph.
+
+  Args:
+    ix: the index's arrays (:class:`DPArrays`).
+    ends: ``(end_ptr, by_end)``, the entries by (subcluster, last layer, submesh), each group
+      sorted by time (:attr:`~harpjax.compiler.plan.index.SparseIndex.ends`).
+    taus: ``[P]`` candidate periods, seconds, ascending.
+    num_microbatches: ``B``.
+    eps: H-1F1B tolerance (warm-ups relative to each candidate period).
+    fwd_fraction: ``phi``, the forward's share of a stage's time.
+    n_max: the largest in-flight count any stage can have (``<= B``).
+    kind: :data:`KIND_TIME` (the simulated time) or :data:`KIND_COST` (rate times it).
+    best: the value to beat (``inf``: none).
+    price: ``[K]`` price of a device per hour (``None``: zeros, the time objective).
+    rate_max: hourly budget; ``t_limit``: bound on the simulated time.
+    r_min: the smallest hourly rate of a single stage (for the cost bound).
+    node_budget: stages to look at, at most (each a candidate stage in front of a suffix).
+    use_numba: run compiled (``False``: the same code in Python).
+
+  Returns:
+    ``(value, candidate, path, work, simulated, complete)``: the best value found below
+    ``best`` (else ``best``), the position in ``taus`` of its period (``-1``: none found), its
+    entries in pipeline order, the stages looked at, the plans simulated, and whether the
+    search finished (then no plan beats ``value``).
+  """
+  L = ix.ent_ptr.shape[1] - 1
+  K = ix.ent_ptr.shape[0]
+  out = np.zeros(L, np.int64)
+  taus = np.ascontiguousarray(taus, np.float64)
+  if taus.size == 0:
+    return float(best), -1, out[:0].copy(), 0, 0, True
+  # One prefix bound, at the largest period: a bound at every smaller one.
+  lb, lbf = prefix_bounds(ix, float(taus[-1]), float(fwd_fraction), True,
+                          use_numba=use_numba)
+  price = np.zeros(K) if price is None else np.ascontiguousarray(price, np.float64)
+  fn = _search_numba if (use_numba and HAVE_NUMBA) else _search_impl
+  value, idx, length, nodes, n_sim, aborted = fn(
+      ix, ends[0], ends[1], price, taus, int(num_microbatches), float(eps),
+      float(fwd_fraction), int(n_max), int(kind), float(best), float(rate_max),
+      float(t_limit), float(r_min), int(node_budget), out, lb, lbf)
+  return (float(value), int(idx), out[:length].copy(), int(nodes), int(n_sim), not aborted)
+
+
+def bounded_search_numpy(ix: DPArrays, taus: np.ndarray, num_microbatches: int, eps: float,
+                         fwd_fraction: float, kind: int, best: float,
+                         price: np.ndarray | None = None, rate_max: float = np.inf,
+                         t_limit: float = np.inf) -> tuple[float, int, np.ndarray]:
+  """The pure-NumPy twin of :func:`bounded_search`: every plan of the state graph, read
+  forwards as the DP reads it (no bound, no budget), at each candidate period it has (a stage
+  or cut of exactly that period, every other within it), with its warm-ups from
+  :func:`warmup_step` and simulated; the best one below ``best``. Exponential in the layers:
+  for the tests.
+
+  Returns:
+    ``(value, candidate, path)`` as :func:`bounded_search` (candidate ``-1`` and ``best``:
+    none beats it); the search, complete, finds the same value.
+  """
+  L = ix.ent_ptr.shape[1] - 1
+  S_max = ix.st_stay.shape[1]
+  B = int(num_microbatches)
+  price = np.zeros(ix.ent_ptr.shape[0]) if price is None else np.asarray(price, np.float64)
+  slack = 1.0 + BOUND_SLACK
+  plans: list[tuple[list[int], list[float], list[int]]] = []
+
+  def walk(i, d, path, cuts, subs):
+    k = int(ix.st_sub[d])
+    for e in range(int(ix.ent_ptr[k, i]), int(ix.ent_ptr[k, i + 1])):
+      s, j = int(ix.ent_s[e]), int(ix.ent_j[e])
+      if j == L - 1:
+        if ix.st_end[d, s]:
+          plans.append((path + [e], cuts + [0.0], subs + [k]))
+        continue
+      mp = d * S_max + s
+      for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
+        walk(j + 1, int(ix.mv_state[x]), path + [e], cuts + [float(cut_cost(ix, k, x, j))],
+             subs + [k])
+
+  for r in ix.roots:
+    walk(0, int(r), [], [], [])
+  found, at, where = float(best), -1, np.zeros(0, np.int64)
+  for ti, tau in enumerate(np.asarray(taus, np.float64)):
+    for path, cuts, subs in plans:
+      t, c = ix.ent_t[path], np.asarray(cuts)
+      if t.max() > tau or c.max() > tau or not (np.any(t == tau) or np.any(c == tau)):
+        continue
+      S = len(path)
+      warm = np.ones(S, np.int64)   # the last stage holds one (every entry fits with one)
+      for z in range(S - 2, -1, -1):
+        e = path[z]
+        warm[z] = warmup_step(int(warm[z + 1]), warmup_delta(c[z], tau, eps), B, ix.ent_p[e],
+                              ix.ent_a[e], ix.mem[subs[z]])
+        if warm[z] < 0:
+          break
+      if np.any(warm < 0):
+        continue
+      rate = float(np.sum(price[subs] * ix.ent_m[path]))
+      if rate > rate_max * slack:
+        continue
+      sim = iteration_time_kernel(t, c, ix.ent_e[path], warm, B, fwd_fraction)
+      val = sim if kind == KIND_TIME else rate * sim
+      if sim <= t_limit and val < found:
+        found, at, where = val, ti, np.asarray(path, np.int64)
+  return found, at, where

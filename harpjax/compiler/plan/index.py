@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from harpjax.cluster import bin_pack, is_divisibility_chain
-from harpjax.compiler.plan import dp_kernel, proof_kernel
+from harpjax.compiler.plan import dp_kernel
 from harpjax.compiler.profile import CostTables
 from harpjax.errors import PlanError
 
@@ -114,7 +114,8 @@ class SparseIndex:
         c["e"].astype(np.float64), sp_ptr, ent_jmax.astype(np.int64),
         *dp_kernel.fitting_submeshes(mv_ptr, st.end),
         *dp_kernel.link_rows(mv_sub, mv_host, st.sub, mv_ptr, S_max, tables.pair_comm_s,
-                             tables.host_comm_s))
+                             tables.host_comm_s),
+        *dp_kernel.moves_into(mv_ptr, mv_state, st.sub.size), c["i"], c["m"])
     cand = c["t"]
     cut_values = np.zeros(0)
     if link_bound and L > 1:
@@ -133,10 +134,18 @@ class SparseIndex:
                cut_values=cut_values, cuts=tables.cut_costs)
 
   @functools.cached_property
-  def proof(self) -> proof_kernel.ProofArrays:
-    """The bounded exact search's arrays (:func:`~harpjax.compiler.plan.proof_kernel.
-    proof_arrays`), without prices."""
-    return proof_kernel.proof_arrays(self.arrays, self.ent_i, self.ent_k, self.ent_m, None)
+  def ends(self) -> tuple[np.ndarray, np.ndarray]:
+    """``(end_ptr, by_end)``: the entries by (subcluster ``k``, *last* layer ``j``, submesh
+    ``s``), each group sorted by time (ties by entry): those of the group ``x = (k L + j)
+    S_max + s`` are ``by_end[end_ptr[x] .. end_ptr[x + 1] - 1]``. The bounded search
+    (:func:`~harpjax.compiler.plan.dp_kernel.bounded_search`) reads the index's entries in
+    this order; built on its first use."""
+    ix = self.arrays
+    K, L, S_max = ix.ent_ptr.shape[0], self.num_layers, ix.st_stay.shape[1]
+    key = (self.ent_k * L + ix.ent_j) * S_max + ix.ent_s
+    by_end = np.lexsort((np.arange(key.size), ix.ent_t, key))
+    end_ptr = np.searchsorted(key[by_end], np.arange(K * L * S_max + 1), side="left")
+    return end_ptr.astype(np.int64), by_end.astype(np.int64)
 
   @property
   def num_entries(self) -> int:

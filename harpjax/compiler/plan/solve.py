@@ -55,7 +55,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from harpjax.compiler.plan import proof_kernel
+from harpjax.compiler.plan import dp_kernel
 from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.dp_kernel import BOUND_SLACK, KIND_COST, KIND_TIME
 from harpjax.compiler.plan.evaluate import (PlannedStage, evaluate_plan,
@@ -70,7 +70,8 @@ from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError, Runtime
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
-           "register_parallel_backend", "BACKENDS", "OBJECTIVES", "COST_MODELS", "MIXED_MODES",
+           "register_parallel_backend", "BACKENDS", "ALWAYS", "require_offloads", "OBJECTIVES",
+           "COST_MODELS", "MIXED_MODES",
            "register_mixed_search", "Objective", "OBJECTIVE_REGISTRY", "objective_of"]
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,10 @@ COST_MODELS = ("simulator", "eq12")
 """How :func:`solve` ranks plans (:class:`SolveOptions`)."""
 
 MIXED_MODES = ("off", "auto", "on")
+
+ALWAYS = "always"
+"""The value of :attr:`SolveOptions.offload` (and ``offload_activations``) that requires the
+offload on every stage."""
 """Whether :func:`solve` considers mixed-type stages (:mod:`~harpjax.compiler.plan.mixed`)."""
 
 BACKENDS = ("auto", "sequential", "process", "thread")
@@ -231,12 +236,14 @@ class SolveOptions:
     zero_levels: the ZeRO levels a stage may use, chosen per stage by the search where the
       tables carry the optimizer state's bytes (``CostTables.opt_mem_bytes``; tables without
       them plan at level 0). ``(0,)``: no sharding of the training state.
-    offload: a stage may keep its optimizer state in host memory (where the tables also give
-      ``offload_bandwidth_bytes_per_s``); chosen per stage (:mod:`~harpjax.compiler.plan.
-      variants`).
-    offload_activations: a stage may keep its residuals in host memory between forward and
-      backward (where the tables give ``offload_bandwidth_bytes_per_s``); chosen per stage
-      (:attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
+    offload: ``True`` (default): a stage may keep its optimizer state in host memory (where
+      the tables also give ``offload_bandwidth_bytes_per_s``), chosen per stage
+      (:mod:`~harpjax.compiler.plan.variants`); ``False``: no stage does; ``"always"``: every
+      stage does, the user's request as a constraint on the tables' variants: the planner
+      prices it (each stage's time and memory are its offload variant's) and the plan's stages
+      carry it (:attr:`~harpjax.compiler.plan.StageSpec.offload`).
+    offload_activations: the same for a stage's residuals, kept in host memory between
+      forward and backward (:attr:`~harpjax.compiler.plan.StageSpec.offload_activations`).
     mixed_stages: ``"off"``, ``"auto"`` (default) or ``"on"``: also consider stages that run
       on groups of devices of several subclusters joined by a link (``"auto"``: only fast
       links), data-parallel with rows split by speed; the plan without them stays a candidate
@@ -271,8 +278,8 @@ class SolveOptions:
   bound_pieces: int = 16
   hidden_share: float = 0.02
   zero_levels: tuple[int, ...] = (0, 1, 2, 3)
-  offload: bool = True
-  offload_activations: bool = True
+  offload: bool | str = True
+  offload_activations: bool | str = True
   mixed_stages: str = "auto"
   mixed_options: Any = None
   schedule: str = RANK
@@ -287,9 +294,18 @@ class SolveOptions:
         raise InvalidOptionError(f"SolveOptions.schedule={self.schedule!r}: {RANK!r} (the "
                                  f"planner ranks the schedules) or a registered schedule; "
                                  f"{e}") from None
+    for name in ("offload", "offload_activations"):
+      value = getattr(self, name)
+      if not (isinstance(value, bool) or value == ALWAYS):
+        raise InvalidOptionError(f"SolveOptions.{name}={value!r}: True (the planner chooses "
+                                 f"per stage), False (no stage) or {ALWAYS!r} (every stage)")
+    if self.mixed_stages == "on" and ALWAYS in (self.offload, self.offload_activations):
+      raise InvalidOptionError(
+          f"SolveOptions.mixed_stages='on' with an offload {ALWAYS!r}: mixed-type stages are "
+          "not priced with a required offload; give mixed_stages='auto' or 'off'")
     try:
-      variant_opts = variants_lib.VariantOptions(self.zero_levels, self.offload,
-                                                 self.offload_activations)
+      variant_opts = variants_lib.VariantOptions(self.zero_levels, bool(self.offload),
+                                                 bool(self.offload_activations))
     except PlanError as e:
       raise InvalidOptionError(f"SolveOptions.{e}") from None
     object.__setattr__(self, "zero_levels", variant_opts.zero_levels)
@@ -765,7 +781,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   B = int(num_microbatches)
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
-  if opts.mixed_stages != "off" and _MIXED_SEARCH:
+  if opts.mixed_stages != "off" and _MIXED_SEARCH and not any(_required_offloads(opts)):
     return _MIXED_SEARCH[0](tables, B, opts)   # it chooses the schedule too
   asked, opts = opts, dataclasses.replace(opts, schedule=H1F1B.name)   # the search's schedule
   result = _solve_plain(tables, B, opts, time.perf_counter())
@@ -779,10 +795,16 @@ def _solve_plain(given: CostTables, B: int, opts: SolveOptions, start: float,
   options. With ``beat`` finite only plans whose value is below it count (``None`` if there
   is none): every search of the cascade then starts from that bound."""
   tables = given
+  required = _required_offloads(opts)
   if variants_lib.has_variant_data(given):
+    # A required offload keeps every variant (B not given: none is dropped as dominated by
+    # one without it), then only those with it.
     tables = variants_lib.expand_variants(
-        given, variants_lib.VariantOptions(opts.zero_levels, opts.offload,
-                                           opts.offload_activations), B)
+        given, variants_lib.VariantOptions(opts.zero_levels, bool(opts.offload),
+                                           bool(opts.offload_activations)),
+        None if any(required) else B)
+  if any(required):
+    tables = require_offloads(tables, *required)
   result = _search(tables, B, opts, start, beat=beat)
   if (opts.cost_model == "simulator" and not opts.use_all_devices
       and tables.num_subclusters > 1 and (result is None or not result.stats.proved)):
@@ -790,6 +812,43 @@ def _solve_plain(given: CostTables, B: int, opts: SolveOptions, start: float,
   if tables is not given:
     result = _with_fewer_variants(given, tables, B, opts, result, start, beat)
   return result
+
+
+def _required_offloads(opts: SolveOptions) -> tuple[bool, bool]:
+  """Whether every stage must offload its optimizer state, and its residuals."""
+  return opts.offload == ALWAYS, opts.offload_activations == ALWAYS
+
+
+def require_offloads(tables: CostTables, optimizer_state: bool, activations: bool
+                     ) -> CostTables:
+  """``tables`` (expanded into variants) with only the variants that offload what is asked
+  usable (the others' stage times ``inf``): the user's offload request as a constraint the
+  search prices.
+
+  Raises:
+    InfeasiblePlanError: the tables cannot price the offload (no link to host memory, or
+      for the optimizer state no optimizer bytes), or no entry offloads it.
+  """
+  what = " and ".join(n for n, x in (("offload='always'", optimizer_state),
+                                     ("offload_activations='always'", activations)) if x)
+  if tables.variants is None:
+    err = InfeasiblePlanError(
+        f"SolveOptions({what}) but {tables.describe()} cannot price it: the tables need "
+        "offload_bandwidth_bytes_per_s (the link to host memory) and, to offload the "
+        "optimizer state, opt_mem_bytes; give them, or drop the request")
+    err.constraint = "memory"
+    raise err
+  times = []
+  for k in range(tables.num_subclusters):
+    keep = np.array([(o or not optimizer_state) and (r or not activations)
+                     for _, o, r in tables.variants[k]], dtype=bool)
+    times.append(np.where(keep[None, None, :], tables.stage_time_s[k], np.inf))
+  if not any(np.isfinite(t).any() for t in times):
+    err = InfeasiblePlanError(f"SolveOptions({what}): no stage of {tables.describe()} can "
+                              "offload that (no variant with it fits a device)")
+    err.constraint = "memory"
+    raise err
+  return tables.replace(stage_time_s=tuple(times))
 
 
 def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: SolveOptions,
@@ -811,6 +870,11 @@ def _with_fewer_variants(given: CostTables, tables: CostTables, B: int, opts: So
   if given.offload_bandwidth_bytes_per_s is not None and (opts.offload
                                                           or opts.offload_activations):
     fewer = [dict(offload=False, offload_activations=False)]
+  # A required offload stays required: only the other freedoms are taken away.
+  fewer = [{f: v for f, v in change.items() if getattr(opts, f) != ALWAYS}
+           for change in fewer]
+  fewer = [change for change in fewer if change and any(
+      getattr(opts, f) != v for f, v in change.items())]
   for change in fewer:
     alt_opts = dataclasses.replace(opts, **change)
     best = beat if result is None else min(beat, _value(result))
@@ -1259,8 +1323,9 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
 
 def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: int
                ) -> tuple[tuple[float, int, np.ndarray] | None, bool, int, int]:
-  """The bounded exact search (:mod:`~harpjax.compiler.plan.proof_kernel`) after the DP, for
-  the objective of ``scoring`` (its prices, budget and time limit).
+  """The bounded exact search (:func:`~harpjax.compiler.plan.dp_kernel.bounded_search`) after
+  the DP, over the index's state graph, for the objective of ``scoring`` (its prices, budget
+  and time limit).
 
   Returns:
     ``(found, complete, nodes, simulated)``: ``(value, candidate index, path)`` of a plan
@@ -1269,25 +1334,24 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   """
   B = scoring.num_microbatches
   cand = index.candidates
-  px = index.proof
   r_min = 0.0
   price = np.asarray(scoring.price, np.float64) if scoring.priced else None
   kind = scoring.kind if scoring.priced else KIND_TIME
   rate_max, t_limit = scoring.rate_max, scoring.t_limit
   if price is not None:
-    px = px._replace(price=np.asarray(price, np.float64))
-    r_min = float(np.min(px.price[index.ent_k] * index.ent_m)) if index.num_entries else 0.0
+    r_min = index.r_min(price)
   ok = B * cand <= t_limit * (1.0 + BOUND_SLACK)
   if price is None:
     floor = B * cand
   else:
-    cover = index.cover_rates(px.price)
+    cover = index.cover_rates(price)
     ok &= cover <= rate_max * (1.0 + BOUND_SLACK)
     floor = B * cand if kind == KIND_TIME else cover * B * cand
   keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & ok)
-  value, pos, path, nodes, n_sim, complete = proof_kernel.bounded_search(
-      index.arrays, px, cand[keep], B, scoring.eps, scoring.fwd_fraction, scoring.nmax, kind,
-      best, rate_max, t_limit, r_min, node_budget, use_numba=scoring.kernel == "numba")
+  value, pos, path, nodes, n_sim, complete = dp_kernel.bounded_search(
+      index.arrays, index.ends, cand[keep], B, scoring.eps, scoring.fwd_fraction,
+      scoring.nmax, kind, best, price, rate_max, t_limit, r_min, node_budget,
+      use_numba=scoring.kernel == "numba")
   log.info("planner: bounded exact search: %d suffixes, %d plans simulated, %s", nodes, n_sim,
            "complete" if complete else "budget exhausted")
   found = None if pos < 0 else (value, int(keep[pos]), path)

@@ -136,20 +136,34 @@ class OffloadOptions:
 
   def apply(self, plan: Plan) -> Plan:
     """``plan`` with the stages this names keeping what this says in host memory (what the
-    plan's stages offload already stays offloaded).
+    plan's stages offload already stays offloaded): for a plan written by hand, which then
+    carries its offloads per stage. A plan the planner priced (its
+    :attr:`~harpjax.Plan.predicted_iteration_s` set) is never changed to offload what it was
+    priced without: ask the planner for it (``SolveOptions(offload="always")``,
+    ``offload_activations="always"``), which prices it.
 
     Raises:
-      OptionConflictError: :attr:`stages` names a stage the plan does not have.
+      OptionConflictError: :attr:`stages` names a stage the plan does not have, or the plan
+        was priced without an offload this asks for.
     """
     bad = [s for s in self.stages or () if s >= plan.num_stages]
     if bad:
       raise OptionConflictError(f"OffloadOptions.stages={list(self.stages)} names stage(s) "
                                 f"{bad}, but the plan has {plan.num_stages}")
-    return plan.with_stages([
-        dataclasses.replace(st, offload=st.offload or self.offloads(s),
-                            offload_activations=(st.offload_activations
-                                                 or self.offloads_activations(s)))
-        for s, st in enumerate(plan.stages)])
+    stages = [dataclasses.replace(st, offload=st.offload or self.offloads(s),
+                                  offload_activations=(st.offload_activations
+                                                       or self.offloads_activations(s)))
+              for s, st in enumerate(plan.stages)]
+    changed = [s for s, (a, b) in enumerate(zip(stages, plan.stages)) if a != b]
+    if not changed:
+      return plan
+    if plan.predicted_iteration_s is not None:
+      raise OptionConflictError(
+          f"{self} asks stage(s) {changed} to offload, but the plan was priced without "
+          f"it (predicted_iteration_s={plan.predicted_iteration_s:.6g} s): plan with "
+          "harpjax.SolveOptions(offload='always') or offload_activations='always', which "
+          "prices it, or give a plan written by hand (harpjax.ManualPlan)")
+    return plan.with_stages(stages)
 
   def offloads(self, stage: int) -> bool:
     """Whether ``stage`` keeps its optimizer state in host memory."""

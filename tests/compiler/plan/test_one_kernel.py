@@ -133,3 +133,52 @@ def test_objective_registry_says_what_each_objective_needs():
     assert opts.objective == name
   with pytest.raises(PlanError, match="choose one of"):
     solve_mod.objective_of("fastest")
+
+
+@pytest.mark.parametrize("kind", [dp_kernel.KIND_TIME, dp_kernel.KIND_COST])
+def test_bounded_search_equals_its_twin(kind):
+  """The bounded exact search (compiled, and the same code in Python) over the DP's state
+  graph finds, within its budget, the value of its NumPy twin, which simulates every plan of
+  that graph at each candidate period without a bound; its plan simulates to that value.
+  With a budget, a time limit and a value to beat too."""
+  rng = np.random.default_rng(60 + kind)
+  found = 0
+  for x in range(12):
+    tables = oracle.random_tables(rng, num_layers=int(rng.integers(2, 5)), priced=True)
+    B = int(rng.choice([2, 8, 32]))
+    index = planner.SparseIndex.build(tables, link_bound=True, **MODES[x % len(MODES)])
+    price = np.asarray(tables.price_per_gpu_hour) if kind == dp_kernel.KIND_COST else None
+    taus = index.candidates
+    phi, eps = 1.0 / 3.0, 0.1
+    n_max = index.n_cap(B)
+    r_min = index.r_min(price) if price is not None else 0.0
+    full = dp_kernel.bounded_search_numpy(index.arrays, taus, B, eps, phi, kind, math.inf,
+                                          price)
+    limits = [(math.inf, math.inf, math.inf)]
+    if math.isfinite(full[0]):
+      limits += [(full[0] * 1.5, math.inf, math.inf), (math.inf, 3.0, math.inf),
+                 (math.inf, math.inf, 1.2 * float(taus[full[1]]) * B)]
+    for best, rate_max, t_limit in limits:
+      if kind == dp_kernel.KIND_TIME and math.isfinite(rate_max):
+        continue
+      want = dp_kernel.bounded_search_numpy(index.arrays, taus, B, eps, phi, kind, best,
+                                            price, rate_max, t_limit)
+      for use_numba in (True, False):
+        got = dp_kernel.bounded_search(index.arrays, index.ends, taus, B, eps, phi, n_max,
+                                       kind, best, price, rate_max, t_limit, r_min,
+                                       use_numba=use_numba)
+        value, pos, path, _, _, complete = got
+        assert complete
+        assert _close(value, want[0]), (value, want[0])
+        assert (pos < 0) == (want[1] < 0)
+        if pos >= 0:
+          found += 1
+          _, _, again = dp_kernel.bounded_search_numpy(
+              index.arrays, taus[pos:pos + 1], B, eps, phi, kind, math.inf, price)
+          assert again.size   # the search's plan has that period
+          stages = [index.entry(int(e)) for e in path]
+          ev = planner.evaluate_plan(tables, stages, B, eps=eps, fwd_fraction=phi)
+          sim = ev.iteration_s if kind == dp_kernel.KIND_TIME else \
+              ev.rate_per_hour * ev.iteration_s
+          assert _close(sim, value), (sim, value)
+  assert found > 20, found

@@ -3,6 +3,7 @@ force over every (submesh, level, offload) variant, it is never worse than witho
 freedom and strictly better where memory binds, and the simulator's time stays the plan's
 predicted time, exactly."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -391,3 +392,66 @@ def test_only_the_residuals_offload_makes_it_fit():
   assert chosen and max(st.inflight for st in chosen) >= 2
   for st in chosen:
     assert st.act_bytes == 0.0 and st.peak_mem_bytes <= st.device_memory_bytes
+
+
+def test_offload_request_is_priced_by_the_planner():
+  """``SolveOptions(offload="always")`` (and ``offload_activations="always"``): the request
+  is a constraint on the tables' variants: the optimum equals brute force over the variants
+  that offload it, every stage carries it, and the predicted time is the simulator's with its
+  cost (the same stages without the offload, where they fit, simulate faster). Tables that cannot price it
+  are refused."""
+  rng = np.random.default_rng(4321)
+  checked = cheaper = 0
+  for x in range(40):
+    tables = oracle.random_zero_tables(rng, host_share=1.0, num_layers=int(rng.integers(2, 4)),
+                                       num_subclusters=int(rng.integers(1, 3)))
+    B = int(rng.choice([2, 4, 8]))
+    opt, act = (True, False) if x % 2 == 0 else (x % 4 == 1, True)
+    pairs = [(z, o, r) for z, o, r in oracle.residual_pairs() if (o or not opt)
+             and (r or not act)]
+    bf = oracle.brute_force(oracle.all_variants(tables, pairs), B, eps=0.1)
+    kw = dict(offload="always" if opt else True,
+              offload_activations="always" if act else True)
+    res = _obj(tables, B, eps=0.1, **kw)
+    assert _close(_value(res), bf.objective_s), (bf, res)
+    if res is None:
+      continue
+    checked += 1
+    assert all((st.offload or not opt) and (st.offload_activations or not act)
+               for st in res.plan.stages)
+    ev = evaluate_plan(tables, res.plan, B, eps=0.1)
+    assert ev.iteration_s == res.plan.predicted_iteration_s
+    bare = res.plan.with_stages([dataclasses.replace(st, offload=False,
+                                                     offload_activations=False)
+                                 for st in res.plan.stages])
+    bare_s = evaluate_plan(tables, bare, B, eps=0.1).iteration_s
+    if math.isfinite(bare_s):   # (else the stages only fit with the offload)
+      assert bare_s < res.plan.predicted_iteration_s
+      cheaper += 1
+  assert checked >= 10 and cheaper >= 5, (checked, cheaper)
+  plain = oracle.random_tables(np.random.default_rng(1), num_layers=3)
+  with pytest.raises(InfeasiblePlanError, match="cannot price it"):
+    solve(plain, 4, offload="always")
+  with pytest.raises(PlanError, match="every stage"):
+    solve(plain, 4, offload="sometimes")
+
+
+def test_a_plan_priced_without_offload_never_runs_with_it():
+  """``OffloadOptions.apply`` writes offloads into a plan's stages only where no prediction
+  was made without them: on a plan the planner priced it is refused (plan with the offload
+  instead); a hand-written plan carries them per stage."""
+  import harpjax
+  from harpjax.errors import OptionConflictError
+  rng = np.random.default_rng(5)
+  tables = oracle.random_zero_tables(rng, host_share=1.0, num_layers=3, num_subclusters=1)
+  res = solve(tables, 4, offload=False, offload_activations=False)
+  assert res.plan.predicted_iteration_s is not None
+  assert not any(st.offload or st.offload_activations for st in res.plan.stages)
+  for request in (harpjax.OffloadOptions(optimizer_state=True),
+                  harpjax.OffloadOptions(activations=True, stages=(0,))):
+    with pytest.raises(OptionConflictError, match="priced without"):
+      request.apply(res.plan)
+  assert harpjax.OffloadOptions().apply(res.plan) == res.plan   # nothing asked: unchanged
+  manual = harpjax.ManualPlan(res.plan.stages)
+  moved = harpjax.OffloadOptions(optimizer_state=True, stages=(0,)).apply(manual)
+  assert [st.offload for st in moved.stages] == [s == 0 for s in range(len(moved.stages))]
