@@ -17,7 +17,8 @@ registered :class:`ScheduleKind`, or any table that passes :func:`validate_table
 """
 
 from harpjax.compiler.schedule import timeline
-from harpjax.compiler.schedule.interleaved import (group_warmups, interleaved_group_tables,
+from harpjax.compiler.schedule.interleaved import (group_activation_peaks, group_warmups,
+                                                   interleaved_group_tables,
                                                    interleaved_tables, interleaved_warmups)
 from harpjax.compiler.schedule.registry import (EAGER_1F1B, GPIPE, H1F1B, INTERLEAVED,
                                                 interleaved_kind, make_schedule,
@@ -53,7 +54,7 @@ __all__ = [
     "tables_to_arrays", "Task", "timeline", "TimelineEvent", "unregister_schedule",
     "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_order", "ZebraCosts",
     "ZebraOrder", "ZebraResult", "ZebraTask", "dry_run_groups", "format_group_tables",
-    "GroupTables", "group_warmups", "INTERLEAVED", "interleaved_group_tables",
+    "GroupTables", "group_activation_peaks", "group_warmups", "INTERLEAVED", "interleaved_group_tables",
     "interleaved_kind", "interleaved_tables", "interleaved_warmups", "StageTask",
     "tables_from_groups",
 ]

@@ -15,7 +15,7 @@ backwards in the same order with the chunks reversed. It launches
     ``W_g = min(2 (d - 1 - g) + (v - 1) d, v B)``
 
 forwards before its first backward (Megatron's warm-up), then alternates one forward and one
-backward, then drains the rest. With ``v = 1`` this is 1F1B exactly. With ``B`` a multiple of
+backward, then drains the rest. With ``B`` a multiple of
 ``d`` (Megatron's condition) the order never deadlocks; other ``B`` are accepted where the
 order is still deadlock-free (checked), else refused with a named error.
 
@@ -32,7 +32,7 @@ from harpjax.compiler.schedule.warmup import check_positive
 from harpjax.errors import ScheduleError
 
 __all__ = ["interleaved_group_tables", "interleaved_tables", "interleaved_warmups",
-           "group_warmups", "num_groups_of", "group_of_stage"]
+           "group_warmups", "num_groups_of", "group_of_stage", "group_activation_peaks"]
 
 
 def num_groups_of(num_stages: int, chunks: int) -> int:
@@ -117,3 +117,22 @@ def interleaved_warmups(num_stages: int, num_microbatches: int,
                         chunks: int) -> tuple[int, ...]:
   """``[S]``: the forwards each stage (chunk) runs before its first backward, in its row."""
   return table_warmups(interleaved_tables(num_stages, num_microbatches, chunks))
+
+
+def group_activation_peaks(groups: GroupTables, act_bytes) -> tuple[float, ...]:
+  """Per device group, the most activation bytes it holds at once in its order: a stage's
+  ``act_bytes[s]`` from the start of ``F(s, m)`` to the end of ``B(s, m)``, summed over the
+  group's stages (at most the sum of each stage's own peak, which may fall at other times).
+
+  Args:
+    groups: the group orders (:attr:`~harpjax.compiler.schedule.Schedule.groups`).
+    act_bytes: ``[S]`` bytes one in-flight microbatch of each stage holds.
+  """
+  out = []
+  for row in groups:
+    cur = peak = 0.0
+    for t in row:
+      cur += float(act_bytes[t.stage]) if t.kind == "F" else -float(act_bytes[t.stage])
+      peak = max(peak, cur)
+    out.append(peak)
+  return tuple(out)
