@@ -292,7 +292,10 @@ def _schedule_table(tables, plan, num_microbatches: int, opts, asked: str) -> No
   ranked = {k.name for k in ranked_schedules()}
   click.echo("\n  schedule      warm-ups              simulated iteration (s)   fits memory  "
              "ranked")
-  for sc in schedule_scores(plan, score, registered_schedules()):
+  # An interleaved schedule puts the stages on shared device groups: another plan, not these
+  # stages under another order.
+  kinds = [k for k in registered_schedules() if k.chunks == 1]
+  for sc in schedule_scores(plan, score, kinds):
     warm = ",".join(str(w) for w in sc.warmups)
     mark = "*" if sc.schedule == plan.schedule else " "
     click.echo(f"{mark} {sc.schedule:12s}  {warm[:20]:20s}  {sc.iteration_s:>22.3f}   "

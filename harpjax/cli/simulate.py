@@ -343,7 +343,7 @@ def _schedule_names(schedules: str | None, plan, table) -> list[str]:
   for tok in schedules.split(","):
     tok = tok.strip()
     if tok == "all":
-      names += list(sched.schedule_names())
+      names += [k.name for k in sched.registered_schedules() if k.chunks == 1]
     elif tok == "custom":
       if table is None:
         raise click.BadParameter("'custom' needs --table", param_hint="--schedule")

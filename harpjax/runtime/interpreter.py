@@ -3,7 +3,7 @@
 Both runtimes run the region through :class:`StageRun`, one per stage; they differ only in the
 :class:`Messenger` that moves values between stages: the local runtime's keeps every message
 in this process (:class:`LocalMessenger`) and runs the stages' tasks in a dependency-valid
-order (:func:`harpjax.compiler.schedule.dry_run`); a Ray worker's sends them over the network
+order (:meth:`harpjax.compiler.schedule.Schedule.run_order`); a Ray worker's sends them over the network
 and runs its own stage's row of the task table. A stage's part of one step:
 
 1. :meth:`StageRun.forward` for each ``F`` task: receive the microbatch's activations from the

@@ -1,9 +1,11 @@
 """Running a compiled step in one process.
 
-Stages live on disjoint submeshes of the local devices; activations and gradients move between
-them with ``jax.device_put``. The placement groups before the pipeline run on their stages, then
+Stages live on disjoint submeshes of the local devices, except that under an interleaved schedule
+the stages of one device group share its submesh; activations and gradients move between them
+with ``jax.device_put`` (a no-op between stages of one group). The placement groups before the pipeline run on their stages, then
 the region: every stage's :class:`~harpjax.runtime.interpreter.StageRun`, their tasks in a
-dependency-valid order (:func:`harpjax.compiler.schedule.dry_run`), messages kept in this
+dependency-valid order (:meth:`harpjax.compiler.schedule.Schedule.run_order`: each device
+group's tasks in its order), messages kept in this
 process (:class:`~harpjax.runtime.interpreter.LocalMessenger`); then the groups after it. JAX
 dispatches asynchronously, so stages on different devices overlap as their data dependencies
 allow.
@@ -20,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from harpjax.compiler.schedule import dry_run
 from harpjax.compiler.stages import CompiledStep
 from harpjax.compiler.trace import Lit
 from harpjax.errors import InvalidOptionError
@@ -129,8 +130,8 @@ def run_region(cs: CompiledStep, env: dict) -> None:
     inputs = {lay.region_invars[k]: ref.value if isinstance(ref, Lit) else env[ref]
               for k, ref in lay.region_inputs[s]}
     runs.append(StageRun(lay, st, LocalMessenger(s, inboxes), inputs))
-  for s, task in dry_run(cs.schedule.tables):
-    runs[s].task(task)
+  for t in cs.schedule.run_order():   # stages sharing a device group: its interleaved order
+    runs[t.stage].task(t.task)
   for run in runs:
     env.update(run.combine())
   for run in runs:

@@ -32,6 +32,7 @@ from harpjax import _compat
 from harpjax.compiler.stages import StepProgram, lower_step
 from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import (HarpjaxError, InvalidOptionError, PlanError, RuntimeFailure,
+                            UnsupportedError,
                             UnknownOptionError, check_choice, check_count, check_flag,
                             check_number)
 from harpjax.runtime import codec, transport
@@ -189,6 +190,11 @@ class PipelineRunner:
 
   def __init__(self, program: StepProgram, cluster, example_args, backend,
                options: RayRuntime):
+    if program.schedule.groups is not None:
+      raise UnsupportedError(
+          f"schedule {program.schedule.name!r} runs several stages on one device group; the Ray "
+          "runtime runs one process per stage, which cannot share a group's devices. Run the "
+          "plan with harpjax.LocalRuntime(), or with a schedule of one stage per group")
     t0 = time.time()
     self.id = new_runner_id()
     self.options = options

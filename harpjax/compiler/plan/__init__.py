@@ -25,7 +25,8 @@ from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJEC
                                          Objective, OBJECTIVE_REGISTRY, objective_of,
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
-from harpjax.compiler.plan.spec import (LAYER_SOURCES, load_plan, ManualPlan, Plan,
+from harpjax.compiler.plan.spec import (check_device_groups, LAYER_SOURCES, load_plan,
+                                        ManualPlan, Plan,
                                         REMAT_MODES, row_shares, StageGroup, StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.priced import FeeResult, plan_fees, solve_with_fees
@@ -42,5 +43,5 @@ __all__ = [
     "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Objective", "OBJECTIVE_REGISTRY", "objective_of", "Plan", "plan_scorer", "PlanEvaluation",
     "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",
     "schedule_scores", "ScheduleScore", "SearchStats", "single_subcluster", "solve", "solve_mixed",
-    "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
+    "check_device_groups", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
 ]

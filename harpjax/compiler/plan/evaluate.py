@@ -29,7 +29,8 @@ from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables, plan_transfer
-from harpjax.compiler.schedule import (PipelineCosts, pipeline_period, schedule_kind,
+from harpjax.compiler.schedule import (group_activation_peaks, PipelineCosts, pipeline_period,
+                                       schedule_kind,
                                        ScheduleKind, simulate)
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
@@ -182,7 +183,8 @@ class PlanEvaluation:
     return self.mem_ok and self.devices_ok
 
 
-def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int]]:
+def _resolve_stages(tables: CostTables, stages,
+                    num_groups: int | None = None) -> list[tuple[int, int, int, int]]:
   plan = stages if isinstance(stages, Plan) else None
   if isinstance(stages, Plan):
     stages = stages.stages
@@ -220,7 +222,9 @@ def _resolve_stages(tables: CostTables, stages) -> list[tuple[int, int, int, int
     raise PlanError(f"stage layer ranges {[(i, j) for i, j, _, _ in out]} must cover layers "
                     f"0..{tables.num_layers - 1} contiguously")
   seen = set()
-  for a, b in zip(out, out[1:]):
+  # Under an interleaved schedule the stages return to their groups' subclusters: the groups'
+  # own order (the first ``d`` stages) is what must not return.
+  for a, b in zip(out[:num_groups], out[1:num_groups]):
     if b[2] == a[2]:
       continue
     seen.add(a[2])
@@ -285,7 +289,9 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   B = int(num_microbatches)
   kind = _kind(schedule, stages)
   tables = variants_lib.tables_for_stages(tables, stages)
-  quads = _resolve_stages(tables, stages)
+  n_stages = len(stages.stages if isinstance(stages, Plan) else stages)
+  group = _device_groups(kind, n_stages)
+  quads = _resolve_stages(tables, stages, max(group) + 1 if group else None)
   S = len(quads)
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
   c = [float(x) for x in tables.cut_costs(quads)]   # where the stages sit
@@ -301,7 +307,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   devices_ok, uses_all = True, True
   hosts: dict[int, tuple] = {}
   for k in range(tables.num_subclusters):
-    mine = [x for x, q in enumerate(quads) if q[2] == k]
+    mine = [x for x, q in enumerate(quads) if q[2] == k and (not group or group[x] == x)]
     shapes = [tables.submeshes[k][quads[x][3]] for x in mine]
     used = sum(n * m for n, m in shapes)
     uses_all &= used == tables.subcluster_devices[k]
@@ -313,14 +319,25 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
                         f"{tables.devices_per_host[k]}")
     else:
       hosts.update(zip(mine, packed))
+  if group:   # the stages of a group sit where its first stage sits
+    hosts.update({x: hosts[group[x]] for x in range(S) if group[x] in hosts})
   mem_ok = True
+  group_peak = _group_peaks(tables, quads, kind, B, warm, group) if group else None
   planned, taken = [], [0] * tables.num_subclusters
   for x, (i, j, k, s) in enumerate(quads):
     p = float(tables.param_mem_bytes[k][i, j, s])
     a = float(tables.act_mem_bytes[k][i, j, s])
-    peak = p + inflight[x] * a
+    peak = p + inflight[x] * a if not group else group_peak[group[x]]
     dev_mem = tables.device_memory_bytes[k]
-    if not peak <= dev_mem:
+    if group and not peak <= dev_mem:
+      if group[x] == x:
+        mem_ok = False
+        violations.append(
+            f"device group {x} ({tables.subcluster_names[k]} {tables.submeshes[k][s]}: stages "
+            f"{[y for y in range(S) if group[y] == x]}) needs {peak / 2**30:.3f} GiB (every "
+            f"stage's parameters and activations in flight) > {dev_mem / 2**30:.3f} GiB "
+            "device memory")
+    elif not peak <= dev_mem:
       mem_ok = False
       violations.append(
           f"stage {x} (layers {i}..{j}, {tables.subcluster_names[k]} {tables.submeshes[k][s]}) "
@@ -336,8 +353,11 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
           f"{dev_mem / 2**30:.3f} GiB device memory")
     peak = max(peak, step)
     n, m = tables.submeshes[k][s]
-    offset = int(tables.device_offsets[k]) + taken[k]
-    taken[k] += n * m
+    if group and group[x] != x:   # on its group's devices
+      offset = planned[group[x]].device_offset
+    else:
+      offset = int(tables.device_offsets[k]) + taken[k]
+      taken[k] += n * m
     planned.append(PlannedStage(
         layers=(i, j), subcluster=k, subcluster_name=tables.subcluster_names[k],
         submesh_index=s, submesh=(n, m), logical_mesh=tables.logical_mesh_of(k, i, j, s),
@@ -359,15 +379,18 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
       steady = max(steady, (t[x] + t[x + 1] + 2.0 * c[x]) / (delta + 1))
   iteration, model = head + (B - 1) * steady + max(ends), "analytic"
   transfer = plan_transfer(tables, quads, B)
-  if simulator and math.isfinite(t_max):
+  if group:   # a group computes its stages' tasks one at a time
+    t_max = max(sum(t[x] for x in range(S) if group[x] == g) for g in set(group))
+  if (simulator or group) and math.isfinite(t_max):
     iteration, model = simulated_time(t, c, kind, B, warm, fwd_fraction, ends), "simulator"
   return PlanEvaluation(schedule=kind.name, num_microbatches=B, stages=tuple(planned),
                         warmups=tuple(int(w) for w in warm), t_max_s=t_max, eq12_s=eq12,
                         steady_period_s=steady, iteration_s=iteration, model=model,
-                        eta=_eta(tables, planned, t_max), mem_ok=mem_ok, comm_ok=comm_ok,
-                        devices_ok=devices_ok, uses_all_devices=uses_all,
+                        eta=_eta(tables, _per_group(planned, group), t_max), mem_ok=mem_ok,
+                        comm_ok=comm_ok, devices_ok=devices_ok, uses_all_devices=uses_all,
                         violations=tuple(violations), num_devices=sum(taken),
-                        rate_per_hour=_rate(tables, planned), period_s=period,
+                        rate_per_hour=_rate(tables, _per_group(planned, group)),
+                        period_s=period,
                         end_s=tuple(ends), transfer_bytes=transfer.bytes_by_class,
                         fees_per_iteration=transfer.fee_per_iteration)
 
@@ -406,6 +429,51 @@ def _kind(schedule, stages) -> ScheduleKind:
     return schedule_kind(schedule)
   except HarpjaxError as e:
     raise PlanError(f"schedule={schedule!r}: {e}") from None
+
+
+# --------------------------------------------------------------------------- device groups
+
+
+def _device_groups(kind: ScheduleKind, num_stages: int) -> tuple[int, ...] | None:
+  """Per stage its device group under an interleaved schedule (``chunks > 1``), else
+  ``None`` (every stage on devices of its own)."""
+  if kind.chunks == 1:
+    return None
+  try:
+    return kind.device_groups(num_stages)
+  except HarpjaxError as e:
+    raise PlanError(f"schedule {kind.name!r}: {e}") from None
+
+
+def _group_peaks(tables: CostTables, quads, kind: ScheduleKind, B: int, warm,
+                 group) -> dict[int, float]:
+  """Per device group, the bytes per device it holds at its peak: every stage's parameters
+  plus the most activations its interleaved order holds at once
+  (:func:`~harpjax.compiler.schedule.group_activation_peaks`), or its largest update if
+  more."""
+  act = [float(tables.act_mem_bytes[k][i, j, s]) for i, j, k, s in quads]
+  held = group_activation_peaks(kind.schedule(len(quads), B, warm).groups, act)
+  peak: dict[int, float] = {}
+  step: dict[int, float] = {}
+  for x, (i, j, k, s) in enumerate(quads):
+    g = group[x]
+    peak[g] = peak.get(g, held[g]) + float(tables.param_mem_bytes[k][i, j, s])
+    if tables.step_mem_bytes is not None:
+      step[g] = max(step.get(g, 0.0), float(tables.step_mem_bytes[k][i, j, s]))
+  return {g: max(p, step.get(g, 0.0)) for g, p in peak.items()}
+
+
+def _per_group(planned: Sequence[PlannedStage], group) -> list[PlannedStage]:
+  """One entry per device group (its first stage, with the group's summed time): what the
+  hourly rate and Eq. 20 count. The stages themselves without groups."""
+  if not group:
+    return list(planned)
+  out = []
+  for x, st in enumerate(planned):
+    if group[x] == x:
+      total = sum(p.time_s for y, p in enumerate(planned) if group[y] == x)
+      out.append(dataclasses.replace(st, time_s=total))
+  return out
 
 
 def simulated_time(t: Sequence[float], c: Sequence[float], schedule: str | ScheduleKind,

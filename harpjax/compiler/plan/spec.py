@@ -15,7 +15,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from harpjax.compiler.layers import LayerOptions
-from harpjax.compiler.schedule import schedule_key
+from harpjax.compiler.schedule import schedule_key, schedule_kind
 from harpjax.compiler.trace import REMAT_MODES
 from harpjax.errors import HarpjaxError, PlanError
 
@@ -454,6 +454,7 @@ class Plan:
     except HarpjaxError as e:
       raise PlanError(f"schedule: {e}") from None
     object.__setattr__(self, "schedule", key)
+    check_device_groups(stages, key)
     for a, b in zip(stages, stages[1:]):
       if b.layers[0] != a.layers[1] + 1:
         raise PlanError(
@@ -719,3 +720,38 @@ def _stage_from_any(s: Any) -> StageSpec:
     return StageSpec(*s)
   raise PlanError(f"cannot read stage {s!r}: give a StageSpec, a dict, or "
                   "(layers, subcluster, submesh[, logical_mesh])")
+
+
+def check_device_groups(stages: Sequence[StageSpec], schedule: str) -> None:
+  """Stages that share a device group (an interleaved schedule, ``v`` chunks per group: stage
+  ``i`` on group ``i mod (S / v)``) must describe the same devices: equal subcluster, submesh
+  and logical mesh, equal explicit devices if any, and no groups of a mixed-type stage. Only
+  a schedule with ``chunks > 1`` puts stages on one device group; with any other, every stage
+  has devices of its own (:func:`~harpjax.compiler.stages.resolve_devices` checks that).
+
+  Raises:
+    PlanError: the stages do not divide into the schedule's groups, or two stages of one group
+      differ (which, and how to fix it).
+  """
+  kind = schedule_kind(schedule)
+  if kind.chunks == 1:
+    return
+  S, v = len(stages), kind.chunks
+  if S % v:
+    raise PlanError(f"schedule {kind.name!r} runs v={v} stages per device group, but the plan "
+                    f"has {S} stages: use a multiple of {v} stages, or another schedule")
+  d = S // v
+  for i in range(d, S):
+    a, b = stages[i % d], stages[i]
+    for name in ("subcluster", "submesh", "logical_mesh", "devices"):
+      if b.devices is None and name == "devices":
+        continue
+      if getattr(a, name) != getattr(b, name):
+        raise PlanError(
+            f"stages {i % d} and {i} share device group {i % d} under schedule {kind.name!r} "
+            f"(stage i runs on group i mod {d}), but their {name} differ "
+            f"({getattr(a, name)!r} vs {getattr(b, name)!r}): give the stages of one group the "
+            "same subcluster, submesh, logical mesh and devices")
+    if a.groups or b.groups:
+      raise PlanError(f"stage {i} shares device group {i % d} under schedule {kind.name!r}; "
+                      "a stage on several groups (a mixed-type stage) cannot share one")

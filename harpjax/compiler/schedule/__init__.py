@@ -1,4 +1,4 @@
-"""Phase 4, schedules: task tables (GPipe, 1F1B, Eager-1F1B, H-1F1B), their warm-up counts, the
+"""Phase 4, schedules: task tables (GPipe, 1F1B, Eager-1F1B, H-1F1B, interleaved 1F1B), their warm-up counts, the
 registry that holds each kind of schedule once, the simulator every plan and runtime is
 measured against, and timelines.
 
@@ -17,7 +17,11 @@ registered :class:`ScheduleKind`, or any table that passes :func:`validate_table
 """
 
 from harpjax.compiler.schedule import timeline
-from harpjax.compiler.schedule.registry import (EAGER_1F1B, GPIPE, H1F1B, make_schedule,
+from harpjax.compiler.schedule.interleaved import (group_activation_peaks, group_warmups,
+                                                   interleaved_group_tables,
+                                                   interleaved_tables, interleaved_warmups)
+from harpjax.compiler.schedule.registry import (EAGER_1F1B, GPIPE, H1F1B, INTERLEAVED,
+                                                interleaved_kind, make_schedule,
                                                 ONE_F_ONE_B, ranked_schedules,
                                                 register_schedule, registered_schedules,
                                                 SCHEDULE_NAMES, schedule_key, schedule_kind,
@@ -25,8 +29,10 @@ from harpjax.compiler.schedule.registry import (EAGER_1F1B, GPIPE, H1F1B, make_s
                                                 unregister_schedule)
 from harpjax.compiler.schedule.sim_kernel import iteration_time_kernel, iteration_times
 from harpjax.compiler.schedule.simulator import SimResult, simulate, TimelineEvent
-from harpjax.compiler.schedule.tasks import (as_task, dry_run, format_tables, parse_tables,
-                                             peak_inflight, Schedule, table_from_warmups,
+from harpjax.compiler.schedule.tasks import (as_task, dry_run, dry_run_groups,
+                                             format_group_tables, format_tables, GroupTables,
+                                             parse_tables, peak_inflight, Schedule,
+                                             StageTask, table_from_warmups, tables_from_groups,
                                              table_warmups, tables_to_arrays, Task,
                                              validate_tables)
 from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups, h1f1b_counts,
@@ -47,5 +53,8 @@ __all__ = [
     "ScheduleKind", "SimResult", "simulate", "table_from_warmups", "table_warmups",
     "tables_to_arrays", "Task", "timeline", "TimelineEvent", "unregister_schedule",
     "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_order", "ZebraCosts",
-    "ZebraOrder", "ZebraResult", "ZebraTask",
+    "ZebraOrder", "ZebraResult", "ZebraTask", "dry_run_groups", "format_group_tables",
+    "GroupTables", "group_activation_peaks", "group_warmups", "INTERLEAVED", "interleaved_group_tables",
+    "interleaved_kind", "interleaved_tables", "interleaved_warmups", "StageTask",
+    "tables_from_groups",
 ]

@@ -31,6 +31,7 @@ import dataclasses
 import re
 from typing import Callable, Sequence
 
+from harpjax.compiler.schedule import interleaved as interleaved_lib
 from harpjax.compiler.schedule.tasks import (peak_inflight, Schedule, Tables,
                                              table_from_warmups)
 from harpjax.compiler.schedule.warmup import (check_positive, eager_1f1b_warmups,
@@ -41,7 +42,7 @@ from harpjax.errors import ScheduleError
 __all__ = ["ScheduleKind", "WarmupRule", "TableBuilder", "register_schedule",
            "unregister_schedule", "schedule_kind", "schedule_key", "schedule_names",
            "registered_schedules", "ranked_schedules", "make_schedule", "SCHEDULE_NAMES",
-           "GPIPE", "ONE_F_ONE_B", "EAGER_1F1B", "H1F1B"]
+           "GPIPE", "ONE_F_ONE_B", "EAGER_1F1B", "H1F1B", "interleaved_kind", "INTERLEAVED", "INTERLEAVED_NAMES"]
 
 WarmupRule = Callable[[PipelineCosts], Sequence[int]]
 """``rule(costs) -> [S]`` warm-up counts, each ``>= 1``."""
@@ -75,6 +76,10 @@ class ScheduleKind:
     build_tables: ``build(S, B, warmups) -> tables``; default
       :func:`~harpjax.compiler.schedule.table_from_warmups` (warm-up forwards, then one
       backward and one forward alternately, then the remaining backwards).
+    chunks: ``v``, the stages each device group runs (an interleaved schedule,
+      :func:`interleaved_kind`): stage ``i`` runs on group ``i mod (S / v)``, and the kind's
+      schedules carry each group's order of tasks
+      (:attr:`~harpjax.compiler.schedule.Schedule.groups`). ``1``: a group per stage.
   """
   name: str
   warmup_rule: WarmupRule
@@ -83,6 +88,7 @@ class ScheduleKind:
   uses_costs: bool = False
   ranked: bool = False
   build_tables: TableBuilder = table_from_warmups
+  chunks: int = 1
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not _spelling(self.name) or _spelling(
@@ -95,6 +101,9 @@ class ScheduleKind:
         raise ScheduleError(f"ScheduleKind {self.name!r}: alias {a!r} must be a non-empty "
                             "string")
     object.__setattr__(self, "aliases", aliases)
+    if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+      raise ScheduleError(f"ScheduleKind {self.name!r}: chunks={self.chunks!r} must be an "
+                          "integer >= 1 (model chunks per device group)")
     for field in ("warmup_rule", "build_tables"):
       if not callable(getattr(self, field)):
         raise ScheduleError(f"ScheduleKind {self.name!r}: {field}={getattr(self, field)!r} "
@@ -156,8 +165,22 @@ class ScheduleKind:
               f"schedule {self.name!r} has fixed warm-up counts {default}; got warmups="
               f"{counts}. Use a schedule whose warm-ups follow the costs ({', '.join(others)}) "
               "for other counts, or build a Schedule from your own tables")
+    groups = None
+    if self.chunks > 1:
+      groups = interleaved_lib.interleaved_group_tables(
+          interleaved_lib.num_groups_of(num_stages, self.chunks), self.chunks,
+          num_microbatches)
     return Schedule(self.name, self.build_tables(num_stages, num_microbatches, counts),
-                    num_microbatches, counts)
+                    num_microbatches, counts, groups)
+
+  def device_groups(self, num_stages: int) -> tuple[int, ...]:
+    """Per stage, the device group that runs it: ``i mod (S / v)`` (``i`` when ``v = 1``).
+
+    Raises:
+      ScheduleError: ``S`` is not a multiple of :attr:`chunks`.
+    """
+    d = interleaved_lib.num_groups_of(num_stages, self.chunks)
+    return tuple(i % d for i in range(num_stages))
 
   def inflight(self, num_stages: int, num_microbatches: int,
                warmups: Sequence[int]) -> tuple[int, ...]:
@@ -211,7 +234,7 @@ def unregister_schedule(name: str) -> ScheduleKind:
     ScheduleError: unknown name, or a built-in kind.
   """
   kind = schedule_kind(name)
-  if kind.name in SCHEDULE_NAMES:
+  if kind.name in SCHEDULE_NAMES + INTERLEAVED_NAMES:
     raise ScheduleError(f"schedule {kind.name!r} is built in and stays registered")
   _drop(kind.name)
   return kind
@@ -302,5 +325,35 @@ EAGER_1F1B = register_schedule(ScheduleKind(
 H1F1B = register_schedule(ScheduleKind(
     "h1f1b", h1f1b_rule, title="H-1F1B", aliases=("harp",), uses_costs=True, ranked=True))
 
+
+
+def interleaved_kind(chunks: int) -> ScheduleKind:
+  """The interleaved 1F1B kind with ``chunks`` (``v >= 2``) model chunks per device group
+  (:mod:`~harpjax.compiler.schedule.interleaved`): named ``interleaved`` for ``v = 2``, else
+  ``interleaved_v<v>``; the registered one if there is one, else registered now."""
+  if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+    raise ScheduleError(f"interleaved_kind(chunks={chunks!r}): an interleaved schedule runs "
+                        "an integer v >= 2 chunks per device group")
+  name = "interleaved" if chunks == 2 else f"interleaved_v{chunks}"
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  return register_schedule(ScheduleKind(
+      name, lambda c: interleaved_lib.interleaved_warmups(c.num_stages, c.num_microbatches,
+                                                          chunks),
+      title=f"Interleaved-1F1B (v={chunks})",
+      aliases=("interleaved_v2", "interleaved_1f1b") if chunks == 2 else (),
+      build_tables=lambda S, B, w: interleaved_lib.interleaved_tables(S, B, chunks),
+      chunks=chunks))
+
+
+INTERLEAVED = interleaved_kind(2)
+for _v in (3, 4):
+  interleaved_kind(_v)
+
 SCHEDULE_NAMES = ("gpipe", "1f1b", "eager_1f1b", "h1f1b")
-"""The built-in schedules' names (:func:`schedule_names` lists those registered since too)."""
+"""The built-in schedules with a device group per stage (:func:`schedule_names` lists the
+interleaved ones and those registered since too)."""
+
+INTERLEAVED_NAMES = ("interleaved", "interleaved_v3", "interleaved_v4")
+"""The built-in interleaved schedules (``v = 2, 3, 4``; :func:`interleaved_kind` registers
+others)."""

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["simulate_kernel", "simulate_python", "simulate_reference", "analyze",
            "steady_positions", "iteration_times", "iteration_time_kernel", "KIND_F", "KIND_B",
-           "HAVE_NUMBA"]
+           "HAVE_NUMBA", "simulate_groups", "simulate_groups_reference", "group_channels"]
 
 KIND_F = 0
 KIND_B = 1
@@ -134,6 +134,237 @@ if HAVE_NUMBA:
   _simulate_jit = _numba.njit(cache=True, nogil=True)(_simulate_impl)
 else:  # pragma: no cover
   _simulate_jit = _simulate_impl
+
+
+# --------------------------------------------------------------------------- device groups
+
+
+def _simulate_groups_impl(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, chan_fwd, chan_bwd,
+                          num_channels, task_start, task_end, msg_start, msg_end, stuck):
+  """The same DAG when device groups run several stages each (an interleaved schedule).
+
+  A group computes one task at a time in its order, whichever of its stages it belongs to. A
+  transfer between stages ``i`` and ``i + 1`` goes over a *channel* (``chan_fwd[i]`` for the
+  activation, ``chan_bwd[i]`` for the gradient): one message at a time in FIFO order, every
+  channel fed by one group (the channel of a pair of groups and a direction), so FIFO is the
+  sending group's order. Channel ``-1`` is local: the two stages share a group and the value
+  is there when its producer ends.
+
+  Args:
+    gstage: ``[G, n]`` int, the stage of each group task.
+    gkind: ``[G, n]`` int, ``0`` F, ``1`` B.
+    gmb: ``[G, n]`` int, the microbatch.
+    fwd: ``[S, B]`` forward seconds; bwd: ``[S, B]`` backward seconds.
+    comm_fwd: ``[max(S - 1, 1), B]`` activation seconds over cut ``i``; comm_bwd likewise
+      for gradients.
+    chan_fwd: ``[max(S - 1, 1)]`` int channel of cut ``i``'s activations (``-1`` local);
+      chan_bwd likewise for gradients.
+    num_channels: channels (``>= 1``).
+    task_start: ``[G, n]`` output; task_end: ``[G, n]`` output.
+    msg_start: ``[2, max(S - 1, 1), B]`` output (a local transfer starts and ends when its
+      producer ends); msg_end likewise.
+    stuck: ``[G]`` output: on deadlock, where each group is stuck.
+
+  Returns:
+    ``0`` on success, ``1`` if the order deadlocks.
+  """
+  num_groups = gstage.shape[0]
+  n = gstage.shape[1]
+  num_stages = fwd.shape[0]
+  num_mb = fwd.shape[1]
+  act_ready = np.full((num_stages, num_mb), -1.0)
+  grad_ready = np.full((num_stages, num_mb), -1.0)
+  for m in range(num_mb):
+    act_ready[0, m] = 0.0
+  pos = np.zeros(num_groups, np.int64)
+  free = np.zeros(num_groups)
+  chan_free = np.zeros(num_channels)
+  remaining = num_groups * n
+  while remaining > 0:
+    progressed = False
+    for sweep in range(2 * num_groups):
+      g = sweep if sweep < num_groups else 2 * num_groups - 1 - sweep
+      while pos[g] < n:
+        p = pos[g]
+        s = gstage[g, p]
+        m = gmb[g, p]
+        if gkind[g, p] == 0:
+          ready = act_ready[s, m]
+          dur = fwd[s, m]
+        else:
+          ready = grad_ready[s, m]
+          dur = bwd[s, m]
+        if ready < 0.0:
+          break
+        t0 = free[g] if free[g] > ready else ready
+        t1 = t0 + dur
+        task_start[g, p] = t0
+        task_end[g, p] = t1
+        free[g] = t1
+        if gkind[g, p] == 0:
+          if s + 1 < num_stages:
+            c = chan_fwd[s]
+            a = t1
+            e = t1
+            if c >= 0:
+              if chan_free[c] > a:
+                a = chan_free[c]
+              e = a + comm_fwd[s, m]
+              chan_free[c] = e
+            msg_start[0, s, m] = a
+            msg_end[0, s, m] = e
+            act_ready[s + 1, m] = e
+          else:
+            grad_ready[s, m] = t1
+        elif s > 0:
+          c = chan_bwd[s - 1]
+          a = t1
+          e = t1
+          if c >= 0:
+            if chan_free[c] > a:
+              a = chan_free[c]
+            e = a + comm_bwd[s - 1, m]
+            chan_free[c] = e
+          msg_start[1, s - 1, m] = a
+          msg_end[1, s - 1, m] = e
+          grad_ready[s - 1, m] = e
+        pos[g] = p + 1
+        remaining -= 1
+        progressed = True
+    if not progressed:
+      for g in range(num_groups):
+        stuck[g] = pos[g]
+      return 1
+  return 0
+
+
+if HAVE_NUMBA:
+  _simulate_groups_jit = _numba.njit(cache=True, nogil=True)(_simulate_groups_impl)
+else:  # pragma: no cover
+  _simulate_groups_jit = _simulate_groups_impl
+
+
+def group_channels(device_groups) -> tuple[np.ndarray, np.ndarray, int]:
+  """The channels of each cut's two directions, from the stages' device groups: one per
+  ordered pair of distinct groups (the link from one group's devices to another's, which
+  every cut between them shares), ``-1`` within a group.
+
+  Returns:
+    ``(chan_fwd, chan_bwd, num_channels)``: two ``[max(S - 1, 1)]`` int64 arrays and the
+    count (at least 1).
+  """
+  groups = [int(g) for g in device_groups]
+  L = max(len(groups) - 1, 1)
+  chan_fwd = np.full(L, -1, np.int64)
+  chan_bwd = np.full(L, -1, np.int64)
+  ids: dict[tuple[int, int], int] = {}
+  for i in range(len(groups) - 1):
+    a, b = groups[i], groups[i + 1]
+    if a != b:
+      chan_fwd[i] = ids.setdefault((a, b), len(ids))
+      chan_bwd[i] = ids.setdefault((b, a), len(ids))
+  return chan_fwd, chan_bwd, max(len(ids), 1)
+
+
+def simulate_groups(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, device_groups,
+                    use_numba=True):
+  """Runs :func:`_simulate_groups_impl` (Numba when ``use_numba`` and installed).
+
+  Returns:
+    ``(status, task_start, task_end, msg_start, msg_end, stuck)``, the task arrays ``[G, n]``
+    in group order.
+  """
+  G, n = gstage.shape
+  L = comm_fwd.shape[0]
+  B = fwd.shape[1]
+  chan_fwd, chan_bwd, nch = group_channels(device_groups)
+  out = (np.zeros((G, n)), np.zeros((G, n)), np.zeros((2, L, B)), np.zeros((2, L, B)),
+         np.full(G, n, np.int64))
+  fn = _simulate_groups_jit if use_numba else _simulate_groups_impl
+  status = fn(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, chan_fwd, chan_bwd, nch, *out)
+  return (int(status),) + out
+
+
+def simulate_groups_reference(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd,
+                              device_groups):
+  """An independent twin of :func:`simulate_groups`: discrete events from a heap in time
+  order (tasks start when their group is free and their input delivered; a channel sends
+  its queue in order of enqueueing). Same arguments and results."""
+  G, n = gstage.shape
+  S, B = fwd.shape
+  L = comm_fwd.shape[0]
+  chan_fwd, chan_bwd, nch = group_channels(device_groups)
+  start, end = np.zeros((G, n)), np.zeros((G, n))
+  msg_start, msg_end = np.zeros((2, L, B)), np.zeros((2, L, B))
+  ready = {}                      # (kind, stage, mb) -> time the input is there
+  for m in range(B):
+    ready[(0, 0, m)] = 0.0
+  pos = [0] * G
+  busy_until = [0.0] * G
+  queues: list[list] = [[] for _ in range(nch)]   # (enqueue time, seq, d, link, m)
+  chan_busy = [0.0] * nch
+  heap: list = []
+  seq = 0
+  now = 0.0
+
+  def deliver(d, link, m, t):
+    ready[(0, link + 1, m) if d == 0 else (1, link, m)] = t
+
+  def enqueue(d, link, m, t):
+    nonlocal seq
+    c = int((chan_fwd if d == 0 else chan_bwd)[link])
+    if c < 0:
+      msg_start[d, link, m] = msg_end[d, link, m] = t
+      deliver(d, link, m, t)
+      return
+    queues[c].append((t, seq, d, link, m))
+    seq += 1
+
+  done = 0
+  while done < G * n:
+    progressed = False
+    for g in range(G):         # start the next task of each free group whose input is there
+      if pos[g] < n and busy_until[g] <= now:
+        p = pos[g]
+        s, k, m = int(gstage[g, p]), int(gkind[g, p]), int(gmb[g, p])
+        r = ready.get((k, s, m))
+        if r is not None and r <= now:
+          t0 = max(now, busy_until[g])
+          t1 = t0 + (fwd if k == 0 else bwd)[s, m]
+          start[g, p], end[g, p] = t0, t1
+          busy_until[g] = t1
+          pos[g] += 1
+          done += 1
+          heapq.heappush(heap, (t1, 0, g, s, k, m))
+          progressed = True
+    for c in range(nch):       # start the head of each idle channel
+      if queues[c] and chan_busy[c] <= now and queues[c][0][0] <= now:
+        _, _, d, link, m = queues[c].pop(0)
+        t1 = now + (comm_fwd if d == 0 else comm_bwd)[link, m]
+        msg_start[d, link, m], msg_end[d, link, m] = now, t1
+        chan_busy[c] = t1
+        heapq.heappush(heap, (t1, 1, c, d, link, m))
+        progressed = True
+    if progressed:
+      continue
+    if not heap:
+      return (1, start, end, msg_start, msg_end, np.asarray(pos, np.int64))
+    now = heap[0][0]
+    while heap and heap[0][0] <= now:
+      ev = heapq.heappop(heap)
+      if ev[1] == 0:
+        _, _, g, s, k, m = ev
+        if k == 0:
+          if s + 1 < S:
+            enqueue(0, s, m, ev[0])
+          else:
+            ready[(1, s, m)] = ev[0]
+        elif s > 0:
+          enqueue(1, s - 1, m, ev[0])
+      else:
+        _, _, c, d, link, m = ev
+        deliver(d, link, m, ev[0])
+  return (0, start, end, msg_start, msg_end, np.full(G, n, np.int64))
 
 
 # --------------------------------------------------------------------------- 1F1B-style plans

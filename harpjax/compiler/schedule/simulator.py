@@ -19,6 +19,14 @@ Semantics (the paper's DAG, Eq. 3 with equality):
   synchronisation inside its submesh plus the optimizer update); the iteration ends when the
   last stage finishes that.
 
+A schedule whose device groups run several stages each (an interleaved schedule:
+:attr:`~harpjax.compiler.schedule.Schedule.groups`) is simulated at the level of groups: a
+group computes one task at a time in its order, whatever stage it belongs to; a cut between
+two stages of one group costs nothing; every cut from one group to another shares that pair's
+link (one channel per ordered pair of groups, FIFO); a group runs its stages' end-of-iteration
+times one after another. The per-stage fields keep their meaning (a stage's idle time includes
+the time its group computes its other stages).
+
 Phases of stage ``s`` (used for the breakdown and for "bubble-free", see ``docs/schedules.md``):
 warm-up is ``[0, start of its first B)``, steady is ``[start of its first B, end of its last F)``
 (empty when the last F runs before the first B, as in GPipe), cool-down is the rest of the
@@ -385,6 +393,8 @@ def simulate(fwd, bwd, comm=0.0, schedule: Any = "h1f1b", *,
     raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
   kcf = cf if L else np.zeros((1, B))
   kcb = cb if L else np.zeros((1, B))
+  if sch.groups is not None:
+    return _simulate_groups(sch, f, b, cf, cb, kcf, kcb, ends, ab, backend, t0)
   if backend == "reference":
     out = _sim_kernel.simulate_reference(kinds, mbs, f, b, kcf, kcb)
   else:
@@ -404,6 +414,63 @@ def simulate(fwd, bwd, comm=0.0, schedule: Any = "h1f1b", *,
   log.debug("simulated %s: S=%d B=%d in %.3f s -> iteration %.6g s", sch.name, S, B,
             result.wall_s, result.iteration_time)
   return result
+
+
+def _group_arrays(sch: sched.Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                 np.ndarray]:
+  """``(stage, kind, microbatch, position in the stage's row)``, ``[G, n]`` int arrays of a
+  schedule's group orders."""
+  G = len(sch.groups)
+  n = len(sch.groups[0])
+  if any(len(row) != n for row in sch.groups):
+    raise ScheduleError("the simulator needs device groups with equal numbers of tasks (the "
+                        "same number of stages each)")
+  arr = np.zeros((4, G, n), np.int64)
+  seen = [0] * sch.num_stages
+  for g, row in enumerate(sch.groups):
+    for p, t in enumerate(row):
+      arr[:, g, p] = (t.stage, t.kind == "B", t.microbatch, seen[t.stage])
+      seen[t.stage] += 1
+  return arr[0], arr[1], arr[2], arr[3]
+
+
+def _simulate_groups(sch, f, b, cf, cb, kcf, kcb, ends, ab, backend, t0) -> SimResult:
+  """:func:`simulate` of a schedule whose device groups run several stages each: the group
+  kernel, its times put back in each stage's row. A group's end of iteration runs its stages'
+  end times one after another from its last task (``update_time`` keeps each stage's own)."""
+  S, B, L = sch.num_stages, sch.num_microbatches, sch.num_stages - 1
+  gstage, gkind, gmb, gpos = _group_arrays(sch)
+  groups = sch.device_groups
+  if backend == "reference":
+    out = _sim_kernel.simulate_groups_reference(gstage, gkind, gmb, f, b, kcf, kcb, groups)
+  else:
+    use_numba = backend != "python" and _sim_kernel.HAVE_NUMBA
+    out = _sim_kernel.simulate_groups(gstage, gkind, gmb, f, b, kcf, kcb, groups,
+                                      use_numba=use_numba)
+  status, gstart, gend, msg_start, msg_end, stuck = out
+  if status:
+    raise ScheduleError("schedule deadlocks: every device group waits on another\n" +
+                        sched.format_group_tables(sch.groups, marks=[
+                            (g, int(p)) for g, p in enumerate(stuck) if p < gstage.shape[1]]))
+  start = np.zeros((S, 2 * B))
+  end = np.zeros((S, 2 * B))
+  start[gstage, gpos] = gstart
+  end[gstage, gpos] = gend
+  # Each group updates its stages in order after its last task.
+  upd_end = np.zeros(S)
+  for g in range(len(sch.groups)):
+    t = float(gend[g, -1])
+    for s in sorted(x for x in range(S) if groups[x] == g):
+      t += ends[s]
+      upd_end[s] = t
+  msg_start, msg_end = msg_start[:, :L], msg_end[:, :L]
+  kinds, _ = sch.arrays
+  fields = _sim_kernel.analyze(kinds, start, end, msg_start, msg_end, upd_end - end[:, -1])
+  fields["update_time"] = ends.copy()
+  return SimResult(schedule=sch, fwd_s=f, bwd_s=b, comm_fwd_s=cf, comm_bwd_s=cb, end_s=ends,
+                   task_start=start, task_end=end, msg_start=msg_start, msg_end=msg_end,
+                   act_bytes=ab, peak_inflight=sch.peak_inflight(),
+                   wall_s=time.perf_counter() - t0, **fields)
 
 
 # --------------------------------------------------------------------------- inputs

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Task", "Tables", "Schedule", "table_from_warmups", "validate_tables", "dry_run", "peak_inflight", "table_warmups",
-    "tables_to_arrays", "format_tables", "parse_tables", "as_task",
+    "tables_to_arrays", "format_tables", "parse_tables", "as_task", "StageTask", "GroupTables",
+    "tables_from_groups", "dry_run_groups", "stage_groups", "format_group_tables",
 ]
 
 _TASK_RE = re.compile(r"^\s*([FB])(\d+)\s*$")
@@ -67,6 +68,36 @@ class Task(NamedTuple):
 
 
 Tables = tuple[tuple[Task, ...], ...]
+
+_STAGE_TASK_RE = re.compile(r"^\s*(\d+)([FB])(\d+)\s*$")
+
+
+class StageTask(NamedTuple):
+  """A task of a device group that runs several stages (an interleaved schedule): stage
+  ``stage``'s forward or backward of a microbatch. Its text form is ``"2F3"`` (stage 2, F3)."""
+  stage: int
+  kind: str
+  microbatch: int
+
+  @property
+  def task(self) -> Task:
+    return Task(self.kind, self.microbatch)
+
+  def __str__(self) -> str:
+    return f"{self.stage}{self.kind}{self.microbatch}"
+
+  @classmethod
+  def parse(cls, text: str) -> "StageTask":
+    """Parses the text form (``"2F3"``) back into a task."""
+    m = _STAGE_TASK_RE.match(text)
+    if not m:
+      raise ScheduleError(f"cannot parse task {text!r}: expected <stage>F<microbatch> or "
+                          "<stage>B<microbatch>")
+    return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+GroupTables = tuple[tuple[StageTask, ...], ...]
+"""Per device group, the ordered tasks of every stage it runs (an interleaved schedule)."""
 
 
 # --------------------------------------------------------------------------- tables
@@ -112,11 +143,16 @@ class Schedule:
     tables: ``[num_stages]`` tuples of :class:`Task`.
     num_microbatches: ``B``.
     warmups: the warm-up counts the tables were generated from, if any.
+    groups: with several stages per device group (an interleaved schedule), per group the
+      order it runs its stages' tasks in (:class:`StageTask`); every stage is in exactly one
+      group, and each stage's row of ``tables`` is its tasks in its group's order. ``None``:
+      every stage has devices of its own and runs its row.
   """
   name: str
   tables: Tables
   num_microbatches: int
   warmups: tuple[int, ...] | None = None
+  groups: GroupTables | None = None
 
   def __post_init__(self):
     tables = self.tables
@@ -128,6 +164,33 @@ class Schedule:
       object.__setattr__(self, "warmups", tuple(int(w) for w in self.warmups))
     # Validation builds the array form anyway; keep it for :attr:`arrays`.
     object.__setattr__(self, "arrays", _validate(tables, self.num_microbatches))
+    if self.groups is not None:
+      groups = tuple(tuple(t if type(t) is StageTask else _as_stage_task(t) for t in row)
+                     for row in self.groups)
+      object.__setattr__(self, "groups", groups)
+      if tables_from_groups(groups, len(tables)) != tables:
+        raise ScheduleError("a schedule's group orders must hold each stage's row of tasks "
+                            "in order; they do not:\n" + format_group_tables(groups))
+      dry_run_groups(groups)
+
+  @property
+  def device_groups(self) -> tuple[int, ...]:
+    """Per stage, the device group that runs it (``0 .. S - 1`` without :attr:`groups`)."""
+    if self.groups is None:
+      return tuple(range(self.num_stages))
+    return stage_groups(self.groups, self.num_stages)
+
+  @property
+  def num_groups(self) -> int:
+    """Device groups: one per stage unless stages share them."""
+    return self.num_stages if self.groups is None else len(self.groups)
+
+  def run_order(self) -> list[StageTask]:
+    """A dependency-valid order of every task for one driver (:func:`dry_run`, or
+    :func:`dry_run_groups` with several stages per group)."""
+    if self.groups is not None:
+      return dry_run_groups(self.groups)
+    return [StageTask(s, t.kind, t.microbatch) for s, t in dry_run(self.tables)]
 
   @property
   def num_stages(self) -> int:
@@ -161,16 +224,22 @@ class Schedule:
     return cls(name, tables, num_mb)
 
   def to_json(self) -> dict:
-    return {"name": self.name, "num_microbatches": self.num_microbatches,
-            "warmups": list(self.warmups) if self.warmups is not None else None,
-            "tables": [[str(t) for t in row] for row in self.tables]}
+    out = {"name": self.name, "num_microbatches": self.num_microbatches,
+           "warmups": list(self.warmups) if self.warmups is not None else None,
+           "tables": [[str(t) for t in row] for row in self.tables]}
+    if self.groups is not None:
+      out["groups"] = [[str(t) for t in row] for row in self.groups]
+    return out
 
   @classmethod
   def from_json(cls, data: dict) -> "Schedule":
     tables = tuple(tuple(Task.parse(t) for t in row) for row in data["tables"])
     warmups = data.get("warmups")
+    groups = data.get("groups")
     return cls(data["name"], tables, int(data["num_microbatches"]),
-               tuple(warmups) if warmups is not None else None)
+               tuple(warmups) if warmups is not None else None,
+               tuple(tuple(StageTask.parse(t) for t in row) for row in groups)
+               if groups is not None else None)
 
 
 # --------------------------------------------------------------------------- validation
@@ -361,3 +430,104 @@ def as_task(t) -> Task:
     raise ScheduleError(f"cannot read task {t!r}: give a Task, 'F3'/'B0' or (kind, microbatch)"
                         ) from None
   return Task(str(kind), int(m) if isinstance(m, (int, np.integer)) else m)
+
+
+# --------------------------------------------------------------------------- device groups
+
+
+def _as_stage_task(t) -> StageTask:
+  if isinstance(t, str):
+    return StageTask.parse(t)
+  try:
+    stage, kind, m = t
+  except (TypeError, ValueError):
+    raise ScheduleError(f"cannot read task {t!r}: give a StageTask, '2F3' or (stage, kind, "
+                        "microbatch)") from None
+  return StageTask(int(stage), str(kind), int(m))
+
+
+def stage_groups(groups: GroupTables, num_stages: int) -> tuple[int, ...]:
+  """Per stage, the index of the one group whose order holds its tasks.
+
+  Raises:
+    ScheduleError: a stage in no group or in two.
+  """
+  owner = [-1] * num_stages
+  for g, row in enumerate(groups):
+    for t in row:
+      if not 0 <= t.stage < num_stages:
+        raise ScheduleError(f"group {g} runs {t}, but there are {num_stages} stages")
+      if owner[t.stage] not in (-1, g):
+        raise ScheduleError(f"stage {t.stage} has tasks in groups {owner[t.stage]} and {g}; "
+                            "a stage runs on one device group")
+      owner[t.stage] = g
+  missing = [s for s, g in enumerate(owner) if g < 0]
+  if missing:
+    raise ScheduleError(f"stages {missing} have no tasks in any group")
+  return tuple(owner)
+
+
+def tables_from_groups(groups: GroupTables, num_stages: int) -> Tables:
+  """Each stage's row: its tasks, in its group's order."""
+  stage_groups(groups, num_stages)
+  rows: list[list[Task]] = [[] for _ in range(num_stages)]
+  for row in groups:
+    for t in row:
+      rows[t.stage].append(Task(t.kind, t.microbatch))
+  return tuple(tuple(r) for r in rows)
+
+
+def dry_run_groups(groups: GroupTables) -> list[StageTask]:
+  """:func:`dry_run` for device groups that each run several stages: every group runs its
+  tasks in its order, one at a time; ``F(s, m)`` needs ``F(s-1, m)``, ``B(s, m)`` needs
+  ``B(s+1, m)`` (the last stage's needs its own ``F(m)``). Groups are visited ``0, 1, ...``
+  over and over, each running as far as it can.
+
+  Returns:
+    Every task, in a dependency-valid order for one driver.
+
+  Raises:
+    ScheduleError: no group can make progress (the grid marks where each is stuck).
+  """
+  num_stages = max((t.stage for row in groups for t in row), default=-1) + 1
+  num_mb = max((t.microbatch for row in groups for t in row), default=-1) + 1
+  done_f = [bytearray(num_mb) for _ in range(num_stages)]
+  done_b = [bytearray(num_mb) for _ in range(num_stages)]
+  pos = [0] * len(groups)
+  total = sum(len(r) for r in groups)
+  last = num_stages - 1
+  order: list[StageTask] = []
+  while len(order) < total:
+    progressed = False
+    for g, row in enumerate(groups):
+      p = pos[g]
+      while p < len(row):
+        s, kind, m = row[p]
+        if kind == "F":
+          if s and not done_f[s - 1][m]:
+            break
+          done_f[s][m] = 1
+        else:
+          if not (done_f[s][m] if s == last else done_b[s + 1][m]):
+            break
+          done_b[s][m] = 1
+        order.append(row[p])
+        p += 1
+      if p != pos[g]:
+        pos[g] = p
+        progressed = True
+    if not progressed:
+      raise ScheduleError("schedule deadlocks: every device group waits on another\n"
+                          + format_group_tables(groups, marks=[
+                              (g, pos[g]) for g in range(len(groups)) if pos[g] < len(groups[g])]))
+  return order
+
+
+def format_group_tables(groups: GroupTables, marks: Iterable[tuple[int, int]] = ()) -> str:
+  """The grid text form of group orders, one line per group (``2F3``: stage 2's F3)."""
+  marked = set(marks)
+  width = max((len(str(t)) for row in groups for t in row), default=3) + 2
+  return "\n".join(
+      f"group {g}: " + "".join((f"[{t}]" if (g, p) in marked else str(t)).ljust(width)
+                               for p, t in enumerate(row)).rstrip()
+      for g, row in enumerate(groups))

@@ -5,6 +5,9 @@ concrete global devices (the plan's own where it lists them, else packed onto th
 :meth:`harpjax.cluster.Cluster.allocate_submeshes`), and :func:`resolve_plan` fills in the
 rest of what runs: the warm-up counts of the schedule and the task tables.
 
+Under an interleaved schedule (:func:`~harpjax.compiler.schedule.interleaved_kind`) the
+stages of one device group share its devices (stage ``i`` on group ``i mod d``).
+
 A group of a mixed-type stage (:attr:`~harpjax.compiler.plan.StageSpec.groups`) runs in one
 process, so it spans one host: :func:`resolve_plan` runs a group whose submesh spans ``n``
 hosts as ``n`` groups of one host each, every one with ``1/n`` of its share
@@ -17,7 +20,7 @@ import dataclasses
 import math
 
 from harpjax.cluster import Cluster
-from harpjax.compiler.plan import Plan, StageGroup, StageSpec
+from harpjax.compiler.plan import check_device_groups, Plan, StageGroup, StageSpec
 from harpjax.compiler.schedule import PipelineCosts, Schedule, schedule_kind
 from harpjax.errors import HarpjaxError, PlanError
 
@@ -35,9 +38,21 @@ def resolve_devices(cluster: Cluster, plan: Plan) -> list[tuple[int, ...]]:
   return [sum(groups, ()) for groups in resolve_group_devices(cluster, plan)]
 
 
-def resolve_group_devices(cluster: Cluster, plan: Plan) -> list[list[tuple[int, ...]]]:
+def resolve_group_devices(cluster: Cluster, plan: Plan,
+                          schedule: str | None = None) -> list[list[tuple[int, ...]]]:
   """Per stage, per group of devices (:attr:`~harpjax.compiler.plan.StageSpec.all_groups`),
-  its global device indices; see :func:`resolve_devices`."""
+  its global device indices; see :func:`resolve_devices`.
+
+  Under an interleaved schedule (``schedule``, default the plan's; ``chunks = v > 1``) the
+  stages ``g, g + d, g + 2d, ...`` of device group ``g`` run on the same devices: the group's
+  first stage's, explicit or allocated once."""
+  kind = schedule_kind(schedule or plan.schedule)
+  if kind.chunks > 1:
+    check_device_groups(plan.stages, kind.name)
+    d = plan.num_stages // kind.chunks
+    first = resolve_group_devices(
+        cluster, plan.replace(stages=plan.stages[:d], schedule="1f1b", num_layers=None), "1f1b")
+    return [first[i % d] for i in range(plan.num_stages)]
   names = [sc.name for sc in cluster.subclusters]
   units = [(i, g, grp) for i, s in enumerate(plan.stages) for g, grp in enumerate(s.all_groups)]
   what = lambda i, g: (f"stage {i} (layers {list(plan.stages[i].layers)})" if g == 0
@@ -108,11 +123,11 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
         f"the plan's stages cover layers 0..{plan.stages[-1].layers[1]} but the model has "
         f"{num_layers} layers (0..{num_layers - 1}). Adjust the layer ranges or the "
         "mark_layer_boundary calls")
-  devices = resolve_group_devices(cluster, plan)
   try:
     kind = schedule_kind(schedule or plan.schedule)
   except HarpjaxError as e:
     raise PlanError(f"schedule={schedule or plan.schedule!r}: {e}") from None
+  devices = resolve_group_devices(cluster, plan, kind.name)
   S = plan.num_stages
   warmups = None
   if kind.uses_costs:
