@@ -228,7 +228,14 @@ def memory_model(tables: CostTables, k: int, dp: np.ndarray, zero: int, offload:
   what it needs (:attr:`~harpjax.compiler.profile.CostTables.workspace_bytes` and
   :attr:`~harpjax.compiler.profile.CostTables.grad_out_bytes` beside ``opt_mem_bytes``;
   ``None`` otherwise). The level-0 fixed bytes are ``param_mem_bytes``: the state is what
-  remains of them once the workspace is taken off, weights and gradients half each."""
+  remains of them once the workspace is taken off, weights and gradients half each.
+
+  An entry whose ``grad_out_bytes`` exceed its gradient is a data-parallel stage whose
+  replicas cannot accumulate their own gradients (the profiler writes twice the gradient
+  there: the backward writes the whole gradient and its all-reduce every microbatch). Its
+  backward then writes the same at every level (``2 W`` and its temporaries), so the level-0
+  workspace ``M = P - O - 2 W`` (the larger of the forward's and the backward's) is kept as
+  each phase's at every level, the gathered parameters added to the forward at level 3."""
   if tables.workspace_bytes is None or tables.grad_out_bytes is None or \
       tables.opt_mem_bytes is None:
     return None
@@ -240,9 +247,14 @@ def memory_model(tables: CostTables, k: int, dp: np.ndarray, zero: int, offload:
   with np.errstate(divide="ignore", invalid="ignore"):
     out = out / dp
   W = np.maximum(P - O - np.maximum(out + ws, gout + ws), 0.0) / 2.0
+  spmd = (np.asarray(dp) > 1) & (gout > W * (1 + 1e-9))   # all-reduces every microbatch
+  M = np.maximum(out, gout) + ws                              # the level-0 workspace
   return stage_memory(param_bytes=W, grad_bytes=W, opt_bytes=O, act_bytes=0.0, dp=dp,
-                      zero=zero, out_bytes=out, workspace_bytes=ws, replicas=True,
-                      grad_out_bytes=gout if zero <= 1 else None, offload_optimizer=offload)
+                      zero=zero, out_bytes=np.where(spmd, 0.0, out),
+                      workspace_bytes=np.where(spmd, M, ws), replicas=~spmd,
+                      grad_out_bytes=gout if zero <= 1 else None,
+                      bwd_workspace_bytes=np.where(spmd, np.maximum(M - 2.0 * W, 0.0), ws),
+                      offload_optimizer=offload)
 
 
 def _capacity(p: np.ndarray, a: np.ndarray, mem: float, cap) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 from harpjax.errors import HarpjaxError
 
 __all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "check_level",
-           "stage_draw_workspace_bytes"]
+           "stage_draw_workspace_bytes", "runs_replicas"]
 
 ZERO_LEVELS = (0, 1, 2, 3)
 
@@ -27,6 +27,29 @@ def check_level(zero: int, dp: int) -> None:
   d = np.asarray(dp)
   if d.dtype == object or not np.all((np.floor(d) == d) & (d >= 1)):
     raise HarpjaxError(f"dp={dp!r} must be a positive integer")
+
+
+def runs_replicas(dp, rows: int | None = None, ep=1):
+  """Whether a stage's ``dp`` replicas accumulate their own gradients and reduce them once per
+  step (:mod:`harpjax.compiler.stages.replicas`), as the runtime decides it at ZeRO levels 0
+  and 1: more than one replica, no expert parallelism, and microbatch rows that split evenly
+  over the replicas. Otherwise the stage runs as one SPMD program whose backward all-reduces
+  the whole gradient every microbatch (the zoo's first layer on four devices with two rows
+  per microbatch).
+
+  Args:
+    dp: the data-parallel degree (a number or an array).
+    rows: the microbatch's rows (``b``); ``None``: unknown, taken to split evenly.
+    ep: the expert-parallel degree (a number or an array like ``dp``).
+
+  Returns:
+    A bool, or a bool array shaped like ``dp``.
+  """
+  d = np.asarray(dp)
+  ok = (d > 1) & (np.asarray(ep) == 1)
+  if rows is not None:
+    ok = ok & (np.mod(int(rows), np.where(d >= 1, d, 1).astype(np.int64)) == 0)
+  return bool(ok) if np.ndim(ok) == 0 else ok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +76,8 @@ class StageMemory:
       the first, which receive the parameters the first group updated).
     replicas: the ``dp`` replicas accumulate their own gradients and reduce them once per
       step (:mod:`harpjax.compiler.stages.replicas`): the backward writes no reduction, and the
-      step's reduction writes the reduced gradients beside the accumulator.
+      step's reduction writes the reduced gradients beside the accumulator (a bool, or a bool
+      array where the other fields are arrays).
   """
   param_bytes: float
   grad_bytes: float
@@ -66,7 +90,7 @@ class StageMemory:
   opt_offloaded: bool = False
   act_offloaded: bool = False
   updates: bool = True
-  replicas: bool = False
+  replicas: bool | np.ndarray = False
 
   @property
   def state_bytes(self) -> float:
@@ -93,10 +117,10 @@ class StageMemory:
   def reduce_bytes(self) -> float:
     """Peak of the replicas' reduction after the last backward: the state, and the reduced
     gradients (0 without :attr:`replicas`)."""
-    if not self.replicas:
+    if not np.any(self.replicas):
       return 0.0
     held = self.state_bytes - (self.opt_bytes if self.opt_offloaded else 0.0)
-    return held + self.grad_bytes
+    return np.where(self.replicas, held + self.grad_bytes, 0.0)
 
   def peak_bytes(self, in_flight: int) -> float:
     """The stage's per-device peak over a step."""
@@ -149,11 +173,14 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       (``OffloadOptions(activations=True)``; :func:`activation_offload_time_s`).
     updates: the devices run the optimizer update (:attr:`StageMemory.updates`).
     replicas: the replicas reduce their gradients once per step (:attr:`StageMemory.replicas`;
-      levels 0 and 1 only).
+      levels 0 and 1 only; a bool or, per entry, a bool array: :func:`runs_replicas`). Where
+      ``dp > 1`` and they do not, the backward all-reduces the whole gradient every
+      microbatch: it writes all of ``grad_bytes`` and the reduction beside it.
     grad_out_bytes: the most gradient bytes a backward writes beside the accumulator before
       adding them in (default: all of ``grad_bytes``). Where the accumulator is donated and
       not reduced in the backward (one device, or replicas at levels 0 and 1), XLA adds each
-      layer's gradient in as it goes: the largest layer's.
+      layer's gradient in as it goes: the largest layer's (ignored where the backward reduces
+      the gradient: it writes the whole of it).
     bwd_workspace_bytes: the backward's temporaries where they differ from the forward's (the
       largest ``bwd_temp_bytes``: the runtime runs the two as executables of their own, and
       a forward's random draws or a backward's recomputation make one much the larger);
@@ -170,11 +197,12 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
   O = num(opt_bytes)
   many = np.asarray(dp) > 1
   gathered = np.where(many, P, 0.0) if zero >= 3 else np.zeros_like(P)
-  if replicas and zero <= 1:   # the replicas reduce once per step, after the backwards
-    reduced = np.where(many, 0.0, np.zeros_like(G))
-  else:
-    reduced = np.where(many, G / dp if zero >= 2 and reduce_scatter else G, 0.0)
-  replicas = bool(replicas) and zero <= 1 and bool(np.any(many))
+  # the replicas reduce once per step, after the backwards (levels 0 and 1)
+  rep = (np.asarray(replicas, bool) & many) if zero <= 1 else np.zeros_like(many)
+  reduced = np.where(many & ~rep, G / dp if zero >= 2 and reduce_scatter else G, 0.0)
+  # a backward that reduces the gradient writes all of it first
+  g_out = np.where(many & ~rep, G, G if grad_out_bytes is None else num(grad_out_bytes))
+  replicas = bool(rep) if np.ndim(rep) == 0 else rep
   ws = num(workspace_bytes)
   ws_b = ws if bwd_workspace_bytes is None else num(bwd_workspace_bytes)
   out = np.asarray(out_bytes, np.float64) if np.ndim(out_bytes) else float(out_bytes)
@@ -187,8 +215,7 @@ def stage_memory(*, param_bytes: float, opt_bytes: float, act_bytes: float, dp: 
       opt_bytes=O / dp if zero >= 1 else O,
       act_bytes=np.asarray(act_bytes, np.float64) if np.ndim(act_bytes) else float(act_bytes),
       fwd_workspace_bytes=out + ws + gathered,
-      bwd_workspace_bytes=(G if grad_out_bytes is None else num(grad_out_bytes))
-      + np.maximum(reduced, gathered) + ws_b,
+      bwd_workspace_bytes=g_out + np.maximum(reduced, gathered) + ws_b,
       update_workspace_bytes=np.where(many, P / dp, 0.0) if zero in (1, 2) else np.zeros_like(P),
       shared_bytes=num(shared_param_bytes) / (dp if zero >= 3 else 1),
       opt_offloaded=bool(offload_optimizer), act_offloaded=bool(offload_activations),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import sys
@@ -47,7 +48,8 @@ from harpjax.compiler.layers import (LayerOptions, LayerSequence, layers_for_ste
 from harpjax.compiler.profile import cache, calibration, pieces, sources
 from harpjax.compiler.profile.collectives import (all_to_all_time_s, allgather_time_s,
                                                   allreduce_time_s, update_time_s)
-from harpjax.compiler.profile.memory import stage_draw_workspace_bytes, stage_memory
+from harpjax.compiler.profile.memory import (runs_replicas, stage_draw_workspace_bytes,
+                                            stage_memory)
 from harpjax.compiler.profile.routes import host_link, node_link, replica_link
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
@@ -277,6 +279,10 @@ class ProfileResult:
     remat_costs: when the planner chooses the rematerialisation per stage
       (``ProfileOptions(remat="choose")``), each mode's per-layer costs, by mode name
       (``costs``: the first mode's, ``"none"`` where costed).
+    replica_programs: ``{dp: whether the step traced at the microbatch's rows / dp is the
+      same program}`` (:func:`replica_programs`): where it is not, the runtime runs a
+      data-parallel stage as one program that all-reduces its gradients every microbatch
+      instead of replicas that accumulate their own (``None``: not known, taken as the same).
   """
   tables: CostTables
   layers: LayerSequence
@@ -285,6 +291,7 @@ class ProfileResult:
   cluster: Any = None
   options: Any = None
   remat_costs: dict[str, dict] | None = None
+  replica_programs: dict[int, bool] | None = None
 
 
 def microbatch_size(layers: LayerSequence) -> int | None:
@@ -756,14 +763,22 @@ def stage_workspaces(arr: Mapping, remat: str = "none") -> tuple[np.ndarray, np.
   * where the stage rematerialises (``remat`` not ``"none"``), its random draws run
     together, ahead of what reads them, in its forward and again in its backward: their
     workspace is :func:`~harpjax.compiler.profile.memory.stage_draw_workspace_bytes`.
-    (Without rematerialisation XLA:CPU overlapped them in the forward of two of the GPT's
-    three stages with dropout and not in the third, where one draw's workspace was the
-    forward's; the model keeps the layers' largest there.)
+    (Without rematerialisation XLA:CPU overlapped them in the forward of every
+    data-parallel stage run as replicas, and of a data-parallel stage on four devices run
+    as one program, and not on one device nor in one such program on two devices; the
+    model keeps the layers' largest there: docs/fidelity.md, "Peak memory".)
   * a backward that recomputes the stage's forward as a whole holds each layer's recomputed
     values (``remat_held_bytes``) from the recompute to that layer's backward: while layer
     ``l``'s backward runs (its own recompute included, ``bwd_temp_bytes[l]``), those of
     layers ``i..l-1`` are alive. ``max over l of (sum(held[i..l-1]) + bwd[l])``: exact for
     every range (a range maximum of prefix sums, no approximation across ranges).
+  * that backward runs the draws' hashes where the recompute first reads a draw, in the
+    stage's first layer ``f`` that draws: the recomputed values held by then stay alive
+    beside the draws' workspace, those of the layers ``i..f-1`` and what ``f`` itself keeps
+    for its backward besides its draws' state (``held[f] - 2 * draw_bytes[f]``). The GPT's
+    second stage under remat (an attention layer, then a layer norm with dropout): the
+    draws' 1280 KiB and the attention's 259.5 KiB of normalised input, heads and scores,
+    XLA's backward temporaries 1539.4 KiB.
   """
   temp = np.asarray(arr["temp_bytes"], np.float64)
   fwd = np.asarray(arr.get("fwd_temp_bytes", temp), np.float64)
@@ -779,7 +794,15 @@ def stage_workspaces(arr: Mapping, remat: str = "none") -> tuple[np.ndarray, np.
   held = np.asarray(arr.get("remat_held_bytes", zero), np.float64)
   before = np.concatenate([[0.0], np.cumsum(held)[:-1]])   # sum(held[0..l-1])
   work_b = np.where(upper, range_max(before + bwd) - before[:, None], 0.0)
-  return work_f, np.maximum(work_b, draws)
+  # the recomputed values alive where the draws run: up to the first drawing layer f(i)
+  drawn = np.asarray(arr.get("draw_bytes", zero), np.float64)
+  first = np.full(L, L)
+  for l in range(L - 1, -1, -1):
+    first[l] = l if drawn[l] > 0 else (first[l + 1] if l + 1 < L else L)
+  f = np.minimum(first, L - 1)
+  alive = np.where(first < L, before[f] - before + np.maximum(held[f] - 2.0 * drawn[f], 0.0),
+                   0.0)
+  return work_f, np.maximum(work_b, np.where(draws > 0, draws + alive[:, None], 0.0))
 
 
 def inner_range_sums(x) -> np.ndarray:
@@ -825,7 +848,8 @@ def stage_flops(arr: Mapping, remat: str = "none") -> np.ndarray:
 
 def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs,
                             imbalance: float, zero: tuple[float, float] | None = None,
-                            num_microbatches: int | None = None, remat: str = "none"
+                            num_microbatches: int | None = None, remat: str = "none",
+                            replica_programs: Mapping[int, bool] | None = None
                             ) -> tuple[CostTables, dict]:
   """The cost tables of per-configuration layer costs: a stage costs the sum of its layers'
   times and residuals, and the sum of their parameter state plus the largest XLA workspace
@@ -845,7 +869,13 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
   only if it is the parameter's first reader (:func:`param_holding`). Under ``remat="full"``
   a stage keeps of each microbatch only what it takes in (:func:`stage_input_bytes`); under
   any rematerialisation its time is :func:`stage_times`' (each layer but its last also
-  recomputes what makes its outputs)."""
+  recomputes what makes its outputs).
+
+  A data-parallel stage's replicas accumulate their own gradients where the runtime can run
+  them so (:func:`~harpjax.compiler.profile.memory.runs_replicas`, and ``replica_programs``:
+  the step traced at the replicas' rows is the same program); elsewhere its backward writes
+  the whole gradient and its all-reduce every microbatch, which the tables'
+  ``grad_out_bytes`` then carry (twice the gradient) for the ZeRO variants."""
   by_submesh: dict[tuple[int, int], list] = {}
   for cfg, arr in zip(configs, costs):
     by_submesh.setdefault((cfg.subcluster, cfg.submesh_index), []).append((cfg.mesh, arr))
@@ -862,6 +892,7 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
     held_ratio = np.where(charged > 0, held / np.where(charged > 0, charged, 1.0), 1.0)
     owned_ratio = np.where(charged > 0, owned / np.where(charged > 0, charged, 1.0), 1.0)
   inputs = stage_input_bytes(layers) if remat_mode(remat) == "full" else None
+  rows = microbatch_size(layers)
 
   def mesh_costs(k: int, s: int):
     sub = subs[k]
@@ -897,17 +928,23 @@ def tables_from_layer_costs(layers: LayerSequence, cluster, subs, configs, costs
     work_f, work_b = stage_workspaces(arr, remat)
     act = range_sums(arr["act_mem_bytes"]) if inputs is None else np.where(
         np.isfinite(range_sums(arr["time_s"])), inputs / dp, np.inf)
+    # the replicas accumulate their own gradients where the runtime runs them so; elsewhere
+    # the backward writes the whole gradient and all-reduces it every microbatch
+    lm = sharding.LogicalMesh.of(mesh)
+    rep = runs_replicas(dp, rows, lm.ep) and (replica_programs or {}).get(dp, True)
     mem = stage_memory(param_bytes=weights, grad_bytes=weights, opt_bytes=opt,
                        act_bytes=act, dp=dp, zero=0,
-                       out_bytes=out / dp, workspace_bytes=work_f, replicas=True,
+                       out_bytes=out / dp, workspace_bytes=work_f, replicas=rep,
                        grad_out_bytes=gout, shared_param_bytes=shared,
                        bwd_workspace_bytes=work_b)
-    # The tables carry one workspace beside the larger of the outputs and the gradient (what
-    # the ZeRO variants rebuild the model from): the one giving the same level-0 pipeline.
-    work = np.maximum(out / dp + work_f, gout + work_b) - np.maximum(out / dp, gout)
+    # The tables carry one workspace beside the larger of the outputs and what the backward
+    # writes besides its temporaries (what the ZeRO variants rebuild the model from): the
+    # one giving the same level-0 pipeline.
+    written = gout if dp <= 1 or rep else 2.0 * weights
+    work = np.maximum(out / dp + work_f, written + work_b) - np.maximum(out / dp, written)
     return (mesh, stage_times(arr, remat), mem.fixed_bytes(),
             act, sync + update, *zero_cols, sync, work,
-            mem.step_bytes(), gout)
+            mem.step_bytes(), written)
 
   intra = [cluster.intra_subcluster_link(sub.name) for sub in subs]
   inter = [cluster.inter_subcluster_link(a.name, c.name) for a, c in zip(subs, subs[1:])]
@@ -938,12 +975,46 @@ def _link_or_none(cluster, a: str, b: str):
     return None
 
 
+def replica_programs(layers: LayerSequence, configs, db, check: Callable[[int], bool] | None
+                     ) -> dict[int, bool] | None:
+  """``{dp: whether the step traced at the microbatch's rows / dp is the same program}`` for
+  the data-parallel degrees of ``configs`` whose replicas could accumulate their own gradients
+  (:func:`~harpjax.compiler.profile.memory.runs_replicas`); ``None`` without ``check``.
+
+  The runtime runs such a stage's replicas on the step traced at their rows and falls back to
+  one program that all-reduces the gradients every microbatch where that trace is another
+  program (the step's structure depends on the batch size: an index over one row traced as a
+  reshape, say), which holds the whole gradient and its reduction in every backward. ``check``
+  traces the step at those rows (:func:`profile_step` does it with the trace it costs the
+  replica from); each answer is kept in the profile database (``db``)."""
+  if check is None:
+    return None
+  rows = microbatch_size(layers)
+  out: dict[int, bool] = {}
+  digest = hashlib.sha256("|".join(map(str, layers.signatures)).encode()).hexdigest()[:32]
+  for cfg in configs:
+    lm = sharding.LogicalMesh.of(cfg.mesh)
+    dp = lm.batch_ways
+    if dp in out or not runs_replicas(dp, rows, lm.ep):
+      continue
+    key = {"kind": "replica_program", "layers": digest, "rows": rows, "dp": dp}
+    hit = db.get(key) if db is not None else None
+    if hit is not None and isinstance(hit.get("same"), bool):
+      out[dp] = hit["same"]
+      continue
+    out[dp] = bool(check(dp))
+    if db is not None:
+      db.put(key, {"same": out[dp]})
+  return out
+
+
 # --------------------------------------------------------------------------- the profiler
 
 
 def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | None = None,
                    local_layers: Mapping[int, LayerSequence] | None = None,
-                   num_microbatches: int | None = None) -> ProfileResult:
+                   num_microbatches: int | None = None,
+                   replica_check: Callable[[int], bool] | None = None) -> ProfileResult:
   """Profiles a layer sequence on a cluster and builds its :class:`CostTables`.
 
   Three steps: :func:`enumerate_tasks` (the unique tasks), :func:`cost_tasks` (cache, then the
@@ -962,6 +1033,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
     num_microbatches: the iteration's microbatches, if known: a stage's once-per-iteration
       end time (gradient all-reduce, update) is spread over them when its logical mesh is
       chosen (``None``: meshes are compared by time per microbatch alone).
+    replica_check: ``dp -> whether the step traced at the microbatch's rows / dp is the same
+      program`` (:func:`replica_programs`; ``None``: taken as the same).
 
   Returns:
     The :class:`ProfileResult`.
@@ -970,7 +1043,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   if len(opts.remat_modes) > 1:   # each mode, one set of tables: the planner chooses per stage
     each = {m: profile_layers(layers, cluster, local_layers=local_layers,
                               options=dataclasses.replace(opts, remat=m),
-                              num_microbatches=num_microbatches) for m in opts.remat_modes}
+                              num_microbatches=num_microbatches, replica_check=replica_check)
+            for m in opts.remat_modes}
     first = each[opts.remat_modes[0]]
     st = first.stats
     stats = dataclasses.replace(
@@ -981,7 +1055,8 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
         trace_s=sum(r.stats.trace_s for r in each.values()))
     return ProfileResult(with_remat_choice(**{m: r.tables for m, r in each.items()}), layers,
                          stats, first.costs, cluster, opts,
-                         remat_costs={m: r.costs for m, r in each.items()})
+                         remat_costs={m: r.costs for m, r in each.items()},
+                         replica_programs=first.replica_programs)
   t0 = time.perf_counter()
   L = len(layers)
   if L == 0:
@@ -999,8 +1074,9 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
                           _local_layers(layers, local_layers))
   results, computed, dp_approx = cost_tasks(found, source, db, opts, layers)
   costs = layer_costs(found, results, L)
+  same = replica_programs(layers, found.configs, db, replica_check)
   tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts,
-                                 num_microbatches)
+                                 num_microbatches, replica_programs=same)
   tables = in_remat_mode(tables, opts.remat_modes[0])
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
@@ -1016,12 +1092,14 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   log.info("profiling done: %s", stats.describe())
   by_config = {(subs[c.subcluster].name, c.submesh, c.mesh): arr
                for c, arr in zip(found.configs, costs)}
-  return ProfileResult(tables, layers, stats, by_config, cluster, opts)
+  return ProfileResult(tables, layers, stats, by_config, cluster, opts, replica_programs=same)
 
 
 def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
                   opts: ProfileOptions, num_microbatches: int | None = None,
-                  remat: str | None = None) -> tuple[CostTables, dict]:
+                  remat: str | None = None,
+                  replica_programs: Mapping[int, bool] | None = None
+                  ) -> tuple[CostTables, dict]:
   """:func:`tables_from_layer_costs` with the options' ZeRO data and the microbatch's rows, in
   rematerialisation mode ``remat`` (default: the options' first)."""
   zero = None if opts.optimizer_bytes_per_param is None else (
@@ -1029,7 +1107,7 @@ def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
   tables, counts = tables_from_layer_costs(layers, cluster, subs, configs, costs,
                                            opts.imbalance, zero, num_microbatches,
                                            remat=opts.remat_modes[0] if remat is None
-                                           else remat)
+                                           else remat, replica_programs=replica_programs)
   if microbatch_size(layers) is not None:
     tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
   return tables, counts
@@ -1070,7 +1148,7 @@ def tables_for_plan(result: ProfileResult, plan) -> CostTables:
             configs.append(MeshConfig(k, s, tuple(nm), mesh))
             costs.append(arr)
     return _build_tables(result.layers, result.cluster, subs, configs, costs, opts,
-                         remat=mode)[0]
+                         remat=mode, replica_programs=result.replica_programs)[0]
   if result.remat_costs is not None:
     return with_remat_choice(**{m: in_remat_mode(build(c, m), m)
                                 for m, c in result.remat_costs.items()})
@@ -1150,9 +1228,22 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
                 num_microbatches)
     b = 1
   lopts = layer_options or LayerOptions()
+  traced_at: dict[int, object] = {}
+  same: dict[int, bool] = {}
 
   def local(dp: int):
     """The layers traced at microbatch ``b / dp`` (only on a cache miss)."""
+    if dp not in traced_at:
+      traced_at[dp] = _local(dp)
+    return traced_at[dp]
+
+  def same_program(dp: int) -> bool:
+    """Whether the step traced at microbatch ``b / dp`` is the step's program op for op."""
+    if dp not in same:
+      local(dp)
+    return same.get(dp, False)
+
+  def _local(dp: int):
     t1 = time.perf_counter()
     try:
       ts_dp = trace_step(step_fn, args, num_microbatches=num_microbatches * dp,
@@ -1160,6 +1251,8 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
       program = ts_dp.region
       if layers.origin is not None:
         program, _ = unroll_scans(program, z=lopts.z, max_length=lopts.max_unroll)
+      same[dp] = len(program.ops) == len(layers.program.ops) and all(
+          a.name == b.name for a, b in zip(program.ops, layers.program.ops))
       seq = relayer(layers, program, [inp.kind for inp in ts_dp.inputs])
       log.info("traced the step at microbatch %d / %d in %.1f s", b, dp,
                time.perf_counter() - t1)
@@ -1172,7 +1265,7 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
 
   t_first = traced_s[0]
   result = profile_layers(layers, cluster, options=opts, local_layers=local,
-                          num_microbatches=num_microbatches)
+                          num_microbatches=num_microbatches, replica_check=same_program)
   stats = dataclasses.replace(result.stats, trace_s=traced_s[0],
                               seconds=result.stats.seconds + t_first)
   return dataclasses.replace(result, stats=stats)

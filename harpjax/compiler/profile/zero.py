@@ -323,5 +323,6 @@ def zero_tables(result, cluster, zero: int, *, num_microbatches: int,
     configs.append(MeshConfig(k, s, tuple(submesh), tuple(mesh)))
   split = (state_bytes_per_param, optimizer_bytes_per_param) if zero == 0 else None
   tables, _ = tables_from_layer_costs(result.layers, cluster, subs, configs, costs, imbalance,
-                                      split, num_microbatches=num_microbatches)
+                                      split, num_microbatches=num_microbatches,
+                                      replica_programs=result.replica_programs)
   return tables
