@@ -5,7 +5,7 @@ For each setup (pools of A100-40 and V100-16 GPUs in GCP zones; OPT-350M with gl
 ``benchmarks/data/sailor/``) both planners choose the GPUs and the plan. Sailor's plan is the
 one its public planner picks (``tools/sailor.py`` follows its code path) with its own estimate
 and cost (fees included); where that plan is one of ours (each stage on one pool) our simulator
-scores it too. Our planner is :func:`harpjax.compiler.plan.solve_with_fees` at every global microbatch ``b``
+scores it too. Our planner is :func:`harpjax.compiler.plan.solve` at every global microbatch ``b``
 (a power of two dividing the batch), the best kept by the objective with fees; the tables carry
 Sailor's zones and fees, so our evaluation counts a plan's fees as Sailor counts them (every cut
 between zones or regions, forward and back, per microbatch) and a budget per hour bounds the
@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harpjax.compiler.plan import SolveOptions, solve, solve_with_fees  # noqa: E402
+from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve  # noqa: E402
 from harpjax.errors import InfeasiblePlanError, PlanError  # noqa: E402
 from tools.sailor import (Pool, load_model, load_network, sailor_plan, sailor_tables,  # noqa: E402
                           transfer_fees_usd)
@@ -91,24 +91,26 @@ def _bounds(objective: str, bound: float | None) -> dict:
 
 
 def ours(model, pools, objective: str, bound: float | None, microbatches=None):
-  """Best of :func:`solve_with_fees` over the global microbatches, ranked with the transfer
-  fees (the tables carry Sailor's zones and fees) and held to the budget with them;
-  ``(result, b, seconds)`` with ``result`` a :class:`~harpjax.compiler.plan.FeeResult`."""
+  """Best of :func:`~harpjax.compiler.plan.solve` over the global microbatches, ranked with
+  the transfer fees (the tables carry Sailor's zones and fees; the search counts them in the
+  money and the budget); ``((result, evaluation), b, seconds)``, the
+  :class:`~harpjax.compiler.plan.PlanResult` and its
+  :class:`~harpjax.compiler.plan.PlanEvaluation` with fees."""
   G = model.global_batch
   start = time.perf_counter()
   best, best_key, best_b = None, math.inf, None
   for b in microbatches or microbatch_choices(G):
     tables = sailor_tables(model, pools, b)
     try:
-      r = solve_with_fees(tables, G // b, options=SolveOptions(objective=objective,
-                                                               **_bounds(objective, bound)))
+      r = solve(tables, G // b, options=SolveOptions(objective=objective,
+                                                     **_bounds(objective, bound)))
     except InfeasiblePlanError:
       continue
-    key = r.cost_per_iteration if objective in ("max_throughput_per_dollar",
-                                                "min_cost_within_time") else \
-        r.evaluation.iteration_s
+    ev = evaluate_plan(tables, list(r.stages), r.num_microbatches, r.plan.schedule, eps=r.eps)
+    key = ev.cost_per_iteration if objective in ("max_throughput_per_dollar",
+                                                 "min_cost_within_time") else ev.iteration_s
     if key < best_key:
-      best, best_key, best_b = r, key, b
+      best, best_key, best_b = (r, ev), key, b
   return best, best_b, time.perf_counter() - start
 
 
@@ -188,7 +190,7 @@ def run_setups(names=None) -> tuple[list[SetupRow], list[str]]:
       warm_up(models[model_name])
     model = models[model_name]
     fr, b, t_ours = ours(model, pools, objective, bound)
-    r, ev = fr.result, fr.evaluation
+    r, ev = fr
     B = model.global_batch // b
     tables = sailor_tables(model, pools, b)
     fees = transfer_fees_usd(pools, [(s.layers[0], s.layers[1], s.subcluster) for s in r.stages],

@@ -51,7 +51,7 @@ same tables as our planner. Other plans (a stage mixing types or zones) keep Sai
 only. The tables carry Sailor's zones, regions and fees (:func:`pool_fees`), so
 :func:`~harpjax.compiler.plan.evaluate_plan` counts a plan's fees as Sailor does (every cut
 between zones or regions, forward and back, per microbatch) and
-:func:`~harpjax.compiler.plan.solve_with_fees` holds our plan to a budget with them;
+:func:`~harpjax.compiler.plan.solve` ranks our plans and holds them to a budget with them;
 :func:`transfer_fees_usd` is that count for a plan given by its pools.
 
 **Left out**: links whose sender sits in a zone not transcribed (us-west1-b) use the reverse

@@ -138,7 +138,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
             remat, remat_choice, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
-  from harpjax.compiler.plan import OBJECTIVE_REGISTRY, RANK, objective_of, solve_with_fees
+  from harpjax.compiler.plan import OBJECTIVE_REGISTRY, RANK, objective_of, solve
   from harpjax.compiler.profile import with_fees
   from harpjax.compiler.schedule import schedule_key
 
@@ -211,8 +211,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                f"{result.tables.total_devices} devices ...", err=True)
     t1 = time.perf_counter()
     tables = with_fees(result.tables, cluster)
-    priced = solve_with_fees(tables, num_microbatches, options=solve_opts)
-    solved = priced.result
+    solved = solve(tables, num_microbatches, options=solve_opts)
     t2 = time.perf_counter()
   except HarpjaxError as e:
     raise click.ClickException(str(e)) from None
@@ -235,7 +234,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
              + ("" if solved.rate_per_hour is None else
                 f"; cost {solved.rate_per_hour:.2f} per hour, "
                 f"{solved.cost_per_iteration:.4f} per iteration"))
-  fees_line = _fees_line(tables, priced)
+  fees_line = _fees_line(tables, solved)
   if fees_line:
     click.echo(fees_line)
   click.echo(_schedule_line(plan, schedule))
@@ -253,19 +252,17 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
     click.echo(f"\nwrote {json_path}")
 
 
-def _fees_line(tables, priced) -> str | None:
-  """The plan's transfer fees and its money with them, where the cluster charges fees."""
-  ev = priced.evaluation
-  if ev is None or tables.fees is None or not tables.fees.charges:
+def _fees_line(tables, solved) -> str | None:
+  """The plan's transfer fees and its money with them, where the cluster charges fees (the
+  search ranked and budgeted the plan with them)."""
+  if tables.fees is None or not tables.fees.charges:
     return None
-  _, zone, region = ev.transfer_bytes
+  _, zone, region = solved.transfer_bytes
   line = (f"transfer fees: {zone / 1e9:.4g} GB between zones, {region / 1e9:.4g} GB between "
-          f"regions per iteration: {ev.fees_per_iteration:.4f} per iteration")
-  if ev.rate_per_hour is not None:
-    line += (f"; with fees {ev.rate_with_fees_per_hour:.2f} per hour, "
-             f"{ev.cost_per_iteration:.4f} per iteration")
-  if priced.rounds > 1:
-    line += f" ({priced.rounds} searches to keep the budget with fees)"
+          f"regions per iteration: {solved.fees_per_iteration:.4f} per iteration")
+  if solved.rate_per_hour is not None:
+    line += (f"; with fees {solved.rate_with_fees_per_hour:.2f} per hour, "
+             f"{solved.cost_per_iteration:.4f} per iteration")
   return line
 
 

@@ -5,9 +5,8 @@ Modules: :mod:`~harpjax.compiler.plan.spec` (:class:`Plan`, :class:`StageSpec`, 
 :mod:`~harpjax.compiler.plan.index` (device states and the DP's sparse index),
 :mod:`~harpjax.compiler.plan.dp_kernel` (the DP at one ``t_max``: Numba kernel and NumPy
 twin), :mod:`~harpjax.compiler.plan.evaluate` (scoring any plan, diagnosing infeasibility) and
-:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``),
-:mod:`~harpjax.compiler.plan.priced` (:func:`solve_with_fees`: the result held to its
-budget with transfer fees),
+:mod:`~harpjax.compiler.plan.solve` (:func:`solve`: the search over ``t_max``, for every
+objective, transfer fees counted in the money and the budget),
 :mod:`~harpjax.compiler.plan.schedule_choice` (:func:`choose_schedule`: the registered
 schedules ranked on the stages found) and
 :mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level, optimizer-state offload and
@@ -29,7 +28,6 @@ from harpjax.compiler.plan.spec import (check_device_groups, LAYER_SOURCES, load
                                         ManualPlan, Plan,
                                         REMAT_MODES, row_shares, StageGroup, StageSpec)
 from harpjax.compiler.plan.index import SparseIndex
-from harpjax.compiler.plan.priced import FeeResult, plan_fees, solve_with_fees
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
                                          fused_tables, MIXED_MODES, MixedEvaluation,
@@ -38,7 +36,7 @@ from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusi
 
 __all__ = [
     "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed",
-    "evaluate_plan", "expand_variants", "FeeResult", "plan_fees", "solve_with_fees", "Fusion", "fused_tables", "LAYER_SOURCES", "load_plan", "ManualPlan",
+    "evaluate_plan", "expand_variants", "Fusion", "fused_tables", "LAYER_SOURCES", "load_plan", "ManualPlan",
     "MIXED_MODES", "MixedEvaluation", "MixedOptions", "mixed_cut_s", "mixed_scorer",
     "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Objective", "OBJECTIVE_REGISTRY", "objective_of", "Plan", "plan_scorer", "PlanEvaluation",
     "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",

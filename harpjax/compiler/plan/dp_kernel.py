@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost", "link_rows",
            "fitting_submeshes", "prefix_bound", "prefix_bound_kernel", "prefix_bounds",
-           "prefix_rate", "cover_costs",
+           "prefix_rate", "prefix_fee", "cover_costs",
            "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
            "warmup_delta_kernel",
            "active_entries", "solve_tau", "solve_tau_numpy", "moves_into", "bounded_search",
@@ -109,7 +109,8 @@ def warmup_step(n_next, delta, num_microbatches, p, a, mem):
 
 
 class Pricing(NamedTuple):
-  """The rate criterion of :func:`solve_tau` (the objectives with prices).
+  """The rate criterion of :func:`solve_tau` (the objectives with prices), and the transfer
+  fees.
 
   With pricing the DP keeps, per state, every suffix not dominated in (warm-ups ``n``, hourly
   rate ``R``, cost): the rate of subcluster ``k`` is charged when its last stage runs (the
@@ -117,6 +118,15 @@ class Pricing(NamedTuple):
   ``held``), so ``R`` is additive over the suffix. The value is Eq. 12's
   ``T = cost + (B - 1) tau`` (no discount, first stage's end time included), ranked as ``T``
   (:data:`KIND_TIME`, ``R <= rate_max``) or ``R T`` (:data:`KIND_COST`, ``T <= t_limit``).
+
+  With transfer fees (``fee``) each suffix also carries its fee per iteration ``F``, added by
+  each cut (``fee[a, b, j]``), and the money is ``R T + 3600 F`` (:data:`KIND_COST`: the cost
+  per iteration times 3600), the budget ``R + 3600 F / T <= rate_max``, i.e.
+  ``(R - rate_max) T + 3600 F <= 0`` (:data:`KIND_TIME`). Both are linear in a suffix's
+  ``R``, ``cost`` and a third coordinate ``z`` with non-negative coefficients given the
+  prefix, so a suffix dominates another of no more warm-ups when it has no more of each:
+  ``z = R cost + 3600 F`` (the money) or ``z = (R - rate_max) cost + 3600 F`` (the budget;
+  ``0`` without one). The frontiers are then over (``n``, ``R``, ``cost``, ``z``).
 
   Attributes:
     held: ``[G, S_max]`` int64 devices of the current subcluster the stages hold once a stage
@@ -130,6 +140,11 @@ class Pricing(NamedTuple):
       a lower bound on its time, ``T - phi tau (n_max - 1)`` is.
     lbr: ``[L + 1, G]`` :func:`prefix_rate` at the candidate or above (the least rate the
       stages before a suffix add to it), or ``[0, 0]``: none (``0`` assumed).
+    fee: ``[K, K, L]`` float64 the fee per iteration of a cut after layer ``j`` from a stage
+      on subcluster ``a`` to one on ``b`` (:func:`harpjax.compiler.profile.cut_fees` times
+      ``B``), or ``[0, 0, 0]``: no fees (the frontiers over (``n``, ``R``, ``cost``) alone).
+    lbfee: ``[L + 1, G]`` :func:`prefix_fee` at the candidate or above (the least fee the
+      cuts before a suffix add to it), or ``[0, 0]``: none (``0`` assumed).
   """
   held: np.ndarray
   price: np.ndarray
@@ -138,10 +153,12 @@ class Pricing(NamedTuple):
   t_limit: float
   relief: float
   lbr: np.ndarray
+  fee: np.ndarray = np.zeros((0, 0, 0))
+  lbfee: np.ndarray = np.zeros((0, 0))
 
 
 NO_PRICING = Pricing(np.zeros((0, 0), np.int64), np.zeros(0), KIND_TIME, np.inf, np.inf, 0.0,
-                     np.zeros((0, 0)))
+                     np.zeros((0, 0)), np.zeros((0, 0, 0)), np.zeros((0, 0)))
 """The time objective: no rate criterion."""
 
 
@@ -293,6 +310,8 @@ class Frontier(NamedTuple):
       largest ``e_s - U_s`` over its stages ``s`` at or above that hit, ``U_s`` the backward
       and cut seconds from the suffix's first stage down to ``s`` (:func:`solve_tau`).
     r: ``[cap]`` float64 with :class:`Pricing`, the suffix's hourly rate.
+    f: ``[cap]`` float64 with :class:`Pricing` on tables with transfer fees, the suffix's fee
+      per iteration (its cuts'; ``0`` without fees).
   """
   n: np.ndarray
   cost: np.ndarray
@@ -300,11 +319,13 @@ class Frontier(NamedTuple):
   succ: np.ndarray
   xe: np.ndarray
   r: np.ndarray
+  f: np.ndarray
 
 
 def _new_frontier(cap: int) -> Frontier:
   return Frontier(np.empty(cap, np.int64), np.empty(cap, np.float64), np.empty(cap, np.int64),
-                  np.empty(cap, np.int64), np.empty(cap, np.float64), np.empty(cap, np.float64))
+                  np.empty(cap, np.int64), np.empty(cap, np.float64), np.empty(cap, np.float64),
+                  np.empty(cap, np.float64))
 
 
 def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
@@ -321,6 +342,7 @@ def _grow_frontier(pool: Frontier, used: int, need: int) -> Frontier:
   bigger.succ[:used] = pool.succ[:used]
   bigger.xe[:used] = pool.xe[:used]
   bigger.r[:used] = pool.r[:used]
+  bigger.f[:used] = pool.f[:used]
   return bigger
 
 
@@ -504,6 +526,51 @@ def _prefix_rate_impl(ix, tau, check_comm, held, price):
   return lbr
 
 
+def _prefix_fee_impl(ix, tau, check_comm, fee):
+  """``lbfee[i, d]``: the least transfer fee per iteration of the cuts of a prefix reaching
+  layer ``i`` in device state ``d`` (the cut into ``d`` included) with every stage (and, with
+  ``check_comm``, cut) ``<= tau``, memory ignored (``inf``: unreachable); ``lbfee[L, 0]``: the
+  least fee of a whole plan. Non-decreasing as ``tau`` falls: a bound at a larger candidate
+  holds at a smaller one."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  inf = np.inf
+  lbf = np.full((L + 1, G), inf)
+  for r in ix.roots:
+    lbf[0, r] = 0.0
+  whole = inf
+  for i in range(L):
+    for d in range(G):
+      base = lbf[i, d]
+      if base == inf:
+        continue
+      k = ix.st_sub[d]
+      gx = (k * L + i) * S_max
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        for e in range(ix.sp_ptr[gx + s], ix.sp_ptr[gx + s + 1]):
+          if ix.ent_t[e] > tau:
+            break
+          j = ix.ent_j[e]
+          if j == L - 1:
+            if ix.st_end[d, s] and base < whole:
+              whole = base
+            continue
+          for x in range(m0, m1):
+            if check_comm and ix.c_link[ix.mv_link[x], j] > tau:
+              continue
+            d2 = ix.mv_state[x]
+            v = base + fee[k, ix.mv_sub[x], j]
+            if v < lbf[j + 1, d2]:
+              lbf[j + 1, d2] = v
+  lbf[L, 0] = whole
+  return lbf
+
+
 def _cover_impl(ent_i, ent_j, ent_t, w, by_j, taus, L):
   """Per ``taus[g]``, the least ``sum w_e`` of entries of time ``<= taus[g]`` that cover the
   layers ``0 .. L - 1`` in order (``inf``: none); ``by_j`` the entries by last layer."""
@@ -671,12 +738,58 @@ def _hit_floor_impl(ix, lb, lbf, sb, hits, ent_i, ent_k, tau, num_mb, n_hit, dis
   return best
 
 
-def _priced_out(pr, rate, t, limit):
-  """Whether a suffix of hourly ``rate`` in a plan of at least ``t`` seconds is out: over the
-  budget, the time limit or the bound ``limit`` on the ranked value (:class:`Pricing`)."""
+def _priced_out(pr, rate, t, fee, limit):
+  """Whether a suffix of hourly ``rate`` in a plan of at least ``t`` seconds and ``fee`` per
+  iteration is out: over the budget, the time limit or the bound ``limit`` on the ranked value
+  (:class:`Pricing`)."""
   if rate > pr.rate_max or t > pr.t_limit:
     return True
-  return (t if pr.kind == KIND_TIME else rate * t) > limit
+  return (t if pr.kind == KIND_TIME else rate * t + 3600.0 * fee) > limit
+
+
+def _fee_z(pr, rate, cost, fee):
+  """The third coordinate of a suffix's frontier point with fees (:class:`Pricing`)."""
+  if pr.kind == KIND_COST:
+    return rate * cost + 3600.0 * fee
+  if pr.rate_max < np.inf:
+    return (rate - pr.rate_max) * cost + 3600.0 * fee
+  return 0.0
+
+
+def _grow_rows(sz, cap):
+  """A ``[R, cap]`` float array of :func:`_row_add`'s with room for ``2 cap`` points."""
+  nz = np.empty((sz.shape[0], 2 * cap))
+  nz[:, :cap] = sz
+  return nz
+
+
+def _row_add(sv, sw, sz, sf, se, sq, cnt, n, v, w, z, f, e, q):
+  """Adds the point ``(v, w, z)`` (its fee ``f``, entry ``e``, successor ``q``) to row ``n``
+  (unordered) unless a point of the row has ``v' <= v``, ``w' <= w`` and ``z' <= z``; drops
+  the points it dominates. The caller makes room for one more point first."""
+  m = cnt[n]
+  for y in range(m):
+    if sv[n, y] <= v and sw[n, y] <= w and sz[n, y] <= z:
+      return
+  y = 0
+  while y < m:
+    if v <= sv[n, y] and w <= sw[n, y] and z <= sz[n, y]:
+      m -= 1
+      sv[n, y] = sv[n, m]
+      sw[n, y] = sw[n, m]
+      sz[n, y] = sz[n, m]
+      sf[n, y] = sf[n, m]
+      se[n, y] = se[n, m]
+      sq[n, y] = sq[n, m]
+    else:
+      y += 1
+  sv[n, m] = v
+  sw[n, m] = w
+  sz[n, m] = z
+  sf[n, m] = f
+  se[n, m] = e
+  sq[n, m] = q
+  cnt[n] = m + 1
 
 
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
@@ -690,6 +803,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   H = 2 if require_hit else 1
   inf = np.inf
   priced = pr.held.shape[0] == G and G > 0
+  # With transfer fees: every suffix carries its fee, its frontiers a third coordinate.
+  feed = priced and pr.fee.shape[0] == ix.ent_ptr.shape[0] and pr.fee.shape[0] > 0
   if lb.shape[0] != L + 1:
     lb = _prefix_bound(ix, tau, check_comm)
   if lb[L, 0] == inf:
@@ -736,6 +851,8 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
   sw = np.empty((nrows, scap))
   se = np.empty((nrows, scap), np.int64)
   sq = np.empty((nrows, scap), np.int64)
+  sz = np.empty((nrows, scap))   # with fees: each point's third coordinate and its fee
+  sf = np.empty((nrows, scap))
   scnt = np.zeros(nrows, np.int64)
   phi_b = 1.0 - discount   # a stage's backward share
   # jmin[d]: the first layer (of those done) with a suffix from state d; a stage from (i, d)
@@ -747,6 +864,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         continue   # no prefix reaches (i, d), or no suffix leaves it
       pre = lb[i, d]
       pre_r = pr.lbr[i, d] if (priced and pr.lbr.shape[0] == L + 1) else 0.0
+      pre_f = pr.lbfee[i, d] if (feed and pr.lbfee.shape[0] == L + 1) else 0.0
       budget = budget_all - pre
       # No hit ends before layer i: a suffix from here without one can never get one.
       no_miss = H == 2 and i <= hit_j
@@ -793,13 +911,20 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             if not may_end or (hit == 0 and no_miss):
               continue
             if priced:
-              if _priced_out(pr, pre_r + charge, pre + t_end + tail, limit):
+              if _priced_out(pr, pre_r + charge, pre + t_end + tail, pre_f, limit):
                 continue
               row = hit * (n_cap + 1) + 1
               if scnt[row] == scap:
                 sv, sw, se, sq = _grow_stairs(sv, sw, se, sq, scap)
+                if feed:
+                  sz = _grow_rows(sz, scap)
+                  sf = _grow_rows(sf, scap)
                 scap *= 2
-              _stair_add(sv, sw, se, sq, scnt, row, t_end, charge, e, -1)
+              if feed:
+                _row_add(sv, sw, sz, sf, se, sq, scnt, row, t_end, charge,
+                         _fee_z(pr, charge, t_end, 0.0), 0.0, e, -1)
+              else:
+                _stair_add(sv, sw, se, sq, scnt, row, t_end, charge, e, -1)
               nlo = min(nlo, 1)
               nhi = max(nhi, 1)
               continue
@@ -854,13 +979,21 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                 v = pool.cost[q] + step - own * (n - 1)
                 if priced:
                   rate = pool.r[q] + add
-                  if _priced_out(pr, pre_r + rate, pre + v + tail, limit):
+                  fq = pool.f[q] + pr.fee[k, ix.mv_sub[x], j] if feed else 0.0
+                  if _priced_out(pr, pre_r + rate, pre + v + tail, pre_f + fq, limit):
                     continue
                   row = h * (n_cap + 1) + n
                   if scnt[row] == scap:
                     sv, sw, se, sq = _grow_stairs(sv, sw, se, sq, scap)
+                    if feed:
+                      sz = _grow_rows(sz, scap)
+                      sf = _grow_rows(sf, scap)
                     scap *= 2
-                  _stair_add(sv, sw, se, sq, scnt, row, v, rate, e, q)
+                  if feed:
+                    _row_add(sv, sw, sz, sf, se, sq, scnt, row, v, rate,
+                             _fee_z(pr, rate, v, fq), fq, e, q)
+                  else:
+                    _stair_add(sv, sw, se, sq, scnt, row, v, rate, e, q)
                   if n < nlo:
                     nlo = n
                   if n > nhi:
@@ -914,14 +1047,17 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
             for z in range(scnt[row] - 1, -1, -1):   # rate ascending, cost descending
               v = sv[row, z]
               w = sw[row, z]
+              zz = sz[row, z] if feed else 0.0   # with fees (an unordered row)
               kept = True
               for q in range(first[i, ad, h], used):   # those of no more warm-ups
-                if pool.r[q] <= w and pool.cost[q] <= v:
+                if pool.r[q] <= w and pool.cost[q] <= v and (
+                    not feed or _fee_z(pr, pool.r[q], pool.cost[q], pool.f[q]) <= zz):
                   kept = False
                   break
               if kept and h == 0 and H == 2:   # a hit suffix dominates one without
                 for q in range(first[i, ad, 1], first[i, ad, 0]):
-                  if pool.n[q] <= n and pool.r[q] <= w and pool.cost[q] <= v:
+                  if pool.n[q] <= n and pool.r[q] <= w and pool.cost[q] <= v and (
+                      not feed or _fee_z(pr, pool.r[q], pool.cost[q], pool.f[q]) <= zz):
                     kept = False
                     break
               if kept:
@@ -931,6 +1067,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                 pool.succ[used] = sq[row, z]
                 pool.xe[used] = 0.0
                 pool.r[used] = w
+                pool.f[used] = sf[row, z] if feed else 0.0
                 used += 1
             scnt[row] = 0
         elif paths and h == 1:
@@ -950,6 +1087,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
                 pool.succ[used] = sq[n, z]
                 pool.xe[used] = w - v
                 pool.r[used] = 0.0
+                pool.f[used] = 0.0
                 used += 1
             scnt[n] = 0
         else:
@@ -965,6 +1103,7 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
               pool.succ[used] = ts[n, h]
               pool.xe[used] = 0.0
               pool.r[used] = 0.0
+              pool.f[used] = 0.0
               used += 1
         count[i, ad, h] = used - first[i, ad, h]
         if count[i, ad, h] > 0:
@@ -989,7 +1128,16 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
         if tt > pr.t_limit or pool.r[q] > pr.rate_max:
           continue
         tt += pr.relief
-        val = tt if pr.kind == KIND_TIME else pool.r[q] * tt
+        if feed:   # the money and the budget with the plan's fees
+          fq = pool.f[q]
+          if pr.kind == KIND_TIME:
+            if (pool.r[q] - pr.rate_max) * tt + 3600.0 * fq > 0.0:
+              continue
+            val = tt
+          else:
+            val = pool.r[q] * tt + 3600.0 * fq
+        else:
+          val = tt if pr.kind == KIND_TIME else pool.r[q] * tt
         if val < value or (val == value and pool.r[q] < best_rate):
           value = val
           best_rate = pool.r[q]
@@ -1026,6 +1174,9 @@ if HAVE_NUMBA:
   _warmup_delta = _numba.njit(cache=True, inline="always")(warmup_delta)
   _warmup_step = _numba.njit(cache=True, inline="always")(warmup_step)
   _priced_out = _numba.njit(cache=True)(_priced_out)
+  _fee_z = _numba.njit(cache=True, inline="always")(_fee_z)
+  _grow_rows = _numba.njit(cache=True)(_grow_rows)
+  _row_add = _numba.njit(cache=True)(_row_add)
   _new_frontier = _numba.njit(cache=True)(_new_frontier)
   _grow_frontier = _numba.njit(cache=True)(_grow_frontier)
   _grow_stairs = _numba.njit(cache=True)(_grow_stairs)
@@ -1034,6 +1185,7 @@ if HAVE_NUMBA:
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
   _prefix_rate = _numba.njit(cache=True, nogil=True)(_prefix_rate_impl)
+  _prefix_fee = _numba.njit(cache=True, nogil=True)(_prefix_fee_impl)
   _cover = _numba.njit(cache=True, nogil=True)(_cover_impl)
   _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
   _hit_floor = _numba.njit(cache=True, nogil=True)(_hit_floor_impl)
@@ -1045,6 +1197,7 @@ else:  # pragma: no cover
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
   _prefix_rate = _prefix_rate_impl
+  _prefix_fee = _prefix_fee_impl
   _cover = _cover_impl
   _hit_possible = _hit_possible_impl
   _hit_floor = _hit_floor_impl
@@ -1060,6 +1213,7 @@ warmup_delta_kernel = _warmup_delta
 """The compiled :func:`harpjax.compiler.schedule.warmup_delta` the kernels take once per cut."""
 
 _NO_BOUND = np.zeros((0, 0))
+_NO_FEE = np.zeros((0, 0, 0))
 
 
 @interruptible_kernel
@@ -1082,6 +1236,18 @@ def prefix_rate(ix: DPArrays, tau: float, held: np.ndarray, price: np.ndarray,
   fn = _prefix_rate if (use_numba and HAVE_NUMBA) else _prefix_rate_impl
   return fn(ix, float(tau), bool(check_comm), np.ascontiguousarray(held, np.int64),
             np.ascontiguousarray(price, np.float64))
+
+
+@interruptible_kernel
+def prefix_fee(ix: DPArrays, tau: float, fee: np.ndarray, check_comm: bool = True,
+               use_numba: bool = True) -> np.ndarray:
+  """``[L + 1, G]``: the least transfer fee per iteration that the cuts of a prefix reaching
+  layer ``i`` in device state ``d`` pay (``fee``: :class:`Pricing`'s ``[K, K, L]``; every
+  stage and cut ``<= tau``, memory ignored; ``inf``: unreachable), and at ``[L, 0]`` the least
+  fee of any whole plan. A bound at ``tau`` holds at every smaller candidate; :class:`Pricing`
+  ``lbfee``."""
+  fn = _prefix_fee if (use_numba and HAVE_NUMBA) else _prefix_fee_impl
+  return fn(ix, float(tau), bool(check_comm), np.ascontiguousarray(fee, np.float64))
 
 
 @interruptible_kernel
@@ -1240,7 +1406,9 @@ def _pricing_arrays(pricing: Pricing) -> Pricing:
   return Pricing(np.ascontiguousarray(pricing.held, np.int64),
                  np.ascontiguousarray(pricing.price, np.float64), int(pricing.kind),
                  float(pricing.rate_max), float(pricing.t_limit), float(pricing.relief),
-                 np.ascontiguousarray(pricing.lbr, np.float64))
+                 np.ascontiguousarray(pricing.lbr, np.float64),
+                 np.ascontiguousarray(pricing.fee, np.float64),
+                 np.ascontiguousarray(pricing.lbfee, np.float64))
 
 
 def active_entries(ix: DPArrays, k: int, i: int, tau: float) -> list[int]:
@@ -1272,6 +1440,9 @@ def solve_tau_numpy(ix: DPArrays, tau: float, num_microbatches: int, eps: float,
   beats in both cost and cost plus end term; with ``pricing`` dense over the distinct rates a
   suffix can have too, ``F[i, d, n, h, r]``)."""
   del use_numba, lb, sb, hit_cap, lbf, hit_e, hit_j
+  if pricing is not None and np.asarray(pricing.fee).size:
+    return _solve_tau_fee_twin(ix, pricing, tau, num_microbatches, eps, n_cap, require_hit,
+                               check_comm, bound, link_hits)
   if pricing is not None:
     return _solve_tau_rate_twin(ix, pricing, tau, num_microbatches, eps, n_cap, require_hit,
                                 check_comm, bound, link_hits)
@@ -1532,6 +1703,85 @@ def _solve_tau_rate_twin(ix: DPArrays, pr: Pricing, tau: float, num_microbatches
   return float(val), float(rate), cost, np.asarray(path, np.int64)
 
 
+def _solve_tau_fee_twin(ix: DPArrays, pr: Pricing, tau: float, num_microbatches: int,
+                        eps: float, n_cap: int, require_hit: bool, check_comm: bool,
+                        bound: float, link_hits: bool
+                        ) -> tuple[float, float, float, np.ndarray]:
+  """:func:`solve_tau_numpy` with pricing and transfer fees: every suffix of every state is
+  kept (no dominance at all; exponential in the layers, for the tests), each with its
+  warm-ups, hit flag, cost, rate and fee; the plans are then ranked by the money or the time
+  within the budget with their fees."""
+  L, B = ix.ent_ptr.shape[1] - 1, int(num_microbatches)
+  G, S_max = int(ix.st_sub.size), ix.st_stay.shape[1]
+  H = 2 if require_hit else 1
+  NC = int(n_cap)
+  fee = np.asarray(pr.fee, np.float64)
+  suffixes: dict[tuple[int, int], list] = {}
+  for i in range(L - 1, -1, -1):
+    for d in range(G):
+      k = int(ix.st_sub[d])
+      pts = []
+      for e in _active(ix, k, i, tau):
+        t = float(ix.ent_t[e])
+        s, j = int(ix.ent_s[e]), int(ix.ent_j[e])
+        if pr.held[d, s] < 0:
+          continue
+        hit = 1 if (require_hit and t == tau) else 0
+        charge = float(pr.price[k] * pr.held[d, s])
+        t_end = t + float(ix.ent_e[e]) if i == 0 else t
+        if j == L - 1:
+          if ix.st_end[d, s]:
+            pts.append((1, hit, t_end, charge, 0.0, e, None))
+          continue
+        p, a, mk = float(ix.ent_p[e]), float(ix.ent_a[e]), float(ix.mem[k])
+        mp = d * S_max + s
+        for x in range(int(ix.mv_ptr[mp]), int(ix.mv_ptr[mp + 1])):
+          d2, k2 = int(ix.mv_state[x]), int(ix.mv_sub[x])
+          c = float(cut_cost(ix, k, x, j))
+          if check_comm and c > tau:
+            continue
+          hit_c = 1 if (require_hit and link_hits and c == tau) else 0
+          add = 0.0 if k2 == k else charge
+          for z, (n2, h2, v2, r2, f2, _, _) in enumerate(suffixes.get((j + 1, d2), ())):
+            n = warmup_step(int(n2), warmup_delta(c, tau, eps), B, p, a, mk)
+            if n < 0 or n > NC:
+              continue
+            h = 1 if (h2 or hit or hit_c) else 0
+            pts.append((n, h, v2 + t_end + 2.0 * c, r2 + add, f2 + float(fee[k, k2, j]), e,
+                        (j + 1, d2, z)))
+      suffixes[(i, d)] = pts
+  best = (np.inf, np.inf, None)
+  relief = float(pr.relief)
+  tail = (B - 1) * tau - relief
+  for root in ix.roots:
+    for z, (n, h, v, r, f, _, _) in enumerate(suffixes.get((0, int(root)), ())):
+      if h != H - 1:
+        continue
+      tt = v + tail
+      if tt > pr.t_limit or r > pr.rate_max:
+        continue
+      tt += relief
+      if pr.kind == KIND_TIME:
+        if (r - pr.rate_max) * tt + 3600.0 * f > 0.0:
+          continue
+        val = tt
+      else:
+        val = r * tt + 3600.0 * f
+      if (val, r) < best[:2]:
+        best = (val, r, (0, int(root), z))
+  val, rate, key = best
+  low = val - relief * (1.0 if pr.kind == KIND_TIME else rate)
+  if key is None or low > bound * (1.0 + BOUND_SLACK):
+    return np.inf, np.inf, np.inf, np.zeros(0, np.int64)
+  cost = suffixes[key[:2]][key[2]][2]
+  path = []
+  while key is not None:
+    pt = suffixes[key[:2]][key[2]]
+    path.append(pt[5])
+    key = pt[6]
+  return float(val), float(rate), float(cost), np.asarray(path, np.int64)
+
+
 # --------------------------------------------------------------------------- bounded search
 #
 # The DP minimises, per candidate period ``P``, a lower bound on the simulated iteration time;
@@ -1577,10 +1827,11 @@ _W_D, _W_HIT, _W_X, _W_Y, _W_YEND = range(5)
 _W_G, _W_C = range(2)
 
 
-def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind, best,
+def _search_impl(ix, end_ptr, by_end, price, fee, taus, num_mb, eps, phi, n_max, kind, best,
                  rate_max, t_limit, r_min, node_budget, out_path, lb, lbf):
   """Kernel body; see :func:`bounded_search`."""
   L = ix.ent_ptr.shape[1] - 1
+  feed = fee.shape[0] == ix.ent_ptr.shape[0] and fee.shape[0] > 0   # transfer fees
   G = ix.st_sub.shape[0]
   S_max = ix.st_stay.shape[1]
   B = num_mb
@@ -1629,6 +1880,7 @@ def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind
           pool.cost[0] = t0
           pool.xe[0] = (B - 1) * t0 + ix.ent_e[e0]
           pool.r[0] = price[k0] * ix.ent_m[e0]
+          pool.f[0] = 0.0
           pool.succ[0] = -1
           wi[0, _W_D] = d0
           wi[0, _W_HIT] = 1 if t0 == tau else 0
@@ -1648,11 +1900,12 @@ def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind
               if i == 0:
                 h = pool.cost[depth]
                 rate = pool.r[depth]
+                fq = pool.f[depth]
                 if is_root[d] and wi[depth, _W_HIT] == 1:
                   lbv = h + ix.ent_e[e] + wf[depth, _W_G]
                   if h + pool.xe[depth] > lbv:
                     lbv = h + pool.xe[depth]
-                  val = lbv if kind == KIND_TIME else rate * lbv
+                  val = lbv if kind == KIND_TIME else rate * lbv + 3600.0 * fq
                   if val <= best * slack and lbv <= t_limit * slack and \
                       rate <= rate_max * slack:
                     S = depth + 1
@@ -1666,8 +1919,10 @@ def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind
                     sim = iteration_time_kernel(t_arr[:S], c_arr[:S], e_arr[:S], w_arr[:S], B,
                                                 phi)
                     n_sim += 1
-                    val = sim if kind == KIND_TIME else rate * sim
-                    if sim <= t_limit and val < best:
+                    val = sim if kind == KIND_TIME else rate * sim + 3600.0 * fq
+                    # the budget with the plan's fees: rate + 3600 fee / sim <= rate_max
+                    fits = not feed or (rate - rate_max * slack) * sim + 3600.0 * fq <= 0.0
+                    if sim <= t_limit and val < best and fits:
                       best = val
                       best_tau = ti
                       best_len = S
@@ -1728,6 +1983,7 @@ def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind
               r2 = pool.r[depth] + price[k2] * ix.ent_m[e2]
               if r2 > rate_max * slack:
                 continue
+              f2 = pool.f[depth] + fee[k2, ix.mv_sub[mv], i - 1] if feed else 0.0
               bnd = pre + h2 + (g2 if (hit2 == 1 or g2 >= miss) else miss)
               if i2 == 0:
                 bnd += ix.ent_e[e2]
@@ -1737,6 +1993,8 @@ def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind
               if lbf[i2, d2] + h2 + z2 > bnd:
                 bnd = lbf[i2, d2] + h2 + z2   # the prefix's forward half, then a path's end
               val = bnd if kind == KIND_TIME else (r2 + (r_min if i2 > 0 else 0.0)) * bnd
+              if feed and kind != KIND_TIME:
+                val += 3600.0 * f2
               if val > best * slack or bnd > t_limit * slack:
                 continue
               q = depth + 1
@@ -1745,6 +2003,7 @@ def _search_impl(ix, end_ptr, by_end, price, taus, num_mb, eps, phi, n_max, kind
               pool.cost[q] = h2
               pool.xe[q] = z2
               pool.r[q] = r2
+              pool.f[q] = f2
               pool.succ[q] = depth
               wi[q, _W_D] = d2
               wi[q, _W_HIT] = hit2
@@ -1777,7 +2036,8 @@ def bounded_search(ix: DPArrays, ends: tuple[np.ndarray, np.ndarray], taus: np.n
                    num_microbatches: int, eps: float, fwd_fraction: float, n_max: int,
                    kind: int, best: float, price: np.ndarray | None = None,
                    rate_max: float = np.inf, t_limit: float = np.inf, r_min: float = 0.0,
-                   node_budget: int = 2_000_000, use_numba: bool = True
+                   node_budget: int = 2_000_000, use_numba: bool = True,
+                   fee: np.ndarray | None = None
                    ) -> tuple[float, int, np.ndarray, int, int, bool]:
   """The bounded exact search: simulates every plan whose lower bound (the section's comment)
   beats ``best``, over the DP's state graph.
@@ -1798,6 +2058,9 @@ def bounded_search(ix: DPArrays, ends: tuple[np.ndarray, np.ndarray], taus: np.n
     r_min: the smallest hourly rate of a single stage (for the cost bound).
     node_budget: stages to look at, at most (each a candidate stage in front of a suffix).
     use_numba: run compiled (``False``: the same code in Python).
+    fee: ``[K, K, L]`` the transfer fee per iteration of each cut (:class:`Pricing`'s
+      ``fee``; ``None``: none): the money is then ``rate x time + 3600 fee`` and the budget
+      ``rate + 3600 fee / time <= rate_max`` (a plan's simulated time).
 
   Returns:
     ``(value, candidate, path, work, simulated, complete)``: the best value found below
@@ -1815,9 +2078,10 @@ def bounded_search(ix: DPArrays, ends: tuple[np.ndarray, np.ndarray], taus: np.n
   lb, lbf = prefix_bounds(ix, float(taus[-1]), float(fwd_fraction), True,
                           use_numba=use_numba)
   price = np.zeros(K) if price is None else np.ascontiguousarray(price, np.float64)
+  fee = _NO_FEE if fee is None else np.ascontiguousarray(fee, np.float64)
   fn = _search_numba if (use_numba and HAVE_NUMBA) else _search_impl
   value, idx, length, nodes, n_sim, aborted = fn(
-      ix, ends[0], ends[1], price, taus, int(num_microbatches), float(eps),
+      ix, ends[0], ends[1], price, fee, taus, int(num_microbatches), float(eps),
       float(fwd_fraction), int(n_max), int(kind), float(best), float(rate_max),
       float(t_limit), float(r_min), int(node_budget), out, lb, lbf)
   return (float(value), int(idx), out[:length].copy(), int(nodes), int(n_sim), not aborted)
@@ -1826,7 +2090,8 @@ def bounded_search(ix: DPArrays, ends: tuple[np.ndarray, np.ndarray], taus: np.n
 def bounded_search_numpy(ix: DPArrays, taus: np.ndarray, num_microbatches: int, eps: float,
                          fwd_fraction: float, kind: int, best: float,
                          price: np.ndarray | None = None, rate_max: float = np.inf,
-                         t_limit: float = np.inf) -> tuple[float, int, np.ndarray]:
+                         t_limit: float = np.inf, fee: np.ndarray | None = None
+                         ) -> tuple[float, int, np.ndarray]:
   """The pure-NumPy twin of :func:`bounded_search`: every plan of the state graph, read
   forwards as the DP reads it (no bound, no budget), at each candidate period it has (a stage
   or cut of exactly that period, every other within it), with its warm-ups from
@@ -1878,8 +2143,12 @@ def bounded_search_numpy(ix: DPArrays, taus: np.ndarray, num_microbatches: int, 
       rate = float(np.sum(price[subs] * ix.ent_m[path]))
       if rate > rate_max * slack:
         continue
+      paid = 0.0 if fee is None else float(sum(
+          fee[subs[z], subs[z + 1], ix.ent_j[path[z]]] for z in range(S - 1)))
       sim = iteration_time_kernel(t, c, ix.ent_e[path], warm, B, fwd_fraction)
-      val = sim if kind == KIND_TIME else rate * sim
+      val = sim if kind == KIND_TIME else rate * sim + 3600.0 * paid
+      if paid > 0 and (rate - rate_max * slack) * sim + 3600.0 * paid > 0:
+        continue   # over the budget with its fees
       if sim <= t_limit and val < found:
         found, at, where = val, ti, np.asarray(path, np.int64)
   return found, at, where

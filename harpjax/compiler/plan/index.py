@@ -18,7 +18,7 @@ import numpy as np
 
 from harpjax.cluster import bin_pack, is_divisibility_chain
 from harpjax.compiler.plan import dp_kernel
-from harpjax.compiler.profile import CostTables
+from harpjax.compiler.profile import CostTables, cut_fees
 from harpjax.errors import PlanError
 
 __all__ = ["SparseIndex", "DeviceStates", "device_states"]
@@ -50,6 +50,9 @@ class SparseIndex:
     cut_values: sorted unique cut costs (with ``link_bound``).
     cuts: ``(first layer, last layer, subcluster, submesh) list -> [S]`` cut seconds of a
       plan where its stages sit (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`).
+    cut_fee: ``[K, K, L]`` the transfer fee per microbatch of a cut after layer ``j`` from a
+      stage on subcluster ``a`` to one on ``b`` (:func:`~harpjax.compiler.profile.cut_fees`),
+      ``None`` where no link charges a fee.
   """
   num_layers: int
   offsets: np.ndarray
@@ -66,6 +69,7 @@ class SparseIndex:
   by_t: np.ndarray | None = None
   cut_values: np.ndarray | None = None
   cuts: Callable | None = None
+  cut_fee: np.ndarray | None = None
 
   @classmethod
   def build(cls, tables: CostTables, mem_scale: float = 1.0, *, use_all_devices: bool = False,
@@ -131,7 +135,7 @@ class SparseIndex:
                ent_k=c["k"], ent_i=c["i"], ent_m=c["m"], candidates=np.unique(cand),
                sorted_t=c["t"][by_t], use_all_devices=use_all_devices,
                keep_order=keep_order, link_bound=link_bound, by_t=by_t.astype(np.int64),
-               cut_values=cut_values, cuts=tables.cut_costs)
+               cut_values=cut_values, cuts=tables.cut_costs, cut_fee=cut_fees(tables))
 
   @functools.cached_property
   def ends(self) -> tuple[np.ndarray, np.ndarray]:
@@ -231,13 +235,59 @@ class SparseIndex:
 
   def pricing(self, price: np.ndarray, kind: int, rate_max: float = math.inf,
               t_limit: float = math.inf, relief: float = 0.0,
-              lbr: np.ndarray | None = None) -> dp_kernel.Pricing:
+              lbr: np.ndarray | None = None, fee: np.ndarray | None = None,
+              lbfee: np.ndarray | None = None) -> dp_kernel.Pricing:
     """The :class:`~harpjax.compiler.plan.dp_kernel.Pricing` of :meth:`run` for ``price`` per
     device-hour of each subcluster (the devices each state holds: :class:`DeviceStates`);
-    ``lbr``: a :meth:`prefix_rate` at the candidate or above."""
+    ``lbr``: a :meth:`prefix_rate` at the candidate or above; ``fee``: the transfer fees per
+    iteration of the cuts (:meth:`fees`), ``lbfee`` a :meth:`prefix_fee` at the candidate or
+    above."""
     return dp_kernel.Pricing(self.states.held, np.asarray(price, np.float64), int(kind),
                              float(rate_max), float(t_limit), float(relief),
-                             np.zeros((0, 0)) if lbr is None else lbr)
+                             np.zeros((0, 0)) if lbr is None else lbr,
+                             np.zeros((0, 0, 0)) if fee is None else fee,
+                             np.zeros((0, 0)) if lbfee is None else lbfee)
+
+  def fees(self, num_microbatches: int) -> np.ndarray | None:
+    """``[K, K, L]`` the transfer fee per iteration of each cut (:attr:`cut_fee` times ``B``),
+    ``None`` where no link charges a fee."""
+    if self.cut_fee is None:
+      return None
+    key = ("fees", int(num_microbatches))
+    cache = self.__dict__.setdefault("_memo", {})
+    if key not in cache:
+      cache[key] = np.ascontiguousarray(self.cut_fee * float(num_microbatches))
+    return cache[key]
+
+  def path_fee(self, path: np.ndarray, num_microbatches: int) -> float:
+    """The transfer fee per iteration of a DP path (entry indices): each cut's
+    :meth:`fees` (``0`` without fees)."""
+    fee = self.fees(num_microbatches)
+    if fee is None:
+      return 0.0
+    e = np.asarray(path, np.int64)
+    return float(sum(fee[self.ent_k[a], self.ent_k[b], self.arrays.ent_j[a]]
+                     for a, b in zip(e[:-1], e[1:])))
+
+  def prefix_fee(self, tau: float, num_microbatches: int) -> np.ndarray | None:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_fee` at ``tau`` (``None`` without
+    fees)."""
+    fee = self.fees(num_microbatches)
+    return None if fee is None else dp_kernel.prefix_fee(self.arrays, tau, fee)
+
+  def least_fee(self, num_microbatches: int) -> float:
+    """A lower bound on the transfer fee per iteration of any plan of any candidate period:
+    the least fee of a whole plan at the largest candidate (memory ignored; ``0`` without
+    fees or where a plan pays none)."""
+    if self.cut_fee is None or not self.candidates.size:
+      return 0.0
+    key = ("least_fee", int(num_microbatches))
+    cache = self.__dict__.setdefault("_memo", {})
+    if key not in cache:
+      lbfee = self.prefix_fee(float(self.candidates[-1]), num_microbatches)
+      least = float(lbfee[self.num_layers, 0])
+      cache[key] = least if math.isfinite(least) else 0.0
+    return cache[key]
 
   def cover_rates(self, price: np.ndarray, num_points: int = 256) -> np.ndarray:
     """Per candidate ``tau`` (:attr:`candidates`), a lower bound on the rate (price per hour)

@@ -120,7 +120,8 @@ def choose_schedule(result: Any, score: Scorer, options: Any) -> Any:
       continue
     sc = score(plan, kind)
     scores.append(sc)
-    if sc.fits and (best is None or sc.iteration_s < best.iteration_s):
+    if sc.fits and (best is None or sc.iteration_s < best.iteration_s) and \
+        _keeps_budget(result, sc, options):
       best = sc
   log.info("planner: schedules on the chosen stages: %s", ", ".join(
       f"{sc.schedule} {sc.iteration_s:.6g} s" + ("" if sc.fits else " (does not fit)")
@@ -148,11 +149,23 @@ def choose_schedule(result: Any, score: Scorer, options: Any) -> Any:
   return with_schedule(result, best, options)
 
 
+def _keeps_budget(result: Any, sc: ScheduleScore, options: Any) -> bool:
+  """Whether the result under schedule ``sc`` keeps ``options.budget_per_hour`` with its
+  transfer fees: a faster iteration pays the same fees in less time, so its hourly rate with
+  them is higher (without fees, or ranked by Eq. 12, the schedule leaves the rate as it is)."""
+  fees = getattr(result, "fees_per_iteration", 0.0)
+  if options.budget_per_hour is None or not fees or options.cost_model != "simulator":
+    return True
+  rate = result.rate_per_hour + 3600.0 * fees / sc.iteration_s
+  return rate <= options.budget_per_hour * (1.0 + 1e-12)
+
+
 def with_schedule(result: Any, sc: ScheduleScore, options: Any) -> Any:
   """The result, its plan and its numbers under the scored schedule ``sc``."""
   objective = sc.iteration_s if options.cost_model == "simulator" else result.objective_s
   rate = result.rate_per_hour
-  cost = None if rate is None else rate * objective / 3600.0
+  cost = (None if rate is None
+          else rate * objective / 3600.0 + getattr(result, "fees_per_iteration", 0.0))
   meta = dict(result.plan.meta)
   if "cost_per_iteration" in meta:
     meta["cost_per_iteration"] = cost

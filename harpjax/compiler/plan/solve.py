@@ -69,6 +69,7 @@ from harpjax.compiler.schedule import (H1F1B, h1f1b_counts, iteration_times, pip
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError, RuntimeFailure
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
+           "keeps_budget",
            "evaluate_candidates", "simulate_paths", "plan_arrays", "prove_time",
            "register_parallel_backend", "BACKENDS", "ALWAYS", "require_offloads", "OBJECTIVES",
            "COST_MODELS", "MIXED_MODES",
@@ -85,8 +86,8 @@ class Objective:
     name: the option's value.
     kind: what is ranked: :data:`~harpjax.compiler.plan.dp_kernel.KIND_TIME` (the iteration
       time ``T``, seconds) or :data:`~harpjax.compiler.plan.dp_kernel.KIND_COST` (the cost of
-      an iteration, ``R T`` with ``R`` the plan's hourly rate; reported per iteration as
-      ``R T / 3600``).
+      an iteration, ``R T + 3600 F`` with ``R`` the plan's hourly rate and ``F`` its transfer
+      fees per iteration; reported per iteration as ``R T / 3600 + F``).
     priced: needs the tables' prices (``CostTables.price_per_gpu_hour``).
     requires: the :class:`SolveOptions` bound it needs (``"budget_per_hour"`` or
       ``"time_limit_s"``), or ``None``.
@@ -100,9 +101,12 @@ class Objective:
   accepts: tuple[str, ...]
   summary: str
 
-  def value(self, rate_per_hour: float | None, seconds: float) -> float:
-    """The ranked value of a plan of ``seconds`` per iteration at ``rate_per_hour``."""
-    return seconds if self.kind == KIND_TIME else rate_per_hour * seconds
+  def value(self, rate_per_hour: float | None, seconds: float, fees: float = 0.0) -> float:
+    """The ranked value of a plan of ``seconds`` per iteration at ``rate_per_hour`` that pays
+    ``fees`` of transfer per iteration."""
+    if self.kind == KIND_TIME:
+      return seconds
+    return rate_per_hour * seconds + 3600.0 * fees if fees else rate_per_hour * seconds
 
   def check(self, budget_per_hour: float | None, time_limit_s: float | None) -> None:
     """Raises :class:`~harpjax.errors.PlanError` when a bound is missing or not used."""
@@ -209,8 +213,10 @@ class SolveOptions:
       ``"min_cost_within_time"`` (the lowest cost per iteration among plans of at most
       ``time_limit_s`` seconds). All but ``"min_time"`` need the tables' prices
       (``CostTables.price_per_gpu_hour``).
-    budget_per_hour: the budget of ``"min_time_within_budget"`` (currency per hour, the sum over
-      stages of devices times price); also allowed with ``"min_time"`` as the same bound.
+    budget_per_hour: the budget of ``"min_time_within_budget"`` (currency per hour: the sum over
+      stages of devices times price, plus ``3600 F / T`` where the tables charge transfer fees,
+      :attr:`~harpjax.compiler.profile.CostTables.fees`); also allowed with ``"min_time"`` as
+      the same bound.
     time_limit_s: the bound on the iteration time of ``"min_cost_within_time"``.
     use_all_devices: every device of every subcluster must run a stage (HARP's Eq. 19);
       default ``False``: the plan may leave devices, hosts or whole subclusters unused.
@@ -397,12 +403,18 @@ class PlanResult:
     stats: :class:`SearchStats`.
     rate_per_hour: the plan's hourly rate (sum over stages of devices times price), ``None``
       without prices.
-    cost_per_iteration: ``rate_per_hour * objective_s / 3600``, ``None`` without prices.
+    cost_per_iteration: ``rate_per_hour * objective_s / 3600 + fees_per_iteration``, ``None``
+      without prices.
     objective: the :class:`SolveOptions` objective optimised.
     iteration_s: the simulator's iteration time under the plan's schedule (equals
       ``plan.predicted_iteration_s``).
     eq12_s: Eq. 12 of the plan.
     period_s: ``max(t_max, max_i c_i)``; above ``t_max_s`` the plan is link-bound.
+    fees_per_iteration: the transfer fees its cuts pay per iteration (the tables'
+      :attr:`~harpjax.compiler.profile.CostTables.fees`; ``0`` without), counted in its money
+      and its budget.
+    transfer_bytes: ``[3]`` bytes per iteration its cuts send over links of each class
+      (:data:`~harpjax.cluster.LINK_CLASSES`).
   """
   plan: Plan
   objective_s: float
@@ -418,12 +430,23 @@ class PlanResult:
   iteration_s: float = math.nan
   eq12_s: float = math.nan
   period_s: float = math.nan
+  fees_per_iteration: float = 0.0
+  transfer_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
   @property
   def value(self) -> float:
-    """What the objective ranks: ``objective_s``, or the hourly rate times it
-    (:meth:`Objective.value`)."""
-    return objective_of(self.objective).value(self.rate_per_hour, self.objective_s)
+    """What the objective ranks: ``objective_s``, or the hourly rate times it plus 3600 times
+    the fees (:meth:`Objective.value`)."""
+    return objective_of(self.objective).value(self.rate_per_hour, self.objective_s,
+                                              self.fees_per_iteration)
+
+  @property
+  def rate_with_fees_per_hour(self) -> float | None:
+    """The hourly rate with the transfer fees, ``rate_per_hour + 3600 fees_per_iteration /
+    objective_s`` (what ``budget_per_hour`` bounds; ``None`` without prices)."""
+    if self.rate_per_hour is None or not self.fees_per_iteration:
+      return self.rate_per_hour
+    return self.rate_per_hour + 3600.0 * self.fees_per_iteration / self.objective_s
 
   @property
   def num_devices(self) -> int:
@@ -473,14 +496,16 @@ class Scoring(NamedTuple):
     """Whether the objective has prices (the DP's rate criterion)."""
     return self.kind >= 0
 
-  def priced_floor(self, tau: float, r_min: float) -> float:
+  def priced_floor(self, tau: float, r_min: float, least_fee: float = 0.0) -> float:
     """With prices: a lower bound on the ranked value of any plan of period ``tau`` (``inf``
     beyond the time limit): its time is at least ``B tau``, its rate at least ``r_min`` (the
-    cheapest single stage)."""
+    cheapest single stage, or cover), its transfer fees at least ``least_fee``."""
     B = self.num_microbatches
     if B * tau > self.t_limit * (1.0 + BOUND_SLACK):
       return math.inf
-    return B * tau if self.kind == KIND_TIME else r_min * B * tau
+    if self.kind == KIND_TIME:
+      return B * tau
+    return r_min * B * tau + 3600.0 * least_fee if least_fee else r_min * B * tau
 
   def capped(self, tau: float, hit_cap: int, bound: float) -> int:
     """``hit_cap`` under the ``hidden_share`` assumption: the hit stage's warm-up forwards
@@ -560,13 +585,14 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   n_cap = index.n_cap(B)
   priced = scoring.priced
   price = np.asarray(scoring.price, np.float64)
+  fee = index.fees(B) if priced else None   # the cuts' transfer fees (None: none charged)
   out, runs = [], 0
   # With the simulator's model every stage's end time counts in the DP's bound, whose prefix
   # bounds pay for themselves at every BOUND_CHUNK candidates (those left by the floor); so
   # do those with prices, whose frontiers are larger.
   end_path = not priced and scoring.simulated and scoring.discount > 0 and index.has_ends
   chunk = BOUND_CHUNK if (end_path or priced) else len(taus)
-  lb = sb = lbf = live = lbr = None
+  lb = sb = lbf = live = lbr = lbfee = None
   shared: set[int] = set()   # the candidates that share the bounds
   slack = 1.0 + BOUND_SLACK
 
@@ -602,6 +628,8 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       sb = index.suffix_bound(top, lb)
       if priced:
         lbr = index.prefix_rate(top, price)
+        if fee is not None:
+          lbfee = index.prefix_fee(top, B)
     if not index.may_have_period(tau, lb, sb):
       continue
     if end_path and index.hit_floor(tau, lb, lbf, sb, B, hit_cap, scoring.fwd_fraction) > \
@@ -615,14 +643,21 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       value, rate, _, path = index.run(
           tau, B, scoring.eps, require_hit=True, bound=bound, kernel=scoring.kernel,
           n_cap=n_cap, lb=lb, sb=sb, pricing=index.pricing(
-              price, scoring.kind, scoring.rate_max, scoring.t_limit, relief, lbr))
+              price, scoring.kind, scoring.rate_max, scoring.t_limit, relief, lbr, fee,
+              lbfee))
       if not math.isfinite(value):
         continue
       if scoring.simulated:
         sim = float(simulate_paths(index, [path], scoring)[0])
         if sim > scoring.t_limit:
           continue
-        value = sim if scoring.kind == KIND_TIME else rate * sim
+        if fee is None:
+          value = sim if scoring.kind == KIND_TIME else rate * sim
+        else:   # the money and the budget with the plan's transfer fees
+          paid = index.path_fee(path, B)
+          if not keeps_budget(rate, paid, sim, scoring.rate_max):
+            continue
+          value = sim if scoring.kind == KIND_TIME else rate * sim + 3600.0 * paid
       out.append((idx, rate, value, path))
       bound = min(bound, value)
       continue
@@ -648,6 +683,17 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
       out.append((idx, sur, score, path))
       bound = min(bound, score)
   return out, runs
+
+
+def keeps_budget(rate_per_hour: float, fees_per_iteration: float, seconds: float,
+                 budget_per_hour: float) -> bool:
+  """Whether a plan at ``rate_per_hour`` for its devices that pays ``fees_per_iteration`` of
+  transfer fees per iteration of ``seconds`` keeps ``budget_per_hour``: ``rate + 3600 fees /
+  seconds <= budget`` (to a relative ``1e-12``)."""
+  if not fees_per_iteration:
+    return rate_per_hour <= budget_per_hour * (1.0 + 1e-12)
+  return (rate_per_hour + 3600.0 * fees_per_iteration / seconds
+          <= budget_per_hour * (1.0 + 1e-12))
 
 
 BOUND_CHUNK = 32
@@ -770,10 +816,18 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
     schedule (``options.schedule``: the fastest ranked one that fits, by default) and its
     warm-up counts, ``t_max``, the simulated iteration time and search statistics.
 
+  Where the tables charge transfer fees (:attr:`~harpjax.compiler.profile.CostTables.fees`)
+  the search counts them: the money objectives rank ``rate x T / 3600 + fees`` per iteration,
+  ``budget_per_hour`` bounds ``rate + 3600 fees / T``, exactly as
+  :func:`~harpjax.compiler.plan.evaluate_plan` reports them (each cut's fee carried in the
+  DP's state, :class:`~harpjax.compiler.plan.dp_kernel.Pricing`); and, not counting a mixed
+  stage's groups' transfers yet, the search is of plain stages (``mixed_stages="auto"``).
+
   Raises:
     InfeasiblePlanError: no plan fits; the message names the constraint and by how much
       (its ``constraint`` attribute is ``"memory"``, ``"communication"``, ``"devices"``,
       ``"layers"``, ``"budget"`` or ``"time"``).
+    PlanError: ``mixed_stages="on"`` on tables that charge transfer fees.
   """
   if not isinstance(tables, CostTables):
     raise PlanError(f"solve needs CostTables, got {type(tables).__name__}")
@@ -781,7 +835,15 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   B = int(num_microbatches)
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
-  if opts.mixed_stages != "off" and _MIXED_SEARCH and not any(_required_offloads(opts)):
+  charges = tables.fees is not None and tables.fees.charges
+  if charges and opts.mixed_stages == "on":
+    raise PlanError("SolveOptions(mixed_stages='on') on tables that charge transfer fees: a "
+                    "mixed-type stage's groups' transfers between zones are not counted in "
+                    "its fees yet; give mixed_stages='auto' (plain stages where fees are "
+                    "charged) or 'off'")
+  if charges and opts.mixed_stages == "auto":
+    log.info("planner: the tables charge transfer fees; planning without mixed-type stages")
+  elif opts.mixed_stages != "off" and _MIXED_SEARCH and not any(_required_offloads(opts)):
     return _MIXED_SEARCH[0](tables, B, opts)   # it chooses the schedule too
   asked, opts = opts, dataclasses.replace(opts, schedule=H1F1B.name)   # the search's schedule
   result = _solve_plain(tables, B, opts, time.perf_counter())
@@ -1030,7 +1092,8 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   feasible = lambda idx: math.isfinite(g(idx)[0])
   if math.isfinite(beat):   # periods whose floor is beyond beat cannot win: not even tested
     if priced:
-      floors = index.cover_rates(price) * B * cand
+      floors = (index.cover_rates(price) * B * cand + 3600.0 * index.least_fee(B)
+                if goal.kind == KIND_COST else B * cand)
       floors[(B * cand > t_limit * slack) | (index.cover_rates(price) > rate_max * slack)] = \
           math.inf
       within = np.flatnonzero(floors <= beat * slack)
@@ -1116,6 +1179,13 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   if best is None and math.isfinite(beat):
     return None
   if best is None:
+    if math.isfinite(rate_max) and index.cut_fee is not None:
+      err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} keeps the "
+                                f"budget of {rate_max:g} per hour with its transfer fees "
+                                "(the GPUs' rate plus 3600 x fees per iteration / iteration "
+                                "seconds); raise the budget")
+      err.constraint = "budget"
+      raise err
     if math.isfinite(t_limit):
       err = InfeasiblePlanError(f"no pipeline plan for {tables.describe()} with B={B} runs an "
                                 f"iteration within time_limit_s={t_limit:g} s"
@@ -1137,12 +1207,13 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   if priced:   # the time each objective ranks by: the simulated one, or Eq. 12 (+ e_0)
     objective = (result.iteration_s if simulated
                  else result.eq12_s + float(index.arrays.ent_e[int(np.asarray(path)[0])]))
-    cost = result.rate_per_hour * objective / 3600.0
+    cost = result.rate_per_hour * objective / 3600.0 + result.fees_per_iteration
     result = dataclasses.replace(result, objective_s=objective, cost_per_iteration=cost,
                                  plan=result.plan.replace(meta=dict(
                                      result.plan.meta, cost_per_iteration=cost)))
     assert math.isclose(result.value, score, rel_tol=1e-9), (result.value, score)
-    assert result.rate_per_hour <= rate_max * (1 + 1e-12), (result.rate_per_hour, rate_max)
+    assert result.rate_with_fees_per_hour <= rate_max * (1 + 1e-9), (
+        result.rate_with_fees_per_hour, rate_max)
     assert objective <= t_limit * (1 + 1e-12), (objective, t_limit)
   log.info("planner: %s, %d stages on %d devices, t_max=%.6g s, %s %.6g s, %s%.2f s search "
            "(%s)%s", opts.objective, len(result.stages), result.num_devices, result.t_max_s,
@@ -1165,7 +1236,7 @@ def _floor(index: SparseIndex, scoring: Scoring, c: int, sigma_lb: float = 0.0,
     cover = index.cover_rates(np.asarray(scoring.price, np.float64))[c]
     if cover > scoring.rate_max * (1.0 + BOUND_SLACK):
       return math.inf
-    return scoring.priced_floor(tau, cover)
+    return scoring.priced_floor(tau, cover, index.least_fee(scoring.num_microbatches))
   return scoring.floor(tau, sigma_lb, hit_cap, float(index.candidate_hit_ends[c]))
 
 
@@ -1288,7 +1359,8 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
   simulated = opts.cost_model == "simulator"
   iteration = ev.iteration_s
   rate = ev.rate_per_hour
-  cost = None if rate is None else rate * objective / 3600.0
+  fees = ev.fees_per_iteration
+  cost = None if rate is None else rate * objective / 3600.0 + fees
   # The search's bookkeeping and the evaluator must agree (an internal invariant).
   assert ev.period_s == period, (ev.period_s, period)
   assert ev.feasible, ev.violations
@@ -1318,7 +1390,8 @@ def _assemble(tables: CostTables, index: SparseIndex | None, path, B: int,
   return PlanResult(plan=plan, objective_s=objective, t_max_s=ev.t_max_s, stages=stages,
                     warmups=ev.warmups, num_microbatches=B, eps=opts.eps, stats=stats,
                     rate_per_hour=rate, cost_per_iteration=cost, objective=opts.objective,
-                    iteration_s=iteration, eq12_s=ev.eq12_s, period_s=ev.period_s)
+                    iteration_s=iteration, eq12_s=ev.eq12_s, period_s=ev.period_s,
+                    fees_per_iteration=fees, transfer_bytes=ev.transfer_bytes)
 
 
 def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: int
@@ -1346,12 +1419,13 @@ def prove_time(index: SparseIndex, scoring: Scoring, best: float, node_budget: i
   else:
     cover = index.cover_rates(price)
     ok &= cover <= rate_max * (1.0 + BOUND_SLACK)
-    floor = B * cand if kind == KIND_TIME else cover * B * cand
+    floor = (B * cand if kind == KIND_TIME
+             else cover * B * cand + 3600.0 * index.least_fee(B))
   keep = np.flatnonzero((floor <= best * (1.0 + BOUND_SLACK)) & ok)
   value, pos, path, nodes, n_sim, complete = dp_kernel.bounded_search(
       index.arrays, index.ends, cand[keep], B, scoring.eps, scoring.fwd_fraction,
       scoring.nmax, kind, best, price, rate_max, t_limit, r_min, node_budget,
-      use_numba=scoring.kernel == "numba")
+      use_numba=scoring.kernel == "numba", fee=index.fees(B) if price is not None else None)
   log.info("planner: bounded exact search: %d suffixes, %d plans simulated, %s", nodes, n_sim,
            "complete" if complete else "budget exhausted")
   found = None if pos < 0 else (value, int(keep[pos]), path)

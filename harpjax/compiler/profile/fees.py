@@ -16,6 +16,9 @@ tables' subclusters reads it.
   changes the seconds but not the bytes. A plain stage's replicas sit in one subcluster, so in
   one zone: its gradient sync pays no fee. The fee is
   ``sum over classes of bytes x fee per byte``.
+* :func:`cut_fees`: the same fee as the planner's DP adds it, per cut: ``[K, K, L]`` the fee
+  per microbatch of a cut after layer ``j`` from a stage on subcluster ``a`` to one on ``b``,
+  ``2 boundary_bytes[j] x fee per byte of (a, b)`` (times ``B`` per iteration).
 * :func:`group_sync_transfer`: the bytes a mixed-type stage's cross-group gradient sum sends
   between its home group and each other group (the gradient there, the parameters back,
   :func:`~harpjax.compiler.profile.routes.home_sync_s`'s traffic) per link class, for the
@@ -31,11 +34,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from harpjax.cluster import LINK_CLASSES, TransferFees
 from harpjax.errors import CostTablesError
 
 __all__ = ["LinkFees", "PlanTransfer", "with_fees", "plan_transfer", "cuts_transfer",
-           "group_sync_transfer"]
+           "cut_fees", "group_sync_transfer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,28 @@ def cuts_transfer(fees: LinkFees | None, names: Sequence[str], boundary_bytes,
     nbytes = 2.0 * B * float(boundary_bytes[j])
     fee += _charge(fees, by_class, names[a], names[b], nbytes)
   return PlanTransfer(tuple(by_class), fee)
+
+
+def cut_fees(tables) -> np.ndarray | None:
+  """The transfer fee of each cut per microbatch, as the planner's search adds it.
+
+  Args:
+    tables: the :class:`~harpjax.compiler.profile.CostTables` (their ``fees``).
+
+  Returns:
+    ``[K, K, L]`` float64: the fee (currency of the prices) per microbatch of the cut after
+    layer ``j`` from a stage on subcluster ``a`` to the next stage on ``b``: ``2
+    boundary_bytes[j]`` bytes (forward and back) at the fee per byte of the class of ``(a,
+    b)`` (``a == b``: inside one zone). Times ``B`` it is :func:`plan_transfer`'s fee of that
+    cut per iteration. ``None`` when no link between two of the subclusters charges a fee.
+  """
+  fees = tables.fees
+  if fees is None or not fees.charges:
+    return None
+  names = tables.subcluster_names
+  per_byte = np.array([[fees.fee_per_byte(a, b) for b in names] for a in names], np.float64)
+  nbytes = 2.0 * np.asarray(tables.boundary_bytes, np.float64)
+  return np.ascontiguousarray(per_byte[:, :, None] * nbytes[None, None, :])
 
 
 def group_sync_transfer(fees: LinkFees | None, home: str, others: Sequence[str],

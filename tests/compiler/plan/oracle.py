@@ -174,6 +174,40 @@ def plan_rate(tables: CostTables, stages: Sequence[Quad]) -> float:
              for _, _, k, s in stages)
 
 
+def plan_fee(tables: CostTables, stages: Sequence[Quad], B: int) -> float:
+  """Transfer fee per iteration of a plan, by its own count: each cut after layer ``j`` from
+  subcluster ``a`` to ``b`` sends ``boundary_bytes[j]`` each way per microbatch, at the fee per
+  GB of the class of ``(a, b)`` (same zone, another zone of the region, another region)."""
+  fees = tables.fees
+  if fees is None:
+    return 0.0
+  place = {n: (z, r) for n, z, r in fees.places}
+  total = 0.0
+  for a, b in zip(stages, stages[1:]):
+    (za, ra), (zb, rb) = place[tables.subcluster_names[a[2]]], place[tables.subcluster_names[b[2]]]
+    per_gb = (fees.fees.same_zone if za == zb else fees.fees.other_region
+              if (ra is not None and rb is not None and ra != rb) else fees.fees.other_zone)
+    total += 2.0 * B * float(tables.boundary_bytes[a[1]]) * per_gb / 1e9
+  return total
+
+
+def random_fees(rng: np.random.Generator, tables: CostTables, num_microbatches: int
+                ) -> CostTables:
+  """``tables`` with its subclusters in random zones of one or two regions and fees per GB
+  large enough beside the GPUs' money (the instances' cut bytes are small) to change the
+  best plan: a plan's fees per iteration are of the order of its GPUs' money."""
+  from harpjax.cluster import TransferFees
+  from harpjax.compiler.profile import LinkFees
+  K = tables.num_subclusters
+  zones = [int(rng.integers(0, 3)) for _ in range(K)]
+  places = tuple((n, f"z{z}", "r0" if z < 2 else "r1")
+                 for n, z in zip(tables.subcluster_names, zones))
+  scale = float(rng.choice([1e6, 1e7, 3e7])) / num_microbatches
+  fees = TransferFees(same_zone=float(rng.choice([0.0, 0.0, 0.2])) * scale,
+                      other_zone=scale, other_region=2.0 * scale)
+  return tables.replace(fees=LinkFees(places, fees))
+
+
 def plan_numbers(tables: CostTables, stages: Sequence[Quad], B: int, eps: float):
   """``(t, c, ends, period, warmups)`` of a plan (``c`` has a trailing 0), or ``None`` when a
   stage has no finite time."""
@@ -263,7 +297,9 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
   stages' end times (``"simulator"``; forward ``fwd_fraction`` of each stage's time), or Eq.
   12 plus the first stage's end time (``"eq12"``). ``objective`` ``"min_time"`` minimises the
   time (within ``budget_per_hour``, the plan's rate, :func:`plan_rate`), ``"min_cost"``
-  minimises rate times time (within ``time_limit_s``). The simulated times come from
+  minimises rate times time (within ``time_limit_s``); where the tables charge transfer fees
+  (:func:`plan_fee`) the money is rate times time plus 3600 times the fee per iteration and
+  the budget bounds rate plus 3600 fee / time. The simulated times come from
   :func:`~harpjax.compiler.schedule.iteration_times`, or with ``exact_simulator`` from
   :func:`~harpjax.compiler.schedule.simulate` itself (the same numbers, tested; slower).
   """
@@ -305,8 +341,11 @@ def brute_force(tables: CostTables, num_microbatches: int, eps: float = 0.1,
   for (stages, t, _, _, warm, rate), x in zip(valid, times):
     if x > time_limit_s:
       continue
+    fee = plan_fee(tables, stages, B)
+    if fee and rate + 3600.0 * fee / x > budget_per_hour * (1 + 1e-12):
+      continue
     counts[1] += 1
-    obj = x * rate if objective == "min_cost" else x
+    obj = x * rate + 3600.0 * fee if objective == "min_cost" else x
     if obj < best[0]:
       best[:] = [obj, max(t), stages, warm]
   return BruteForceResult(objective_s=best[0], t_max_s=best[1], stages=best[2],
