@@ -231,6 +231,16 @@ class _Parts:
   attn_mem: float
   exp_mem: float
   end_s: float
+  quantum: int              # a zebra microbatch's rows: a multiple of the attention batch ways
+
+  def key(self) -> tuple:
+    """What the choice of ``R`` and assignment depends on (entries of equal blocks share
+    it)."""
+    arrs = (self.attn_f, self.attn_b, self.exp_f, self.exp_b, self.on_attn_f, self.on_attn_b,
+            self.routed_bytes, self.attn_unit, self.attn_unit_a, self.exp_unit, self.exp_unit_a)
+    return (tuple(tuple(a.tolist()) for a in arrs), self.num_experts, self.M, self.N,
+            self.link, self.attn_p0, self.attn_a0, self.exp_p0, self.exp_a0, self.attn_mem,
+            self.exp_mem, self.quantum)
 
 
 def _parts(tables: CostTables, i: int, j: int, attn: tuple[int, int], expert: tuple[int, int],
@@ -287,6 +297,10 @@ def _parts(tables: CostTables, i: int, j: int, attn: tuple[int, int], expert: tu
       act = max(0.0, act - float(split.expert_act_bytes[l]) / M)
     attn_p0 += p
     attn_a0 += act
+  quantum = 1
+  for l in range(i, j + 1):   # every device of the attention group gets whole rows
+    lm = tables.logical_mesh_of(a, l, l, sa)
+    quantum = math.lcm(quantum, int(lm[0]) * (int(lm[2]) if len(lm) > 2 else 1))
   end = 0.0
   if tables.end_time_s is not None:
     end = max(float(tables.end_time_s[a][i, j, sa]), float(tables.end_time_s[e][i, j, se]))
@@ -299,7 +313,7 @@ def _parts(tables: CostTables, i: int, j: int, attn: tuple[int, int], expert: tu
       exp_a0=float((ea / N).sum()), attn_unit=N / M * es / n, attn_unit_a=N / M * ea / n / M,
       exp_unit=es / n, exp_unit_a=ea / n / N,
       attn_mem=float(tables.device_memory_bytes[a]), exp_mem=float(tables.device_memory_bytes[e]),
-      end_s=end)
+      end_s=end, quantum=quantum)
 
 
 def zebra_problem(parts: _Parts, R: int, min_offload: int = 0,
@@ -348,8 +362,9 @@ def _cost(parts: _Parts, layers, attn, expert, R: int, offload: Sequence[int],
       attn_memory_bytes=parts.attn_mem, expert_memory_bytes=parts.exp_mem, end_s=parts.end_s)
 
 
-def _divisors(b: int, top: int) -> list[int]:
-  return [r for r in range(1, min(b, top) + 1) if b % r == 0]
+def _divisors(b: int, top: int, quantum: int = 1) -> list[int]:
+  """The zebra microbatch counts: ``R <= top`` dividing ``b`` into multiples of ``quantum``."""
+  return [r for r in range(1, min(b, top) + 1) if b % r == 0 and (b // r) % quantum == 0]
 
 
 def zebra_stage_cost(tables: CostTables, layers: tuple[int, int], attn: tuple[int, int],
@@ -385,9 +400,10 @@ def zebra_stage_cost(tables: CostTables, layers: tuple[int, int], attn: tuple[in
   b = int(microbatch_rows)
   if num_microbatches is not None:
     R = int(num_microbatches)
-    if R < 1 or b % R:
+    if R < 1 or b % R or (b // R) % parts.quantum:
       raise PlanError(f"zebra stage on layers {i}..{j}: {R} zebra microbatches must divide "
-                      f"the microbatch's {b} rows")
+                      f"the microbatch's {b} rows into multiples of the attention group's "
+                      f"{parts.quantum} data-parallel ways")
     problem = zebra_problem(parts, R)
     o = tuple(int(x) for x in (offload if offload is not None else (0,) * len(parts.routed)))
     if len(o) != len(parts.routed) or not all(
@@ -396,17 +412,24 @@ def zebra_stage_cost(tables: CostTables, layers: tuple[int, int], attn: tuple[in
                       f"of its {len(parts.routed)} routed layers, a multiple of "
                       f"{problem.chunk[1]} experts up to {problem.per_gpu}")
     return _cost(parts, (i, j), attn, expert, R, o, problem.iteration_time(o))
-  return _choose(parts, (i, j), attn, expert, b, options)
+  got = _choose(parts, b, options)
+  return None if got is None else _cost(parts, (i, j), attn, expert, *got)
 
 
-def _choose(parts: _Parts, layers, attn, expert, b: int, options: ZebraOptions
-            ) -> ZebraStageCost | None:
+def _choose(parts: _Parts, b: int, options: ZebraOptions, memo: dict | None = None
+            ) -> tuple[int, tuple[int, ...], float] | None:
+  """``(R, offload, seconds)`` of the fastest choice (``memo``: by :meth:`_Parts.key`)."""
+  if memo is not None:
+    key = (parts.key(), b, options)
+    if key not in memo:
+      memo[key] = _choose(parts, b, options)
+    return memo[key]
   bounds = _bounds(parts)
   if bounds is None:
     return None
   lo, hi = bounds
   best = None
-  for R in _divisors(b, options.max_microbatches):
+  for R in _divisors(b, options.max_microbatches, parts.quantum):
     try:
       problem = zebra_problem(parts, R, lo, hi)
     except PlanError:
@@ -432,7 +455,7 @@ def _choose(parts: _Parts, layers, attn, expert, b: int, options: ZebraOptions
   if best is None:
     return None
   (t, _, _), R, o = best
-  return _cost(parts, layers, attn, expert, R, o, t)
+  return R, o, t
 
 
 def zebra_entry(tables: CostTables, shape: ZebraShape, B: int, microbatch_rows: int,
@@ -457,11 +480,11 @@ def zebra_entry(tables: CostTables, shape: ZebraShape, B: int, microbatch_rows: 
   expert = (e, tables.submeshes[e].index(sh_e))
   for i in range(L):
     for j in range(i, L):
-      key = (i, j, attn, expert, int(microbatch_rows), options)
-      if key not in memo:
-        memo[key] = zebra_stage_cost(tables, (i, j), attn, expert, int(microbatch_rows),
-                                     options)
-      c = memo[key]
+      parts = _parts(tables, i, j, attn, expert, options.fwd_fraction)
+      got = None if parts is None else _choose(parts, int(microbatch_rows), options, memo)
+      if got is None:
+        continue
+      c = _cost(parts, (i, j), attn, expert, *got)
       if c is None:
         continue
       n = c.max_inflight(int(B))

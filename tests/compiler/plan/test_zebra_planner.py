@@ -119,7 +119,10 @@ def _zebra_choices(tables, i, j, a, sh_a, e, sh_e, rows, max_r):
     return []
   chunk = M // math.gcd(M, N)
   per = range(0, n // N + 1, chunk)
-  return [(r, tuple(o)) for r in range(1, min(rows, max_r) + 1) if rows % r == 0
+  # a zebra microbatch's rows are a multiple of the attention group's data-parallel degree
+  # (these tables' logical mesh: (M, 1))
+  return [(r, tuple(o)) for r in range(1, min(rows, max_r) + 1)
+          if rows % r == 0 and (rows // r) % M == 0
           for o in itertools.product(per, repeat=len(routed))], routed
 
 
@@ -324,9 +327,10 @@ def test_a_zebra_plan_is_recorded_shown_and_scored_only_by_evaluate_mixed():
   with pytest.raises(PlanError, match="routed"):
     planner.evaluate_mixed(tables, [StageSpec((0, 2), "c0", (1, 2), zebra=ZebraGroup(
         "c1", (1, 2), 2, (0, 2), (0, 0)))], 4, MixedOptions(microbatch_rows=4))
-  with pytest.raises(PlanError, match="divide"):
-    planner.evaluate_mixed(tables, [StageSpec((0, 2), "c0", (1, 2), zebra=ZebraGroup(
-        "c1", (1, 2), 3, (1, 2), (0, 0)))], 4, MixedOptions(microbatch_rows=4))
+  for R in (3, 4):   # 4 rows: R = 3 does not divide them, R = 4 leaves 1 row for 2 devices
+    with pytest.raises(PlanError, match="divide"):
+      planner.evaluate_mixed(tables, [StageSpec((0, 2), "c0", (1, 2), zebra=ZebraGroup(
+          "c1", (1, 2), R, (1, 2), (0, 0)))], 4, MixedOptions(microbatch_rows=4))
 
 
 def test_routed_split_is_checked_against_its_tables():
