@@ -67,8 +67,9 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.plan.expert_assignment import (ExpertAssignmentProblem,
-                                                     exhaustive_assignment, optimize_assignment)
+from harpjax.compiler.plan.expert_assignment import (AssignmentResult, ExpertAssignmentProblem,
+                                                     exhaustive_assignment, gather_and_squeeze,
+                                                     optimize_assignment, repair_assignment)
 from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import simulate_zebra
 from harpjax.errors import PlanError
@@ -91,12 +92,16 @@ class ZebraOptions:
     assignment_limit: expert assignments of a stage searched exhaustively up to this many,
       by local search beyond (:func:`~harpjax.compiler.plan.expert_assignment.
       optimize_assignment`); ``0``: no experts move (plain zebra).
+    local_search: beyond ``assignment_limit``, local search from Algorithm 1's assignment
+      and from the least offload (default); ``False``: the better of Algorithm 1's
+      assignment and the least offload, two simulations (for large sweeps).
     fwd_fraction: the forward's share of each task's time.
     max_hosts_per_group: most whole hosts of one group.
     sub_host: a group may also be a submesh inside one host (``(1, m)``).
   """
   max_microbatches: int = 8
   assignment_limit: int = 256
+  local_search: bool = True
   fwd_fraction: float = 1.0 / 3.0
   max_hosts_per_group: int = 2
   sub_host: bool = True
@@ -109,6 +114,7 @@ class ZebraOptions:
                   high_open=True)
     check_count("ZebraOptions.max_hosts_per_group", self.max_hosts_per_group, 1)
     check_flag("ZebraOptions.sub_host", self.sub_host)
+    check_flag("ZebraOptions.local_search", self.local_search)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +450,13 @@ def _choose(parts: _Parts, b: int, options: ZebraOptions, memo: dict | None = No
       try:
         if count <= options.assignment_limit:
           res = exhaustive_assignment(problem, options.assignment_limit)
-        else:
+        elif options.local_search:
           res = optimize_assignment(problem, 0)
+        else:
+          least = repair_assignment(problem, [0] * problem.num_layers)
+          res = min((gather_and_squeeze(problem),
+                     AssignmentResult(tuple(least), problem.iteration_time(least), 1, "least")),
+                    key=lambda x: (x.iteration_time, sum(x.offload)))
       except PlanError:
         continue
       o, t = res.offload, res.iteration_time
