@@ -23,7 +23,8 @@ the attention group (its *home*), so a zebra stage is one stage of an H-1F1B pla
   expert GPU's ``n / N`` experts); one expert GPU's share on an attention GPU takes
   ``x_a[l, s_a] M / N`` (``T_E^Attn``: the entry spreads all experts over ``M`` devices).
   Forward is ``fwd_fraction`` of each, backward the rest; each of the ``R`` zebra
-  microbatches takes ``1 / R`` of every task.
+  microbatches takes ``alpha + (1 - alpha) / R`` of every compute task
+  (:attr:`ZebraOptions.fixed_fraction`, default 0).
 * *all-to-all*: dispatch and combine, each direction, on the link between ``a`` and ``e``
   (the tables' ``link_bandwidth_bytes_per_s[a][e]``), by
   :func:`~harpjax.compiler.schedule.bipartite_all_to_all_time_s` of the split's
@@ -96,6 +97,10 @@ class ZebraOptions:
       and from the least offload (default); ``False``: the better of Algorithm 1's
       assignment and the least offload, two simulations (for large sweeps).
     fwd_fraction: the forward's share of each task's time.
+    fixed_fraction: ``alpha``, the share of a task's compute that does not shrink with the
+      zebra microbatch's rows (reading the weights, kernel overheads): one of ``R`` zebra
+      microbatches takes ``T (alpha + (1 - alpha) / R)``. Default 0: the tables cannot tell
+      (as :attr:`~harpjax.compiler.plan.MixedOptions.fixed_fraction`).
     max_hosts_per_group: most whole hosts of one group.
     sub_host: a group may also be a submesh inside one host (``(1, m)``).
   """
@@ -103,6 +108,7 @@ class ZebraOptions:
   assignment_limit: int = 256
   local_search: bool = True
   fwd_fraction: float = 1.0 / 3.0
+  fixed_fraction: float = 0.0
   max_hosts_per_group: int = 2
   sub_host: bool = True
 
@@ -112,6 +118,7 @@ class ZebraOptions:
     check_count("ZebraOptions.assignment_limit", self.assignment_limit, 0)
     check_number("ZebraOptions.fwd_fraction", self.fwd_fraction, 0, 1, low_open=True,
                   high_open=True)
+    check_number("ZebraOptions.fixed_fraction", self.fixed_fraction, 0, 1, high_open=True)
     check_count("ZebraOptions.max_hosts_per_group", self.max_hosts_per_group, 1)
     check_flag("ZebraOptions.sub_host", self.sub_host)
     check_flag("ZebraOptions.local_search", self.local_search)
@@ -323,13 +330,16 @@ def _parts(tables: CostTables, i: int, j: int, attn: tuple[int, int], expert: tu
 
 
 def zebra_problem(parts: _Parts, R: int, min_offload: int = 0,
-                  max_offload: int | None = None) -> ExpertAssignmentProblem:
-  """The expert-assignment problem of a zebra stage cut into ``R`` zebra microbatches."""
+                  max_offload: int | None = None, fixed_fraction: float = 0.0
+                  ) -> ExpertAssignmentProblem:
+  """The expert-assignment problem of a zebra stage cut into ``R`` zebra microbatches (each
+  compute task ``alpha + (1 - alpha) / R`` of the microbatch's, the bytes ``1 / R``)."""
+  x = fixed_fraction + (1.0 - fixed_fraction) / R
   return ExpertAssignmentProblem(
       num_experts=parts.num_experts, num_attn=parts.M, num_expert=parts.N, num_microbatches=R,
-      attn_fwd_s=parts.attn_f / R, attn_bwd_s=parts.attn_b / R, expert_fwd_s=parts.exp_f / R,
-      expert_bwd_s=parts.exp_b / R, expert_on_attn_fwd_s=parts.on_attn_f / R,
-      expert_on_attn_bwd_s=parts.on_attn_b / R, routed_bytes=parts.routed_bytes / R,
+      attn_fwd_s=parts.attn_f * x, attn_bwd_s=parts.attn_b * x, expert_fwd_s=parts.exp_f * x,
+      expert_bwd_s=parts.exp_b * x, expert_on_attn_fwd_s=parts.on_attn_f * x,
+      expert_on_attn_bwd_s=parts.on_attn_b * x, routed_bytes=parts.routed_bytes / R,
       link=parts.link, min_offload=min_offload, max_offload=max_offload)
 
 
@@ -410,7 +420,7 @@ def zebra_stage_cost(tables: CostTables, layers: tuple[int, int], attn: tuple[in
       raise PlanError(f"zebra stage on layers {i}..{j}: {R} zebra microbatches must divide "
                       f"the microbatch's {b} rows into multiples of the attention group's "
                       f"{parts.quantum} data-parallel ways")
-    problem = zebra_problem(parts, R)
+    problem = zebra_problem(parts, R, fixed_fraction=options.fixed_fraction)
     o = tuple(int(x) for x in (offload if offload is not None else (0,) * len(parts.routed)))
     if len(o) != len(parts.routed) or not all(
         0 <= x <= problem.per_gpu and x % problem.chunk[1] == 0 for x in o):
@@ -437,7 +447,7 @@ def _choose(parts: _Parts, b: int, options: ZebraOptions, memo: dict | None = No
   best = None
   for R in _divisors(b, options.max_microbatches, parts.quantum):
     try:
-      problem = zebra_problem(parts, R, lo, hi)
+      problem = zebra_problem(parts, R, lo, hi, options.fixed_fraction)
     except PlanError:
       return None   # the memory bounds admit no whole chunks
     if options.assignment_limit == 0:

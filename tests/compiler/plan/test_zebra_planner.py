@@ -290,10 +290,13 @@ def test_memory_moves_experts_onto_the_attention_group():
   assert ev.feasible and ev.iteration_s == got.iteration_s
 
 
-def test_zebra_stage_cost_is_the_zebra_simulator():
+@pytest.mark.parametrize("alpha", [0.0, 0.2])
+def test_zebra_stage_cost_is_the_zebra_simulator(alpha):
   tables = routed_tables()
-  c = planner.zebra_stage_cost(tables, (0, 2), (0, 1), (1, 1), 4, num_microbatches=2,
+  c = planner.zebra_stage_cost(tables, (0, 2), (0, 1), (1, 1), 4,
+                               ZebraOptions(fixed_fraction=alpha), num_microbatches=2,
                                offload=(1, 0))
+  x = alpha + (1 - alpha) / 2   # each of the 2 zebra microbatches' share of a compute task
   # by hand: attention side of layers 0+1 then 2 (tail 0), experts of 1 and 2, on 2+2 GPUs
   from harpjax.cluster import Link
   from harpjax.compiler.schedule import bipartite_all_to_all_time_s, simulate_zebra, ZebraCosts
@@ -304,9 +307,9 @@ def test_zebra_stage_cost_is_the_zebra_simulator():
   keep = np.array([1.0 / 2.0, 1.0])                      # 1 of 2 experts per expert GPU moved
   share = np.array([2 * 1 / 2 / 2, 0.0])
   comm = [bipartite_all_to_all_time_s(0.5 / 2, 2, 2, k, Link(50.0, 0.0)) for k in keep]
-  costs = ZebraCosts(2, 2, att * f / 2, att * (1 - f) / 2, exp * keep * f / 2,
-                     exp * keep * (1 - f) / 2, comm, comm, comm, comm,
-                     on_attn * share * f / 2, on_attn * share * (1 - f) / 2)
+  costs = ZebraCosts(2, 2, att * f * x, att * (1 - f) * x, exp * keep * f * x,
+                     exp * keep * (1 - f) * x, comm, comm, comm, comm,
+                     on_attn * share * f * x, on_attn * share * (1 - f) * x)
   assert math.isclose(c.time_s, simulate_zebra(costs).iteration_time, rel_tol=1e-12)
   assert c.routed_layers == (1, 2) and c.offload == (1, 0) and c.num_microbatches == 2
 
