@@ -29,8 +29,14 @@ Methods, for the same global batch (``--seqs-per-gpu`` sequences per GPU of the 
   costs (each stage expert-parallel over its GPUs of one type), best ``B``;
 * ``P+Z``: pipeline + zebra, two stages (a zebra stage, and a zebra or EP stage), estimated by
   Eq. 12 with each zebra stage's latency and period (not simulated).
+* ``Planner (with zebra)``: :func:`harpjax.compiler.plan.solve` with zebra stages
+  (``MixedOptions(zebra="plan-only")``) on :func:`planner_tables` (the (d) tables with each
+  block's expert part, ``routed_split``), best ``B``: the planner's own choice among pipeline
+  stages, EP per stage, zebra groups and their GPU ratio (either type on attention), ``R`` and
+  the expert assignment, simulated (:func:`best_planner`; a zebra microbatch's fixed share of
+  the compute by :func:`fixed_share`).
 
-Run ``python benchmarks/moe.py`` (about 2.5 minutes); ``--quick`` runs one setting (20 s). The
+Run ``python benchmarks/moe.py`` (about 11 minutes); ``--quick`` runs one setting (45 s). The
 (d) and pipeline + zebra methods are described at :func:`pipeline_tables` and
 :func:`best_pipeline_zebra`; the tables are
 in docs/moe.md.
@@ -55,10 +61,11 @@ import numpy as np                                                    # noqa: E4
 
 from harpjax.cluster import GPU_CATALOG, Link                         # noqa: E402
 from harpjax.compiler.layers import construct_layers, LayerOptions    # noqa: E402
-from harpjax.compiler.plan import SolveOptions, solve                 # noqa: E402
+from harpjax.compiler.plan import (MixedOptions, SolveOptions,       # noqa: E402
+                                   solve, ZebraOptions)
 from harpjax.compiler.plan.expert_assignment import (                 # noqa: E402
     ExpertAssignmentProblem, gather_and_squeeze, optimize_assignment)
-from harpjax.compiler.profile import CostTables                       # noqa: E402
+from harpjax.compiler.profile import CostTables, RoutedSplit          # noqa: E402
 from harpjax.errors import InfeasiblePlanError                        # noqa: E402
 from harpjax.compiler.profile import calibration as calib             # noqa: E402
 from harpjax.compiler.profile import estimate                         # noqa: E402
@@ -260,14 +267,18 @@ def ep_block_s(m: MoEModel, s: Setup, seq: int, gpu: str, p: int, mb_seqs: int) 
   return ep_iteration_s(m, seq, [(gpu, p)], mb_seqs / p, link_of(s)) / m.layers
 
 
-def pipeline_tables(m: MoEModel, s: Setup, seq: int, mb_seqs: int) -> CostTables:
+def pipeline_tables(m: MoEModel, s: Setup, seq: int, mb_seqs: int,
+                    gpu_hosts: bool = False) -> CostTables:
   """Cost tables of the model's blocks (one planner layer per block, so no stage splits a
   block's attention from its experts) on the setup's two GPU types, by the model the other
   columns use: a stage of blocks ``i..j`` on ``(1, p)`` takes ``(j - i + 1)`` times
   :func:`ep_block_s`; a cut sends a microbatch's hidden states (fp16) each way over the
   setup's link, which also joins the GPUs of one type (as in the EP column). Memory, gradient
   synchronisation and the optimizer step are left out, as in every column: device memory is
-  unbounded and the tables have no end times."""
+  unbounded and the tables have no end times. ``gpu_hosts``: each GPU a host of its own
+  (submeshes ``(p, 1)``; the same link joins them, so the same costs), so that a zebra group
+  of some GPUs of a type leaves the others to plain stages (a host holding a zebra group runs
+  no plain stage)."""
   L = m.layers
   link = link_of(s)
   names, counts, times, meshes, subs = [], [], [], [], []
@@ -284,11 +295,13 @@ def pipeline_tables(m: MoEModel, s: Setup, seq: int, mb_seqs: int) -> CostTables
     counts.append(count)
     times.append(t)
     meshes.append(mesh)
-    subs.append(tuple((1, p) for p in widths))
+    subs.append(tuple((p, 1) if gpu_hosts else (1, p) for p in widths))
   zeros = tuple(np.zeros((L, L, len(x))) for x in subs)
   return CostTables(
-      num_layers=L, subcluster_names=tuple(names), num_hosts=(1, 1),
-      devices_per_host=tuple(counts), device_memory_bytes=(UNBOUNDED_BYTES,) * 2,
+      num_layers=L, subcluster_names=tuple(names),
+      num_hosts=tuple(counts) if gpu_hosts else (1, 1),
+      devices_per_host=(1, 1) if gpu_hosts else tuple(counts),
+      device_memory_bytes=(UNBOUNDED_BYTES,) * 2,
       submeshes=tuple(subs), stage_time_s=tuple(times), param_mem_bytes=zeros,
       act_mem_bytes=zeros,
       boundary_bytes=np.full(L, float(mb_seqs * seq * m.hidden * DTYPE_BYTES)),
@@ -317,6 +330,62 @@ def best_pipeline(m: MoEModel, s: Setup, seq: int, batch: int, cost_model: str =
   return best
 
 
+def planner_tables(m: MoEModel, s: Setup, seq: int, mb_seqs: int) -> CostTables:
+  """:func:`pipeline_tables` with each block's experts told apart (``routed_split``): on
+  ``p`` GPUs of a type, a block's attention side is the EP column's attention of its
+  ``mb_seqs / p`` sequences and its expert part the rest of the entry (the experts with
+  whatever of EP's own all-to-all they do not hide: a zebra stage pays its bipartite
+  all-to-all on top, so its expert side is pessimistic where EP's all-to-all shows); the
+  routed bytes are the microbatch's token copies. Memory stays unmodelled (zero state and
+  activations)."""
+  tables = pipeline_tables(m, s, seq, mb_seqs, gpu_hosts=True)
+  L = m.layers
+  tokens = mb_seqs * seq * TOP_K
+  expert = []
+  for k, gpu in enumerate((s.new, s.old)):
+    x = np.zeros((L, len(tables.submeshes[k])))
+    for c, (p, _) in enumerate(tables.submeshes[k]):
+      t = tables.stage_time_s[k][0, 0, c]
+      if np.isfinite(t):
+        x[:, c] = max(0.0, t - attn_s(m, seq, mb_seqs / p, gpu))
+    expert.append(x)
+  split = RoutedSplit(num_experts=[m.experts] * L, expert_time_s=expert,
+                      expert_state_bytes=0.0, expert_act_bytes=0.0,
+                      routed_bytes=float(tokens * m.hidden * DTYPE_BYTES))
+  return tables.replace(routed_split=split, microbatch_rows=mb_seqs)
+
+
+def fixed_share(m: MoEModel, s: Setup, seq: int, mb_seqs: int) -> float:
+  """``alpha`` of the planner's zebra stages (``ZebraOptions.fixed_fraction``): the share of a
+  block's attention (newer GPUs) plus experts (older GPUs) that does not halve with half the
+  microbatch, ``2 t(b / 2) / t(b) - 1`` (our costs are affine in the rows above a few
+  sequences: the weights are read whatever the rows)."""
+  M, N = s.num_new, s.num_old
+  t = lambda b: (attn_s(m, seq, b / M, s.new)
+                 + experts_s(m, m.experts // N, b * seq * TOP_K / N, s.old))
+  return min(max(2.0 * t(mb_seqs / 2) / t(mb_seqs) - 1.0, 0.0), 0.99)
+
+
+def best_planner(m: MoEModel, s: Setup, seq: int, batch: int, zebra_options: ZebraOptions):
+  """The planner with zebra stages (``MixedOptions(zebra="plan-only")``, no data-parallel
+  mixed-type stages) on :func:`planner_tables` for every ``B`` dividing the batch: the
+  fastest simulated plan's (seconds, B, PlanResult)."""
+  best = None
+  for B in divisors(batch):
+    zo = dataclasses.replace(zebra_options, fixed_fraction=fixed_share(m, s, seq, batch // B))
+    mo = MixedOptions(zebra="plan-only", min_link_ratio=math.inf, pair_candidates=0,
+                      zebra_options=zo)
+    tables = planner_tables(m, s, seq, batch // B)
+    try:
+      r = solve(tables, B, options=SolveOptions(mixed_stages="auto", backend="sequential",
+                                                mixed_options=mo))
+    except InfeasiblePlanError:
+      continue
+    if best is None or r.iteration_s < best[0]:
+      best = (r.iteration_s, B, r)
+  return best
+
+
 def best_zebra_estimate(m: MoEModel, s: Setup, seq: int, batch: int) -> float:
   """Zebra alone (one stage, every GPU, no offload) by the pipeline estimate, best ``B``."""
   out = math.inf
@@ -332,7 +401,14 @@ def plan_text(r) -> str:
   out = []
   for st in r.plan.stages:
     i, j = st.layers
-    out.append(f"{st.subcluster}[{i}-{j}]x{st.submesh[1]}")
+    if st.zebra is not None:
+      z = st.zebra
+      off = "" if not any(z.offload) else " o=" + ",".join(map(str, z.offload))
+      out.append(f"Z({st.submesh[0] * st.submesh[1]}{st.subcluster[0]}+{z.num_devices}"
+                 f"{z.subcluster[0]})"
+                 f"[{i}-{j}] R={z.num_microbatches}{off}")
+    else:
+      out.append(f"{st.subcluster}[{i}-{j}]x{st.submesh[0] * st.submesh[1]}")
   return " ".join(out)
 
 
@@ -440,6 +516,7 @@ def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
     if best_asym is None or opt.iteration_time < best_asym[0]:
       best_asym = (opt.iteration_time, R, opt.offload, gather_and_squeeze(p).iteration_time)
   pipe = best_pipeline(m, s, seq, batch)
+  planned = best_planner(m, s, seq, batch, PLANNER_ZEBRA)
   pz = best_pipeline_zebra(m, s, seq, batch)
   zebra_est = pipeline_estimate_s(
       [zebra_stage_estimate(m, s, seq, batch // best_zebra[1], s.num_new, s.num_old,
@@ -450,10 +527,28 @@ def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
           "alg1": tokens / best_asym[3],
           "pipe": tokens / pipe[0], "pipe_B": pipe[1], "pipe_plan": plan_text(pipe[2]),
           "pipe_eq12_over_sim": pipe[2].eq12_s / pipe[2].iteration_s,
+          "planner": tokens / planned[0], "planner_B": planned[1],
+          "planner_plan": plan_text(planned[2]),
+          "planner_kind": plan_kind(planned[2]),
           "pz": tokens / pz[0], "pz_B": pz[1], "pz_stages": " then ".join(x.what for x in pz[2]),
           "zebra_est_over_sim": zebra_est / best_zebra[0],
           "est_zebra": tokens / best_zebra_estimate(m, s, seq, batch),
           "est_pipe": tokens / best_pipeline(m, s, seq, batch, cost_model="eq12")[0]}
+
+
+PLANNER_ZEBRA = ZebraOptions(assignment_limit=16, local_search=False, max_hosts_per_group=8)
+"""The planner column's zebra search: every ``R`` up to 8, expert assignments exhaustively up
+to 16 of them, else the better of Algorithm 1's and no offload (local search on every entry of
+every group pair is too slow for this sweep: over 10 minutes for one setting)."""
+
+
+def plan_kind(r) -> str:
+  """``"zebra"`` (one zebra stage, nothing else), ``"pipeline+zebra"`` (a zebra stage among
+  others) or ``"pipeline"``."""
+  z = sum(1 for st in r.plan.stages if st.zebra is not None)
+  if not z:
+    return "pipeline"
+  return "zebra" if r.plan.num_stages == 1 else "pipeline+zebra"
 
 
 def part_ratios(m: MoEModel, s: Setup, seq: int) -> tuple[float, float]:
@@ -508,6 +603,37 @@ def main(argv=None):
     v = ratios[x]
     print(f"Zebra+Asym-EA over {name}: mean {sum(v) / len(v):.2f}x, min {min(v):.2f}x, "
           f"max {max(v):.2f}x")
+  print()
+  print("The planner with zebra stages (one search over pipeline stages, EP per stage, zebra "
+        "groups and their GPU ratio, R and the expert assignment; simulated):")
+  print("| setup | model | seq | Zebra+Asym-EA | (d) Pipeline | Planner (with zebra) (B; stages) "
+        "| kind | over Zebra | over (d) | over EP | over EP (Ideal) |")
+  print("|---" * 11 + "|")
+  kinds = {"pipeline": 0, "zebra": 0, "pipeline+zebra": 0}
+  both = []
+  over = {"ep": [], "ideal": [], "asym": [], "pipe": []}
+  for s, mname, seq, r in rows:
+    k = lambda v: f"{v / 1e3:.1f}"
+    kinds[r["planner_kind"]] += 1
+    for x in over:
+      over[x].append(r["planner"] / r[x])
+    if r["planner_kind"] == "pipeline+zebra" and r["planner"] > max(r["asym"], r["pipe"]):
+      both.append(f"{s.name} {mname} {seq // 1024}K")
+    print(f"| {s.num_new}x{s.new}+{s.num_old}x{s.old} | {mname} | {seq // 1024}K | "
+          f"{k(r['asym'])} | {k(r['pipe'])} | {k(r['planner'])} (B={r['planner_B']}; "
+          f"{r['planner_plan']}) | {r['planner_kind']} | {r['planner'] / r['asym']:.2f}x | "
+          f"{r['planner'] / r['pipe']:.2f}x | {r['planner'] / r['ep']:.2f}x | "
+          f"{r['planner'] / r['ideal']:.2f}x |")
+  print()
+  for x, name in (("ep", "EP"), ("ideal", "EP (Ideal)"), ("asym", "Zebra+Asym-EA"),
+                  ("pipe", "(d) Pipeline")):
+    v = over[x]
+    print(f"Planner (with zebra) over {name}: mean {sum(v) / len(v):.2f}x, min {min(v):.2f}x, "
+          f"max {max(v):.2f}x")
+  print("planner's choice: " + ", ".join(f"{name} in {n} of {len(rows)}"
+                                         for name, n in kinds.items()))
+  print("pipeline + zebra beats both zebra alone and (d): "
+        + (", ".join(both) if both else "nowhere"))
   print()
   print("(d) and pipeline + zebra (P+Z, estimated: two stages, Eq. 12 with each zebra stage's "
         "latency and period):")

@@ -24,6 +24,8 @@ from harpjax.compiler.plan import Plan as Plan
 from harpjax.compiler.plan import SolveOptions as SolveOptions
 from harpjax.compiler.plan import StageGroup as StageGroup
 from harpjax.compiler.plan import StageSpec as StageSpec
+from harpjax.compiler.plan import ZebraGroup as ZebraGroup
+from harpjax.compiler.plan import ZebraOptions as ZebraOptions
 from harpjax.compiler.plan import load_plan as load_plan
 from harpjax.compiler.plan import solve as solve
 from harpjax.compiler.profile import CostTables as CostTables
@@ -63,5 +65,5 @@ __all__ = [
     "ProfileOptions", "RayRuntime", "Recovery", "RunnerOptions", "Schedule", "SolveOptions",
     "StageGroup", "StageSpec", "Traced", "UnknownOptionError", "auto_parallel", "gather", "grad",
     "load_plan", "make_schedule", "mark_layer_boundary", "restore_checkpoint", "save_checkpoint",
-    "solve", "value_and_grad", "__version__",
+    "solve", "value_and_grad", "__version__", "ZebraGroup", "ZebraOptions",
 ]

@@ -223,6 +223,14 @@ class MemoryKindError(UnsupportedError):
   """
 
 
+class ZebraPlanOnlyError(UnsupportedError):
+  """The plan has a zebra stage (attention and experts on two groups of GPUs,
+  :attr:`harpjax.compiler.plan.StageSpec.zebra`), which the planner can choose and score but
+  the runtime does not run yet. The message names the stages. Plan without zebra stages to
+  run the step (``MixedOptions(zebra="off")``, the default of ``auto_parallel``), or keep the
+  plan to read (``harpjax plan``)."""
+
+
 class InfeasiblePlanError(HarpjaxError):
   """No plan satisfies the constraints; the message says which constraint and by how much."""
 

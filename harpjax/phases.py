@@ -39,7 +39,8 @@ from harpjax.compiler.stages import (CompiledStep, LoweredStep, StepProgram, bat
                                      compile_step, default_workers, layout_step, lower_step,
                                      precompile, resolve_plan, retrace)
 from harpjax.compiler.trace import TracedStep, trace_step
-from harpjax.errors import HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError
+from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
+                            ZebraPlanOnlyError)
 from harpjax.options import AutoPlan, ParallelOptions
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,16 @@ def layout_phase(fun: Callable, args: tuple, planned: Planned, cluster: Cluster,
 
   Returns:
     ``(the plan phase's result laid out, the StepProgram)``.
+
+  Raises:
+    ZebraPlanOnlyError: the plan has a zebra stage, which the runtime does not run.
   """
+  zebra = [x for x, s in enumerate(planned.plan.stages) if s.zebra is not None]
+  if zebra:
+    raise ZebraPlanOnlyError(
+        f"stages {zebra} of the plan are zebra stages (attention and experts on two groups of "
+        "GPUs): the planner scores them, the runtime does not run them yet. Plan without "
+        "them (MixedOptions(zebra='off'), auto_parallel's default) to run the step")
   try:
     return planned, _layout(fun, args, planned, options)
   except PlanError as e:

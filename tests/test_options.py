@@ -24,7 +24,7 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "options.md")
 
 OPTION_CLASSES = ["AutoPlan", "LayerOptions", "ProfileOptions", "SolveOptions", "MixedOptions",
                   "LocalRuntime", "RayRuntime", "Emulation", "OffloadOptions",
-                  "CheckpointOptions", "ElasticOptions", "ParallelOptions"]
+                  "CheckpointOptions", "ElasticOptions", "ParallelOptions", "ZebraOptions"]
 """Every option class a user builds (``ParallelOptions`` is what ``auto_parallel`` builds)."""
 
 INTERNAL = {"WorkerOptions": "the Ray runtime's knobs of one worker, from RayRuntime",
@@ -59,7 +59,10 @@ BAD_VALUES = [
     ("MixedOptions", "min_link_ratio", -1.0), ("MixedOptions", "max_hosts_per_group", 0),
     ("MixedOptions", "max_members", 1), ("MixedOptions", "split_radius", 1.5),
     ("MixedOptions", "pair_candidates", -1), ("MixedOptions", "shares", "even"),
-    ("MixedOptions", "sub_host", "no"),
+    ("MixedOptions", "sub_host", "no"), ("MixedOptions", "zebra", "on"),
+    ("MixedOptions", "zebra_options", {"max_microbatches": 4}),
+    ("ZebraOptions", "max_microbatches", 0), ("ZebraOptions", "assignment_limit", -1),
+    ("ZebraOptions", "fwd_fraction", 1.0), ("ZebraOptions", "local_search", "no"),
     ("LocalRuntime", "compile_workers", -1), ("LocalRuntime", "compilation_cache", 3),
     ("LocalRuntime", "progress", "auto"),
     ("RayRuntime", "backend", "processes"), ("RayRuntime", "transport", "udp"),

@@ -137,7 +137,8 @@ def profile_options(*, source: str = "jaxpr", cache_dir=None, no_cache: bool = F
 def solve_options(*, eps: float = 0.1, objective: str = "min_time", budget=None,
                   time_limit=None, use_all_devices: bool = False, cost_model: str = "simulator",
                   offload_activations: bool | None = None, mixed_stages: str = "auto",
-                  microbatch_rows: int | None = None, schedule: str = "rank"):
+                  microbatch_rows: int | None = None, schedule: str = "rank",
+                  zebra: str = "off"):
   """The :class:`~harpjax.compiler.plan.SolveOptions` of the command-line options (their
   defaults give ``SolveOptions()``'s choices; ``offload_activations=None``: where the tables
   give the host link, as ``SolveOptions`` does)."""
@@ -149,7 +150,8 @@ def solve_options(*, eps: float = 0.1, objective: str = "min_time", budget=None,
   if offload_activations is not None:
     opts = dataclasses.replace(opts, offload_activations=offload_activations)
   if mixed_stages != "off":
-    opts = dataclasses.replace(opts, mixed_options=MixedOptions(microbatch_rows=microbatch_rows))
+    opts = dataclasses.replace(opts, mixed_options=MixedOptions(microbatch_rows=microbatch_rows,
+                                                                zebra=zebra))
   return opts
 
 

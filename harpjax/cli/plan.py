@@ -204,7 +204,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                                time_limit=time_limit, use_all_devices=use_all_devices,
                                cost_model=cost_model, offload_activations=offload_activations,
                                mixed_stages=mixed_stages, microbatch_rows=spec.microbatch_size,
-                               schedule=schedule)
+                               schedule=schedule, zebra="plan-only")
     click.echo(f"cluster: {cluster.summary()}", err=True)
     result = profile_model(spec, cluster, profile_opts, layer_options)
     click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
@@ -241,6 +241,10 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   if any(s.groups for s in plan.stages):
     click.echo(f"mixed-type stages: {plan.schedule}, on {sum(1 for s in plan.stages if s.groups)}"
                f" of {plan.num_stages} stages")
+  zebra = [x for x, s in enumerate(plan.stages) if s.zebra is not None]
+  if zebra:
+    click.echo(f"zebra stages (attention|experts on two groups): {[x + 1 for x in zebra]}; "
+               "plan-only, the runtime does not run them yet")
   if simulate:
     _schedule_table(result.tables, plan, num_microbatches, solve_opts, schedule)
   if json_path:

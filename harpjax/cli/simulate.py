@@ -304,6 +304,9 @@ def _cost_plan(plan, cluster_path: str, model: str, num_microbatches: int | None
   if any(s.groups for s in plan.stages):
     raise click.UsageError("the plan has mixed-type stages: score it with "
                            "harpjax.compiler.plan.evaluate_mixed")
+  if any(s.zebra is not None for s in plan.stages):
+    raise click.UsageError("the plan has zebra stages: score it with "
+                           "harpjax.compiler.plan.evaluate_mixed on tables with a routed_split")
   if not num_microbatches:
     raise click.UsageError("give the number of microbatches with -B")
   mbs = microbatch_size or plan.microbatch_size

@@ -99,3 +99,40 @@ def test_quick_run_prints_the_d_columns(moe, capsys):
   out = capsys.readouterr().out
   assert "| (d) Pipeline | vs EP |" in out and "vs (d) |" in out
   assert "Zebra+Asym-EA over (d) Pipeline" in out and "P+Z est." in out
+
+
+def test_planner_tables_split_each_block_and_keep_the_pipelines_costs(case):
+  moe, s, m, batch = case
+  mb = 12
+  plain = moe.pipeline_tables(m, s, SEQ, mb)
+  tables = moe.planner_tables(m, s, SEQ, mb)
+  split = tables.routed_split
+  assert tables.microbatch_rows == mb and split.num_experts == (m.experts,) * m.layers
+  for k, (gpu, count) in enumerate(((s.new, s.num_new), (s.old, s.num_old))):
+    assert tables.submeshes[k] == tuple((p, 1) for p in range(1, count + 1))
+    assert (tables.stage_time_s[k] == plain.stage_time_s[k]).all()
+    for c, (p, _) in enumerate(tables.submeshes[k]):
+      t = tables.stage_time_s[k][0, 0, c]
+      if math.isfinite(t):   # the rest of the entry is the EP column's attention side
+        assert t - split.expert_time_s[k][0, c] == pytest.approx(
+            moe.attn_s(m, SEQ, mb / p, gpu), rel=1e-9)
+
+
+def test_the_planners_zebra_stage_is_scored_as_searched(case):
+  # B = 4: one zebra stage on all 12 GPUs is a candidate; the planner's plan at this B is no
+  # slower than (d)'s at this B, and evaluate_mixed gives its time back
+  from harpjax.compiler.plan import (MixedOptions, SolveOptions, evaluate_mixed, solve,
+                                     ZebraOptions)
+  moe, s, m, batch = case
+  B = 4
+  zo = ZebraOptions(assignment_limit=0, max_hosts_per_group=8,
+                    fixed_fraction=moe.fixed_share(m, s, SEQ, batch // B))
+  mo = MixedOptions(zebra="plan-only", min_link_ratio=math.inf, pair_candidates=0,
+                    zebra_options=zo)
+  tables = moe.planner_tables(m, s, SEQ, batch // B)
+  r = solve(tables, B, options=SolveOptions(mixed_stages="auto", backend="sequential",
+                                            mixed_options=mo))
+  d = solve(moe.pipeline_tables(m, s, SEQ, batch // B), B,
+            options=SolveOptions(mixed_stages="off", backend="sequential"))
+  assert r.iteration_s <= d.iteration_s * (1 + 1e-12)
+  assert evaluate_mixed(tables, r.plan, B, mo).iteration_s == r.iteration_s

@@ -12,7 +12,10 @@ schedules ranked on the stages found) and
 :mod:`~harpjax.compiler.plan.variants` (each stage's ZeRO level, optimizer-state offload and
 residual offload as variants of its submesh) and :mod:`~harpjax.compiler.plan.mixed`
 (mixed-type stages: their cost model, :func:`evaluate_mixed` and :func:`solve_mixed`, what
-``solve(mixed_stages=...)`` runs).
+``solve(mixed_stages=...)`` runs), :mod:`~harpjax.compiler.plan.zebra_stages` (zebra stages,
+attention and experts of a routed model on two groups, as virtual subclusters of the same
+search) and :mod:`~harpjax.compiler.plan.expert_assignment` (which experts a zebra stage moves
+onto its attention group).
 The paper's
 baseline planners, which the benchmarks compare with, are ``tools/baselines.py``.
 """
@@ -25,14 +28,18 @@ from harpjax.compiler.plan.solve import (COST_MODELS, evaluate_candidates, OBJEC
                                          PlanResult, register_parallel_backend, SearchStats,
                                          single_subcluster, solve, SolveOptions)
 from harpjax.compiler.plan.spec import (check_device_groups, LAYER_SOURCES, load_plan,
-                                        ManualPlan, Plan,
-                                        REMAT_MODES, row_shares, StageGroup, StageSpec)
+                                        ManualPlan, Plan, REMAT_MODES, row_shares,
+                                        StageGroup, StageSpec, ZebraGroup)
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.variants import expand_variants, VariantOptions
 from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusion,
                                          fused_tables, MIXED_MODES, MixedEvaluation,
                                          MixedOptions, mixed_cut_s, mixed_scorer,
-                                         mixed_stage_cost, MixedStageCost, solve_mixed)
+                                         mixed_stage_cost, MixedStageCost, solve_mixed,
+                                         zebra_mixed_cost)
+from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZEBRA_MODES,
+                                                ZebraOptions, ZebraShape, ZebraStageCost,
+                                                zebra_stage_cost)
 
 __all__ = [
     "candidate_fusions", "choose_schedule", "COST_MODELS", "evaluate_candidates", "evaluate_mixed",
@@ -41,5 +48,8 @@ __all__ = [
     "mixed_stage_cost", "MixedStageCost", "OBJECTIVES", "Objective", "OBJECTIVE_REGISTRY", "objective_of", "Plan", "plan_scorer", "PlanEvaluation",
     "PlannedStage", "PlanResult", "RANK", "REMAT_MODES", "register_parallel_backend", "row_shares",
     "schedule_scores", "ScheduleScore", "SearchStats", "single_subcluster", "solve", "solve_mixed",
-    "check_device_groups", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec", "VariantOptions",
+    "check_device_groups", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec",
+    "VariantOptions",
+    "candidate_zebra_shapes", "ZEBRA_MODES", "ZebraGroup", "zebra_mixed_cost", "ZebraOptions",
+    "ZebraShape", "ZebraStageCost", "zebra_stage_cost",
 ]

@@ -196,6 +196,11 @@ def _resolve_stages(tables: CostTables, stages,
                         "(a mixed-type stage): score the plan with "
                         "harpjax.compiler.plan.evaluate_mixed(tables, plan, B, MixedOptions("
                         "microbatch_rows=...))")
+      if st.zebra is not None:
+        raise PlanError(f"stage on layers {st.layers} is a zebra stage (attention on "
+                        f"{st.subcluster}, experts on {st.zebra.subcluster}): score the plan "
+                        "with harpjax.compiler.plan.evaluate_mixed(tables, plan, B, "
+                        "MixedOptions(microbatch_rows=...)), on tables with a routed_split")
       k = tables.subcluster_index(st.subcluster)
       slot = variants_lib.variant_slot(tables, k, st.submesh, st.zero, st.offload,
                                        st.offload_activations,

@@ -42,7 +42,7 @@ from harpjax.errors import PlanError
 log = logging.getLogger(__name__)
 
 __all__ = ["ExpertAssignmentProblem", "AssignmentResult", "gather_and_squeeze",
-           "local_search", "exhaustive_assignment", "optimize_assignment"]
+           "local_search", "exhaustive_assignment", "optimize_assignment", "repair_assignment"]
 
 
 def _per_layer(name: str, value, n: int) -> tuple[float, ...]:
@@ -224,12 +224,13 @@ def gather_and_squeeze(problem: ExpertAssignmentProblem) -> AssignmentResult:
       bubble -= chunks * squeeze[l]
       o = chunks * n2
     offload.append(o)
-  offload = _repair(p, offload)
+  offload = repair_assignment(p, offload)
   return AssignmentResult(tuple(offload), p.iteration_time(offload), 1, "gather_and_squeeze")
 
 
-def _repair(p: ExpertAssignmentProblem, offload: list[int]) -> list[int]:
-  """Moves whole chunks until the memory bounds hold (rounding can leave them off by one)."""
+def repair_assignment(p: ExpertAssignmentProblem, offload: Sequence[int]) -> list[int]:
+  """Moves whole chunks until the memory bounds hold (rounding can leave them off by one);
+  from all zeros: the least offload the bounds allow."""
   n2 = p.chunk[1]
   hi = p.max_offload if p.max_offload is not None else math.inf
   offload = list(offload)
@@ -329,7 +330,7 @@ def optimize_assignment(problem: ExpertAssignmentProblem,
   docs/moe.md)."""
   if (problem.max_chunks + 1) ** problem.num_layers <= exhaustive_limit:
     return exhaustive_assignment(problem, exhaustive_limit)
-  least = _repair(problem, [0] * problem.num_layers)
+  least = repair_assignment(problem, [0] * problem.num_layers)
   a, b = local_search(problem), local_search(problem, least)
   best = a if a.iteration_time <= b.iteration_time else b
   return dataclasses.replace(best, evaluated=a.evaluated + b.evaluated)

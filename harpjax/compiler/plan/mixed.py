@@ -104,7 +104,9 @@ from harpjax.compiler.plan.schedule_choice import (choose_schedule, plan_scorer,
                                                    ScheduleScore)
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
-from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, row_shares
+from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, ZebraGroup, row_shares
+from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZEBRA_MODES,
+                                                ZebraOptions, ZebraShape, zebra_stage_cost)
 from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
                                            variant_arrays)
 from harpjax.compiler.profile import (CostTables, group_route_s, home_sync_s, range_sums,
@@ -115,7 +117,7 @@ from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
 __all__ = ["MixedOptions", "Fusion", "GroupCost", "MixedStageCost", "MixedEvaluation",
            "mixed_stage_cost", "mixed_cut_s", "evaluate_mixed", "candidate_fusions",
-           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES"]
+           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES", "zebra_mixed_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,13 @@ class MixedOptions:
     pair_candidates: plans with two shapes of mixed stage are searched for every pair of the
       this many best fusions (by the plan each found alone) whose hosts do not overlap; ``0``
       or ``1``: one shape per plan.
+    zebra: ``"off"`` (default) or ``"plan-only"``: also consider zebra stages (attention and
+      experts of a routed model on two groups of GPUs, :mod:`~harpjax.compiler.plan.
+      zebra_stages`) where the tables carry a ``routed_split``. The runtime does not run
+      them: a plan with one is for reading (``harpjax plan`` asks for it), and compiling it
+      raises :class:`~harpjax.errors.ZebraPlanOnlyError`.
+    zebra_options: how zebra stages are costed and searched (:class:`~harpjax.compiler.plan.
+      zebra_stages.ZebraOptions`; ``None``: its defaults).
   """
   microbatch_rows: int | None = None
   fixed_fraction: float = 0.0
@@ -158,6 +167,8 @@ class MixedOptions:
   sub_host: bool = True
   split_radius: int = 6
   pair_candidates: int = 4
+  zebra: str = "off"
+  zebra_options: ZebraOptions | None = None
 
   def __post_init__(self):
     from harpjax.errors import (InvalidOptionError, check_choice, check_count, check_flag,
@@ -181,6 +192,10 @@ class MixedOptions:
     check_count("MixedOptions.pair_candidates", self.pair_candidates, 0)
     check_choice("MixedOptions.shares", self.shares, ("speed", "all"))
     check_flag("MixedOptions.sub_host", self.sub_host)
+    check_choice("MixedOptions.zebra", self.zebra, ZEBRA_MODES)
+    if self.zebra_options is not None and not isinstance(self.zebra_options, ZebraOptions):
+      raise InvalidOptionError(f"MixedOptions.zebra_options={self.zebra_options!r} must be a "
+                               "harpjax.compiler.plan.ZebraOptions, or None")
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -486,6 +501,11 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
                     f"0..{L - 1} contiguously")
   costs, groups_of = [], []
   for st in specs:
+    if st.zebra is not None:
+      c = zebra_mixed_cost(tables, st, options)
+      groups_of.append([(g.subcluster, g.submesh_index, g.rows) for g in c.groups])
+      costs.append(c)
+      continue
     rows = st.group_rows(b) if st.groups else (b,)
     groups = []
     for g, r in zip(st.all_groups, rows):
@@ -498,7 +518,7 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
                                   offload=st.offload,
                                   offload_activations=st.offload_activations))
   t = [c.time_s for c in costs]
-  if any(st.groups for st in specs):
+  if any(st.groups or st.zebra is not None for st in specs):
     comm = [mixed_cut_s(tables, a.layers[1], a, c, options) for a, c in zip(costs, costs[1:])]
     comm.append(0.0)
   else:   # plain stages: where they sit, as evaluate_plan prices them
@@ -735,9 +755,10 @@ class _FusedTables(CostTables):
     return out
 
 
-def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_microbatches: int,
-                 options: MixedOptions, variants: CostTables | None = None,
-                 zero_levels: Sequence[int] = (0,)) -> CostTables:
+def fused_tables(tables: CostTables, fusion: "Fusion | ZebraShape | Sequence",
+                 num_microbatches: int, options: MixedOptions,
+                 variants: CostTables | None = None, zero_levels: Sequence[int] = (0,),
+                 memo: dict | None = None) -> CostTables:
   """The tables with a virtual subcluster per fusion first (``fusion``: one, or several of
   other shapes), then every subcluster with the hosts the fusions leave it (those left with
   none dropped).
@@ -748,6 +769,12 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
   and activation bytes ``1 / (n_max + 0.5)``, ``n_max`` the most microbatches in flight
   (``<= B``) every group holds: the DP's memory check ``p + n a <= mem`` then says exactly
   ``n <= n_max``. Cuts involving it are :func:`mixed_cut_s`'s (home to home).
+
+  A :class:`~harpjax.compiler.plan.zebra_stages.ZebraShape` in place of a fusion is a
+  virtual subcluster of zebra stages, its entries
+  :func:`~harpjax.compiler.plan.zebra_stages.zebra_entry`'s (in the same encoding; its home
+  the attention group; ``memo`` shares their choices across calls on the same ``tables``;
+  zebra stages run at ZeRO level 0).
 
   ``variants``: ``tables`` expanded into (submesh, ZeRO level, offload, residual offload)
   variants (:func:`~harpjax.compiler.plan.variants.expand_variants`); given, the subclusters
@@ -764,15 +791,18 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
   options = with_table_rows(options, tables)
   b = _rows(options)
   L, K = tables.num_layers, tables.num_subclusters
-  fusions = [fusion] if isinstance(fusion, Fusion) else list(fusion)
+  fusions = [fusion] if isinstance(fusion, (Fusion, ZebraShape)) else list(fusion)
   F = len(fusions)
   levels = tuple(sorted({int(z) for z in zero_levels}))
-  if tables.opt_mem_bytes is None:
+  if tables.opt_mem_bytes is None or any(isinstance(f, ZebraShape) for f in fusions):
     levels = (0,)
   Z = len(levels)
   virtual = []
   for f in fusions:
-    entries = [_virtual_entry(tables, f, B, options, z) for z in levels]
+    if isinstance(f, ZebraShape):
+      entries = [f.virtual_entry(tables, B, options, 0, memo)]
+    else:
+      entries = [_virtual_entry(tables, f, B, options, z) for z in levels]
     virtual.append(tuple(np.concatenate([e[n] for e in entries], axis=2) for n in range(3)))
   # The subclusters with the hosts left.
   left = list(tables.num_hosts)
@@ -808,7 +838,7 @@ def fused_tables(tables: CostTables, fusion: "Fusion | Sequence[Fusion]", num_mi
   Kn = len(names)
   bw = np.zeros((Kn, Kn))
   lat = np.zeros((Kn, Kn))
-  groups_of = lambda x: (list(zip(fusions[x].members, fusions[x].rows)) if idx[x] is None
+  groups_of = lambda x: ([(fusions[x].members[0], b)] if idx[x] is None   # the home
                          else [(idx[x], b)])
   overrides = []
   for x in range(Kn):
@@ -960,6 +990,9 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
                              offload_activations=st.offload_activations, remat=st.remat))
       continue
     fusion = fusions[st.subcluster]
+    if isinstance(fusion, ZebraShape):
+      specs.append(_zebra_spec(tables, fusion, st, b, options))
+      continue
     zero = (fused.variants[st.subcluster][st.submesh_index][0] if fused.variants is not None
             else 0)
     groups = []
@@ -978,6 +1011,69 @@ def _plan_of(tables: CostTables, fused: CostTables, fusions: Sequence["Fusion"],
                            zero=zero, remat=None if tables.remat_modes is None
                            else tables.remat_modes[0][0]))
   return tuple(specs)
+
+
+def _zebra_spec(tables: CostTables, shape: ZebraShape, st, b: int,
+                options: MixedOptions) -> StageSpec:
+  """The stage a zebra entry of the fused tables stands for: the choice
+  :func:`~harpjax.compiler.plan.zebra_stages.zebra_stage_cost` made for it."""
+  i, j = st.layers
+  (a, e), (sh_a, sh_e) = shape.members, shape.shapes
+  attn = (a, tables.submeshes[a].index(sh_a))
+  c = zebra_stage_cost(tables, (i, j), attn, (e, tables.submeshes[e].index(sh_e)), b,
+                       options.zebra_options)
+  return StageSpec(layers=(i, j), subcluster=tables.subcluster_names[a], submesh=sh_a,
+                   logical_mesh=tables.logical_mesh_of(a, i, j, attn[1]), warmup=st.warmup,
+                   time_s=st.time_s, comm_s=st.comm_s,
+                   zebra=ZebraGroup(subcluster=tables.subcluster_names[e], submesh=sh_e,
+                                    num_microbatches=c.num_microbatches,
+                                    routed_layers=c.routed_layers, offload=c.offload))
+
+
+def zebra_mixed_cost(tables: CostTables, st: StageSpec, options: MixedOptions
+                     ) -> MixedStageCost:
+  """A zebra stage of a plan (:attr:`StageSpec.zebra`), costed as
+  :func:`~harpjax.compiler.plan.zebra_stages.zebra_stage_cost` does with its zebra
+  microbatches and expert assignment: its two groups (attention first, the stage's home) with
+  their memory, its simulated time per microbatch, its end time.
+
+  Raises:
+    PlanError: no routed split in the tables, a stage no zebra stage can run (no routed
+      layer, no link, experts the group does not divide), routed layers other than the
+      range's, or an ``R`` or assignment that does not fit it.
+  """
+  options = with_table_rows(options, tables)
+  b = _rows(options)
+  z = st.zebra
+  i, j = st.layers
+  where = f"zebra stage on layers {i}..{j}"
+  if tables.routed_split is None:
+    raise PlanError(f"{where}: the tables carry no routed_split (the experts' part of each "
+                    "routed layer); score the plan on tables built with one")
+  a, e = tables.subcluster_index(st.subcluster), tables.subcluster_index(z.subcluster)
+  attn = (a, tables.submesh_index(a, st.submesh))
+  expert = (e, tables.submesh_index(e, z.submesh))
+  c = zebra_stage_cost(tables, (i, j), attn, expert, b, options.zebra_options,
+                       num_microbatches=z.num_microbatches, offload=z.offload)
+  if c is None:
+    raise PlanError(f"{where}: no zebra stage runs there on {st.subcluster} {st.submesh} | "
+                    f"{z.subcluster} {z.submesh} (no routed layer, no link between them, or "
+                    "an expert group whose devices do not divide the experts)")
+  if c.routed_layers != z.routed_layers:
+    raise PlanError(f"{where}: routed_layers={list(z.routed_layers)}, but the tables route "
+                    f"{list(c.routed_layers)} there")
+  groups = (
+      GroupCost(subcluster=a, submesh_index=attn[1], submesh=st.submesh,
+                logical_mesh=tables.logical_mesh_of(a, i, j, attn[1]), rows=b,
+                time_s=c.time_s, param_bytes=c.attn_param_bytes, act_bytes=c.attn_act_bytes,
+                end_s=c.end_s, device_memory_bytes=c.attn_memory_bytes),
+      GroupCost(subcluster=e, submesh_index=expert[1], submesh=z.submesh,
+                logical_mesh=(1, 1, z.num_devices) if z.num_devices > 1 else (1, 1),
+                rows=b, time_s=c.time_s, param_bytes=c.expert_param_bytes,
+                act_bytes=c.expert_act_bytes, end_s=c.end_s,
+                device_memory_bytes=c.expert_memory_bytes))
+  return MixedStageCost(layers=(i, j), groups=groups, time_s=c.time_s, end_s=c.end_s,
+                        sync_s=0.0, grad_bytes=0.0)
 
 
 def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
@@ -1020,6 +1116,9 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     log.info("planner: no mixed-type stages with keep_order=True")
   else:
     fusions = candidate_fusions(tables, mopts, mode)
+    if mopts.zebra != "off":   # zebra stages: one more kind of virtual subcluster
+      fusions = fusions + candidate_zebra_shapes(tables, mopts.zebra_options or ZebraOptions())
+    memo = {}   # zebra entries' choices, shared by the shapes that differ in stage count
     tried = found = 0
     chosen = None
     if options.use_all_devices:   # every reserved host must be filled by the mixed groups
@@ -1043,7 +1142,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
 
     mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
     for fusion in fusions:
-      fused = fused_tables(tables, fusion, B, mopts, expanded, levels)
+      fused = fused_tables(tables, fusion, B, mopts, expanded, levels, memo)
       if not np.isfinite(fused.stage_time_s[0]).any():
         continue
       tried += 1
@@ -1060,7 +1159,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     pairs = 0
     for f1, f2 in itertools.combinations(top, 2):
       try:
-        fused = fused_tables(tables, (f1, f2), B, mopts, expanded, levels)
+        fused = fused_tables(tables, (f1, f2), B, mopts, expanded, levels, memo)
       except PlanError:
         continue   # together they need more hosts than there are
       pairs += 1
@@ -1089,7 +1188,7 @@ def mixed_scorer(tables: CostTables, num_microbatches: int, options: SolveOption
   mixed_options = mixed_options or MixedOptions()
 
   def score(plan: Plan, kind: ScheduleKind) -> ScheduleScore:
-    if not any(s.groups for s in plan.stages):
+    if not any(s.groups or s.zebra is not None for s in plan.stages):
       return plain(plan, kind)
     ev = evaluate_mixed(tables, plan, num_microbatches, mixed_options, eps=options.eps,
                         fwd_fraction=options.fwd_fraction, schedule=kind)

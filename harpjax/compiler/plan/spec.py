@@ -19,7 +19,7 @@ from harpjax.compiler.schedule import schedule_key, schedule_kind
 from harpjax.compiler.trace import REMAT_MODES
 from harpjax.errors import HarpjaxError, PlanError
 
-__all__ = ["StageSpec", "StageGroup", "Plan", "ManualPlan", "load_plan", "row_shares",
+__all__ = ["StageSpec", "StageGroup", "ZebraGroup", "Plan", "ManualPlan", "load_plan", "row_shares",
            "REMAT_MODES", "LAYER_SOURCES"]
 
 
@@ -154,6 +154,68 @@ class StageGroup:
       raise PlanError(f"{where}: {e}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class ZebraGroup:
+  """The expert group of a zebra stage (attention/expert disaggregation, HeterMoE §4; the
+  planner's :mod:`~harpjax.compiler.plan.zebra_stages`).
+
+  A stage with :attr:`StageSpec.zebra` runs its routed layers' experts on this group and
+  everything else on the stage's own devices (the *attention group*), every microbatch cut
+  into ``num_microbatches`` zebra microbatches that alternate between the two groups in the
+  order of the paper's Theorem 1. Plan-only: the runtime does not run zebra stages yet
+  (:class:`~harpjax.errors.ZebraPlanOnlyError`).
+
+  Attributes:
+    subcluster: name of the subcluster whose devices hold the experts.
+    submesh: ``(n, m)`` of the expert group.
+    num_microbatches: ``R``, zebra microbatches per pipeline microbatch.
+    routed_layers: the stage's routed layers (global indices), in order.
+    offload: per routed layer, experts moved off each expert GPU onto the attention group
+      (asymmetric expert assignment, HeterMoE §4.2); zeros: every expert on the expert group.
+  """
+  subcluster: str
+  submesh: tuple[int, int]
+  num_microbatches: int
+  routed_layers: tuple[int, ...]
+  offload: tuple[int, ...]
+
+  def __post_init__(self):
+    where = f"zebra group on {self.subcluster!r}"
+    if not isinstance(self.subcluster, str) or not self.subcluster:
+      raise PlanError(f"zebra group: subcluster={self.subcluster!r} must be a subcluster name")
+    object.__setattr__(self, "submesh", _ints(self.submesh, f"{where}: submesh", 1, 2))
+    object.__setattr__(self, "num_microbatches",
+                       _int(self.num_microbatches, f"{where}: num_microbatches", 1))
+    routed = tuple(_int(x, f"{where}: routed_layers", 0) for x in self.routed_layers)
+    offload = tuple(_int(x, f"{where}: offload", 0) for x in self.offload)
+    if not routed or len(offload) != len(routed):
+      raise PlanError(f"{where}: offload={list(offload)} must give one count per routed layer "
+                      f"{list(routed)} (at least one)")
+    object.__setattr__(self, "routed_layers", routed)
+    object.__setattr__(self, "offload", offload)
+
+  @property
+  def num_devices(self) -> int:
+    return self.submesh[0] * self.submesh[1]
+
+  def to_json(self) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items()}
+
+  @classmethod
+  def from_json(cls, data: dict, where: str = "zebra") -> "ZebraGroup":
+    _check_fields(cls, data, where, ("subcluster", "submesh", "num_microbatches",
+                                     "routed_layers", "offload"))
+    try:
+      return cls(subcluster=data["subcluster"],
+                 submesh=_ints(data["submesh"], f"{where}.submesh", 1, 2),
+                 num_microbatches=data["num_microbatches"],
+                 routed_layers=_ints(data["routed_layers"], f"{where}.routed_layers", 0),
+                 offload=_ints(data["offload"], f"{where}.offload", 0))
+    except PlanError as e:
+      raise PlanError(f"{where}: {e}") from None
+
+
 def row_shares(rows: int, shares: Sequence[int], quanta: Sequence[int] | None = None
                ) -> tuple[int, ...]:
   """Splits a microbatch of ``rows`` rows among groups in proportion to ``shares``.
@@ -248,6 +310,7 @@ class StageSpec:
   offload: bool = False
   offload_activations: bool = False
   remat: str | None = None
+  zebra: ZebraGroup | None = None
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -278,6 +341,17 @@ class StageSpec:
                    for g in self.groups)
     object.__setattr__(self, "groups", groups)
     object.__setattr__(self, "share", _int(self.share, f"{where}: share", 1))
+    if self.zebra is not None:
+      if isinstance(self.zebra, dict):
+        object.__setattr__(self, "zebra", ZebraGroup.from_json(self.zebra, f"{where}: zebra"))
+      elif not isinstance(self.zebra, ZebraGroup):
+        raise PlanError(f"{where}: zebra={self.zebra!r} must be a ZebraGroup")
+      if groups:
+        raise PlanError(f"{where}: a zebra stage has no mixed-type groups; give zebra or "
+                        "groups, not both")
+      if not all(layers[0] <= l <= layers[1] for l in self.zebra.routed_layers):
+        raise PlanError(f"{where}: zebra routed layers {list(self.zebra.routed_layers)} must "
+                        "lie in the stage's layers")
     if self.remat is not None and self.remat not in REMAT_MODES:
       raise PlanError(f"{where}: remat={self.remat!r} must be one of {REMAT_MODES} (or None: "
                       "the plan's)")
@@ -310,7 +384,8 @@ class StageSpec:
   @property
   def num_devices(self) -> int:
     """Devices of the stage, every group's."""
-    return self.submesh[0] * self.submesh[1] + sum(g.num_devices for g in self.groups)
+    return (self.submesh[0] * self.submesh[1] + sum(g.num_devices for g in self.groups)
+            + (self.zebra.num_devices if self.zebra is not None else 0))
 
   @property
   def num_layers(self) -> int:
@@ -329,6 +404,9 @@ class StageSpec:
       elif f.name == "remat":
         if v is not None:
           out["remat"] = v
+      elif f.name == "zebra":
+        if v is not None:
+          out["zebra"] = v.to_json()
       elif f.name not in ("zero", "offload", "offload_activations") or v:
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
@@ -360,6 +438,10 @@ class StageSpec:
       raise PlanError(f"{where}.groups={groups!r} must be a list of group objects")
     kw["groups"] = tuple(StageGroup.from_json(g, f"{where}.groups[{i}]")
                          for i, g in enumerate(groups))
+    if data.get("zebra") is not None:
+      if not isinstance(data["zebra"], dict):
+        raise PlanError(f"{where}.zebra={data['zebra']!r} must be an object")
+      kw["zebra"] = ZebraGroup.from_json(data["zebra"], f"{where}.zebra")
     try:
       return cls(**kw)
     except PlanError as e:
@@ -517,9 +599,12 @@ class Plan:
     for i, s in enumerate(self.stages):
       gs = s.all_groups
       share = "" if not s.groups else " " + ":".join(str(g.share) for g in gs)
+      z = s.zebra
       rows.append([str(i + 1), f"[{s.layers[0]}, {s.layers[1]}]",
-                   "+".join(g.subcluster for g in gs) + share,
-                   "+".join(f"({g.submesh[0]}, {g.submesh[1]})" for g in gs),
+                   "+".join(g.subcluster for g in gs) + share
+                   + ("" if z is None else f"|{z.subcluster}"),
+                   "+".join(f"({g.submesh[0]}, {g.submesh[1]})" for g in gs)
+                   + ("" if z is None else f"|({z.submesh[0]}, {z.submesh[1]})"),
                    "+".join(f"({g.logical_mesh[0]}, {g.logical_mesh[1]})" for g in gs),
                    "-" if s.warmup is None else str(s.warmup),
                    "-" if s.time_s is None else f"{s.time_s * 1e3:.3f}",
@@ -533,6 +618,13 @@ class Plan:
       for r, st in zip(rows, self.stages):
         r.append("+".join([f"ZeRO-{st.zero}"] + (["offload"] if st.offload else [])
                           + (["host-residuals"] if st.offload_activations else [])))
+    if any(st.zebra is not None for st in self.stages):
+      head.append("Zebra")   # attention|experts, GPU ratio, zebra microbatches, offload
+      for r, st in zip(rows, self.stages):
+        z = st.zebra
+        r.append("-" if z is None else (
+            f"{st.submesh[0] * st.submesh[1]}:{z.num_devices} R={z.num_microbatches} "
+            f"offload={','.join(map(str, z.offload))}"))
     widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
     lines = [fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]

@@ -2,7 +2,8 @@
 cluster, each distinct layer costed once per GPU type, submesh and logical mesh (HARP §5.1).
 
 Modules: :mod:`~harpjax.compiler.profile.tables` (:class:`CostTables`, the type and its
-checks), :mod:`~harpjax.compiler.profile.assemble` (:func:`assemble_tables`, the one builder
+checks; :mod:`~harpjax.compiler.profile.routed_split`, the experts' part of a routed
+layer's cost, one of its optional fields), :mod:`~harpjax.compiler.profile.assemble` (:func:`assemble_tables`, the one builder
 of them), :mod:`~harpjax.compiler.profile.layer_profile` (the layer-profile cost model:
 :class:`LayerProfile`, :class:`SubclusterSpec`, :func:`synthetic_gpt_profile`),
 :mod:`~harpjax.compiler.profile.remat_choice` (:func:`with_remat_choice`: the remat mode as a
@@ -37,6 +38,7 @@ from harpjax.compiler.profile.fees import (cut_fees, cuts_transfer, group_sync_t
 from harpjax.compiler.profile.remat_choice import with_remat_choice
 from harpjax.compiler.profile.routes import (group_route_s, home_sync_s, replica_link,
                                              subcluster_link)
+from harpjax.compiler.profile.routed_split import RoutedSplit
 from harpjax.compiler.profile.tables import CostTables, range_sums
 from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_time_s,
                                            replica_grad_bytes, stage_memory, StageMemory,
@@ -51,7 +53,7 @@ __all__ = [
     "PlanTransfer", "with_fees", "home_sync_s", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
-    "range_sums", "replica_grad_bytes", "replica_link", "SOURCES", "stage_memory",
+    "range_sums", "replica_grad_bytes", "replica_link", "RoutedSplit", "SOURCES", "stage_memory",
     "StageMemory", "stage_flops", "stage_times", "subcluster_link", "SubclusterSpec", "sync_per_microbatch",
     "synthetic_gpt_profile", "tables_for_plan", "with_remat_choice",
     "ZERO_LEVELS", "zero_collectives", "zero_layer_costs", "zero_stage_times",

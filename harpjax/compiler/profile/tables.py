@@ -50,6 +50,10 @@ from harpjax.errors import CostTablesError
 from harpjax.compiler.profile.fees import LinkFees
 from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.trace import REMAT_MODES
+from harpjax.compiler.profile.routed_split import RoutedSplit
+
+_SPLIT_KEYS = frozenset(("num_layers", "subcluster_names", "num_hosts", "submeshes",
+                         "stage_time_s"))
 
 __all__ = ["CostTables", "check_submeshes", "check_int", "check_seq", "range_sums", "range_max",
            "ENTRY_ARRAYS"]
@@ -251,6 +255,11 @@ class CostTables:
       residual offload) variants (:func:`harpjax.compiler.plan.variants.expand_variants`):
       ``[K]`` tuples of ``(zero, offload, offload_activations)``, one per entry of
       ``submeshes[k]`` (whose shapes then repeat, once per variant).
+    routed_split: optional :class:`~harpjax.compiler.profile.routed_split.RoutedSplit`: the
+      experts' part of each routed layer's time and memory, which zebra stages (attention and
+      experts on two groups of GPUs, :mod:`harpjax.compiler.plan.zebra_stages`) need.
+      ``None``: the planner does not consider zebra stages. Transformations that change the
+      submesh choices (variants, remat modes) drop it.
   """
   num_layers: int
   subcluster_names: tuple[str, ...]
@@ -286,6 +295,7 @@ class CostTables:
   host_bandwidth_bytes_per_s: tuple[float, ...] | None = None
   host_latency_s: tuple[float, ...] | None = None
   fees: LinkFees | None = None
+  routed_split: RoutedSplit | None = None
 
   def __post_init__(self):
     L = check_int(self.num_layers, "num_layers")
@@ -444,6 +454,10 @@ class CostTables:
       if len(self.layer_names) != L:
         raise CostTablesError(f"layer_names has {len(self.layer_names)} names for {L} layers")
       set_("layer_names", tuple(str(n) for n in self.layer_names))
+    if self.routed_split is not None:
+      if not isinstance(self.routed_split, RoutedSplit):
+        raise CostTablesError(f"routed_split={self.routed_split!r} must be a RoutedSplit")
+      self.routed_split.check(self)
 
   def _set_variants(self, K: int) -> None:
     """Checks :attr:`variants`: one ``(zero, offload, offload_activations)`` per submesh entry
@@ -660,6 +674,11 @@ class CostTables:
   # ------------------------------------------------------------------ transformations
 
   def replace(self, **changes) -> "CostTables":
+    """The tables with ``changes``; a change of the layers, subclusters, submesh choices or
+    times drops :attr:`routed_split` (the split is of the entries it was made for) unless
+    ``changes`` gives one."""
+    if "routed_split" not in changes and _SPLIT_KEYS & changes.keys():
+      changes["routed_split"] = None
     return dataclasses.replace(self, **changes)
 
   def without_communication(self) -> "CostTables":
