@@ -80,7 +80,7 @@ from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxp
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params", "simplified_away", "outputs_recompute_ops",
-           "outputs_recompute_work"]
+           "outputs_recompute_work", "live_ops_work"]
 
 ESTIMATE_VERSION = "12"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
@@ -759,6 +759,20 @@ def outputs_recompute_work(traced: TracedPiece, mesh_shape: tuple[int, int]) -> 
   dp, tp = mesh_shape
   lv = traced.live
   return _work(lv, _live_sizes(traced, dp, tp), _read(lv), only=ops)
+
+
+def live_ops_work(traced: TracedPiece, mesh_shape: tuple[int, int], ops) -> Work:
+  """The per-device :class:`~harpjax.compiler.profile.calibration.Work` of the ops ``ops``
+  (indices into ``traced.live``) on a ``(dp, tp)`` logical mesh, each counted as in the
+  layer's own work (:func:`jaxpr_work`): a part of the layer's work, never more than it (the
+  experts of a routed layer, :mod:`~harpjax.compiler.profile.routed_split`)."""
+  dp, tp = mesh_shape
+  lv = traced.live if traced.live is not None else traced.fwd_bwd
+  sizes = _live_sizes(traced, dp, tp) if traced.live is not None else None
+  if sizes is None:
+    params, batch = _input_roles(traced.piece, lv, with_cts=True)
+    sizes = _Sizes(lv, params, batch, dp, tp, lv.outvars[:len(traced.piece.param_ids)])
+  return _work(lv, sizes, _read(lv), only=set(ops))
 
 
 def _draw_bytes(prog: Program, sizes: _Sizes) -> tuple[float, float]:

@@ -53,6 +53,7 @@ from harpjax.compiler.profile.memory import (runs_replicas, stage_draw_workspace
 from harpjax.compiler.profile.routes import host_link, node_link, replica_link
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
+from harpjax.compiler.profile.routed_split import profile_routed_split
 from harpjax.compiler.profile.tables import CostTables, range_max, range_sums
 from harpjax.compiler.trace import REMAT_MODES, Lit, aval_nbytes, remat_mode, trace_step
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
@@ -1078,6 +1079,9 @@ def profile_layers(layers: LayerSequence, cluster, *, options: ProfileOptions | 
   tables, counts = _build_tables(layers, cluster, subs, found.configs, costs, opts,
                                  num_microbatches, replica_programs=same)
   tables = in_remat_mode(tables, opts.remat_modes[0])
+  split = _routed_split(layers, found, results, tables, source, db, opts, num_microbatches)
+  if split is not None:
+    tables = tables.replace(routed_split=split)
   naive_ss = L * (L + 1) // 2 * sum(len(sub.submesh_shapes()) for sub in subs)
   stats = ProfileStats(
       num_layers=L, distinct_layers=len(set(layers.signatures)),
@@ -1111,6 +1115,23 @@ def _build_tables(layers: LayerSequence, cluster, subs, configs, costs,
   if microbatch_size(layers) is not None:
     tables = dataclasses.replace(tables, microbatch_rows=microbatch_size(layers))
   return tables, counts
+
+
+def _routed_split(layers: LayerSequence, found: ProfileTasks, results: dict, tables: CostTables,
+                  source, db, opts: ProfileOptions, num_microbatches: int | None):
+  """The tables' :class:`~harpjax.compiler.profile.RoutedSplit` (each routed layer's experts
+  costed apart, :func:`~harpjax.compiler.profile.routed_split.profile_routed_split`), or
+  ``None`` for a model without routed layers. The experts' work is read off the layer's jaxpr
+  (the jaxpr source's trace, reused when it is the source)."""
+  if not layers.routed_modules():
+    return None
+  jaxpr = source if isinstance(source, sources.JaxprSource) else sources.JaxprSource(
+      opts.efficiencies, opts.state_bytes_per_param, remat=opts.remat_modes[0],
+      num_microbatches=num_microbatches)
+  return profile_routed_split(layers, found, results, tables, trace=jaxpr.traced, db=db,
+                              efficiencies=opts.efficiencies,
+                              state_bytes_per_param=opts.state_bytes_per_param,
+                              jaxpr_timed=opts.source == "jaxpr")
 
 
 def tables_for_plan(result: ProfileResult, plan) -> CostTables:
