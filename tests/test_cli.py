@@ -814,6 +814,51 @@ def test_plan_with_mixed_stages(tmp_path):
   assert dict(plan.meta)["mixed_stages"] == "on"
 
 
+# A GPU with little memory and 3x the T4's FLOP/s beside a T4: a two-block Mixtral-tiny's
+# experts (786 KiB of state per block) do not fit the small GPU beside the rest; its attention
+# sides do.
+ZEBRA_YAML = """\
+gpus:
+  - {name: fastsmall, tflops: 200, memory_gb: 0.0015, mem_bandwidth_gbs: 3000}
+subclusters:
+  - {name: new, gpu: fastsmall, hosts: 1, devices_per_host: 1}
+  - {name: old, gpu: T4, hosts: 1, devices_per_host: 1}
+links:
+  - {between: [new, old], gbps: 100}
+"""
+MIXTRAL_2_BLOCKS = dict(family="mixtral", vocab_size=256, seq_len=16, hidden=32, num_heads=4,
+                        num_kv_heads=2, num_blocks=2, ffn_hidden=64, dtype="float32",
+                        param_dtype="float32", microbatch_size=2)
+
+
+@pytest.mark.slow
+def test_plan_chooses_a_zebra_stage_from_profiled_tables(tmp_path):
+  """The profiler's routed split lets ``harpjax plan`` put a Mixtral's attention on the
+  small fast GPU and its experts on the T4: a zebra stage, faster than the best plan without
+  one (everything but the first block's attention on the T4)."""
+  cluster, model = tmp_path / "zebra.yaml", tmp_path / "mixtral2.yaml"
+  cluster.write_text(ZEBRA_YAML)
+  model.write_text(json.dumps(MIXTRAL_2_BLOCKS))
+  out = tmp_path / "plan.json"
+  res = _run("plan", "--cluster", cluster, "--model", model, "-B", 4, "--no-cache",
+             "--no-simulate", "--json", out)
+  assert res.exit_code == 0, res.output
+  assert "zebra stages (attention|experts on two groups): [1]" in res.output, res.output
+  plan = load_plan(out)
+  (stage,) = plan.stages
+  assert stage.subcluster == "new" and stage.zebra.subcluster == "old"
+  # the same profile planned without zebra stages
+  from harpjax.cli.model import model_spec, profile_options, solve_options
+  spec = model_spec(str(model), 4, None)
+  c = Cluster.load(str(cluster))
+  tables = profile_pkg.with_fees(profile_pkg.profile_step(
+      spec.step_fn, spec.args, c, num_microbatches=4,
+      options=profile_options(no_cache=True)).tables, c)
+  plain = plan_pkg.solve(tables, 4, options=solve_options(microbatch_rows=2, zebra="off"))
+  assert not any(s.zebra for s in plain.plan.stages)
+  assert plan.predicted_iteration_s < 0.75 * plain.plan.predicted_iteration_s
+
+
 # Imported at start-up (sitecustomize): Ctrl-C the moment `python -m harpjax` starts to import
 # JAX, i.e. while the package itself is being imported, before the command runs.
 _CTRL_C_WHILE_IMPORTING = r"""
