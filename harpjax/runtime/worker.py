@@ -36,8 +36,7 @@ from harpjax.compiler.stages import LoweredStep, precompile
 from harpjax.compiler.trace import Lit
 from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
 from harpjax.runtime import codec, spmd, transport
-from harpjax.runtime.channels import (LocalChannel, Mailbox, Sender, TcpChannel, TcpListener,
-                                      sleep_until)
+from harpjax.runtime.channels import Mailbox, Sender, TcpChannel, TcpListener, sleep_until
 from harpjax.runtime.emulation import Emulation
 from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_mesh, put
 
@@ -281,11 +280,13 @@ class StageWorker:
                                   timeout_s=self.options.recv_timeout_s)
         out[dst] = ch.local
       elif isinstance(ch, tuple) and ch[0] == "local":
-        peer = self.group_peers.get(dst)
-        if peer is None:
+        if dst not in self.group_peers:
           raise RuntimeFailure(f"stage {self.stage}: a local channel to stage {dst}, which "
                                "does not run in this process")
-        ch = LocalChannel(peer.mailbox)
+        old = self.senders.pop(dst, None)
+        if old is not None:
+          old.close()
+        continue   # post() puts the message in the peer's mailbox: no sender
       old = self.senders.pop(dst, None)
       if old is not None:
         old.close()
@@ -365,6 +366,10 @@ class StageWorker:
     """Queues a message for stage ``dst`` (a group's other members send nothing: one
     message per stage pair, from the leader)."""
     if payload is None:
+      return
+    peer = self.group_peers.get(dst)
+    if peer is not None:   # a stage of this device group, in this process: no send
+      peer.mailbox.put((self._step, key), payload)
       return
     snd = self.senders.get(dst)
     if snd is None:
