@@ -15,6 +15,11 @@ cluster it asks Ray for the stage's GPUs (``num_gpus``), which become its JAX de
 file's hosts are the machines that run them. Actors are threaded (``max_concurrency``): the step
 runs in one thread while messages (object-store channel), aborts and fetches arrive in others.
 
+Under an interleaved schedule the stages of one device group share its devices: one actor, a
+:class:`~harpjax.runtime.worker.DeviceGroupWorker`, runs them all (each stage's calls reach its
+worker there through ``call``), its messages between them staying in the process. Such actors
+are not reused.
+
 A stage spanning several hosts (submesh ``(n, M)``, ``n > 1``) is, with ``spmd_hosts`` (the
 default when actors are pinned to hosts or use GPUs), one actor per host: the members join one
 ``jax.distributed`` world and run the stage as one SPMD program; the first member talks to the

@@ -1,7 +1,9 @@
 """The driver side of the distributed runtime, independent of how workers are started.
 
 :class:`PipelineRunner` starts one :class:`~harpjax.runtime.worker.StageWorker` per stage
-through a *backend* (Ray actors in :mod:`harpjax.runtime.ray_runtime`; threads of this process
+(the stages of a device group under an interleaved schedule together in one process, a
+:class:`~harpjax.runtime.worker.DeviceGroupWorker`, kept to the group's task order) through a
+*backend* (Ray actors in :mod:`harpjax.runtime.ray_runtime`; threads of this process
 in :class:`ThreadBackend`, for debugging), wires their channels on the links the cluster model
 chooses (:mod:`harpjax.runtime.transport`), and runs steps: one call per worker per step, every
 wait bounded, a failure anywhere reported as a :class:`~harpjax.errors.RuntimeFailure` naming

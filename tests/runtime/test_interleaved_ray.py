@@ -1,5 +1,5 @@
 """Stages that share a device group on the Ray runtime: one actor per group runs its stages in
-the group's interleaved order; training equals ``jax.jit`` in float64 (plain parameters and
+the group's interleaved order (and the same workers in threads, ``backend="threads"``); training equals ``jax.jit`` in float64 (plain parameters and
 ZeRO-3), and a checkpoint of such a run restores onto a new one.
 
 The cases of ``tests/runtime/test_interleaved.py``: the zoo's ``loop`` model on four stages
@@ -77,12 +77,12 @@ def _check_group_order(runner):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork")
-@pytest.mark.parametrize("zero", [0, 3])
-def test_interleaved_on_ray_equals_jit(x64, ray_instance, zero):
+@pytest.mark.parametrize("backend,zero", [("ray", 0), ("ray", 3), ("threads", 0)])
+def test_interleaved_on_ray_equals_jit(x64, ray_instance, backend, zero):
   case = zoo.linen("loop")
   plan = interleaved_plan(_num_layers(case), GROUPS, zero=zero)
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
-                                runtime=harpjax.RayRuntime())
+                                runtime=harpjax.RayRuntime(backend=backend))
   ref = jax.jit(case.step)
   s_ref = s_par = case.state
   for i, batch in enumerate(case.batches[:2]):
@@ -92,11 +92,12 @@ def test_interleaved_on_ray_equals_jit(x64, ray_instance, zero):
     s_ref, s_par = out_ref[0], out_par[0]
   runner = pstep.runner(case.state, case.batches[0])
   assert runner.device_groups == ((0, 2), (1, 3))
-  pids = [info["pid"] for info in runner.infos]
-  assert pids[0] == pids[2] and pids[1] == pids[3] and pids[0] != pids[1]
+  if backend == "ray":   # one process per device group; between groups, TCP
+    pids = [info["pid"] for info in runner.infos]
+    assert pids[0] == pids[2] and pids[1] == pids[3] and pids[0] != pids[1]
+    for (a, b), route in runner.routes.items():
+      assert (route.transport == "local") == (a % 2 == b % 2), (a, b, route)
   # Within a group, no send: messages go to the other stage's mailbox in the process.
-  for (a, b), route in runner.routes.items():
-    assert (route.transport == "local") == (a % 2 == b % 2), (a, b, route)
   assert not any(d % 2 == s % 2 for s, sends in enumerate(runner.last.sends)
                  for d, *_ in sends)
   _check_group_order(runner)
