@@ -122,3 +122,19 @@ def test_interleaved_on_ray_checkpoint_restores(x64, ray_instance, tmp_path):
   out = second(state, case.batches[1])
   expect = ref(ref(case.state, case.batches[0])[0], case.batches[1])
   assert max_rel_err(expect, ray_instance.gather(out)) <= RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:os.fork")
+def test_device_group_over_several_hosts_is_refused(ray_instance):
+  # Actors pinned to hosts run a stage spanning hosts as one SPMD program over a process per
+  # host; a device group's stages share one process: refused, naming the stages and hosts.
+  from harpjax.errors import UnsupportedError
+  case = zoo.linen("loop")
+  plan = interleaved_plan(_num_layers(case), [("v100", (1, 4), (4, 1)),
+                                              ("a100", (2, 2), (4, 1))])
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
+                                runtime=harpjax.RayRuntime())
+  with pytest.raises(UnsupportedError, match=r"stages \[1, 3\] share a device group that "
+                                             r"spans the hosts"):
+    pstep(case.state, case.batches[0])
