@@ -15,6 +15,11 @@ cluster it asks Ray for the stage's GPUs (``num_gpus``), which become its JAX de
 file's hosts are the machines that run them. Actors are threaded (``max_concurrency``): the step
 runs in one thread while messages (object-store channel), aborts and fetches arrive in others.
 
+Under an interleaved schedule the stages of one device group share its devices: one actor, a
+:class:`~harpjax.runtime.worker.DeviceGroupWorker`, runs them all (each stage's calls reach its
+worker there through ``call``), its messages between them staying in the process. Such actors
+are not reused.
+
 A stage spanning several hosts (submesh ``(n, M)``, ``n > 1``) is, with ``spmd_hosts`` (the
 default when actors are pinned to hosts or use GPUs), one actor per host: the members join one
 ``jax.distributed`` world and run the stage as one SPMD program; the first member talks to the
@@ -55,7 +60,7 @@ from harpjax.runtime.group_worker import GroupWorker
 from harpjax.runtime.handles import RemoteArray, gather, load_tree, save_tree
 from harpjax.runtime.measure import MeasuredStep
 from harpjax.runtime.runner import PipelineRunner, RayRuntime, RunnerOptions, ThreadBackend
-from harpjax.runtime.worker import StageWorker
+from harpjax.runtime.worker import DeviceGroupWorker, StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +124,18 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) 
 
 class ObjectStoreChannel(Channel):
   """The fallback channel: the sender thread hands the message to the receiving actor's
-  ``deliver`` method through the Ray object store, waiting (bounded) for it to be filed."""
+  ``deliver`` method through the Ray object store, waiting (bounded) for it to be filed.
+  ``grouped``: the actor runs a device group's stages (``call(dst, "deliver", ...)``)."""
   remote = True
 
-  def __init__(self, actor, dst: int, timeout_s: float):
-    self.actor, self.dst, self.timeout_s = actor, dst, timeout_s
+  def __init__(self, actor, dst: int, timeout_s: float, grouped: bool = False):
+    self.actor, self.dst, self.timeout_s, self.grouped = actor, dst, timeout_s, grouped
 
   def send(self, step, key, src, payload):
-    ref = self.actor.deliver.remote(step, key, src, payload)
+    if self.grouped:
+      ref = self.actor.call.remote(self.dst, "deliver", step, key, src, payload)
+    else:
+      ref = self.actor.deliver.remote(step, key, src, payload)
     try:
       ray.get(ref, timeout=self.timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -182,6 +191,8 @@ class RayBackend:
     self.remote_groups: dict[int, tuple] = {}   # mixed stage -> groups in actors of their own
     self.group_hosts: dict[tuple, str] = {}     # (stage, group) -> its host
     self.group_actors: dict[int, dict] = {}     # stage -> group -> actor
+    self.device_group: dict[int, int] = {}      # stage -> its device group's index, for the
+    #                                             stages of an interleaved schedule (one actor)
     self.healthy = True
     self.pin = self.gpu = False
     self.platform = "cpu"   # what the stages are lowered for (set by prepare)
@@ -216,14 +227,29 @@ class RayBackend:
           self.remote_groups[s] += (g,)
           self.group_hosts[(s, g)] = h
     _check_placement(runner, self.pin, self.gpu, split, self.remote_groups)
+    self.device_group = {s: i for i, stages in enumerate(runner.device_groups) for s in stages}
+    _check_device_groups(runner, split, mixed)
     return split
 
   def start(self, runner: PipelineRunner, specs) -> None:
     opts = self.options
     resources = ray.cluster_resources()
     cls = ray.remote(StageWorker)
+    group_cls = ray.remote(DeviceGroupWorker)
+    group_actors: dict[int, Any] = {}
     reused = 0
     for spec in specs:
+      g = self.device_group.get(spec.stage)
+      if g is not None:   # one process runs the device group's stages
+        if g not in group_actors:
+          env = _actor_env(spec.num_devices, self.gpu, dict(opts.actor_env or {}))
+          stages = runner.device_groups[g]
+          actor_opts = self._actor_options(env, spec.num_devices, spec.host, resources,
+                                           16 * len(stages), f"stages {list(stages)}")
+          group_actors[g] = group_cls.options(**actor_opts).remote(stages)
+        self.actors.append([group_actors[g]])
+        self.keys.append(None)
+        continue
       if spec.device_layout is None:
         members = [(spec.host, spec.num_devices)]
       else:
@@ -250,10 +276,12 @@ class RayBackend:
     if groups:
       self._join_groups(runner, groups)
     self._start_group_workers(specs, resources)
-    log.info("launched %d stage actors (%d reused; %s devices%s%s)",
-             sum(map(len, self.actors)), reused, "GPU" if self.gpu else "CPU",
-             ", pinned to hosts" if self.pin else "",
-             f"; stages {groups} as groups of one process per host" if groups else "")
+    log.info("launched %d stage actors (%d reused; %s devices%s%s%s)",
+             len({id(a) for m in self.actors for a in m}), reused,
+             "GPU" if self.gpu else "CPU", ", pinned to hosts" if self.pin else "",
+             f"; stages {groups} as groups of one process per host" if groups else "",
+             f"; device groups {list(runner.device_groups)} in one process each"
+             if group_actors else "")
 
   def _actor_options(self, env: dict, n: int, host: str, resources: dict,
                      concurrency: int, who: str) -> dict[str, Any]:
@@ -348,10 +376,16 @@ class RayBackend:
     return all(info["hostname"] == me for info in infos)
 
   def same_process(self, a: int, b: int) -> bool:
-    return False
+    g = self.device_group.get(a)
+    return g is not None and g == self.device_group.get(b)
+
+  def _invoke(self, stage: int, actor, method: str, *args):
+    if stage in self.device_group:
+      return actor.call.remote(stage, method, *args)
+    return getattr(actor, method).remote(*args)
 
   def submit(self, stage: int, method: str, *args):
-    return _Call([getattr(a, method).remote(*args) for a in self.actors[stage]])
+    return _Call([self._invoke(stage, a, method, *args) for a in self.actors[stage]])
 
   def wait_any(self, pending: dict, timeout_s: float):
     owner = {ref: (s, r) for s, call in pending.items() for r, ref in enumerate(call.refs)
@@ -395,15 +429,18 @@ class RayBackend:
     self.healthy = False
     for a in self.actors[stage]:
       try:
-        a.abort.remote(reason, step)
+        self._invoke(stage, a, "abort", reason, step)
       except Exception:  # pylint: disable=broad-except  (a dead actor cannot be aborted)
         pass
 
   def local_channel(self, dst: int):
-    raise HarpjaxError("stages on Ray actors never share a process")
+    if dst not in self.device_group:
+      raise HarpjaxError("only the stages of one device group share a Ray actor's process")
+    return ("local", dst)   # the worker puts the message in dst's mailbox
 
   def object_store_channel(self, dst: int):
-    return ObjectStoreChannel(self.actors[dst][0], dst, self.options.recv_timeout_s)
+    return ObjectStoreChannel(self.actors[dst][0], dst, self.options.recv_timeout_s,
+                              grouped=dst in self.device_group)
 
   def kill(self, stage: int, rank: int = 0) -> None:
     self.healthy = False
@@ -426,6 +463,7 @@ class RayBackend:
     if not actors or not ray.is_initialized():
       return
     actors = actors + [list(g.values()) for g in group_actors.values()]
+    self.device_group = {}
     keep = []
     if self.healthy:
       single = [(m[0], k) for m, k in zip(actors, keys) if k is not None]
@@ -512,6 +550,26 @@ def _check_placement(runner, pin: bool, gpu: bool, split: frozenset,
     if pin:
       for host, _ in groups:
         _check_gpu_type(runner, nodes, s, host, st.subcluster)
+
+
+def _check_device_groups(runner, split: frozenset, mixed: set) -> None:
+  """A device group's stages run in one process: refuses what that process cannot hold."""
+  for stages in runner.device_groups:
+    wide = [s for s in stages if s in split]
+    if wide:
+      raise UnsupportedError(
+          f"stages {list(stages)} share a device group that spans the hosts "
+          f"{', '.join(h for h, _ in runner.host_groups[stages[0]])}; the Ray runtime runs a "
+          "device group's stages in one process, not as one SPMD program over several hosts: "
+          "use single-host submeshes (1, m) for an interleaved schedule, or, on one machine "
+          "with fake devices, pass spmd_hosts=False")
+    split_stages = [s for s in stages if s in mixed]
+    if split_stages:
+      raise UnsupportedError(
+          f"stages {split_stages} of device group {list(stages)} split their rows among "
+          "groups of several GPU types; the Ray runtime does not run mixed-type stages that "
+          "share a device group: give them one GPU type each, or run the plan with "
+          "harpjax.LocalRuntime()")
 
 
 def _check_gpu_type(runner, nodes, s: int, host: str, subcluster: str) -> None:

@@ -1,7 +1,9 @@
 """The driver side of the distributed runtime, independent of how workers are started.
 
 :class:`PipelineRunner` starts one :class:`~harpjax.runtime.worker.StageWorker` per stage
-through a *backend* (Ray actors in :mod:`harpjax.runtime.ray_runtime`; threads of this process
+(the stages of a device group under an interleaved schedule together in one process, a
+:class:`~harpjax.runtime.worker.DeviceGroupWorker`, kept to the group's task order) through a
+*backend* (Ray actors in :mod:`harpjax.runtime.ray_runtime`; threads of this process
 in :class:`ThreadBackend`, for debugging), wires their channels on the links the cluster model
 chooses (:mod:`harpjax.runtime.transport`), and runs steps: one call per worker per step, every
 wait bounded, a failure anywhere reported as a :class:`~harpjax.errors.RuntimeFailure` naming
@@ -32,7 +34,6 @@ from harpjax import _compat
 from harpjax.compiler.stages import StepProgram, lower_step
 from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import (HarpjaxError, InvalidOptionError, PlanError, RuntimeFailure,
-                            UnsupportedError,
                             UnknownOptionError, check_choice, check_count, check_flag,
                             check_number)
 from harpjax.runtime import codec, transport
@@ -42,11 +43,12 @@ from harpjax.runtime.local import check_compilation_cache
 from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner,
                                      save_tree, unregister_runner)
 from harpjax.runtime.measure import MeasuredStep, measured_step
-from harpjax.runtime.worker import StageWorker, WorkerOptions, WorkerSpec
+from harpjax.runtime.worker import GroupTurns, StageWorker, WorkerOptions, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RayRuntime", "RunnerOptions", "PipelineRunner", "ThreadBackend", "FETCH_MODES"]
+__all__ = ["RayRuntime", "RunnerOptions", "PipelineRunner", "ThreadBackend", "FETCH_MODES",
+           "device_groups_of"]
 
 FETCH_MODES = ("metrics", "all", "none")
 
@@ -190,11 +192,6 @@ class PipelineRunner:
 
   def __init__(self, program: StepProgram, cluster, example_args, backend,
                options: RayRuntime):
-    if program.schedule.groups is not None:
-      raise UnsupportedError(
-          f"schedule {program.schedule.name!r} runs several stages on one device group; the Ray "
-          "runtime runs one process per stage, which cannot share a group's devices. Run the "
-          "plan with harpjax.LocalRuntime(), or with a schedule of one stage per group")
     t0 = time.time()
     self.id = new_runner_id()
     self.options = options
@@ -204,6 +201,8 @@ class PipelineRunner:
     self.num_stages = S = program.num_stages
     self.hosts = transport.stage_hosts(self.cluster, [s.all_devices for s in program.plan.stages])
     self.host_groups = [host_groups(self.cluster, st.all_devices) for st in program.plan.stages]
+    # Stages that share a device group (an interleaved schedule) run in one worker process.
+    self.device_groups = device_groups_of(program.schedule)
     self.emulation = (None if options.emulation is None else
                       options.emulation.resolve(program.plan, self.cluster, self.hosts))
     self._backend = backend
@@ -543,6 +542,17 @@ class PipelineRunner:
       pass
 
 
+def device_groups_of(schedule) -> tuple[tuple[int, ...], ...]:
+  """The stages of each device group that runs several (an interleaved schedule's chunks), in
+  order; empty when every stage has devices of its own."""
+  if schedule.groups is None:
+    return ()
+  groups: dict[int, list[int]] = {}
+  for s, g in enumerate(schedule.device_groups):
+    groups.setdefault(g, []).append(s)
+  return tuple(tuple(v) for _, v in sorted(groups.items()) if len(v) > 1)
+
+
 def host_groups(cluster, devices) -> list[tuple[str, list[int]]]:
   """A stage's devices by host: ``[(host, [global device indices])]`` in order of first
   appearance (the first host's process leads a group)."""
@@ -618,6 +628,13 @@ class ThreadBackend:
   def start(self, runner: PipelineRunner, specs) -> None:
     self._local = runner.cluster.local_devices()
     self.workers = [StageWorker() for _ in specs]
+    sched = runner.program.schedule
+    for stages in runner.device_groups:   # a device group's stages keep its task order
+      turns = GroupTurns(sched.groups[sched.device_groups[stages[0]]],
+                         sched.device_groups[stages[0]])
+      for s in stages:
+        self.workers[s].turns = turns
+        self.workers[s].group_peers = {t: self.workers[t] for t in stages}
     self._pool = cf.ThreadPoolExecutor(max_workers=2 * len(specs) + 2,
                                        thread_name_prefix="harpjax-stage")
 

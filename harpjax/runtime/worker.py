@@ -13,6 +13,10 @@ groups after the pipeline, and keeps the outputs it computed (the new state stay
 Sends go through one :class:`~harpjax.runtime.channels.Sender` thread per destination, so
 computing never waits on the network; receives land in a
 :class:`~harpjax.runtime.channels.Mailbox`, every wait bounded by ``recv_timeout_s``.
+
+Stages that share a device group (an interleaved schedule's chunks) run in one process, a
+:class:`DeviceGroupWorker`: a stage worker each, on the same devices, kept to the group's task
+order by :class:`GroupTurns`; messages between them stay in the process.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_me
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerOptions", "WorkerSpec", "StageWorker", "apply_settings"]
+__all__ = ["WorkerOptions", "WorkerSpec", "StageWorker", "GroupTurns", "DeviceGroupWorker",
+           "apply_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +166,10 @@ class StageWorker:
     self._step = -1
     self._tasks: list[tuple] = []
     self._overruns = 0
+    # Set by a DeviceGroupWorker: the other stages of this device group in this process, and
+    # the group's task order, which this stage's region keeps.
+    self.group_peers: dict[int, "StageWorker"] = {}
+    self.turns: GroupTurns | None = None
     if spec is not None:
       self.build(spec, devices)
 
@@ -255,8 +264,9 @@ class StageWorker:
     """Starts a sender thread per destination stage.
 
     Args:
-      channels: ``{dst: channel}``: a :class:`~harpjax.runtime.channels.Channel`, or
-        ``("tcp", src_address, (dst_address, port), device)``.
+      channels: ``{dst: channel}``: a :class:`~harpjax.runtime.channels.Channel`,
+        ``("tcp", src_address, (dst_address, port), device)``, or ``("local", dst)`` for a
+        stage of this worker's device group in this process (its mailbox directly).
 
     Returns:
       ``{dst: local socket address}`` of the TCP channels.
@@ -269,6 +279,14 @@ class StageWorker:
                                   device=device if self.options.bind_device else None,
                                   timeout_s=self.options.recv_timeout_s)
         out[dst] = ch.local
+      elif isinstance(ch, tuple) and ch[0] == "local":
+        if dst not in self.group_peers:
+          raise RuntimeFailure(f"stage {self.stage}: a local channel to stage {dst}, which "
+                               "does not run in this process")
+        old = self.senders.pop(dst, None)
+        if old is not None:
+          old.close()
+        continue   # post() puts the message in the peer's mailbox: no sender
       old = self.senders.pop(dst, None)
       if old is not None:
         old.close()
@@ -282,7 +300,9 @@ class StageWorker:
       snd.delay_s = self._delay_fn(dst)
 
   def _delay_fn(self, dst: int):
-    return None if self.emulation is None else self.emulation.delay_fn(self.stage, dst)
+    if self.emulation is None or dst in self.group_peers:   # one device group: no link
+      return None
+    return self.emulation.delay_fn(self.stage, dst)
 
   # ------------------------------------------------------------------ messages
 
@@ -294,6 +314,8 @@ class StageWorker:
     """Fails every wait of step ``step`` (``None``: of any step) because another stage failed
     or the driver was interrupted; later steps run normally."""
     self.mailbox.fail(reason, step)
+    if self.turns is not None:
+      self.turns.fail(reason, step)
 
   def ping(self) -> int:
     """Answers at once (a liveness probe of the driver)."""
@@ -344,6 +366,10 @@ class StageWorker:
     """Queues a message for stage ``dst`` (a group's other members send nothing: one
     message per stage pair, from the leader)."""
     if payload is None:
+      return
+    peer = self.group_peers.get(dst)
+    if peer is not None:   # a stage of this device group, in this process: no send
+      peer.mailbox.put((self._step, key), payload)
       return
     snd = self.senders.get(dst)
     if snd is None:
@@ -510,7 +536,18 @@ class StageWorker:
     inputs = {lay.region_invars[k]: ref.value if isinstance(ref, Lit) else self._need(ref)
               for k, ref in lay.region_inputs[s]}
     run = StageRun(lay, self.exe, self, inputs)
-    run.run(self.schedule.tables[s])
+    turns = self.turns
+    if turns is None:
+      run.run(self.schedule.tables[s])
+    else:   # a stage of a device group: its tasks in the group's order, one at a time
+      try:
+        for task in self.schedule.tables[s]:
+          turns.wait(self._step, s, task, self.options.recv_timeout_s)
+          run.task(task)
+          turns.done(self._step)
+      except BaseException as e:
+        turns.fail(f"stage {s} failed: {type(e).__name__}: {e}", self._step)
+        raise
     region_end = time.time()
     for vid, x in run.combine().items():
       self._publish(vid, x)
@@ -518,3 +555,135 @@ class StageWorker:
     for vid, x in run.reduce().items():
       self._publish(vid, x)
     return region_end
+
+
+# --------------------------------------------------------------------------- device groups
+
+
+class GroupTurns:
+  """The task order of one device group whose stages share its devices (an interleaved
+  schedule), kept by the threads that run those stages in one process.
+
+  Each stage's thread runs its own row (its tasks in the group's order); before a task it
+  waits for its turn (:meth:`wait`), after it passes the turn on (:meth:`done`), so the group
+  computes one task at a time in :attr:`~harpjax.compiler.schedule.Schedule.groups`' order, as
+  the simulator and the memory model assume. Turns are counted per step; :meth:`fail` wakes
+  the waiters of a step (a stage failed, or the runner aborted the step).
+
+  Args:
+    order: the group's tasks (:class:`~harpjax.compiler.schedule.StageTask`) in order.
+    group: the group's index (for messages).
+  """
+
+  def __init__(self, order, group: int):
+    self.order = tuple(order)
+    self.group = group
+    self._cond = threading.Condition()
+    self._pos: dict[int, int] = {}
+    self._failed: dict[int | None, str] = {}
+
+  def wait(self, step: int, stage: int, task, timeout_s: float) -> None:
+    """Returns when ``stage``'s ``task`` is the group's next task in ``step``.
+
+    Raises:
+      RuntimeFailure: the step failed or was aborted, or the turn did not come in
+        ``timeout_s`` (another stage of the group waits for a message that does not come).
+    """
+    deadline = time.monotonic() + timeout_s
+    with self._cond:
+      while True:
+        reason = self._failed.get(step, self._failed.get(None))
+        if reason is not None:
+          raise RuntimeFailure(f"stage {stage}: aborted while waiting for its turn on device "
+                               f"group {self.group}: {reason}")
+        pos = self._pos.get(step, 0)
+        nxt = self.order[pos] if pos < len(self.order) else None
+        if nxt is not None and (nxt.stage, nxt.kind, nxt.microbatch) == (
+            stage, task.kind, task.microbatch):
+          return
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise RuntimeFailure(
+              f"stage {stage}: waited {timeout_s:g} s for its turn to run {task} on device "
+              f"group {self.group}, whose next task is {nxt} (step {step})")
+        self._cond.wait(min(left, 1.0))
+
+  def done(self, step: int) -> None:
+    """The group's current task of ``step`` finished: the next one may run."""
+    with self._cond:
+      self._pos[step] = self._pos.get(step, 0) + 1
+      for old in [k for k in self._pos if k < step]:
+        del self._pos[old]
+      for old in [k for k in self._failed if k is not None and k < step]:
+        del self._failed[old]
+      self._cond.notify_all()
+
+  def fail(self, reason: str, step: int | None = None) -> None:
+    """Wakes every wait of ``step`` (``None``: of every step) with ``reason`` (the first
+    reason given stays)."""
+    with self._cond:
+      self._failed.setdefault(step, reason)
+      self._cond.notify_all()
+
+
+class DeviceGroupWorker:
+  """The stages of one device group in one process: an interleaved schedule's chunks, which
+  share the group's devices.
+
+  Holds a :class:`StageWorker` per stage of the group, built on the same devices, and one
+  :class:`GroupTurns`: every stage runs its row of the task table in a thread of its own, and
+  the turns make the group compute its tasks in the schedule's group order, one at a time.
+  Messages between stages of the group stay in this process (``("local", dst)`` channels put
+  them in the receiver's mailbox, as device arrays); to other groups they go as between any
+  two stages. The runner addresses each stage as usual; :meth:`call` hands a call to that
+  stage's worker. Like :class:`StageWorker` a plain class; :mod:`harpjax.runtime.ray_runtime`
+  makes it an actor.
+
+  Args:
+    stages: the group's stages, in order.
+  """
+
+  def __init__(self, stages=()):
+    self.stages = tuple(int(s) for s in stages)
+    self.workers = {s: StageWorker() for s in self.stages}
+    for w in self.workers.values():
+      w.group_peers = self.workers
+    self.turns: GroupTurns | None = None
+    self._lock = threading.Lock()
+
+  def build(self, stage: int, spec: WorkerSpec, devices=None) -> float:
+    """Builds ``stage``'s worker (the group's turns with the first of them)."""
+    if stage not in self.workers:
+      raise RuntimeFailure(f"stage {stage} does not run on this device group (stages "
+                           f"{list(self.stages)})")
+    sched = spec.lowered.schedule
+    with self._lock:
+      if self.turns is None:
+        if sched.groups is None:
+          raise RuntimeFailure(f"stage {stage}: schedule {sched.name!r} has no device groups")
+        g = sched.device_groups[stage]
+        if tuple(s for s, h in enumerate(sched.device_groups) if h == g) != self.stages:
+          raise RuntimeFailure(f"device group {g} runs stages "
+                               f"{[s for s, h in enumerate(sched.device_groups) if h == g]}, "
+                               f"but this worker holds {list(self.stages)}")
+        self.turns = GroupTurns(sched.groups[g], g)
+    w = self.workers[stage]
+    w.turns = self.turns
+    return w.build(spec, devices)
+
+  def call(self, stage: int, method: str, *args):
+    """``method(*args)`` of ``stage``'s worker."""
+    worker = self.workers.get(stage)
+    if worker is None:
+      raise RuntimeFailure(f"stage {stage} does not run on this device group (stages "
+                           f"{list(self.stages)})")
+    if method == "build":
+      return self.build(stage, *args)
+    return getattr(worker, method)(*args)
+
+  def ping(self) -> tuple:
+    return self.stages
+
+  def shutdown(self) -> None:
+    for w in self.workers.values():
+      w.shutdown()

@@ -293,7 +293,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   """
   B = int(num_microbatches)
   kind = _kind(schedule, stages)
-  tables = variants_lib.tables_for_stages(tables, stages)
+  base, tables = tables, variants_lib.tables_for_stages(tables, stages)
   n_stages = len(stages.stages if isinstance(stages, Plan) else stages)
   group = _device_groups(kind, n_stages)
   quads = _resolve_stages(tables, stages, max(group) + 1 if group else None)
@@ -327,7 +327,7 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   if group:   # the stages of a group sit where its first stage sits
     hosts.update({x: hosts[group[x]] for x in range(S) if group[x] in hosts})
   mem_ok = True
-  group_peak = _group_peaks(tables, quads, kind, B, warm, group) if group else None
+  group_peak = _group_peaks(base, tables, quads, kind, B, warm, group) if group else None
   planned, taken = [], [0] * tables.num_subclusters
   for x, (i, j, k, s) in enumerate(quads):
     p = float(tables.param_mem_bytes[k][i, j, s])
@@ -450,22 +450,66 @@ def _device_groups(kind: ScheduleKind, num_stages: int) -> tuple[int, ...] | Non
     raise PlanError(f"schedule {kind.name!r}: {e}") from None
 
 
-def _group_peaks(tables: CostTables, quads, kind: ScheduleKind, B: int, warm,
-                 group) -> dict[int, float]:
-  """Per device group, the bytes per device it holds at its peak: every stage's parameters
-  plus the most activations its interleaved order holds at once
-  (:func:`~harpjax.compiler.schedule.group_activation_peaks`), or its largest update if
-  more."""
+def _group_peaks(base: CostTables, tables: CostTables, quads, kind: ScheduleKind, B: int,
+                 warm, group) -> dict[int, float]:
+  """Per device group, the bytes per device it holds at its peak.
+
+  A group computes one task at a time, so it holds every stage's state (its fixed bytes less
+  its task workspace, :func:`_task_workspaces`), the most residual bytes its interleaved order
+  holds at once (:func:`~harpjax.compiler.schedule.group_activation_peaks`) and the largest
+  workspace of its stages' tasks; or, after the pipeline, one stage's reduction and update
+  (``step_mem_bytes``) beside the other stages' state, if more.
+
+  Args:
+    base: the tables ``evaluate_plan`` was given (before variants were expanded for the
+      stages' ZeRO levels and offloads); ``tables``: those the stages index.
+  """
   act = [float(tables.act_mem_bytes[k][i, j, s]) for i, j, k, s in quads]
   held = group_activation_peaks(kind.schedule(len(quads), B, warm).groups, act)
-  peak: dict[int, float] = {}
-  step: dict[int, float] = {}
-  for x, (i, j, k, s) in enumerate(quads):
-    g = group[x]
-    peak[g] = peak.get(g, held[g]) + float(tables.param_mem_bytes[k][i, j, s])
+  work = _task_workspaces(base, tables, quads)
+  stay = [float(tables.param_mem_bytes[k][i, j, s]) - w for (i, j, k, s), w in zip(quads, work)]
+  out: dict[int, float] = {}
+  for g in sorted(set(group)):
+    mine = [x for x in range(len(quads)) if group[x] == g]
+    state = sum(stay[x] for x in mine)
+    peak = state + held[g] + max(work[x] for x in mine)
     if tables.step_mem_bytes is not None:
-      step[g] = max(step.get(g, 0.0), float(tables.step_mem_bytes[k][i, j, s]))
-  return {g: max(p, step.get(g, 0.0)) for g, p in peak.items()}
+      for x in mine:
+        i, j, k, s = quads[x]
+        peak = max(peak, float(tables.step_mem_bytes[k][i, j, s]) + state - stay[x])
+    out[g] = peak
+  return out
+
+
+def _task_workspaces(base: CostTables, tables: CostTables, quads) -> list[float]:
+  """Per stage, the bytes its forward or backward writes besides the residuals it keeps and
+  the state (the larger of the memory model's two task workspaces,
+  :func:`~harpjax.compiler.plan.variants.memory_model`, at the stage's ZeRO level and
+  offload); ``0`` where the tables do not carry the workspace (then a group is charged every
+  stage's fixed bytes whole)."""
+  if base.variants is not None:   # expanded before: the workspace arrays are gone
+    return [0.0] * len(quads)
+  models: dict[tuple, object] = {}
+  out = []
+  for i, j, k, s in quads:
+    zero, offload, _ = variants_lib.variant_of(tables, k, s)
+    b = variants_lib.base_index(tables, k, s)
+    key = (k, zero, offload)
+    if key not in models:
+      P = base.param_mem_bytes[k]
+      if base.logical_mesh is not None:
+        dp = base.logical_mesh[k][..., 0].astype(np.float64)
+      else:
+        dp = np.broadcast_to(np.array([n * m for n, m in base.submeshes[k]], np.float64),
+                             P.shape)
+      models[key] = variants_lib.memory_model(base, k, dp, zero, offload)
+    model = models[key]
+    if model is None:
+      out.append(0.0)
+      continue
+    w = np.maximum(model.fwd_workspace_bytes, model.bwd_workspace_bytes)
+    out.append(float(np.broadcast_to(w, base.param_mem_bytes[k].shape)[i, j, b]))
+  return out
 
 
 def _per_group(planned: Sequence[PlannedStage], group) -> list[PlannedStage]:

@@ -20,8 +20,9 @@ backward, then drains the rest. With ``B`` a multiple of
 order is still deadlock-free (checked), else refused with a named error.
 
 What each chunk holds in flight (the microbatches whose residuals wait for their backward) is
-its row's peak (:func:`~harpjax.compiler.schedule.peak_inflight`); a group holds the sum over
-its chunks, and every chunk's parameters.
+its row's peak (:func:`~harpjax.compiler.schedule.peak_inflight`); a group holds at most the
+sum over its chunks (:func:`group_activation_peaks`: the most its order holds at once), every
+chunk's state, and the workspace of the one task it runs.
 """
 
 from __future__ import annotations
