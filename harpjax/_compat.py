@@ -27,6 +27,7 @@ __all__ = [
     "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
     "setting_env_var", "use_persistent_compilation_cache", "trace_state",
     "flax_param_shape_memo", "threefry_key_words", "threefry2x32", "key_impl_name",
+    "draws_by_position",
 ]
 
 JAX_VERSION = jax.__version_info__
@@ -223,6 +224,13 @@ def threefry_key_words(keys):
     return None
   data = jax.random.key_data(keys)
   return data[..., 0], data[..., 1]
+
+
+def draws_by_position(key_aval) -> bool:
+  """Whether keys of the abstract value ``key_aval`` (a typed key array's aval) draw by
+  position (:func:`threefry_key_words` would give their words)."""
+  impl = getattr(getattr(key_aval, "dtype", None), "_impl", None)
+  return bool(jax.config.jax_threefry_partitionable) and getattr(impl, "name", None) == _THREEFRY
 
 
 def threefry2x32(k1, k2, x1, x2) -> tuple:
