@@ -4,8 +4,17 @@ A microbatch traced on its own draws random bits of the microbatch's shape, whic
 rows ``jax.jit`` of the whole step gives it (threefry numbers depend on the shape drawn). Every
 equation that creates a batch-sized value from batch-independent inputs (random bits, an iota
 over the batch) is therefore found by comparing the full-batch trace with the microbatch trace
-equation by equation, and replaced when a stage runs: it draws the full batch's value and takes
-the microbatch's slice (:class:`Redraw`).
+equation by equation, and replaced when a stage runs by the microbatch's slice of the full
+batch's value (:class:`Redraw`, :func:`redraw_slice`). Only that slice is computed wherever the
+value is a function of position: with threefry keys (JAX's default PRNG, drawn by position
+under ``jax_threefry_partitionable``, on by default) every element's bits are the hash of the
+key and the element's flat index in the full shape, so a microbatch hashes its own elements'
+counters (offset by its first row, a traced value) and a data-parallel replica, whose program
+is given the index of its first row, its own rows: ``1 / B`` of the full draw's work and
+memory per microbatch, ``1 / (B dp)`` per replica, bit for bit the full draw's slice. An
+``iota`` gives the slice's positions. Keys of the ``rbg`` and ``unsafe_rbg`` PRNGs draw with
+XLA's ``RngBitGenerator``, whose bits depend on the whole shape: their full draw is made and
+sliced, as is ``rng_bit_generator``'s and ``rng_uniform``'s.
 
 An ``iota`` over the batch is redrawn only where its numbers are used as data (per-example
 positions feeding arithmetic or random keys: ``jax.jit``'s values are the full batch's
@@ -58,7 +67,8 @@ _REISSUED = frozenset({"scan", "while", "cond", "jit", "pjit", "closed_call", "c
 
 @dataclasses.dataclass(frozen=True)
 class Redraw:
-  """Draw at the full batch's shape (``full_params``), then slice along ``axis``."""
+  """The microbatch's slice along ``axis`` of the equation drawn at the full batch's shape
+  (``full_params``): :func:`redraw_slice`."""
   axis: int
   full_params: dict
 
