@@ -149,12 +149,14 @@ def test_slice_hashes_its_own_rows_only():
 
 
 @pytest.mark.slow
-def test_data_parallel_replicas_hash_their_own_rows():
-  """A ZeRO-0 stage on two data-parallel replicas (the zoo's loop model, dropout in every
-  block): each replica's forward hashes the counters of its own rows only. Read off the
-  optimized HLO of the stage's forward: every 2-D ``u32`` array (the hash's counters and
-  state) has the replica's 2 rows, where drawing the whole batch (keys treated as not drawn
-  by position, the earlier runtime) hashes all 16."""
+@pytest.mark.parametrize("zero", [0, 3])
+def test_data_parallel_replicas_hash_their_own_rows(zero):
+  """A stage on two data-parallel devices (the zoo's loop model, dropout in every block), as
+  replicas (ZeRO 0: a ``shard_map`` given each replica's first row) or one program (ZeRO 3:
+  XLA partitions the counters' iota): each device's forward hashes the counters of its own
+  rows only. Read off the optimized HLO of the stage's forward: every 2-D ``u32`` array (the
+  hash's counters and state) has the device's 2 rows, where the replicas drawing the whole
+  batch (keys treated as not drawn by position, the earlier runtime) hash all 16."""
   import dataclasses
   import re
 
@@ -165,25 +167,27 @@ def test_data_parallel_replicas_hash_their_own_rows():
   from tests.equivalence import DEMO_CLUSTER
 
   case = zoo.linen("loop")
+  args = (case.state, case.batches[0])
 
   def hashed_rows():
     probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4)
-    L = len(probe.profile(case.state, case.batches[0]).layers)
+    L = len(probe.profile(*args).layers)
     plan = dataclasses.replace(harpjax.ManualPlan([
         dict(layers=(0, L // 2 - 1), subcluster="v100", submesh=(1, 2), logical_mesh=(2, 1),
-             zero=0),
+             zero=zero),
         dict(layers=(L // 2, L - 1), subcluster="a100", submesh=(1, 2), logical_mesh=(2, 1),
-             zero=0)]), layer_source="auto")
+             zero=zero)]), layer_source="auto")
     step = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan)
-    cs = step.compile(case.state, case.batches[0])
-    assert cs.stages[0].layout.replicas
+    cs = step.compile(*args)
+    assert cs.stages[0].layout.replicas == (zero == 0)
     text = compile_stage(cs.stages[0])["fwd"].as_text()
     return {int(m.group(1)) for m in re.finditer(r"u32\[(\d+),\d+\]", text)}
 
   assert hashed_rows() == {2}
-  saved = _compat.threefry_key_words
-  _compat.threefry_key_words = lambda keys: None
-  try:
-    assert max(hashed_rows()) == zoo.BATCH
-  finally:
-    _compat.threefry_key_words = saved
+  if zero == 0:
+    saved = _compat.threefry_key_words
+    _compat.threefry_key_words = lambda keys: None
+    try:
+      assert max(hashed_rows()) == zoo.BATCH
+    finally:
+      _compat.threefry_key_words = saved
