@@ -26,7 +26,8 @@ __all__ = [
     "subjaxpr_of_call", "float0", "aval_of", "make_float0_zeros", "register_identity_primitive",
     "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
     "setting_env_var", "use_persistent_compilation_cache", "trace_state",
-    "flax_param_shape_memo",
+    "flax_param_shape_memo", "threefry_key_words", "threefry2x32", "key_impl_name",
+    "draws_by_position",
 ]
 
 JAX_VERSION = jax.__version_info__
@@ -193,6 +194,50 @@ def register_identity_primitive(name: str) -> Primitive:
   batching.primitive_batchers[prim] = lambda args, dims: (prim.bind(*args), list(dims))
   mlir.register_lowering(prim, mlir.lower_fun(lambda *xs: list(xs), multiple_results=True))
   return prim
+
+
+# --------------------------------------------------------------------------- threefry by position
+
+_THREEFRY = "threefry2x32"
+
+
+def key_impl_name(keys) -> str:
+  """The name of the PRNG of a typed key array (``"threefry2x32"``, ``"rbg"``,
+  ``"unsafe_rbg"``...), traced or not."""
+  return str(jax.random.key_impl(keys))
+
+
+def threefry_key_words(keys):
+  """``(k1, k2)``: the two ``uint32`` words of each key of the typed key array ``keys``
+  (each of ``keys``' shape), when its PRNG is threefry2x32 and JAX draws its bits by position
+  (``jax_threefry_partitionable``, JAX's default since 0.5): the bits of every element of a
+  ``random_bits`` draw or a ``random_split`` are then ``threefry2x32`` of the key and the
+  element's flat index in the drawn shape (as a 64-bit count, high word first), and nothing
+  else. ``None`` for any other PRNG (``rbg``, ``unsafe_rbg``: XLA's ``RngBitGenerator``
+  whose output is not a function of position) or with the flag off."""
+  if not jax.config.jax_threefry_partitionable:
+    return None
+  try:
+    if key_impl_name(keys) != _THREEFRY:
+      return None
+  except (TypeError, ValueError):
+    return None
+  data = jax.random.key_data(keys)
+  return data[..., 0], data[..., 1]
+
+
+def draws_by_position(key_aval) -> bool:
+  """Whether keys of the abstract value ``key_aval`` (a typed key array's aval) draw by
+  position (:func:`threefry_key_words` would give their words)."""
+  impl = getattr(getattr(key_aval, "dtype", None), "_impl", None)
+  return bool(jax.config.jax_threefry_partitionable) and getattr(impl, "name", None) == _THREEFRY
+
+
+def threefry2x32(k1, k2, x1, x2) -> tuple:
+  """The threefry2x32 hash of the counter pairs ``(x1, x2)`` (``uint32``, broadcast together
+  with the key words ``k1``, ``k2``), as JAX's partitionable ``random_bits`` and
+  ``random_split`` apply it (the same primitive, so the same lowering on every backend)."""
+  return tuple(jex.random.threefry2x32_p.bind(k1, k2, x1, x2))
 
 
 JAX_SETTINGS = (

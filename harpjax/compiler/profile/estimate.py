@@ -66,6 +66,7 @@ shaped like a batch-sized value (a causal mask broadcast to the batch) is.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -78,11 +79,13 @@ from harpjax.compiler.profile.calibration import Work
 from harpjax.compiler.trace import (checkpointed, Lit, Program, from_closed_jaxpr, ops_function,
                                     primitives, regen, remat_mode, strip_markers)
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params", "simplified_away", "outputs_recompute_ops",
            "outputs_recompute_work", "live_ops_work"]
 
-ESTIMATE_VERSION = "12"
+ESTIMATE_VERSION = "13"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -127,6 +130,11 @@ class TracedPiece:
       forward's, which the runtime runs in an executable of its own); ``None``: not known.
     remat: the rematerialisation mode it was traced in (``"none"``: its backward reads the
       forward's residuals, recomputes nothing).
+    positional: ``(shape, bit width)`` of the batch-sized draws a stage computes by position
+      (:func:`~harpjax.compiler.profile.pieces.position_draws`): traced as the piece's own
+      ``random_bits``, costed as the stage's hash of its rows whenever the stage redraws them
+      (more than one microbatch, or data-parallel replicas).
+    num_microbatches: B it was traced for (1 when not known).
   """
   piece: pieces_lib.Piece
   fwd_bwd: Program
@@ -136,6 +144,13 @@ class TracedPiece:
   live: Program | None = None
   bwd_start: int | None = None
   remat: str = "none"
+  positional: frozenset = frozenset()
+  num_microbatches: int = 1
+
+  def redrawn(self, dp: int) -> frozenset:
+    """:attr:`positional` where a stage on ``dp`` replicas redraws them (B > 1 or dp > 1: a
+    single microbatch on one device draws as ``jax.jit`` does)."""
+    return self.positional if self.num_microbatches > 1 or dp > 1 else frozenset()
 
 
 def _flatten(closed) -> Program:
@@ -185,15 +200,18 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False,
   runtime's does (:func:`~harpjax.compiler.trace.checkpointed`): the work counted is the
   forward, its recomputation and the backward, the residuals are what the mode keeps (the
   inputs alone under ``"full"``), and the backward's workspace holds the recomputed
-  forward's values. With ``num_microbatches`` (B), a batch-sized random draw is drawn at the
-  full batch and sliced, as the stage draws it
-  (:func:`~harpjax.compiler.profile.pieces.redraws`).
+  forward's values. With ``num_microbatches`` (B), a batch-sized random draw is the
+  microbatch's rows of the full batch's draw, as the stage draws it
+  (:func:`~harpjax.compiler.profile.pieces.redraws`): one the stage computes by position
+  (threefry keys) is the piece's own draw at the microbatch's shape, costed as the stage's
+  hash of its rows (:func:`position_draw_flops`; on a data-parallel mesh each replica's rows,
+  :attr:`TracedPiece.positional`); another PRNG's is drawn whole and sliced.
   """
   t0 = time.perf_counter()
   n_out = len(piece.out_ids)
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids,
                      piece.out_ids + piece.extra_out_ids)
-  hook = pieces_lib.redraw_hook(piece, num_microbatches)
+  hook = pieces_lib.redraw_hook(piece, num_microbatches, stand_in=True)
   primal = checkpointed(remat)(lambda p, a, aux: run(*p, *a, *aux, hook=hook))
 
   def live(params, acts, aux, cts):
@@ -203,14 +221,15 @@ def trace_piece(piece: pieces_lib.Piece, remat: bool | str = False,
     _CUT.bind()   # the backward begins: the runtime runs it in an executable of its own
     return outs, vjp(cts), extra
 
-  fwd_bwd, _ = pieces_lib.make_functions(piece, False, num_microbatches)
-  _, fwd_res = pieces_lib.make_functions(piece, remat, num_microbatches)
+  fwd_bwd, _ = pieces_lib.make_functions(piece, False, num_microbatches, stand_in=True)
+  _, fwd_res = pieces_lib.make_functions(piece, remat, num_microbatches, stand_in=True)
   args = pieces_lib.abstract_inputs(piece)
   fb = _dce(_flatten(jax.make_jaxpr(fwd_bwd)(*args)))
   lv, start = _split_fwd_bwd(jax.make_jaxpr(live)(*args))
   fr = _dce(_flatten(jax.make_jaxpr(fwd_res)(*args[:3])))
   return TracedPiece(piece, fb, fr, len(piece.out_ids), time.perf_counter() - t0, lv, start,
-                     remat_mode(remat))
+                     remat_mode(remat), pieces_lib.position_draws(piece),
+                     int(num_microbatches or 1))
 
 
 def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
@@ -226,8 +245,10 @@ def _input_roles(piece: pieces_lib.Piece, prog: Program, with_cts: bool):
 class _Sizes:
   """Per-device bytes of a program's values on a ``(dp, tp)`` mesh, and which ops split."""
 
-  def __init__(self, prog: Program, params, batch_inputs, dp: int, tp: int, grads=()):
+  def __init__(self, prog: Program, params, batch_inputs, dp: int, tp: int, grads=(),
+               positional=frozenset()):
     self.prog, self.dp, self.tp = prog, dp, tp
+    self.positional = positional
     self.batch: set = set()
     self.batch_ops: set = set()
     if dp > 1:
@@ -247,6 +268,7 @@ class _Sizes:
             if o >= 0 and tuple(prog.avals[o].shape) in shapes and sized(o):
               self.batch.add(o)
               self.batch_ops.add(op.index)
+      self._split_position_draws(prog, sized)
     self.split: set = set()
     self.row_ops: tuple = ()
     self.partial_ops: set = set()
@@ -311,6 +333,32 @@ class _Sizes:
   def _fits(self, v, d) -> bool:
     shape = self.prog.avals[v].shape
     return 0 <= d < len(shape) and shape[d] % self.tp == 0 and shape[d] >= self.tp
+
+  def _split_position_draws(self, prog: Program, sized) -> None:
+    """A batch-sized draw computed by position is each replica's rows alone (a replica's
+    ``shard_map`` program hashes its own counters; in one program XLA's sharding propagation
+    splits the counters' iota with the value the draw masks), and so is what is computed
+    from it and constants alone (the bits made floats, the mask)."""
+    if not self.positional:
+      return
+    drawn: set = set()
+    variable = prog.dependents([v for v in prog.invars
+                                if _dtype(prog.avals[v]) not in (np.dtype(object),
+                                                                 np.dtype(np.uint32))])
+    for op in prog.ops:
+      outs = [o for o in op.outvars if o >= 0]
+      if op.name == "random_bits":
+        if (tuple(int(d) for d in op.params["shape"]), int(op.params["bit_width"])) \
+            not in self.positional:
+          continue
+      elif not any(v in drawn for v in op.in_ids()) or any(
+          v in variable and v not in drawn for v in op.in_ids()):
+        continue
+      drawn.update(outs)
+      for o in outs:
+        if sized(o):
+          self.batch.add(o)
+      self.batch_ops.add(op.index)
 
   def _split_draws(self, prog: Program) -> None:
     """Random numbers drawn for a split value are split like it: a partitionable draw
@@ -467,6 +515,66 @@ def _fused(prog: Program, read: dict, shared_expensive: bool = False) -> tuple[d
         if o >= 0:
           src[o] = tuple(dict.fromkeys(got))
   return src, fused
+
+
+_POSITION_FITS: dict = {}
+
+
+def position_draw_flops(key_aval, params: dict, parts: float = 1.0) -> float:
+  """FLOPs of a batch-sized draw a stage computes by position, as XLA's cost analysis counts
+  them: :func:`~harpjax.compiler.trace.regen.redraw_slice` hashing the slice of shape
+  ``params['shape']`` (the microbatch's rows) of a draw twice as large, at a traced offset.
+  Its counters are 32-bit multiply-adds per dimension where ``random_bits`` ' are 64-bit
+  (XLA:CPU: 42 FLOPs per element against 47), so it is read off XLA apart, like
+  :func:`~harpjax.compiler.trace.primitives.random_bits_flops`: compiled at two small shapes
+  of the draw's rank (per key type, bit width, rank and backend; memoised).
+
+  Args:
+    key_aval: the abstract key operand.
+    params: the piece's draw's parameters (``shape``: the slice's, ``bit_width``).
+    parts: the slice is split into this many equal parts, one per device (``1 / parts`` of
+      the elements each, the key set up on each).
+  """
+  shape = tuple(int(d) for d in params.get("shape", ()))
+  bits = int(params.get("bit_width", 32))
+  n = float(np.prod(shape, dtype=np.float64)) if shape else 1.0
+  key = (jax.default_backend(), str(getattr(key_aval, "dtype", "")), bits, len(shape))
+  fit = _POSITION_FITS.get(key)
+  if fit is None:
+    fit = _POSITION_FITS[key] = _fit_position_draw(key_aval, bits, len(shape))
+  per, fixed = fit
+  return float(primitives.aval_size(key_aval) * (per * n / parts + fixed))
+
+
+def _fit_position_draw(key_aval, bits: int, rank: int) -> tuple[float, float]:
+  """``(FLOPs per element, fixed FLOPs)`` of a draw by position of ``rank`` dimensions: the
+  first dimension's half of a draw, at slices of 64 and 128 elements."""
+  if not rank:
+    return 0.0, primitives.random_bits_flops(key_aval, {"shape": (), "bit_width": bits})
+  dtype = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[bits]
+  key = jax.ShapeDtypeStruct((), key_aval.dtype)
+
+  def flops(local):
+    full = (2 * local[0],) + local[1:]
+    eqn = jax.make_jaxpr(lambda k: jax.random.bits(k, full, dtype))(key).jaxpr.eqns[-1]
+    site = regen.Redraw(0, dict(eqn.params))
+    aval = eqn.outvars[0].aval.update(shape=local)
+    fn = jax.jit(lambda k, m: regen.redraw_slice(eqn.primitive, site, [k], [aval], m)[0])
+    ca = fn.lower(key, jax.ShapeDtypeStruct((), np.int32)).compile().cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return float(ca.get("flops", 0.0))
+  small = (2,) * (rank - 1) + (64,)
+  large = (2,) * (rank - 1) + (128,)
+  try:
+    a, b = flops(small), flops(large)
+  except Exception as e:  # noqa: BLE001 -- costed as JAX's own draw
+    log.info("a draw by position of %s cannot be costed by XLA alone (%s)",
+             getattr(key_aval, "dtype", "?"), e)
+    return (primitives.random_bits_flops(key_aval, {"shape": small, "bit_width": bits})
+            / float(np.prod(small)), 0.0)
+  n_small, n_large = int(np.prod(small)), int(np.prod(large))
+  per = (b - a) / (n_large - n_small)
+  return per, a - per * n_small
 
 
 _DRAW_TEMPS: dict = {}
@@ -627,7 +735,7 @@ def jaxpr_costs(traced: TracedPiece, mesh_shape: tuple[int, int]
   fb = traced.fwd_bwd
   params, batch = _input_roles(piece, fb, with_cts=True)
   n_p = len(piece.param_ids)
-  sizes = _Sizes(fb, params, batch, dp, tp, fb.outvars[:n_p])
+  sizes = _Sizes(fb, params, batch, dp, tp, fb.outvars[:n_p], traced.redrawn(dp))
   read = _read(fb)
   lv = traced.live if traced.live is not None else fb
   if lv is fb:
@@ -676,7 +784,7 @@ def _live_sizes(traced: TracedPiece, dp: int, tp: int) -> _Sizes:
   params, batch = _input_roles(piece, lv, with_cts=True)
   n_p = len(piece.param_ids)
   grads = lv.outvars[traced.num_outputs:traced.num_outputs + n_p]
-  return _Sizes(lv, params, batch, dp, tp, grads)
+  return _Sizes(lv, params, batch, dp, tp, grads, traced.redrawn(dp))
 
 
 def outputs_recompute_ops(traced: TracedPiece) -> set:
@@ -1020,8 +1128,14 @@ def _work(prog: Program, sizes: _Sizes, read: dict, only: set | None = None) -> 
     raw = once = 0.0 if op.index in gone else _op_flops(prog, op)
     scale = sizes.op_scale(op)
     if op.name == "random_bits":
-      if scale < 1:   # each device draws its part, setting up the key all the same
-        raw = primitives.random_bits_flops(prog.avals[op.invars[0]], op.params, 1 / scale) / scale
+      key_aval = prog.avals[op.invars[0]]
+      if op.index in gone:
+        pass
+      elif (tuple(int(d) for d in op.params["shape"]),
+            int(op.params["bit_width"])) in sizes.positional:   # the stage's hash of its rows
+        raw = position_draw_flops(key_aval, op.params, 1 / scale) / scale
+      elif scale < 1:   # each device draws its part, setting up the key all the same
+        raw = primitives.random_bits_flops(key_aval, op.params, 1 / scale) / scale
       # the hash's last xor, computed again inside each further fusion reading the draw
       raw += (copies.get(op.index, 1) - 1) * sum(
           primitives.aval_size(prog.avals[o]) for o in op.outvars if o >= 0)
@@ -1053,7 +1167,7 @@ def _work(prog: Program, sizes: _Sizes, read: dict, only: set | None = None) -> 
 def _fwd_sizes(traced: TracedPiece, dp: int, tp: int) -> _Sizes:
   """:class:`_Sizes` of the forward with residuals (``traced.fwd_res``)."""
   params, batch = _input_roles(traced.piece, traced.fwd_res, with_cts=False)
-  return _Sizes(traced.fwd_res, params, batch, dp, tp)
+  return _Sizes(traced.fwd_res, params, batch, dp, tp, positional=traced.redrawn(dp))
 
 
 def _residual_bytes(traced: TracedPiece, sizes: _Sizes) -> float:

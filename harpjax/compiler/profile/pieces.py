@@ -28,7 +28,7 @@ from harpjax.compiler.trace import (apply_site, checkpointed, Lit, Program, ops_
 
 __all__ = ["Piece", "build_piece", "batch_dependent", "XlaStats", "xla_stats",
            "parse_collectives", "make_functions", "abstract_inputs", "shardings", "redraws",
-           "redraw_hook"]
+           "redraw_hook", "batch_draws", "position_draws"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,20 +116,12 @@ def build_piece(seq: LayerSequence, first: int, last: int, batch_dep: frozenset)
                extra)
 
 
-def redraws(piece: Piece, num_microbatches: int | None) -> dict:
-  """The piece's random draws a stage redraws at the full batch: op index ->
-  :class:`~harpjax.compiler.trace.regen.Redraw`.
-
-  A stage draws a batch-sized random value (a dropout mask) at the full batch's shape and
-  slices its microbatch's rows (:mod:`~harpjax.compiler.trace.regen`), so that its numbers are
-  ``jax.jit``'s: every microbatch's forward (and its recomputation under remat) hashes
-  ``num_microbatches`` times the elements it keeps. A draw is batch-sized when its result
-  has the shape of a value the piece computes from its batch inputs (the activation a dropout
-  masks) and the microbatch's rows along some axis (the first such); the piece's layers do
-  not keep the full batch's trace, so the shape decides as the full trace would.
-  """
-  if not num_microbatches or num_microbatches <= 1:
-    return {}
+def batch_draws(piece: Piece) -> dict:
+  """The piece's batch-sized random draws: op index -> the axis of its result that carries the
+  microbatch's rows. A draw is batch-sized when its result has the shape of a value the piece
+  computes from its batch inputs (the activation a dropout masks) and the microbatch's rows
+  along some axis (the first such); the piece's layers do not keep the full batch's trace, so
+  the shape decides as the full trace would."""
   batch_in = [v for v in piece.act_ids + piece.aux_ids if v in piece.batch_ids]
   rows = {int(piece.program.avals[v].shape[0]) for v in batch_in
           if len(piece.program.avals[v].shape) >= 1}
@@ -153,18 +145,64 @@ def redraws(piece: Piece, num_microbatches: int | None) -> dict:
     if not outs or tuple(piece.program.avals[outs[0]].shape) not in shapes:
       continue
     axis = next((i for i, d in enumerate(shape) if d == b), None)
-    if axis is None:
-      continue
-    full = dict(op.params)
-    full["shape"] = shape[:axis] + (shape[axis] * int(num_microbatches),) + shape[axis + 1:]
-    out[op.index] = regen.Redraw(axis, full)
+    if axis is not None:
+      out[op.index] = axis
   return out
 
 
-def redraw_hook(piece: Piece, num_microbatches: int | None):
-  """An :func:`~harpjax.compiler.trace.eval_ops` hook drawing :func:`redraws` ' draws at the
-  full batch and slicing the first microbatch's rows, as a stage does; ``None`` if none."""
+def redraws(piece: Piece, num_microbatches: int | None) -> dict:
+  """The piece's random draws a stage redraws at the full batch: op index ->
+  :class:`~harpjax.compiler.trace.regen.Redraw`.
+
+  A stage draws a batch-sized random value (a dropout mask, :func:`batch_draws`) as the rows
+  of a draw at the full batch's shape (:mod:`~harpjax.compiler.trace.regen`), so that its
+  numbers are ``jax.jit``'s: with threefry keys (drawn by position) it hashes only the rows it
+  keeps (:func:`~harpjax.compiler.trace.regen.redraw_slice`); with other PRNGs every
+  microbatch's forward (and its recomputation under remat) hashes ``num_microbatches`` times
+  the elements it keeps.
+  """
+  if not num_microbatches or num_microbatches <= 1:
+    return {}
+  out = {}
+  ops = {op.index: op for op in piece.ops}
+  for i, axis in batch_draws(piece).items():
+    op = ops[i]
+    shape = tuple(op.params["shape"])
+    full = dict(op.params)
+    full["shape"] = shape[:axis] + (shape[axis] * int(num_microbatches),) + shape[axis + 1:]
+    out[i] = regen.Redraw(axis, full)
+  return out
+
+
+def position_draws(piece: Piece) -> frozenset:
+  """``(shape, bit width)`` of the piece's batch-sized ``random_bits`` draws that a stage
+  computes by position (threefry keys: :func:`~harpjax._compat.threefry_key_words`): a
+  microbatch's, or a data-parallel replica's, rows of the full batch's draw, hashing those
+  rows alone. Their cost is a draw of the piece's (the slice's) shape; the count of its
+  counters differs from ``random_bits`` ' own
+  (:func:`~harpjax.compiler.profile.estimate.position_draw_flops`)."""
+  out = set()
+  ops = {op.index: op for op in piece.ops}
+  for i in batch_draws(piece):
+    op = ops[i]
+    if op.name == "random_bits" and _compat.draws_by_position(
+        piece.program.avals[op.invars[0]]):
+      out.add((tuple(int(d) for d in op.params["shape"]), int(op.params["bit_width"])))
+  return frozenset(out)
+
+
+def redraw_hook(piece: Piece, num_microbatches: int | None, stand_in: bool = False):
+  """An :func:`~harpjax.compiler.trace.eval_ops` hook drawing :func:`redraws` ' draws as a
+  stage does (the first microbatch's rows of the full batch's draw); ``None`` if none. With
+  ``stand_in``, a draw the stage computes by position is left as the piece's own draw at the
+  microbatch's shape, which hashes the same elements in the same temporaries (what the jaxpr
+  estimate costs: a ``random_bits`` it knows, :func:`position_draws`)."""
   sites = redraws(piece, num_microbatches)
+  if stand_in:
+    ops = {op.index: op for op in piece.ops}
+    sites = {i: site for i, site in sites.items()
+             if not (ops[i].name in ("random_bits", "random_split")
+                     and _compat.draws_by_position(piece.program.avals[ops[i].invars[0]]))}
   if not sites:
     return None
   avals = piece.program.avals
@@ -179,18 +217,19 @@ def redraw_hook(piece: Piece, num_microbatches: int | None):
 
 
 def make_functions(piece: Piece, remat: bool | str = False,
-                   num_microbatches: int | None = None):
+                   num_microbatches: int | None = None, stand_in: bool = False):
   """``(fwd_bwd, fwd_residuals)`` of a piece.
 
   ``fwd_bwd(params, acts, aux, cts) -> (param_grads, act_grads)``;
   ``fwd_residuals(params, acts, aux) -> (outputs, residual leaves)``. ``remat``
   (:data:`~harpjax.compiler.trace.REMAT_MODES`, ``True`` is ``"full"``): the forward is
   rematerialised in the backward as the runtime's stage does it (``"full"``: only the inputs
-  are kept; ``"dots"``: the matmuls' outputs too). With ``num_microbatches``, batch-sized random draws are drawn at the full batch and sliced,
-  as a stage draws them (:func:`redraws`).
+  are kept; ``"dots"``: the matmuls' outputs too). With ``num_microbatches``, batch-sized
+  random draws are the first microbatch's rows of the full batch's, as a stage draws them
+  (:func:`redraws`; ``stand_in`` as in :func:`redraw_hook`).
   """
   run = ops_function(piece.ops, piece.param_ids + piece.act_ids + piece.aux_ids, piece.out_ids)
-  hook = redraw_hook(piece, num_microbatches)
+  hook = redraw_hook(piece, num_microbatches, stand_in)
   primal = checkpointed(remat)(lambda params, acts, aux: run(*params, *acts, *aux, hook=hook))
 
   def fwd_bwd(params, acts, aux, cts):

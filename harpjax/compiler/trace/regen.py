@@ -4,8 +4,17 @@ A microbatch traced on its own draws random bits of the microbatch's shape, whic
 rows ``jax.jit`` of the whole step gives it (threefry numbers depend on the shape drawn). Every
 equation that creates a batch-sized value from batch-independent inputs (random bits, an iota
 over the batch) is therefore found by comparing the full-batch trace with the microbatch trace
-equation by equation, and replaced when a stage runs: it draws the full batch's value and takes
-the microbatch's slice (:class:`Redraw`).
+equation by equation, and replaced when a stage runs by the microbatch's slice of the full
+batch's value (:class:`Redraw`, :func:`redraw_slice`). Only that slice is computed wherever the
+value is a function of position: with threefry keys (JAX's default PRNG, drawn by position
+under ``jax_threefry_partitionable``, on by default) every element's bits are the hash of the
+key and the element's flat index in the full shape, so a microbatch hashes its own elements'
+counters (offset by its first row, a traced value) and a data-parallel replica, whose program
+is given the index of its first row, its own rows: ``1 / B`` of the full draw's work and
+memory per microbatch, ``1 / (B dp)`` per replica, bit for bit the full draw's slice. An
+``iota`` gives the slice's positions. Keys of the ``rbg`` and ``unsafe_rbg`` PRNGs draw with
+XLA's ``RngBitGenerator``, whose bits depend on the whole shape: their full draw is made and
+sliced, as is ``rng_bit_generator``'s and ``rng_uniform``'s.
 
 An ``iota`` over the batch is redrawn only where its numbers are used as data (per-example
 positions feeding arithmetic or random keys: ``jax.jit``'s values are the full batch's
@@ -31,6 +40,8 @@ import dataclasses
 import logging
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from harpjax import _compat
@@ -41,7 +52,7 @@ from harpjax.errors import TraceError
 log = logging.getLogger(__name__)
 
 __all__ = ["Redraw", "Inside", "regen_sites", "apply_site", "split_axis", "REGEN_PRIMITIVES",
-           "RANDOM_PRIMITIVES", "index_iotas", "eqn_items"]
+           "RANDOM_PRIMITIVES", "index_iotas", "eqn_items", "redraw_slice", "position_counters"]
 
 REGEN_PRIMITIVES = frozenset({"random_bits", "random_split", "iota", "rng_bit_generator",
                               "rng_uniform"})
@@ -56,7 +67,8 @@ _REISSUED = frozenset({"scan", "while", "cond", "jit", "pjit", "closed_call", "c
 
 @dataclasses.dataclass(frozen=True)
 class Redraw:
-  """Draw at the full batch's shape (``full_params``), then slice along ``axis``."""
+  """The microbatch's slice along ``axis`` of the equation drawn at the full batch's shape
+  (``full_params``): :func:`redraw_slice`."""
   axis: int
   full_params: dict
 
@@ -338,6 +350,137 @@ def split_axis(full, mb, B):
   return None
 
 
+# --------------------------------------------------------------------------- a slice drawn alone
+
+_UINTS = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+
+
+def redraw_slice(primitive, site: Redraw, invals: list, out_avals, mb_index,
+                 rows: int | None = None) -> list:
+  """The results of one equation at the full batch's shape (``site.full_params``), of which
+  only the microbatch's (or the replica's) elements along ``site.axis`` are computed, where
+  the equation's values are a function of position:
+
+  * ``random_bits`` and ``random_split`` of threefry2x32 keys drawn by position
+    (``jax_threefry_partitionable``, :func:`~harpjax._compat.threefry_key_words`): the hash
+    of the slice's own counters (its elements' flat indices in the full shape), combined as
+    JAX's partitionable draw combines the hash's two words (``bits1 ^ bits2``, truncated to 8
+    or 16 bits; ``bits1 << 32 | bits2`` for 64), so bit for bit the full draw's slice while
+    hashing ``1 / B`` of it;
+  * ``iota``: the slice's positions.
+
+  Elsewhere (keys of the ``rbg`` and ``unsafe_rbg`` PRNGs, whose bits come from XLA's
+  ``RngBitGenerator`` and depend on the whole shape drawn; ``rng_bit_generator``,
+  ``rng_uniform``; threefry with ``jax_threefry_partitionable`` off; a key array split along
+  the draw's axis) the full shape is drawn and the slice taken with a ``dynamic_slice``.
+
+  Args:
+    primitive: the equation's primitive.
+    site: its :class:`Redraw`.
+    invals: its operands.
+    out_avals: its results' avals at the program's (microbatch's) size.
+    mb_index / rows: as in :func:`apply_site`: the slice starts at ``mb_index * size`` along
+      the axis, or at ``mb_index * (size // rows)`` (``mb_index`` the first row) with ``rows``.
+  """
+  name, params, axis = primitive.name, site.full_params, site.axis
+  start_of = lambda size: mb_index * size if rows is None else mb_index * (size // rows)
+  size = out_avals[0].shape[axis]
+  if name == "iota":
+    return [_iota_slice(params, axis, start_of(size), size)]
+  if name in ("random_bits", "random_split"):
+    keys = invals[0]
+    words = _compat.threefry_key_words(keys)
+    nk = len(keys.shape)
+    if words is not None and axis >= nk:
+      return [_threefry_slice(name, params, keys, words, axis - nk, start_of(size), size)]
+  full = _compat.bind_eqn(primitive, params, invals)
+  return [lax.dynamic_slice_in_dim(x, start_of(a.shape[axis]), a.shape[axis], axis)
+          for x, a in zip(full, out_avals)]
+
+
+def _iota_slice(params: dict, axis: int, start, size: int):
+  shape = tuple(int(d) for d in params["shape"])
+  dim, dtype = int(params["dimension"]), params["dtype"]
+  local = shape[:axis] + (size,) + shape[axis + 1:]
+  out = lax.broadcasted_iota(dtype, local, dim)
+  return out + lax.convert_element_type(start, dtype) if dim == axis else out
+
+
+def _threefry_slice(name: str, params: dict, keys, words, axis: int, start, size: int):
+  """``random_bits`` / ``random_split`` of threefry keys at ``params['shape']``, the elements
+  ``start .. start + size`` along ``axis`` of that shape only (each key of a key array
+  draws that slice of its own)."""
+  full = tuple(int(d) for d in params["shape"])
+  local = full[:axis] + (size,) + full[axis + 1:]
+  hi, lo = position_counters(full, axis, start, size)
+  k1, k2 = words
+  kshape = tuple(keys.shape)
+  if kshape:   # a key array: each key draws ``shape``; its dimensions lead
+    out = kshape + local
+    lead, trail = tuple(range(len(kshape))), tuple(range(len(kshape), len(out)))
+    k1, k2 = (lax.broadcast_in_dim(k, out, lead) for k in (k1, k2))
+    hi, lo = (lax.broadcast_in_dim(c, out, trail) for c in (hi, lo))
+  b1, b2 = _compat.threefry2x32(k1, k2, hi, lo)
+  if name == "random_split":
+    return jax.random.wrap_key_data(jnp.stack([b1, b2], axis=b1.ndim),
+                                    impl=_compat.key_impl_name(keys))
+  bits = int(params["bit_width"])
+  dtype = _UINTS[bits]
+  if bits == 64:
+    b1, b2 = lax.convert_element_type(b1, dtype), lax.convert_element_type(b2, dtype)
+    return lax.shift_left(b1, jnp.asarray(32, dtype)) | b2
+  if bits == 32:
+    return b1 ^ b2
+  return lax.convert_element_type(b1 ^ b2, dtype)
+
+
+def position_counters(shape: tuple, axis: int, start, size: int) -> tuple:
+  """``(hi, lo)``: the ``uint32`` high and low words of the flat (row-major) index in
+  ``shape`` of every element of its slice ``start .. start + size`` along ``axis`` (arrays of
+  the slice's shape; ``start`` may be traced), as JAX's ``iota_2x32_shape`` gives them for the
+  whole shape. Below 2**32 elements the high word is zero and the low word one multiply-add
+  per dimension; above, 64-bit arithmetic on pairs of 32-bit words."""
+  local = tuple(shape[:axis]) + (size,) + tuple(shape[axis + 1:])
+  strides = [int(np.prod(shape[d + 1:], dtype=object)) for d in range(len(shape))]
+  u32 = np.uint32
+  first = lax.convert_element_type(start, u32)
+  if int(np.prod(shape, dtype=object)) <= 2 ** 32:
+    lo = jnp.zeros(local, u32) + first * u32(strides[axis]) if local else first
+    for d, n in enumerate(local):
+      if n > 1:
+        lo = lo + lax.broadcasted_iota(u32, local, d) * u32(strides[d])
+    return jnp.zeros(local, u32), lo
+  hi, lo = _mul_wide(first, strides[axis])
+  hi, lo = jnp.broadcast_to(hi, local), jnp.broadcast_to(lo, local)
+  for d, n in enumerate(local):
+    if n > 1:
+      hi, lo = _add_wide((hi, lo), _mul_wide(lax.broadcasted_iota(u32, local, d), strides[d]))
+  return hi, lo
+
+
+def _mul_wide(x, c: int) -> tuple:
+  """``(hi, lo)`` of ``x * c`` modulo 2**64, ``x`` ``uint32``, ``c`` a Python integer below
+  2**64 (32-bit words in 16-bit halves: every partial product fits in 32 bits)."""
+  u32 = np.uint32
+  c_hi, c_lo = (c >> 32) & 0xFFFFFFFF, c & 0xFFFFFFFF
+  xl, xh = x & u32(0xFFFF), lax.shift_right_logical(x, u32(16))
+  cl, ch = u32(c_lo & 0xFFFF), u32(c_lo >> 16)
+  p0, p1, p2, p3 = xl * cl, xl * ch, xh * cl, xh * ch
+  mid = p1 + p2
+  carry_mid = lax.convert_element_type(mid < p1, u32)
+  lo = p0 + lax.shift_left(mid, u32(16))
+  carry_lo = lax.convert_element_type(lo < p0, u32)
+  hi = (p3 + lax.shift_right_logical(mid, u32(16)) + lax.shift_left(carry_mid, u32(16))
+        + carry_lo + x * u32(c_hi))
+  return hi, lo
+
+
+def _add_wide(a: tuple, b: tuple) -> tuple:
+  """``a + b`` modulo 2**64 of ``(hi, lo)`` pairs of ``uint32`` words."""
+  lo = a[1] + b[1]
+  return a[0] + b[0] + lax.convert_element_type(lo < a[1], np.uint32), lo
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -358,13 +501,7 @@ def apply_site(primitive, params: dict, invals: list, site, mb_index, out_avals,
       splits its microbatches' rows); ``None``: one whole microbatch.
   """
   if isinstance(site, Redraw):
-    full = _compat.bind_eqn(primitive, site.full_params, invals)
-    out = []
-    for x, aval in zip(full, out_avals):
-      size = aval.shape[site.axis]
-      start = mb_index * size if rows is None else mb_index * (size // rows)
-      out.append(lax.dynamic_slice_in_dim(x, start, size, site.axis))
-    return out
+    return redraw_slice(primitive, site, invals, out_avals, mb_index, rows)
   name = primitive.name
   if name not in _REISSUED:
     if site.where not in _warned:

@@ -191,7 +191,8 @@ _ZOO = ["loop", "remat", "remat_policy", "moe", "gpt", "bert", "scan"]
 @pytest.mark.parametrize("name", _ZOO)
 def test_zoo_stage_flops_within_3_percent_of_xla(name, remat):
   """Every stage of the planner's plan, tensor-parallel ones included: dropout's random draws
-  (redrawn at the full batch, hashed by threefry, split with the value they mask; the keys
+  (each microbatch's rows of the full batch's, hashed by threefry from their counters alone,
+  split with the value they mask; the keys
   folded and split for them), the backward's gradient accumulation, rematerialised
   recomputation (a stage's backward recomputing what makes each inner layer's outputs:
   :func:`~harpjax.compiler.profile.stage_flops`), what XLA's fusion duplicates and its

@@ -165,17 +165,6 @@ def test_zoo_stage_memory_within_10_percent_of_xla(name, remat):
   _check(stage_memory_errors(name, remat), (name, remat))
 
 
-# Known gap at the last run (docs/fidelity.md, "Peak memory"): the GPT with dropout on four
-# data-parallel V100s is short in its forward at every level (-15% to -22%): each device
-# draws the whole batch's dropout bits (the replicas' programs draw locally; XLA does not
-# partition a dynamic slice of a draw), and XLA:CPU runs the stage's draws together there
-# (the forward's temporaries exactly 2 * sum + 2 * largest of its draws, 1792.8 KiB). It did
-# so in every replicated stage measured (2 and 4 devices) and in the one-program stage on 4
-# devices (levels 2 and 3), not on one device nor in the one-program stage on 2 devices
-# (levels 2 and 3: charging the term there gave +16.4% and +10.4%); no rule found.
-_ZERO_GAPS = {("gpt", 0), ("gpt", 1), ("gpt", 2), ("gpt", 3)}
-
-
 def _dp_plan(zero):
   def plan(L):
     return harpjax.ManualPlan([
@@ -189,14 +178,12 @@ def _dp_plan(zero):
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("name", ["loop", "gpt"])
-def test_zero_levels_stage_memory_within_10_percent_of_xla(name, zero, request):
+def test_zero_levels_stage_memory_within_10_percent_of_xla(name, zero):
   """Data-parallel stages (V100 x 4, then A100 x 2) at every ZeRO level, remat off: among
   them the loop model's first stage, whose step traces otherwise at one row per replica (the
   runtime then all-reduces the gradient every microbatch: its backward holds the gradient
-  and the reduction, at levels 0 and 1 as at 2 and 3)."""
-  if (name, zero) in _ZERO_GAPS:
-    request.applymarker(pytest.mark.xfail(strict=True, reason="a known gap: docs/fidelity.md, "
-                                          "Peak memory"))
+  and the reduction, at levels 0 and 1 as at 2 and 3), and the GPT with dropout, each replica
+  hashing its own rows of the batch's dropout bits."""
   _check(stage_memory_errors(name, False, _dp_plan(zero)), (name, zero))
 
 
