@@ -156,7 +156,7 @@ def test_ctrl_c_at_the_command_line(delay_s):
 
 
 RAY = [
-    ("start", h.Scenario(runtime="ray"), h.Moment(calls=None, seconds=1.0)),
+    ("start", h.Scenario(runtime="ray"), h.Moment(calls=300)),
     ("step_ray", h.Scenario(runtime="ray"), h.Moment(nth=2, calls=200)),
     ("gather", h.Scenario(runtime="ray"), h.Moment(calls=100)),
     ("save", h.Scenario(runtime="ray"), h.Moment(nth=2, calls=None, seconds=0.0)),
