@@ -50,8 +50,9 @@ def test_the_choice_is_the_optimum_of_all_modes(chunk):
   plan scores the same on the tables it came from."""
   rng = np.random.default_rng(7 + chunk)
   chosen = {"none": 0, "full": 0, "dots": 0}
+  most_layers = 5 if chunk == 0 else 7   # the fast chunk's brute force stays small
   for n in range(6):
-    none = oracle.random_tables(rng, num_layers=int(rng.integers(3, 7)))
+    none = oracle.random_tables(rng, num_layers=int(rng.integers(3, most_layers)))
     both = with_remat_choice(none=none, full=_rematerialised(none, rng),
                              dots=_rematerialised(none, rng, (1.05, 1.2), (0.4, 0.8)))
     B = int(rng.choice([2, 4, 8]))
