@@ -173,9 +173,10 @@ _FIRST_STAGE = ("stage 0: the key's fold_in and split hash loops beside the draw
 # The GPT's middle stages under remat, in their backward (docs/fidelity.md): layers 3-4 (an
 # MLP, then attention) hold the MLP's recomputed values as modelled (448 KiB) while the
 # attention's backward runs, but that backward holds less than the layer's own workspace
-# (its draw's hash ran with the stage's draws at the start); layers 5-6 (a layer norm with
-# dropout, then an MLP) hold four MLP-hidden buffers (128 KiB each) and a draw's state
-# during the MLP's backward, one hidden buffer and the state more than the layer's workspace.
+# (about 520 KiB against 679 KiB); layers 5-6 (a layer norm with
+# dropout, then an MLP) hold four MLP-hidden buffers (128 KiB each), a draw's state and six
+# 32 KiB values during the MLP's backward: 854272 bytes of temporaries, where the model charges
+# the MLP's workspace and the layer norm's held values, 525824.
 _GPT_REMAT = ("stages 2 (layers 3-4, +11.7%) and 3 (layers 5-6, -17.5%): a rematerialising "
               "layer's backward within the stage holds other than its workspace alone")
 OPEN = {("loop", True): ((0,), _FIRST_STAGE), ("remat", True): ((0,), _FIRST_STAGE),
