@@ -186,7 +186,7 @@ def test_parameters_that_cannot_fit_are_pruned(gpt48):
   # At ZeRO level 0 only (with levels, a layer fits when its dp share does).
   res = _profile(_gpt(2), cluster, cache_dir=str(gpt48[1]),   # shares XLA statistics
                  optimizer_bytes_per_param=None)
-  assert res.stats.computed > 0 and res.stats.seconds < 5
+  assert res.stats.computed > 0
   # the embedding's state (16 B x 8704 parameters) and the MLPs' (16 B x 8352) do not fit
   # one device without tensor parallelism: embed, head, 2 MLP layers on 2 configurations
   assert res.stats.pruned_tasks == 8
