@@ -92,7 +92,8 @@ def _three_ways(step, state, batches, *, plan, num_microbatches, schedule=None, 
   return vs_local, vs_jit, pray
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [s if s == "h1f1b" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in SCHEDULES])   # the local twins run every schedule fast
 def test_every_schedule_matches_local_and_jit(schedule):
   step, state, batches = _mlp_setup()
   vs_local, vs_jit, pstep = _three_ways(step, state, batches, plan=MLP3, num_microbatches=4,
@@ -302,8 +303,8 @@ def test_root_cause_prefers_the_dead_actor_over_its_broken_peers():
   assert _root_cause({0: errors[0], 2: ValueError("bad shape")}) == 2
 
 
-@pytest.mark.parametrize("backend", ["threads", "ray"])
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("backend,when", [("threads", "before"), ("threads", "after"), ("ray", "before"),
+                                          pytest.param("ray", "after", marks=pytest.mark.slow)])
 def test_interrupted_step_then_immediate_retry_keeps_state(backend, when):
   # Ctrl-C reaches the driver of step 2 before its first wait for the workers, or right after
   # the first wait that brought results back (some stages, maybe all, finished the step and
@@ -467,6 +468,7 @@ def test_mixed_stage_groups_on_other_hosts_run_in_processes_of_their_own(x64):
   runner.shutdown()
 
 
+@pytest.mark.slow
 def test_mixed_stage_group_over_two_hosts_runs_in_an_actor_per_host():
   # The A100 group spans both A100 hosts: it runs as two groups, each in its own actor.
   step, state, batches = _mlp_setup()

@@ -394,7 +394,8 @@ def test_only_the_residuals_offload_makes_it_fit():
     assert st.act_bytes == 0.0 and st.peak_mem_bytes <= st.device_memory_bytes
 
 
-def test_offload_request_is_priced_by_the_planner():
+@pytest.mark.parametrize("part", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_offload_request_is_priced_by_the_planner(part):
   """``SolveOptions(offload="always")`` (and ``offload_activations="always"``): the request
   is a constraint on the tables' variants: the optimum equals brute force over the variants
   that offload it, every stage carries it, and the predicted time is the simulator's with its
@@ -402,7 +403,7 @@ def test_offload_request_is_priced_by_the_planner():
   are refused."""
   rng = np.random.default_rng(4321)
   checked = cheaper = 0
-  for x in range(40):
+  for x in (range(16) if part == 0 else range(16, 40)):
     tables = oracle.random_zero_tables(rng, host_share=1.0, num_layers=int(rng.integers(2, 4)),
                                        num_subclusters=int(rng.integers(1, 3)))
     B = int(rng.choice([2, 4, 8]))
@@ -428,12 +429,31 @@ def test_offload_request_is_priced_by_the_planner():
     if math.isfinite(bare_s):   # (else the stages only fit with the offload)
       assert bare_s < res.plan.predicted_iteration_s
       cheaper += 1
-  assert checked >= 10 and cheaper >= 5, (checked, cheaper)
+  assert checked >= (5 if part == 0 else 8) and cheaper >= 2, (checked, cheaper)
   plain = oracle.random_tables(np.random.default_rng(1), num_layers=3)
   with pytest.raises(InfeasiblePlanError, match="cannot price it"):
     solve(plain, 4, offload="always")
   with pytest.raises(PlanError, match="every stage"):
     solve(plain, 4, offload="sometimes")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a known disagreement, not yet explained: on instance 3 of "
+                   "seed 4322 (residual offload required) the planner's plan (stage 0 at ZeRO 2 "
+                   "with its residuals offloaded, warm-up 3) evaluates feasible at 7.0709 s where "
+                   "the brute force over the offloading variants finds 7.5267 s at best")
+def test_offload_request_disagreement_seed_4322():
+  rng = np.random.default_rng(4322)
+  for x in range(4):
+    tables = oracle.random_zero_tables(rng, host_share=1.0, num_layers=int(rng.integers(2, 4)),
+                                       num_subclusters=int(rng.integers(1, 3)))
+    B = int(rng.choice([2, 4, 8]))
+  opt, act = False, True
+  pairs = [(z, o, r) for z, o, r in oracle.residual_pairs() if (o or not opt)
+           and (r or not act)]
+  bf = oracle.brute_force(oracle.all_variants(tables, pairs), B, eps=0.1)
+  res = _obj(tables, B, eps=0.1, offload=True, offload_activations="always")
+  assert _close(_value(res), bf.objective_s), (bf, res)
 
 
 def test_a_plan_priced_without_offload_never_runs_with_it():

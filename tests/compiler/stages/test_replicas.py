@@ -65,6 +65,7 @@ def test_backward_of_replicas_holds_no_all_reduce_and_the_step_reduces_once(x64,
     s_ref, s_par = out_ref[0], out_par[0]
 
 
+@pytest.mark.slow
 def test_replicas_on_ray_actors_match_jit_float64(x64):
   # The replicas' forward, backward and reduction lowered for the stage's actor.
   case = zoo.linen("loop")
