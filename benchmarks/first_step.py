@@ -27,7 +27,12 @@ analytic source and reports the predicted step time of the plan found from the d
 (jaxpr) tables and of the plan found from the compiled tables, both scored on the compiled
 tables.
 
+``--compare-with DIR`` runs the cold and warm first steps of this checkout and of another
+(``git archive <commit> | tar -x -C DIR``, its own copy of this script and its own harpjax),
+interleaved, and prints both with the ratio of their CPU seconds.
+
   python benchmarks/first_step.py [--repeats 3] [--models demo-gpt,gpt2-small,bert-small]
+      [--compare-with DIR]
 """
 
 from __future__ import annotations
@@ -195,15 +200,46 @@ def quality(name: str, cache_dir: str) -> dict:
   return out
 
 
-def _run(*argv) -> dict:
-  env = dict(os.environ)
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*argv, root: str = _REPO) -> dict:
+  """One child process of ``root``'s copy of this script, importing ``root``'s harpjax."""
+  env = dict(os.environ, PYTHONPATH=root)
   env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   env.setdefault("JAX_PLATFORMS", "cpu")
-  res = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
-                       env=env)
+  res = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "first_step.py"),
+                        *argv], capture_output=True, text=True, env=env)
   if res.returncode:
     raise SystemExit(f"{' '.join(argv)} failed:\n{res.stderr[-3000:]}")
   return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def compare(names: list[str], other: str, repeats: int) -> None:
+  """Cold and warm first steps of this checkout beside ``other``'s, interleaved."""
+  trees = {"this": _REPO, "other": other}
+  runs = {(t, n, m): [] for t in trees for n in names for m in ("cold", "warm")}
+  with tempfile.TemporaryDirectory() as root:
+    for r in range(repeats):
+      for n in names:
+        for t, tree in trees.items():
+          cache = os.path.join(root, f"{t}-{n}-{r}")
+          for m in ("cold", "warm"):
+            runs[(t, n, m)].append(_run("--child", m, n, cache, root=tree))
+          print(f"repeat {r + 1}/{repeats} {n} {t}: cold "
+                f"{runs[(t, n, 'cold')][-1]['cpu_s']:.1f} CPU s, warm "
+                f"{runs[(t, n, 'warm')][-1]['cpu_s']:.1f} CPU s", file=sys.stderr, flush=True)
+  med = lambda t, n, m, k: statistics.median(x[k] for x in runs[(t, n, m)])
+  ratio = lambda n, m: statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in
+                                         zip(runs[("this", n, m)], runs[("other", n, m)]))
+  print(f"{os.cpu_count()} CPUs, 8 fake CPU devices; median of {repeats} fresh processes per "
+        f"cell, interleaved; seconds to the end of the first step, wall / CPU; other: {other}\n")
+  print("| model | cache | this tree s | other s | CPU ratio (this / other) |")
+  print("|---|---|---|---|---|")
+  for n in names:
+    for m in ("cold", "warm"):
+      cell = lambda t: f"{med(t, n, m, 'total_s'):.1f} / {med(t, n, m, 'cpu_s'):.1f}"
+      print(f"| {n} | {m} | {cell('this')} | {cell('other')} | {ratio(n, m):.2f} |")
 
 
 def main(argv=None):
@@ -213,6 +249,8 @@ def main(argv=None):
   ap.add_argument("--no-quality", action="store_true",
                   help="skip costing with the compiled source (about a minute per model)")
   ap.add_argument("--json", help="also write every measurement to this file")
+  ap.add_argument("--compare-with", metavar="DIR",
+                  help="cold and warm first steps beside another checkout's (git archive)")
   ap.add_argument("--child", nargs=3, metavar=("MODE", "MODEL", "CACHE"),
                   help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -221,6 +259,9 @@ def main(argv=None):
     print(json.dumps(quality(name, cache) if mode == "quality" else child(mode, name, cache)))
     return
   names = [m for m in args.models.split(",") if m]
+  if args.compare_with:
+    compare(names, os.path.abspath(args.compare_with), args.repeats)
+    return
   runs = {(n, m): [] for n in names for m in ("jit", "cold", "warm")}
   qual = {}
   with tempfile.TemporaryDirectory() as root:

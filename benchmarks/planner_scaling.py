@@ -36,13 +36,17 @@ The tables charge the data-parallel gradient all-reduce and the optimizer update
 iteration, after each stage's last backward (their end times: what the profiler builds and
 the runtime runs). ``--amortised`` adds, per row, the plan time on tables that instead spread
 the all-reduce over the ``B`` microbatches of the stage time (the model before gradients were
-synchronised once per step), measured right after, for comparison.
+synchronised once per step), measured right after, for comparison. ``--sync-rule DIR`` times, in fresh worker processes,
+the ``--gpus`` rows (default 512) on once-per-step tables and on amortised ones with this
+checkout's planner and on amortised ones with DIR's (the tree before once-per-step sync): the
+20% rule of issue 22 in CPU seconds.
 
 Usage::
 
   .venv/bin/python benchmarks/planner_scaling.py [--gbps 100] [--max-gpus 1024]
       [--gpus 512] [--layer-gpus 128] [--max-layers 300] [--eq12] [--amortised]
       [--backend sequential] [--money] [--zero] [--compare-with DIR] [--repeat 3]
+      [--sync-rule DIR]
 """
 
 from __future__ import annotations
@@ -118,12 +122,14 @@ def money_tables(blocks: int = 48) -> CostTables:
 
 
 def _case(name: str):
-  """``(tables, B, solve options)`` of a named case: ``money``, ``gpus:<N>:<gbps>`` or
-  ``zero:<N>:<gbps>`` (ZeRO levels and offload in the tables)."""
+  """``(tables, B, solve options)`` of a named case: ``money``, ``gpus:<N>:<gbps>``,
+  ``zero:<N>:<gbps>`` (ZeRO levels and offload in the tables) or ``amortised:<N>:<gbps>`` (the
+  gradient all-reduce spread over the microbatches: the tables before once-per-step sync)."""
   if name == "money":
     return money_tables(), MONEY_B, dict(objective="max_throughput_per_dollar")
   kind, gpus, gbps = name.split(":")
-  return three_type_tables(int(gpus), 146, float(gbps), zero=kind == "zero"), B, {}
+  return (three_type_tables(int(gpus), 146, float(gbps), end_cost=kind != "amortised",
+                            zero=kind == "zero"), B, {})
 
 
 def _worker(name: str, backend: str, repeat: int) -> None:
@@ -176,6 +182,30 @@ def _compare(names: list[str], other: str, backend: str, repeat: int) -> None:
   print("  ".join("-" * w for w in widths))
   for r in rows:
     print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+  print()
+
+
+def _sync_rule(gpus: int, gbps: float, other: str, backend: str, repeat: int) -> None:
+  """The 20% rule of once-per-step sync: the search on this checkout's once-per-step tables
+  against the same search on amortised tables, here and in ``other`` (the tree before
+  once-per-step sync, whose benchmark and profiler built amortised tables)."""
+  runs = [("this tree, once per step", _REPO, f"gpus:{gpus}:{gbps:g}"),
+          ("this tree, amortised", _REPO, f"amortised:{gpus}:{gbps:g}"),
+          (f"{other}, amortised", other, f"amortised:{gpus}:{gbps:g}")]
+  rows = []
+  for label, root, name in runs:
+    r = _run_worker(root, name, backend, repeat)
+    rows.append((label, r))
+    print(label, json.dumps(r), file=sys.stderr, flush=True)
+  base = min(rows[0][1]["cpu_seconds"])
+  print(f"== once-per-step sync, {gpus} GPUs, {gbps:g} Gbps, B={B} (best of {repeat}, warm, "
+        f"fresh processes, one after the other) ==")
+  print("| run | plan s | CPU s | once per step / this (CPU) | iteration s | stages |")
+  print("|---|---|---|---|---|---|")
+  for label, r in rows:
+    cpu = min(r["cpu_seconds"])
+    print(f"| {label} | {min(r['seconds']):.2f} | {cpu:.2f} | {base / cpu:.2f} | "
+          f"{r['iteration_s']:.4f} | {len(r['stages'])} |")
   print()
 
 
@@ -239,10 +269,17 @@ def main() -> None:
   ap.add_argument("--zero", action="store_true",
                   help="tables with the optimizer state's share and a host link: the planner "
                   "chooses ZeRO levels 0-3 and offloads per stage")
+  ap.add_argument("--sync-rule", metavar="DIR",
+                  help="time the --gpus rows on once-per-step and amortised tables here and on "
+                  "amortised tables with DIR's planner (the tree before once-per-step sync)")
   ap.add_argument("--worker", help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker:
     _worker(args.worker, args.backend, args.repeat)
+    return
+  if args.sync_rule:
+    for x in (args.gpus or "512").split(","):
+      _sync_rule(int(x), args.gbps, os.path.abspath(args.sync_rule), args.backend, args.repeat)
     return
   if args.compare_with:
     kind = "zero" if args.zero else "gpus"

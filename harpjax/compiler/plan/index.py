@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -445,10 +445,13 @@ class SparseIndex:
 # --------------------------------------------------------------------------- device states
 
 
-def _local_states(tables: CostTables, k: int, use_all_devices: bool, max_states: int
+def _local_states(tables: CostTables, k: int, shapes: Sequence[tuple[int, int]],
+                  use_all_devices: bool, max_states: int
                   ) -> tuple[list[dict[int, tuple[int, list[tuple[int, bool]]]]], list[int],
                              list[bool]]:
-  """One subcluster's device states: what the stages so far took of it.
+  """One subcluster's device states: what the stages so far took of it, over the submesh
+  ``shapes`` (the distinct shapes of ``tables.submeshes[k]``: a state's moves depend on the
+  shape alone).
 
   Returns ``(after, used, full)``: per local state ``u`` (``0`` is "nothing used") and submesh
   ``s`` of a stage that fits, ``after[u][s] = (held, nexts)``: the state whose devices the
@@ -458,7 +461,6 @@ def _local_states(tables: CostTables, k: int, use_all_devices: bool, max_states:
   ``use_all_devices`` only states that can still be completed to fill the subcluster are kept.
   """
   N, M = tables.num_hosts[k], tables.devices_per_host[k]
-  shapes = tables.submeshes[k]
   cap = N * M
   if tables.host_priced[k]:
     return _placed_states(shapes, M, cap)
@@ -627,7 +629,13 @@ def device_states(tables: CostTables, *, use_all_devices: bool = False,
   """
   K = tables.num_subclusters
   S_max = max(len(s) for s in tables.submeshes)
-  local = [_local_states(tables, k, use_all_devices, max_states) for k in range(K)]
+  # Moves depend on a submesh's shape alone: the states are walked over each subcluster's
+  # distinct shapes (first occurrences in order, so that the states are numbered as a walk over
+  # every entry would number them) and the columns of the entries sharing a shape copied.
+  distinct = [list(dict.fromkeys(tuple(x) for x in shapes)) for shapes in tables.submeshes]
+  column = [np.array([d.index(tuple(x)) for x in shapes], np.int64)
+            for d, shapes in zip(distinct, tables.submeshes)]
+  local = [_local_states(tables, k, distinct[k], use_all_devices, max_states) for k in range(K)]
   full_mask = (1 << K) - 1
   if keep_order:
     starts = [0] if use_all_devices else list(range(K))
@@ -641,56 +649,74 @@ def device_states(tables: CostTables, *, use_all_devices: bool = False,
           ([] if use_all_devices else list(range(k + 1, K)))
     return [k2 for k2 in range(K) if not mask >> k2 & 1]
 
+  linked = [[tables.linked(k, k2) for k2 in range(K)] for k in range(K)]
   ids: dict[tuple[int, int, int], int] = {}
   order: list[tuple[int, int, int]] = []
 
   def gid(key):
-    if key not in ids:
-      ids[key] = len(order)
+    x = ids.get(key)
+    if x is None:
+      x = ids[key] = len(order)
       order.append(key)
       if len(order) > max_states:
         raise PlanError(f"more than {max_states} device states for {K} subclusters; keep "
                         "the subcluster order (keep_order=True) or merge subclusters")
-    return ids[key]
+    return x
 
   for r in roots:
     gid(r)
-  rows = []
-  while len(rows) < len(order):
-    mask, k, u = order[len(rows)]
+  D = max(len(d) for d in distinct)
+  # Per state and distinct shape: stay, stay_b (and their host flags), end, held, and leave.
+  stay_d, stay_b_d, end_d, held_d, leave_d = [], [], [], [], []
+  host_d, host_b_d = [], []
+  g = 0
+  while g < len(order):
+    mask, k, u = order[g]
+    g += 1
     after, used, full = local[k]
-    stay, leave, end, held = {}, {}, {}, {}
+    st_row, sb_row, h_row, hb_row = [-1] * D, [-1] * D, [False] * D, [False] * D
+    e_row, held_row, lv_row = [False] * D, [-1] * D, [-1] * (D * K)
     last = (mask == full_mask) if not keep_order else (k == K - 1)
+    nexts = successors(mask, k)
     for s, (u2, targets) in after[u].items():
-      held[s] = used[u2]
+      held_row[s] = used[u2]
       if not full[u2] and targets:
-        stay[s] = [(gid((mask, k, v)), host) for v, host in targets]
+        st_row[s], h_row[s] = gid((mask, k, targets[0][0])), targets[0][1]
+        if len(targets) > 1:
+          sb_row[s], hb_row[s] = gid((mask, k, targets[1][0])), targets[1][1]
       if use_all_devices and not full[u2]:
         continue
-      for k2 in successors(mask, k):
-        if tables.linked(k, k2):
-          leave[(s, k2)] = gid((mask | (1 << k2) if not keep_order else 0, k2, 0))
-      end[s] = (not use_all_devices) or last
-    rows.append((stay, leave, end, held))
+      for k2 in nexts:
+        if linked[k][k2]:
+          lv_row[s * K + k2] = gid((mask | (1 << k2) if not keep_order else 0, k2, 0))
+      e_row[s] = (not use_all_devices) or last
+    stay_d.append(st_row)
+    stay_b_d.append(sb_row)
+    host_d.append(h_row)
+    host_b_d.append(hb_row)
+    end_d.append(e_row)
+    held_d.append(held_row)
+    leave_d.append(lv_row)
   G = len(order)
-  st = DeviceStates(
-      sub=np.array([k for _, k, _ in order], np.int64),
-      mask=np.array([m for m, _, _ in order], np.int64),
+  sub = np.array([k for _, k, _ in order], np.int64)
+  # Each state's columns: entry s of its subcluster reads distinct shape column[k][s]; the
+  # columns past the subcluster's entries stay empty (D, a column of -1 / False, appended).
+  pick = np.full((K, S_max), D, np.int64)
+  for k in range(K):
+    pick[k, :column[k].size] = column[k]
+  cols = pick[sub]
+  rows = np.arange(G)[:, None]
+
+  def spread(rows_d, fill, dtype, *tail):
+    a = np.array(rows_d, dtype).reshape(G, D, *tail)
+    a = np.concatenate([a, np.full((G, 1) + a.shape[2:], fill, dtype)], axis=1)
+    return np.ascontiguousarray(a[rows, cols])
+
+  return DeviceStates(
+      sub=sub, mask=np.array([m for m, _, _ in order], np.int64),
       used=np.array([local[k][1][u] for _, k, u in order], np.int64),
-      stay=np.full((G, S_max), -1, np.int64), leave=np.full((G, S_max, K), -1, np.int64),
-      end=np.zeros((G, S_max), np.bool_), held=np.full((G, S_max), -1, np.int64),
+      stay=spread(stay_d, -1, np.int64), leave=spread(leave_d, -1, np.int64, K),
+      end=spread(end_d, False, np.bool_), held=spread(held_d, -1, np.int64),
       roots=np.array([ids[r] for r in roots], np.int64),
-      stay_b=np.full((G, S_max), -1, np.int64), stay_host=np.zeros((G, S_max), np.bool_),
-      stay_b_host=np.zeros((G, S_max), np.bool_))
-  for g, (stay, leave, end, held) in enumerate(rows):
-    for s, targets in stay.items():
-      st.stay[g, s], st.stay_host[g, s] = targets[0]
-      if len(targets) > 1:
-        st.stay_b[g, s], st.stay_b_host[g, s] = targets[1]
-    for (s, k2), v in leave.items():
-      st.leave[g, s, k2] = v
-    for s, v in end.items():
-      st.end[g, s] = v
-    for s, v in held.items():
-      st.held[g, s] = v
-  return st
+      stay_b=spread(stay_b_d, -1, np.int64), stay_host=spread(host_d, False, np.bool_),
+      stay_b_host=spread(host_b_d, False, np.bool_))

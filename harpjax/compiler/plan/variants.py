@@ -315,17 +315,29 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
       after = (L - 1 - np.arange(L))[None, :, None]
       left = tables.total_devices - np.array([n * m for n, m in tables.submeshes[k]])
       cap = np.minimum(B, 1 + 3 * np.minimum(after, left[None, None, :]))
-      n = [_capacity(p, a, mem, cap) for _, p, a, _, _ in arrs]
+      n = [_capacity(p, a, mem, cap).ravel() for _, p, a, _, _ in arrs]
+      # Variant v of an entry goes where another variant u of it is as fast, ends no later
+      # and holds as many microbatches (strictly better in one, or the earlier of two equal):
+      # compared on the entries v still keeps, the equal times first (the rare case).
+      keep = [np.array(x).ravel() for x in keep]
+      flat_t = [x[0].ravel() for x in arrs]
+      flat_e = [x[3].ravel() for x in arrs]
       for v in range(len(pairs)):
-        dominated = np.zeros_like(keep[v])
+        idx = np.flatnonzero(keep[v])
+        tv, ev, nv = flat_t[v][idx], flat_e[v][idx], n[v][idx]
+        dominated = np.zeros(idx.size, np.bool_)
         for u in range(len(pairs)):
           if u == v:
             continue
-          (tu, _, _, eu, _), (tv, _, _, ev, _) = arrs[u], arrs[v]
-          strict = (eu < ev) | (n[u] > n[v])
-          dom = keep[u] & (tu == tv) & (eu <= ev) & (n[u] >= n[v]) & (strict | (u < v))
-          dominated |= dom
-        keep[v] = keep[v] & ~dominated
+          z = np.flatnonzero(flat_t[u][idx] == tv)
+          if not z.size:
+            continue
+          y = idx[z]
+          eu, nu = flat_e[u][y], n[u][y]
+          strict = (eu < ev[z]) | (nu > nv[z])
+          dominated[z] |= keep[u][y] & (eu <= ev[z]) & (nu >= nv[z]) & (strict | (u < v))
+        keep[v][idx[dominated]] = False
+      keep = [x.reshape(arrs[0][0].shape) for x in keep]
     shapes_k = tables.submeshes[k]
     shapes, labels, parts = [], [], {f: [] for f in new
                                      if f not in ("submeshes", "variants", "remat_modes")}
@@ -360,7 +372,9 @@ def expand_variants(tables: CostTables, options: VariantOptions = VariantOptions
     if tables.remat_modes is not None:
       new["remat_modes"].append(tuple(modes))
     for f, col in parts.items():
-      new[f].append(np.concatenate(col, axis=2))
+      arr = np.concatenate(col, axis=2)
+      arr.setflags(write=False)   # the tables take it as it is (it is theirs alone)
+      new[f].append(arr)
   if not changed:
     return tables
   # Each variant's memory is in its state bytes and its allowed entries (the reduction and

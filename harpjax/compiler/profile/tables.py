@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -121,6 +122,31 @@ def check_seq(v, where: str, n: int) -> tuple:
     raise CostTablesError(f"{where} has {len(t)} entries, expected {n} (one per "
                           f"{'subcluster' if n else 'link'})")
   return t
+
+
+# Arrays a CostTables checked, by identity: ``id(array) -> (weak reference, key, beside)``,
+# the key naming the field and its shape, ``beside`` the array the check read beside it (held
+# while the checked one lives). Tables built from checked tables
+# (one subcluster of them, the same arrays again) take them as they are: the check and the
+# copy are skipped, and the arrays are shared (read-only, owning their data).
+_CHECKED: dict[int, tuple[weakref.ref, tuple, object]] = {}
+
+
+def _forget(key_id: int):
+  return lambda _ref: _CHECKED.pop(key_id, None)
+
+
+def _was_checked(a, key: tuple, beside=None) -> bool:
+  """Whether ``a`` is an array a CostTables checked with the same ``key`` beside the same
+  array, unchanged since (still read-only, owning its data)."""
+  hit = _CHECKED.get(id(a))
+  return (hit is not None and hit[0]() is a and hit[1] == key and hit[2] is beside
+          and isinstance(a, np.ndarray) and not a.flags.writeable and a.base is None)
+
+
+def _mark_checked(a: np.ndarray, key: tuple, beside=None) -> None:
+  if a.base is None and not a.flags.writeable:
+    _CHECKED[id(a)] = (weakref.ref(a, _forget(id(a))), key, beside)
 
 
 def _positive(v, where: str, n: int) -> tuple[float, ...]:
@@ -376,8 +402,18 @@ class CostTables:
     for field in fields:
       arrs = []
       for k, a in enumerate(check_seq(getattr(self, field), field, K)):
-        a = np.array(a, dtype=np.float64)
         want = (L, L, len(shapes[k]))
+        # what the check below reads beside the array itself
+        dep = (self.stage_time_s[k] if field in ("end_time_s", "gather_time_s",
+                                                 "sync_time_s") else
+               self.param_mem_bytes[k] if field == "opt_mem_bytes" else None)
+        key = (field, want)
+        if _was_checked(a, key, dep):
+          arrs.append(a)
+          continue
+        if not (isinstance(a, np.ndarray) and a.dtype == np.float64 and a.base is None
+                and not a.flags.writeable):   # nobody else writes a read-only owner
+          a = np.array(a, dtype=np.float64)
         if a.shape != want:
           raise CostTablesError(f"{field}[{k}] ({names[k]!r}) has shape {a.shape}, expected "
                                 f"[num_layers, num_layers, num_submeshes] = {list(want)}")
@@ -408,6 +444,7 @@ class CostTables:
             raise CostTablesError(f"{field}[{k}][{tuple(int(x) for x in bad[0])}] = "
                                   f"{a[tuple(bad[0])]}: bytes must be finite and >= 0")
         a.setflags(write=False)
+        _mark_checked(a, key, dep)
         arrs.append(a)
       set_(field, tuple(arrs))
     if self.sync_time_s is not None:
@@ -434,7 +471,13 @@ class CostTables:
     if self.logical_mesh is not None:
       meshes = []
       for k, a in enumerate(check_seq(self.logical_mesh, "logical_mesh", K)):
-        a = np.array(a, dtype=np.int64)
+        key = ("logical_mesh", shapes[k], L)
+        if _was_checked(a, key, self.stage_time_s[k]):
+          meshes.append(a)
+          continue
+        if not (isinstance(a, np.ndarray) and a.dtype == np.int64 and a.base is None
+                and not a.flags.writeable):
+          a = np.array(a, dtype=np.int64)
         if a.shape[:-1] != (L, L, len(shapes[k])) or a.shape[-1] not in (2, 3):
           raise CostTablesError(f"logical_mesh[{k}] has shape {a.shape}, expected "
                                 f"{[L, L, len(shapes[k]), 2]} ((dp, tp)) or "
@@ -448,6 +491,7 @@ class CostTables:
           raise CostTablesError(f"logical_mesh[{k}][{i}, {j}, {s}] = {tuple(a[i, j, s])}: "
                                 f"{what} must be {sizes[s]} devices of submesh {shapes[k][s]}")
         a.setflags(write=False)
+        _mark_checked(a, key, self.stage_time_s[k])
         meshes.append(a)
       set_("logical_mesh", tuple(meshes))
     if self.layer_names is not None:

@@ -475,3 +475,44 @@ def test_a_plan_priced_without_offload_never_runs_with_it():
   manual = harpjax.ManualPlan(res.plan.stages)
   moved = harpjax.OffloadOptions(optimizer_state=True, stages=(0,)).apply(manual)
   assert [st.offload for st in moved.stages] == [s == 0 for s in range(len(moved.stages))]
+
+
+def test_device_states_of_variants_are_those_of_their_shapes():
+  """The device states walk each subcluster's distinct shapes: with ZeRO and offload variants
+  the states are those of the tables without them, numbered alike, each variant's column that
+  of its shape."""
+  from harpjax.compiler.plan.index import device_states
+  base = _gpt_tables(16, offload_bw=25e9)
+  wide = variants.expand_variants(base, variants.VariantOptions(), 16)
+  assert any(len(w) > len(b) for w, b in zip(wide.submeshes, base.submeshes))
+  for flags in ({}, {"use_all_devices": True}, {"keep_order": True}):
+    st, st0 = device_states(wide, **flags), device_states(base, **flags)
+    for f in ("sub", "mask", "used", "roots"):
+      np.testing.assert_array_equal(getattr(st, f), getattr(st0, f))
+    for g, k in enumerate(st.sub):
+      cols = [variants.base_index(wide, k, s) for s in range(len(wide.submeshes[k]))]
+      for f in ("stay", "stay_b", "stay_host", "stay_b_host", "leave", "end", "held"):
+        np.testing.assert_array_equal(getattr(st, f)[g, :len(cols)], getattr(st0, f)[g, cols])
+        rest = getattr(st, f)[g, len(cols):]
+        assert (rest == (False if rest.dtype == np.bool_ else -1)).all()
+
+
+def test_tables_from_checked_tables_share_their_arrays_and_recheck_what_changed():
+  """A subcluster of checked tables takes their arrays as they are; an array whose check read
+  another that changed is checked again."""
+  from harpjax.compiler.plan.solve import single_subcluster
+  tables = _gpt_tables(16, offload_bw=25e9)
+  one = single_subcluster(tables, 1)
+  assert one.stage_time_s[0] is tables.stage_time_s[1]
+  assert one.opt_mem_bytes[0] is tables.opt_mem_bytes[1]
+  small = np.array(tables.param_mem_bytes[0]) * 0.5   # below the optimizer's bytes
+  with pytest.raises(CostTablesError, match="opt_mem_bytes"):
+    tables.replace(param_mem_bytes=(small,) + tables.param_mem_bytes[1:])
+  bad = np.array(tables.stage_time_s[0])
+  bad[0, 0, 0] = -1.0
+  with pytest.raises(CostTablesError, match="stage times must be > 0"):
+    tables.replace(stage_time_s=(bad,) + tables.stage_time_s[1:])
+  mine = np.array(tables.act_mem_bytes[0])   # writable: copied, so later writes do not leak
+  copy = tables.replace(act_mem_bytes=(mine,) + tables.act_mem_bytes[1:])
+  mine[0, 0, 0] += 1.0
+  assert copy.act_mem_bytes[0][0, 0, 0] == tables.act_mem_bytes[0][0, 0, 0]
