@@ -517,7 +517,7 @@ def _fused(prog: Program, read: dict, shared_expensive: bool = False) -> tuple[d
   return src, fused
 
 
-_POSITION_FITS: dict = {}
+_POSITION_FITS = primitives.XlaFits("position_draw")
 
 
 def position_draw_flops(key_aval, params: dict, parts: float = 1.0) -> float:
@@ -539,9 +539,7 @@ def position_draw_flops(key_aval, params: dict, parts: float = 1.0) -> float:
   bits = int(params.get("bit_width", 32))
   n = float(np.prod(shape, dtype=np.float64)) if shape else 1.0
   key = (jax.default_backend(), str(getattr(key_aval, "dtype", "")), bits, len(shape))
-  fit = _POSITION_FITS.get(key)
-  if fit is None:
-    fit = _POSITION_FITS[key] = _fit_position_draw(key_aval, bits, len(shape))
+  fit = _POSITION_FITS.get(key, lambda: _fit_position_draw(key_aval, bits, len(shape)))
   per, fixed = fit
   return float(primitives.aval_size(key_aval) * (per * n / parts + fixed))
 

@@ -37,7 +37,8 @@ __all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "REDUCTIONS", "FUSES_PR
            "EXPENSIVE",
            "dot_operand_copies", "info", "is_compute_heavy", "is_view", "eqn_flops",
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
-           "aval_nbytes", "aval_size", "is_float", "random_bits_flops", "random_key_flops"]
+           "aval_nbytes", "aval_size", "is_float", "random_bits_flops", "random_key_flops",
+           "XlaFits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,68 @@ def _reduce_window_flops(params, ins, outs) -> float:
   return float(aval_size(outs[0]) * int(np.prod(win or (1,))))
 
 
-_DRAW_FITS: dict[tuple, tuple[float, float]] = {}
+class XlaFits:
+  """A memo of small numbers read off XLA's cost analysis (the draws' and the keys' FLOPs),
+  kept in memory and on disk so a second process does not compile the small programs again.
+
+  The file is ``xla_fits.json`` in ``$HARPJAX_CACHE_DIR`` (or ``~/.cache/harpjax/profiles``,
+  the profile cache's directory), one entry per ``(kind, key)`` under the running jax and
+  jaxlib versions; a file that cannot be read or written is ignored (the numbers are
+  recomputed). Writes replace the file atomically, so concurrent processes lose at most an
+  entry, never the file.
+  """
+
+  def __init__(self, kind: str):
+    self.kind = kind
+    self._mem: dict[tuple, tuple[float, float]] = {}
+
+  @staticmethod
+  def _path():
+    import os
+    from pathlib import Path
+    root = os.environ.get("HARPJAX_CACHE_DIR")
+    return (Path(root) if root else Path("~/.cache/harpjax/profiles").expanduser()) \
+        / "xla_fits.json"
+
+  def _disk_key(self, key: tuple) -> str:
+    import jaxlib
+    return "|".join([self.kind, jax.__version__, getattr(jaxlib, "__version__", "?")]
+                    + [str(k) for k in key])
+
+  def get(self, key: tuple, compute) -> tuple[float, float]:
+    """The fit of ``key``: memoised, else read from disk, else ``compute()`` (and kept)."""
+    fit = self._mem.get(key)
+    if fit is not None:
+      return fit
+    import json
+    path, dk = self._path(), self._disk_key(key)
+    try:
+      stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+      stored = {}
+    got = stored.get(dk) if isinstance(stored, dict) else None
+    if (isinstance(got, list) and len(got) == 2
+        and all(isinstance(x, (int, float)) and np.isfinite(x) for x in got)):
+      fit = (float(got[0]), float(got[1]))
+    else:
+      fit = tuple(float(x) for x in compute())
+      try:
+        import os
+        import tempfile
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stored = stored if isinstance(stored, dict) else {}
+        stored[dk] = list(fit)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".xla_fits.")
+        with os.fdopen(fd, "w") as f:
+          json.dump(stored, f)
+        os.replace(tmp, path)
+      except OSError:
+        pass
+    self._mem[key] = fit
+    return fit
+
+
+_DRAW_FITS = XlaFits("random_bits")
 
 
 def random_bits_flops(key_aval, params: dict, parts: float = 1.0) -> float:
@@ -168,9 +230,7 @@ def random_bits_flops(key_aval, params: dict, parts: float = 1.0) -> float:
   rank = len(shape)
   key = (jax.default_backend(), str(getattr(key_aval, "dtype", "")), bits, rank,
          bool(jax.config.jax_threefry_partitionable))
-  fit = _DRAW_FITS.get(key)
-  if fit is None:
-    fit = _DRAW_FITS[key] = _fit_draw(key_aval, bits, rank)
+  fit = _DRAW_FITS.get(key, lambda: _fit_draw(key_aval, bits, rank))
   per, fixed = fit
   return float(n_keys * (per * n / parts + fixed))
 
@@ -200,7 +260,7 @@ def _fit_draw(key_aval, bits: int, rank: int) -> tuple[float, float]:
   return per, a - per * n_small
 
 
-_KEY_FITS: dict[tuple, tuple[float, float]] = {}
+_KEY_FITS = XlaFits("random_key")
 _KEY_OPS = frozenset({"random_fold_in", "random_split"})
 
 
@@ -222,9 +282,7 @@ def random_key_flops(name: str, key_aval, out_avals) -> float:
   n_out = float(sum(aval_size(a) for a in out_avals))
   key = (jax.default_backend(), name, str(getattr(key_aval, "dtype", "")),
          bool(jax.config.jax_threefry_partitionable))
-  fit = _KEY_FITS.get(key)
-  if fit is None:
-    fit = _KEY_FITS[key] = _fit_key_op(name, key_aval)
+  fit = _KEY_FITS.get(key, lambda: _fit_key_op(name, key_aval))
   per, fixed = fit
   return per * n_out + fixed
 
