@@ -28,6 +28,7 @@ Tested in ``tests/compiler/plan/test_expert_assignment.py``; figures in docs/moe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -36,7 +37,8 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.schedule import bipartite_all_to_all_time_s, simulate_zebra, ZebraCosts
+from harpjax.compiler.schedule import (bipartite_all_to_all_time_s, theorem1_iteration_time,
+                                       ZebraCosts)
 from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -147,8 +149,9 @@ class ExpertAssignmentProblem:
             and all(0 <= o <= self.per_gpu and o % n2 == 0 for o in offload)
             and self.min_offload <= total <= hi)
 
-  def costs(self, offload: Sequence[int]) -> ZebraCosts:
-    """The zebra stage's task times under ``offload`` (``o_l`` experts per expert GPU)."""
+  def _times(self, offload: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """``(expert_fwd, expert_bwd, comm, offload_fwd, offload_bwd)`` seconds ``[L]`` under
+    ``offload``: the one computation :meth:`costs` and :meth:`iteration_time` share."""
     if len(offload) != self.num_layers:
       raise PlanError(f"offload has {len(offload)} layers, the stage {self.num_layers}")
     n, M, N = self.num_experts, self.num_attn, self.num_expert
@@ -160,16 +163,32 @@ class ExpertAssignmentProblem:
     for l, nbytes in enumerate(self.routed_bytes):
       if nbytes > 0:
         comm[l] = bipartite_all_to_all_time_s(nbytes, M, N, 1.0 - moved[l], self.link)
+    v = self._vectors
+    return (v[0] * keep, v[1] * keep, comm, v[2] * share, v[3] * share)
+
+  @functools.cached_property
+  def _vectors(self) -> tuple[np.ndarray, ...]:
+    return tuple(np.array(getattr(self, name)) for name in (
+        "expert_fwd_s", "expert_bwd_s", "expert_on_attn_fwd_s", "expert_on_attn_bwd_s",
+        "attn_fwd_s", "attn_bwd_s"))
+
+  def costs(self, offload: Sequence[int]) -> ZebraCosts:
+    """The zebra stage's task times under ``offload`` (``o_l`` experts per expert GPU)."""
+    e_f, e_b, comm, x_f, x_b = self._times(offload)
     return ZebraCosts(
-        self.num_layers, self.num_microbatches, self.attn_fwd_s, self.attn_bwd_s,
-        np.array(self.expert_fwd_s) * keep, np.array(self.expert_bwd_s) * keep,
+        self.num_layers, self.num_microbatches, self.attn_fwd_s, self.attn_bwd_s, e_f, e_b,
         dispatch_fwd_s=comm, combine_fwd_s=comm, dispatch_bwd_s=comm, combine_bwd_s=comm,
-        offload_fwd_s=np.array(self.expert_on_attn_fwd_s) * share,
-        offload_bwd_s=np.array(self.expert_on_attn_bwd_s) * share)
+        offload_fwd_s=x_f, offload_bwd_s=x_b)
 
   def iteration_time(self, offload: Sequence[int]) -> float:
-    """Simulated iteration time (Theorem 1's order) under ``offload``."""
-    return simulate_zebra(self.costs(offload)).iteration_time
+    """Simulated iteration time (Theorem 1's order) under ``offload``: that of
+    ``simulate_zebra(self.costs(offload))``, computed by
+    :func:`~harpjax.compiler.schedule.zebra.theorem1_iteration_time` (the array kernel; equal,
+    not approximately: tests check it)."""
+    e_f, e_b, comm, x_f, x_b = self._times(offload)
+    v = self._vectors
+    return theorem1_iteration_time(self.num_microbatches, v[4], v[5], e_f, e_b, comm, comm,
+                                   comm, comm, x_f, x_b)
 
 
 @dataclasses.dataclass(frozen=True)
