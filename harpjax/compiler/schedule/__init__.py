@@ -41,7 +41,8 @@ from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups,
                                               PipelineCosts, pipeline_period, plan_warmups,
                                               warmup_delta)
 from harpjax.compiler.schedule.zebra import (bipartite_all_to_all_time_s, simulate_zebra,
-                                             theorem1_iteration_time, theorem1_order,
+                                             theorem1_iteration_time,
+                                             theorem1_iteration_times, theorem1_order,
                                              zebra_arrays, ZebraArrays, ZebraCosts, ZebraOrder,
                                              ZebraResult, ZebraTask)
 
@@ -54,7 +55,7 @@ __all__ = [
     "Schedule", "schedule_key", "schedule_kind", "schedule_names", "SCHEDULE_NAMES",
     "ScheduleKind", "SimResult", "simulate", "table_from_warmups", "table_warmups",
     "tables_to_arrays", "Task", "timeline", "TimelineEvent", "unregister_schedule",
-    "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_iteration_time", "theorem1_order",
+    "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_iteration_time", "theorem1_iteration_times", "theorem1_order",
     "zebra_arrays", "ZebraArrays", "ZebraCosts",
     "ZebraOrder", "ZebraResult", "ZebraTask", "dry_run_groups", "format_group_tables",
     "GroupTables", "group_activation_peaks", "group_warmups", "INTERLEAVED", "interleaved_group_tables",

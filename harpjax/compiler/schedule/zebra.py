@@ -57,12 +57,13 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.schedule.zebra_kernel import zebra_sim_kernel
+from harpjax.compiler.schedule.zebra_kernel import zebra_sim_batch, zebra_sim_kernel
 from harpjax.errors import ScheduleError
 
 __all__ = ["ZebraTask", "ZebraCosts", "ZebraOrder", "ZebraResult", "STREAMS", "theorem1_order",
            "simulate_zebra", "compute_orders", "bipartite_all_to_all_time_s",
-           "zebra_task_graph", "theorem1_iteration_time", "ZebraArrays", "zebra_arrays"]
+           "zebra_task_graph", "theorem1_iteration_time", "theorem1_iteration_times",
+           "ZebraArrays", "zebra_arrays"]
 
 STREAMS = ("attn", "expert", "dispatch", "combine")
 """The four streams of a zebra stage: attention-group compute, expert-group compute, dispatch
@@ -560,6 +561,45 @@ def theorem1_iteration_time(num_microbatches: int, attn_fwd_s, attn_bwd_s, exper
   t, _, _ = zebra_sim_kernel(g.stream, g.backward, g.layer, g.microbatch, g.num_preds, g.succ,
                              dur, g.attn_order, g.expert_order, use_numba=use_numba)
   return t
+
+
+def theorem1_iteration_times(num_microbatches: int, attn_fwd_s, attn_bwd_s, layer_s, choice,
+                             *, use_numba: bool = True) -> np.ndarray:
+  """:func:`theorem1_iteration_time` of many stages that differ only in their layers' choice
+  among a few alternatives (an expert assignment: how many experts each layer moves), in one
+  kernel call per set of layers with ``X`` tasks.
+
+  Args:
+    num_microbatches: ``R``.
+    attn_fwd_s, attn_bwd_s: ``[L + 1]`` seconds, the same for every stage.
+    layer_s: ``[8, L, V]`` seconds of layer ``l`` under alternative ``v``: ``X`` forward,
+      ``X`` backward, ``E`` forward, ``E`` backward, dispatch forward, dispatch backward,
+      combine forward, combine backward (a layer has ``X`` tasks where either ``X`` is > 0).
+    choice: ``[K, L]`` int, each stage's alternative per layer.
+
+  Returns:
+    ``[K]`` seconds, each equal to :func:`theorem1_iteration_time` of that stage's seconds.
+  """
+  layer_s = np.asarray(layer_s, np.float64)
+  choice = np.asarray(choice, np.int64)
+  _, L, V = layer_s.shape
+  K = choice.shape[0]
+  table = np.zeros((10, L + 1, V))
+  table[0] = np.asarray(attn_fwd_s, np.float64)[:, None]
+  table[1] = np.asarray(attn_bwd_s, np.float64)[:, None]
+  table[2:, :L] = layer_s
+  has_x = (layer_s[0] > 0) | (layer_s[1] > 0)                        # [L, V]
+  masks = has_x[np.arange(L)[None, :], choice]                        # [K, L]
+  keys = masks.astype(np.int64) @ (np.int64(1) << np.arange(L, dtype=np.int64))
+  full = np.concatenate([choice, np.zeros((K, 1), np.int64)], axis=1)  # the tail: any column
+  out = np.empty(K)
+  for key in np.unique(keys):
+    rows = np.flatnonzero(keys == key)
+    g = zebra_arrays(L, int(num_microbatches), tuple(masks[rows[0]].tolist()))
+    dur = table[g.duration_row[None, :], g.layer[None, :], full[rows][:, g.layer]]
+    out[rows] = zebra_sim_batch(g.stream, g.backward, g.layer, g.microbatch, g.num_preds,
+                                g.succ, dur, g.attn_order, g.expert_order, use_numba=use_numba)
+  return out
 
 
 # --------------------------------------------------------------------------- all-to-all cost

@@ -29,7 +29,7 @@ try:  # Numba is a hard dependency, but the twin keeps the simulator usable with
 except ImportError:  # pragma: no cover
   _numba = None
 
-__all__ = ["zebra_sim_kernel", "HAVE_NUMBA", "STREAM_ATTN", "STREAM_EXPERT",
+__all__ = ["zebra_sim_kernel", "zebra_sim_batch", "HAVE_NUMBA", "STREAM_ATTN", "STREAM_EXPERT",
            "STREAM_DISPATCH", "STREAM_COMBINE"]
 
 HAVE_NUMBA = _numba is not None
@@ -135,6 +135,24 @@ else:  # pragma: no cover
   _zebra_sim_jit = _zebra_sim_impl
 
 
+def _zebra_sim_batch_impl(stream, backward, layer, microbatch, num_preds, succ, dur,
+                          attn_order, expert_order, out):
+  """:func:`_zebra_sim_impl` of each row of ``dur`` (``[K, n]``: K stages of one graph and
+  order), into ``out[K]``."""
+  n = stream.shape[0]
+  start = np.zeros(n)
+  end = np.zeros(n)
+  for k in range(dur.shape[0]):
+    out[k] = _zebra_sim_jit(stream, backward, layer, microbatch, num_preds, succ, dur[k],
+                            attn_order, expert_order, start, end)
+
+
+if HAVE_NUMBA:
+  _zebra_sim_batch_jit = _numba.njit(cache=True, nogil=True)(_zebra_sim_batch_impl)
+else:  # pragma: no cover
+  _zebra_sim_batch_jit = _zebra_sim_batch_impl
+
+
 @interruptible_kernel
 def zebra_sim_kernel(stream, backward, layer, microbatch, num_preds, succ, dur, attn_order,
                      expert_order, use_numba: bool = True):
@@ -154,3 +172,24 @@ def zebra_sim_kernel(stream, backward, layer, microbatch, num_preds, succ, dur, 
   t = fn(stream, backward, layer, microbatch, num_preds, succ, dur, attn_order, expert_order,
          start, end)
   return float(t), start, end
+
+
+@interruptible_kernel
+def zebra_sim_batch(stream, backward, layer, microbatch, num_preds, succ, dur, attn_order,
+                    expert_order, use_numba: bool = True) -> np.ndarray:
+  """The iteration time of each row of ``dur`` (``[K, n]`` float64: K stages that share the
+  graph and the order), one kernel call; ``use_numba=False``: the Python twin, row by row.
+
+  Returns:
+    ``[K]`` seconds.
+  """
+  out = np.empty(dur.shape[0])
+  if use_numba:
+    _zebra_sim_batch_jit(stream, backward, layer, microbatch, num_preds, succ, dur,
+                         attn_order, expert_order, out)
+  else:
+    n = stream.shape[0]
+    for k in range(dur.shape[0]):
+      out[k] = _zebra_sim_impl(stream, backward, layer, microbatch, num_preds, succ, dur[k],
+                               attn_order, expert_order, np.zeros(n), np.zeros(n))
+  return out
