@@ -36,7 +36,7 @@ Methods, for the same global batch (``--seqs-per-gpu`` sequences per GPU of the 
   the expert assignment, simulated (:func:`best_planner`; a zebra microbatch's fixed share of
   the compute by :func:`fixed_share`).
 
-Run ``python benchmarks/moe.py`` (about 11 minutes); ``--quick`` runs one setting (45 s). The
+Run ``python benchmarks/moe.py`` (about 8 minutes); ``--quick`` runs one setting (14 s). The
 (d) and pipeline + zebra methods are described at :func:`pipeline_tables` and
 :func:`best_pipeline_zebra`; the tables are
 in docs/moe.md.
