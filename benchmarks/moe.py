@@ -36,7 +36,7 @@ Methods, for the same global batch (``--seqs-per-gpu`` sequences per GPU of the 
   the expert assignment, simulated (:func:`best_planner`; a zebra microbatch's fixed share of
   the compute by :func:`fixed_share`).
 
-Run ``python benchmarks/moe.py`` (about 11 minutes); ``--quick`` runs one setting (45 s). The
+Run ``python benchmarks/moe.py`` (about 8 minutes); ``--quick`` runs one setting (14 s). The
 (d) and pipeline + zebra methods are described at :func:`pipeline_tables` and
 :func:`best_pipeline_zebra`; the tables are
 in docs/moe.md.
@@ -62,7 +62,7 @@ import numpy as np                                                    # noqa: E4
 from harpjax.cluster import GPU_CATALOG, Link                         # noqa: E402
 from harpjax.compiler.layers import construct_layers, LayerOptions    # noqa: E402
 from harpjax.compiler.plan import (MixedOptions, SolveOptions,       # noqa: E402
-                                   solve, ZebraOptions)
+                                   solve, zebra_stage_cost, ZebraOptions)
 from harpjax.compiler.plan.expert_assignment import (                 # noqa: E402
     ExpertAssignmentProblem, gather_and_squeeze, optimize_assignment)
 from harpjax.compiler.profile import CostTables, RoutedSplit          # noqa: E402
@@ -386,6 +386,24 @@ def best_planner(m: MoEModel, s: Setup, seq: int, batch: int, zebra_options: Zeb
   return best
 
 
+def planner_model_s(m: MoEModel, s: Setup, seq: int, batch: int, R: int,
+                    offload) -> float:
+  """The Zebra+Asym-EA column's stage (every GPU, attention on the newer type, its ``R`` and
+  offload, one pipeline microbatch) costed by the planner's own model:
+  ``zebra_stage_cost`` on :func:`planner_tables` with :func:`fixed_share`, as
+  :func:`best_planner` costs it at ``B = 1``. The planner's column is at least this fast (its
+  search includes this stage); where this is slower than the column, the difference is the
+  tables' (one ``alpha`` for every ``R``, entries from EP's model), not the search's."""
+  tables = planner_tables(m, s, seq, batch)
+  zo = dataclasses.replace(PLANNER_ZEBRA, fixed_fraction=fixed_share(m, s, seq, batch))
+  attn = (0, tables.submeshes[0].index((s.num_new, 1)))
+  expert = (1, tables.submeshes[1].index((s.num_old, 1)))
+  c = zebra_stage_cost(tables, (0, m.layers - 1), attn, expert, batch, zo,
+                       num_microbatches=R, offload=tuple(offload))
+  return math.inf if c is None else c.time_s   # None: e.g. expert GPUs that do not divide
+  #                                                the experts (the column spreads them unevenly)
+
+
 def best_zebra_estimate(m: MoEModel, s: Setup, seq: int, batch: int) -> float:
   """Zebra alone (one stage, every GPU, no offload) by the pipeline estimate, best ``B``."""
   out = math.inf
@@ -517,6 +535,7 @@ def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
       best_asym = (opt.iteration_time, R, opt.offload, gather_and_squeeze(p).iteration_time)
   pipe = best_pipeline(m, s, seq, batch)
   planned = best_planner(m, s, seq, batch, PLANNER_ZEBRA)
+  asym_by_planner = planner_model_s(m, s, seq, batch, best_asym[1], best_asym[2])
   pz = best_pipeline_zebra(m, s, seq, batch)
   zebra_est = pipeline_estimate_s(
       [zebra_stage_estimate(m, s, seq, batch // best_zebra[1], s.num_new, s.num_old,
@@ -528,6 +547,7 @@ def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
           "pipe": tokens / pipe[0], "pipe_B": pipe[1], "pipe_plan": plan_text(pipe[2]),
           "pipe_eq12_over_sim": pipe[2].eq12_s / pipe[2].iteration_s,
           "planner": tokens / planned[0], "planner_B": planned[1],
+          "asym_by_planner": tokens / asym_by_planner,
           "planner_plan": plan_text(planned[2]),
           "planner_kind": plan_kind(planned[2]),
           "pz": tokens / pz[0], "pz_B": pz[1], "pz_stages": " then ".join(x.what for x in pz[2]),
@@ -536,10 +556,11 @@ def run_one(m: MoEModel, s: Setup, seq: int, seqs_per_gpu: int) -> dict:
           "est_pipe": tokens / best_pipeline(m, s, seq, batch, cost_model="eq12")[0]}
 
 
-PLANNER_ZEBRA = ZebraOptions(assignment_limit=16, local_search=False, max_hosts_per_group=8)
+PLANNER_ZEBRA = ZebraOptions(assignment_limit=4096, local_search=True, max_hosts_per_group=8)
 """The planner column's zebra search: every ``R`` up to 8, expert assignments exhaustively up
-to 16 of them, else the better of Algorithm 1's and no offload (local search on every entry of
-every group pair is too slow for this sweep: over 10 minutes for one setting)."""
+to 4096 of them, else local search from Algorithm 1's and from no offload (the search of the
+Zebra+Asym-EA column, ``optimize_assignment``'s defaults), on every entry of every group
+pair."""
 
 
 def plan_kind(r) -> str:
@@ -606,26 +627,32 @@ def main(argv=None):
   print()
   print("The planner with zebra stages (one search over pipeline stages, EP per stage, zebra "
         "groups and their GPU ratio, R and the expert assignment; simulated):")
-  print("| setup | model | seq | Zebra+Asym-EA | (d) Pipeline | Planner (with zebra) (B; stages) "
-        "| kind | over Zebra | over (d) | over EP | over EP (Ideal) |")
-  print("|---" * 11 + "|")
+  print("| setup | model | seq | Zebra+Asym-EA | its stage by the planner's model | (d) Pipeline "
+        "| Planner (with zebra) (B; stages) | kind | over Zebra | over its stage by the "
+        "planner's model | over (d) | over EP | over EP (Ideal) |")
+  print("|---" * 13 + "|")
   kinds = {"pipeline": 0, "zebra": 0, "pipeline+zebra": 0}
   both = []
-  over = {"ep": [], "ideal": [], "asym": [], "pipe": []}
+  over = {"ep": [], "ideal": [], "asym": [], "asym_by_planner": [], "pipe": []}
   for s, mname, seq, r in rows:
-    k = lambda v: f"{v / 1e3:.1f}"
+    k = lambda v: f"{v / 1e3:.1f}" if v > 0 else "-"
     kinds[r["planner_kind"]] += 1
     for x in over:
-      over[x].append(r["planner"] / r[x])
+      if r[x] > 0:      # 0: the planner's model has no such stage (see planner_model_s)
+        over[x].append(r["planner"] / r[x])
+    by_model = (f"{r['planner'] / r['asym_by_planner']:.3f}x" if r["asym_by_planner"] > 0
+                else "-")
     if r["planner_kind"] == "pipeline+zebra" and r["planner"] > max(r["asym"], r["pipe"]):
       both.append(f"{s.name} {mname} {seq // 1024}K")
     print(f"| {s.num_new}x{s.new}+{s.num_old}x{s.old} | {mname} | {seq // 1024}K | "
-          f"{k(r['asym'])} | {k(r['pipe'])} | {k(r['planner'])} (B={r['planner_B']}; "
-          f"{r['planner_plan']}) | {r['planner_kind']} | {r['planner'] / r['asym']:.2f}x | "
-          f"{r['planner'] / r['pipe']:.2f}x | {r['planner'] / r['ep']:.2f}x | "
+          f"{k(r['asym'])} | {k(r['asym_by_planner'])} | {k(r['pipe'])} | "
+          f"{k(r['planner'])} (B={r['planner_B']}; {r['planner_plan']}) | "
+          f"{r['planner_kind']} | {r['planner'] / r['asym']:.2f}x | "
+          f"{by_model} | {r['planner'] / r['pipe']:.2f}x | {r['planner'] / r['ep']:.2f}x | "
           f"{r['planner'] / r['ideal']:.2f}x |")
   print()
   for x, name in (("ep", "EP"), ("ideal", "EP (Ideal)"), ("asym", "Zebra+Asym-EA"),
+                  ("asym_by_planner", "Zebra+Asym-EA's stage by the planner's model"),
                   ("pipe", "(d) Pipeline")):
     v = over[x]
     print(f"Planner (with zebra) over {name}: mean {sum(v) / len(v):.2f}x, min {min(v):.2f}x, "

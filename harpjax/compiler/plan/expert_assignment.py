@@ -20,7 +20,12 @@ Three optimizers, all scored by the same simulator:
   ``beta``), from forward times alone;
 * :func:`local_search`: from any start (default Algorithm 1), moves of one chunk in one layer
   or of one chunk between two layers, while the simulated iteration gets shorter;
-* :func:`exhaustive_assignment`: every assignment, simulated (small instances).
+* :func:`exhaustive_assignment`: every assignment (small instances), simulated unless a lower
+  bound shows it slower than the best found.
+
+The simulator is :func:`~harpjax.compiler.schedule.zebra.theorem1_iteration_time` (one
+assignment) or :func:`~harpjax.compiler.schedule.zebra.theorem1_iteration_times` (a batch, one
+kernel call), equal to ``simulate_zebra`` of :meth:`ExpertAssignmentProblem.costs`.
 
 Tested in ``tests/compiler/plan/test_expert_assignment.py``; figures in docs/moe.md.
 """
@@ -28,6 +33,7 @@ Tested in ``tests/compiler/plan/test_expert_assignment.py``; figures in docs/moe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -36,7 +42,8 @@ from typing import Sequence
 import numpy as np
 
 from harpjax.cluster import Link
-from harpjax.compiler.schedule import bipartite_all_to_all_time_s, simulate_zebra, ZebraCosts
+from harpjax.compiler.schedule import (bipartite_all_to_all_time_s, theorem1_iteration_time,
+                                       theorem1_iteration_times, ZebraCosts)
 from harpjax.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -147,8 +154,9 @@ class ExpertAssignmentProblem:
             and all(0 <= o <= self.per_gpu and o % n2 == 0 for o in offload)
             and self.min_offload <= total <= hi)
 
-  def costs(self, offload: Sequence[int]) -> ZebraCosts:
-    """The zebra stage's task times under ``offload`` (``o_l`` experts per expert GPU)."""
+  def _times(self, offload: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """``(expert_fwd, expert_bwd, comm, offload_fwd, offload_bwd)`` seconds ``[L]`` under
+    ``offload``: the one computation :meth:`costs` and :meth:`iteration_time` share."""
     if len(offload) != self.num_layers:
       raise PlanError(f"offload has {len(offload)} layers, the stage {self.num_layers}")
     n, M, N = self.num_experts, self.num_attn, self.num_expert
@@ -160,16 +168,68 @@ class ExpertAssignmentProblem:
     for l, nbytes in enumerate(self.routed_bytes):
       if nbytes > 0:
         comm[l] = bipartite_all_to_all_time_s(nbytes, M, N, 1.0 - moved[l], self.link)
+    v = self._vectors
+    return (v[0] * keep, v[1] * keep, comm, v[2] * share, v[3] * share)
+
+  @functools.cached_property
+  def _vectors(self) -> tuple[np.ndarray, ...]:
+    return tuple(np.array(getattr(self, name)) for name in (
+        "expert_fwd_s", "expert_bwd_s", "expert_on_attn_fwd_s", "expert_on_attn_bwd_s",
+        "attn_fwd_s", "attn_bwd_s"))
+
+  def costs(self, offload: Sequence[int]) -> ZebraCosts:
+    """The zebra stage's task times under ``offload`` (``o_l`` experts per expert GPU)."""
+    e_f, e_b, comm, x_f, x_b = self._times(offload)
     return ZebraCosts(
-        self.num_layers, self.num_microbatches, self.attn_fwd_s, self.attn_bwd_s,
-        np.array(self.expert_fwd_s) * keep, np.array(self.expert_bwd_s) * keep,
+        self.num_layers, self.num_microbatches, self.attn_fwd_s, self.attn_bwd_s, e_f, e_b,
         dispatch_fwd_s=comm, combine_fwd_s=comm, dispatch_bwd_s=comm, combine_bwd_s=comm,
-        offload_fwd_s=np.array(self.expert_on_attn_fwd_s) * share,
-        offload_bwd_s=np.array(self.expert_on_attn_bwd_s) * share)
+        offload_fwd_s=x_f, offload_bwd_s=x_b)
+
+  @functools.cached_property
+  def _layer_s(self) -> np.ndarray:
+    """``[8, L, n / N + 1]`` seconds of each layer's ``X``, ``E``, dispatch and combine tasks
+    (forward, backward) under each offload ``o`` (:meth:`_times`'s numbers, by the same
+    operations)."""
+    L, P = self.num_layers, self.per_gpu
+    out = np.zeros((8, L, P + 1))
+    for o in range(P + 1):
+      e_f, e_b, comm, x_f, x_b = self._times([o] * L)
+      out[:, :, o] = (x_f, x_b, e_f, e_b, comm, comm, comm, comm)
+    return out
+
+  def iteration_times(self, offloads) -> np.ndarray:
+    """:meth:`iteration_time` of each row of ``offloads`` (``[K, L]``, each ``0 <= o_l <= n /
+    N``), one kernel call per set of layers with ``X`` tasks: equal to it row by row.
+
+    Returns:
+      ``[K]`` seconds.
+    """
+    o = np.asarray(offloads, np.int64).reshape(-1, self.num_layers)
+    if o.size and (o.min() < 0 or o.max() > self.per_gpu):
+      raise PlanError(f"offloads must be 0..{self.per_gpu} experts per layer, got "
+                      f"{o.min()}..{o.max()}")
+    v = self._vectors
+    return theorem1_iteration_times(self.num_microbatches, v[4], v[5], self._layer_s, o)
+
+  def lower_bounds(self, offloads) -> np.ndarray:
+    """``[K]`` a lower bound of each row's iteration time: the busier compute stream's
+    seconds (tasks on one stream do not overlap; every task starts at or after 0)."""
+    o = np.asarray(offloads, np.int64).reshape(-1, self.num_layers)
+    ls, v, R = self._layer_s, self._vectors, self.num_microbatches
+    idx = np.arange(self.num_layers)[None, :]
+    attn = float(np.sum(v[4]) + np.sum(v[5])) + (ls[0][idx, o] + ls[1][idx, o]).sum(axis=1)
+    expert = (ls[2][idx, o] + ls[3][idx, o]).sum(axis=1)
+    return R * np.maximum(attn, expert)
 
   def iteration_time(self, offload: Sequence[int]) -> float:
-    """Simulated iteration time (Theorem 1's order) under ``offload``."""
-    return simulate_zebra(self.costs(offload)).iteration_time
+    """Simulated iteration time (Theorem 1's order) under ``offload``: that of
+    ``simulate_zebra(self.costs(offload))``, computed by
+    :func:`~harpjax.compiler.schedule.zebra.theorem1_iteration_time` (the array kernel; equal,
+    not approximately: tests check it)."""
+    e_f, e_b, comm, x_f, x_b = self._times(offload)
+    v = self._vectors
+    return theorem1_iteration_time(self.num_microbatches, v[4], v[5], e_f, e_b, comm, comm,
+                                   comm, comm, x_f, x_b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,12 +343,16 @@ def local_search(problem: ExpertAssignmentProblem,
       o[a] -= n2
       o[b] += n2
       moves.append(o)
+    moves = [o for o in moves if p.feasible(o)]
+    fresh = list(dict.fromkeys(tuple(o) for o in moves if tuple(o) not in memo))
+    if fresh:       # one kernel call for the neighbours not simulated yet
+      for key, t in zip(fresh, p.iteration_times(fresh)):
+        memo[key] = float(t)
     improved = None
     for o in moves:
-      if p.feasible(o):
-        t = time_of(o)
-        if t < best_t * (1 - 1e-12):
-          best_t, improved = t, o
+      t = time_of(o)
+      if t < best_t * (1 - 1e-12):
+        best_t, improved = t, o
     if improved is None:
       break
     cur = improved
@@ -297,7 +361,11 @@ def local_search(problem: ExpertAssignmentProblem,
 
 def exhaustive_assignment(problem: ExpertAssignmentProblem,
                           limit: int = 200_000) -> AssignmentResult:
-  """Simulates every assignment (whole chunks, within the memory bounds) and keeps the fastest.
+  """The fastest assignment (whole chunks, within the memory bounds), the first in the order
+  of ``itertools.product`` among equally fast ones: what simulating every assignment gives.
+  Assignments are simulated in batches in order of :meth:`ExpertAssignmentProblem.
+  lower_bounds`, and those whose bound exceeds the best time found are skipped (they cannot
+  be faster, nor tie); ``evaluated`` counts those simulated.
 
   Raises:
     PlanError: more than ``limit`` assignments (``(max_chunks + 1) ** L``).
@@ -308,18 +376,31 @@ def exhaustive_assignment(problem: ExpertAssignmentProblem,
   if count > limit:
     raise PlanError(f"exhaustive_assignment: {count} assignments exceed limit={limit}; use "
                     "local_search, or raise the limit")
-  best, best_t, evaluated = None, math.inf, 0
-  for chunks in itertools.product(range(p.max_chunks + 1), repeat=p.num_layers):
-    o = [c * n2 for c in chunks]
-    if not p.feasible(o):
-      continue
-    t = p.iteration_time(o)
-    evaluated += 1
-    if t < best_t:
-      best, best_t = o, t
-  if best is None:
+  grid = np.array(list(itertools.product(range(p.max_chunks + 1), repeat=p.num_layers)),
+                  np.int64).reshape(-1, p.num_layers) * n2
+  total = grid.sum(axis=1)
+  hi = p.max_offload if p.max_offload is not None else math.inf
+  grid = grid[(total >= p.min_offload) & (total <= hi)]    # in enumeration order
+  if not len(grid):
     raise PlanError("exhaustive_assignment: no assignment satisfies the memory bounds")
-  return AssignmentResult(tuple(best), best_t, evaluated, "exhaustive")
+  # Simulate in order of a lower bound, in blocks, until the next bound exceeds the best time
+  # found (with a margin for rounding): every assignment left is slower than the best, so the
+  # result, the first fastest in enumeration order, is that of simulating them all.
+  bounds = p.lower_bounds(grid) * (1.0 - 1e-9)
+  order = np.argsort(bounds, kind="stable")
+  times = np.full(len(grid), math.inf)
+  best_t, pos, block = math.inf, 0, 64
+  while pos < len(order) and bounds[order[pos]] <= best_t:
+    rows = order[pos:pos + block]
+    rows = rows[bounds[rows] <= best_t]
+    times[rows] = p.iteration_times(grid[rows])
+    best_t = min(best_t, float(times[rows].min()))
+    pos += block
+    block *= 2
+  k = int(np.argmin(times))         # the first of the fastest
+  evaluated = int(np.isfinite(times).sum())
+  return AssignmentResult(tuple(int(x) for x in grid[k]), float(times[k]), evaluated,
+                          "exhaustive")
 
 
 def optimize_assignment(problem: ExpertAssignmentProblem,

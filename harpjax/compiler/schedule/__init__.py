@@ -12,7 +12,8 @@ dependency-valid order :func:`dry_run`), :mod:`~harpjax.compiler.schedule.regist
 :mod:`~harpjax.compiler.schedule.simulator` (:func:`simulate`) and
 :mod:`~harpjax.compiler.schedule.timeline` (Chrome traces, Gantt charts) and
 :mod:`~harpjax.compiler.schedule.zebra` (a mixture-of-experts stage split between an attention
-group and an expert group: its tasks, Theorem 1's order, its event-driven simulator). A new schedule is a
+group and an expert group: its tasks, Theorem 1's order, its event-driven simulator; its array kernel in
+:mod:`~harpjax.compiler.schedule.zebra_kernel`). A new schedule is a
 registered :class:`ScheduleKind`, or any table that passes :func:`validate_tables`.
 """
 
@@ -40,7 +41,9 @@ from harpjax.compiler.schedule.warmup import (eager_1f1b_warmups, gpipe_warmups,
                                               PipelineCosts, pipeline_period, plan_warmups,
                                               warmup_delta)
 from harpjax.compiler.schedule.zebra import (bipartite_all_to_all_time_s, simulate_zebra,
-                                             theorem1_order, ZebraCosts, ZebraOrder,
+                                             theorem1_iteration_time,
+                                             theorem1_iteration_times, theorem1_order,
+                                             zebra_arrays, ZebraArrays, ZebraCosts, ZebraOrder,
                                              ZebraResult, ZebraTask)
 
 __all__ = [
@@ -52,7 +55,8 @@ __all__ = [
     "Schedule", "schedule_key", "schedule_kind", "schedule_names", "SCHEDULE_NAMES",
     "ScheduleKind", "SimResult", "simulate", "table_from_warmups", "table_warmups",
     "tables_to_arrays", "Task", "timeline", "TimelineEvent", "unregister_schedule",
-    "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_order", "ZebraCosts",
+    "validate_tables", "warmup_delta", "bipartite_all_to_all_time_s", "simulate_zebra", "theorem1_iteration_time", "theorem1_iteration_times", "theorem1_order",
+    "zebra_arrays", "ZebraArrays", "ZebraCosts",
     "ZebraOrder", "ZebraResult", "ZebraTask", "dry_run_groups", "format_group_tables",
     "GroupTables", "group_activation_peaks", "group_warmups", "INTERLEAVED", "interleaved_group_tables",
     "interleaved_kind", "interleaved_tables", "interleaved_warmups", "StageTask",

@@ -47,6 +47,7 @@ the two compute streams on random small instances (docs/moe.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -56,11 +57,13 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from harpjax.cluster import Link
+from harpjax.compiler.schedule.zebra_kernel import zebra_sim_batch, zebra_sim_kernel
 from harpjax.errors import ScheduleError
 
 __all__ = ["ZebraTask", "ZebraCosts", "ZebraOrder", "ZebraResult", "STREAMS", "theorem1_order",
            "simulate_zebra", "compute_orders", "bipartite_all_to_all_time_s",
-           "zebra_task_graph"]
+           "zebra_task_graph", "theorem1_iteration_time", "theorem1_iteration_times",
+           "ZebraArrays", "zebra_arrays"]
 
 STREAMS = ("attn", "expert", "dispatch", "combine")
 """The four streams of a zebra stage: attention-group compute, expert-group compute, dispatch
@@ -188,7 +191,14 @@ def zebra_task_graph(costs: ZebraCosts) -> dict[ZebraTask, tuple[ZebraTask, ...]
     ``{task: predecessors}``; insertion order is each microbatch's chain, microbatch by
     microbatch.
   """
-  L, R = costs.num_layers, costs.num_microbatches
+  return _task_graph(costs.num_layers, costs.num_microbatches,
+                     tuple(costs.offloaded(i) for i in range(costs.num_layers)))
+
+
+def _task_graph(L: int, R: int, offloaded: tuple[bool, ...]
+                ) -> dict[ZebraTask, tuple[ZebraTask, ...]]:
+  """:func:`zebra_task_graph` of ``L`` layers, ``R`` microbatches, ``X`` tasks in the layers
+  ``offloaded`` marks."""
   graph: dict[ZebraTask, tuple[ZebraTask, ...]] = {}
   for j in range(R):
     prev: tuple[ZebraTask, ...] = ()
@@ -200,7 +210,7 @@ def zebra_task_graph(costs: ZebraCosts) -> dict[ZebraTask, tuple[ZebraTask, ...]
       e = ZebraTask("E", "F", i, j)
       graph[e] = (d,)
       mid = (e,)
-      if costs.offloaded(i):
+      if offloaded[i]:
         x = ZebraTask("X", "F", i, j)
         graph[x] = (d,)
         mid = (e, x)
@@ -218,7 +228,7 @@ def zebra_task_graph(costs: ZebraCosts) -> dict[ZebraTask, tuple[ZebraTask, ...]
       e = ZebraTask("E", "B", i, j)
       graph[e] = (c,)
       mid = (e,)
-      if costs.offloaded(i):
+      if offloaded[i]:
         x = ZebraTask("X", "B", i, j)
         graph[x] = (c,)
         mid = (e, x)
@@ -258,17 +268,21 @@ class ZebraOrder:
 def theorem1_order(costs: ZebraCosts) -> ZebraOrder:
   """The per-stream order of Theorem 1 (module docstring); ``X`` tasks of a layer follow its
   ``A`` tasks (forward) and precede the ``A`` tasks of the layer below (backward)."""
-  L, R = costs.num_layers, costs.num_microbatches
+  return _theorem1(costs.num_layers, costs.num_microbatches,
+                   tuple(costs.offloaded(i) for i in range(costs.num_layers)))
+
+
+def _theorem1(L: int, R: int, offloaded: tuple[bool, ...]) -> ZebraOrder:
   mbs = range(R)
   attn: list[ZebraTask] = []
   for i in range(L):
     attn += [ZebraTask("A", "F", i, j) for j in mbs]
-    if costs.offloaded(i):
+    if offloaded[i]:
       attn += [ZebraTask("X", "F", i, j) for j in mbs]
   for j in mbs:
     attn += [ZebraTask("A", "F", L, j), ZebraTask("A", "B", L, j)]
   for i in reversed(range(L)):
-    if costs.offloaded(i):
+    if offloaded[i]:
       attn += [ZebraTask("X", "B", i, j) for j in mbs]
     attn += [ZebraTask("A", "B", i, j) for j in mbs]
   expert = [ZebraTask("E", "F", i, j) for i in range(L) for j in mbs]
@@ -449,6 +463,143 @@ def simulate_zebra(costs: ZebraCosts, order: ZebraOrder | None = None, *,
                                          u.microbatch, u))
   t_end = max(end.values()) if end else 0.0
   return ZebraResult(t_end, busy, start, end, order)
+
+
+# --------------------------------------------------------------------------- the fast path
+
+_KINDS = "AXEDC"
+_STREAM_ID = {s: k for k, s in enumerate(STREAMS)}
+
+
+class ZebraArrays(NamedTuple):
+  """A zebra stage's task graph and Theorem 1's order as integer arrays (the kernel's input,
+  :mod:`~harpjax.compiler.schedule.zebra_kernel`); task ``k`` is the ``k``-th of
+  :func:`zebra_task_graph`'s order.
+
+  Attributes:
+    tasks: ``[n]`` the :class:`ZebraTask` of each id.
+    stream, backward, layer, microbatch, num_preds: ``[n]`` int64.
+    succ: ``[n, 2]`` int64 dependants (``-1``: none).
+    duration_row: ``[n]`` int64: the row of each task's seconds in the ``[10, L + 1]`` table
+      :func:`theorem1_iteration_time` builds (``2 * kind + backward``, kinds ``A X E D C``).
+    attn_order, expert_order: task ids of Theorem 1's order of the two compute streams.
+  """
+  tasks: tuple
+  stream: np.ndarray
+  backward: np.ndarray
+  layer: np.ndarray
+  microbatch: np.ndarray
+  num_preds: np.ndarray
+  succ: np.ndarray
+  duration_row: np.ndarray
+  attn_order: np.ndarray
+  expert_order: np.ndarray
+
+
+@functools.lru_cache(maxsize=4096)
+def zebra_arrays(num_layers: int, num_microbatches: int, offloaded: tuple[bool, ...]
+                 ) -> ZebraArrays:
+  """The :class:`ZebraArrays` of ``L`` layers, ``R`` microbatches and ``X`` tasks in the
+  layers ``offloaded`` marks (built once per such triple: the graph and order of
+  :func:`zebra_task_graph` and :func:`theorem1_order` themselves)."""
+  L, R = int(num_layers), int(num_microbatches)
+  offloaded = tuple(bool(x) for x in offloaded)
+  graph = _task_graph(L, R, offloaded)
+  order = _theorem1(L, R, offloaded)
+  tasks = tuple(graph)
+  ids = {t: k for k, t in enumerate(tasks)}
+  n = len(tasks)
+  succ = np.full((n, 2), -1, np.int64)
+  fill = np.zeros(n, np.int64)
+  for t, preds in graph.items():
+    for p in preds:
+      succ[ids[p], fill[ids[p]]] = ids[t]
+      fill[ids[p]] += 1
+  arr = lambda xs: np.array(list(xs), np.int64)  # noqa: E731
+  out = ZebraArrays(
+      tasks=tasks, stream=arr(_STREAM_ID[t.stream] for t in tasks),
+      backward=arr(t.direction == "B" for t in tasks), layer=arr(t.layer for t in tasks),
+      microbatch=arr(t.microbatch for t in tasks), num_preds=arr(len(graph[t]) for t in tasks),
+      succ=succ,
+      duration_row=arr(2 * _KINDS.index(t.kind) + (t.direction == "B") for t in tasks),
+      attn_order=arr(ids[t] for t in order.attn), expert_order=arr(ids[t] for t in order.expert))
+  for a in out[1:]:
+    a.setflags(write=False)
+  return out
+
+
+def theorem1_iteration_time(num_microbatches: int, attn_fwd_s, attn_bwd_s, expert_fwd_s,
+                            expert_bwd_s, dispatch_fwd_s, combine_fwd_s, dispatch_bwd_s,
+                            combine_bwd_s, offload_fwd_s, offload_bwd_s, *,
+                            use_numba: bool = True) -> float:
+  """:func:`simulate_zebra`'s iteration time in Theorem 1's order, on the array kernel
+  (:mod:`~harpjax.compiler.schedule.zebra_kernel`): equal to
+  ``simulate_zebra(ZebraCosts(L, R, ...)).iteration_time`` for the same seconds (the same
+  operations in the same order), without building the task objects. The arguments are
+  :class:`ZebraCosts`'s fields as float64 arrays (``[L + 1]`` attention sides, ``[L]`` the
+  rest; seconds, finite, >= 0: not checked here, :class:`ZebraCosts` checks them).
+
+  Returns:
+    Seconds (``inf`` only if the order deadlocks, which Theorem 1's never does).
+  """
+  expert_fwd_s = np.asarray(expert_fwd_s, np.float64)
+  L = expert_fwd_s.shape[0]
+  table = np.zeros((10, L + 1))
+  table[0] = attn_fwd_s
+  table[1] = attn_bwd_s
+  table[2, :L] = offload_fwd_s
+  table[3, :L] = offload_bwd_s
+  table[4, :L] = expert_fwd_s
+  table[5, :L] = expert_bwd_s
+  table[6, :L] = dispatch_fwd_s
+  table[7, :L] = dispatch_bwd_s
+  table[8, :L] = combine_fwd_s
+  table[9, :L] = combine_bwd_s
+  offloaded = tuple(((table[2, :L] > 0) | (table[3, :L] > 0)).tolist())
+  g = zebra_arrays(L, int(num_microbatches), offloaded)
+  dur = table[g.duration_row, g.layer]
+  t, _, _ = zebra_sim_kernel(g.stream, g.backward, g.layer, g.microbatch, g.num_preds, g.succ,
+                             dur, g.attn_order, g.expert_order, use_numba=use_numba)
+  return t
+
+
+def theorem1_iteration_times(num_microbatches: int, attn_fwd_s, attn_bwd_s, layer_s, choice,
+                             *, use_numba: bool = True) -> np.ndarray:
+  """:func:`theorem1_iteration_time` of many stages that differ only in their layers' choice
+  among a few alternatives (an expert assignment: how many experts each layer moves), in one
+  kernel call per set of layers with ``X`` tasks.
+
+  Args:
+    num_microbatches: ``R``.
+    attn_fwd_s, attn_bwd_s: ``[L + 1]`` seconds, the same for every stage.
+    layer_s: ``[8, L, V]`` seconds of layer ``l`` under alternative ``v``: ``X`` forward,
+      ``X`` backward, ``E`` forward, ``E`` backward, dispatch forward, dispatch backward,
+      combine forward, combine backward (a layer has ``X`` tasks where either ``X`` is > 0).
+    choice: ``[K, L]`` int, each stage's alternative per layer.
+
+  Returns:
+    ``[K]`` seconds, each equal to :func:`theorem1_iteration_time` of that stage's seconds.
+  """
+  layer_s = np.asarray(layer_s, np.float64)
+  choice = np.asarray(choice, np.int64)
+  _, L, V = layer_s.shape
+  K = choice.shape[0]
+  table = np.zeros((10, L + 1, V))
+  table[0] = np.asarray(attn_fwd_s, np.float64)[:, None]
+  table[1] = np.asarray(attn_bwd_s, np.float64)[:, None]
+  table[2:, :L] = layer_s
+  has_x = (layer_s[0] > 0) | (layer_s[1] > 0)                        # [L, V]
+  masks = has_x[np.arange(L)[None, :], choice]                        # [K, L]
+  keys = masks.astype(np.int64) @ (np.int64(1) << np.arange(L, dtype=np.int64))
+  full = np.concatenate([choice, np.zeros((K, 1), np.int64)], axis=1)  # the tail: any column
+  out = np.empty(K)
+  for key in np.unique(keys):
+    rows = np.flatnonzero(keys == key)
+    g = zebra_arrays(L, int(num_microbatches), tuple(masks[rows[0]].tolist()))
+    dur = table[g.duration_row[None, :], g.layer[None, :], full[rows][:, g.layer]]
+    out[rows] = zebra_sim_batch(g.stream, g.backward, g.layer, g.microbatch, g.num_preds,
+                                g.succ, dur, g.attn_order, g.expert_order, use_numba=use_numba)
+  return out
 
 
 # --------------------------------------------------------------------------- all-to-all cost
