@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.compiler.plan import oracle
 from harpjax.cluster import paper_submeshes
 from harpjax.compiler import plan as planner
 from harpjax.compiler.plan import MixedOptions, Plan, StageSpec, ZebraGroup, ZebraOptions
@@ -81,24 +82,7 @@ def solve(tables, B, mo):
 # --------------------------------------------------------------------------- the oracle
 
 
-def _packable(N, M, shapes):
-  whole = sum(n for n, m in shapes if n > 1 or m == M)
-  if whole > N:
-    return False
-  items = sorted((m for n, m in shapes if n == 1 and m < M), reverse=True)
-  bins = [M] * (N - whole)
-
-  def place(x):
-    if x == len(items):
-      return True
-    for y in range(len(bins)):
-      if bins[y] >= items[x]:
-        bins[y] -= items[x]
-        if place(x + 1):
-          return True
-        bins[y] += items[x]
-    return False
-  return place(0)
+_packable = oracle.packable   # the brute force's own packer (independent of bin_pack)
 
 
 def _reserved(tables, k, shape, count):
