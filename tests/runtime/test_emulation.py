@@ -93,31 +93,35 @@ def test_emulated_threads_run_tracks_the_simulator():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork")
-def test_ray_fidelity_1f1b_and_h1f1b():
-  # A 3-stage plan over two emulated subclusters with a 2.5 Gbps link between them: measured
-  # iteration times within 10% of the simulator, the H-1F1B speed-up within 5 points.
-  # A loaded machine may outlast the emulated durations with real work (overruns) or delay
-  # the workers' wake-ups: the case is then measured again on a longer time scale, where the
-  # same work and delays weigh less; the last scale must hold the bound.
+def test_ray_emulated_runs_follow_the_simulated_schedule():
+  # A 3-stage plan over two emulated subclusters with a 2.5 Gbps link between them, on Ray
+  # actors. What is checked does not depend on the machine's speed or load: every worker runs
+  # its tasks in the order of the schedule the simulator scores, and every activation and
+  # gradient crosses its link once per microbatch, in microbatch order. How close the measured
+  # wall seconds come to the simulated ones is a measurement, not a test:
+  # ``python benchmarks/runtime.py fidelity --backend ray`` prints it side by side.
   pytest.importorskip("ray")
   from harpjax.runtime import ray_runtime
-
-  def case(schedule):
-    for scale in (1.0, 2.0, 4.0):
-      r = bench.fidelity_case(schedule, 2.5, backend="ray", steps=5, time_scale=scale)
-      if not r["overruns"] and abs(r["measured"] / r["simulated"] - 1) < 0.10:
-        break
-    return r
+  from harpjax.runtime.interpreter import ACT, CT
 
   ray_runtime.init_ray(num_cpus=4)
   try:
-    res = {s: case(s) for s in ("1f1b", "h1f1b")}
+    res = {s: bench.fidelity_case(s, 2.5, backend="ray", steps=1, time_scale=0.25)
+           for s in ("1f1b", "h1f1b")}
   finally:
     ray_runtime.release_pool()
     ray_runtime.ray.shutdown()
-  for s, r in res.items():
-    assert abs(r["measured"] / r["simulated"] - 1) < 0.10, (
-        s, {k: r[k] for k in ("measured", "pipeline", "simulated", "overruns")})
-  sim = res["1f1b"]["simulated"] / res["h1f1b"]["simulated"]
-  meas = res["1f1b"]["measured"] / res["h1f1b"]["measured"]
-  assert sim > 1.1 and abs(meas - sim) < 0.05, (sim, meas)
+  for name, r in res.items():
+    last, sim = r["last"], r["sim"]
+    tables = sim.schedule.tables
+    assert len(last.tasks) == len(tables)
+    for s, (ran, table) in enumerate(zip(last.tasks, tables)):
+      assert [(k, m) for k, m, _, _ in ran] == [(t.kind, t.microbatch) for t in table], (name, s)
+    b = sim.schedule.num_microbatches
+    for s, sends in enumerate(last.sends):
+      acts = [key.index for dst, key, *_ in sends if key.kind == ACT and dst == s + 1]
+      cts = [key.index for dst, key, *_ in sends if key.kind == CT and dst == s - 1]
+      assert acts == (list(range(b)) if s + 1 < len(tables) else []), (name, s)
+      assert cts == (list(range(b)) if s > 0 else []), (name, s)
+  # H-1F1B earns extra warm-ups on the slow link where 1F1B keeps S - 1 - s.
+  assert res["h1f1b"]["warmups"][0] > res["1f1b"]["warmups"][0]
