@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from harpjax.compiler.stages import CompiledStep
 from harpjax.compiler.trace import Lit
 from harpjax.errors import InvalidOptionError
-from harpjax.runtime.interpreter import LocalMessenger, StageRun, place_on_mesh
+from harpjax.runtime.interpreter import GroupParams, LocalMessenger, StageRun, place_on_mesh
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,23 @@ def _run_groups(cs: CompiledStep, indices, env: dict) -> None:
     env.update(zip(g.out_ids, cs.group_fns[gi](*args)))
 
 
+def _group_params(sched, host_params, runs) -> list:
+  """Per device group, its :class:`~harpjax.runtime.interpreter.GroupParams` (``None`` where
+  no stage of the group keeps its parameters in host memory); ``[]`` without any."""
+  if not host_params or sched.groups is None:
+    return []
+  out = []
+  for order in sched.groups:
+    if not {t.stage for t in order} & set(host_params):
+      out.append(None)
+      continue
+    gp = GroupParams(order, host_params)
+    for s in {t.stage for t in order}:
+      gp.add(runs[s])
+    out.append(gp)
+  return out
+
+
 def run_region(cs: CompiledStep, env: dict) -> None:
   """The pipelined region: reads its inputs from ``env`` and writes its results (loss,
   auxiliary outputs, gradients) there."""
@@ -130,8 +147,18 @@ def run_region(cs: CompiledStep, env: dict) -> None:
     inputs = {lay.region_invars[k]: ref.value if isinstance(ref, Lit) else env[ref]
               for k, ref in lay.region_inputs[s]}
     runs.append(StageRun(lay, st, LocalMessenger(s, inboxes), inputs))
-  for t in cs.schedule.run_order():   # stages sharing a device group: its interleaved order
-    runs[t.stage].task(t.task)
+  sched = cs.schedule
+  held = _group_params(sched, lay.host_params, runs)
+  pos = [0] * len(held)
+  for t in sched.run_order():   # stages sharing a device group: its interleaved order
+    g = sched.device_groups[t.stage] if held else -1
+    if g >= 0 and held[g] is not None:   # its offloaded parameters, along the group's order
+      held[g].before(pos[g])
+      runs[t.stage].task(t.task)
+      held[g].after(pos[g])
+      pos[g] += 1
+    else:
+      runs[t.stage].task(t.task)
   for run in runs:
     env.update(run.combine())
   for run in runs:

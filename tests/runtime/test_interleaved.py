@@ -84,3 +84,49 @@ def test_shared_devices_need_an_interleaved_schedule():
   with pytest.raises(PlanError, match="multiple of 2 stages"):
     harpjax.ManualPlan([((0, 2), "v100", (1, 2)), ((3, 5), "a100", (1, 2)),
                         ((6, 7), "v100", (1, 2))], schedule="interleaved")
+
+
+@pytest.mark.parametrize("zero,offload", [(0, False),
+                                          pytest.param(3, True, marks=pytest.mark.slow)])
+def test_parameter_offload_equals_jit(x64, monkeypatch, zero, offload):
+  """Six stages on two groups (``v = 3``), every stage's parameters (and, with ``offload``,
+  its optimizer state) in host memory: float64 equal to ``jax.jit``; a group holds at most
+  two stages' parameters on its devices at any task (the running one's and the prefetched
+  next one's), and the new parameters come back in host memory."""
+  from harpjax.runtime import interpreter
+  case = zoo.linen("loop")
+  L = _num_layers(case)
+  assert L >= 6
+  groups = [("v100", (1, 2), (2, 1)), ("a100", (1, 2), (2, 1))]
+  plan = interleaved_plan(L, groups, zero=zero, schedule="interleaved_v3", v=3)
+  plan = plan.with_stages([dataclasses.replace(st, offload_params=True, offload=offload)
+                           for st in plan.stages])
+  seen = []
+  after = interpreter.GroupParams.after
+
+  def record(self, pos):
+    after(self, pos)
+    seen.append((self.order[pos].stage, self.resident_log[-1]))
+
+  monkeypatch.setattr(interpreter.GroupParams, "after", record)
+  pstep = _train_like_jit(case, plan, num_microbatches=4)
+  assert seen and all(len(r) <= 2 and s in r for s, r in seen)
+  assert max(len(r) for _, r in seen) == 2
+  # Stages 0, 2, 4 share group 0: at some task one of them has no parameters on the devices.
+  assert any(len({0, 2, 4} & set(r)) < 3 for s, r in seen if s in (0, 2, 4))
+  out = pstep(case.state, case.batches[0])
+  kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(out[0][0])}
+  assert kinds == {"pinned_host"}
+  compiled = pstep.compile(case.state, case.batches[0])
+  assert compiled.layout.host_params == frozenset(range(6))
+
+
+def test_parameter_offload_needs_device_groups():
+  case = zoo.linen("loop")
+  L = _num_layers(case)
+  groups = [("v100", (1, 2), (2, 1)), ("a100", (1, 2), (2, 1))]
+  plan = interleaved_plan(L, groups, schedule="1f1b", v=1)
+  plan = plan.with_stages([dataclasses.replace(st, offload_params=True) for st in plan.stages])
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
+  with pytest.raises(PlanError, match="offload_params"):
+    pstep.compile(case.state, case.batches[0])
