@@ -185,3 +185,41 @@ def test_evaluate_plan_prices_groups():
   with pytest.raises(PlanError, match="share device group"):
     ManualPlan([((0, 1), "c0", (1, 2)), ((2, 3), "c0", (1, 2)), ((4, 5), "c0", (1, 1)),
                 ((6, 7), "c0", (1, 2))], schedule="interleaved")
+
+
+# --------------------------------------------------------------------------- parameter offload
+
+
+def test_chunk_residency_keeps_the_running_and_the_next_stage():
+  from harpjax.compiler.schedule import chunk_residency, interleaved_group_tables
+  for d, v, B in [(2, 3, 4), (3, 4, 6), (1, 3, 2), (2, 2, 4)]:
+    for order in interleaved_group_tables(d, v, B):
+      stages = sorted({t.stage for t in order})
+      res = chunk_residency(order, stages)
+      on: set = set()
+      for i, t in enumerate(order):
+        on |= set(res.fetch[i])
+        assert on == res.resident[i] and t.stage in on and len(on) <= 2
+        nxt = next((u.stage for u in order[i + 1:] if u.stage != t.stage), None)
+        assert nxt is None or nxt in on   # the next stage is already on its way
+        on -= set(res.release[i])
+      assert not on
+      # Brute force: each fetch is due at the first later task of its stage.
+      for i, (fs, js) in enumerate(zip(res.fetch, res.needed_at)):
+        for s, j in zip(fs, js):
+          assert j == next(k for k in range(i, len(order)) if order[k].stage == s)
+  # Only offloaded stages move: stage 2 stays.
+  order = interleaved_group_tables(2, 3, 4)[0]
+  res = chunk_residency(order, [0, 4])
+  assert all(2 not in r for r in res.resident)
+
+
+def test_prefetch_stalls_show_only_the_excess():
+  from harpjax.compiler.schedule import StageTask, chunk_residency, prefetch_stalls
+  order = [StageTask(0, "F", 0), StageTask(0, "F", 1), StageTask(2, "F", 0),
+           StageTask(2, "F", 1)]
+  res = chunk_residency(order, [0, 2])
+  # Stage 0's fetch (1 s) is not hidden; stage 2's (3 s) starts after it, overlaps the two
+  # 1-s tasks of stage 0 and leaves 1 s.
+  assert list(prefetch_stalls(order, res, [1.0] * 4, {0: 1.0, 2: 3.0})) == [1.0, 0, 1.0, 0]
+  assert list(prefetch_stalls(order, res, [5.0] * 4, {0: 1.0, 2: 3.0})) == [1.0, 0, 0, 0]
