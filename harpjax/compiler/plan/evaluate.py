@@ -538,8 +538,8 @@ def _param_offload(base: CostTables, tables: CostTables, quads, held) -> _ParamO
     PlanError: a stage offloads its parameters but the tables lack the host link
       (``offload_bandwidth_bytes_per_s``) or the optimizer state's bytes.
   """
-  bw_all = tables.offload_bandwidth_bytes_per_s
-  if bw_all is None or tables.opt_mem_bytes is None:
+  bw_all = base.offload_bandwidth_bytes_per_s
+  if bw_all is None or (base.opt_mem_bytes is None and tables.opt_mem_bytes is None):
     raise PlanError("stages that keep their parameters in host memory (offload_params) need "
                     "cost tables with offload_bandwidth_bytes_per_s and opt_mem_bytes "
                     "(CostTables.from_layer_costs(..., optimizer_share=...) with "
@@ -562,8 +562,10 @@ def _param_offload(base: CostTables, tables: CostTables, quads, held) -> _ParamO
       model = variants_lib.memory_model(base, k, dp, zero, offload)
     if model is not None:
       out.append(float(np.broadcast_to(model.param_bytes, P.shape)[i, j, b]))
-    else:
-      fixed = float(tables.param_mem_bytes[k][i, j, s]) - float(tables.opt_mem_bytes[k][i, j, s])
+    else:   # the variant's fixed bytes less its optimizer state held: weights and gradients
+      opt = 0.0 if offload or tables.opt_mem_bytes is None else float(
+          tables.opt_mem_bytes[k][i, j, s])
+      fixed = float(tables.param_mem_bytes[k][i, j, s]) - opt
       out.append(max(fixed, 0.0) / 2.0)
   return _ParamOffload(tuple(held), tuple(out),
                        tuple(float(bw_all[k]) for _, _, k, _ in quads))

@@ -241,6 +241,7 @@ def prefetch_stalls(order: Sequence[StageTask], residency: ChunkResidency, task_
       link = max(link, clock) + float(fetch_s[s])
       due[j] = max(due.get(j, 0.0), link)
     if i in due:
-      stall[i] = max(0.0, due.pop(i) - clock)
+      wait = due.pop(i) - clock
+      stall[i] = wait if wait > 0.0 else 0.0   # (not a number where times are infinite)
     clock += stall[i] + float(task_s[i])
   return stall
