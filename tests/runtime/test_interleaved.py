@@ -95,7 +95,7 @@ def test_parameter_offload_equals_jit(x64, monkeypatch, zero, offload):
   its optimizer state) in host memory: float64 equal to ``jax.jit``; a group holds at most
   two stages' parameters on its devices at any task (the running one's and the prefetched
   next one's), and the new parameters come back in host memory."""
-  from harpjax.runtime import interpreter
+  from harpjax.runtime import interpreter, local
   case = zoo.linen("loop")
   L = _num_layers(case)
   assert L >= 6
@@ -111,10 +111,36 @@ def test_parameter_offload_equals_jit(x64, monkeypatch, zero, offload):
     seen.append((self.order[pos].stage, self.resident_log[-1]))
 
   monkeypatch.setattr(interpreter.GroupParams, "after", record)
+  # What the devices are asked to run, in order: the stages' tasks and the groups after the
+  # pipeline (the optimizer update), as (home stage, group index).
+  events = []
+  task, run_groups = interpreter.StageRun.task, local._run_groups
+
+  def record_task(self, t):
+    events.append(("task", self.s))
+    return task(self, t)
+
+  def record_groups(cs, indices, env):
+    indices = list(indices)
+    events.extend(("update", cs.layout.groups[gi].home) for gi in indices
+                  if gi >= cs.layout.num_before)
+    return run_groups(cs, indices, env)
+
+  monkeypatch.setattr(interpreter.StageRun, "task", record_task)
+  monkeypatch.setattr(local, "_run_groups", record_groups)
   # One step (two where the optimizer state is offloaded too): the second step starts from
   # parameters the first wrote back to host memory.
   pstep, out = _train_like_jit(case, plan, num_microbatches=4, steps=2 if offload else 1)
   assert seen and all(len(r) <= 2 and s in r for s, r in seen)
+  # Interleaved optimizer updates: stage 4 (the last on group 0) updates as soon as its last
+  # backward is done, before stages 2 and 0 of its group finish theirs.
+  tasks = [i for i, e in enumerate(events) if e[0] == "task"]
+  first = events[:tasks[6 * 2 * 4 - 1] + 1]   # the first step's tasks, with its updates
+  last = {s: max(i for i, e in enumerate(first) if e == ("task", s)) for s in range(6)}
+  upd = {s: min((i for i, e in enumerate(first) if e == ("update", s)), default=None)
+         for s in range(6)}
+  assert upd[4] is not None and upd[4] < last[2] < last[0], (upd, last)
+  assert upd[5] is not None and upd[5] < last[1], (upd, last)
   assert max(len(r) for _, r in seen) == 2
   # Stages 0, 2, 4 share group 0: at some task one of them has no parameters on the devices.
   assert any(len({0, 2, 4} & set(r)) < 3 for s, r in seen if s in (0, 2, 4))

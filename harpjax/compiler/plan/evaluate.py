@@ -30,7 +30,8 @@ from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import (CostTables, offload_time_s, param_fetch_time_s,
                                       plan_transfer)
-from harpjax.compiler.schedule import (chunk_residency, group_activation_peaks,
+from harpjax.compiler.schedule import (activations_after, chunk_residency,
+                                       group_activation_peaks, update_positions,
                                        prefetch_stalls, PipelineCosts, pipeline_period,
                                        schedule_kind,
                                        ScheduleKind, simulate)
@@ -476,8 +477,10 @@ def _group_peaks(base: CostTables, tables: CostTables, quads, kind: ScheduleKind
   A group computes one task at a time, so it holds every stage's state (its fixed bytes less
   its task workspace, :func:`_task_workspaces`), the most residual bytes its interleaved order
   holds at once (:func:`~harpjax.compiler.schedule.group_activation_peaks`) and the largest
-  workspace of its stages' tasks; or, after the pipeline, one stage's reduction and update
-  (``step_mem_bytes``) beside the other stages' state, if more.
+  workspace of its stages' tasks; or, while one stage reduces and updates (``step_mem_bytes``,
+  right after its last task: interleaved updates, one stage's at a time), that beside the
+  other stages' state, the activations the group still holds then and the parameters it has
+  prefetched, if more.
 
   Args:
     base: the tables ``evaluate_plan`` was given (before variants were expanded for the
@@ -499,15 +502,22 @@ def _group_peaks(base: CostTables, tables: CostTables, quads, kind: ScheduleKind
   out: dict[int, float] = {}
   for g in sorted(set(group)):
     mine = [x for x in range(len(quads)) if group[x] == g]
+    order = sched.groups[g]
     state = sum(stay[x] - away[x] for x in mine)
-    fetched = 0.0
+    fetched, res = 0.0, None
     if any(away[x] for x in mine):
-      fetched = chunk_residency(sched.groups[g], [x for x in mine if away[x]]).peak_bytes(away)
+      res = chunk_residency(order, [x for x in mine if away[x]])
+      fetched = res.peak_bytes(away)
     peak = state + fetched + held[g] + max(work[x] for x in mine)
     if tables.step_mem_bytes is not None:
-      for x in mine:
+      after = activations_after(order, act)
+      for x, p in update_positions(order).items():
         i, j, k, s = quads[x]
-        peak = max(peak, float(tables.step_mem_bytes[k][i, j, s]) + state - stay[x] + away[x])
+        # Beside the update: the others' state, the residuals still held, the next stage's
+        # prefetched parameters (its own are in the update's bytes).
+        ahead = 0.0 if res is None else sum(away[y] for y in res.resident[p] if y != x)
+        peak = max(peak, float(tables.step_mem_bytes[k][i, j, s]) + state - stay[x] + away[x]
+                   + after[p] + ahead)
     out[g] = peak
   return out
 

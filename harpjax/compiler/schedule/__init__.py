@@ -22,7 +22,8 @@ from harpjax.compiler.schedule.interleaved import (chunk_residency, ChunkResiden
                                                    group_activation_peaks, group_warmups,
                                                    interleaved_group_tables,
                                                    interleaved_tables, interleaved_warmups,
-                                                   prefetch_stalls)
+                                                   prefetch_stalls, update_positions,
+                                                   activations_after)
 from harpjax.compiler.schedule.registry import (EAGER_1F1B, GPIPE, H1F1B, INTERLEAVED,
                                                 interleaved_kind, make_schedule,
                                                 ONE_F_ONE_B, ranked_schedules,
@@ -63,4 +64,5 @@ __all__ = [
     "GroupTables", "group_activation_peaks", "group_warmups", "INTERLEAVED", "interleaved_group_tables",
     "interleaved_kind", "interleaved_tables", "interleaved_warmups", "StageTask",
     "tables_from_groups", "chunk_residency", "ChunkResidency", "prefetch_stalls",
+    "update_positions", "activations_after",
 ]

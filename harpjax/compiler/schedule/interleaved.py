@@ -46,7 +46,8 @@ from harpjax.errors import ScheduleError
 
 __all__ = ["interleaved_group_tables", "interleaved_tables", "interleaved_warmups",
            "group_warmups", "num_groups_of", "group_of_stage", "group_activation_peaks",
-           "ChunkResidency", "chunk_residency", "prefetch_stalls"]
+           "ChunkResidency", "chunk_residency", "prefetch_stalls", "update_positions",
+           "activations_after"]
 
 
 def num_groups_of(num_stages: int, chunks: int) -> int:
@@ -149,6 +150,24 @@ def group_activation_peaks(groups: GroupTables, act_bytes) -> tuple[float, ...]:
       cur += float(act_bytes[t.stage]) if t.kind == "F" else -float(act_bytes[t.stage])
       peak = max(peak, cur)
     out.append(peak)
+  return tuple(out)
+
+
+def update_positions(order: Sequence[StageTask]) -> dict[int, int]:
+  """Per stage of a group's order, the position of its last task, right after which its
+  optimizer update runs (*interleaved updates*: inside the pipeline's drain, while the group's
+  earlier stages still wait for their gradients)."""
+  return {t.stage: p for p, t in enumerate(order)}
+
+
+def activations_after(order: Sequence[StageTask], act_bytes) -> tuple[float, ...]:
+  """Per position of a group's order, the activation bytes the group still holds once that
+  task has ended (what an interleaved update there runs beside; see
+  :func:`group_activation_peaks` for the accounting)."""
+  cur, out = 0.0, []
+  for t in order:
+    cur += float(act_bytes[t.stage]) if t.kind == "F" else -float(act_bytes[t.stage])
+    out.append(cur)
   return tuple(out)
 
 
