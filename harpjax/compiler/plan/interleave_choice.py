@@ -122,7 +122,8 @@ def _priced(plan: Plan, e: PlanEvaluation) -> Plan:
 def choose_interleaving(tables: CostTables, num_microbatches: int, *,
                         chunks: Sequence[int] = (2, 3, 4),
                         offload_params: Sequence[bool] = (False, True),
-                        relax_memory: float = 8.0, **solve_options) -> InterleaveChoice:
+                        relax_memory: float | Sequence[float] = 8.0,
+                        **solve_options) -> InterleaveChoice:
   """The fastest of a searched plan and its interleaved re-cuts that fits.
 
   Args:
@@ -132,7 +133,9 @@ def choose_interleaving(tables: CostTables, num_microbatches: int, *,
     chunks: the ``v`` to try.
     offload_params: with and/or without parameter offload.
     relax_memory: where no plan fits, the stages are searched on devices this many times
-      larger, and only their re-cuts can be chosen.
+      larger, and only their re-cuts can be chosen; several factors are tried in increasing
+      order until a re-cut fits (a small factor keeps the search's ZeRO levels and offloads
+      close to what the real devices need).
     **solve_options: passed to :func:`~harpjax.compiler.plan.solve`.
 
   Returns:
@@ -142,19 +145,32 @@ def choose_interleaving(tables: CostTables, num_microbatches: int, *,
     InfeasiblePlanError: no plan fits, plain or interleaved (the plain search's error).
   """
   B = int(num_microbatches)
+  factors = sorted(float(f) for f in (
+      relax_memory if isinstance(relax_memory, Sequence) else (relax_memory,)))
   try:
     base = solve(tables, B, **solve_options).plan
-    plain_fits = True
   except InfeasiblePlanError as e:
-    err = e
-    relaxed = dataclasses.replace(tables, device_memory_bytes=tuple(
-        float(x) * relax_memory for x in tables.device_memory_bytes))
-    try:
-      base = solve(relaxed, B, **solve_options).plan
-    except InfeasiblePlanError:
-      raise err from None
-    plain_fits = False
-  base = dataclasses.replace(base, num_microbatches=B)
+    err = None
+    for f in factors:
+      relaxed = dataclasses.replace(tables, device_memory_bytes=tuple(
+          float(x) * f for x in tables.device_memory_bytes))
+      try:
+        base = solve(relaxed, B, **solve_options).plan
+      except InfeasiblePlanError:
+        continue
+      try:
+        return _choose(tables, dataclasses.replace(base, num_microbatches=B), B, chunks,
+                       offload_params, plain_fits=False)
+      except InfeasiblePlanError as why:
+        err = why
+    raise (err or e) from None
+  return _choose(tables, dataclasses.replace(base, num_microbatches=B), B, chunks,
+                 offload_params, plain_fits=True)
+
+
+def _choose(tables: CostTables, base: Plan, B: int, chunks, offload_params,
+            plain_fits: bool) -> InterleaveChoice:
+  """The fastest of ``base`` (where ``plain_fits``) and its re-cuts that fits."""
   best = None
   candidates = []
   if plain_fits:
