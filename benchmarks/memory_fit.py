@@ -19,11 +19,16 @@ bisection); the table gives the largest model, its plan and the simulated iterat
 * ZeRO + offload chosen by the planner (levels 0-3 and host offload of the optimizer state,
   per stage);
 * residuals in host memory chosen by the planner (per stage, level 0, the optimizer state on
-  the devices), and with ZeRO and both offloads.
+  the devices), and with ZeRO and both offloads;
+* interleaving (Zorse's ministages): :func:`harpjax.compiler.plan.choose_interleaving` over
+  the ZeRO + offload search, ``v`` in 2-4 chunks per device group with and without parameter
+  offload (prefetch), the optimizer updates interleaved in the drain; where no plain plan
+  fits, the stages are searched on devices 1.1-2x larger and re-cut.
 
 Usage::
 
-  .venv/bin/python benchmarks/memory_fit.py [--hidden 4096] [--max-blocks 256] [-v]
+  .venv/bin/python benchmarks/memory_fit.py [--hidden 4096] [--max-blocks 256]
+      [--only-interleaved] [-v]
 """
 
 from __future__ import annotations
@@ -56,7 +61,11 @@ MODES = [
     ("ZeRO + offload, tp <= 8", dict(NO_RES), None),
     ("residuals in host memory (planner's choice)", dict(zero_levels=(0,), offload=False), 1),
     ("ZeRO + both offloads (planner's choice)", dict(), 1),
+    ("ZeRO + offload + interleaving (choose_interleaving)", dict(NO_RES), 1, "interleave"),
+    ("ZeRO + both offloads + interleaving (choose_interleaving)", dict(), 1, "interleave"),
 ]
+CHUNKS = (2, 3, 4)
+RELAX = (1.1, 1.25, 1.5, 2.0)
 
 
 def cluster_specs(offload_bw: float = 12e9) -> list[SubclusterSpec]:
@@ -90,21 +99,27 @@ def num_params(blocks: int, hidden: int) -> float:
   return (VOCAB + SEQ) * h + blocks * (12 * h * h + 13 * h) + h * VOCAB + 2 * h
 
 
-def plan_or_none(blocks: int, hidden: int, options: dict, max_tp):
+def plan_or_none(blocks: int, hidden: int, options: dict, max_tp, how: str = "solve"):
+  """The planner's result (``.plan``) for the model, or ``None`` where nothing fits; ``how``:
+  ``"solve"`` or ``"interleave"`` (:func:`~harpjax.compiler.plan.choose_interleaving`)."""
+  tables = gpt_tables(blocks, hidden, max_tp)
   try:
-    return planner.solve(gpt_tables(blocks, hidden, max_tp), B, **options)
+    if how == "interleave":
+      return planner.choose_interleaving(tables, B, chunks=CHUNKS, relax_memory=RELAX,
+                                         **options)
+    return planner.solve(tables, B, **options)
   except InfeasiblePlanError:
     return None
 
 
-def largest(hidden: int, options: dict, max_tp, max_blocks: int):
+def largest(hidden: int, options: dict, max_tp, max_blocks: int, how: str = "solve"):
   """``(blocks, result, solves, seconds)`` of the largest model with a plan."""
   t0, solves = time.perf_counter(), 0
   best, lo, hi = None, 0, None
   n = 1
   while n <= max_blocks:             # gallop
     solves += 1
-    res = plan_or_none(n, hidden, options, max_tp)
+    res = plan_or_none(n, hidden, options, max_tp, how)
     if res is None:
       hi = n
       break
@@ -115,7 +130,7 @@ def largest(hidden: int, options: dict, max_tp, max_blocks: int):
   while hi - lo > 1:                 # bisect: lo fits, hi does not
     mid = (lo + hi) // 2
     solves += 1
-    res = plan_or_none(mid, hidden, options, max_tp)
+    res = plan_or_none(mid, hidden, options, max_tp, how)
     if res is None:
       hi = mid
     else:
@@ -124,12 +139,13 @@ def largest(hidden: int, options: dict, max_tp, max_blocks: int):
 
 
 def describe(plan) -> str:
-  """Stages as ``subcluster(n,m)[tp]:blocks:level``, runs of equal stages as ``k x ...``."""
-  parts = []
+  """Stages as ``subcluster(n,m)[tp]:blocks:level``, runs of equal stages as ``k x ...``
+  (``+par``: parameters in host memory; an interleaved plan starts with its schedule)."""
+  parts = [plan.schedule + ":"] if plan.schedule.startswith("interleaved") else []
   for s in plan.stages:
     tp = f"tp{s.logical_mesh[1]}" if s.logical_mesh[1] > 1 else ""
     state = f"z{s.zero}" + ("+off" if s.offload else "") + (
-        "+res" if s.offload_activations else "")
+        "+res" if s.offload_activations else "") + ("+par" if s.offload_params else "")
     parts.append(f"{s.subcluster}({s.submesh[0]},{s.submesh[1]}){tp}:"
                  f"{s.layers[1] - s.layers[0] + 1}:{state}")
   return join_runs(parts)
@@ -148,8 +164,12 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--hidden", type=int, default=4096)
   ap.add_argument("--max-blocks", type=int, default=256)
+  ap.add_argument("--only-interleaved", action="store_true",
+                  help="only the interleaving rows (and the ZeRO + offload row to compare)")
   ap.add_argument("-v", action="store_true")
   args = ap.parse_args()
+  modes = [m for m in MODES if not args.only_interleaved or len(m) > 3
+           or m[0].startswith("ZeRO + offload (")]
   logging.basicConfig(level=logging.INFO if args.v else logging.WARNING)
   plan_or_none(2, args.hidden, {}, 1)   # compile / load the kernels once
   print(f"== Largest GPT on 8 V100-16G + 4 T4-16G (hidden {args.hidden}, seq {SEQ}, "
@@ -157,8 +177,8 @@ def main() -> None:
   head = ["memory option", "blocks", "parameters", "plan (stage: blocks: ZeRO level)",
           "iteration s", "search s"]
   rows, sizes = [], []
-  for name, options, max_tp in MODES:
-    best, solves, dt = largest(args.hidden, options, max_tp, args.max_blocks)
+  for name, options, max_tp, *how in modes:
+    best, solves, dt = largest(args.hidden, options, max_tp, args.max_blocks, *how)
     if best is None:
       rows.append([name, "0", "-", "no plan", "-", f"{dt:.1f}"])
       continue
@@ -176,9 +196,9 @@ def main() -> None:
   blocks = sizes[0]
   print(f"\n== The largest model without sharding ({blocks} blocks): each option's plan ==")
   rows = []
-  for name, options, max_tp in MODES:
+  for name, options, max_tp, *how in modes:
     res, dt = None, time.perf_counter()
-    res = plan_or_none(blocks, args.hidden, options, max_tp)
+    res = plan_or_none(blocks, args.hidden, options, max_tp, *how)
     dt = time.perf_counter() - dt
     rows.append([name, "no plan" if res is None else describe(res.plan),
                  "-" if res is None else f"{res.plan.predicted_iteration_s:.3f}",

@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from harpjax.compiler.schedule import chunk_residency
 from harpjax.compiler.stages import HOST_MEMORY, StageExecutables, StepLayout, put, row_slice
 from harpjax.compiler.trace import Lit
 
 __all__ = ["MessageKey", "ACT", "CT", "GRAD", "VALUE", "Messenger", "LocalMessenger", "StageRun",
-           "put", "place_on_mesh", "microbatch_slice", "combine_microbatches"]
+           "GroupParams", "put", "place_on_mesh", "microbatch_slice", "combine_microbatches"]
 
 ACT, CT, GRAD, VALUE = "act", "ct", "grad", "value"
 
@@ -191,7 +192,13 @@ class StageRun:
     sl = stage.layout
     self.B = layout.num_microbatches
     self.inputs = inputs
-    self.params = tuple(io.put(inputs[v], stage.sharding(v)) for v in sl.param_ids)
+    self.params_on_host = s in layout.host_params
+    if self.params_on_host:   # fetched before the stage's tasks (GroupParams), else on use
+      self._host_params = tuple(io.put(inputs[v], stage.sharding(v).with_memory_kind(HOST_MEMORY))
+                                for v in sl.param_ids)
+      self._params = None
+    else:
+      self._params = tuple(io.put(inputs[v], stage.sharding(v)) for v in sl.param_ids)
     self._whole: dict[int, Any] = {}
     self.consumers = sorted(t for (p, t) in layout.act_routes if p == s)
     self.ct_from = sorted(t for (t, p) in layout.ct_routes if p == s)
@@ -203,6 +210,28 @@ class StageRun:
     self.mb_index = [np.int32(m) for m in range(self.B)]
     self.to_host = s in layout.host_residuals
     self._total = None   # the gradient accumulator, summed over a split stage's groups
+
+  # ------------------------------------------------------------------ parameters
+
+  @property
+  def params(self) -> tuple:
+    """The stage's parameters on its devices (fetched from host memory now if the stage keeps
+    them there and no prefetch brought them)."""
+    if self._params is None:
+      self.fetch_params()
+    return self._params
+
+  def fetch_params(self) -> None:
+    """Starts bringing the parameters of a stage that keeps them in host memory to its
+    devices (asynchronous: the copy overlaps the tasks dispatched before the stage's own)."""
+    if self.params_on_host and self._params is None:
+      self._params = tuple(self._to_device(x) for x in self._host_params)
+
+  def release_params(self) -> None:
+    """Drops the device copy of the parameters of a stage that keeps them in host memory (the
+    host copy is unchanged: a step does not write parameters)."""
+    if self.params_on_host:
+      self._params = None
 
   # ------------------------------------------------------------------ tasks
 
@@ -296,6 +325,10 @@ class StageRun:
 
   # ------------------------------------------------------------------ after the pipeline
 
+  def params_resident(self) -> bool:
+    """Whether the stage's parameters are on its devices now."""
+    return self._params is not None
+
   def _region_output(self, ref, m: int):
     if isinstance(ref, Lit):
       return jnp.asarray(ref.value)
@@ -361,3 +394,45 @@ class StageRun:
         total = io.put(np.zeros(aval.shape, aval.dtype), st.replicated)
       out[out_vid] = total
     return out
+
+
+# --------------------------------------------------------------------------- parameter offload
+
+
+class GroupParams:
+  """The parameters of a device group's stages that keep them in host memory
+  (:attr:`~harpjax.compiler.stages.StepLayout.host_params`), fetched and dropped along the
+  group's order (:func:`~harpjax.compiler.schedule.chunk_residency`): before the task at a
+  position, the fetches it asks for are dispatched (the running stage's at the first position,
+  else the next stage's, which then overlaps the running stage's tasks); after it, the stages
+  it releases drop their device copies. A stage whose run is not known yet when its fetch is
+  due fetches on its first task.
+
+  Args:
+    order: the group's tasks in order.
+    offloaded: the stages of the layout that keep their parameters in host memory.
+  """
+
+  def __init__(self, order, offloaded):
+    self.order = tuple(order)
+    self.residency = chunk_residency(self.order, {t.stage for t in self.order} & set(offloaded))
+    self.runs: dict[int, StageRun] = {}
+    self.resident_log: list[tuple[int, ...]] = []   # per task: the stages whose parameters were on the devices
+
+  def add(self, run: StageRun) -> None:
+    """Registers a stage's run of the current step."""
+    self.runs[run.s] = run
+
+  def before(self, pos: int) -> None:
+    """Dispatches the fetches of position ``pos``."""
+    for s in self.residency.fetch[pos]:
+      if s in self.runs:
+        self.runs[s].fetch_params()
+
+  def after(self, pos: int) -> None:
+    """Drops the device copies position ``pos`` releases (and notes what was resident)."""
+    self.resident_log.append(tuple(sorted(s for s, r in self.runs.items()
+                                          if r.params_on_host and r.params_resident())))
+    for s in self.residency.release[pos]:
+      if s in self.runs:
+        self.runs[s].release_params()

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from harpjax.compiler.stages import CompiledStep
 from harpjax.compiler.trace import Lit
 from harpjax.errors import InvalidOptionError
-from harpjax.runtime.interpreter import LocalMessenger, StageRun, place_on_mesh
+from harpjax.runtime.interpreter import GroupParams, LocalMessenger, StageRun, place_on_mesh
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalRuntime", "check_compilation_cache", "run_step", "run_region",
-           "strongly_typed"]
+           "early_updates", "run_ready_groups", "strongly_typed"]
 
 
 def check_compilation_cache(value, where: str):
@@ -103,8 +103,9 @@ def run_step(cs: CompiledStep, args: tuple) -> Any:
   leaves = [strongly_typed(x, outer.avals[v]) for x, v in zip(leaves, lay.leaf_vids)]
   env: dict[int, Any] = dict(zip(outer.invars, list(ts.outer_consts) + leaves))
   _run_groups(cs, range(lay.num_before), env)
-  run_region(cs, env)
-  _run_groups(cs, range(lay.num_before, len(lay.groups)), env)
+  after = list(range(lay.num_before, len(lay.groups)))
+  run_region(cs, env, after)
+  _run_groups(cs, after, env)
   outs = [ref.value if isinstance(ref, Lit) else env[ref] for ref in outer.outvars]
   return jax.tree_util.tree_unflatten(ts.out_tree, outs)
 
@@ -120,9 +121,60 @@ def _run_groups(cs: CompiledStep, indices, env: dict) -> None:
     env.update(zip(g.out_ids, cs.group_fns[gi](*args)))
 
 
-def run_region(cs: CompiledStep, env: dict) -> None:
+def _group_params(sched, host_params, runs) -> list:
+  """Per device group, its :class:`~harpjax.runtime.interpreter.GroupParams` (``None`` where
+  no stage of the group keeps its parameters in host memory); ``[]`` without any."""
+  if not host_params or sched.groups is None:
+    return []
+  out = []
+  for order in sched.groups:
+    if not {t.stage for t in order} & set(host_params):
+      out.append(None)
+      continue
+    gp = GroupParams(order, host_params)
+    for s in {t.stage for t in order}:
+      gp.add(runs[s])
+    out.append(gp)
+  return out
+
+
+def early_updates(lay) -> tuple[bool, ...]:
+  """Per stage, whether its gradients are final once its own last task has run: every
+  parameter it owns is read by it alone (no other stage sends it a gradient part), so its
+  reduction, and the update that reads only its gradients, may run inside the pipeline's
+  drain (interleaved optimizer updates)."""
+  out = [True] * lay.num_stages
+  for j in range(lay.num_params):
+    if tuple(lay.param_users[j]) != (lay.param_owner[j],):
+      out[lay.param_owner[j]] = False
+  return tuple(out)
+
+
+def run_ready_groups(cs: CompiledStep, pending: list, env: dict) -> list:
+  """Runs, in order, the groups of ``pending`` (indices into the layout's groups) whose
+  inputs are all in ``env`` (a group's outputs may make a later one ready); removes them
+  from ``pending`` and returns their indices."""
+  groups = cs.layout.groups
+  done = []
+  for gi in list(pending):
+    if all(v in env for v in groups[gi].in_ids):
+      _run_groups(cs, (gi,), env)
+      pending.remove(gi)
+      done.append(gi)
+  return done
+
+
+def run_region(cs: CompiledStep, env: dict, after: list | None = None) -> None:
   """The pipelined region: reads its inputs from ``env`` and writes its results (loss,
-  auxiliary outputs, gradients) there."""
+  auxiliary outputs, gradients) there.
+
+  With ``after`` (the indices of the groups after the pipeline still to run; those run here
+  are removed), a stage whose gradients are final once its last task has run
+  (:func:`early_updates`) reduces them right after that task, and every group whose inputs
+  are then all there runs at once (:func:`run_ready_groups`): its optimizer update runs on
+  its devices inside the pipeline's drain, while the other stages finish their backwards
+  (under an interleaved schedule, between the tasks of its device group), not after the
+  whole pipeline. The values are the same either way."""
   lay = cs.layout
   inboxes: list[dict] = [dict() for _ in range(lay.num_stages)]
   runs = []
@@ -130,11 +182,30 @@ def run_region(cs: CompiledStep, env: dict) -> None:
     inputs = {lay.region_invars[k]: ref.value if isinstance(ref, Lit) else env[ref]
               for k, ref in lay.region_inputs[s]}
     runs.append(StageRun(lay, st, LocalMessenger(s, inboxes), inputs))
-  for t in cs.schedule.run_order():   # stages sharing a device group: its interleaved order
-    runs[t.stage].task(t.task)
+  sched = cs.schedule
+  held = _group_params(sched, lay.host_params, runs)
+  pos = [0] * len(held)
+  left = [len(row) for row in sched.tables]   # per stage, its tasks still to run
+  early = early_updates(lay) if after is not None else (False,) * lay.num_stages
+  reduced = set()
+  for t in sched.run_order():   # stages sharing a device group: its interleaved order
+    g = sched.device_groups[t.stage] if held else -1
+    if g >= 0 and held[g] is not None:   # its offloaded parameters, along the group's order
+      held[g].before(pos[g])
+      runs[t.stage].task(t.task)
+      held[g].after(pos[g])
+      pos[g] += 1
+    else:
+      runs[t.stage].task(t.task)
+    left[t.stage] -= 1
+    if left[t.stage] == 0 and early[t.stage]:   # its update, inside the drain
+      env.update(runs[t.stage].reduce())
+      reduced.add(t.stage)
+      run_ready_groups(cs, after, env)
   for run in runs:
     env.update(run.combine())
   for run in runs:
     run.send_gradient_parts()
   for run in runs:
-    env.update(run.reduce())
+    if run.s not in reduced:
+      env.update(run.reduce())

@@ -38,7 +38,8 @@ from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
 from harpjax.runtime import codec, spmd, transport
 from harpjax.runtime.channels import Mailbox, Sender, TcpChannel, TcpListener, sleep_until
 from harpjax.runtime.emulation import Emulation
-from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_mesh, put
+from harpjax.runtime.interpreter import (VALUE, GroupParams, MessageKey, StageRun, place_on_mesh,
+                                        put)
 
 log = logging.getLogger(__name__)
 
@@ -541,6 +542,7 @@ class StageWorker:
       run.run(self.schedule.tables[s])
     else:   # a stage of a device group: its tasks in the group's order, one at a time
       try:
+        turns.add_run(self._step, run, lay.host_params)
         for task in self.schedule.tables[s]:
           turns.wait(self._step, s, task, self.options.recv_timeout_s)
           run.task(task)
@@ -581,6 +583,19 @@ class GroupTurns:
     self._cond = threading.Condition()
     self._pos: dict[int, int] = {}
     self._failed: dict[int | None, str] = {}
+    self._params: dict[int, GroupParams] = {}   # per step, with offloaded parameters
+
+  def add_run(self, step: int, run, host_params) -> None:
+    """Registers a stage's run of ``step``: the parameters of the group's stages that keep
+    them in host memory are fetched and dropped along the order (:class:`~harpjax.runtime.
+    interpreter.GroupParams`) as the turns pass."""
+    if not {t.stage for t in self.order} & set(host_params):
+      return
+    with self._cond:
+      gp = self._params.get(step)
+      if gp is None:
+        gp = self._params[step] = GroupParams(self.order, host_params)
+      gp.add(run)
 
   def wait(self, step: int, stage: int, task, timeout_s: float) -> None:
     """Returns when ``stage``'s ``task`` is the group's next task in ``step``.
@@ -600,6 +615,9 @@ class GroupTurns:
         nxt = self.order[pos] if pos < len(self.order) else None
         if nxt is not None and (nxt.stage, nxt.kind, nxt.microbatch) == (
             stage, task.kind, task.microbatch):
+          gp = self._params.get(step)
+          if gp is not None:
+            gp.before(pos)
           return
         left = deadline - time.monotonic()
         if left <= 0:
@@ -611,9 +629,15 @@ class GroupTurns:
   def done(self, step: int) -> None:
     """The group's current task of ``step`` finished: the next one may run."""
     with self._cond:
-      self._pos[step] = self._pos.get(step, 0) + 1
+      pos = self._pos.get(step, 0)
+      gp = self._params.get(step)
+      if gp is not None:
+        gp.after(pos)
+      self._pos[step] = pos + 1
       for old in [k for k in self._pos if k < step]:
         del self._pos[old]
+      for old in [k for k in self._params if k < step]:
+        del self._params[old]
       for old in [k for k in self._failed if k is not None and k < step]:
         del self._failed[old]
       self._cond.notify_all()

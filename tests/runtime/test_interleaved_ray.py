@@ -53,6 +53,41 @@ def test_group_turns_keep_the_group_order():
     turns.wait(3, 0, Task("F", 1), 0.01)
 
 
+class _Run:
+  """A stand-in for a stage's run: counts its parameter fetches and drops."""
+
+  def __init__(self, s, log):
+    self.s, self.log, self.params_on_host, self.on = s, log, True, False
+
+  def fetch_params(self):
+    self.log.append(("fetch", self.s))
+    self.on = True
+
+  def release_params(self):
+    self.log.append(("drop", self.s))
+    self.on = False
+
+  def params_resident(self):
+    return self.on
+
+
+def test_group_turns_fetch_and_drop_offloaded_parameters():
+  """Turns fetch the next stage's parameters as the running one's run starts and drop a
+  stage's once the group moves on: at most two stages' on the devices."""
+  order = [StageTask(s, "F", 0) for s in (0, 2, 4)] + [StageTask(s, "B", 0) for s in (4, 2, 0)]
+  turns = GroupTurns(order, 0)
+  log = []
+  runs = {s: _Run(s, log) for s in (0, 2, 4)}
+  for r in runs.values():
+    turns.add_run(1, r, {0, 2, 4})
+  for t in order:
+    turns.wait(1, t.stage, t.task, 1.0)
+    assert runs[t.stage].on and sum(r.on for r in runs.values()) <= 2
+    turns.done(1)
+  assert log[:3] == [("fetch", 0), ("fetch", 2), ("drop", 0)]
+  assert not any(r.on for r in runs.values())
+
+
 @pytest.fixture(scope="module")
 def ray_instance():
   ray = pytest.importorskip("ray")
@@ -101,6 +136,29 @@ def test_interleaved_on_ray_equals_jit(x64, ray_instance, backend, zero):
   assert not any(d % 2 == s % 2 for s, sends in enumerate(runner.last.sends)
                  for d, *_ in sends)
   _check_group_order(runner)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:os.fork")
+@pytest.mark.parametrize("backend", ["ray", "threads"])
+def test_parameter_offload_on_ray_equals_jit(x64, ray_instance, backend):
+  """Six stages on two groups (``v = 3``), parameters and optimizer state in host memory:
+  float64 equal to ``jax.jit``, each group in its order."""
+  import dataclasses
+  case = zoo.linen("loop")
+  plan = interleaved_plan(_num_layers(case), GROUPS, schedule="interleaved_v3", v=3)
+  plan = plan.with_stages([dataclasses.replace(st, offload_params=True, offload=True)
+                           for st in plan.stages])
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
+                                runtime=harpjax.RayRuntime(backend=backend))
+  ref = jax.jit(case.step)
+  s_ref = s_par = case.state
+  for i, batch in enumerate(case.batches[:2]):
+    out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
+    err = max_rel_err(out_ref, ray_instance.gather(out_par))
+    assert err <= RTOL, f"step {i}: {err:.3g}"
+    s_ref, s_par = out_ref[0], out_par[0]
+  _check_group_order(pstep.runner(case.state, case.batches[0]))
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusi
                                          MixedOptions, mixed_cut_s, mixed_scorer,
                                          mixed_stage_cost, MixedStageCost, solve_mixed,
                                          zebra_mixed_cost)
+from harpjax.compiler.plan.interleave_choice import (choose_interleaving, chunk_sizes,
+                                                     interleave, InterleaveChoice)
 from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZEBRA_MODES,
                                                 ZebraOptions, ZebraShape, ZebraStageCost,
                                                 zebra_stage_cost)
@@ -52,4 +54,5 @@ __all__ = [
     "VariantOptions",
     "candidate_zebra_shapes", "ZEBRA_MODES", "ZebraGroup", "zebra_mixed_cost", "ZebraOptions",
     "ZebraShape", "ZebraStageCost", "zebra_stage_cost",
+    "choose_interleaving", "chunk_sizes", "interleave", "InterleaveChoice",
 ]

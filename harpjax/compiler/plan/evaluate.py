@@ -28,8 +28,11 @@ from harpjax.cluster import place_stages
 from harpjax.compiler.plan import variants as variants_lib
 from harpjax.compiler.plan.index import SparseIndex
 from harpjax.compiler.plan.spec import Plan, StageSpec
-from harpjax.compiler.profile import CostTables, plan_transfer
-from harpjax.compiler.schedule import (group_activation_peaks, PipelineCosts, pipeline_period,
+from harpjax.compiler.profile import (CostTables, offload_time_s, param_fetch_time_s,
+                                      plan_transfer)
+from harpjax.compiler.schedule import (activations_after, chunk_residency,
+                                       group_activation_peaks, update_positions,
+                                       prefetch_stalls, PipelineCosts, pipeline_period,
                                        schedule_kind,
                                        ScheduleKind, simulate)
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
@@ -69,6 +72,8 @@ class PlannedStage:
       residuals in the former, none in the latter).
     remat: what the stage's backward recomputes, where the tables cost it per stage
       (:attr:`~harpjax.compiler.profile.CostTables.remat_modes`); ``None``: the plan's mode.
+    offload_params: the stage keeps its parameters in host memory while its device group runs
+      its other stages (:attr:`~harpjax.compiler.plan.StageSpec.offload_params`).
   """
   layers: tuple[int, int]
   subcluster: int
@@ -90,6 +95,7 @@ class PlannedStage:
   offload: bool = False
   offload_activations: bool = False
   remat: str | None = None
+  offload_params: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +333,15 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   if group:   # the stages of a group sit where its first stage sits
     hosts.update({x: hosts[group[x]] for x in range(S) if group[x] in hosts})
   mem_ok = True
-  group_peak = _group_peaks(base, tables, quads, kind, B, warm, group) if group else None
+  held = _params_offloaded(stages, S)
+  if any(held) and not group:
+    raise PlanError(f"stages {[x for x in range(S) if held[x]]} keep their parameters in host "
+                    f"memory (offload_params), which needs stages that share a device group; "
+                    f"schedule {kind.name!r} has none: use an interleaved schedule")
+  sched = kind.schedule(S, B, warm) if group else None
+  off = _param_offload(base, tables, quads, held) if any(held) else None
+  group_peak = (_group_peaks(base, tables, quads, kind, B, warm, group, sched, off)
+                if group else None)
   planned, taken = [], [0] * tables.num_subclusters
   for x, (i, j, k, s) in enumerate(quads):
     p = float(tables.param_mem_bytes[k][i, j, s])
@@ -372,9 +386,14 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
         zero=variants_lib.variant_of(tables, k, s)[0],
         offload=variants_lib.variant_of(tables, k, s)[1],
         offload_activations=variants_lib.variant_of(tables, k, s)[2],
-        remat=tables.remat_of(k, s)))
+        remat=tables.remat_of(k, s), offload_params=bool(held[x])))
   comm_ok = all(x <= t_max for x in c)
   ends = [tables.end_of(k, i, j, s) for i, j, k, s in quads]
+  stalls = None
+  if off is not None:   # the update reads the parameters in and writes the new ones back
+    ends = [e + float(offload_time_s(w, off.bandwidth[x])) if held[x] else e
+            for x, (e, w) in enumerate(zip(ends, off.param_bytes))]
+    stalls = _prefetch_stalls(sched, t, fwd_fraction, off, B)
   head = sum(x + 2.0 * y for x, y in zip(t, c))
   eq12 = head + (B - 1) * t_max
   steady = period  # a link sends one microbatch per direction at a time
@@ -387,7 +406,8 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   if group:   # a group computes its stages' tasks one at a time
     t_max = max(sum(t[x] for x in range(S) if group[x] == g) for g in set(group))
   if (simulator or group) and math.isfinite(t_max):
-    iteration, model = simulated_time(t, c, kind, B, warm, fwd_fraction, ends), "simulator"
+    iteration, model = simulated_time(t, c, kind, B, warm, fwd_fraction, ends,
+                                      stalls), "simulator"
   return PlanEvaluation(schedule=kind.name, num_microbatches=B, stages=tuple(planned),
                         warmups=tuple(int(w) for w in warm), t_max_s=t_max, eq12_s=eq12,
                         steady_period_s=steady, iteration_s=iteration, model=model,
@@ -451,34 +471,133 @@ def _device_groups(kind: ScheduleKind, num_stages: int) -> tuple[int, ...] | Non
 
 
 def _group_peaks(base: CostTables, tables: CostTables, quads, kind: ScheduleKind, B: int,
-                 warm, group) -> dict[int, float]:
+                 warm, group, sched=None, off=None) -> dict[int, float]:
   """Per device group, the bytes per device it holds at its peak.
 
   A group computes one task at a time, so it holds every stage's state (its fixed bytes less
   its task workspace, :func:`_task_workspaces`), the most residual bytes its interleaved order
   holds at once (:func:`~harpjax.compiler.schedule.group_activation_peaks`) and the largest
-  workspace of its stages' tasks; or, after the pipeline, one stage's reduction and update
-  (``step_mem_bytes``) beside the other stages' state, if more.
+  workspace of its stages' tasks; or, while one stage reduces and updates (``step_mem_bytes``,
+  right after its last task: interleaved updates, one stage's at a time), that beside the
+  other stages' state, the activations the group still holds then and the parameters it has
+  prefetched, if more.
 
   Args:
     base: the tables ``evaluate_plan`` was given (before variants were expanded for the
       stages' ZeRO levels and offloads); ``tables``: those the stages index.
+    sched: the schedule's tables (built here when not given).
+    off: the stages' parameter offload (:func:`_param_offload`); a stage that keeps its
+      parameters in host memory holds them on the devices only while its group runs it or
+      prefetches it (:func:`~harpjax.compiler.schedule.chunk_residency`: at most two stages'
+      at once), and not beside another stage's update.
   """
   act = [float(tables.act_mem_bytes[k][i, j, s]) for i, j, k, s in quads]
-  held = group_activation_peaks(kind.schedule(len(quads), B, warm).groups, act)
+  if sched is None:
+    sched = kind.schedule(len(quads), B, warm)
+  held = group_activation_peaks(sched.groups, act)
   work = _task_workspaces(base, tables, quads)
   stay = [float(tables.param_mem_bytes[k][i, j, s]) - w for (i, j, k, s), w in zip(quads, work)]
+  away = [0.0] * len(quads) if off is None else [
+      w if h else 0.0 for w, h in zip(off.param_bytes, off.held)]
   out: dict[int, float] = {}
   for g in sorted(set(group)):
     mine = [x for x in range(len(quads)) if group[x] == g]
-    state = sum(stay[x] for x in mine)
-    peak = state + held[g] + max(work[x] for x in mine)
+    order = sched.groups[g]
+    state = sum(stay[x] - away[x] for x in mine)
+    fetched, res = 0.0, None
+    if any(away[x] for x in mine):
+      res = chunk_residency(order, [x for x in mine if away[x]])
+      fetched = res.peak_bytes(away)
+    peak = state + fetched + held[g] + max(work[x] for x in mine)
     if tables.step_mem_bytes is not None:
-      for x in mine:
+      after = activations_after(order, act)
+      for x, p in update_positions(order).items():
         i, j, k, s = quads[x]
-        peak = max(peak, float(tables.step_mem_bytes[k][i, j, s]) + state - stay[x])
+        # Beside the update: the others' state, the residuals still held, the next stage's
+        # prefetched parameters (its own are in the update's bytes).
+        ahead = 0.0 if res is None else sum(away[y] for y in res.resident[p] if y != x)
+        peak = max(peak, float(tables.step_mem_bytes[k][i, j, s]) + state - stay[x] + away[x]
+                   + after[p] + ahead)
     out[g] = peak
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamOffload:
+  """Per stage: whether it keeps its parameters in host memory, their bytes per device (at
+  its ZeRO level) and its device-host bandwidth."""
+  held: tuple
+  param_bytes: tuple
+  bandwidth: tuple
+
+
+def _params_offloaded(stages, S: int) -> list[bool]:
+  """Per stage, its :attr:`~harpjax.compiler.plan.StageSpec.offload_params` (``False`` for
+  stages given as index tuples)."""
+  if isinstance(stages, Plan):
+    stages = stages.stages
+  return [bool(getattr(st, "offload_params", False)) for st in stages][:S]
+
+
+def _param_offload(base: CostTables, tables: CostTables, quads, held) -> _ParamOffload:
+  """The parameter bytes per device of each stage (the memory model's weights at the stage's
+  ZeRO level, :func:`~harpjax.compiler.plan.variants.memory_model`; where the tables carry no
+  workspace, half of the fixed bytes less the optimizer state), and the host links.
+
+  Raises:
+    PlanError: a stage offloads its parameters but the tables lack the host link
+      (``offload_bandwidth_bytes_per_s``) or the optimizer state's bytes.
+  """
+  bw_all = base.offload_bandwidth_bytes_per_s
+  if bw_all is None or (base.opt_mem_bytes is None and tables.opt_mem_bytes is None):
+    raise PlanError("stages that keep their parameters in host memory (offload_params) need "
+                    "cost tables with offload_bandwidth_bytes_per_s and opt_mem_bytes "
+                    "(CostTables.from_layer_costs(..., optimizer_share=...) with "
+                    "SubclusterSpec.offload_bandwidth_bytes_per_s)")
+  out = []
+  for x, (i, j, k, s) in enumerate(quads):
+    if not held[x]:
+      out.append(0.0)
+      continue
+    zero, offload, _ = variants_lib.variant_of(tables, k, s)
+    model = None
+    if base.variants is None:
+      P = base.param_mem_bytes[k]
+      b = variants_lib.base_index(tables, k, s)
+      if base.logical_mesh is not None:
+        dp = base.logical_mesh[k][..., 0].astype(np.float64)
+      else:
+        dp = np.broadcast_to(np.array([n * m for n, m in base.submeshes[k]], np.float64),
+                             P.shape)
+      model = variants_lib.memory_model(base, k, dp, zero, offload)
+    if model is not None:
+      out.append(float(np.broadcast_to(model.param_bytes, P.shape)[i, j, b]))
+    else:   # the variant's fixed bytes less its optimizer state held: weights and gradients
+      opt = 0.0 if offload or tables.opt_mem_bytes is None else float(
+          tables.opt_mem_bytes[k][i, j, s])
+      fixed = float(tables.param_mem_bytes[k][i, j, s]) - opt
+      out.append(max(fixed, 0.0) / 2.0)
+  return _ParamOffload(tuple(held), tuple(out),
+                       tuple(float(bw_all[k]) for _, _, k, _ in quads))
+
+
+def _prefetch_stalls(sched, t, fwd_fraction: float, off: _ParamOffload, B: int):
+  """``(fwd, bwd)`` ``[S, B]`` seconds each task of a stage waits for its parameters'
+  prefetch (:func:`~harpjax.compiler.schedule.prefetch_stalls`, fetch times of
+  :func:`~harpjax.compiler.profile.param_fetch_time_s`)."""
+  S = len(t)
+  fwd, bwd = np.zeros((S, B)), np.zeros((S, B))
+  fetch = [float(param_fetch_time_s(w, bw)) for w, bw in zip(off.param_bytes, off.bandwidth)]
+  for order in sched.groups:
+    mine = [x for x in {u.stage for u in order} if off.held[x]]
+    if not mine:
+      continue
+    res = chunk_residency(order, mine)
+    task_s = [t[u.stage] * (fwd_fraction if u.kind == "F" else 1.0 - fwd_fraction)
+              for u in order]
+    for u, w in zip(order, prefetch_stalls(order, res, task_s, fetch)):
+      (fwd if u.kind == "F" else bwd)[u.stage, u.microbatch] += w
+  return fwd, bwd
 
 
 def _task_workspaces(base: CostTables, tables: CostTables, quads) -> list[float]:
@@ -527,14 +646,18 @@ def _per_group(planned: Sequence[PlannedStage], group) -> list[PlannedStage]:
 
 def simulated_time(t: Sequence[float], c: Sequence[float], schedule: str | ScheduleKind,
                    B: int, warmups: Sequence[int], fwd_fraction: float,
-                   ends: Sequence[float]) -> float:
+                   ends: Sequence[float], stalls=None) -> float:
   """The simulator's iteration time of a pipeline under a registered schedule at the counts
   ``warmups``: stage ``i`` runs forward ``fwd_fraction t_i`` and backward the rest, cut ``i``
   takes ``c_i`` each way (``c`` ends with the last stage's 0), then its end time ``ends[i]``.
   The plan evaluators (:func:`evaluate_plan`, :func:`~harpjax.compiler.plan.evaluate_mixed`)
-  both call it."""
+  both call it. ``stalls``: ``(fwd, bwd)`` ``[S, B]`` seconds tasks wait besides (parameter
+  prefetches), added to their durations."""
   fwd = [x * fwd_fraction for x in t]
   bwd = [x - f for x, f in zip(t, fwd)]
+  if stalls is not None:
+    fwd = np.asarray(fwd)[:, None] + stalls[0]
+    bwd = np.asarray(bwd)[:, None] + stalls[1]
   sched = schedule_kind(schedule).schedule(len(t), B, warmups)
   return float(simulate(fwd, bwd, list(c[:-1]), sched, end_cost=list(ends)).iteration_time)
 

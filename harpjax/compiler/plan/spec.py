@@ -295,6 +295,12 @@ class StageSpec:
       backward recomputes the rest), ``"dots"`` (it keeps the matmuls' outputs and recomputes
       the rest); ``None``: the plan's (:attr:`Plan.remat`). Written to a plan file only when
       set.
+    offload_params: the stage keeps its parameters in host memory while its device group
+      runs its other stages (an interleaved schedule): the parameters are fetched to the
+      devices before the stage's tasks, prefetched while the group's previous stage still
+      runs, and dropped from the devices once the group moves on (Zorse's parameter offload;
+      :func:`~harpjax.compiler.schedule.chunk_residency`). Needs a schedule with device
+      groups. Written to a plan file only when true.
   """
   layers: tuple[int, int]
   subcluster: str
@@ -311,6 +317,7 @@ class StageSpec:
   offload_activations: bool = False
   remat: str | None = None
   zebra: ZebraGroup | None = None
+  offload_params: bool = False
 
   def __post_init__(self):
     layers = _ints(self.layers, "stage layers", 0, 2)
@@ -330,7 +337,7 @@ class StageSpec:
     if zero > 3:
       raise PlanError(f"{where}: zero={self.zero!r} must be 0, 1, 2 or 3")
     object.__setattr__(self, "zero", zero)
-    for name in ("offload", "offload_activations"):
+    for name in ("offload", "offload_activations", "offload_params"):
       v = getattr(self, name)
       if not isinstance(v, bool) and type(v).__name__ != "bool_":
         raise PlanError(f"{where}: {name}={v!r} must be true or false")
@@ -407,7 +414,7 @@ class StageSpec:
       elif f.name == "zebra":
         if v is not None:
           out["zebra"] = v.to_json()
-      elif f.name not in ("zero", "offload", "offload_activations") or v:
+      elif f.name not in ("zero", "offload", "offload_activations", "offload_params") or v:
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
 
@@ -428,7 +435,7 @@ class StageSpec:
           "zero": _optional(data, "zero", where, _int, 0) or 0,
           "share": _optional(data, "share", where, _int, 1) or 1,
           "remat": data.get("remat")}
-    for name in ("offload", "offload_activations"):
+    for name in ("offload", "offload_activations", "offload_params"):
       if name in data:
         if not isinstance(data[name], bool):
           raise PlanError(f"{where}.{name}={data[name]!r} must be true or false")
@@ -613,11 +620,13 @@ class Plan:
       head.append("Remat")   # what each stage's backward recomputes
       for r, st in zip(rows, self.stages):
         r.append(self.remat_of(st))
-    if any(st.zero or st.offload or st.offload_activations for st in self.stages):
+    if any(st.zero or st.offload or st.offload_activations or st.offload_params
+           for st in self.stages):
       head.append("State")   # the training state's place, and the residuals'
       for r, st in zip(rows, self.stages):
         r.append("+".join([f"ZeRO-{st.zero}"] + (["offload"] if st.offload else [])
-                          + (["host-residuals"] if st.offload_activations else [])))
+                          + (["host-residuals"] if st.offload_activations else [])
+                          + (["host-params"] if st.offload_params else [])))
     if any(st.zebra is not None for st in self.stages):
       head.append("Zebra")   # attention|experts, GPU ratio, zebra microbatches, offload
       for r, st in zip(rows, self.stages):

@@ -41,6 +41,7 @@ from harpjax.compiler.profile.routes import (group_route_s, home_sync_s, replica
 from harpjax.compiler.profile.routed_split import RoutedSplit
 from harpjax.compiler.profile.tables import CostTables, range_sums
 from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_time_s,
+                                           param_fetch_time_s,
                                            replica_grad_bytes, stage_memory, StageMemory,
                                            sync_per_microbatch, ZERO_LEVELS, zero_collectives,
                                            zero_layer_costs, zero_stage_times,
@@ -51,7 +52,7 @@ __all__ = [
     "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables",
     "default_cache_dir", "group_route_s", "group_sync_transfer", "cuts_transfer", "cut_fees", "LinkFees", "plan_transfer",
     "PlanTransfer", "with_fees", "home_sync_s", "LayerProfile",
-    "memory_to_compute_order", "microbatch_size", "offload_time_s", "profile_layers",
+    "memory_to_compute_order", "microbatch_size", "offload_time_s", "param_fetch_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
     "range_sums", "replica_grad_bytes", "replica_link", "RoutedSplit", "SOURCES", "stage_memory",
     "StageMemory", "stage_flops", "stage_times", "subcluster_link", "SubclusterSpec", "sync_per_microbatch",

@@ -83,7 +83,7 @@ from harpjax.errors import HarpjaxError
 __all__ = ["ZERO_LEVELS", "StageMemory", "stage_memory", "offload_time_s",
            "activation_offload_time_s", "zero_collectives", "zero_sync_time_s",
            "zero_state_bytes_per_param", "zero_stage_times", "sync_per_microbatch",
-           "replica_grad_bytes", "zero_layer_costs", "zero_tables"]
+           "replica_grad_bytes", "param_fetch_time_s", "zero_layer_costs", "zero_tables"]
 
 
 def offload_time_s(opt_bytes, host_bandwidth_bytes_per_s: float, latency_s: float = 0.0):
@@ -107,6 +107,27 @@ def offload_time_s(opt_bytes, host_bandwidth_bytes_per_s: float, latency_s: floa
   if opt_bytes <= 0:
     return 0.0
   return round_trip_time_s(float(opt_bytes), host_bandwidth_bytes_per_s, latency_s)
+
+
+def param_fetch_time_s(param_bytes, host_bandwidth_bytes_per_s: float, latency_s: float = 0.0):
+  """Seconds to bring a stage's parameters from host memory to its devices once (Zorse's
+  parameter offload: a stage of an interleaved device group fetched before its tasks),
+  ``latency + param_bytes / bandwidth``, one direction (the device copy is dropped, not
+  written back: parameters do not change during a step); ``0`` where there is nothing to move.
+  Per step, the update also reads the parameters in and writes the new ones back:
+  :func:`offload_time_s` of the parameter bytes.
+
+  Args:
+    param_bytes: parameter bytes one device holds (after ZeRO-3's split): a number, or an
+      array (then so is the result).
+    host_bandwidth_bytes_per_s: the device's link to host memory, one direction.
+    latency_s: per transfer.
+  """
+  if not host_bandwidth_bytes_per_s > 0:
+    raise HarpjaxError(f"host_bandwidth_bytes_per_s={host_bandwidth_bytes_per_s} must be > 0")
+  x = np.asarray(param_bytes, np.float64)
+  out = np.where(x > 0, latency_s + x / host_bandwidth_bytes_per_s, 0.0)
+  return out if np.ndim(param_bytes) else float(out)
 
 
 def activation_offload_time_s(act_bytes, host_bandwidth_bytes_per_s: float,

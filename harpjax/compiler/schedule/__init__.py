@@ -18,9 +18,12 @@ registered :class:`ScheduleKind`, or any table that passes :func:`validate_table
 """
 
 from harpjax.compiler.schedule import timeline
-from harpjax.compiler.schedule.interleaved import (group_activation_peaks, group_warmups,
+from harpjax.compiler.schedule.interleaved import (chunk_residency, ChunkResidency,
+                                                   group_activation_peaks, group_warmups,
                                                    interleaved_group_tables,
-                                                   interleaved_tables, interleaved_warmups)
+                                                   interleaved_tables, interleaved_warmups,
+                                                   prefetch_stalls, update_positions,
+                                                   activations_after)
 from harpjax.compiler.schedule.registry import (EAGER_1F1B, GPIPE, H1F1B, INTERLEAVED,
                                                 interleaved_kind, make_schedule,
                                                 ONE_F_ONE_B, ranked_schedules,
@@ -60,5 +63,6 @@ __all__ = [
     "ZebraOrder", "ZebraResult", "ZebraTask", "dry_run_groups", "format_group_tables",
     "GroupTables", "group_activation_peaks", "group_warmups", "INTERLEAVED", "interleaved_group_tables",
     "interleaved_kind", "interleaved_tables", "interleaved_warmups", "StageTask",
-    "tables_from_groups",
+    "tables_from_groups", "chunk_residency", "ChunkResidency", "prefetch_stalls",
+    "update_positions", "activations_after",
 ]

@@ -139,8 +139,9 @@ else:  # pragma: no cover
 # --------------------------------------------------------------------------- device groups
 
 
-def _simulate_groups_impl(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, chan_fwd, chan_bwd,
-                          num_channels, task_start, task_end, msg_start, msg_end, stuck):
+def _simulate_groups_impl(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, hold, chan_fwd,
+                          chan_bwd, num_channels, task_start, task_end, msg_start, msg_end,
+                          stuck):
   """The same DAG when device groups run several stages each (an interleaved schedule).
 
   A group computes one task at a time in its order, whichever of its stages it belongs to. A
@@ -157,6 +158,8 @@ def _simulate_groups_impl(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, chan
     fwd: ``[S, B]`` forward seconds; bwd: ``[S, B]`` backward seconds.
     comm_fwd: ``[max(S - 1, 1), B]`` activation seconds over cut ``i``; comm_bwd likewise
       for gradients.
+    hold: ``[G, n]`` seconds the group stays busy after the task ends, its messages already
+      sent (a stage's optimizer update right after its last backward: interleaved updates).
     chan_fwd: ``[max(S - 1, 1)]`` int channel of cut ``i``'s activations (``-1`` local);
       chan_bwd likewise for gradients.
     num_channels: channels (``>= 1``).
@@ -200,7 +203,7 @@ def _simulate_groups_impl(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, chan
         t1 = t0 + dur
         task_start[g, p] = t0
         task_end[g, p] = t1
-        free[g] = t1
+        free[g] = t1 + hold[g, p]
         if gkind[g, p] == 0:
           if s + 1 < num_stages:
             c = chan_fwd[s]
@@ -267,8 +270,9 @@ def group_channels(device_groups) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def simulate_groups(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, device_groups,
-                    use_numba=True):
-  """Runs :func:`_simulate_groups_impl` (Numba when ``use_numba`` and installed).
+                    use_numba=True, hold=None):
+  """Runs :func:`_simulate_groups_impl` (Numba when ``use_numba`` and installed); ``hold``:
+  ``[G, n]`` seconds each group stays busy after a task (default none).
 
   Returns:
     ``(status, task_start, task_end, msg_start, msg_end, stuck)``, the task arrays ``[G, n]``
@@ -280,19 +284,22 @@ def simulate_groups(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, device_gro
   chan_fwd, chan_bwd, nch = group_channels(device_groups)
   out = (np.zeros((G, n)), np.zeros((G, n)), np.zeros((2, L, B)), np.zeros((2, L, B)),
          np.full(G, n, np.int64))
+  hold = np.zeros((G, n)) if hold is None else np.ascontiguousarray(hold, np.float64)
   fn = _simulate_groups_jit if use_numba else _simulate_groups_impl
-  status = fn(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, chan_fwd, chan_bwd, nch, *out)
+  status = fn(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd, hold, chan_fwd, chan_bwd, nch,
+              *out)
   return (int(status),) + out
 
 
 def simulate_groups_reference(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd,
-                              device_groups):
+                              device_groups, hold=None):
   """An independent twin of :func:`simulate_groups`: discrete events from a heap in time
   order (tasks start when their group is free and their input delivered; a channel sends
   its queue in order of enqueueing). Same arguments and results."""
   G, n = gstage.shape
   S, B = fwd.shape
   L = comm_fwd.shape[0]
+  hold = np.zeros((G, n)) if hold is None else np.asarray(hold, np.float64)
   chan_fwd, chan_bwd, nch = group_channels(device_groups)
   start, end = np.zeros((G, n)), np.zeros((G, n))
   msg_start, msg_end = np.zeros((2, L, B)), np.zeros((2, L, B))
@@ -332,10 +339,12 @@ def simulate_groups_reference(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd,
           t0 = max(now, busy_until[g])
           t1 = t0 + (fwd if k == 0 else bwd)[s, m]
           start[g, p], end[g, p] = t0, t1
-          busy_until[g] = t1
+          busy_until[g] = t1 + hold[g, p]
           pos[g] += 1
           done += 1
           heapq.heappush(heap, (t1, 0, g, s, k, m))
+          if hold[g, p] > 0.0:   # the group frees later: wake then
+            heapq.heappush(heap, (t1 + hold[g, p], 2, g))
           progressed = True
     for c in range(nch):       # start the head of each idle channel
       if queues[c] and chan_busy[c] <= now and queues[c][0][0] <= now:
@@ -361,7 +370,7 @@ def simulate_groups_reference(gstage, gkind, gmb, fwd, bwd, comm_fwd, comm_bwd,
             ready[(1, s, m)] = ev[0]
         elif s > 0:
           enqueue(1, s - 1, m, ev[0])
-      else:
+      elif ev[1] == 1:
         _, _, c, d, link, m = ev
         deliver(d, link, m, ev[0])
   return (0, start, end, msg_start, msg_end, np.full(G, n, np.int64))

@@ -23,8 +23,10 @@ A schedule whose device groups run several stages each (an interleaved schedule:
 :attr:`~harpjax.compiler.schedule.Schedule.groups`) is simulated at the level of groups: a
 group computes one task at a time in its order, whatever stage it belongs to; a cut between
 two stages of one group costs nothing; every cut from one group to another shares that pair's
-link (one channel per ordered pair of groups, FIFO); a group runs its stages' end-of-iteration
-times one after another. The per-stage fields keep their meaning (a stage's idle time includes
+link (one channel per ordered pair of groups, FIFO); a group runs each stage's end-of-iteration
+time (its reduction and optimizer update) right after that stage's last task, before its next
+task (*interleaved optimizer updates*: the update of a group's later stage overlaps the
+drain's waits for its earlier stages' gradients). The per-stage fields keep their meaning (a stage's idle time includes
 the time its group computes its other stages).
 
 Phases of stage ``s`` (used for the breakdown and for "bubble-free", see ``docs/schedules.md``):
@@ -436,17 +438,28 @@ def _group_arrays(sch: sched.Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def _simulate_groups(sch, f, b, cf, cb, kcf, kcb, ends, ab, backend, t0) -> SimResult:
   """:func:`simulate` of a schedule whose device groups run several stages each: the group
-  kernel, its times put back in each stage's row. A group's end of iteration runs its stages'
-  end times one after another from its last task (``update_time`` keeps each stage's own)."""
+  kernel, its times put back in each stage's row. A stage's end time holds its group right
+  after the stage's last task (its messages already sent; ``update_time`` keeps each stage's
+  own)."""
   S, B, L = sch.num_stages, sch.num_microbatches, sch.num_stages - 1
   gstage, gkind, gmb, gpos = _group_arrays(sch)
   groups = sch.device_groups
+  # Interleaved updates: each stage's end time (its reduction and update) holds its group
+  # right after its last task, before the group's next task (another stage's backward).
+  last = {}
+  for g in range(gstage.shape[0]):
+    for p in range(gstage.shape[1]):
+      last[int(gstage[g, p])] = (g, p)
+  hold = np.zeros(gstage.shape)
+  for s, (g, p) in last.items():
+    hold[g, p] = ends[s]
   if backend == "reference":
-    out = _sim_kernel.simulate_groups_reference(gstage, gkind, gmb, f, b, kcf, kcb, groups)
+    out = _sim_kernel.simulate_groups_reference(gstage, gkind, gmb, f, b, kcf, kcb, groups,
+                                                hold=hold)
   else:
     use_numba = backend != "python" and _sim_kernel.HAVE_NUMBA
     out = _sim_kernel.simulate_groups(gstage, gkind, gmb, f, b, kcf, kcb, groups,
-                                      use_numba=use_numba)
+                                      use_numba=use_numba, hold=hold)
   status, gstart, gend, msg_start, msg_end, stuck = out
   if status:
     raise ScheduleError("schedule deadlocks: every device group waits on another\n" +
@@ -456,13 +469,10 @@ def _simulate_groups(sch, f, b, cf, cb, kcf, kcb, ends, ab, backend, t0) -> SimR
   end = np.zeros((S, 2 * B))
   start[gstage, gpos] = gstart
   end[gstage, gpos] = gend
-  # Each group updates its stages in order after its last task.
+  # Each stage updates right after its last task, on its group's devices.
   upd_end = np.zeros(S)
-  for g in range(len(sch.groups)):
-    t = float(gend[g, -1])
-    for s in sorted(x for x in range(S) if groups[x] == g):
-      t += ends[s]
-      upd_end[s] = t
+  for s, (g, p) in last.items():
+    upd_end[s] = float(gend[g, p]) + ends[s]
   msg_start, msg_end = msg_start[:, :L], msg_end[:, :L]
   kinds, _ = sch.arrays
   fields = _sim_kernel.analyze(kinds, start, end, msg_start, msg_end, upd_end - end[:, -1])

@@ -174,11 +174,14 @@ class OffloadOptions:
     return self.activations and (self.stages is None or stage in self.stages)
 
 
-def check_host_memory(devices: Sequence, stage: int, residuals: bool = False) -> None:
+def check_host_memory(devices: Sequence, stage: int, residuals: bool = False,
+                      params: bool = False) -> None:
   """Raises :class:`~harpjax.errors.MemoryKindError` unless every device of ``stage`` has the
   host memory kind (:data:`~harpjax.compiler.stages.layout.HOST_MEMORY`); ``residuals``: what
-  the stage keeps there is its residuals (else its optimizer state)."""
+  the stage keeps there is its residuals, ``params``: its parameters (else its optimizer
+  state)."""
   what, option = (("its residuals", "offload_activations") if residuals
+                  else ("its parameters", "offload_params") if params
                   else ("its optimizer state", "offload"))
   for d in devices:
     kinds = [m.kind for m in d.addressable_memories()] \
@@ -278,11 +281,21 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
   host = _offloaded(traced, placed, preferred, tuple(st.offload for st in plan.stages))
+  host_params = frozenset(s for s, st in enumerate(plan.stages) if st.offload_params)
+  if host_params and schedule.groups is None:
+    raise PlanError(f"stage(s) {sorted(host_params)} keep their parameters in host memory "
+                    "between their tasks (offload_params), which needs stages that share a "
+                    f"device group; schedule {schedule.name!r} gives every stage devices of "
+                    "its own: use an interleaved schedule or set offload_params to false")
+  if host_params:
+    host = host | _offloaded_params(traced, placed, preferred, host_params, users)
   combine = combine_rules(traced.output_flows, prog, loss_reduction)
   layout = step_layout(traced, layers, layouts, programs, placed, owner, users, output_stage,
                        preferred, combine, host)
   if splits:
     layout = dataclasses.replace(layout, splits=splits)
+  if host_params:
+    layout = dataclasses.replace(layout, host_params=host_params)
   residuals = frozenset(s for s, st in enumerate(plan.stages) if st.offload_activations)
   if residuals:
     layout = dataclasses.replace(layout, host_residuals=residuals)
@@ -391,6 +404,8 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
     stage_devices: per stage, its JAX devices in submesh order.
   """
   lay = program.layout
+  for s in sorted(lay.host_params):
+    check_host_memory(stage_devices[s], s, params=True)
   for s in sorted({h for h, _ in lay.host}):
     check_host_memory(stage_devices[s], s)
   for s in sorted(lay.host_residuals):
@@ -564,6 +579,30 @@ def _offloaded(traced: TracedStep, placement: placement_lib.Placement, preferred
   host = set()
   for v, (s, nxt) in _state_homes(traced, placement).items():
     if s in chosen:
+      for u in (v, nxt):
+        preferred.setdefault((s, u), P())
+        host.add((s, u))
+  return frozenset(host)
+
+
+def _offloaded_params(traced: TracedStep, placement: placement_lib.Placement, preferred: dict,
+                      chosen: frozenset, users: Sequence[Sequence[int]]) -> frozenset:
+  """``(stage, value)`` of the parameters (inputs and successors) kept in host memory between
+  steps: those of the stages in ``chosen`` (:attr:`~harpjax.compiler.plan.StageSpec.
+  offload_params`) that no other stage reads (``users``: per parameter index, the stages
+  reading it) and whose successor the stage computes; each gets a preferred sharding
+  (replicated if it had none). The update reads them into device memory and writes the new
+  ones back."""
+  params, _ = state_successors(traced)
+  stage_of = {}
+  for inp in traced.inputs:
+    if inp.kind == "param" and not isinstance(inp.outer_ref, Lit):
+      u = users[inp.param_index]
+      stage_of[inp.outer_ref] = u[0] if len(u) == 1 else None
+  host = set()
+  for v, nxt in params.items():
+    s = stage_of.get(v)
+    if s in chosen and placement.var_home.get(nxt) == s:
       for u in (v, nxt):
         preferred.setdefault((s, u), P())
         host.add((s, u))

@@ -213,6 +213,10 @@ class StepLayout:
       entry in ``stages`` is its home's layout).
     host_residuals: the stages that keep each microbatch's residuals in host memory between
       its forward and its backward (``OffloadOptions(activations=True)``).
+    host_params: the stages that keep their parameters in host memory while their device
+      group runs other stages (:attr:`~harpjax.compiler.plan.StageSpec.offload_params`): the
+      interpreter fetches them before the stage's tasks and drops the device copy after;
+      between steps they stay in host memory (in :attr:`host`, with their successors).
   """
   num_stages: int
   num_microbatches: int
@@ -250,6 +254,7 @@ class StepLayout:
   host: frozenset = frozenset()
   splits: dict = dataclasses.field(default_factory=dict)
   host_residuals: frozenset = frozenset()
+  host_params: frozenset = frozenset()
 
   @property
   def loss_vid(self):

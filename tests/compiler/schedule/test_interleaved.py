@@ -1,6 +1,8 @@
 """The interleaved 1F1B schedule: its task table against a hand-written case, the simulator
 against a brute-force fixed point of the event equations, and a plan priced by evaluate_plan."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -56,25 +58,32 @@ def test_refusals():
     sc.Schedule("custom", sc.tables_from_groups(tuple(bad), 4), 4, groups=tuple(bad))
 
 
-def brute_force(groups, fwd, bwd, cf, cb, device_groups):
+def brute_force(groups, fwd, bwd, cf, cb, device_groups, ends=None):
   """The event equations solved by iterating them to their fixed point: a task starts when
   its group's previous task ended and its input arrived; a message on a channel starts when
-  its producer ended and the channel's previous message (in the producer's order) arrived."""
+  its producer ended and the channel's previous message (in the producer's order) arrived.
+  ``ends``: per stage, the seconds its update holds its group right after its last task."""
   G, S, B = len(groups), fwd.shape[0], fwd.shape[1]
+  ends = np.zeros(S) if ends is None else ends
   chan_f, chan_b, _ = sim_kernel.group_channels(device_groups)
   end = {}           # (stage, kind, m) -> end
   arrive = {}        # (kind, stage, m) -> input arrival at stage
+  updated = {}       # stage -> end of its update
   for _ in range(10 * G * len(groups[0])):
     old = dict(end)
     for row in groups:
       prev = 0.0
-      for t in row:
+      lastpos = {t.stage: p for p, t in enumerate(row)}
+      for p, t in enumerate(row):
         k = 0 if t.kind == "F" else 1
         ready = 0.0 if (k == 0 and t.stage == 0) else arrive.get((k, t.stage, t.microbatch),
                                                                  np.inf)
         st = max(prev, ready)
         prev = st + (fwd if k == 0 else bwd)[t.stage, t.microbatch]
         end[(t.stage, k, t.microbatch)] = prev
+        if lastpos[t.stage] == p:
+          prev += ends[t.stage]
+          updated[t.stage] = prev
     chan_last = {}
     for row in groups:   # messages in each producer's order
       for t in row:
@@ -92,7 +101,7 @@ def brute_force(groups, fwd, bwd, cf, cb, device_groups):
         arrive[(0, s + 1, m) if k == 0 else (1, s - 1, m)] = e
     if end == old:
       break
-  return max(end.values())
+  return max(max(end.values()), max(updated.values()))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -105,9 +114,11 @@ def test_simulator_equals_brute_force(seed):
   b = rng.uniform(1.0, 3.0, (S, B))
   c = rng.uniform(0.0, 2.5, (S - 1, B))
   cb = rng.uniform(0.0, 2.5, (S - 1, B))
-  want = brute_force(s.groups, f, b, c, cb, s.device_groups)
+  ends = rng.uniform(0.0, 3.0, S) * (seed % 2)   # odd seeds: interleaved updates
+  want = brute_force(s.groups, f, b, c, cb, s.device_groups, ends)
   for backend in ("numba", "python", "reference"):
-    r = sc.simulate(f, b, schedule=s, comm_fwd=c, comm_bwd=cb, backend=backend)
+    r = sc.simulate(f, b, schedule=s, comm_fwd=c, comm_bwd=cb, backend=backend,
+                    end_cost=ends)
     assert r.iteration_time == pytest.approx(want, rel=1e-12), backend
     # Each group computes one task at a time.
     for g in range(d):
@@ -139,6 +150,46 @@ def test_interleaving_shrinks_the_bubble():
   inter = sc.simulate(T / 3 / v, 2 * T / 3 / v, 0.0, s)
   assert one.iteration_time == pytest.approx((B + d - 1) * T)
   assert inter.iteration_time == pytest.approx((B + (d - 1) / v) * T)
+
+
+def test_interleaved_updates_overlap_the_drain():
+  """HAND's group 0 ends ``2B2 2B3 0B2 0B3``; with 0.5 s links ``0B2`` waits for ``1B2``'s
+  gradient from group 1 (2/3 s): stage 2's update, right after ``2B3``, hides in that wait
+  (the iteration does not grow), where an update after the group's last task would add its
+  whole time. Stage 0's, after the group's last task, adds all of its."""
+  s = sc.make_schedule("interleaved", 4, 4)
+  f, b = np.full((4, 4), 1 / 3), np.full((4, 4), 2 / 3)
+  r = sc.simulate(f, b, 0.5, s)
+  base = r.iteration_time
+  g0 = [t for t in s.groups[0]]
+  assert str(g0[sc.update_positions(g0)[2]]) == "2B3"
+  wait = r.task_start[0, 2 * 4 - 2] - r.task_end[2, 2 * 4 - 1]   # before 0B2, after 2B3
+  assert wait == pytest.approx(2 / 3)
+  u = 0.5
+  hidden = sc.simulate(f, b, 0.5, s, end_cost=[0.0, 0.0, u, 0.0])
+  assert hidden.iteration_time == pytest.approx(base, rel=1e-12)
+  assert hidden.update_time[2] == u
+  last = sc.simulate(f, b, 0.5, s, end_cost=[u, 0.0, 0.0, 0.0])
+  assert last.iteration_time == pytest.approx(base + u, rel=1e-12)
+
+
+def test_update_memory_counts_the_residuals_still_held():
+  """An interleaved update runs beside the residuals its group still holds: stage 2's, right
+  after ``2B3`` (HAND), beside stage 0's microbatches 2 and 3."""
+  s = sc.make_schedule("interleaved", 4, 4)
+  after = sc.activations_after(s.groups[0], [1.0, 0.0, 1.0, 0.0])
+  assert after[sc.update_positions(s.groups[0])[2]] == 2.0
+  assert after[-1] == 0.0
+  tables = _tables()
+  tables = dataclasses.replace(tables, step_mem_bytes=tuple(
+      np.full_like(p, 4.5) for p in tables.param_mem_bytes))
+  plan = ManualPlan([((2 * x, 2 * x + 1), "c0", (1, 2)) for x in range(4)],
+                    schedule="interleaved")
+  ev = evaluate_plan(tables, plan, 4)
+  # Group 0: stage 2's update (4.5) beside stage 0's state (2) and its microbatches 2, 3 (1
+  # each) is 8.5, under the pipeline's 9; group 1 (pipeline 7): stage 3's update after 3B3
+  # beside stage 1's state and its microbatches 2, 3 is 8.5 (after the pipeline: 6.5).
+  assert [st.peak_mem_bytes for st in ev.stages] == [9.0, 8.5, 9.0, 8.5]
 
 
 def _tables(L=8):
@@ -185,3 +236,41 @@ def test_evaluate_plan_prices_groups():
   with pytest.raises(PlanError, match="share device group"):
     ManualPlan([((0, 1), "c0", (1, 2)), ((2, 3), "c0", (1, 2)), ((4, 5), "c0", (1, 1)),
                 ((6, 7), "c0", (1, 2))], schedule="interleaved")
+
+
+# --------------------------------------------------------------------------- parameter offload
+
+
+def test_chunk_residency_keeps_the_running_and_the_next_stage():
+  from harpjax.compiler.schedule import chunk_residency, interleaved_group_tables
+  for d, v, B in [(2, 3, 4), (3, 4, 6), (1, 3, 2), (2, 2, 4)]:
+    for order in interleaved_group_tables(d, v, B):
+      stages = sorted({t.stage for t in order})
+      res = chunk_residency(order, stages)
+      on: set = set()
+      for i, t in enumerate(order):
+        on |= set(res.fetch[i])
+        assert on == res.resident[i] and t.stage in on and len(on) <= 2
+        nxt = next((u.stage for u in order[i + 1:] if u.stage != t.stage), None)
+        assert nxt is None or nxt in on   # the next stage is already on its way
+        on -= set(res.release[i])
+      assert not on
+      # Brute force: each fetch is due at the first later task of its stage.
+      for i, (fs, js) in enumerate(zip(res.fetch, res.needed_at)):
+        for s, j in zip(fs, js):
+          assert j == next(k for k in range(i, len(order)) if order[k].stage == s)
+  # Only offloaded stages move: stage 2 stays.
+  order = interleaved_group_tables(2, 3, 4)[0]
+  res = chunk_residency(order, [0, 4])
+  assert all(2 not in r for r in res.resident)
+
+
+def test_prefetch_stalls_show_only_the_excess():
+  from harpjax.compiler.schedule import StageTask, chunk_residency, prefetch_stalls
+  order = [StageTask(0, "F", 0), StageTask(0, "F", 1), StageTask(2, "F", 0),
+           StageTask(2, "F", 1)]
+  res = chunk_residency(order, [0, 2])
+  # Stage 0's fetch (1 s) is not hidden; stage 2's (3 s) starts after it, overlaps the two
+  # 1-s tasks of stage 0 and leaves 1 s.
+  assert list(prefetch_stalls(order, res, [1.0] * 4, {0: 1.0, 2: 3.0})) == [1.0, 0, 1.0, 0]
+  assert list(prefetch_stalls(order, res, [5.0] * 4, {0: 1.0, 2: 3.0})) == [1.0, 0, 0, 0]
