@@ -33,7 +33,7 @@ from harpjax.compiler.stages.memory import in_flight, memory_report, StageMemory
 from harpjax.compiler.stages.split import (batch_rows, retrace, Retrace, SplitLayout,
                                            SplitStageExecutables)
 from harpjax.compiler.stages.stage import put, row_slice, StageExecutables
-from harpjax.compiler.stages.zebra import (check_runs as check_zebra_runs, ZebraLayout,
+from harpjax.compiler.stages.zebra import (check_zebra_runs, ZebraLayout,
                                            ZebraStageExecutables)
 
 __all__ = [
@@ -44,5 +44,6 @@ __all__ = [
     "precompile", "put", "resolve_devices", "resolve_plan", "retrace", "Retrace", "row_slice",
     "SHARED_PARAMETER_WARNING", "SplitLayout", "SplitStageExecutables",
     "StageExecutables", "StageLayout", "StageMemoryReport", "state_successors", "StepLayout",
-    "StepProgram", "warn_shared_parameters",
+    "StepProgram", "warn_shared_parameters", "check_zebra_runs", "ZebraLayout",
+    "ZebraStageExecutables",
 ]

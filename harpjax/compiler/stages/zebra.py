@@ -40,7 +40,7 @@ The stage's parameters and their gradients live on the attention group (in the s
 reads once per step, and :meth:`ZebraStageExecutables.total` sums the parts' gradients there
 once per step, in part order.
 
-Not run (:func:`check_runs` raises :class:`~harpjax.errors.ZebraPlanOnlyError`): the Ray
+Not run (:func:`check_zebra_runs` raises :class:`~harpjax.errors.ZebraPlanOnlyError`): the Ray
 runtime, ZeRO levels, offloaded optimizer state or residuals, experts moved onto the attention
 group (a non-zero :attr:`~harpjax.compiler.plan.ZebraGroup.offload`), interleaved schedules.
 """
@@ -72,7 +72,7 @@ from harpjax.errors import PlanError, ZebraPlanOnlyError
 log = logging.getLogger(__name__)
 
 __all__ = ["ZebraPart", "ZebraLayout", "zebra_stage", "issue_order", "expert_mesh",
-           "ZebraStageExecutables", "zebra_executables", "check_runs"]
+           "ZebraStageExecutables", "zebra_executables", "check_zebra_runs"]
 
 _RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
                      "random_wrap", "rng_bit_generator", "rng_uniform"})
@@ -81,7 +81,7 @@ _RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_se
 # --------------------------------------------------------------------------- what runs where
 
 
-def check_runs(plan: Plan, local: bool = True) -> None:
+def check_zebra_runs(plan: Plan, local: bool = True) -> None:
   """Raises :class:`~harpjax.errors.ZebraPlanOnlyError` when ``plan`` has a zebra stage the
   runtime does not run (module docstring); the message names the stage and what to change.
 
