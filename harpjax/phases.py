@@ -246,7 +246,7 @@ def layout_phase(fun: Callable, args: tuple, planned: Planned, cluster: Cluster,
 
   Raises:
     ZebraPlanOnlyError: the plan has a zebra stage the runtime does not run (the Ray
-      runtime, ZeRO or offloads on it, experts moved onto its attention group:
+      runtime, an interleaved schedule, ZeRO or offloads on it:
       :func:`harpjax.compiler.stages.zebra.check_zebra_runs`).
   """
   check_zebra_runs(planned.plan, local=options.local)

@@ -2,7 +2,8 @@
 issued in against Theorem 1's per-stream order, how a routed block is cut between the groups,
 what the runtime refuses, and training in float64 against ``jax.jit`` (of the batch where every
 example routes on its own, of each microbatch where routing couples them), one zebra stage
-alone and one zebra stage in an H-1F1B pipeline, on Mixtral and the zoo's MoE models."""
+alone and one zebra stage in an H-1F1B pipeline, with and without experts moved onto the
+attention group (asymmetric expert assignment), on Mixtral and the zoo's MoE models."""
 
 from __future__ import annotations
 
@@ -29,26 +30,30 @@ RTOL = 1e-10
 # --------------------------------------------------------------------------- the order
 
 
-@pytest.mark.parametrize("L,R", list(itertools.product([1, 2, 3], [1, 2, 3])))
-def test_issue_order_is_theorem1s_per_stream_and_dependency_valid(L, R):
-  full = theorem1_order(ZebraCosts(L, R, 1.0, 1.0, 1.0, 1.0))
+@pytest.mark.parametrize("L,R,moved", [(L, R, moved) for L, R in itertools.product(
+    [1, 2, 3], [1, 2, 3]) for moved in {(False,) * L, tuple(k % 2 == 0 for k in range(L))}])
+def test_issue_order_is_theorem1s_per_stream_and_dependency_valid(L, R, moved):
+  # moved: the layers whose experts are partly on the attention group (X tasks)
+  full = theorem1_order(ZebraCosts(L, R, 1.0, 1.0, 1.0, 1.0,
+                                   offload_fwd_s=[float(m) for m in moved]))
   for direction in "FB":
-    got = issue_order(L, R, direction)
-    assert len(got) == len(set(got)) == R * (2 * L + 1)
-    attn = [t for t in got if t.kind == "A"]
+    got = issue_order(L, R, direction, moved)
+    assert len(got) == len(set(got)) == R * (2 * L + 1 + sum(moved))
+    attn = [t for t in got if t.kind in "AX"]
     expert = [t for t in got if t.kind == "E"]
     assert attn == [t for t in full.attn if t.direction == direction]
     assert expert == [t for t in full.expert if t.direction == direction]
     seen = set()
-    for t in got:   # every task after the one feeding it
+    for t in got:   # every task after the ones feeding it
       k, j = t.layer, t.microbatch
-      if direction == "F":
-        need = ZebraTask("A", "F", k, j) if t.kind == "E" else (
-            ZebraTask("E", "F", k - 1, j) if k else None)
+      if t.kind in "EX":
+        need = [ZebraTask("A", direction, k if direction == "F" else k + 1, j)]
       else:
-        need = ZebraTask("A", "B", k + 1, j) if t.kind == "E" else (
-            ZebraTask("E", "B", k, j) if k < L else None)
-      assert need is None or need in seen, (t, need)
+        k = k - 1 if direction == "F" else k
+        need = ([ZebraTask("E", direction, k, j)] + ([ZebraTask("X", direction, k, j)]
+                                                     if moved[k] else [])
+                if 0 <= k < L else [])
+      assert all(n in seen for n in need), (t, need)
       seen.add(t)
   # the two groups on different zebra microbatches: the experts of microbatch 0 are issued
   # before the attention of the last microbatch of the same layer
@@ -75,9 +80,7 @@ def test_what_the_runtime_does_not_run_is_refused_by_name():
     check_zebra_runs(_zebra_plan(zero=1))
   with pytest.raises(ZebraPlanOnlyError, match="offload=True"):
     check_zebra_runs(_zebra_plan(offload=True))
-  with pytest.raises(ZebraPlanOnlyError, match=r"moves experts onto its attention group "
-                     r"\(offload=\[1\]\)"):
-    check_zebra_runs(_zebra_plan(zebra=dict(offload=(1,))))
+  check_zebra_runs(_zebra_plan(zebra=dict(offload=(1,))))   # asymmetric assignment runs
   with pytest.raises(ZebraPlanOnlyError, match="interleaved"):
     check_zebra_runs(harpjax.ManualPlan([
         StageSpec((0, 0), "a100", (1, 2)),
@@ -119,17 +122,28 @@ def _zebra_stages(pstep, case):
   return {s: st for s, st in enumerate(compiled.stages) if isinstance(st, ZebraStageExecutables)}
 
 
-def test_zoo_moe_zebra_stage_equals_jit_per_microbatch(x64, caplog):
-  # One routed layer (the zoo's top-2 MoE, capacity from the microbatch's tokens: examples
-  # meet): attention side on 2 A100, experts on 2 V100; R = 2 asked, R = 1 run, and said.
+@pytest.mark.parametrize("offload", [pytest.param(0, marks=pytest.mark.slow, id="experts"),
+                                     pytest.param(1, id="experts+moved")])
+def test_zoo_moe_zebra_stage_equals_jit_per_microbatch(x64, caplog, offload):
+  # One routed layer (the zoo's top-2 MoE of 4 experts, capacity from the microbatch's
+  # tokens: examples meet): attention side on 2 A100, experts on 2 V100 (with ``offload``:
+  # one of each V100's two moved onto the A100s); R = 2 asked, R = 1 run, and said.
   case = zoo.moe_capacity(drops=True)
   plan = harpjax.ManualPlan([StageSpec((0, 0), "a100", (1, 2), (1, 2),
-                                       zebra=ZebraGroup("v100", (1, 2), 2, (0,), (0,)))])
+                                       zebra=ZebraGroup("v100", (1, 2), 2, (0,), (offload,)))])
   err, pstep, _ = _run(case, plan, zoo.per_microbatch_reference(case, 2), 2)
   assert err <= RTOL, err
   assert "runs R=1 zebra microbatch instead of 2" in caplog.text
   (st,) = _zebra_stages(pstep, case).values()
   z = st.zebra
+  if offload:   # experts 0 and 2 (the first of each V100's) on the A100s
+    assert [(p.kind, p.experts) for p in z.parts] == [("A", None), ("E", (1, 3)),
+                                                      ("X", (0, 2)), ("A", None)]
+    assert [str(t) for t in z.forward] == ["AF0.0", "EF0.0", "XF0.0", "AF1.0"]
+    x = st.parts[2]
+    assert {d.id for d in x.mesh.devices.flat} <= {4, 5, 6, 7}
+    assert all(x.layout.avals[v].shape[0] == 2 for v in x.layout.param_ids)
+    return
   assert z.num_microbatches == 1 and [p.kind for p in z.parts] == ["A", "E", "A"]
   # the experts' part holds the two expert matmuls and the GELU between them, on the V100s
   # (devices 0-3 of the demo cluster), the rest on the A100s (4-7)
@@ -182,6 +196,23 @@ def test_mixtral_routed_over_the_batch_zebra_equals_jit_per_microbatch(x64, plan
   err, _, seen = _run(case, plan, zoo.per_microbatch_reference(case, 4), 4)
   assert err <= RTOL, err
   assert any("cumsum" in m for m in seen), seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing_group,offload", [("sequence", (1, 0)), ("batch", (1, 2))])
+def test_mixtral_zebra_with_experts_moved_onto_the_attention_group(x64, routing_group, offload):
+  # Asymmetric expert assignment: of layer 3's 4 experts, one of each V100's two runs on the
+  # A100s (X tasks beside the E tasks); with (1, 2) all of layer 6's do (its E part has none).
+  case = _mixtral(routing_group)
+  plan = harpjax.ManualPlan([StageSpec((0, 7), "a100", (1, 2), (1, 2), zebra=ZebraGroup(
+      "v100", (1, 2), 2, (3, 6), offload))])
+  ref = jax.jit(case.step) if routing_group == "sequence" else \
+      zoo.per_microbatch_reference(case, 4)
+  err, pstep, _ = _run(case, plan, ref, 4)
+  assert err <= RTOL, err
+  (st,) = _zebra_stages(pstep, case).values()
+  moved = [p.experts for p in st.zebra.parts if p.kind == "X"]
+  assert moved == ([(0, 2)] if offload == (1, 0) else [(0, 2), (0, 1, 2, 3)])
 
 
 @pytest.mark.slow

@@ -151,9 +151,9 @@ class MixedOptions:
     zebra: ``"off"`` (default) or ``"plan-only"``: also consider zebra stages (attention and
       experts of a routed model on two groups of GPUs, :mod:`~harpjax.compiler.plan.
       zebra_stages`) where the tables carry a ``routed_split``. The local runtime
-      runs them (every expert on the expert group; :mod:`harpjax.compiler.stages.zebra`);
-      what it does not run (experts moved onto the attention group, the Ray runtime)
-      raises :class:`~harpjax.errors.ZebraPlanOnlyError` when laid out.
+      runs them (:mod:`~harpjax.compiler.stages.zebra`); what it does not run (the Ray
+      runtime, ZeRO or offloads on a zebra stage) raises
+      :class:`~harpjax.errors.ZebraPlanOnlyError` when laid out.
     zebra_options: how zebra stages are costed and searched (:class:`~harpjax.compiler.plan.
       zebra_stages.ZebraOptions`; ``None``: its defaults).
   """

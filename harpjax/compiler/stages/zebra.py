@@ -40,9 +40,20 @@ The stage's parameters and their gradients live on the attention group (in the s
 reads once per step, and :meth:`ZebraStageExecutables.total` sums the parts' gradients there
 once per step, in part order.
 
+**Asymmetric expert assignment** (a non-zero :attr:`~harpjax.compiler.plan.ZebraGroup.offload`
+``o_k``): of each expert GPU's ``n / N`` experts of layer ``k`` (in expert order, GPU ``g``
+holding ``g n / N ..``), the first ``o_k`` run on the attention group instead: the layer's
+experts' part runs twice, ``E_k`` on the kept experts (expert group) and ``X_k`` on the moved
+ones (attention group), each on its experts' slice of the weights and of the dispatched tokens
+(the experts' axis of each value: :func:`_expert_axes`); their outputs, their inputs'
+cotangents and their weights' gradients are joined in expert order on the attention group.
+``X`` tasks follow Theorem 1's order (after the layer's ``A`` tasks forward, before the layer
+below's backward).
+
 Not run (:func:`check_zebra_runs` raises :class:`~harpjax.errors.ZebraPlanOnlyError`): the Ray
-runtime, ZeRO levels, offloaded optimizer state or residuals, experts moved onto the attention
-group (a non-zero :attr:`~harpjax.compiler.plan.ZebraGroup.offload`), interleaved schedules.
+runtime, ZeRO levels, offloaded optimizer state or residuals, interleaved schedules; experts
+that cannot run on a part of them (a parameter or output without an experts' axis) when some
+are moved.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
@@ -66,7 +78,7 @@ from harpjax.compiler.stages.split import (FIRST, SUMMED, WEIGHTED, Retrace, par
 from harpjax.compiler.stages.stage import (StageExecutables, StageFunctions, StageProgram,
                                            jit_stage, put, row_slice, slice_stages,
                                            stage_functions)
-from harpjax.compiler.trace import Lit, TracedStep, primitives, regen_sites
+from harpjax.compiler.trace import Lit, TracedStep, ops_function, primitives, regen_sites
 from harpjax.errors import PlanError, ZebraPlanOnlyError
 
 log = logging.getLogger(__name__)
@@ -110,11 +122,6 @@ def check_zebra_runs(plan: Plan, local: bool = True) -> None:
           f"stage {s} is a zebra stage with {', '.join(f'{n}={getattr(st, n)!r}' for n in bad)}"
           ", which the runtime does not run on zebra stages yet: set them to 0/False for that "
           "stage (SolveOptions(zero=..., offload=False) for the planner)")
-    if any(st.zebra.offload):
-      raise ZebraPlanOnlyError(
-          f"stage {s} is a zebra stage that moves experts onto its attention group "
-          f"(offload={list(st.zebra.offload)}), which the runtime does not run yet: give "
-          "offload 0 for every routed layer (every expert on the expert group)")
 
 
 def expert_mesh(zebra, num_experts: Sequence[int]) -> tuple[int, ...]:
@@ -131,15 +138,27 @@ class ZebraPart:
   """One part of a zebra stage (module docstring).
 
   Attributes:
-    kind: ``"A"`` (attention group) or ``"E"`` (expert group).
+    kind: ``"A"`` (attention group), ``"E"`` (experts on the expert group) or ``"X"``
+      (experts moved onto the attention group: asymmetric expert assignment).
     layer: ``k``: the routed layer it precedes (``A``; ``K`` is the tail) or computes the
-      experts of (``E``), counted within the stage.
+      experts of (``E``, ``X``), counted within the stage.
     layout: its :class:`~harpjax.compiler.stages.layout.StageLayout` (values at the zebra
-      microbatch's rows, on its group's logical mesh).
+      microbatch's rows, on its group's logical mesh; with ``experts``, at those experts).
+    experts: the experts it computes, in order (``None``: every expert of the layer, or no
+      experts: an ``A`` part).
+    axes: value id -> the experts' axis of each value it reads or writes (``None``: a value
+      without one, read whole), with ``experts``.
   """
   kind: str
   layer: int
   layout: StageLayout
+  experts: tuple | None = None
+  axes: dict = dataclasses.field(default_factory=dict)
+
+  def inverse(self, other: "ZebraPart") -> np.ndarray:
+    """The positions that put this part's experts followed by ``other``'s back in expert
+    order."""
+    return np.argsort(np.asarray(self.experts + other.experts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +170,8 @@ class ZebraLayout:
     rows: rows per pipeline microbatch (``b``).
     zebra_rows: rows per zebra microbatch (``b / R``).
     num_microbatches: ``R`` as it runs (1 where examples meet).
-    parts: ``A_0, E_0, A_1, ..., E_{K-1}, A_K`` (:class:`ZebraPart`); part ``2k`` is ``A_k``,
-      ``2k + 1`` is ``E_k``.
+    parts: ``A_0, E_0, [X_0,] A_1, ..., E_{K-1}, [X_{K-1},] A_K`` (:class:`ZebraPart`; ``X_k``
+      where layer ``k`` moves experts onto the attention group).
     axes: value id -> row axis (``None``: none) of the stage's values but its parameters.
     combine: output id -> :data:`~harpjax.compiler.stages.split.WEIGHTED`, ``SUMMED`` or
       ``FIRST``, for the outputs without a row axis.
@@ -175,23 +194,38 @@ class ZebraLayout:
 
   @property
   def num_routed(self) -> int:
-    return len(self.parts) // 2
+    return sum(p.kind == "E" for p in self.parts)
 
-  @staticmethod
-  def part_of(task: ZebraTask) -> int:
+  def part_of(self, task: ZebraTask) -> int:
     """The index in :attr:`parts` of the part a task runs."""
-    return 2 * task.layer + (task.kind == "E")
+    for i, p in enumerate(self.parts):
+      if p.kind == task.kind and p.layer == task.layer:
+        return i
+    raise KeyError(task)
+
+  def twin(self, i: int) -> int | None:
+    """The part computing the other experts of part ``i``'s layer (``E_k`` for ``X_k`` and
+    the reverse), or ``None``."""
+    p = self.parts[i]
+    if p.experts is None:
+      return None
+    other = "X" if p.kind == "E" else "E"
+    return next(j for j, q in enumerate(self.parts) if q.kind == other and q.layer == p.layer)
 
 
-def issue_order(num_routed: int, num_microbatches: int, direction: str) -> tuple:
+def issue_order(num_routed: int, num_microbatches: int, direction: str,
+                offloaded: Sequence[bool] = ()) -> tuple:
   """The tasks of a zebra stage's forward (``"F"``) or backward (``"B"``) task, in the order
   they are issued: each stream's tasks in Theorem 1's order
   (:func:`~harpjax.compiler.schedule.theorem1_order`, restricted to ``direction``), the two
   streams merged so that every task comes after its dependencies (forward ``A_k -> E_k ->
-  A_{k+1}``, backward the reverse), the expert stream's next task first when both are ready.
+  A_{k+1}``, backward the reverse; ``X_k`` beside ``E_k`` for the ``offloaded`` layers), the
+  expert stream's next task first when both are ready.
   """
   L, R = num_routed, num_microbatches
-  order = theorem1_order(ZebraCosts(L, R, 1.0, 1.0, 1.0, 1.0)) if L else None
+  moved = tuple(bool(x) for x in offloaded) or (False,) * L
+  order = theorem1_order(ZebraCosts(L, R, 1.0, 1.0, 1.0, 1.0,
+                                    offload_fwd_s=[float(x) for x in moved])) if L else None
   if order is None:
     attn = [ZebraTask("A", direction, 0, j) for j in range(R)]
     return tuple(attn)
@@ -199,13 +233,13 @@ def issue_order(num_routed: int, num_microbatches: int, direction: str) -> tuple
   expert = [t for t in order.expert if t.direction == direction]
 
   def deps(t: ZebraTask) -> tuple:
-    if direction == "F":
-      if t.kind == "E":
-        return (ZebraTask("A", "F", t.layer, t.microbatch),)
-      return (ZebraTask("E", "F", t.layer - 1, t.microbatch),) if t.layer > 0 else ()
-    if t.kind == "E":
-      return (ZebraTask("A", "B", t.layer + 1, t.microbatch),)
-    return (ZebraTask("E", "B", t.layer, t.microbatch),) if t.layer < L else ()
+    k, j, d = t.layer, t.microbatch, direction
+    if t.kind in "EX":
+      return (ZebraTask("A", d, k if d == "F" else k + 1, j),)
+    k = k - 1 if d == "F" else k
+    if not 0 <= k < L:
+      return ()
+    return (ZebraTask("E", d, k, j),) + ((ZebraTask("X", d, k, j),) if moved[k] else ())
 
   done: set = set()
   out: list = []
@@ -251,8 +285,9 @@ def _expert_ops(ops, weights: set, const) -> set[int]:
 
 
 def _cut(s: int, sp: StageProgram, ts: TracedStep, layers: LayerSequence,
-         routed: Sequence[int]) -> tuple[list[StageProgram], list[int]]:
-  """Stage program ``sp`` cut into ``A_0, E_0, ..., A_K``; and each routed layer's experts.
+         routed: Sequence[int]) -> tuple[list[StageProgram], list[int], list[dict]]:
+  """Stage program ``sp`` cut into ``A_0, E_0, ..., A_K``; each routed layer's number of
+  experts and its expert weights (parameter id -> experts' dimension).
 
   Raises:
     PlanError: a routed layer of the zebra group reads no expert weight, or its experts read
@@ -262,7 +297,7 @@ def _cut(s: int, sp: StageProgram, ts: TracedStep, layers: LayerSequence,
   variable = prog.dependents(prog.invars)
   const = lambda r: isinstance(r, Lit) or r not in variable
   expert_part: dict[int, int] = {}
-  num_experts = []
+  num_experts, weights_of = [], []
   for k, l in enumerate(routed):
     a, b = layers.op_range(l, l)
     ops = prog.ops[a:b]
@@ -272,6 +307,7 @@ def _cut(s: int, sp: StageProgram, ts: TracedStep, layers: LayerSequence,
                       "expert weight (a parameter a dot_general reads with a batch dimension); "
                       "list only the stage's routed layers in ZebraGroup.routed_layers")
     num_experts.append(min(int(prog.avals[p].shape[d]) for p, d in weights.items()))
+    weights_of.append(dict(weights))
     for i in _expert_ops(ops, set(weights), const):
       expert_part[i] = 2 * k + 1
   # every other op: the first attention part after everything it reads; constants (ops of
@@ -337,7 +373,7 @@ def _cut(s: int, sp: StageProgram, ts: TracedStep, layers: LayerSequence,
         tuple(sorted(v for v in ext if v in invars and v not in param_set)),
         tuple(v for v in acts if primitives.is_float(prog.avals[v])),
         tuple(v for v in acts if not primitives.is_float(prog.avals[v])), outputs, ct_present))
-  return programs, num_experts
+  return programs, num_experts, weights_of
 
 
 def zebra_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StageProgram,
@@ -396,24 +432,140 @@ def zebra_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
     combine = {v: FIRST for v in home.output_ids}
     b = b or 0
     r = b
-  programs, num_experts = _cut(s, sp, ts_r, layers_r, z.routed_layers)
+  programs, num_experts, weights_of = _cut(s, sp, ts_r, layers_r, z.routed_layers)
   prog = layers_r.program
   bd = prog.dependents((prog.invars[k] for k, inp in enumerate(ts_r.inputs)
                         if inp.kind == "split"), ts_r.regen_ops)
-  emesh = expert_mesh(z, num_experts)
+  K = len(z.routed_layers)
+  N = z.num_devices
+  moved_of = []
+  for k, (n, o) in enumerate(zip(num_experts, z.offload)):
+    if o and (n % N or o > n // N):
+      raise PlanError(f"stage {s}: routed layer {z.routed_layers[k]} has {n} experts, "
+                      f"{n // N if n % N == 0 else n / N:g} per expert GPU of {N}: moving "
+                      f"offload={o} of each onto the attention group needs a whole number of "
+                      "experts per expert GPU and at most that many moved")
+    moved_of.append(tuple(g * (n // N) + i for g in range(N) for i in range(o)) if o else ())
+  emesh = expert_mesh(z, [n - len(m) for n, m in zip(num_experts, moved_of)])
   parts, functions = [], []
   for p, sub in enumerate(programs):
-    mesh = emesh if p % 2 else spec.logical_mesh
-    lay = stage_layout(sub, ts_r, layers_r, bd, tuple(mesh), 0)
-    parts.append(ZebraPart("E" if p % 2 else "A", p // 2, lay))
-    functions.append(stage_functions(sub, ts_r, layers_r, remat, lay, rows=rows))
-  K = len(z.routed_layers)
+    k = p // 2
+    if not p % 2:
+      lay = stage_layout(sub, ts_r, layers_r, bd, tuple(spec.logical_mesh), 0)
+      parts.append(ZebraPart("A", k, lay))
+      functions.append(stage_functions(sub, ts_r, layers_r, remat, lay, rows=rows))
+      continue
+    lay = stage_layout(sub, ts_r, layers_r, bd, tuple(emesh), 0)
+    if not moved_of[k]:
+      parts.append(ZebraPart("E", k, lay))
+      functions.append(stage_functions(sub, ts_r, layers_r, remat, lay, rows=rows))
+      continue
+    n, moved = num_experts[k], moved_of[k]
+    kept = tuple(e for e in range(n) if e not in set(moved))
+    ex_axes = _expert_axes(s, z.routed_layers[k], sub, weights_of[k], n, len(kept), prog)
+    on_attn = stage_layout(sub, ts_r, layers_r, bd, tuple(spec.logical_mesh), 0)
+    for kind, experts, base, mesh in (("E", kept, lay, emesh),
+                                      ("X", moved, on_attn, spec.logical_mesh)):
+      sliced = _sliced_layout(base, ex_axes, len(experts), mesh)
+      parts.append(ZebraPart(kind, k, sliced, experts, ex_axes))
+      fn = stage_functions(sub, ts_r, layers_r, remat, sliced, rows=rows)
+      functions.append(dataclasses.replace(fn, zeros=_zeros(sliced)))
+  offloaded = tuple(bool(m) for m in moved_of)
   log.info("zebra stage %d: %d routed layers, R=%d zebra microbatches of %s rows, experts on "
-           "%d devices (logical mesh %s)", s, K, R, r, z.num_devices, emesh)
+           "%d devices (logical mesh %s), moved onto the attention group per layer: %s", s, K,
+           R, r, N, emesh, [len(m) for m in moved_of])
   layout = ZebraLayout(s, b, r, R, tuple(parts), axes, combine,
-                       spec.submesh[0] * spec.submesh[1], z.num_devices,
-                       issue_order(K, R, "F"), issue_order(K, R, "B"))
+                       spec.submesh[0] * spec.submesh[1], N,
+                       issue_order(K, R, "F", offloaded), issue_order(K, R, "B", offloaded))
   return layout, tuple(functions)
+
+
+def _expert_axes(s: int, layer: int, sub: StageProgram, weights: dict, n: int, m: int,
+                 prog) -> dict:
+  """The experts' axis of every value an experts' part reads or writes (``None``: none),
+  for running it on ``m`` of its ``n`` experts: the expert weights' from
+  :func:`~harpjax.compiler.layers.sharding.ep_dims`, the tokens' from the batch dimension
+  the expert matmuls pair with the weight's, the outputs' from the part evaluated on ``m``
+  experts.
+
+  Raises:
+    ZebraPlanOnlyError: the part cannot run on a part of its experts (a parameter without
+      an experts' axis, an output without one).
+  """
+  where = (f"stage {s}: the experts of routed layer {layer} cannot run on a part of them "
+           "(experts moved onto the attention group)")
+  axes: dict = {}
+  for v in sub.param_ids:
+    if v not in weights:
+      raise ZebraPlanOnlyError(f"{where}: they read a parameter of shape "
+                               f"{tuple(prog.avals[v].shape)} without an experts' axis; give "
+                               "that layer offload 0")
+    axes[v] = int(weights[v])
+  views = dict(axes)
+  acts = set(sub.act_ids) | set(sub.act_int_ids) | set(sub.data_ids)
+  for op in sub.ops:
+    ins = [r for r in op.invars if not isinstance(r, Lit)]
+    outs = [o for o in op.outvars if o >= 0]
+    if op.name == "convert_element_type" and ins and ins[0] in views and outs:
+      views[outs[0]] = views[ins[0]]
+    if op.name != "dot_general":
+      continue
+    (_, _), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = op.invars[:2]
+    for w, a, wb, ab in ((rhs, lhs, rb, lb), (lhs, rhs, lb, rb)):
+      if (not isinstance(w, Lit) and w in views and views[w] in tuple(wb)
+          and not isinstance(a, Lit) and a in acts):
+        axes.setdefault(a, int(ab[tuple(wb).index(views[w])]))
+  ins = tuple(sub.param_ids) + tuple(sub.act_ids) + tuple(sub.act_int_ids) + tuple(sub.data_ids)
+  for v in ins:
+    axes.setdefault(v, None)
+  run = ops_function(sub.ops, ins, sub.output_ids)
+
+  def shaped(v, count):
+    shape = list(prog.avals[v].shape)
+    if axes[v] is not None:
+      shape[axes[v]] = count
+    return jax.ShapeDtypeStruct(tuple(shape), prog.avals[v].dtype)
+  try:
+    got = jax.eval_shape(lambda *a: run(*a), *[shaped(v, m) for v in ins])
+  except Exception as e:   # noqa: BLE001 -- shapes the ops cannot take: said below
+    raise ZebraPlanOnlyError(f"{where}: its ops do not evaluate on {m} experts ({e}); give "
+                             "that layer offload 0") from None
+  for v, out in zip(sub.output_ids, got):
+    full = tuple(prog.avals[v].shape)
+    diff = [i for i, (x, y) in enumerate(zip(full, out.shape)) if x != y]
+    if len(out.shape) != len(full) or len(diff) != 1 or full[diff[0]] != n:
+      raise ZebraPlanOnlyError(f"{where}: its output of shape {full} has no experts' axis; "
+                               "give that layer offload 0")
+    axes[v] = diff[0]
+  return axes
+
+
+def _sliced_layout(lay: StageLayout, axes: dict, count: int, mesh) -> StageLayout:
+  """``lay`` at ``count`` experts (each value's experts' axis, :func:`_expert_axes`), its
+  shardings kept where the sizes still divide (else that axis replicated)."""
+  lm = sharding_lib.LogicalMesh.of(mesh)
+  sizes = dict(zip(lm.axis_names, lm.shape))
+  avals, specs = {}, {}
+  for v, a in lay.avals.items():
+    shape = list(a.shape)
+    if axes.get(v) is not None:
+      shape[axes[v]] = count
+    avals[v] = jax.ShapeDtypeStruct(tuple(shape), a.dtype, weak_type=a.weak_type)
+    entries = []
+    for i, e in enumerate(lay.specs[v]):
+      names = e if isinstance(e, tuple) else (e,) if e is not None else ()
+      ways = int(np.prod([sizes[x] for x in names])) if names else 1
+      entries.append(e if shape[i] % ways == 0 else None)
+    specs[v] = P(*entries)
+  return dataclasses.replace(lay, avals=avals, specs=specs,
+                             acc_specs={v: specs[v] for v in lay.param_ids})
+
+
+def _zeros(lay: StageLayout):
+  """The zeros of ``lay``'s gradient accumulator (its parameters' shapes)."""
+  shapes = [lay.avals[v] for v in lay.param_ids]
+  return lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
 
 
 # --------------------------------------------------------------------------- running
@@ -445,13 +597,14 @@ class ZebraStageExecutables(StageExecutables):
     return tuple(self.parts)
 
   def _part_params(self, params) -> list:
-    """Per part, the parameters it reads on its devices (put once per version of
-    ``params``: per step)."""
+    """Per part, the parameters it reads on its devices (an experts' part: its experts' slice
+    of the expert weights), put once per version of ``params`` (per step)."""
     cached, out = self._params
     if cached is not params:
       index = {v: i for i, v in enumerate(self.layout.param_ids)}
-      out = [tuple(put(params[index[v]], ex.sharding(v)) for v in ex.layout.param_ids)
-             for ex in self.parts]
+      out = [tuple(put(_experts_of(part, v, params[index[v]]), ex.sharding(v))
+                   for v in ex.layout.param_ids)
+             for part, ex in zip(self.zebra.parts, self.parts)]
       self._params[:] = [params, out]
     return out
 
@@ -461,6 +614,17 @@ class ZebraStageExecutables(StageExecutables):
     if z.num_microbatches == 1 or axis is None:
       return x
     return row_slice(x, axis, j * z.zebra_rows, z.zebra_rows, z.rows)
+
+  def _joined(self, p: int, v, mine, theirs):
+    """Value ``v`` of all the experts of part ``p``'s layer, from part ``p``'s experts'
+    (``mine``) and its twin's (``theirs``), on the attention group."""
+    z = self.zebra
+    part, twin = z.parts[p], z.parts[z.twin(p)]
+    axis, sh = part.axes[v], NamedSharding(self.mesh, P())
+    if axis is None:   # read whole by both: its cotangents add up
+      return put(mine, sh) + put(theirs, sh)
+    both = jnp.concatenate([put(mine, sh), put(theirs, sh)], axis=axis)
+    return jnp.take(both, jnp.asarray(part.inverse(twin)), axis=axis)
 
   def _fwd(self, params, acts, acts_int, data, mb_index):
     z, lay = self.zebra, self.layout
@@ -472,15 +636,25 @@ class ZebraStageExecutables(StageExecutables):
                           (lay.data_ids, data)):
         env[j].update((v, self._rows(v, x, j)) for v, x in zip(ids, values))
     residuals = [()] * (len(self.parts) * R)
+    halves: dict = {}   # (part, microbatch) -> outputs, of the parts with a twin
     for task in z.forward:
       p, j = z.part_of(task), task.microbatch
-      ex, sl = self.parts[p], self.parts[p].layout
-      get = lambda ids: tuple(put(env[j][v], ex.sharding(v)) for v in ids)
+      ex, part = self.parts[p], z.parts[p]
+      sl = ex.layout
+      get = lambda ids: tuple(put(_experts_of(part, v, env[j][v]), ex.sharding(v))
+                              for v in ids)
       index = (np.int32(int(mb_index) * z.rows + j * z.zebra_rows) if R > 1 else mb_index)
       outs, res = ex.fwd(params_p[p], get(sl.act_ids), get(sl.act_int_ids),
                          get(sl.data_ids), index)
-      env[j].update(zip(sl.output_ids, outs))
       residuals[p * R + j] = res
+      q = z.twin(p)
+      if q is None:
+        env[j].update(zip(sl.output_ids, outs))
+      elif (q, j) in halves:
+        env[j].update((v, self._joined(p, v, o, t))
+                      for v, o, t in zip(sl.output_ids, outs, halves.pop((q, j))))
+      else:
+        halves[(p, j)] = outs
     outs = tuple(self._combine(v, [env[j][v] for j in range(R)]) for v in lay.output_ids)
     return outs, tuple(residuals)
 
@@ -524,25 +698,38 @@ class ZebraStageExecutables(StageExecutables):
         else:
           c = ct
         cts[j][v].append(c)
+    summed: dict = {}   # (layer, microbatch, value) -> the cotangent both twins slice
+    halves: dict = {}
     acc = list(acc)
     for task in z.backward:
       p, j = z.part_of(task), task.microbatch
-      ex, sl = self.parts[p], self.parts[p].layout
+      ex, part = self.parts[p], z.parts[p]
+      sl, q = ex.layout, z.twin(p)
       mine = []
       for v, has in zip(sl.output_ids, sl.ct_present):
         if not has:
           continue
-        total = None
-        for c in cts[j].pop(v, []):
-          c = put(c, ex.sharding(v))
-          total = c if total is None else total + c
+        key = (part.layer, j, v)
+        total = summed.pop(key, None) if q is not None else None
+        if total is None:
+          for c in cts[j].pop(v, []):
+            c = put(c, ex.sharding(v)) if q is None else c
+            total = c if total is None else total + c
+          if q is not None and total is not None:
+            summed[key] = total
         if total is None:
           aval = sl.avals[v]
-          total = put(np.zeros(aval.shape, aval.dtype), ex.sharding(v))
-        mine.append(total)
+          total = np.zeros(aval.shape, aval.dtype)
+        mine.append(put(_experts_of(part, v, total), ex.sharding(v)))
       acc[p], act_cts = ex.bwd(params_p[p], residuals[p * R + j], tuple(mine), acc[p])
-      for v, c in zip(sl.act_ids, act_cts):
-        cts[j][v].append(c)
+      if q is None:
+        for v, c in zip(sl.act_ids, act_cts):
+          cts[j][v].append(c)
+      elif (q, j) in halves:
+        for v, c, t in zip(sl.act_ids, act_cts, halves.pop((q, j))):
+          cts[j][v].append(self._joined(p, v, c, t))
+      else:
+        halves[(p, j)] = act_cts
     out = []
     for v in lay.act_ids:
       sh, axis = self.sharding(v), z.axes.get(v)
@@ -553,7 +740,7 @@ class ZebraStageExecutables(StageExecutables):
           c = put(c, sh)
           total = c if total is None else total + c
         if total is None:
-          aval = self.parts[0].layout.avals.get(v) or lay.avals[v]
+          aval = lay.avals[v]
           total = put(np.zeros(aval.shape, aval.dtype), sh)
         per.append(total)
       if R > 1 and axis is not None:
@@ -570,19 +757,36 @@ class ZebraStageExecutables(StageExecutables):
 
   def total(self, acc) -> tuple:
     """The stage's gradients: every part's accumulator summed on the attention group, in
-    part order (once per step)."""
+    part order (an experts' part with its twin: their experts' gradients joined first), once
+    per step."""
+    z = self.zebra
     out = []
     for v in self.layout.param_ids:
       sh, x = self.acc_sharding(v), None
-      for ex, a in zip(self.parts, acc):
-        if v in ex.layout.param_ids:
-          g = put(a[ex.layout.param_ids.index(v)], sh)
-          x = g if x is None else x + g
+      for p, (ex, a) in enumerate(zip(self.parts, acc)):
+        if v not in ex.layout.param_ids:
+          continue
+        g = a[ex.layout.param_ids.index(v)]
+        q = z.twin(p)
+        if q is not None:
+          if q < p:   # joined at the first of the two
+            continue
+          other = self.parts[q]
+          g = self._joined(p, v, g, acc[q][other.layout.param_ids.index(v)])
+        g = put(g, sh)
+        x = g if x is None else x + g
       if x is None:
         aval = self.layout.avals[v]
         x = put(np.zeros(aval.shape, aval.dtype), sh)
       out.append(x)
     return tuple(out)
+
+
+def _experts_of(part: ZebraPart, v, x):
+  """``x`` (value ``v`` of every expert of ``part``'s layer) at ``part``'s experts."""
+  if part.experts is None or part.axes.get(v) is None:
+    return x
+  return jnp.take(x, jnp.asarray(part.experts), axis=part.axes[v])
 
 
 def zebra_executables(home: StageLayout, zebra: ZebraLayout, functions: Sequence,
@@ -601,7 +805,7 @@ def zebra_executables(home: StageLayout, zebra: ZebraLayout, functions: Sequence
   meshes = {}
   parts = []
   for part, fn in zip(zebra.parts, functions):
-    group = devs[na:] if part.kind == "E" else devs[:na]
+    group = devs[na:] if part.kind == "E" else devs[:na]   # A and X on the attention group
     key = (part.kind, tuple(part.layout.logical_mesh))
     if key not in meshes:
       meshes[key] = sharding_lib.make_mesh(group, part.layout.logical_mesh)

@@ -360,9 +360,9 @@ def test_the_runtime_refuses_what_it_does_not_run_of_a_zebra_plan_by_name():
     return state.apply_gradients(grads=grads), loss
 
   batch = {"x": jax.random.normal(jax.random.key(1), (8, 6)), "y": jnp.arange(8) % 4}
-  # experts moved onto the attention group: planned, not run
+  # a ZeRO level on a zebra stage: planned, not run
   plan = harpjax.ManualPlan([StageSpec((0, 1), "v100", (1, 2)),
-                             StageSpec((2, 3), "a100", (1, 2), zebra=ZebraGroup(
+                             StageSpec((2, 3), "a100", (1, 2), zero=1, zebra=ZebraGroup(
                                  "v100", (1, 2), 2, (2,), (1,)))])
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
   with pytest.raises(ZebraPlanOnlyError, match="zebra stage.*does not run"):
