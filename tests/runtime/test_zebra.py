@@ -228,3 +228,36 @@ def test_interleaved_moe_zebra_stage_in_a_pipeline_equals_jit(x64):
   assert err <= RTOL, err
   (st,) = _zebra_stages(pstep, case).values()
   assert st.zebra.num_routed == 2 and st.zebra.num_microbatches == 2
+
+
+ZEBRA_CLUSTER = """\
+gpus:
+  - {name: fastsmall, tflops: 200, memory_gb: 0.003, mem_bandwidth_gbs: 3000}
+subclusters:
+  - {name: new, gpu: fastsmall, hosts: 1, devices_per_host: 1}
+  - {name: old, gpu: T4, hosts: 1, devices_per_host: 1}
+links:
+  - {between: [new, old], gbps: 100}
+"""
+
+
+@pytest.mark.slow
+def test_the_planners_zebra_stage_runs_equal_to_jit(x64, tmp_path):
+  # tests/test_cli.py's case in float64 (the small GPU's memory doubled with the bytes): the
+  # planner puts attention on the small fast GPU and the experts on the T4; auto_parallel
+  # runs the plan it chose.
+  from harpjax.compiler.plan import MixedOptions, SolveOptions
+  from harpjax.models import BUILTIN_MODELS
+  (tmp_path / "zebra.yaml").write_text(ZEBRA_CLUSTER)
+  spec = BUILTIN_MODELS["mixtral-tiny"](
+      num_microbatches=4, microbatch_size=2, abstract=False, num_blocks=2, vocab_size=256,
+      seq_len=16, hidden=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, dtype="float64",
+      param_dtype="float64", routing_group="sequence")
+  auto = harpjax.AutoPlan(profile=harpjax.ProfileOptions(use_cache=False),
+                          solve=SolveOptions(mixed_options=MixedOptions(zebra="plan-only")))
+  pstep = harpjax.auto_parallel(spec.step_fn, cluster=str(tmp_path / "zebra.yaml"),
+                                num_microbatches=4, plan=auto)
+  plan = pstep.trace(*spec.args).plan().plan
+  assert [s.zebra is not None for s in plan.stages] == [True], plan.table()
+  out = pstep(*spec.args)
+  assert max_rel_err(jax.jit(spec.step_fn)(*spec.args), out) <= RTOL
