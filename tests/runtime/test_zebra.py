@@ -261,3 +261,23 @@ def test_the_planners_zebra_stage_runs_equal_to_jit(x64, tmp_path):
   assert [s.zebra is not None for s in plan.stages] == [True], plan.table()
   out = pstep(*spec.args)
   assert max_rel_err(jax.jit(spec.step_fn)(*spec.args), out) <= RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,B", [
+    # the stage's backward recomputes its forward (each part its own), experts moved too
+    (harpjax.ManualPlan([StageSpec((0, 7), "a100", (1, 2), (1, 2), remat="full", zebra=ZebraGroup(
+        "v100", (1, 2), 2, (3, 6), (1, 0)))]), 4),
+    # a data-parallel attention group (zebra microbatches of 2 rows on dp = 2), the stage
+    # starting at a routed layer, and 3 expert GPUs for 4 experts (data-parallel experts)
+    (harpjax.ManualPlan([StageSpec((0, 2), "v100", (1, 1)),
+                         StageSpec((3, 7), "a100", (1, 2), (2, 1), zebra=ZebraGroup(
+                             "v100", (1, 3), 2, (3, 6), (0, 0)))]), 2),
+], ids=["remat", "dp-attention+3-experts"])
+def test_mixtral_zebra_stage_variants_equal_jit(x64, plan, B):
+  case = _mixtral("sequence")
+  err, pstep, _ = _run(case, plan, jax.jit(case.step), B)
+  assert err <= RTOL, err
+  (st,) = _zebra_stages(pstep, case).values()
+  expected = (1, 1, 2) if plan.stages[-1].zebra.num_devices == 2 else (3, 1)
+  assert all(p.layout.logical_mesh == expected for p in st.zebra.parts if p.kind == "E")
