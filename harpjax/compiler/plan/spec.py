@@ -308,6 +308,8 @@ class StageSpec:
       backward recomputes the rest), ``"dots"`` (it keeps the matmuls' outputs and recomputes
       the rest); ``None``: the plan's (:attr:`Plan.remat`). Written to a plan file only when
       set.
+    zebra: a zebra stage's expert group (:class:`ZebraGroup`): the stage's routed layers'
+      experts run there, the rest on the devices above. Written to a plan file only when set.
   """
   layers: tuple[int, int]
   subcluster: str
