@@ -225,10 +225,14 @@ class MemoryKindError(UnsupportedError):
 
 class ZebraPlanOnlyError(UnsupportedError):
   """The plan has a zebra stage (attention and experts on two groups of GPUs,
-  :attr:`harpjax.compiler.plan.StageSpec.zebra`), which the planner can choose and score but
-  the runtime does not run yet. The message names the stages. Plan without zebra stages to
-  run the step (``MixedOptions(zebra="off")``, the default of ``auto_parallel``), or keep the
-  plan to read (``harpjax plan``)."""
+  :attr:`harpjax.compiler.plan.StageSpec.zebra`) in a form the planner can choose and score
+  but the runtime does not run yet: on the Ray runtime, under an interleaved schedule, with a
+  ZeRO level or offloaded optimizer state or residuals, or with experts moved onto its
+  attention group (a non-zero ``ZebraGroup.offload``) that cannot run on a part of them (a
+  parameter or an output without an experts' axis). The local runtime runs the rest
+  (:mod:`harpjax.compiler.stages.zebra`). The message names the stage and what to change;
+  or plan without zebra stages (``MixedOptions(zebra="off")``, the default of
+  ``auto_parallel``), or keep the plan to read (``harpjax plan``)."""
 
 
 class InfeasiblePlanError(HarpjaxError):

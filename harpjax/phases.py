@@ -37,10 +37,9 @@ from harpjax.compiler.profile import (ProfileResult, default_cache_dir, profile_
 from harpjax.compiler.schedule import Schedule
 from harpjax.compiler.stages import (CompiledStep, LoweredStep, StepProgram, batch_rows,
                                      compile_step, default_workers, layout_step, lower_step,
-                                     precompile, resolve_plan, retrace)
+                                     precompile, resolve_plan, retrace, check_zebra_runs)
 from harpjax.compiler.trace import TracedStep, trace_step
-from harpjax.errors import (HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError,
-                            ZebraPlanOnlyError)
+from harpjax.errors import HarpjaxError, InfeasiblePlanError, MicrobatchError, PlanError
 from harpjax.options import AutoPlan, ParallelOptions
 
 log = logging.getLogger(__name__)
@@ -246,14 +245,11 @@ def layout_phase(fun: Callable, args: tuple, planned: Planned, cluster: Cluster,
     ``(the plan phase's result laid out, the StepProgram)``.
 
   Raises:
-    ZebraPlanOnlyError: the plan has a zebra stage, which the runtime does not run.
+    ZebraPlanOnlyError: the plan has a zebra stage the runtime does not run (the Ray
+      runtime, an interleaved schedule, ZeRO or offloads on it:
+      :func:`harpjax.compiler.stages.zebra.check_zebra_runs`).
   """
-  zebra = [x for x, s in enumerate(planned.plan.stages) if s.zebra is not None]
-  if zebra:
-    raise ZebraPlanOnlyError(
-        f"stages {zebra} of the plan are zebra stages (attention and experts on two groups of "
-        "GPUs): the planner scores them, the runtime does not run them yet. Plan without "
-        "them (MixedOptions(zebra='off'), auto_parallel's default) to run the step")
+  check_zebra_runs(planned.plan, local=options.local)
   try:
     return planned, _layout(fun, args, planned, options)
   except PlanError as e:

@@ -244,7 +244,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   zebra = [x for x, s in enumerate(plan.stages) if s.zebra is not None]
   if zebra:
     click.echo(f"zebra stages (attention|experts on two groups): {[x + 1 for x in zebra]}; "
-               "plan-only, the runtime does not run them yet")
+               "the local runtime runs them (the Ray runtime does not yet)")
   if simulate:
     _schedule_table(result.tables, plan, num_microbatches, solve_opts, schedule)
   if json_path:

@@ -150,9 +150,10 @@ class MixedOptions:
       or ``1``: one shape per plan.
     zebra: ``"off"`` (default) or ``"plan-only"``: also consider zebra stages (attention and
       experts of a routed model on two groups of GPUs, :mod:`~harpjax.compiler.plan.
-      zebra_stages`) where the tables carry a ``routed_split``. The runtime does not run
-      them: a plan with one is for reading (``harpjax plan`` asks for it), and compiling it
-      raises :class:`~harpjax.errors.ZebraPlanOnlyError`.
+      zebra_stages`) where the tables carry a ``routed_split``. The local runtime
+      runs them (:mod:`~harpjax.compiler.stages.zebra`); what it does not run (the Ray
+      runtime, ZeRO or offloads on a zebra stage) raises
+      :class:`~harpjax.errors.ZebraPlanOnlyError` when laid out.
     zebra_options: how zebra stages are costed and searched (:class:`~harpjax.compiler.plan.
       zebra_stages.ZebraOptions`; ``None``: its defaults).
   """

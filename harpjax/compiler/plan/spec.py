@@ -162,8 +162,9 @@ class ZebraGroup:
   A stage with :attr:`StageSpec.zebra` runs its routed layers' experts on this group and
   everything else on the stage's own devices (the *attention group*), every microbatch cut
   into ``num_microbatches`` zebra microbatches that alternate between the two groups in the
-  order of the paper's Theorem 1. Plan-only: the runtime does not run zebra stages yet
-  (:class:`~harpjax.errors.ZebraPlanOnlyError`).
+  order of the paper's Theorem 1. The local runtime runs it
+  (:mod:`harpjax.compiler.stages.zebra`); what it does not run raises
+  :class:`~harpjax.errors.ZebraPlanOnlyError`.
 
   Attributes:
     subcluster: name of the subcluster whose devices hold the experts.
@@ -172,12 +173,16 @@ class ZebraGroup:
     routed_layers: the stage's routed layers (global indices), in order.
     offload: per routed layer, experts moved off each expert GPU onto the attention group
       (asymmetric expert assignment, HeterMoE §4.2); zeros: every expert on the expert group.
+    devices: optional explicit global device indices of the expert group (cluster order),
+      ``n * m`` of them; filled in when the plan is resolved on a cluster. Written to a plan
+      file only when set.
   """
   subcluster: str
   submesh: tuple[int, int]
   num_microbatches: int
   routed_layers: tuple[int, ...]
   offload: tuple[int, ...]
+  devices: tuple[int, ...] | None = None
 
   def __post_init__(self):
     where = f"zebra group on {self.subcluster!r}"
@@ -193,6 +198,12 @@ class ZebraGroup:
                       f"{list(routed)} (at least one)")
     object.__setattr__(self, "routed_layers", routed)
     object.__setattr__(self, "offload", offload)
+    if self.devices is not None:
+      devices = _ints(self.devices, f"{where}: devices", 0)
+      if len(devices) != self.num_devices or len(set(devices)) != len(devices):
+        raise PlanError(f"{where}: devices={list(devices)} must be {self.num_devices} distinct "
+                        f"device indices (submesh {self.submesh})")
+      object.__setattr__(self, "devices", devices)
 
   @property
   def num_devices(self) -> int:
@@ -200,7 +211,7 @@ class ZebraGroup:
 
   def to_json(self) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(self).items()}
+            for k, v in dataclasses.asdict(self).items() if k != "devices" or v is not None}
 
   @classmethod
   def from_json(cls, data: dict, where: str = "zebra") -> "ZebraGroup":
@@ -211,7 +222,9 @@ class ZebraGroup:
                  submesh=_ints(data["submesh"], f"{where}.submesh", 1, 2),
                  num_microbatches=data["num_microbatches"],
                  routed_layers=_ints(data["routed_layers"], f"{where}.routed_layers", 0),
-                 offload=_ints(data["offload"], f"{where}.offload", 0))
+                 offload=_ints(data["offload"], f"{where}.offload", 0),
+                 devices=(_ints(data["devices"], f"{where}.devices", 0)
+                          if data.get("devices") is not None else None))
     except PlanError as e:
       raise PlanError(f"{where}: {e}") from None
 
@@ -301,6 +314,8 @@ class StageSpec:
       runs, and dropped from the devices once the group moves on (Zorse's parameter offload;
       :func:`~harpjax.compiler.schedule.chunk_residency`). Needs a schedule with device
       groups. Written to a plan file only when true.
+    zebra: a zebra stage's expert group (:class:`ZebraGroup`): the stage's routed layers'
+      experts run there, the rest on the devices above. Written to a plan file only when set.
   """
   layers: tuple[int, int]
   subcluster: str
@@ -377,11 +392,14 @@ class StageSpec:
 
   @property
   def all_devices(self) -> tuple[int, ...] | None:
-    """Global devices of every group, in order (``None`` until every group has them)."""
+    """Global devices of every group, in order, then a zebra stage's expert group's
+    (``None`` until every group has them)."""
     groups = self.all_groups
-    if any(g.devices is None for g in groups):
+    if any(g.devices is None for g in groups) or (
+        self.zebra is not None and self.zebra.devices is None):
       return None
-    return sum((g.devices for g in groups), ())
+    return sum((g.devices for g in groups), ()) + (
+        self.zebra.devices if self.zebra is not None else ())
 
   def group_rows(self, rows: int) -> tuple[int, ...]:
     """Rows of a ``rows``-row microbatch each group runs (:func:`row_shares`)."""

@@ -54,9 +54,10 @@ one microbatch in flight, the costliest layer's expert bytes per unit); the fast
 ``stages`` such stages), planned as one virtual subcluster exactly as mixed-type stages are
 (:func:`~harpjax.compiler.plan.mixed.fused_tables`, whose virtual entry for a zebra shape is
 :func:`zebra_entry`); :func:`~harpjax.compiler.plan.mixed.solve_mixed` tries every
-:func:`candidate_zebra_shapes` shape when ``MixedOptions(zebra="plan-only")``. The runtime does
-not run zebra stages: a plan with one is plan-only (:class:`~harpjax.errors.
-ZebraPlanOnlyError` when compiled).
+:func:`candidate_zebra_shapes` shape when ``MixedOptions(zebra="plan-only")``. The local runtime
+runs zebra stages, their expert assignment included (:mod:`harpjax.compiler.stages.zebra`);
+the Ray runtime, ZeRO and offloads on them raise :class:`~harpjax.errors.ZebraPlanOnlyError`
+when laid out.
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ gradients, reduced once per step),
 :func:`compile_step` -> :class:`CompiledStep`, jitted in process),
 :mod:`~harpjax.compiler.stages.lower` (:func:`lower_step` -> :class:`LoweredStep`: serialised
 executables for a Ray worker), :mod:`~harpjax.compiler.stages.aot` (compiling every
-executable ahead of the first call) and :mod:`~harpjax.compiler.stages.memory` (a compiled
-stage's memory per device, XLA's account beside the model's).
+executable ahead of the first call), :mod:`~harpjax.compiler.stages.memory` (a compiled
+stage's memory per device, XLA's account beside the model's) and
+:mod:`~harpjax.compiler.stages.zebra` (zebra stages: attention and experts on two groups of
+devices, in Theorem 1's order).
 """
 
 from harpjax.compiler.stages.aot import compile_group, compile_stage, default_workers, precompile
@@ -31,6 +33,8 @@ from harpjax.compiler.stages.memory import in_flight, memory_report, StageMemory
 from harpjax.compiler.stages.split import (batch_rows, retrace, Retrace, SplitLayout,
                                            SplitStageExecutables)
 from harpjax.compiler.stages.stage import put, row_slice, StageExecutables
+from harpjax.compiler.stages.zebra import (check_zebra_runs, ZebraLayout,
+                                           ZebraStageExecutables)
 
 __all__ = [
     "batch_rows", "check_host_memory", "CompiledStep", "compile_group", "compile_stage",
@@ -40,5 +44,6 @@ __all__ = [
     "precompile", "put", "resolve_devices", "resolve_plan", "retrace", "Retrace", "row_slice",
     "SHARED_PARAMETER_WARNING", "SplitLayout", "SplitStageExecutables",
     "StageExecutables", "StageLayout", "StageMemoryReport", "state_successors", "StepLayout",
-    "StepProgram", "warn_shared_parameters",
+    "StepProgram", "warn_shared_parameters", "check_zebra_runs", "ZebraLayout",
+    "ZebraStageExecutables",
 ]

@@ -28,6 +28,7 @@ from harpjax.compiler.stages.split import (RemoteGroup, Retrace, SplitStageExecu
                                            rows_of, split_stage)
 from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stages,
                                            stage_functions)
+from harpjax.compiler.stages.zebra import zebra_executables, zebra_stage
 from harpjax.compiler.trace import (Lit, TracedStep, aval_nbytes, combine_rules, ops_function,
                                    primitives)
 from harpjax.errors import (HarpjaxError, MemoryKindError, OptionConflictError, OptionsError,
@@ -62,6 +63,8 @@ class StepProgram:
     split_functions: stage -> per group, its
       :class:`~harpjax.compiler.stages.stage.StageFunctions`, for the stages that split their
       rows among groups (``layout.splits``).
+    zebras: stage -> ``(ZebraLayout, per part its StageFunctions)`` of the zebra stages
+      (:mod:`~harpjax.compiler.stages.zebra`).
   """
   traced: TracedStep
   layers: LayerSequence
@@ -73,6 +76,7 @@ class StepProgram:
   group_functions: tuple
   layout: StepLayout
   split_functions: dict = dataclasses.field(default_factory=dict)
+  zebras: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_stages(self) -> int:
@@ -251,6 +255,9 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
                         "it out needs the step traced at their rows (retrace=...)")
       splits[s], split_functions[s] = split_stage(
           s, plan.stages, programs[s], layouts[s], traced, layers, retrace, remat[s])
+  zebras = {s: zebra_stage(s, plan.stages, programs[s], layouts[s], traced, layers, retrace,
+                           remat[s])
+            for s, spec in enumerate(plan.stages) if spec.zebra is not None}
 
   # Parameters: owner = first stage that reads them.
   param_vid = [prog.invars[k] for k, inp in enumerate(traced.inputs) if inp.kind == "param"]
@@ -308,7 +315,7 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
                                                    memory_kind="device")
                                   for i, v in enumerate(g.in_ids) if (g.home, v) in host}))
   return StepProgram(traced, layers, plan, schedule, tuple(programs), tuple(functions), placed,
-                     tuple(fns), layout, split_functions)
+                     tuple(fns), layout, split_functions, zebras)
 
 
 def _replicas(s: int, plan: Plan, sp, layout, traced: TracedStep, layers: LayerSequence,
@@ -321,7 +328,8 @@ def _replicas(s: int, plan: Plan, sp, layout, traced: TracedStep, layers: LayerS
   lm = sharding_lib.LogicalMesh.of(spec.logical_mesh)
   dp, tp = lm.dp, lm.tp
   b = int(retrace.rows)
-  if dp <= 1 or lm.ep > 1 or spec.zero >= 2 or spec.mixed or traced.couplings or b % dp:
+  if (dp <= 1 or lm.ep > 1 or spec.zero >= 2 or spec.mixed or spec.zebra is not None
+      or traced.couplings or b % dp):
     return None
   try:
     part = part_at(s, plan.stages, sp, traced, layers, retrace, b // dp, (1, tp), remat)
@@ -410,9 +418,10 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
     check_host_memory(stage_devices[s], s)
   for s in sorted(lay.host_residuals):
     check_host_memory(stage_devices[s], s, residuals=True)
-  stages = tuple(jit_stage(sl, fn, sharding_lib.make_mesh(devs, sl.logical_mesh))
-                 if s not in lay.splits else
-                 split_executables(lay, s, program.split_functions[s], devs)
+  stages = tuple(split_executables(lay, s, program.split_functions[s], devs)
+                 if s in lay.splits else
+                 zebra_executables(sl, *program.zebras[s], devs) if s in program.zebras else
+                 jit_stage(sl, fn, sharding_lib.make_mesh(devs, sl.logical_mesh))
                  for s, (sl, fn, devs) in enumerate(zip(lay.stages, program.functions,
                                                         stage_devices)))
   group_fns = tuple(

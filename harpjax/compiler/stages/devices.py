@@ -8,6 +8,9 @@ rest of what runs: the warm-up counts of the schedule and the task tables.
 Under an interleaved schedule (:func:`~harpjax.compiler.schedule.interleaved_kind`) the
 stages of one device group share its devices (stage ``i`` on group ``i mod d``).
 
+A zebra stage's expert group (:attr:`~harpjax.compiler.plan.StageSpec.zebra`) is resolved as
+one more group of the stage, listed after the others.
+
 A group of a mixed-type stage (:attr:`~harpjax.compiler.plan.StageSpec.groups`) runs in one
 process, so it spans one host: :func:`resolve_plan` runs a group whose submesh spans ``n``
 hosts as ``n`` groups of one host each, every one with ``1/n`` of its share
@@ -54,8 +57,10 @@ def resolve_group_devices(cluster: Cluster, plan: Plan,
         cluster, plan.replace(stages=plan.stages[:d], schedule="1f1b", num_layers=None), "1f1b")
     return [first[i % d] for i in range(plan.num_stages)]
   names = [sc.name for sc in cluster.subclusters]
-  units = [(i, g, grp) for i, s in enumerate(plan.stages) for g, grp in enumerate(s.all_groups)]
+  units = [(i, g, grp) for i, s in enumerate(plan.stages)
+           for g, grp in enumerate(s.all_groups + ((s.zebra,) if s.zebra is not None else ()))]
   what = lambda i, g: (f"stage {i} (layers {list(plan.stages[i].layers)})" if g == 0
+                       else f"stage {i}'s zebra expert group" if g == len(plan.stages[i].all_groups)
                        else f"stage {i}'s group {g}")
   for i, g, grp in units:
     if grp.subcluster not in names:
@@ -89,7 +94,7 @@ def resolve_group_devices(cluster: Cluster, plan: Plan,
             f"{what(i, g)} was allocated devices {list(devs)}, but {taken[clash[0]]} lists "
             f"device {clash[0]} explicitly; give explicit devices for every stage or for none")
       result[(i, g)] = tuple(devs)
-  return [[result[(i, g)] for g in range(len(s.all_groups))]
+  return [[result[(i, g)] for g in range(len(s.all_groups) + (s.zebra is not None))]
           for i, s in enumerate(plan.stages)]
 
 
@@ -144,7 +149,9 @@ def resolve_plan(plan: Plan, cluster: Cluster, num_layers: int, num_microbatches
   stages = tuple(
       dataclasses.replace(s, devices=tuple(idx[0]), warmup=w,
                           groups=tuple(dataclasses.replace(grp, devices=tuple(d))
-                                       for grp, d in zip(s.groups, idx[1:])))
+                                       for grp, d in zip(s.groups, idx[1:])),
+                          zebra=(dataclasses.replace(s.zebra, devices=tuple(idx[-1]))
+                                 if s.zebra is not None else None))
       for s, idx, w in zip(plan.stages, devices, sched.warmups))
   stages = tuple(per_host_groups(s, cluster) if s.groups else s for s in stages)
   return plan.replace(stages=stages, num_microbatches=num_microbatches, schedule=name,

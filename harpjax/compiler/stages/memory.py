@@ -40,6 +40,7 @@ from harpjax.compiler.profile import StageMemory, stage_memory
 from harpjax.compiler.stages.aot import compile_group, compile_stage
 from harpjax.compiler.stages.compile import CompiledStep, state_successors
 from harpjax.compiler.stages.split import RemoteGroup
+from harpjax.compiler.stages.zebra import ZebraStageExecutables
 from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import UnsupportedError
 
@@ -136,6 +137,9 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
     The :class:`StageMemoryReport`.
   """
   lay, st = cs.layout, cs.stages[stage]
+  if isinstance(st, ZebraStageExecutables):
+    raise UnsupportedError(f"stage {stage} is a zebra stage (attention and experts on two "
+                           "groups of devices): its memory report is not made yet")
   split = lay.splits.get(stage)
   if split is None and group:
     raise UnsupportedError(f"stage {stage} runs on one group of devices; group={group} "

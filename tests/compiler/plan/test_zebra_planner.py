@@ -2,7 +2,7 @@
 with zebra entries against an enumeration of every plan with and without a zebra stage (every
 group split, every number of zebra microbatches, every expert assignment), each scored by the
 same evaluator and simulator; a case where zebra wins and one where it does not; the plan's
-record of the choice, and the runtime's refusal."""
+record of the choice, and what the runtime refuses (tests/runtime/test_zebra.py runs the rest)."""
 
 import itertools
 import json
@@ -336,7 +336,7 @@ def test_routed_split_is_checked_against_its_tables():
   assert tables.replace(stage_time_s=tables.stage_time_s).routed_split is None
 
 
-def test_the_runtime_refuses_a_zebra_plan_by_name():
+def test_the_runtime_refuses_what_it_does_not_run_of_a_zebra_plan_by_name():
   import jax
   import jax.numpy as jnp
   import optax
@@ -360,9 +360,17 @@ def test_the_runtime_refuses_a_zebra_plan_by_name():
     return state.apply_gradients(grads=grads), loss
 
   batch = {"x": jax.random.normal(jax.random.key(1), (8, 6)), "y": jnp.arange(8) % 4}
+  # a ZeRO level on a zebra stage: planned, not run
+  plan = harpjax.ManualPlan([StageSpec((0, 1), "v100", (1, 2)),
+                             StageSpec((2, 3), "a100", (1, 2), zero=1, zebra=ZebraGroup(
+                                 "v100", (1, 2), 2, (2,), (1,)))])
+  pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
+  with pytest.raises(ZebraPlanOnlyError, match="zebra stage.*does not run"):
+    pstep(state, batch)
+  # a layer without experts named routed
   plan = harpjax.ManualPlan([StageSpec((0, 1), "v100", (1, 2)),
                              StageSpec((2, 3), "a100", (1, 2), zebra=ZebraGroup(
-                                 "v100", (1, 2), 2, (2,), (0,)))])
+                                 "v100", (1, 2), 1, (2,), (0,)))])
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
-  with pytest.raises(ZebraPlanOnlyError, match="zebra stages.*does not run"):
+  with pytest.raises(PlanError, match="names layer 2 as routed, but it reads no expert"):
     pstep(state, batch)
