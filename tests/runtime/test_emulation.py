@@ -84,11 +84,29 @@ def test_annotated_plan_gives_h1f1b_the_emulated_link():
   assert step.plan(state, batch).warmups == warm and warm[0] > 3
 
 
-def test_emulated_threads_run_tracks_the_simulator():
+def _follows_the_schedule(name, r):
+  """Every worker ran its tasks in the order of the schedule the simulator scored, and every
+  activation and gradient crossed its link once per microbatch, in microbatch order: what an
+  emulated run must do however loaded the machine is (how close its wall seconds come to the
+  simulated ones is a measurement: ``python benchmarks/runtime.py fidelity``)."""
+  from harpjax.runtime.interpreter import ACT, CT
+  last, sim = r["last"], r["sim"]
+  tables = sim.schedule.tables
+  assert len(last.tasks) == len(tables)
+  for s, (ran, table) in enumerate(zip(last.tasks, tables)):
+    assert [(k, m) for k, m, _, _ in ran] == [(t.kind, t.microbatch) for t in table], (name, s)
+  b = sim.schedule.num_microbatches
+  for s, sends in enumerate(last.sends):
+    acts = [key.index for dst, key, *_ in sends if key.kind == ACT and dst == s + 1]
+    cts = [key.index for dst, key, *_ in sends if key.kind == CT and dst == s - 1]
+    assert acts == (list(range(b)) if s + 1 < len(tables) else []), (name, s)
+    assert cts == (list(range(b)) if s > 0 else []), (name, s)
+
+
+def test_emulated_threads_run_follows_the_simulated_schedule():
   # The stage workers in threads of this process (no Ray): quick, and the same protocol.
-  r = bench.fidelity_case("h1f1b", 2.5, backend="threads", steps=3, time_scale=0.5)
-  assert r["overruns"] <= 2, r      # real work stayed below the emulated times
-  assert abs(r["pipeline"] / r["simulated"] - 1) < 0.10, r
+  r = bench.fidelity_case("h1f1b", 2.5, backend="threads", steps=1, time_scale=0.25)
+  _follows_the_schedule("h1f1b", r)
 
 
 @pytest.mark.slow
@@ -102,7 +120,6 @@ def test_ray_emulated_runs_follow_the_simulated_schedule():
   # ``python benchmarks/runtime.py fidelity --backend ray`` prints it side by side.
   pytest.importorskip("ray")
   from harpjax.runtime import ray_runtime
-  from harpjax.runtime.interpreter import ACT, CT
 
   ray_runtime.init_ray(num_cpus=4)
   try:
@@ -112,16 +129,6 @@ def test_ray_emulated_runs_follow_the_simulated_schedule():
     ray_runtime.release_pool()
     ray_runtime.ray.shutdown()
   for name, r in res.items():
-    last, sim = r["last"], r["sim"]
-    tables = sim.schedule.tables
-    assert len(last.tasks) == len(tables)
-    for s, (ran, table) in enumerate(zip(last.tasks, tables)):
-      assert [(k, m) for k, m, _, _ in ran] == [(t.kind, t.microbatch) for t in table], (name, s)
-    b = sim.schedule.num_microbatches
-    for s, sends in enumerate(last.sends):
-      acts = [key.index for dst, key, *_ in sends if key.kind == ACT and dst == s + 1]
-      cts = [key.index for dst, key, *_ in sends if key.kind == CT and dst == s - 1]
-      assert acts == (list(range(b)) if s + 1 < len(tables) else []), (name, s)
-      assert cts == (list(range(b)) if s > 0 else []), (name, s)
+    _follows_the_schedule(name, r)
   # H-1F1B earns extra warm-ups on the slow link where 1F1B keeps S - 1 - s.
   assert res["h1f1b"]["warmups"][0] > res["1f1b"]["warmups"][0]
