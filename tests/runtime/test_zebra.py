@@ -160,6 +160,47 @@ def test_zoo_moe_zebra_stage_equals_jit_per_microbatch(x64, caplog, offload):
   assert len(w) == 2 and not set(w) & set(attn[0].layout.param_ids + attn[1].layout.param_ids)
 
 
+@pytest.mark.parametrize("offload", [0, 1], ids=["experts", "experts+moved"])
+def test_the_expert_state_lives_on_the_expert_group(x64, offload):
+  # The zoo's MoE (4 experts of [hidden, ffn] and [ffn, hidden]) trained with Adam: after a
+  # step the expert weights and their Adam moments are on the V100s (devices 0-3), whole,
+  # split over the expert group's ep axis; everything else on the A100s (4-7). The experts'
+  # part reads the weights held there as they are (no copy per step); with one expert of
+  # each V100 moved, only those two are copied to the A100s.
+  case = zoo.moe_capacity(drops=True)
+  plan = harpjax.ManualPlan([StageSpec((0, 0), "a100", (1, 2), (1, 2),
+                                       zebra=ZebraGroup("v100", (1, 2), 1, (0,), (offload,)))])
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                plan=dataclasses.replace(plan, layer_source="auto"))
+  state, _ = pstep(case.state, case.batches[0])
+  (st,) = _zebra_stages(pstep, case).values()
+  on_experts = {d.id for d in st.expert_mesh.devices.flat}
+  on_attn = {d.id for d in st.mesh.devices.flat}
+  assert on_experts <= {0, 1, 2, 3} and on_attn <= {4, 5, 6, 7}
+  experts = [x for x in jax.tree_util.tree_leaves(state)
+             if getattr(x, "ndim", 0) == 3 and x.shape[0] == 4]
+  assert len(experts) == 6   # two weights, their two Adam moments each
+  for x in experts:
+    assert {d.id for d in x.sharding.device_set} == on_experts
+    assert x.sharding.spec[0] == "ep"
+  rest = [x for x in jax.tree_util.tree_leaves(state)
+          if getattr(x, "ndim", 0) >= 1 and not any(x is e for e in experts)]
+  assert rest and all({d.id for d in x.sharding.device_set} == on_attn for x in rest)
+  lay = st.layout
+  held = [v for v in lay.param_ids if v in st.zebra.expert_params]
+  assert len(held) == 2
+  params = tuple(jax.device_put(np.zeros(lay.avals[v].shape, lay.avals[v].dtype),
+                                st.sharding(v)) for v in lay.param_ids)
+  per_part = st._part_params(params)
+  for part, ex, got in zip(st.zebra.parts, st.parts, per_part):
+    for v, x in zip(ex.layout.param_ids, got):
+      p = params[lay.param_ids.index(v)]
+      if part.kind == "E" and not offload:
+        assert x is p   # read where it lives
+      if part.kind == "X":
+        assert x.shape[0] == 2 and {d.id for d in x.sharding.device_set} == on_attn
+
+
 def _mixtral(routing_group: str):
   from tests.models.test_moe_exactness import _mixtral, _small
   return _mixtral(_small(routing_group=routing_group, capacity_factor=1.0))
