@@ -295,7 +295,7 @@ def test_the_planners_zebra_stage_runs_equal_to_jit(x64, tmp_path):
       seq_len=16, hidden=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, dtype="float64",
       param_dtype="float64", routing_group="sequence")
   auto = harpjax.AutoPlan(profile=harpjax.ProfileOptions(use_cache=False),
-                          solve=SolveOptions(mixed_options=MixedOptions(zebra="plan-only")))
+                          solve=SolveOptions(mixed_options=MixedOptions(zebra="on")))
   pstep = harpjax.auto_parallel(spec.step_fn, cluster=str(tmp_path / "zebra.yaml"),
                                 num_microbatches=4, plan=auto)
   plan = pstep.trace(*spec.args).plan().plan

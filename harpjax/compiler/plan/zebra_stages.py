@@ -54,7 +54,8 @@ one microbatch in flight, the costliest layer's expert bytes per unit); the fast
 ``stages`` such stages), planned as one virtual subcluster exactly as mixed-type stages are
 (:func:`~harpjax.compiler.plan.mixed.fused_tables`, whose virtual entry for a zebra shape is
 :func:`zebra_entry`); :func:`~harpjax.compiler.plan.mixed.solve_mixed` tries every
-:func:`candidate_zebra_shapes` shape when ``MixedOptions(zebra="plan-only")``. The local runtime
+:func:`candidate_zebra_shapes` shape unless ``MixedOptions(zebra="off")`` (``"auto"``, the
+default, considers them where the runtime runs them: :data:`ZEBRA_MODES`). The local runtime
 runs zebra stages, their expert assignment included (:mod:`harpjax.compiler.stages.zebra`);
 the Ray runtime, ZeRO and offloads on them raise :class:`~harpjax.errors.ZebraPlanOnlyError`
 when laid out.
@@ -76,12 +77,49 @@ from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import simulate_zebra
 from harpjax.errors import PlanError
 
-__all__ = ["ZebraOptions", "ZebraShape", "ZebraStageCost", "ZEBRA_MODES", "zebra_stage_cost",
+__all__ = ["ZebraOptions", "ZebraShape", "ZebraStageCost", "ZEBRA_MODES", "ZEBRA_ALIASES",
+           "zebra_mode", "zebra_for_runtime", "zebra_stage_cost",
            "zebra_entry", "candidate_zebra_shapes", "zebra_problem"]
 
-ZEBRA_MODES = ("off", "plan-only")
-"""Whether the planner considers zebra stages (``MixedOptions.zebra``): ``"plan-only"`` plans
-them (the runtime cannot run such a plan yet)."""
+ZEBRA_MODES = ("auto", "on", "off")
+"""Whether the planner considers zebra stages (``MixedOptions.zebra``): ``"on"`` always,
+``"off"`` never, ``"auto"`` (the default of ``auto_parallel``, ``solve`` and ``harpjax
+plan`` alike) where the runtime the plan is for runs them: planning alone (``solve``,
+``harpjax plan``: the plan file runs on the local runtime) and ``auto_parallel`` on the
+local runtime; not for the Ray runtime, which does not run them (:func:`zebra_for_runtime`).
+``"plan-only"``, the name ``"on"`` had while the runtime could not run zebra stages, is
+accepted with a :class:`DeprecationWarning`."""
+
+ZEBRA_ALIASES = {"plan-only": "on"}
+"""Deprecated spellings of :data:`ZEBRA_MODES`."""
+
+
+def zebra_mode(value, where: str = "MixedOptions.zebra") -> str:
+  """``value`` as one of :data:`ZEBRA_MODES` (a deprecated alias, :data:`ZEBRA_ALIASES`,
+  warns once and is replaced).
+
+  Raises:
+    InvalidOptionError: ``value`` is none of them.
+  """
+  import warnings
+  from harpjax.errors import check_choice
+  if isinstance(value, str) and value in ZEBRA_ALIASES:
+    new = ZEBRA_ALIASES[value]
+    warnings.warn(f"{where}={value!r} is deprecated: zebra stages run on the local runtime "
+                  f"now; write {where}={new!r}", DeprecationWarning, stacklevel=4)
+    return new
+  check_choice(where, value, ZEBRA_MODES)
+  return value
+
+
+def zebra_for_runtime(options, local: bool):
+  """``options`` (a :class:`~harpjax.compiler.plan.MixedOptions`) for planning a step that
+  runs on the local runtime (``local``) or the Ray runtime: ``zebra="auto"`` becomes
+  ``"off"`` for the Ray runtime, which does not run zebra stages (``"on"`` stays: such a
+  plan is then refused by name when laid out, :class:`~harpjax.errors.ZebraPlanOnlyError`)."""
+  if options is None or local or options.zebra != "auto":
+    return options
+  return dataclasses.replace(options, zebra="off")
 
 
 @dataclasses.dataclass(frozen=True)

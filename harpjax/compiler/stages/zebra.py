@@ -117,7 +117,7 @@ def check_zebra_runs(plan: Plan, local: bool = True) -> None:
   if not local:
     raise ZebraPlanOnlyError(f"{what}: the Ray runtime does not run zebra stages yet; run the "
                              "step with harpjax.LocalRuntime(), or plan without them "
-                             "(MixedOptions(zebra='off'), auto_parallel's default)")
+                             "(MixedOptions(zebra='off'); the default, 'auto', plans none for Ray)")
   if schedule_kind(plan.schedule).chunks > 1:
     raise ZebraPlanOnlyError(f"{what}: an interleaved schedule ({plan.schedule!r}) does not "
                              "run zebra stages; use 'h1f1b', '1f1b', 'eager_1f1b' or 'gpipe'")
