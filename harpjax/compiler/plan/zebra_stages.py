@@ -78,7 +78,7 @@ from harpjax.compiler.schedule import simulate_zebra
 from harpjax.errors import PlanError
 
 __all__ = ["ZebraOptions", "ZebraShape", "ZebraStageCost", "ZEBRA_MODES", "ZEBRA_ALIASES",
-           "zebra_mode", "zebra_for_runtime", "zebra_stage_cost",
+           "zebra_mode", "zebra_for_runtime", "zebra_group_bytes", "zebra_stage_cost",
            "zebra_entry", "candidate_zebra_shapes", "zebra_problem"]
 
 ZEBRA_MODES = ("auto", "on", "off")
@@ -237,9 +237,24 @@ class ZebraStageCost:
     for p, a, mem in ((self.attn_param_bytes, self.attn_act_bytes, self.attn_memory_bytes),
                       (self.expert_param_bytes, self.expert_act_bytes,
                        self.expert_memory_bytes)):
-      while n > 0 and not p + n * a <= mem:
+      while n > 0 and not zebra_group_bytes(p, a, n) <= mem:
         n -= 1
     return n
+
+
+def zebra_group_bytes(state_bytes: float, act_bytes: float, in_flight: int,
+                      update_bytes: float = 0.0) -> float:
+  """The memory model of one group of a zebra stage, per device: its state (parameters,
+  gradients, optimizer state) with the residuals of ``in_flight`` pipeline microbatches
+  (each ``act_bytes``: its ``R`` zebra microbatches' in every part the group runs), or,
+  during the optimizer update, the state with the update's new values (``update_bytes``:
+  the new parameters and optimizer state, not written over the old), whichever is larger.
+  The planner checks it against the device's memory (:meth:`ZebraStageCost.max_inflight`;
+  its tables do not part the state into parameters and optimizer state, so it passes no
+  ``update_bytes``); :func:`harpjax.compiler.stages.memory_report` computes it from the
+  programs the runtime compiles and sets XLA's account beside it."""
+  return max(float(state_bytes) + int(in_flight) * float(act_bytes),
+             float(state_bytes) + float(update_bytes))
 
 
 def _rows_of(options, tables: CostTables) -> int:
