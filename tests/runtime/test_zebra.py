@@ -160,7 +160,9 @@ def test_zoo_moe_zebra_stage_equals_jit_per_microbatch(x64, caplog, offload):
   assert len(w) == 2 and not set(w) & set(attn[0].layout.param_ids + attn[1].layout.param_ids)
 
 
-@pytest.mark.parametrize("offload", [0, 1], ids=["experts", "experts+moved"])
+@pytest.mark.parametrize("offload", [pytest.param(0, id="experts"),
+                                     pytest.param(1, marks=pytest.mark.slow,
+                                                  id="experts+moved")])
 def test_the_expert_state_lives_on_the_expert_group(x64, offload):
   # The zoo's MoE (4 experts of [hidden, ffn] and [ffn, hidden]) trained with Adam: after a
   # step the expert weights and their Adam moments are on the V100s (devices 0-3), whole,
@@ -201,7 +203,8 @@ def test_the_expert_state_lives_on_the_expert_group(x64, offload):
         assert x.shape[0] == 2 and {d.id for d in x.sharding.device_set} == on_attn
 
 
-@pytest.mark.parametrize("offload", [0, 1], ids=["experts", "experts+moved"])
+@pytest.mark.parametrize("offload", [pytest.param(0, marks=pytest.mark.slow, id="experts"),
+                                     pytest.param(1, id="experts+moved")])
 def test_zebra_memory_report_per_group_against_xla_and_the_planners_model(x64, offload):
   # The zoo's MoE, R = 1 (examples meet), N = 1 in flight. Each group's phases come from
   # XLA's memory_analysis of the parts and updates the runtime compiles; the model beside
