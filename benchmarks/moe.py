@@ -30,7 +30,7 @@ Methods, for the same global batch (``--seqs-per-gpu`` sequences per GPU of the 
 * ``P+Z``: pipeline + zebra, two stages (a zebra stage, and a zebra or EP stage), estimated by
   Eq. 12 with each zebra stage's latency and period (not simulated).
 * ``Planner (with zebra)``: :func:`harpjax.compiler.plan.solve` with zebra stages
-  (``MixedOptions(zebra="plan-only")``) on :func:`planner_tables` (the (d) tables with each
+  (``MixedOptions(zebra="on")``) on :func:`planner_tables` (the (d) tables with each
   block's expert part, ``routed_split``), best ``B``: the planner's own choice among pipeline
   stages, EP per stage, zebra groups and their GPU ratio (either type on attention), ``R`` and
   the expert assignment, simulated (:func:`best_planner`; a zebra microbatch's fixed share of
@@ -367,13 +367,13 @@ def fixed_share(m: MoEModel, s: Setup, seq: int, mb_seqs: int) -> float:
 
 
 def best_planner(m: MoEModel, s: Setup, seq: int, batch: int, zebra_options: ZebraOptions):
-  """The planner with zebra stages (``MixedOptions(zebra="plan-only")``, no data-parallel
+  """The planner with zebra stages (``MixedOptions(zebra="on")``, no data-parallel
   mixed-type stages) on :func:`planner_tables` for every ``B`` dividing the batch: the
   fastest simulated plan's (seconds, B, PlanResult)."""
   best = None
   for B in divisors(batch):
     zo = dataclasses.replace(zebra_options, fixed_fraction=fixed_share(m, s, seq, batch // B))
-    mo = MixedOptions(zebra="plan-only", min_link_ratio=math.inf, pair_candidates=0,
+    mo = MixedOptions(zebra="on", min_link_ratio=math.inf, pair_candidates=0,
                       zebra_options=zo)
     tables = planner_tables(m, s, seq, batch // B)
     try:

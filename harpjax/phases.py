@@ -31,7 +31,7 @@ from harpjax import _compat
 from harpjax.cluster import Cluster
 from harpjax.compiler.layers import (LayerSequence, layers_for_step, layers_from_boundaries,
                                      traced_step_for)
-from harpjax.compiler.plan import MixedOptions, Plan, load_plan, solve
+from harpjax.compiler.plan import MixedOptions, Plan, load_plan, solve, zebra_for_runtime
 from harpjax.compiler.profile import (ProfileResult, default_cache_dir, profile_step,
                                       progress_bar)
 from harpjax.compiler.schedule import Schedule
@@ -205,11 +205,11 @@ def _plan_automatically(fun: Callable, args: tuple, traced: Traced, cluster: Clu
   if not mixed:
     solve_opts = dataclasses.replace(solve_opts, mixed_stages="off")
   if solve_opts.mixed_stages != "off":   # mixed-type stages split the microbatch's rows
-    mopts = solve_opts.mixed_options or MixedOptions()
+    mopts = zebra_for_runtime(solve_opts.mixed_options or MixedOptions(), options.local)
     if mopts.microbatch_rows is None:
       mopts = dataclasses.replace(mopts, microbatch_rows=batch_rows(
           args, options.batch_argnums) // traced.step.num_microbatches)
-      solve_opts = dataclasses.replace(solve_opts, mixed_options=mopts)
+    solve_opts = dataclasses.replace(solve_opts, mixed_options=mopts)
   try:
     plan = solve(result.tables, traced.step.num_microbatches, options=solve_opts).plan
   except InfeasiblePlanError as e:

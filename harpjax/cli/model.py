@@ -138,7 +138,7 @@ def solve_options(*, eps: float = 0.1, objective: str = "min_time", budget=None,
                   time_limit=None, use_all_devices: bool = False, cost_model: str = "simulator",
                   offload_activations: bool | None = None, mixed_stages: str = "auto",
                   microbatch_rows: int | None = None, schedule: str = "rank",
-                  zebra: str = "off"):
+                  zebra: str = "auto"):
   """The :class:`~harpjax.compiler.plan.SolveOptions` of the command-line options (their
   defaults give ``SolveOptions()``'s choices; ``offload_activations=None``: where the tables
   give the host link, as ``SolveOptions`` does)."""

@@ -99,6 +99,12 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
               help="Also consider stages that run on hosts of several subclusters, "
                    "data-parallel with each microbatch's rows split by speed (auto: only "
                    "subclusters joined by links as fast as their own; on: any linked pair).")
+@click.option("--zebra", type=click.Choice(["auto", "on", "off"]), default="auto",
+              show_default=True,
+              help="Also consider zebra stages of a routed model (attention and experts on two "
+                   "groups of GPUs; with --mixed-stages other than off). auto: as on (the plan "
+                   "file runs on the local runtime, which runs them), auto_parallel's default "
+                   "too.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help=DATA_DIR_HELP)
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
@@ -134,7 +140,8 @@ def _with_bandwidth(cluster, gbps: float | None, latency_us: float | None):
 def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwidth, latency_us,
             source, order, z, target_layers, eps, schedule, objective, budget, time_limit,
             cost_model,
-            use_all_devices, mixed_stages, data_dir, cache_dir, no_cache, json_path, simulate,
+            use_all_devices, mixed_stages, zebra, data_dir, cache_dir, no_cache, json_path,
+            simulate,
             remat, remat_choice, progress, zero, offload_activations):
   from harpjax.cluster import Cluster
   from harpjax.compiler.layers import LayerOptions
@@ -204,7 +211,7 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
                                time_limit=time_limit, use_all_devices=use_all_devices,
                                cost_model=cost_model, offload_activations=offload_activations,
                                mixed_stages=mixed_stages, microbatch_rows=spec.microbatch_size,
-                               schedule=schedule, zebra="plan-only")
+                               schedule=schedule, zebra=zebra)
     click.echo(f"cluster: {cluster.summary()}", err=True)
     result = profile_model(spec, cluster, profile_opts, layer_options)
     click.echo(f"planning: searching the plans of {result.tables.num_layers} layers on "
@@ -241,9 +248,9 @@ def command(ctx, cluster_path, model, num_microbatches, microbatch_size, bandwid
   if any(s.groups for s in plan.stages):
     click.echo(f"mixed-type stages: {plan.schedule}, on {sum(1 for s in plan.stages if s.groups)}"
                f" of {plan.num_stages} stages")
-  zebra = [x for x, s in enumerate(plan.stages) if s.zebra is not None]
-  if zebra:
-    click.echo(f"zebra stages (attention|experts on two groups): {[x + 1 for x in zebra]}; "
+  zebras = [x for x, s in enumerate(plan.stages) if s.zebra is not None]
+  if zebras:
+    click.echo(f"zebra stages (attention|experts on two groups): {[x + 1 for x in zebras]}; "
                "the local runtime runs them (the Ray runtime does not yet)")
   if simulate:
     _schedule_table(result.tables, plan, num_microbatches, solve_opts, schedule)

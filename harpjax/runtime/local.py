@@ -115,7 +115,7 @@ def _run_groups(cs: CompiledStep, indices, env: dict) -> None:
   lay = cs.layout
   for gi in indices:
     g = lay.groups[gi]
-    mesh = cs.stages[g.home].mesh
+    mesh = cs.stages[g.home].group_mesh(g.side)
     args = [place_on_mesh(env[v], mesh, lay.preferred_sharding(g.home, v, mesh))
             for v in g.in_ids]
     env.update(zip(g.out_ids, cs.group_fns[gi](*args)))

@@ -127,7 +127,7 @@ def test_the_planners_zebra_stage_is_scored_as_searched(case):
   B = 4
   zo = ZebraOptions(assignment_limit=0, max_hosts_per_group=8,
                     fixed_fraction=moe.fixed_share(m, s, SEQ, batch // B))
-  mo = MixedOptions(zebra="plan-only", min_link_ratio=math.inf, pair_candidates=0,
+  mo = MixedOptions(zebra="on", min_link_ratio=math.inf, pair_candidates=0,
                     zebra_options=zo)
   tables = moe.planner_tables(m, s, SEQ, batch // B)
   r = solve(tables, B, options=SolveOptions(mixed_stages="auto", backend="sequential",

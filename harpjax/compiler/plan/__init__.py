@@ -40,6 +40,7 @@ from harpjax.compiler.plan.mixed import (candidate_fusions, evaluate_mixed, Fusi
 from harpjax.compiler.plan.interleave_choice import (choose_interleaving, chunk_sizes,
                                                      interleave, InterleaveChoice)
 from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZEBRA_MODES,
+                                                zebra_for_runtime, zebra_group_bytes,
                                                 ZebraOptions, ZebraShape, ZebraStageCost,
                                                 zebra_stage_cost)
 
@@ -52,7 +53,8 @@ __all__ = [
     "schedule_scores", "ScheduleScore", "SearchStats", "single_subcluster", "solve", "solve_mixed",
     "check_device_groups", "SolveOptions", "SparseIndex", "StageGroup", "StageSpec",
     "VariantOptions",
-    "candidate_zebra_shapes", "ZEBRA_MODES", "ZebraGroup", "zebra_mixed_cost", "ZebraOptions",
+    "candidate_zebra_shapes", "ZEBRA_MODES", "zebra_for_runtime", "zebra_group_bytes",
+    "ZebraGroup", "zebra_mixed_cost", "ZebraOptions",
     "ZebraShape", "ZebraStageCost", "zebra_stage_cost",
     "choose_interleaving", "chunk_sizes", "interleave", "InterleaveChoice",
 ]

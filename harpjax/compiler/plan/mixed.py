@@ -105,8 +105,8 @@ from harpjax.compiler.plan.schedule_choice import (choose_schedule, plan_scorer,
 from harpjax.compiler.plan.solve import (MIXED_MODES, PlanResult, SolveOptions,
                                          register_mixed_search, solve)
 from harpjax.compiler.plan.spec import Plan, StageGroup, StageSpec, ZebraGroup, row_shares
-from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZEBRA_MODES,
-                                                ZebraOptions, ZebraShape, zebra_stage_cost)
+from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZebraOptions,
+                                                ZebraShape, zebra_mode, zebra_stage_cost)
 from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
                                            variant_arrays)
 from harpjax.compiler.profile import (CostTables, group_route_s, home_sync_s, range_sums,
@@ -148,9 +148,11 @@ class MixedOptions:
     pair_candidates: plans with two shapes of mixed stage are searched for every pair of the
       this many best fusions (by the plan each found alone) whose hosts do not overlap; ``0``
       or ``1``: one shape per plan.
-    zebra: ``"off"`` (default) or ``"plan-only"``: also consider zebra stages (attention and
-      experts of a routed model on two groups of GPUs, :mod:`~harpjax.compiler.plan.
-      zebra_stages`) where the tables carry a ``routed_split``. The local runtime
+    zebra: ``"auto"`` (default), ``"on"`` or ``"off"``: whether to consider zebra stages
+      (attention and experts of a routed model on two groups of GPUs, :mod:`~harpjax.
+      compiler.plan.zebra_stages`) where the tables carry a ``routed_split``; ``"auto"``
+      where the runtime runs them (:data:`~harpjax.compiler.plan.zebra_stages.ZEBRA_MODES`:
+      not for the Ray runtime); ``"plan-only"`` is a deprecated ``"on"``. The local runtime
       runs them (:mod:`~harpjax.compiler.stages.zebra`); what it does not run (the Ray
       runtime, ZeRO or offloads on a zebra stage) raises
       :class:`~harpjax.errors.ZebraPlanOnlyError` when laid out.
@@ -168,7 +170,7 @@ class MixedOptions:
   sub_host: bool = True
   split_radius: int = 6
   pair_candidates: int = 4
-  zebra: str = "off"
+  zebra: str = "auto"
   zebra_options: ZebraOptions | None = None
 
   def __post_init__(self):
@@ -193,7 +195,7 @@ class MixedOptions:
     check_count("MixedOptions.pair_candidates", self.pair_candidates, 0)
     check_choice("MixedOptions.shares", self.shares, ("speed", "all"))
     check_flag("MixedOptions.sub_host", self.sub_host)
-    check_choice("MixedOptions.zebra", self.zebra, ZEBRA_MODES)
+    object.__setattr__(self, "zebra", zebra_mode(self.zebra))
     if self.zebra_options is not None and not isinstance(self.zebra_options, ZebraOptions):
       raise InvalidOptionError(f"MixedOptions.zebra_options={self.zebra_options!r} must be a "
                                "harpjax.compiler.plan.ZebraOptions, or None")

@@ -54,7 +54,8 @@ one microbatch in flight, the costliest layer's expert bytes per unit); the fast
 ``stages`` such stages), planned as one virtual subcluster exactly as mixed-type stages are
 (:func:`~harpjax.compiler.plan.mixed.fused_tables`, whose virtual entry for a zebra shape is
 :func:`zebra_entry`); :func:`~harpjax.compiler.plan.mixed.solve_mixed` tries every
-:func:`candidate_zebra_shapes` shape when ``MixedOptions(zebra="plan-only")``. The local runtime
+:func:`candidate_zebra_shapes` shape unless ``MixedOptions(zebra="off")`` (``"auto"``, the
+default, considers them where the runtime runs them: :data:`ZEBRA_MODES`). The local runtime
 runs zebra stages, their expert assignment included (:mod:`harpjax.compiler.stages.zebra`);
 the Ray runtime, ZeRO and offloads on them raise :class:`~harpjax.errors.ZebraPlanOnlyError`
 when laid out.
@@ -76,12 +77,49 @@ from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import simulate_zebra
 from harpjax.errors import PlanError
 
-__all__ = ["ZebraOptions", "ZebraShape", "ZebraStageCost", "ZEBRA_MODES", "zebra_stage_cost",
+__all__ = ["ZebraOptions", "ZebraShape", "ZebraStageCost", "ZEBRA_MODES", "ZEBRA_ALIASES",
+           "zebra_mode", "zebra_for_runtime", "zebra_group_bytes", "zebra_stage_cost",
            "zebra_entry", "candidate_zebra_shapes", "zebra_problem"]
 
-ZEBRA_MODES = ("off", "plan-only")
-"""Whether the planner considers zebra stages (``MixedOptions.zebra``): ``"plan-only"`` plans
-them (the runtime cannot run such a plan yet)."""
+ZEBRA_MODES = ("auto", "on", "off")
+"""Whether the planner considers zebra stages (``MixedOptions.zebra``): ``"on"`` always,
+``"off"`` never, ``"auto"`` (the default of ``auto_parallel``, ``solve`` and ``harpjax
+plan`` alike) where the runtime the plan is for runs them: planning alone (``solve``,
+``harpjax plan``: the plan file runs on the local runtime) and ``auto_parallel`` on the
+local runtime; not for the Ray runtime, which does not run them (:func:`zebra_for_runtime`).
+``"plan-only"``, the name ``"on"`` had while the runtime could not run zebra stages, is
+accepted with a :class:`DeprecationWarning`."""
+
+ZEBRA_ALIASES = {"plan-only": "on"}
+"""Deprecated spellings of :data:`ZEBRA_MODES`."""
+
+
+def zebra_mode(value, where: str = "MixedOptions.zebra") -> str:
+  """``value`` as one of :data:`ZEBRA_MODES` (a deprecated alias, :data:`ZEBRA_ALIASES`,
+  warns once and is replaced).
+
+  Raises:
+    InvalidOptionError: ``value`` is none of them.
+  """
+  import warnings
+  from harpjax.errors import check_choice
+  if isinstance(value, str) and value in ZEBRA_ALIASES:
+    new = ZEBRA_ALIASES[value]
+    warnings.warn(f"{where}={value!r} is deprecated: zebra stages run on the local runtime "
+                  f"now; write {where}={new!r}", DeprecationWarning, stacklevel=4)
+    return new
+  check_choice(where, value, ZEBRA_MODES)
+  return value
+
+
+def zebra_for_runtime(options, local: bool):
+  """``options`` (a :class:`~harpjax.compiler.plan.MixedOptions`) for planning a step that
+  runs on the local runtime (``local``) or the Ray runtime: ``zebra="auto"`` becomes
+  ``"off"`` for the Ray runtime, which does not run zebra stages (``"on"`` stays: such a
+  plan is then refused by name when laid out, :class:`~harpjax.errors.ZebraPlanOnlyError`)."""
+  if options is None or local or options.zebra != "auto":
+    return options
+  return dataclasses.replace(options, zebra="off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +237,24 @@ class ZebraStageCost:
     for p, a, mem in ((self.attn_param_bytes, self.attn_act_bytes, self.attn_memory_bytes),
                       (self.expert_param_bytes, self.expert_act_bytes,
                        self.expert_memory_bytes)):
-      while n > 0 and not p + n * a <= mem:
+      while n > 0 and not zebra_group_bytes(p, a, n) <= mem:
         n -= 1
     return n
+
+
+def zebra_group_bytes(state_bytes: float, act_bytes: float, in_flight: int,
+                      update_bytes: float = 0.0) -> float:
+  """The memory model of one group of a zebra stage, per device: its state (parameters,
+  gradients, optimizer state) with the residuals of ``in_flight`` pipeline microbatches
+  (each ``act_bytes``: its ``R`` zebra microbatches' in every part the group runs), or,
+  during the optimizer update, the state with the update's new values (``update_bytes``:
+  the new parameters and optimizer state, not written over the old), whichever is larger.
+  The planner checks it against the device's memory (:meth:`ZebraStageCost.max_inflight`;
+  its tables do not part the state into parameters and optimizer state, so it passes no
+  ``update_bytes``); :func:`harpjax.compiler.stages.memory_report` computes it from the
+  programs the runtime compiles and sets XLA's account beside it."""
+  return max(float(state_bytes) + int(in_flight) * float(act_bytes),
+             float(state_bytes) + float(update_bytes))
 
 
 def _rows_of(options, tables: CostTables) -> int:

@@ -66,7 +66,8 @@ def precompile(layout: StepLayout, stages: Mapping[int, StageExecutables],
     _attempt(f"stage {s}", lambda: _stage(stages[s]))
     for gi, fn in groups[s]:
       _attempt(f"a placement group of stage {s}",
-               lambda gi=gi, fn=fn: _group(layout, gi, fn, stages[s].mesh))
+               lambda gi=gi, fn=fn: _group(
+                   layout, gi, fn, stages[s].group_mesh(layout.groups[gi].side)))
     return s
 
   order = list(stages) if order is None else [s for s in order if s in stages]

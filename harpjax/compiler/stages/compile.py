@@ -28,7 +28,8 @@ from harpjax.compiler.stages.split import (RemoteGroup, Retrace, SplitStageExecu
                                            rows_of, split_stage)
 from harpjax.compiler.stages.stage import (StageFunctions, jit_stage, slice_stages,
                                            stage_functions)
-from harpjax.compiler.stages.zebra import zebra_executables, zebra_stage
+from harpjax.compiler.stages.zebra import (expert_held, expert_preferred, expert_side,
+                                           zebra_executables, zebra_stage)
 from harpjax.compiler.trace import (Lit, TracedStep, aval_nbytes, combine_rules, ops_function,
                                    primitives)
 from harpjax.errors import (HarpjaxError, MemoryKindError, OptionConflictError, OptionsError,
@@ -274,17 +275,23 @@ def layout_step(traced: TracedStep, layers: LayerSequence, plan: Plan, schedule:
   # Placement of the rest of the step.
   outer = traced.outer
   region_eqn = outer.ops[traced.region_op]
+  # a zebra stage's expert weights, their gradients and optimizer state: on its expert group
+  # (placed as a home of its own, S + s)
+  S = len(programs)
+  held = expert_held(zebras, param_vid, users)
+  place_at = [o + S * (j in held) for j, o in enumerate(owner)]
   seeds = {}
   for inp in traced.inputs:
     if inp.kind == "param" and not isinstance(inp.outer_ref, Lit):
-      seeds.setdefault(inp.outer_ref, owner[inp.param_index])
+      seeds.setdefault(inp.outer_ref, place_at[inp.param_index])
   n_fwd_out = len(prog.outvars)
   for k, vid in enumerate(region_eqn.outvars):
     if vid >= 0:
-      seeds[vid] = max(output_stage[k], 0) if k < n_fwd_out else owner[k - n_fwd_out]
-  placed = placement_lib.place(outer, traced.region_op, seeds)
+      seeds[vid] = max(output_stage[k], 0) if k < n_fwd_out else place_at[k - n_fwd_out]
+  placed = expert_side(placement_lib.place(outer, traced.region_op, seeds), S)
   groups = placed.before + placed.after
   preferred = _preferred_specs(traced, prog, layouts, owner)
+  expert_preferred(traced, prog, zebras, held, preferred)
   _zero_state_specs(traced, placed, layouts, preferred)
   _propagate_preferred(groups, outer, preferred)
   host = _offloaded(traced, placed, preferred, tuple(st.offload for st in plan.stages))
@@ -425,7 +432,7 @@ def compile_step(program: StepProgram, stage_devices: Sequence[Sequence]) -> Com
                  for s, (sl, fn, devs) in enumerate(zip(lay.stages, program.functions,
                                                         stage_devices)))
   group_fns = tuple(
-      jax.jit(fn, out_shardings=lay.group_out_shardings(gi, stages[g.home].mesh))
+      jax.jit(fn, out_shardings=lay.group_out_shardings(gi, stages[g.home].group_mesh(g.side)))
       for gi, (g, fn) in enumerate(zip(lay.groups, program.group_functions)))
   return CompiledStep(program, stages, group_fns)
 

@@ -149,10 +149,12 @@ class GroupLayout:
     home: its stage.
     in_ids: outer value ids it reads.
     out_ids: outer value ids it computes that others read.
+    side: ``0``: on the stage's devices; ``1``: on a zebra stage's expert group.
   """
   home: int
   in_ids: tuple
   out_ids: tuple
+  side: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -410,7 +412,8 @@ def step_layout(traced: TracedStep, layers: LayerSequence, stages, programs, pla
   return StepLayout(
       num_stages=S, num_microbatches=ts.num_microbatches, num_params=ts.num_params,
       stages=tuple(stages),
-      groups=tuple(GroupLayout(g.home, tuple(g.in_ids), tuple(g.out_ids)) for g in groups),
+      groups=tuple(GroupLayout(g.home, tuple(g.in_ids), tuple(g.out_ids), g.side)
+                   for g in groups),
       num_before=n_before, preferred=dict(preferred), outer_avals=outer_avals,
       const_vids=const_vids, leaf_vids=leaf_vids,
       leaf_readers=tuple(frozen_readers.get(v, frozenset()) for v in leaf_vids),

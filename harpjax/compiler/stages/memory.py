@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.layers import sharding as sharding_lib
+from harpjax.compiler.plan import zebra_group_bytes
 from harpjax.compiler.profile import StageMemory, stage_memory
 from harpjax.compiler.stages.aot import compile_group, compile_stage
 from harpjax.compiler.stages.compile import CompiledStep, state_successors
@@ -44,7 +45,8 @@ from harpjax.compiler.stages.zebra import ZebraStageExecutables
 from harpjax.compiler.trace import aval_nbytes
 from harpjax.errors import UnsupportedError
 
-__all__ = ["StageMemoryReport", "memory_report", "in_flight"]
+__all__ = ["StageMemoryReport", "ZebraGroupMemory", "ZebraMemoryReport", "memory_report",
+           "in_flight"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +122,10 @@ def _analysis(compiled) -> tuple[float, float, float, float]:
 
 
 def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = None,
-                  reduce_scatter: bool = False, group: int = 0) -> StageMemoryReport:
-  """Stage ``stage``'s per-device memory over a step, from XLA and from the model.
+                  reduce_scatter: bool = False, group: int = 0
+                  ) -> StageMemoryReport | ZebraMemoryReport:
+  """Stage ``stage``'s per-device memory over a step, from XLA and from the model (a zebra
+  stage: each of its two groups', :func:`zebra_memory_report`).
 
   Args:
     cs: the compiled step.
@@ -138,8 +142,7 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   """
   lay, st = cs.layout, cs.stages[stage]
   if isinstance(st, ZebraStageExecutables):
-    raise UnsupportedError(f"stage {stage} is a zebra stage (attention and experts on two "
-                           "groups of devices): its memory report is not made yet")
+    return zebra_memory_report(cs, stage)
   split = lay.splits.get(stage)
   if split is None and group:
     raise UnsupportedError(f"stage {stage} runs on one group of devices; group={group} "
@@ -226,3 +229,144 @@ def memory_report(cs: CompiledStep, stage: int, *, compiled: Mapping | None = No
   return StageMemoryReport(stage, sl.zero, dp, n, params, grads, opt, residual, ex, phases,
                            max(phases.values()), predicted)
 
+
+
+# --------------------------------------------------------------------------- zebra stages
+
+
+@dataclasses.dataclass(frozen=True)
+class ZebraGroupMemory:
+  """One group of a zebra stage: what one of its devices holds over a step (bytes).
+
+  Attributes:
+    side: ``"attention"`` or ``"experts"``.
+    param_bytes: the parameters it holds (the attention group: the stage's but the expert
+      weights, plus the step's copies of the experts moved onto it; the expert group: the
+      expert weights, whole, plus the step's slices of the kept experts where some moved).
+    grad_bytes: its parts' gradient accumulators.
+    opt_bytes: the optimizer state its placement groups update.
+    act_bytes: one pipeline microbatch's residuals: its ``R`` zebra microbatches' in every
+      part the group runs (XLA's forwards).
+    phases: ``"fwd A0"``, ``"bwd E1"``..., ``"update0"``... -> peak bytes while it runs.
+    xla_peak_bytes: the largest of ``phases``.
+    predicted_peak_bytes: the memory model
+      (:func:`~harpjax.compiler.plan.zebra_stages.zebra_group_bytes`, the planner's) of the
+      state and activation bytes above (the update's new values: the parameters and the
+      optimizer state it holds).
+  """
+  side: str
+  param_bytes: float
+  grad_bytes: float
+  opt_bytes: float
+  act_bytes: float
+  phases: dict
+  xla_peak_bytes: float
+  predicted_peak_bytes: float
+
+  @property
+  def state_bytes(self) -> float:
+    return self.param_bytes + self.grad_bytes + self.opt_bytes
+
+  @property
+  def error(self) -> float:
+    """``predicted / xla - 1``."""
+    return self.predicted_peak_bytes / self.xla_peak_bytes - 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ZebraMemoryReport:
+  """A zebra stage's memory per device of each group, from XLA and from the model.
+
+  Attributes:
+    stage: the stage.
+    in_flight: pipeline microbatches whose residuals it holds at once (``N``).
+    num_microbatches: ``R``, zebra microbatches per pipeline microbatch.
+    executables: ``"fwd A0"``, ``"bwd E0"``, ``"update0 experts"``... -> ``(argument,
+      output, alias, temp)`` bytes of XLA's ``memory_analysis()``.
+    attention, experts: each group's :class:`ZebraGroupMemory`.
+  """
+  stage: int
+  in_flight: int
+  num_microbatches: int
+  executables: dict
+  attention: ZebraGroupMemory
+  experts: ZebraGroupMemory
+
+
+def zebra_memory_report(cs: CompiledStep, stage: int) -> ZebraMemoryReport:
+  """Zebra stage ``stage``'s memory per device of each group over a step, from the programs
+  the runtime compiles (each part's forward and backward, the placement groups that update
+  the state each group holds) and XLA's ``memory_analysis()`` of them.
+
+  Each group, one of its devices: its state (parameters, gradient accumulators, optimizer
+  state, :class:`ZebraGroupMemory`) and the residuals of the ``N`` pipeline microbatches in
+  flight (the stage's row of the task table), each ``R`` zebra microbatches through every
+  part the group runs; during a part's forward of the ``N``-th microbatch, that with the
+  part's own residuals replaced by its outputs and temporaries (XLA); during a part's
+  backward, the state with ``N`` microbatches' residuals plus its new outputs (not aliased to
+  the donated accumulator) and temporaries; during an update, the state plus the group's
+  outputs and temporaries. The model beside it is the planner's,
+  :func:`~harpjax.compiler.plan.zebra_stages.zebra_group_bytes` of the state and activation
+  bytes: temporaries are what it leaves out.
+  """
+  lay, st = cs.layout, cs.stages[stage]
+  z = st.zebra
+  R = z.num_microbatches
+  n = in_flight(cs.schedule, stage)
+  held = set(z.expert_params)
+  ex: dict = {}
+  per_side = {0: dict(params=0.0, grads=0.0, opt=0.0, act=0.0, parts=[]),
+              1: dict(params=0.0, grads=0.0, opt=0.0, act=0.0, parts=[])}
+  for v in st.layout.param_ids:
+    side = 1 if v in held else 0
+    per_side[side]["params"] += _device_bytes(st.layout.avals[v], st.sharding(v))
+  for part, pex in zip(z.parts, st.parts):
+    side = 1 if part.kind == "E" else 0
+    acc = per_side[side]
+    name = f"{part.kind}{part.layer}"
+    if part.experts is not None:   # the step's slices of the expert weights
+      acc["params"] += sum(_device_bytes(pex.layout.avals[v], pex.sharding(v))
+                           for v in pex.layout.param_ids)
+    acc["grads"] += sum(_device_bytes(pex.layout.avals[v], pex.acc_sharding(v))
+                        for v in pex.layout.param_ids)
+    c = compile_stage(pex)
+    ex[f"fwd {name}"], ex[f"bwd {name}"] = _analysis(c["fwd"]), _analysis(c["bwd"])
+    _, residual = _fwd_results(c["fwd"], len(pex.layout.output_ids))
+    acc["act"] += R * residual
+    acc["parts"].append((name, residual))
+  outer = cs.traced.outer
+  _, state = state_successors(cs.traced)
+  groups = [gi for gi in range(lay.num_before, len(lay.groups)) if lay.groups[gi].home == stage]
+  for v in state:
+    for gi in groups:
+      g = lay.groups[gi]
+      if v in g.in_ids and (stage, v) in lay.preferred:
+        mesh = st.group_mesh(g.side)
+        per_side[g.side]["opt"] += _device_bytes(outer.avals[v],
+                                                 NamedSharding(mesh, lay.preferred[(stage, v)]))
+        break
+  sides = []
+  for side, label in ((0, "attention"), (1, "experts")):
+    acc = per_side[side]
+    state_bytes = acc["params"] + acc["grads"] + acc["opt"]
+    phases = {}
+    for name, residual in acc["parts"]:
+      _, f_out, _, f_temp = ex[f"fwd {name}"]
+      phases[f"fwd {name}"] = state_bytes + n * acc["act"] - residual + f_out + f_temp
+      _, b_out, b_alias, b_temp = ex[f"bwd {name}"]
+      phases[f"bwd {name}"] = state_bytes + n * acc["act"] + b_out - b_alias + b_temp
+    k = 0
+    for gi in groups:
+      g = lay.groups[gi]
+      if g.side != side:
+        continue
+      key = f"update{k} {label}"
+      ex[key] = _analysis(compile_group(lay, gi, cs.group_fns[gi], st.group_mesh(side)))
+      _, g_out, g_alias, g_temp = ex[key]
+      phases[key] = state_bytes + g_out - g_alias + g_temp
+      k += 1
+    sides.append(ZebraGroupMemory(label, acc["params"], acc["grads"], acc["opt"], acc["act"],
+                                  phases, max(phases.values()),
+                                  zebra_group_bytes(state_bytes, acc["act"], n,
+                                                    acc["params"] + acc["opt"])))
+  return ZebraMemoryReport(stage, n, R, ex, sides[0], sides[1])

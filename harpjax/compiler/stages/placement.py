@@ -45,12 +45,15 @@ class Group:
     ops: the ops, floating ones cloned in, in program order.
     in_ids: values read from outside the group.
     out_ids: values other groups, the region or the step's outputs need.
+    side: ``0``: on the stage's devices; ``1``: on a zebra stage's expert group (the update
+      of the state held there, :func:`harpjax.compiler.stages.zebra.expert_side`).
   """
   home: int
   level: int
   ops: tuple
   in_ids: tuple
   out_ids: tuple
+  side: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -394,6 +394,11 @@ class StageExecutables:
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
 
+  def group_mesh(self, side: int = 0) -> Mesh:
+    """The mesh a placement group of the stage runs on (``side`` 1: a zebra stage's expert
+    group)."""
+    return self.mesh
+
   @property
   def executables(self) -> tuple:
     """The executables that run the stage's work (one stage: itself; a stage that splits its

@@ -35,10 +35,15 @@ auxiliary loss decided over the microbatch's tokens) a zebra microbatch would ro
 own tokens only, so the stage runs ``R = 1`` (the groups then overlap across the pipeline's
 microbatches only) and says so.
 
-The stage's parameters and their gradients live on the attention group (in the stage's
-:class:`~harpjax.compiler.stages.layout.StageLayout`): each part receives the parameters it
-reads once per step, and :meth:`ZebraStageExecutables.total` sums the parts' gradients there
-once per step, in part order.
+**Where the state lives.** The expert weights (:attr:`ZebraLayout.expert_params`: the
+parameters only experts' parts read, and no other stage) live on the expert group, whole and
+sharded as the experts' parts read them (the expert mesh's ``ep`` axis splits the experts):
+their gradients are summed there (:meth:`ZebraStageExecutables.total`), and their optimizer
+state and update run there too (the placement groups that update them are the stage's
+*side 1*, :func:`expert_side`, jitted on the expert group's mesh). Nothing of them crosses
+per step, but the experts moved onto the attention group (below), whose weights are sent
+there each step and whose gradients come back. The attention group holds the rest of the
+stage's parameters, their gradients and optimizer state.
 
 **Asymmetric expert assignment** (a non-zero :attr:`~harpjax.compiler.plan.ZebraGroup.offload`
 ``o_k``): of each expert GPU's ``n / N`` experts of layer ``k`` (in expert order, GPU ``g``
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import functools
 import logging
 from collections import defaultdict
 from typing import Sequence
@@ -67,13 +73,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan, StageSpec
 from harpjax.compiler.schedule import ZebraCosts, ZebraTask, schedule_kind, theorem1_order
 from harpjax.compiler.stages.layout import StageLayout, stage_layout
+from harpjax.compiler.stages.placement import Placement
 from harpjax.compiler.stages.split import (FIRST, SUMMED, WEIGHTED, Retrace, part_at, rows_of)
 from harpjax.compiler.stages.stage import (StageExecutables, StageFunctions, StageProgram,
                                            jit_stage, put, row_slice, slice_stages,
@@ -84,6 +91,7 @@ from harpjax.errors import PlanError, ZebraPlanOnlyError
 log = logging.getLogger(__name__)
 
 __all__ = ["ZebraPart", "ZebraLayout", "zebra_stage", "issue_order", "expert_mesh",
+           "expert_held", "expert_side", "expert_preferred",
            "ZebraStageExecutables", "zebra_executables", "check_zebra_runs"]
 
 _RANDOM = frozenset({"random_bits", "random_split", "random_fold_in", "random_seed",
@@ -109,7 +117,7 @@ def check_zebra_runs(plan: Plan, local: bool = True) -> None:
   if not local:
     raise ZebraPlanOnlyError(f"{what}: the Ray runtime does not run zebra stages yet; run the "
                              "step with harpjax.LocalRuntime(), or plan without them "
-                             "(MixedOptions(zebra='off'), auto_parallel's default)")
+                             "(MixedOptions(zebra='off'); the default, 'auto', plans none for Ray)")
   if schedule_kind(plan.schedule).chunks > 1:
     raise ZebraPlanOnlyError(f"{what}: an interleaved schedule ({plan.schedule!r}) does not "
                              "run zebra stages; use 'h1f1b', '1f1b', 'eager_1f1b' or 'gpipe'")
@@ -179,6 +187,10 @@ class ZebraLayout:
       attention group's first).
     forward, backward: the :class:`~harpjax.compiler.schedule.ZebraTask` s of a forward and a
       backward task, in the order they are issued (:func:`issue_order`).
+    expert_mesh: the expert group's logical mesh (:func:`expert_mesh`).
+    expert_params: parameter id -> its ``PartitionSpec`` on the expert group, of the
+      parameters held there (every expert weight: the parameters only experts' parts read),
+      whole (every expert of the layer) and in the experts' parts' sharding.
   """
   stage: int
   rows: int
@@ -191,6 +203,8 @@ class ZebraLayout:
   expert_devices: int
   forward: tuple
   backward: tuple
+  expert_mesh: tuple = (1, 1)
+  expert_params: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_routed(self) -> int:
@@ -448,6 +462,7 @@ def zebra_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
     moved_of.append(tuple(g * (n // N) + i for g in range(N) for i in range(o)) if o else ())
   emesh = expert_mesh(z, [n - len(m) for n, m in zip(num_experts, moved_of)])
   parts, functions = [], []
+  held: dict = {}   # the expert weights, whole, in the experts' parts' sharding
   for p, sub in enumerate(programs):
     k = p // 2
     if not p % 2:
@@ -456,6 +471,7 @@ def zebra_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
       functions.append(stage_functions(sub, ts_r, layers_r, remat, lay, rows=rows))
       continue
     lay = stage_layout(sub, ts_r, layers_r, bd, tuple(emesh), 0)
+    held.update((v, lay.specs[v]) for v in sub.param_ids)
     if not moved_of[k]:
       parts.append(ZebraPart("E", k, lay))
       functions.append(stage_functions(sub, ts_r, layers_r, remat, lay, rows=rows))
@@ -474,9 +490,11 @@ def zebra_stage(s: int, plan_stages: Sequence[StageSpec], home_program: StagePro
   log.info("zebra stage %d: %d routed layers, R=%d zebra microbatches of %s rows, experts on "
            "%d devices (logical mesh %s), moved onto the attention group per layer: %s", s, K,
            R, r, N, emesh, [len(m) for m in moved_of])
+  on_attn = {v for p in parts if p.kind == "A" for v in p.layout.param_ids}
   layout = ZebraLayout(s, b, r, R, tuple(parts), axes, combine,
                        spec.submesh[0] * spec.submesh[1], N,
-                       issue_order(K, R, "F", offloaded), issue_order(K, R, "B", offloaded))
+                       issue_order(K, R, "F", offloaded), issue_order(K, R, "B", offloaded),
+                       tuple(emesh), {v: sp for v, sp in held.items() if v not in on_attn})
   return layout, tuple(functions)
 
 
@@ -568,6 +586,61 @@ def _zeros(lay: StageLayout):
   return lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in shapes)
 
 
+# --------------------------------------------------------------------------- the expert state
+
+
+def expert_held(zebras: dict, param_vids: Sequence[int], users: Sequence[Sequence[int]]
+                ) -> dict[int, int]:
+  """Parameter index -> zebra stage, of the parameters held on a zebra stage's expert group:
+  its expert weights (:attr:`ZebraLayout.expert_params`) that no other stage reads. Their
+  gradients, their optimizer state and their update live there too.
+
+  Args:
+    zebras: stage -> ``(ZebraLayout, functions)`` (:func:`zebra_stage`).
+    param_vids: per parameter index, its region value id.
+    users: per parameter index, the stages reading it.
+  """
+  out = {}
+  for j, v in enumerate(param_vids):
+    for s, (zl, _) in zebras.items():
+      if v in zl.expert_params and tuple(users[j]) == (s,):
+        out[j] = s
+  return out
+
+
+def expert_side(placed: Placement, num_stages: int) -> Placement:
+  """``placed`` (placed with the expert group of zebra stage ``s`` as home ``num_stages + s``,
+  :func:`expert_held`'s values seeded there) with those homes as stage ``s``'s side 1: the
+  placement groups that update the expert state, run on the expert group's devices."""
+  S = num_stages
+  home = lambda h: h - S if h >= S else h
+  regroup = lambda gs: tuple(dataclasses.replace(g, home=home(g.home), side=int(g.home >= S))
+                             for g in gs)
+  return Placement(regroup(placed.before), regroup(placed.after),
+                   {i: home(h) for i, h in placed.op_home.items()},
+                   {v: home(h) for v, h in placed.var_home.items()})
+
+
+def expert_preferred(traced: TracedStep, prog, zebras: dict, held: dict,
+                     preferred: dict) -> None:
+  """Sets the preferred sharding of each expert-held parameter (:func:`expert_held`) and of
+  its gradient to its ``PartitionSpec`` on the expert group (``preferred``, keyed
+  ``(stage, outer value id)``, is updated; the optimizer state follows them when the
+  preferences propagate). ``prog``: the region's program."""
+  region = traced.outer.ops[traced.region_op]
+  n_fwd = len(prog.outvars)
+  for k, inp in enumerate(traced.inputs):
+    if inp.kind != "param" or inp.param_index not in held:
+      continue
+    s = held[inp.param_index]
+    spec = zebras[s][0].expert_params[prog.invars[k]]
+    if not isinstance(inp.outer_ref, Lit):
+      preferred[(s, inp.outer_ref)] = spec
+    g = region.outvars[n_fwd + inp.param_index]
+    if g >= 0:
+      preferred[(s, g)] = spec
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -581,10 +654,14 @@ class ZebraStageExecutables(StageExecutables):
   group's mesh) on every zebra microbatch in :attr:`ZebraLayout.forward` /
   :attr:`ZebraLayout.backward` order. The residuals are every part's of every zebra
   microbatch; the gradient accumulator is one per part, on its group;
-  :meth:`total` sums them into the stage's gradients on the attention group.
+  :meth:`total` sums them into the stage's gradients on the attention group, but those of
+  the expert weights (:attr:`ZebraLayout.expert_params`), which live on the expert group
+  (``expert_mesh``): the weights themselves (:meth:`sharding`), their gradients
+  (:meth:`acc_sharding`) and the placement groups updating them (:meth:`group_mesh`).
   """
   parts: tuple = ()
   zebra: ZebraLayout | None = None
+  expert_mesh: Mesh | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "fwd", self._fwd)
@@ -596,9 +673,28 @@ class ZebraStageExecutables(StageExecutables):
   def executables(self) -> tuple:
     return tuple(self.parts)
 
+  @functools.cached_property
+  def _shardings(self) -> dict:
+    out = {v: NamedSharding(self.mesh, spec) for v, spec in self.layout.specs.items()}
+    out.update((v, NamedSharding(self.expert_mesh, spec))
+               for v, spec in self.zebra.expert_params.items())
+    return out
+
+  @functools.cached_property
+  def _acc_shardings(self) -> dict:
+    out = {v: NamedSharding(self.mesh, self.layout.acc_spec(v)) for v in self.layout.param_ids}
+    out.update((v, NamedSharding(self.expert_mesh, spec))
+               for v, spec in self.zebra.expert_params.items())
+    return out
+
+  def group_mesh(self, side: int = 0) -> Mesh:
+    return self.expert_mesh if side else self.mesh
+
   def _part_params(self, params) -> list:
     """Per part, the parameters it reads on its devices (an experts' part: its experts' slice
-    of the expert weights), put once per version of ``params`` (per step)."""
+    of the expert weights), put once per version of ``params`` (per step). The expert
+    weights are on the expert group already: an experts' part of every expert reads them as
+    they are; only the experts moved onto the attention group are copied there."""
     cached, out = self._params
     if cached is not params:
       index = {v: i for i, v in enumerate(self.layout.param_ids)}
@@ -615,12 +711,12 @@ class ZebraStageExecutables(StageExecutables):
       return x
     return row_slice(x, axis, j * z.zebra_rows, z.zebra_rows, z.rows)
 
-  def _joined(self, p: int, v, mine, theirs):
+  def _joined(self, p: int, v, mine, theirs, mesh: Mesh | None = None):
     """Value ``v`` of all the experts of part ``p``'s layer, from part ``p``'s experts'
-    (``mine``) and its twin's (``theirs``), on the attention group."""
+    (``mine``) and its twin's (``theirs``), on ``mesh`` (default: the attention group's)."""
     z = self.zebra
     part, twin = z.parts[p], z.parts[z.twin(p)]
-    axis, sh = part.axes[v], NamedSharding(self.mesh, P())
+    axis, sh = part.axes[v], NamedSharding(self.mesh if mesh is None else mesh, P())
     if axis is None:   # read whole by both: its cotangents add up
       return put(mine, sh) + put(theirs, sh)
     both = jnp.concatenate([put(mine, sh), put(theirs, sh)], axis=axis)
@@ -756,10 +852,12 @@ class ZebraStageExecutables(StageExecutables):
     return tuple(ex.zeros() for ex in self.parts)
 
   def total(self, acc) -> tuple:
-    """The stage's gradients: every part's accumulator summed on the attention group, in
-    part order (an experts' part with its twin: their experts' gradients joined first), once
-    per step."""
+    """The stage's gradients: every part's accumulator summed on the attention group (an
+    expert weight's: on the expert group), in part order (an experts' part with its twin:
+    their experts' gradients joined first), once per step. Drops the step's copies of the
+    parameters the parts read."""
     z = self.zebra
+    self._params[:] = [None, None]
     out = []
     for v in self.layout.param_ids:
       sh, x = self.acc_sharding(v), None
@@ -772,7 +870,7 @@ class ZebraStageExecutables(StageExecutables):
           if q < p:   # joined at the first of the two
             continue
           other = self.parts[q]
-          g = self._joined(p, v, g, acc[q][other.layout.param_ids.index(v)])
+          g = self._joined(p, v, g, acc[q][other.layout.param_ids.index(v)], sh.mesh)
         g = put(g, sh)
         x = g if x is None else x + g
       if x is None:
@@ -802,7 +900,8 @@ def zebra_executables(home: StageLayout, zebra: ZebraLayout, functions: Sequence
     raise PlanError(f"stage {zebra.stage} is a zebra stage on {na} + {ne} devices but got "
                     f"{len(devices)}")
   devs = list(devices)
-  meshes = {}
+  emesh = sharding_lib.make_mesh(devs[na:], zebra.expert_mesh)
+  meshes = {("E", tuple(zebra.expert_mesh)): emesh}
   parts = []
   for part, fn in zip(zebra.parts, functions):
     group = devs[na:] if part.kind == "E" else devs[:na]   # A and X on the attention group
@@ -811,4 +910,5 @@ def zebra_executables(home: StageLayout, zebra: ZebraLayout, functions: Sequence
       meshes[key] = sharding_lib.make_mesh(group, part.layout.logical_mesh)
     parts.append(jit_stage(part.layout, fn, meshes[key]))
   mesh = sharding_lib.make_mesh(devs[:na], home.logical_mesh)
-  return ZebraStageExecutables(home, mesh, None, None, None, parts=tuple(parts), zebra=zebra)
+  return ZebraStageExecutables(home, mesh, None, None, None, parts=tuple(parts), zebra=zebra,
+                               expert_mesh=emesh)

@@ -71,7 +71,7 @@ def routed_tables(*, hosts=(1, 1), dph=(2, 2), att_speed=(4.0, 1.0), exp_speed=(
 
 def zebra_options(**kw):
   # no data-parallel mixed-type stages (links never fast enough): plain and zebra stages only
-  return MixedOptions(zebra="plan-only", min_link_ratio=math.inf, pair_candidates=0, **kw)
+  return MixedOptions(zebra="on", min_link_ratio=math.inf, pair_candidates=0, **kw)
 
 
 def solve(tables, B, mo):
@@ -248,12 +248,18 @@ def test_zebra_loses_where_the_gpus_differ_alike_and_the_link_is_slow():
   assert off.iteration_s == got.iteration_s
 
 
-def test_zebra_is_off_unless_asked_for():
+def test_zebra_is_considered_by_default_and_not_when_off():
+  # MixedOptions' default zebra="auto" plans zebra stages (solve, `harpjax plan` and
+  # auto_parallel on the local runtime alike); "off" does not
   tables = routed_tables(att_speed=(6.0, 1.0), exp_speed=(1.2, 1.0), exp_work=[0.0, 3.0, 3.0],
                          routed_bytes=0.05, bw=100.0)
-  got = planner.solve(tables, 4, backend="sequential", mixed_options=MixedOptions(
-      microbatch_rows=4, min_link_ratio=math.inf))
-  assert not any(s.zebra is not None for s in got.plan.stages)
+  kw = dict(microbatch_rows=4, min_link_ratio=math.inf)
+  got = planner.solve(tables, 4, backend="sequential", mixed_options=MixedOptions(**kw))
+  off = planner.solve(tables, 4, backend="sequential",
+                      mixed_options=MixedOptions(zebra="off", **kw))
+  assert any(s.zebra is not None for s in got.plan.stages)
+  assert not any(s.zebra is not None for s in off.plan.stages)
+  assert got.iteration_s < off.iteration_s
 
 
 def test_memory_moves_experts_onto_the_attention_group():
@@ -374,3 +380,19 @@ def test_the_runtime_refuses_what_it_does_not_run_of_a_zebra_plan_by_name():
   pstep = harpjax.auto_parallel(step, cluster=DEMO_CLUSTER, num_microbatches=2, plan=plan)
   with pytest.raises(PlanError, match="names layer 2 as routed, but it reads no expert"):
     pstep(state, batch)
+
+
+def test_the_zebra_mode_auto_on_off_and_the_deprecated_plan_only():
+  from harpjax.compiler.plan import zebra_for_runtime
+  from harpjax.errors import InvalidOptionError
+  assert MixedOptions().zebra == "auto"   # auto_parallel, solve and `harpjax plan` alike
+  with pytest.warns(DeprecationWarning, match="'plan-only' is deprecated.*zebra='on'"):
+    assert MixedOptions(zebra="plan-only").zebra == "on"
+  with pytest.raises(InvalidOptionError, match="MixedOptions.zebra"):
+    MixedOptions(zebra="yes")
+  # auto: considered where the runtime runs zebra stages (local), not for Ray; on stays on
+  # (the Ray runtime then refuses the plan by name)
+  assert zebra_for_runtime(MixedOptions(), local=True).zebra == "auto"
+  assert zebra_for_runtime(MixedOptions(), local=False).zebra == "off"
+  assert zebra_for_runtime(MixedOptions(zebra="on"), local=False).zebra == "on"
+  assert zebra_for_runtime(MixedOptions(zebra="off"), local=True).zebra == "off"
