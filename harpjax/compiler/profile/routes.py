@@ -93,4 +93,4 @@ def node_link(cluster, sub) -> Link:
   """The link between two hosts of subcluster ``sub`` of ``cluster``
   (:meth:`~harpjax.cluster.Cluster.intra_subcluster_link`, as a plain :class:`Link`)."""
   nl = cluster.intra_subcluster_link(sub.name)
-  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+  return Link(nl.bandwidth_bytes_per_s, nl.latency_s, curve=nl.curve)

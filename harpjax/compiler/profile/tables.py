@@ -46,8 +46,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from harpjax.cluster import Link, host_joins, is_divisibility_chain
+from harpjax.cluster import BandwidthCurve, Link, host_joins, is_divisibility_chain
 from harpjax.errors import CostTablesError
+from harpjax.compiler.profile.collectives import cut_time_s
 from harpjax.compiler.profile.fees import LinkFees
 from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.trace import REMAT_MODES
@@ -281,6 +282,12 @@ class CostTables:
       residual offload) variants (:func:`harpjax.compiler.plan.variants.expand_variants`):
       ``[K]`` tuples of ``(zero, offload, offload_activations)``, one per entry of
       ``submeshes[k]`` (whose shapes then repeat, once per variant).
+    link_curves: optional ``[K, K]`` :class:`~harpjax.cluster.BandwidthCurve` or ``None``
+      per link: entry ``[a][b]`` (``a != b``) is the bandwidth by message size of the link
+      from subcluster ``a`` to ``b``, ``[k][k]`` that of the link between two hosts of ``k``
+      (the cluster file's ``gbps_by_size``). A cut on such a link moves at the curve's
+      bandwidth at its message size (:func:`~harpjax.compiler.profile.cut_time_s`); ``None``
+      (the whole matrix or an entry): at the link's bandwidth.
     routed_split: optional :class:`~harpjax.compiler.profile.routed_split.RoutedSplit`: the
       experts' part of each routed layer's time and memory, which zebra stages (attention and
       experts on two groups of GPUs, :mod:`harpjax.compiler.plan.zebra_stages`) need.
@@ -322,6 +329,7 @@ class CostTables:
   host_latency_s: tuple[float, ...] | None = None
   fees: LinkFees | None = None
   routed_split: RoutedSplit | None = None
+  link_curves: tuple[tuple[BandwidthCurve | None, ...], ...] | None = None
 
   def __post_init__(self):
     L = check_int(self.num_layers, "num_layers")
@@ -359,6 +367,15 @@ class CostTables:
     elif self.host_latency_s is not None:
       raise CostTablesError("host_latency_s needs host_bandwidth_bytes_per_s")
     self._set_links(K)
+    if self.link_curves is not None:
+      rows = check_seq(self.link_curves, "link_curves", K)
+      curves = tuple(tuple(check_seq(r, f"link_curves[{a}]", K)) for a, r in enumerate(rows))
+      for a, r in enumerate(curves):
+        for b, c in enumerate(r):
+          if c is not None and not isinstance(c, BandwidthCurve):
+            raise CostTablesError(f"link_curves[{a}][{b}]={c!r}: expected a BandwidthCurve "
+                                  "or None")
+      set_("link_curves", None if all(c is None for r in curves for c in r) else curves)
     if self.fees is not None:
       if not isinstance(self.fees, LinkFees):
         raise CostTablesError(f"fees: expected a LinkFees, got {self.fees!r}")
@@ -581,17 +598,26 @@ class CostTables:
   def total_devices(self) -> int:
     return int(sum(self.subcluster_devices))
 
-  def _cuts_on(self, latency_s, bandwidth_bytes_per_s) -> np.ndarray:
-    """``[K, L]`` seconds of a cut after layer ``j`` on each subcluster's link of these."""
-    out = (np.asarray(latency_s)[:, None]
-           + self.boundary_bytes[None, :] / np.asarray(bandwidth_bytes_per_s)[:, None])
+  def _cuts_on(self, latency_s, bandwidth_bytes_per_s, curves=None) -> np.ndarray:
+    """``[K, L]`` seconds of a cut after layer ``j`` on each subcluster's link of these (at
+    ``curves[k]``'s bandwidth by message size where given)."""
+    K = self.num_subclusters
+    curves = (None,) * K if curves is None else curves
+    out = np.stack([cut_time_s(self.boundary_bytes, bandwidth_bytes_per_s[k], latency_s[k],
+                               curves[k]) for k in range(K)]).reshape(K, self.num_layers)
     out.setflags(write=False)
     return out
+
+  def curve(self, a: int, b: int) -> BandwidthCurve | None:
+    """The bandwidth by message size of the link from subcluster ``a`` to ``b`` (``a == b``:
+    between two hosts of ``a``), or ``None``."""
+    return None if self.link_curves is None else self.link_curves[a][b]
 
   @functools.cached_property
   def intra_comm_s(self) -> np.ndarray:
     """``[K, L]`` seconds of a cut after layer ``j`` inside subcluster ``k``: ``C(j)``."""
-    return self._cuts_on(self.intra_latency_s, self.intra_bandwidth_bytes_per_s)
+    return self._cuts_on(self.intra_latency_s, self.intra_bandwidth_bytes_per_s,
+                         [self.curve(k, k) for k in range(self.num_subclusters)])
 
   @functools.cached_property
   def inter_comm_s(self) -> np.ndarray:
@@ -619,7 +645,7 @@ class CostTables:
         if a == b:
           out[a, b] = self.intra_comm_s[a]
         elif bw[a, b] > 0:
-          out[a, b] = lat[a, b] + self.boundary_bytes / bw[a, b]
+          out[a, b] = cut_time_s(self.boundary_bytes, bw[a, b], lat[a, b], self.curve(a, b))
     out.setflags(write=False)
     return out
 
