@@ -26,29 +26,37 @@ __all__ = ["allreduce_time_s", "allgather_time_s", "all_to_all_time_s", "collect
            "round_trip_time_s", "update_time_s", "cut_time_s"]
 
 
-def cut_time_s(nbytes, bandwidth_bytes_per_s, latency_s=0.0, curve=None, pairs=1):
-  """Seconds of a cut: ``nbytes`` sent as ``pairs`` equal messages at once, one per host pair,
-  each on its own link: ``latency + (bytes / h) / bw(bytes / h)`` with ``h = pairs`` and
-  ``bw`` the link's bandwidth at that message size (``curve``, a
+def cut_time_s(nbytes, bandwidth_bytes_per_s, latency_s=0.0, curve=None, senders=1,
+               receivers=1):
+  """Seconds of a cut: ``nbytes`` sent from ``senders`` hosts to ``receivers`` hosts, each
+  host's rows to the hosts whose rows overlap them, every host pair on its own connection at
+  once.
+
+  With ``h = min(senders, receivers)`` and ``n = max(senders, receivers)``, the cut moves
+  ``n + h - gcd`` messages; the busiest host sends or receives ``n / h`` of them, each of
+  ``bytes / n`` (rows split evenly), so the cut takes ``latency + bytes / (h x bw(bytes /
+  n))``: ``bw`` is the link's bandwidth at that message size (``curve``, a
   :class:`~harpjax.cluster.BandwidthCurve`, where given, else ``bandwidth_bytes_per_s``).
-  With one pair and no curve it is ``latency + bytes / bandwidth``.
+  One host on each side: ``latency + bytes / bw(bytes)``, one message.
 
   Args:
     nbytes: bytes of the whole cut (a scalar or an array: then so is the result).
-    bandwidth_bytes_per_s: the link's bandwidth (one pair, no size known); ``0``: no link
-      (``inf``).
+    bandwidth_bytes_per_s: the link's bandwidth (no size known); ``0``: no link (``inf``).
     latency_s: seconds per message.
     curve: optional bandwidth by message size.
-    pairs: host pairs sending at once (``>= 1``; a number or an array broadcasting with
-      ``nbytes``).
+    senders, receivers: hosts holding distinct rows of the cut on either side (``>= 1``;
+      numbers or arrays broadcasting with ``nbytes``).
   """
-  x = np.asarray(nbytes, np.float64) / np.asarray(pairs, np.float64)
+  h = np.minimum(senders, receivers).astype(np.float64)
+  n = np.maximum(senders, receivers).astype(np.float64)
+  x = np.asarray(nbytes, np.float64)
+  msg = x / n
   if curve is not None:
-    bw = np.asarray(curve.bandwidth_at(x), np.float64)
+    bw = np.asarray(curve.bandwidth_at(msg), np.float64)
   else:
     bw = np.asarray(bandwidth_bytes_per_s, np.float64)
   with np.errstate(divide="ignore"):
-    t = np.where(bw > 0, latency_s + x / np.where(bw > 0, bw, 1.0), np.inf)
+    t = np.where(bw > 0, latency_s + x / (h * np.where(bw > 0, bw, 1.0)), np.inf)
   return float(t) if t.ndim == 0 else t
 
 

@@ -671,13 +671,100 @@ class CostTables:
 
   def cut_costs(self, stages: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
     """``[S]`` seconds of the cut after each stage of a plan (``0`` after the last), where
-    the stages sit.
+    the stages sit, each sent as one message on one link (what the runtime sends: a stage's
+    outputs gathered and posted once per consumer stage).
 
     Args:
       stages: ``(first layer, last layer, subcluster, submesh index)`` in pipeline order.
     """
     S = len(stages)
     out = np.zeros(S)
+    joins = self._host_joins(stages)
+    for x in range(S - 1):
+      a, b, j = stages[x][2], stages[x + 1][2], stages[x][1]
+      out[x] = self.host_comm_s[a, j] if joins[x] else self.pair_comm_s[a, b, j]
+    return out
+
+  def replica_cut_costs(self, stages: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
+    """``[S]`` seconds of the cut after each stage of a plan sent per data-parallel replica
+    pair (Sailor's model): each host of the producer sends its replicas' rows to the hosts
+    of the consumer whose rows overlap them, every host pair on its own connection at once,
+    :func:`~harpjax.compiler.profile.cut_time_s` with the two stages' :attr:`row_hosts`
+    (their submeshes and logical meshes). Two stages on one
+    host, or two stages whose rows each sit on one host, send one message as
+    :meth:`cut_costs`.
+
+    A cut is sent per replica pair only where that is faster than one message: on a link of
+    one bandwidth always when ``h > 1`` (``h`` pairs share the bytes), on a link with a
+    :class:`~harpjax.cluster.BandwidthCurve` where ``h x bw(bytes / n) > bw(bytes)`` (one
+    sending host, ``h = 1``, splitting its rows into ``n`` smaller, slower messages, is not);
+    the seconds are the lesser of the two, so never above :meth:`cut_costs`.
+
+    Args:
+      stages: ``(first layer, last layer, subcluster, submesh index)`` in pipeline order.
+    """
+    S = len(stages)
+    out = self.cut_costs(stages)
+    joins = self._host_joins(stages)
+    for x in range(S - 1):
+      if joins[x]:
+        continue
+      (i0, j0, a, s0), (i1, j1, b, s1) = stages[x], stages[x + 1]
+      hp, hc = int(self.row_hosts[a][i0, j0, s0]), int(self.row_hosts[b][i1, j1, s1])
+      if hp == 1 and hc == 1:
+        continue
+      bw, lat = ((self.intra_bandwidth_bytes_per_s[a], self.intra_latency_s[a]) if a == b else
+                 (self.link_bandwidth_bytes_per_s[a][b], self.link_latency_s[a][b]))
+      out[x] = min(out[x], cut_time_s(self.boundary_bytes[j0], bw, lat, self.curve(a, b),
+                                      hp, hc))
+    return out
+
+  @functools.cached_property
+  def row_hosts(self) -> tuple[np.ndarray, ...]:
+    """``[K]`` int arrays ``[L, L, S_k]``: the hosts of a stage on layers ``i..j`` on submesh
+    ``s`` that hold distinct rows of its microbatch (:func:`~harpjax.compiler.profile.
+    row_hosts` of the entry's submesh and logical mesh): what a cut sent per replica pair
+    reads of each of its two stages."""
+    out = []
+    L = self.num_layers
+    for k in range(self.num_subclusters):
+      n = np.array([sh[0] for sh in self.submeshes[k]], np.int64)
+      if self.logical_mesh is None:
+        reps = np.array([sh[0] * sh[1] for sh in self.submeshes[k]], np.int64)[None, None, :]
+      else:
+        lm = np.asarray(self.logical_mesh[k], np.int64)
+        reps = lm[..., 0] * (lm[..., 2] if lm.shape[-1] > 2 else 1)
+      a = np.broadcast_to(np.maximum(1, np.minimum(n[None, None, :], reps)),
+                          (L, L, len(n))).copy()
+      a.setflags(write=False)
+      out.append(a)
+    return tuple(out)
+
+  def replica_cut_table(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The seconds of a cut from a stage on subcluster ``a`` to one on ``b`` (``a == b``:
+    between two hosts of ``a``) sent per replica pair, by the two stages' row hosts
+    (:attr:`row_hosts`): what the DP would read beside :attr:`pair_comm_s`.
+
+    Returns:
+      ``(hosts_a, hosts_b, seconds)``: the distinct row-host counts of ``a``'s and ``b``'s
+      entries (sorted) and ``[len(hosts_a), len(hosts_b), L]`` seconds of the cut after
+      layer ``j`` from a stage with ``hosts_a[p]`` row hosts to one with ``hosts_b[q]``
+      (``inf`` without a link); ``seconds[0, 0]`` is :attr:`pair_comm_s` ``[a, b]`` when
+      both lists start at one host.
+    """
+    ha = np.unique(self.row_hosts[a])
+    hb = np.unique(self.row_hosts[b])
+    bw, lat = ((self.intra_bandwidth_bytes_per_s[a], self.intra_latency_s[a]) if a == b else
+               (self.link_bandwidth_bytes_per_s[a][b], self.link_latency_s[a][b]))
+    out = cut_time_s(self.boundary_bytes[None, None, :], bw, lat, self.curve(a, b),
+                     ha[:, None, None], hb[None, :, None])
+    out = np.broadcast_to(out, (ha.size, hb.size, self.num_layers)).copy()
+    out.setflags(write=False)
+    return ha, hb, out
+
+  def _host_joins(self, stages: Sequence[tuple[int, int, int, int]]) -> list[bool]:
+    """Per cut of a plan, whether its two stages sit on one host (priced at the host link)."""
+    S = len(stages)
     joins = [False] * max(S - 1, 0)
     x = 0
     while x < S:   # each subcluster's run of stages, placed as the allocator places it
@@ -690,10 +777,7 @@ class CostTables:
                                                     for st in stages[x:y + 1]])
         joins[x:y] = run
       x = y + 1
-    for x in range(S - 1):
-      a, b, j = stages[x][2], stages[x + 1][2], stages[x][1]
-      out[x] = self.host_comm_s[a, j] if joins[x] else self.pair_comm_s[a, b, j]
-    return out
+    return joins
 
   def linked(self, a: int, b: int) -> bool:
     """Whether a stage on subcluster ``a`` can be followed by one on ``b`` (``a != b``)."""
