@@ -112,10 +112,15 @@ def test_cut_time_splits_the_bytes_over_host_pairs():
   curve = BandwidthCurve.from_gbps([[1e5, 1.0], [1e7, 4.0], [1e9, 9.0]])
   link = Link(1.125e9, 5e-5, curve=curve)
   for b in (1e6, 3e8):
-    for h in (1, 2, 4):
-      assert cut_time_s(b, 1.125e9, 5e-5, curve, h) == pytest.approx(
+    for h in (1, 2, 4):   # h hosts on either side: h pairs, one message of b / h each
+      assert cut_time_s(b, 1.125e9, 5e-5, curve, h, h) == pytest.approx(
           link.transfer_time_s(b / h), rel=1e-12)
-      assert cut_time_s(b, 1.125e9, 5e-5, None, h) == pytest.approx(5e-5 + b / h / 1.125e9)
+      assert cut_time_s(b, 1.125e9, 5e-5, None, h, h) == pytest.approx(
+          5e-5 + b / h / 1.125e9)
+    # one sender, four receivers: four messages of b / 4 through the sender's link in turn
+    assert cut_time_s(b, 1.125e9, 5e-5, curve, 1, 4) == pytest.approx(
+        5e-5 + 4 * (b / 4) / curve.bandwidth_at(b / 4), rel=1e-12)
+    assert cut_time_s(b, 1.125e9, 5e-5, curve, 4, 1) == cut_time_s(b, 1.125e9, 5e-5, curve, 1, 4)
   assert cut_time_s(1e6, 0.0) == math.inf
 
 
