@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harpjax.compiler.stages import HOST_MEMORY, StageExecutables, StepLayout, put, row_slice
 from harpjax.compiler.trace import Lit
+from harpjax.runtime.rows import move_rows
 
 __all__ = ["MessageKey", "ACT", "CT", "GRAD", "VALUE", "Messenger", "LocalMessenger", "StageRun",
            "put", "place_on_mesh", "microbatch_slice", "combine_microbatches"]
@@ -136,6 +137,11 @@ class Messenger(Protocol):
 class LocalMessenger:
   """Messages between stages of one process: one in-memory inbox per stage.
 
+  A message carries the producer's arrays as they are; the consumer's :meth:`put` moves a
+  value split by rows on both sides per replica pair, device to device
+  (:func:`harpjax.runtime.rows.move_rows`: each producer replica's rows to the consumer
+  replicas they overlap, no gather through host memory).
+
   Args:
     stage: the stage this messenger serves.
     inboxes: per stage, ``{MessageKey: payload}`` (shared by the stages of the process).
@@ -158,7 +164,7 @@ class LocalMessenger:
                            "needed; the task order is not dependency-valid") from None
 
   def put(self, x, sharding: NamedSharding):
-    return put(x, sharding)
+    return move_rows(x, sharding)
 
   def begin_task(self) -> None:
     pass
