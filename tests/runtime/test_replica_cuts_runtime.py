@@ -163,3 +163,36 @@ def test_cut_between_different_dp_matches_jit_float64(x64, name, monkeypatch):
   dp = [lm[0] for _, _, lm, _ in PLANS[name]]
   # The activations went forward and their cotangents back per replica pair.
   assert (dp[0], dp[1]) in moved and (dp[1], dp[0]) in moved, moved
+
+
+@pytest.mark.slow   # Ray start-up: about 50 s
+def test_cut_between_different_dp_on_ray_matches_jit_float64(x64, monkeypatch):
+  # Stage 0 (dp = 4, one V100 host) sends to stage 1 (dp = 2, one A100 host) over TCP: one
+  # host on each side, so the cut is the one host-pair message cut_time_s prices with
+  # hp = hc = 1; the A100 stage's devices each take their rows of it.
+  pytest.importorskip("ray")
+  from harpjax.runtime import ray_runtime
+  hosts = [h.name for h in harpjax.Cluster.load(DEMO_CLUSTER).hosts]
+  ray_runtime.init_ray(num_cpus=2, resources={ray_runtime.HOST_RESOURCE_PREFIX + h: 100
+                                               for h in hosts})
+  try:
+    case = _case()
+    probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2)
+    plan = _plan(len(probe.trace(case.state, case.batches[0]).layers),
+                 [("v100", (1, 4), (4, 1), 0), ("a100", (1, 2), (2, 1), 2)])
+    pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                  plan=plan, runtime="ray")
+    ref = jax.jit(case.step)
+    s_ref = s_par = case.state
+    for i, batch in enumerate(case.batches):
+      out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
+      assert max_rel_err(out_ref[1], out_par[1]) <= RTOL, i
+      s_ref, s_par = out_ref[0], out_par[0]
+    assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+    runner = pstep.runner(case.state, case.batches[0])
+    assert [r.transport for r in runner.routes.values()] == ["tcp", "tcp"]
+    runner.shutdown()
+  finally:
+    ray_runtime.release_pool()
+    import ray
+    ray.shutdown()
