@@ -196,3 +196,21 @@ def test_cut_between_different_dp_on_ray_matches_jit_float64(x64, monkeypatch):
     ray_runtime.release_pool()
     import ray
     ray.shutdown()
+
+
+@pytest.mark.parametrize("curve", [False, True])
+def test_emulated_link_charges_the_one_host_pair_message_as_cut_time_s(curve):
+  # A cut between two one-host stages is one host-pair message: the emulated link holds it for
+  # what cut_time_s prices with hp = hc = 1 (the cost model's price of what runs), on a link
+  # of one bandwidth and on one whose bandwidth depends on the message's size.
+  from harpjax.cluster import BandwidthCurve, Link
+  from harpjax.compiler.profile import cut_time_s
+  from harpjax.runtime.emulation import Emulation
+  c = BandwidthCurve.from_gbps([[1e5, 1.0], [1e7, 4.0], [1e9, 9.0]]) if curve else None
+  link = Link(1.125e9, 5e-5, curve=c)
+  emu = Emulation(fwd_s=(1.0, 1.0), bwd_s=(2.0, 2.0), links={(0, 1): link}, time_scale=0.5,
+                  bytes_scale=3.0)
+  for b in (1e4, 3e5, 2e7, 4e9):
+    want = cut_time_s(b * 3.0, link.bandwidth_bytes_per_s, link.latency_s, c, 1, 1) * 0.5
+    assert emu.transfer_s(0, 1, b) == pytest.approx(want, rel=1e-12)
+    assert emu.delay_fn(0, 1)(b) == pytest.approx(want, rel=1e-12)
