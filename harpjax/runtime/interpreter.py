@@ -116,7 +116,8 @@ class Messenger(Protocol):
 
   A send is two calls, so that a stage spanning several processes can make its collective
   first: :meth:`gather` (the payload in one place; ``None`` on the members that do not send)
-  and :meth:`post`. Task hooks let a runtime time (and emulate) each task.
+  and :meth:`post`. A received activation or cotangent goes onto the stage's sharding with
+  :meth:`take` (the consumer's side of a cut), any other value with :meth:`put`. Task hooks let a runtime time (and emulate) each task.
   """
 
   def gather(self, payload: dict) -> dict | None: ...
@@ -126,6 +127,8 @@ class Messenger(Protocol):
   def recv(self, key: MessageKey, what: str) -> dict: ...
 
   def put(self, x, sharding: NamedSharding): ...
+
+  def take(self, x, sharding: NamedSharding): ...
 
   def begin_task(self) -> None: ...
 
@@ -137,8 +140,8 @@ class Messenger(Protocol):
 class LocalMessenger:
   """Messages between stages of one process: one in-memory inbox per stage.
 
-  A message carries the producer's arrays as they are; the consumer's :meth:`put` moves a
-  value split by rows on both sides per replica pair, device to device
+  A message carries the producer's arrays as they are; the consumer's :meth:`take` moves an
+  activation or cotangent split by rows on both sides per replica pair, device to device
   (:func:`harpjax.runtime.rows.move_rows`: each producer replica's rows to the consumer
   replicas they overlap, no gather through host memory).
 
@@ -164,6 +167,9 @@ class LocalMessenger:
                            "needed; the task order is not dependency-valid") from None
 
   def put(self, x, sharding: NamedSharding):
+    return put(x, sharding)
+
+  def take(self, x, sharding: NamedSharding):
     return move_rows(x, sharding)
 
   def begin_task(self) -> None:
@@ -234,8 +240,8 @@ class StageRun:
     for p in lay.act_sources[s]:
       acts.update(io.recv(MessageKey(ACT, m, p), f"the activations of microbatch {m}"))
     start = io.task_started()
-    a = tuple(io.put(acts[v], st.sharding(v)) for v in sl.act_ids)
-    ai = tuple(io.put(acts[v], st.sharding(v)) for v in sl.act_int_ids)
+    a = tuple(io.take(acts[v], st.sharding(v)) for v in sl.act_ids)
+    ai = tuple(io.take(acts[v], st.sharding(v)) for v in sl.act_int_ids)
     outs, residuals = st.fwd(self.params, a, ai, self.data(m), self.mb_index[m])
     out_map = dict(zip(sl.output_ids, outs))
     msgs = [(t, io.gather({v: out_map[v] for v in lay.act_routes[(s, t)]}))
@@ -271,7 +277,7 @@ class StageRun:
         continue
       ct = None
       for t in lay.ct_sources[s].get(v, ()):
-        g = io.put(msgs[t][v], st.sharding(v))
+        g = io.take(msgs[t][v], st.sharding(v))
         ct = g if ct is None else ct + g
       if v == lay.loss_vid:
         seed = io.put(np.asarray(self.scale, sl.avals[v].dtype), st.replicated)

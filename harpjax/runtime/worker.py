@@ -38,7 +38,7 @@ from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
 from harpjax.runtime import codec, spmd, transport
 from harpjax.runtime.channels import Mailbox, Sender, TcpChannel, TcpListener, sleep_until
 from harpjax.runtime.emulation import Emulation
-from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_mesh
+from harpjax.runtime.interpreter import VALUE, MessageKey, StageRun, place_on_mesh, put
 from harpjax.runtime.rows import move_rows
 
 log = logging.getLogger(__name__)
@@ -353,9 +353,13 @@ class StageWorker:
     return x if self.group is None else spmd.to_host(x)
 
   def put(self, x, sharding):
-    """``x`` on ``sharding``: a value of another stage of this process (a device group's)
-    moves per replica pair, device to device (:func:`~harpjax.runtime.rows.move_rows`); one
-    received over the network arrives in host memory and each device takes its shard."""
+    return put(x, sharding) if self.group is None else spmd.put(x, sharding)
+
+  def take(self, x, sharding):
+    """A received activation or cotangent on ``sharding``: one from another stage of this
+    process (a device group's) moves per replica pair, device to device
+    (:func:`~harpjax.runtime.rows.move_rows`); one received over the network arrives in host
+    memory and each device takes its rows."""
     return move_rows(x, sharding) if self.group is None else spmd.put(x, sharding)
 
   def gather(self, payload: dict) -> dict | None:
