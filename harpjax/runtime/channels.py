@@ -189,7 +189,7 @@ class TcpListener:
     self.sock.bind((address, 0))
     self.sock.listen(64)
     self.endpoint = self.sock.getsockname()
-    self.peers: dict[int, Any] = {}
+    self.peers: dict[tuple, Any] = {}   # (stage, address) -> (address, connection)
     self.bytes_received = 0
     self._closing = False
     self._threads = []
@@ -220,7 +220,7 @@ class TcpListener:
         conn.close()
         return
       src = int(hello[2])
-      self.peers[src] = (addr, conn)
+      self.peers[(src, addr)] = (addr, conn)   # a group's members connect from one stage
       while True:
         msg = codec.recv_message(conn)
         if msg is None:

@@ -115,12 +115,14 @@ class Messenger(Protocol):
   """How one stage exchanges messages with the others (the runtime provides it).
 
   A send is two calls, so that a stage spanning several processes can make its collective
-  first: :meth:`gather` (the payload in one place; ``None`` on the members that do not send)
-  and :meth:`post`. A received activation or cotangent goes onto the stage's sharding with
+  first: :meth:`gather` (the payload in one place; ``None`` on the members that do not send;
+  given the destination and the message kind, a runtime that sends a cut per host pair keeps
+  each member's rows where they are) and :meth:`post`. A received activation or cotangent goes onto the stage's sharding with
   :meth:`take` (the consumer's side of a cut), any other value with :meth:`put`. Task hooks let a runtime time (and emulate) each task.
   """
 
-  def gather(self, payload: dict) -> dict | None: ...
+  def gather(self, payload: dict, dst: int | None = None, kind: str | None = None
+             ) -> dict | None: ...
 
   def post(self, dst: int, key: MessageKey, payload: dict | None) -> None: ...
 
@@ -153,7 +155,7 @@ class LocalMessenger:
   def __init__(self, stage: int, inboxes: list[dict]):
     self.stage, self.inboxes = stage, inboxes
 
-  def gather(self, payload: dict) -> dict:
+  def gather(self, payload: dict, dst: int | None = None, kind: str | None = None) -> dict:
     return payload
 
   def post(self, dst: int, key: MessageKey, payload: dict | None) -> None:
@@ -244,7 +246,7 @@ class StageRun:
     ai = tuple(io.take(acts[v], st.sharding(v)) for v in sl.act_int_ids)
     outs, residuals = st.fwd(self.params, a, ai, self.data(m), self.mb_index[m])
     out_map = dict(zip(sl.output_ids, outs))
-    msgs = [(t, io.gather({v: out_map[v] for v in lay.act_routes[(s, t)]}))
+    msgs = [(t, io.gather({v: out_map[v] for v in lay.act_routes[(s, t)]}, t, ACT))
             for t in self.consumers]
     io.task_finished("F", m, start, outs)
     for t, payload in msgs:
@@ -291,7 +293,7 @@ class StageRun:
       residuals = jax.tree_util.tree_map(self._to_device, residuals)
     self.acc, act_cts = st.bwd(self.params, residuals, tuple(present), self.acc)
     ct_map = dict(zip(sl.act_ids, act_cts))
-    cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}))
+    cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}, p, CT))
            for p in lay.ct_targets[s]]
     io.task_finished("B", m, start, (self.acc, act_cts))
     for p, payload in cts:

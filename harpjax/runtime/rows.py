@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Sharding
 
+from harpjax.compiler.layers import LogicalMesh
+
 __all__ = ["RowPiece", "replica_pieces", "equal_ranges", "row_ranges", "pieces_between",
-           "move_rows"]
+           "move_rows", "PieceKey", "member_rows", "member_pieces"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +163,7 @@ def move_rows(x, sharding: Sharding):
     return jax.device_put(x, sharding)
   data = {s.device: s.data for s in x.addressable_shards}
   joined: dict = {}
-  for j, (c0, _) in enumerate(d_ranges):
+  for j in range(len(d_ranges)):
     home = d_devs[j][0]
     parts = []
     for pc in (p for p in pieces if p.dst == j):
@@ -202,3 +205,80 @@ def _nearest(devices, target):
       return d
   return devices[0]
 
+
+
+# --------------------------------------------------------------------------- across processes
+
+
+class PieceKey(NamedTuple):
+  """The key of one process's piece of a cut message: the message's
+  :class:`~harpjax.runtime.interpreter.MessageKey` fields and the sending member (``rank``
+  of its stage's group; ``0`` for a stage in one process)."""
+  kind: str
+  index: int
+  src: int
+  rank: int
+
+
+def member_rows(spec, logical_mesh, ranks: Sequence[int], shape: Sequence[int]):
+  """Per member of a stage (process, by rank), the rows ``(start, stop)`` of a value of
+  ``shape`` its devices hold, or ``None`` when the value is not split by rows alone (or has
+  none: a scalar).
+
+  Args:
+    spec: the value's ``PartitionSpec`` on the stage's mesh.
+    logical_mesh: the stage's ``(dp, tp)`` or ``(dp, tp, ep)``.
+    ranks: per device of the stage, in submesh order, the member holding it.
+    shape: the value's shape.
+
+  Raises:
+    ValueError: a member's devices hold rows that are not one contiguous range.
+  """
+  if not shape:
+    return None
+  spec = tuple(spec)
+  if any(e is not None for e in spec[1:]):
+    return None
+  lm = LogicalMesh.of(logical_mesh)
+  names, mshape = lm.axis_names, lm.shape
+  axes = () if not spec or spec[0] is None else (
+      (spec[0],) if isinstance(spec[0], str) else tuple(spec[0]))
+  ways = int(np.prod([mshape[names.index(a)] for a in axes])) if axes else 1
+  if shape[0] % ways:
+    return None
+  per = shape[0] // ways
+  size = max(ranks) + 1
+  held: list[set] = [set() for _ in range(size)]
+  for k, r in enumerate(ranks):
+    coords = np.unravel_index(k, mshape)
+    rep = 0
+    for a in axes:
+      rep = rep * mshape[names.index(a)] + int(coords[names.index(a)])
+    held[r].add(rep)
+  out = []
+  for r, reps in enumerate(held):
+    lo, hi = min(reps), max(reps) + 1
+    if len(reps) != hi - lo:
+      raise ValueError(f"member {r} holds replicas {sorted(reps)}: not one range of rows")
+    out.append((lo * per, hi * per))
+  return tuple(out)
+
+
+def member_pieces(src_rows: Sequence[tuple[int, int]], dst_rows: Sequence[tuple[int, int]]
+                  ) -> list[tuple[int, int, int, int]]:
+  """The pieces of a cut between two stages' members: ``(src rank, dst rank, start, stop)``.
+
+  Members holding the same rows (a replica wider than a host) send them once, from the first
+  of them; every receiving member gets all its rows (one holding the same rows as another
+  receives its own copy).
+  """
+  first: dict = {}
+  for r, rng in enumerate(src_rows):
+    first.setdefault(rng, r)
+  out = []
+  for d, (c0, c1) in enumerate(dst_rows):
+    for (p0, p1), r in sorted(first.items()):
+      a, b = max(p0, c0), min(p1, c1)
+      if a < b:
+        out.append((r, d, a, b))
+  return out

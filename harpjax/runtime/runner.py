@@ -220,6 +220,7 @@ class PipelineRunner:
                       f"{len(leaves)}")
     wopts = options.worker_options()
     split = backend.prepare(self)   # stages run by one process per host
+    self.split = frozenset(split)
     lowered = lower_step(program, platform=backend.platform)
     consts = tuple(codec.encode(x) for x in program.traced.outer_consts)
     # Workers in processes of their own take the JAX settings the stages were lowered under
@@ -286,7 +287,53 @@ class PipelineRunner:
         channels[a][b] = be.object_store_channel(b)
     self._call_all("connect", [(channels[s],) for s in range(S)],
                    self.options.start_timeout_s, "connecting channels")
+    self._connect_rows(routes, token, addresses, single)
     return routes
+
+  def _connect_rows(self, routes: dict, token: str, addresses: dict, single: bool) -> None:
+    """Connects every member of a stage spanning several hosts (a group) to every member of
+    each stage it sends to or receives from over TCP, for the cuts sent per host pair
+    (``docs/runtime.md``); pairs where a member's address is unknown keep the leader's one
+    connection."""
+    S, prog = self.num_stages, self.program
+    size = [len(self.host_groups[s]) if s in self.split else 1 for s in range(S)]
+    member_host = [[h for h, _ in self.host_groups[s]] if s in self.split else [self.hosts[s]]
+                   for s in range(S)]
+    ranks = [tuple(r for r, _ in group_layout(self.host_groups[s], st.all_devices))
+             if s in self.split else (0,) * len(st.all_devices)
+             for s, st in enumerate(prog.plan.stages)]
+
+    def address(s: int, rank: int, nic) -> str | None:
+      if single or (rank == 0 and nic is None):
+        return transport.LOOPBACK
+      return addresses.get((member_host[s][rank], nic))
+
+    pairs, listen = [], {}
+    for (a, b), r in sorted(routes.items()):
+      if r.transport != "tcp" or (size[a] == 1 and size[b] == 1):
+        continue
+      dst_addr = [address(b, k, r.dst_nic) for k in range(size[b])]
+      src_addr = [address(a, k, r.src_nic) for k in range(size[a])]
+      if None in dst_addr or None in src_addr or len(set(listen.get(b, dst_addr))
+                                                      ^ set(dst_addr)) > 0:
+        continue
+      listen[b] = dst_addr
+      pairs.append((a, b, src_addr, r))
+    if not pairs:
+      return
+    opts = self.options
+    endpoints = self._call("listen_rows", {b: (listen[b], token) for b in listen},
+                           opts.start_timeout_s, "opening listeners for per-host cuts")
+    channels: list[dict] = [dict() for _ in range(S)]
+    for a, b, src_addr, r in pairs:
+      for ra in range(size[a]):
+        mine = channels[a].setdefault(ra, {})
+        for rb in range(size[b]):
+          mine[(b, rb)] = ("tcp", src_addr[ra], tuple(endpoints[b][rb]), None)
+    directed = [(a, b) for a, b, _, _ in pairs]
+    self._call_all("connect_rows", [(channels[s], directed, ranks) for s in range(S)],
+                   opts.start_timeout_s, "connecting the members of groups")
+    log.info("runner %d: cuts sent per host pair on %s", self.id, directed)
 
   # ------------------------------------------------------------------ steps
 

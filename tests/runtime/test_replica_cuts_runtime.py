@@ -166,7 +166,8 @@ def test_cut_between_different_dp_matches_jit_float64(x64, name, monkeypatch):
 
 
 @pytest.mark.slow   # Ray start-up: about 50 s
-def test_cut_between_different_dp_on_ray_matches_jit_float64(x64, monkeypatch):
+@pytest.mark.filterwarnings("ignore:os.fork")
+def test_cut_between_different_dp_on_ray_matches_jit_float64(x64):
   # Stage 0 (dp = 4, one V100 host) sends to stage 1 (dp = 2, one A100 host) over TCP: one
   # host on each side, so the cut is the one host-pair message cut_time_s prices with
   # hp = hc = 1; the A100 stage's devices each take their rows of it.
@@ -214,3 +215,57 @@ def test_emulated_link_charges_the_one_host_pair_message_as_cut_time_s(curve):
     want = cut_time_s(b * 3.0, link.bandwidth_bytes_per_s, link.latency_s, c, 1, 1) * 0.5
     assert emu.transfer_s(0, 1, b) == pytest.approx(want, rel=1e-12)
     assert emu.delay_fn(0, 1)(b) == pytest.approx(want, rel=1e-12)
+
+
+def _ray(monkeypatch=None):
+  pytest.importorskip("ray")
+  from harpjax.runtime import ray_runtime
+  hosts = [h.name for h in harpjax.Cluster.load(DEMO_CLUSTER).hosts]
+  ray_runtime.init_ray(num_cpus=2, resources={ray_runtime.HOST_RESOURCE_PREFIX + h: 100
+                                               for h in hosts})
+  return ray_runtime
+
+
+@pytest.mark.slow   # Ray start-up and a group of two processes: about 40 s each
+@pytest.mark.filterwarnings("ignore:os.fork")
+@pytest.mark.parametrize("stages", [
+    [("v100", (1, 4), (4, 1), 0), ("a100", (2, 2), (2, 2), 0)],
+    [("v100", (1, 2), (2, 1), 1), ("a100", (2, 2), (4, 1), 2)],
+], ids=["dp4-dp2tp2-over-two-hosts", "dp2z1-dp4z2-over-two-hosts"])
+def test_cut_to_a_stage_over_two_hosts_goes_per_host_pair_float64(x64, stages):
+  # Stage 1 spans the two A100 hosts (a group of two processes, each holding its rows): the
+  # V100 stage sends each A100 host its rows on its own connection and each A100 host sends
+  # its rows' cotangents back on its own, nothing gathered onto the group's leader; training
+  # equals jax.jit in float64.
+  ray_runtime = _ray()
+  import ray
+  try:
+    case = _case()
+    probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2)
+    plan = _plan(len(probe.trace(case.state, case.batches[0]).layers), stages)
+    pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                  plan=plan, runtime="ray")
+    ref = jax.jit(case.step)
+    s_ref = s_par = case.state
+    for i, batch in enumerate(case.batches):
+      out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
+      assert max_rel_err(out_ref[1], out_par[1]) <= RTOL, i
+      s_ref, s_par = out_ref[0], out_par[0]
+    assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+    runner = pstep.runner(case.state, case.batches[0])
+    members = runner._backend.actors[1]
+    assert len(members) == 2
+    # Each member of the group has a sender to stage 0 and stage 0 one to each member.
+    cuts = ray.get([m.__ray_call__.remote(lambda w: sorted(w.member_senders)) for m in members])
+    assert cuts == [[(0, 0)], [(0, 0)]], cuts
+    v = ray.get(runner._backend.actors[0][0].__ray_call__.remote(
+        lambda w: sorted(w.member_senders)))
+    assert v == [(1, 0), (1, 1)], v
+    # The activations left stage 0 as pieces, one per A100 host and microbatch.
+    acts = [(dst, type(k).__name__, k.rank) for dst, k, *_ in runner.last.sends[0]
+            if k.kind == "act"]
+    assert sorted(acts) == [(1, "PieceKey", 0)] * 4, acts
+    runner.shutdown()
+  finally:
+    ray_runtime.release_pool()
+    ray.shutdown()
