@@ -43,7 +43,8 @@ from harpjax.runtime.local import check_compilation_cache
 from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner,
                                      save_tree, unregister_runner)
 from harpjax.runtime.measure import MeasuredStep, measured_step
-from harpjax.runtime.worker import GroupTurns, StageWorker, WorkerOptions, WorkerSpec
+from harpjax.runtime.worker import (GroupTurns, StageWorker, WorkerOptions, WorkerSpec,
+                                    host_pair_cuts)
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ class PipelineRunner:
     wopts = options.worker_options()
     split = backend.prepare(self)   # stages run by one process per host
     self.split = frozenset(split)
+    self.row_hosts: dict = {}   # (src, dst) -> hosts with distinct rows, a cut per host pair
     lowered = lower_step(program, platform=backend.platform)
     consts = tuple(codec.encode(x) for x in program.traced.outer_consts)
     # Workers in processes of their own take the JAX settings the stages were lowered under
@@ -333,6 +335,8 @@ class PipelineRunner:
     directed = [(a, b) for a, b, _, _ in pairs]
     self._call_all("connect_rows", [(channels[s], directed, ranks) for s in range(S)],
                    opts.start_timeout_s, "connecting the members of groups")
+    self.row_hosts = {(p, c): (cut.senders, cut.receivers) for (_, p, c), cut in
+                      host_pair_cuts(self.layout, None, set(directed), ranks).items()}
     log.info("runner %d: cuts sent per host pair on %s", self.id, directed)
 
   # ------------------------------------------------------------------ steps
@@ -558,7 +562,7 @@ class PipelineRunner:
       log.warning("messages between non-neighbouring stages %s are not in the simulator's "
                   "model", skips)
     act, ct = self.message_bytes()
-    return emu.simulate(self.program.schedule, act, ct, **kwargs)
+    return emu.simulate(self.program.schedule, act, ct, row_hosts=self.row_hosts, **kwargs)
 
   # ------------------------------------------------------------------ lifetime
 

@@ -37,15 +37,16 @@ from harpjax.compiler.stages import LoweredStep, precompile
 from harpjax.compiler.trace import Lit
 from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
 from harpjax.runtime import codec, spmd, transport
-from harpjax.runtime.channels import Mailbox, Sender, TcpChannel, TcpListener, sleep_until
+from harpjax.runtime.channels import (FanoutChannel, Mailbox, Sender, TcpChannel, TcpListener,
+                                      sleep_until)
 from harpjax.runtime.emulation import Emulation
 from harpjax.runtime.interpreter import ACT, CT, VALUE, MessageKey, StageRun, place_on_mesh, put
-from harpjax.runtime.rows import PieceKey, member_pieces, member_rows, move_rows
+from harpjax.runtime.rows import PieceKey, member_pieces, member_rows, move_rows, row_ranges
 
 log = logging.getLogger(__name__)
 
 __all__ = ["WorkerOptions", "WorkerSpec", "StageWorker", "GroupTurns", "DeviceGroupWorker",
-           "apply_settings"]
+           "apply_settings", "host_pair_cuts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ class StageWorker:
     self.stage = -1
     self.spec: WorkerSpec | None = None
     self.senders: dict[int, Sender] = {}
-    self.member_senders: dict[tuple, Sender] = {}   # (stage, its member) -> sender
+    self.member_senders: dict[int, Sender] = {}   # stage -> sender to its members
     self.cuts: dict[tuple, _Cut] = {}   # (kind, src, dst) -> a cut sent per host pair
     self.listeners: dict[str, TcpListener] = {}
     self.store: dict[tuple, Any] = {}
@@ -327,21 +328,32 @@ class StageWorker:
     for old in self.member_senders.values():
       old.close()
     self.member_senders = {}
+    self.cuts = host_pair_cuts(self.lay, self.stage, {tuple(p) for p in pairs}, stage_ranks)
+    by_dst: dict[int, dict] = {}
     for (dst, d), ch in sorted(channels.get(self.rank, {}).items()):
       _, src_addr, endpoint, device = ch
-      tcp = TcpChannel(src_addr, endpoint, self.token, self.stage,
-                       device=device if self.options.bind_device else None,
-                       timeout_s=self.options.recv_timeout_s)
-      self.member_senders[(dst, d)] = Sender(tcp, self.stage, dst, self._delay_fn(dst))
-    self.cuts = _cuts(self.lay, self.stage, {tuple(p) for p in pairs}, stage_ranks)
+      by_dst.setdefault(dst, {})[d] = TcpChannel(
+          src_addr, endpoint, self.token, self.stage,
+          device=device if self.options.bind_device else None,
+          timeout_s=self.options.recv_timeout_s)
+    for dst, chans in by_dst.items():
+      self.member_senders[dst] = Sender(FanoutChannel(chans), self.stage, dst,
+                                        self._cut_delay_fn(dst))
 
   def set_emulation(self, emulation: Emulation | None) -> None:
     """Switches the emulated hardware (between steps)."""
     self.emulation = emulation
     for dst, snd in self.senders.items():
       snd.delay_s = self._delay_fn(dst)
-    for (dst, _), snd in self.member_senders.items():
-      snd.delay_s = self._delay_fn(dst)
+    for dst, snd in self.member_senders.items():
+      snd.delay_s = self._cut_delay_fn(dst)
+
+  def _cut_delay_fn(self, dst: int):
+    """The emulated lane of this host's part of the cuts to ``dst`` sent per host pair."""
+    cut = next((c for (_, a, b), c in self.cuts.items() if (a, b) == (self.stage, dst)), None)
+    if self.emulation is None or cut is None:
+      return None
+    return self.emulation.cut_delay_fn(self.stage, dst, cut.senders, cut.receivers)
 
   def _delay_fn(self, dst: int):
     if self.emulation is None or dst in self.group_peers:   # one device group: no link
@@ -415,8 +427,14 @@ class StageWorker:
     cut = self.cuts.get((kind, self.stage, dst))
     if cut is not None:
       whole = {v: x for v, x in payload.items() if v not in cut.rows}
-      if whole and self.group is not None:
-        whole = spmd.gather(whole)
+      # A value the executable left split along another axis too (XLA's choice) is gathered
+      # like the values without rows: a process then holds only part of its rows.
+      spread = {v: payload[v] for v in cut.rows if spmd.is_global(payload[v])
+                and not _holds_own_rows(payload[v], cut.rows[v][0])}
+      if (whole or spread) and self.group is not None:
+        host = spmd.gather({**whole, **spread})
+        whole = {v: host[v] for v in whole}
+        payload = {**payload, **{v: host[v] for v in spread}}
       rows = {v: _own_rows(payload[v], cut.rows[v][0][self.rank]) for v in cut.rows}
       return _CutPayload(whole if (whole and self.leader) else None, rows)
     if self.group is None:
@@ -451,9 +469,9 @@ class StageWorker:
       for r, d, a, b in pieces:
         if r == self.rank:
           msgs.setdefault(d, {})[v] = rows[v][a - lo:b - lo]
-    piece_key = PieceKey(key.kind, key.index, key.src, self.rank)
-    for d, msg in sorted(msgs.items()):
-      self.member_senders[(dst, d)].submit(self._step, piece_key, msg)
+    if msgs:
+      self.member_senders[dst].submit(self._step, PieceKey(key.kind, key.index, key.src,
+                                                           self.rank), msgs, cut.row_bytes)
 
   def _recv_rows(self, key: MessageKey, cut: "_Cut", what: str) -> dict:
     """This member's part of a cut sent per host pair: the values without rows from the
@@ -607,8 +625,7 @@ class StageWorker:
       snd.flush(self.options.recv_timeout_s)
     phases["flush"] = time.time() - begin
     sends = []
-    for dst, snd in (list(self.senders.items())
-                     + [(t, snd) for (t, _), snd in self.member_senders.items()]):
+    for dst, snd in list(self.senders.items()) + list(self.member_senders.items()):
       evs, snd.events = snd.events, []
       sends += [(dst,) + e[1:] for e in evs if e[0] == step]
     self._env = self._pending = None
@@ -809,9 +826,14 @@ class _Cut:
   """A message kind between two stages sent per host pair: per value with rows, the rows of
   each member of the sending and of the receiving stage and the pieces
   (:func:`~harpjax.runtime.rows.member_pieces`); ``whole``: whether values without rows go
-  too (from leader to leader, as any message)."""
+  too (from leader to leader, as any message); ``row_bytes``: the bytes of the values with
+  rows (the cut's ``b``), ``senders`` and ``receivers``: the hosts holding distinct rows on
+  either side (of the first such value; ``cut_time_s``'s ``hp`` and ``hc``)."""
   rows: dict
   whole: bool
+  row_bytes: int
+  senders: int
+  receivers: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -820,11 +842,12 @@ class _CutPayload:
   rows: dict
 
 
-def _cuts(lay, stage: int, pairs: set, stage_ranks) -> dict:
-  """The cuts stage ``stage`` sends or receives per host pair: ``{(kind, src, dst): _Cut}``."""
+def host_pair_cuts(lay, stage: int | None, pairs: set, stage_ranks) -> dict:
+  """The cuts stage ``stage`` (``None``: any stage) sends or receives per host pair:
+  ``{(kind, src, dst): _Cut}``."""
   out = {}
   for (a, b) in pairs:
-    if stage not in (a, b):
+    if stage is not None and stage not in (a, b):
       continue
     for kind, vids, (p, c) in ((ACT, lay.act_routes.get((a, b), ()), (a, b)),
                                (CT, lay.ct_routes.get((a, b), ()), (a, b))):
@@ -839,8 +862,28 @@ def _cuts(lay, stage: int, pairs: set, stage_ranks) -> dict:
         else:
           rows[v] = (src, dst, member_pieces(src, dst))
       if rows:
-        out[(kind, p, c)] = _Cut(rows, whole)
+        first = next(iter(rows.values()))
+        nbytes = sum(int(np.prod(lay.stages[p].avals[v].shape))
+                     * np.dtype(lay.stages[p].avals[v].dtype).itemsize for v in rows)
+        out[(kind, p, c)] = _Cut(rows, whole, nbytes, len(set(first[0])), len(set(first[1])))
   return out
+
+
+def _holds_own_rows(x, src_rows) -> bool:
+  """Whether each process holds, on its own devices, the whole of the rows it sends of the
+  global array ``x`` (``src_rows``: by rank): the same answer in every process."""
+  ranges = row_ranges(x.sharding, x.shape)
+  if ranges is None:
+    return False
+  for rank, (lo, hi) in enumerate(src_rows):
+    held = sorted(r for d, r in ranges.items() if d.process_index == rank)
+    at = lo
+    for a, b in held:
+      if a <= at < b:
+        at = b
+    if at < hi:
+      return False
+  return True
 
 
 def _own_rows(x, rows: tuple[int, int]) -> np.ndarray:

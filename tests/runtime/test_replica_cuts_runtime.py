@@ -215,6 +215,13 @@ def test_emulated_link_charges_the_one_host_pair_message_as_cut_time_s(curve):
     want = cut_time_s(b * 3.0, link.bandwidth_bytes_per_s, link.latency_s, c, 1, 1) * 0.5
     assert emu.transfer_s(0, 1, b) == pytest.approx(want, rel=1e-12)
     assert emu.delay_fn(0, 1)(b) == pytest.approx(want, rel=1e-12)
+    assert emu.cut_transfer_s(0, 1, b) == pytest.approx(want, rel=1e-12)
+    # Sent per host pair between stages over 2 and 4 hosts: each sending host's lane is held
+    # for the cut's cut_time_s, 2 x 4 hosts' rows at once.
+    for hp, hc in ((2, 4), (4, 2), (1, 2)):
+      want = cut_time_s(b * 3.0, link.bandwidth_bytes_per_s, link.latency_s, c, hp, hc) * 0.5
+      assert emu.cut_delay_fn(0, 1, hp, hc)(b) == pytest.approx(want, rel=1e-12)
+  assert emu.cut_delay_fn(1, 0, 2, 2) is None   # no link given that way
 
 
 def _ray(monkeypatch=None):
@@ -255,16 +262,19 @@ def test_cut_to_a_stage_over_two_hosts_goes_per_host_pair_float64(x64, stages):
     runner = pstep.runner(case.state, case.batches[0])
     members = runner._backend.actors[1]
     assert len(members) == 2
-    # Each member of the group has a sender to stage 0 and stage 0 one to each member.
-    cuts = ray.get([m.__ray_call__.remote(lambda w: sorted(w.member_senders)) for m in members])
-    assert cuts == [[(0, 0)], [(0, 0)]], cuts
+    # Each member of the group has its own connection to stage 0, and stage 0 one to each.
+    conns = ray.get([m.__ray_call__.remote(
+        lambda w: {t: sorted(x.channel.channels) for t, x in w.member_senders.items()})
+        for m in members])
+    assert conns == [{0: [0]}, {0: [0]}], conns
     v = ray.get(runner._backend.actors[0][0].__ray_call__.remote(
-        lambda w: sorted(w.member_senders)))
-    assert v == [(1, 0), (1, 1)], v
-    # The activations left stage 0 as pieces, one per A100 host and microbatch.
+        lambda w: {t: sorted(x.channel.channels) for t, x in w.member_senders.items()}))
+    assert v == {1: [0, 1]}, v
+    # The activations left stage 0 as pieces (one message per microbatch, a piece to each
+    # A100 host in it), none through the group's leader alone.
     acts = [(dst, type(k).__name__, k.rank) for dst, k, *_ in runner.last.sends[0]
             if k.kind == "act"]
-    assert sorted(acts) == [(1, "PieceKey", 0)] * 4, acts
+    assert sorted(acts) == [(1, "PieceKey", 0)] * 2, acts
     runner.shutdown()
   finally:
     ray_runtime.release_pool()
