@@ -287,14 +287,15 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
     simulator: use :func:`harpjax.compiler.schedule.simulate` for ``iteration_s`` (else the
       analytic steady-period model).
     fwd_fraction: share of a stage's time spent in the forward pass (for the simulator).
-    cuts: how each cut is priced (warm-ups, Eq. 12 and the simulator read the same
-      seconds): ``"one_link"``, one message on one link (:meth:`~harpjax.compiler.profile.
-      CostTables.cut_costs`: what the runtimes send where a stage spans hosts, and what
-      the DP prices; where both stages hold their rows on one host each it is also the
-      host-pair message the runtimes send), or ``"replica_pairs"``, every host pair of the
-      two stages at once (:meth:`~harpjax.compiler.profile.CostTables.replica_cut_costs`:
-      Sailor's model, and what a runtime sending per host pair across multi-host stages
-      would take, never above ``"one_link"``; docs/cost_model.md). The warm-up counts are
+    cuts: how each cut is priced (Eq. 12 and the simulator read the same seconds):
+      ``"replica_pairs"``, every host pair of the two stages at once (:meth:`~harpjax.
+      compiler.profile.CostTables.replica_cut_costs`: what the runtimes send, each host its
+      rows on its own connection, and Sailor's model), or ``"one_link"`` (the default: the
+      price the DP optimises and the planner reports), one message on one link
+      (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`), an upper bound of the former,
+      equal to it where either stage holds its rows on one host; docs/cost_model.md. The
+      warm-up counts are the one-link ones either way (the plan's, as the DP found it): with
+      them fixed, a cheaper cut never lengthens the simulated iteration. The warm-up counts are
       the one-link ones either way (the plan's, as the DP found it): with them fixed, a
       cheaper cut never lengthens the simulated iteration.
 
