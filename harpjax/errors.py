@@ -49,6 +49,16 @@ class ClusterSpecError(HarpjaxError, ValueError):
   """
 
 
+class BandwidthCurveError(ClusterSpecError):
+  """A link's bandwidth by message size is malformed.
+
+  A ``links`` entry's ``gbps_by_size`` is a list of ``[bytes, gbps]`` pairs, sizes strictly
+  increasing, both finite and > 0 (e.g. ``[[1.0e6, 2.5], [1.0e8, 9.4]]``); between two sizes
+  the bandwidth is interpolated linearly in ``log2(bytes)``, beyond them it is the nearest
+  point's (docs/cluster.md, "Bandwidth by message size").
+  """
+
+
 class UnknownGPUError(ClusterSpecError):
   """A GPU type is not in the built-in catalog and was not declared by the user.
 

@@ -7,7 +7,7 @@ hosts, subclusters), :mod:`~harpjax.cluster.yaml_file` (the file format) and
 hosts, device numbering and allocation). This module is the package's public surface.
 """
 
-from harpjax.cluster.hardware import (BYTES_PER_GB, DeviceInfo, GBPS, GBPS_BOUNDS, GBS, GIB, GPU_ALIASES,
+from harpjax.cluster.hardware import (BandwidthCurve, BYTES_PER_GB, DeviceInfo, GBPS, GBPS_BOUNDS, GBS, GIB, GPU_ALIASES,
                                       GPU_CATALOG, GPUType, Host, INTRA_HOST_LATENCY_S, Link,
                                       LinkOverride, lookup_gpu, MAX_DEVICES,
                                       MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS, NIC,
@@ -19,7 +19,7 @@ from harpjax.cluster.packing import (allocate_submeshes, bin_pack, host_joins,
 from harpjax.cluster.topology import Cluster, load_cluster
 
 __all__ = [
-    "BYTES_PER_GB", "LINK_CLASSES", "TransferFees",
+    "BandwidthCurve", "BYTES_PER_GB", "LINK_CLASSES", "TransferFees",
     "Cluster", "DeviceInfo", "GBPS", "GBPS_BOUNDS", "GBS", "GIB", "GPUType", "GPU_ALIASES",
     "GPU_CATALOG", "Host", "INTRA_HOST_LATENCY_S", "Link", "LinkOverride", "MAX_DEVICES",
     "MAX_DEVICES_PER_HOST", "MAX_HOSTS", "MEMORY_GB_BOUNDS", "NIC", "NIC_LATENCY_S", "SubCluster",

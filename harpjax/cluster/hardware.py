@@ -18,8 +18,10 @@ import math
 import numbers
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 from harpjax.cluster.packing import submesh_shapes
-from harpjax.errors import ClusterSpecError, UnknownGPUError
+from harpjax.errors import BandwidthCurveError, ClusterSpecError, UnknownGPUError
 
 __all__ = [
     "TFLOPS", "GIB", "GBS", "GBPS", "GPUType", "GPU_CATALOG", "GPU_ALIASES", "lookup_gpu", "NIC",
@@ -306,6 +308,72 @@ class NIC:
 
 
 @dataclasses.dataclass(frozen=True)
+class BandwidthCurve:
+  """A link's bandwidth as a function of the message size, from measured points.
+
+  A message of ``b`` bytes moves at :meth:`bandwidth_at` ``(b)``: linear in ``log2(b)``
+  between the two points around ``b``, the first point's bandwidth below the first size and
+  the last point's above the last (a message does not get faster than the largest one
+  measured, nor slower than the smallest). Sailor fits a polynomial in ``log2(b)`` to the same
+  kind of measurements (``tools/sailor.py``, ``send_time_s``); the points are the measurements
+  themselves, so no fit can overshoot between or beyond them.
+
+  Attributes:
+    points: ``((bytes, bytes_per_s), ...)`` with sizes strictly increasing, both > 0 and
+      finite.
+
+  Raises:
+    BandwidthCurveError: no point, a size or bandwidth not a finite number > 0, or sizes not
+      strictly increasing.
+  """
+  points: tuple[tuple[float, float], ...]
+
+  def __post_init__(self):
+    try:
+      pts = tuple((float(b), float(bw)) for b, bw in self.points)
+    except (TypeError, ValueError):
+      raise BandwidthCurveError(f"bandwidth points {self.points!r}: expected (bytes, "
+                                "bandwidth) pairs") from None
+    if not pts:
+      raise BandwidthCurveError("bandwidth points: give at least one (bytes, bandwidth) pair")
+    for b, bw in pts:
+      if not (math.isfinite(b) and b > 0 and math.isfinite(bw) and bw > 0):
+        raise BandwidthCurveError(f"bandwidth point ({b:g} bytes, {bw:g} bytes/s): size and "
+                                  "bandwidth must be finite numbers > 0")
+    for (b0, _), (b1, _) in zip(pts, pts[1:]):
+      if not b1 > b0:
+        raise BandwidthCurveError(f"bandwidth points: sizes must increase strictly "
+                                  f"({b0:g} bytes is followed by {b1:g}); give each size once, "
+                                  "smallest first")
+    object.__setattr__(self, "points", pts)
+
+  @classmethod
+  def from_gbps(cls, points) -> "BandwidthCurve":
+    """A curve from ``(bytes, Gbit/s)`` points (the cluster file's form)."""
+    try:
+      pts = tuple((b, float(g) * GBPS) for b, g in points)
+    except (TypeError, ValueError):
+      raise BandwidthCurveError(f"bandwidth points {points!r}: expected [bytes, gbps] pairs"
+                                ) from None
+    return cls(pts)
+
+  def bandwidth_at(self, nbytes):
+    """Bytes/s of a message of ``nbytes`` (a number, or an array: then so is the result)."""
+    x = np.log2(np.maximum(np.asarray(nbytes, np.float64), self.points[0][0]))
+    xs = np.log2([b for b, _ in self.points])
+    out = np.interp(x, xs, [bw for _, bw in self.points])
+    return float(out) if out.ndim == 0 else out
+
+  @property
+  def largest_bytes_per_s(self) -> float:
+    """The bandwidth of the largest message measured."""
+    return self.points[-1][1]
+
+  def to_gbps(self) -> list[list[float]]:
+    return [[_clean(b), _clean(bw / GBPS)] for b, bw in self.points]
+
+
+@dataclasses.dataclass(frozen=True)
 class Link:
   """A point-to-point link as one transfer sees it: the one link type of harpjax.
 
@@ -317,6 +385,10 @@ class Link:
     dst_nic: the receiver's NIC.
     kind: ``"intra_host"``, ``"local"`` (same device) or a NIC kind (``"rdma"``...).
     overridden: whether bandwidth and latency come from a ``links`` entry.
+    curve: optional :class:`BandwidthCurve`: the bandwidth by message size (a ``links``
+      entry's ``gbps_by_size``); then a message of ``b`` bytes moves at ``curve.bandwidth_at
+      (b)`` and ``bandwidth_bytes_per_s`` is the bandwidth where no message size is known.
+      ``None``: every message moves at ``bandwidth_bytes_per_s``.
 
   Raises:
     ClusterSpecError: bandwidth not > 0 or latency not a finite number >= 0.
@@ -327,6 +399,7 @@ class Link:
   dst_nic: NIC | None = None
   kind: str = "intra_host"
   overridden: bool = False
+  curve: BandwidthCurve | None = None
 
   def __post_init__(self):
     bw, lat = self.bandwidth_bytes_per_s, self.latency_s
@@ -335,15 +408,26 @@ class Link:
     if isinstance(lat, bool) or not isinstance(lat, numbers.Real) or not (
         math.isfinite(lat) and lat >= 0):
       raise ClusterSpecError(f"Link.latency_s={lat!r}: must be a finite number >= 0")
+    if self.curve is not None and not isinstance(self.curve, BandwidthCurve):
+      raise ClusterSpecError(f"Link.curve={self.curve!r}: expected a BandwidthCurve or None")
 
   @classmethod
   def from_gbps(cls, gbps: float, latency_us: float = 0.0, **kwargs) -> "Link":
     """A link of ``gbps`` Gbit/s and ``latency_us`` microseconds."""
     return cls(gbps * GBPS, latency_us * 1e-6, **kwargs)
 
+  def bandwidth_at(self, nbytes):
+    """Bytes/s of one message of ``nbytes`` (a number or an array): :attr:`curve`'s where
+    given, else :attr:`bandwidth_bytes_per_s`."""
+    if self.curve is None:
+      return (self.bandwidth_bytes_per_s if np.ndim(nbytes) == 0 else
+              np.full(np.shape(nbytes), self.bandwidth_bytes_per_s))
+    return self.curve.bandwidth_at(nbytes)
+
   def transfer_time_s(self, nbytes: float) -> float:
-    """Seconds to send ``nbytes``: ``latency_s + nbytes / bandwidth_bytes_per_s``."""
-    return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+    """Seconds to send one message of ``nbytes``: ``latency_s + nbytes / bw(nbytes)``
+    (:meth:`bandwidth_at`)."""
+    return self.latency_s + nbytes / self.bandwidth_at(nbytes)
 
   @property
   def gbps(self) -> float:
@@ -360,11 +444,14 @@ class LinkOverride:
     latency_s: seconds; ``None``: the default of ``kind`` if given, else the latency of the NIC
       pair the link would otherwise use, else the Ethernet default.
     kind: link kind reported by :class:`Link`; ``None``: that of the NIC pair, else Ethernet.
+    curve: optional :class:`BandwidthCurve`, the bandwidth by message size (the file's
+      ``gbps_by_size``).
   """
   between: tuple[str, str]
   gbps: float
   latency_s: float | None = None
   kind: str | None = None
+  curve: BandwidthCurve | None = None
 
   def __post_init__(self):
     between = tuple(self.between) if isinstance(self.between, (list, tuple)) else ()
@@ -377,6 +464,9 @@ class LinkOverride:
       check_number(self.latency_s, f"link {list(between)}.latency_s", minimum=0.0)
     if self.kind is not None:
       object.__setattr__(self, "kind", check_kind(self.kind, f"link {list(between)}.kind"))
+    if self.curve is not None and not isinstance(self.curve, BandwidthCurve):
+      raise ClusterSpecError(f"link {list(between)}.curve={self.curve!r}: expected a "
+                             "BandwidthCurve or None")
 
   @property
   def bandwidth_bytes_per_s(self) -> float:
@@ -388,6 +478,8 @@ class LinkOverride:
       d["latency_us"] = _clean(self.latency_s * 1e6)
     if self.kind is not None:
       d["kind"] = self.kind
+    if self.curve is not None:
+      d["gbps_by_size"] = self.curve.to_gbps()
     return d
 
 

@@ -469,7 +469,7 @@ class Cluster:
       else:
         latency = NIC_LATENCY_S[kind]
       return Link(ov.bandwidth_bytes_per_s, latency, base and base.src_nic, base and base.dst_nic,
-                  kind, overridden=True)
+                  kind, overridden=True, curve=ov.curve)
     if base is None:
       nics = lambda s: ", ".join(f"{n.name}@{n.network}" for n in s.nics) or "none"
       what = (f"the hosts of subcluster {a!r} share no network (NICs: {nics(sa)})" if a == b else

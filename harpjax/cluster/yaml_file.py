@@ -14,10 +14,10 @@ from typing import Any
 import yaml
 
 from harpjax.cluster.hardware import (
-    GBPS, GBPS_BOUNDS, GPUType, LinkOverride, MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS,
+    BandwidthCurve, GBPS, GBPS_BOUNDS, GPUType, LinkOverride, MAX_DEVICES_PER_HOST, MAX_HOSTS, MEMORY_GB_BOUNDS,
     NIC, LINK_CLASSES, SubCluster, TransferFees, check_count, check_keys, check_kind, check_list, check_number,
     check_physical, check_pos_number, check_str, did_you_mean, or_empty, lookup_gpu)
-from harpjax.errors import ClusterSpecError
+from harpjax.errors import BandwidthCurveError, ClusterSpecError
 
 __all__ = ["parse_yaml", "cluster_fields", "dump_yaml"]
 
@@ -75,7 +75,7 @@ _GPU_KEYS = ("name", "tflops", "memory_gb", "mem_bandwidth_gbs", "intra_host_gbp
 _SUB_KEYS = ("name", "gpu", "hosts", "devices_per_host", "intra_host_gbps", "nics",
              "price_per_gpu_hour", "zone", "host_memory_gbps", "region")
 _NIC_KEYS = ("name", "kind", "gbps", "network", "latency_us")
-_LINK_KEYS = ("between", "gbps", "latency_us", "kind")
+_LINK_KEYS = ("between", "gbps", "latency_us", "kind", "gbps_by_size")
 _DEFAULT_GPU_INTRA_HOST_GBPS = 512  # PCIe Gen4 x16, 64 GB/s
 
 
@@ -147,7 +147,7 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
   links = []
   for i, ln in enumerate(check_list(or_empty(data.get("links")), "links")):
     w = f"links[{i}]"
-    check_keys(ln, w, _LINK_KEYS, ("between", "gbps"))
+    check_keys(ln, w, _LINK_KEYS, ("between",))
     between = ln["between"]
     if not (isinstance(between, list) and len(between) == 2):
       raise ClusterSpecError(f"{w}.between: expected a list of two subcluster names, "
@@ -162,10 +162,35 @@ def cluster_fields(data: Any) -> tuple[tuple[SubCluster, ...], tuple[LinkOverrid
     if lat is not None:
       lat = check_number(lat, f"{w}.latency_us", minimum=0.0) / 1e6
     kind = check_kind(ln["kind"], f"{w}.kind") if "kind" in ln else None
-    links.append(LinkOverride(tuple(between),
-                              check_physical(ln["gbps"], f"{w}.gbps", GBPS_BOUNDS, "Gbit/s"),
-                              lat, kind))
+    curve = _curve(ln.get("gbps_by_size"), f"{w}.gbps_by_size")
+    if "gbps" in ln:
+      gbps = check_physical(ln["gbps"], f"{w}.gbps", GBPS_BOUNDS, "Gbit/s")
+    elif curve is not None:   # where no message size is known: the largest message's
+      gbps = curve.largest_bytes_per_s / GBPS
+    else:
+      raise ClusterSpecError(f"{w}: give gbps (the link's bandwidth) or gbps_by_size "
+                             "([[bytes, gbps], ...], the bandwidth by message size)")
+    links.append(LinkOverride(tuple(between), gbps, lat, kind, curve))
   return tuple(subs), tuple(links), tuple(gpus), name, _fees(data.get("transfer_fee_per_gb"))
+
+
+def _curve(points: Any, where: str) -> BandwidthCurve | None:
+  """A ``gbps_by_size`` list: ``[[bytes, gbps], ...]``, sizes strictly increasing."""
+  if points is None:
+    return None
+  if not isinstance(points, list) or not points or not all(
+      isinstance(p, list) and len(p) == 2 for p in points):
+    raise BandwidthCurveError(f"{where}: expected a non-empty list of [bytes, gbps] pairs, "
+                              f"got {points!r}")
+  try:
+    for i, (b, g) in enumerate(points):
+      check_number(b, f"{where}[{i}][0] (bytes)", minimum=1.0)
+      check_physical(g, f"{where}[{i}][1] (gbps)", GBPS_BOUNDS, "Gbit/s")
+    return BandwidthCurve.from_gbps(points)
+  except BandwidthCurveError as e:
+    raise BandwidthCurveError(f"{where}: {e}") from None
+  except ClusterSpecError as e:
+    raise BandwidthCurveError(str(e)) from None
 
 
 def _fees(raw: Any) -> TransferFees:

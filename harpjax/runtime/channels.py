@@ -18,8 +18,8 @@ from harpjax.runtime import codec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Mailbox", "Channel", "LocalChannel", "TcpChannel", "TcpListener", "Sender",
-           "sleep_until"]
+__all__ = ["Mailbox", "Channel", "LocalChannel", "TcpChannel", "FanoutChannel", "TcpListener",
+           "Sender", "sleep_until"]
 
 
 # --------------------------------------------------------------------------- mailbox
@@ -107,6 +107,14 @@ class Channel:
   def send(self, step: int, key: tuple, src: int, payload: dict) -> None:
     raise NotImplementedError
 
+  def nbytes(self, payload: dict) -> int:
+    """Bytes of a message's values."""
+    return sum(codec.nbytes_of(x) for x in payload.values())
+
+  def encode(self, payload: dict) -> dict:
+    """A message's values as they cross a process boundary."""
+    return {k: codec.encode(x) for k, x in payload.items()}
+
   def close(self) -> None:
     pass
 
@@ -171,6 +179,34 @@ class TcpChannel(Channel):
     self.sock.close()
 
 
+class FanoutChannel(Channel):
+  """One sending process's connections to the members of another stage (a cut sent per host
+  pair): a message is ``{member: payload}``, each payload sent on that member's channel. One
+  sender thread, so the emulated link holds the sending host for the whole of its part of the
+  cut (``cut_time_s``'s busiest host).
+
+  Args:
+    channels: member rank -> its :class:`Channel`.
+  """
+
+  def __init__(self, channels: dict):
+    self.channels = dict(channels)
+
+  def nbytes(self, payload: dict) -> int:
+    return sum(self.channels[d].nbytes(p) for d, p in payload.items())
+
+  def encode(self, payload: dict) -> dict:
+    return {d: self.channels[d].encode(p) for d, p in payload.items()}
+
+  def send(self, step, key, src, payload):
+    for d, p in sorted(payload.items()):
+      self.channels[d].send(step, key, src, p)
+
+  def close(self):
+    for ch in self.channels.values():
+      ch.close()
+
+
 class TcpListener:
   """Accepts a runner's connections on one address and files their messages in a mailbox.
 
@@ -189,7 +225,7 @@ class TcpListener:
     self.sock.bind((address, 0))
     self.sock.listen(64)
     self.endpoint = self.sock.getsockname()
-    self.peers: dict[int, Any] = {}
+    self.peers: dict[tuple, Any] = {}   # (stage, address) -> (address, connection)
     self.bytes_received = 0
     self._closing = False
     self._threads = []
@@ -220,7 +256,7 @@ class TcpListener:
         conn.close()
         return
       src = int(hello[2])
-      self.peers[src] = (addr, conn)
+      self.peers[(src, addr)] = (addr, conn)   # a group's members connect from one stage
       while True:
         msg = codec.recv_message(conn)
         if msg is None:
@@ -278,13 +314,16 @@ class Sender:
                                     name=f"harpjax-send-{src}-to-{dst}")
     self._thread.start()
 
-  def submit(self, step: int, key: tuple, payload: dict) -> None:
+  def submit(self, step: int, key: tuple, payload: dict, cost_bytes: int | None = None
+             ) -> None:
+    """Queues a message; ``cost_bytes``: the bytes the emulated link charges for it
+    (default its own)."""
     if self.error is not None:
       raise RuntimeFailure(f"stage {self.src}: sending to stage {self.dst} failed earlier: "
                            f"{self.error}")
     with self._cond:
       self._pending += 1
-    self._q.put((step, key, payload, time.time()))
+    self._q.put((step, key, payload, time.time(), cost_bytes))
 
   def _run(self):
     free_at = 0.0
@@ -292,15 +331,14 @@ class Sender:
       item = self._q.get()
       if item is None:
         return
-      step, key, payload, submitted = item
+      step, key, payload, submitted, cost_bytes = item
       try:
         if self.error is None:
           start = max(submitted, free_at) if self.delay_s is not None else time.time()
-          nbytes = sum(codec.nbytes_of(x) for x in payload.values())
-          wire = ({k: codec.encode(x) for k, x in payload.items()} if self.channel.remote
-                  else payload)
+          nbytes = self.channel.nbytes(payload)
+          wire = self.channel.encode(payload) if self.channel.remote else payload
           if self.delay_s is not None:
-            free_at = start + self.delay_s(nbytes)
+            free_at = start + self.delay_s(nbytes if cost_bytes is None else cost_bytes)
             sleep_until(free_at)
           self.channel.send(step, key, self.src, wire)
           self.events.append((step, key, start, time.time(), nbytes))

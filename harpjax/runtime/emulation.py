@@ -10,7 +10,9 @@ links behave like the plan's:
   ``fwd_fraction : 1 - fwd_fraction``), or given explicitly;
 * **links**: each message from stage ``i`` to stage ``j`` holds its direction for
   ``latency + bytes / bandwidth`` of the link between their hosts (from the cluster model, or
-  given), full duplex, FIFO per direction (:class:`harpjax.runtime.channels.Sender`).
+  given), full duplex, FIFO per direction (:class:`harpjax.runtime.channels.Sender`); a cut
+  to or from a stage over several hosts, sent per host pair, holds each sending host's lane
+  for the cut's ``cut_time_s`` (:meth:`Emulation.cut_transfer_s`), the hosts at once.
 
 These are the simulator's semantics, and :meth:`Emulation.simulate` feeds the simulator exactly
 these numbers. ``time_scale`` multiplies every emulated duration (compute and transfers alike,
@@ -32,6 +34,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from harpjax.cluster import Cluster, Link
+from harpjax.compiler.profile import cut_time_s
 from harpjax.compiler.schedule import simulate as simulate_schedule
 from harpjax.errors import (ClusterSpecError, InvalidOptionError, OptionConflictError, PlanError,
                             check_number)
@@ -177,6 +180,26 @@ class Emulation:
       return 0.0
     return link.transfer_time_s(nbytes * self.bytes_scale) * self.time_scale
 
+  def cut_transfer_s(self, src: int, dst: int, nbytes: float, senders: int = 1,
+                     receivers: int = 1) -> float:
+    """Emulated seconds of a cut of ``nbytes`` from ``src`` to ``dst`` sent per host pair,
+    ``senders`` hosts holding distinct rows on one side and ``receivers`` on the other: what
+    ``harpjax.compiler.profile.cut_time_s`` prices, ``latency + bytes / (h x bw(bytes / n))``,
+    scaled (0 when the pair has no link). One host each side: :meth:`transfer_s`."""
+    link = self.link_map.get((src, dst))
+    if link is None:
+      return 0.0
+    return cut_time_s(nbytes * self.bytes_scale, link.bandwidth_bytes_per_s, link.latency_s,
+                      link.curve, senders, receivers) * self.time_scale
+
+  def cut_delay_fn(self, src: int, dst: int, senders: int, receivers: int):
+    """``bytes -> seconds`` of a host's lane in a cut sent per host pair: each sending host
+    holds its lane for the whole cut's :meth:`cut_transfer_s` (the busiest host's time), all
+    sending hosts at once."""
+    if self.link_map.get((src, dst)) is None:
+      return None
+    return lambda nbytes: self.cut_transfer_s(src, dst, nbytes, senders, receivers)
+
   def delay_fn(self, src: int, dst: int):
     link = self.link_map.get((src, dst))
     if link is None:
@@ -187,7 +210,7 @@ class Emulation:
   # ------------------------------------------------------------------ simulator
 
   def simulate(self, schedule, act_bytes: Sequence[float], ct_bytes: Sequence[float] | None = None,
-               **kwargs):
+               row_hosts: Mapping | None = None, **kwargs):
     """The simulator's prediction for these emulated numbers.
 
     Args:
@@ -196,6 +219,8 @@ class Emulation:
         per microbatch.
       ct_bytes: ``[S - 1]`` bytes of the cotangent message from ``i + 1`` to ``i``; default
         ``act_bytes``.
+      row_hosts: ``{(src, dst): (hp, hc)}`` of the cuts sent per host pair
+        (:meth:`cut_transfer_s`); the others are one message on one link.
       kwargs: passed to :func:`harpjax.compiler.schedule.simulate`.
 
     Returns:
@@ -207,8 +232,14 @@ class Emulation:
     ct_bytes = act_bytes if ct_bytes is None else ct_bytes
     fwd = [self.compute_s(s, "F") for s in range(S)]
     bwd = [self.compute_s(s, "B") for s in range(S)]
-    cf = [self.transfer_s(i, i + 1, act_bytes[i]) for i in range(S - 1)]
-    cb = [self.transfer_s(i + 1, i, ct_bytes[i]) for i in range(S - 1)]
+    hosts = dict(row_hosts or {})
+
+    def cut(a, b, nbytes):
+      if (a, b) in hosts:
+        return self.cut_transfer_s(a, b, nbytes, *hosts[(a, b)])
+      return self.transfer_s(a, b, nbytes)
+    cf = [cut(i, i + 1, act_bytes[i]) for i in range(S - 1)]
+    cb = [cut(i + 1, i, ct_bytes[i]) for i in range(S - 1)]
     end = [self.end_time_s(s) or 0.0 for s in range(S)]
     return simulate_schedule(fwd, bwd, schedule=schedule, comm_fwd=cf if S > 1 else 0.0,
                              comm_bwd=cb if S > 1 else 0.0, end_cost=end, **kwargs)

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from harpjax.compiler.schedule import chunk_residency
 from harpjax.compiler.stages import HOST_MEMORY, StageExecutables, StepLayout, put, row_slice
 from harpjax.compiler.trace import Lit
+from harpjax.runtime.rows import move_rows
 
 __all__ = ["MessageKey", "ACT", "CT", "GRAD", "VALUE", "Messenger", "LocalMessenger", "StageRun",
            "GroupParams", "put", "place_on_mesh", "microbatch_slice", "combine_microbatches"]
@@ -115,17 +116,22 @@ class Messenger(Protocol):
   """How one stage exchanges messages with the others (the runtime provides it).
 
   A send is two calls, so that a stage spanning several processes can make its collective
-  first: :meth:`gather` (the payload in one place; ``None`` on the members that do not send)
-  and :meth:`post`. Task hooks let a runtime time (and emulate) each task.
+  first: :meth:`gather` (the payload in one place; ``None`` on the members that do not send;
+  given the destination and the message kind, a runtime that sends a cut per host pair keeps
+  each member's rows where they are) and :meth:`post`. A received activation or cotangent goes onto the stage's sharding with
+  :meth:`take` (the consumer's side of a cut), any other value with :meth:`put`. Task hooks let a runtime time (and emulate) each task.
   """
 
-  def gather(self, payload: dict) -> dict | None: ...
+  def gather(self, payload: dict, dst: int | None = None, kind: str | None = None
+             ) -> dict | None: ...
 
   def post(self, dst: int, key: MessageKey, payload: dict | None) -> None: ...
 
   def recv(self, key: MessageKey, what: str) -> dict: ...
 
   def put(self, x, sharding: NamedSharding): ...
+
+  def take(self, x, sharding: NamedSharding): ...
 
   def begin_task(self) -> None: ...
 
@@ -137,6 +143,11 @@ class Messenger(Protocol):
 class LocalMessenger:
   """Messages between stages of one process: one in-memory inbox per stage.
 
+  A message carries the producer's arrays as they are; the consumer's :meth:`take` moves an
+  activation or cotangent split by rows on both sides per replica pair, device to device
+  (:func:`harpjax.runtime.rows.move_rows`: each producer replica's rows to the consumer
+  replicas they overlap, no gather through host memory).
+
   Args:
     stage: the stage this messenger serves.
     inboxes: per stage, ``{MessageKey: payload}`` (shared by the stages of the process).
@@ -145,7 +156,7 @@ class LocalMessenger:
   def __init__(self, stage: int, inboxes: list[dict]):
     self.stage, self.inboxes = stage, inboxes
 
-  def gather(self, payload: dict) -> dict:
+  def gather(self, payload: dict, dst: int | None = None, kind: str | None = None) -> dict:
     return payload
 
   def post(self, dst: int, key: MessageKey, payload: dict | None) -> None:
@@ -160,6 +171,9 @@ class LocalMessenger:
 
   def put(self, x, sharding: NamedSharding):
     return put(x, sharding)
+
+  def take(self, x, sharding: NamedSharding):
+    return move_rows(x, sharding)
 
   def begin_task(self) -> None:
     pass
@@ -257,11 +271,11 @@ class StageRun:
     for p in lay.act_sources[s]:
       acts.update(io.recv(MessageKey(ACT, m, p), f"the activations of microbatch {m}"))
     start = io.task_started()
-    a = tuple(io.put(acts[v], st.sharding(v)) for v in sl.act_ids)
-    ai = tuple(io.put(acts[v], st.sharding(v)) for v in sl.act_int_ids)
+    a = tuple(io.take(acts[v], st.sharding(v)) for v in sl.act_ids)
+    ai = tuple(io.take(acts[v], st.sharding(v)) for v in sl.act_int_ids)
     outs, residuals = st.fwd(self.params, a, ai, self.data(m), self.mb_index[m])
     out_map = dict(zip(sl.output_ids, outs))
-    msgs = [(t, io.gather({v: out_map[v] for v in lay.act_routes[(s, t)]}))
+    msgs = [(t, io.gather({v: out_map[v] for v in lay.act_routes[(s, t)]}, t, ACT))
             for t in self.consumers]
     io.task_finished("F", m, start, outs)
     for t, payload in msgs:
@@ -294,7 +308,7 @@ class StageRun:
         continue
       ct = None
       for t in lay.ct_sources[s].get(v, ()):
-        g = io.put(msgs[t][v], st.sharding(v))
+        g = io.take(msgs[t][v], st.sharding(v))
         ct = g if ct is None else ct + g
       if v == lay.loss_vid:
         seed = io.put(np.asarray(self.scale, sl.avals[v].dtype), st.replicated)
@@ -308,7 +322,7 @@ class StageRun:
       residuals = jax.tree_util.tree_map(self._to_device, residuals)
     self.acc, act_cts = st.bwd(self.params, residuals, tuple(present), self.acc)
     ct_map = dict(zip(sl.act_ids, act_cts))
-    cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}))
+    cts = [(p, io.gather({v: ct_map[v] for v in lay.ct_routes[(s, p)]}, p, CT))
            for p in lay.ct_targets[s]]
     io.task_finished("B", m, start, (self.acc, act_cts))
     for p, payload in cts:

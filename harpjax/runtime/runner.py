@@ -43,7 +43,8 @@ from harpjax.runtime.local import check_compilation_cache
 from harpjax.runtime.handles import (RemoteArray, gather, new_runner_id, register_runner,
                                      save_tree, unregister_runner)
 from harpjax.runtime.measure import MeasuredStep, measured_step
-from harpjax.runtime.worker import GroupTurns, StageWorker, WorkerOptions, WorkerSpec
+from harpjax.runtime.worker import (GroupTurns, StageWorker, WorkerOptions, WorkerSpec,
+                                    host_pair_cuts)
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class PipelineRunner:
                       f"{len(leaves)}")
     wopts = options.worker_options()
     split = backend.prepare(self)   # stages run by one process per host
+    self.split = frozenset(split)
+    self.row_hosts: dict = {}   # (src, dst) -> hosts with distinct rows, a cut per host pair
     lowered = lower_step(program, platform=backend.platform)
     consts = tuple(codec.encode(x) for x in program.traced.outer_consts)
     # Workers in processes of their own take the JAX settings the stages were lowered under
@@ -286,7 +289,55 @@ class PipelineRunner:
         channels[a][b] = be.object_store_channel(b)
     self._call_all("connect", [(channels[s],) for s in range(S)],
                    self.options.start_timeout_s, "connecting channels")
+    self._connect_rows(routes, token, addresses, single)
     return routes
+
+  def _connect_rows(self, routes: dict, token: str, addresses: dict, single: bool) -> None:
+    """Connects every member of a stage spanning several hosts (a group) to every member of
+    each stage it sends to or receives from over TCP, for the cuts sent per host pair
+    (``docs/runtime.md``); pairs where a member's address is unknown keep the leader's one
+    connection."""
+    S, prog = self.num_stages, self.program
+    size = [len(self.host_groups[s]) if s in self.split else 1 for s in range(S)]
+    member_host = [[h for h, _ in self.host_groups[s]] if s in self.split else [self.hosts[s]]
+                   for s in range(S)]
+    ranks = [tuple(r for r, _ in group_layout(self.host_groups[s], st.all_devices))
+             if s in self.split else (0,) * len(st.all_devices)
+             for s, st in enumerate(prog.plan.stages)]
+
+    def address(s: int, rank: int, nic) -> str | None:
+      if single or (rank == 0 and nic is None):
+        return transport.LOOPBACK
+      return addresses.get((member_host[s][rank], nic))
+
+    pairs, listen = [], {}
+    for (a, b), r in sorted(routes.items()):
+      if r.transport != "tcp" or (size[a] == 1 and size[b] == 1):
+        continue
+      dst_addr = [address(b, k, r.dst_nic) for k in range(size[b])]
+      src_addr = [address(a, k, r.src_nic) for k in range(size[a])]
+      if None in dst_addr or None in src_addr or len(set(listen.get(b, dst_addr))
+                                                      ^ set(dst_addr)) > 0:
+        continue
+      listen[b] = dst_addr
+      pairs.append((a, b, src_addr, r))
+    if not pairs:
+      return
+    opts = self.options
+    endpoints = self._call("listen_rows", {b: (listen[b], token) for b in listen},
+                           opts.start_timeout_s, "opening listeners for per-host cuts")
+    channels: list[dict] = [dict() for _ in range(S)]
+    for a, b, src_addr, r in pairs:
+      for ra in range(size[a]):
+        mine = channels[a].setdefault(ra, {})
+        for rb in range(size[b]):
+          mine[(b, rb)] = ("tcp", src_addr[ra], tuple(endpoints[b][rb]), None)
+    directed = [(a, b) for a, b, _, _ in pairs]
+    self._call_all("connect_rows", [(channels[s], directed, ranks) for s in range(S)],
+                   opts.start_timeout_s, "connecting the members of groups")
+    self.row_hosts = {(p, c): (cut.senders, cut.receivers) for (_, p, c), cut in
+                      host_pair_cuts(self.layout, None, set(directed), ranks).items()}
+    log.info("runner %d: cuts sent per host pair on %s", self.id, directed)
 
   # ------------------------------------------------------------------ steps
 
@@ -511,7 +562,7 @@ class PipelineRunner:
       log.warning("messages between non-neighbouring stages %s are not in the simulator's "
                   "model", skips)
     act, ct = self.message_bytes()
-    return emu.simulate(self.program.schedule, act, ct, **kwargs)
+    return emu.simulate(self.program.schedule, act, ct, row_hosts=self.row_hosts, **kwargs)
 
   # ------------------------------------------------------------------ lifetime
 

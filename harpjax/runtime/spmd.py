@@ -39,7 +39,7 @@ from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
 log = logging.getLogger(__name__)
 
 __all__ = ["Group", "join", "free_port", "group_devices", "is_global", "to_host", "gather",
-           "Broadcaster", "put"]
+           "allgather_object", "Broadcaster", "put"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +192,19 @@ def _spec_of(payload: dict) -> tuple:
     r = _raw(x)
     out.append((k, tuple(r.shape), r.dtype.str, int(r.nbytes), impl))
   return tuple(out)
+
+
+def allgather_object(obj) -> list:
+  """Every member's picklable ``obj``, by rank (a collective: two ``process_allgather``s,
+  of the lengths and of the padded bytes)."""
+  blob = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64)))
+  sizes = sizes.reshape(-1)
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:blob.size] = blob
+  data = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+  return [pickle.loads(data[r, :int(n)].astype(np.uint8).tobytes())
+          for r, n in enumerate(sizes)]
 
 
 def _broadcast_object(obj, leader: bool):

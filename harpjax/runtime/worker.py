@@ -30,21 +30,24 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from harpjax import _compat
 from harpjax.compiler.stages import LoweredStep, precompile
 from harpjax.compiler.trace import Lit
 from harpjax.errors import NotEnoughDevicesError, RuntimeFailure
 from harpjax.runtime import codec, spmd, transport
-from harpjax.runtime.channels import Mailbox, Sender, TcpChannel, TcpListener, sleep_until
+from harpjax.runtime.channels import (FanoutChannel, Mailbox, Sender, TcpChannel, TcpListener,
+                                      sleep_until)
 from harpjax.runtime.emulation import Emulation
-from harpjax.runtime.interpreter import (VALUE, GroupParams, MessageKey, StageRun, place_on_mesh,
-                                        put)
+from harpjax.runtime.interpreter import (ACT, CT, VALUE, GroupParams, MessageKey, StageRun,
+                                        place_on_mesh, put)
+from harpjax.runtime.rows import PieceKey, member_pieces, member_rows, move_rows, row_ranges
 
 log = logging.getLogger(__name__)
 
 __all__ = ["WorkerOptions", "WorkerSpec", "StageWorker", "GroupTurns", "DeviceGroupWorker",
-           "apply_settings"]
+           "apply_settings", "host_pair_cuts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +155,8 @@ class StageWorker:
     self.stage = -1
     self.spec: WorkerSpec | None = None
     self.senders: dict[int, Sender] = {}
+    self.member_senders: dict[int, Sender] = {}   # stage -> sender to its members
+    self.cuts: dict[tuple, _Cut] = {}   # (kind, src, dst) -> a cut sent per host pair
     self.listeners: dict[str, TcpListener] = {}
     self.store: dict[tuple, Any] = {}
     self._step_lock = threading.Lock()
@@ -294,11 +299,62 @@ class StageWorker:
       self.senders[dst] = Sender(ch, self.stage, dst, self._delay_fn(dst))
     return out
 
+  @property
+  def rank(self) -> int:
+    """This process's member rank in its stage's group (``0`` in a stage of one process)."""
+    return 0 if self.group is None else self.group.rank
+
+  def listen_rows(self, addresses, token: str) -> list:
+    """Opens a listener on this member's address (``addresses[rank]``), for the pieces of
+    cuts sent per host pair; returns every member's endpoint, by rank (in a group a
+    collective: every member calls it)."""
+    self.token = token
+    addr = addresses[self.rank]
+    if addr not in self.listeners:
+      self.listeners[addr] = TcpListener(addr, self.mailbox, token)
+    mine = tuple(self.listeners[addr].endpoint)
+    return [mine] if self.group is None else spmd.allgather_object(mine)
+
+  def connect_rows(self, channels: dict, pairs, stage_ranks) -> None:
+    """Starts a sender per member of each stage this one sends a cut to per host pair, and
+    works out which values of which messages go that way.
+
+    Args:
+      channels: ``{rank: {(dst, dst_rank): ("tcp", src_address, (address, port), device)}}``:
+        this member's are under its rank.
+      pairs: the ``(src, dst)`` stage pairs whose activations (``src < dst`` routes) or
+        cotangents go per host pair.
+      stage_ranks: per stage, per device in submesh order, the member holding it.
+    """
+    for old in self.member_senders.values():
+      old.close()
+    self.member_senders = {}
+    self.cuts = host_pair_cuts(self.lay, self.stage, {tuple(p) for p in pairs}, stage_ranks)
+    by_dst: dict[int, dict] = {}
+    for (dst, d), ch in sorted(channels.get(self.rank, {}).items()):
+      _, src_addr, endpoint, device = ch
+      by_dst.setdefault(dst, {})[d] = TcpChannel(
+          src_addr, endpoint, self.token, self.stage,
+          device=device if self.options.bind_device else None,
+          timeout_s=self.options.recv_timeout_s)
+    for dst, chans in by_dst.items():
+      self.member_senders[dst] = Sender(FanoutChannel(chans), self.stage, dst,
+                                        self._cut_delay_fn(dst))
+
   def set_emulation(self, emulation: Emulation | None) -> None:
     """Switches the emulated hardware (between steps)."""
     self.emulation = emulation
     for dst, snd in self.senders.items():
       snd.delay_s = self._delay_fn(dst)
+    for dst, snd in self.member_senders.items():
+      snd.delay_s = self._cut_delay_fn(dst)
+
+  def _cut_delay_fn(self, dst: int):
+    """The emulated lane of this host's part of the cuts to ``dst`` sent per host pair."""
+    cut = next((c for (_, a, b), c in self.cuts.items() if (a, b) == (self.stage, dst)), None)
+    if self.emulation is None or cut is None:
+      return None
+    return self.emulation.cut_delay_fn(self.stage, dst, cut.senders, cut.receivers)
 
   def _delay_fn(self, dst: int):
     if self.emulation is None or dst in self.group_peers:   # one device group: no link
@@ -331,11 +387,13 @@ class StageWorker:
     return [codec.encode(values[i]) for i in range(len(keys))] if self.leader else []
 
   def shutdown(self) -> None:
-    for snd in self.senders.values():
+    for snd in list(self.senders.values()) + list(self.member_senders.values()):
       snd.close()
     for lst in self.listeners.values():
       lst.close()
     self.senders.clear()
+    self.member_senders.clear()
+    self.cuts = {}
     self.listeners.clear()
 
   def _stored(self, key: tuple):
@@ -355,9 +413,31 @@ class StageWorker:
   def put(self, x, sharding):
     return put(x, sharding) if self.group is None else spmd.put(x, sharding)
 
-  def gather(self, payload: dict) -> dict | None:
+  def take(self, x, sharding):
+    """A received activation or cotangent on ``sharding``: one from another stage of this
+    process (a device group's) moves per replica pair, device to device
+    (:func:`~harpjax.runtime.rows.move_rows`); one received over the network arrives in host
+    memory and each device takes its rows."""
+    return move_rows(x, sharding) if self.group is None else spmd.put(x, sharding)
+
+  def gather(self, payload: dict, dst: int | None = None, kind: str | None = None):
     """In a group (a collective): the payload in host memory on the leader, ``None`` on the
-    other members; otherwise the payload itself."""
+    other members; otherwise the payload itself. A message of a cut sent per host pair
+    (``kind`` to stage ``dst``, :meth:`connect_rows`) keeps its values with rows here, as this
+    member's rows in host memory, and gathers only the others."""
+    cut = self.cuts.get((kind, self.stage, dst))
+    if cut is not None:
+      whole = {v: x for v, x in payload.items() if v not in cut.rows}
+      # A value the executable left split along another axis too (XLA's choice) is gathered
+      # like the values without rows: a process then holds only part of its rows.
+      spread = {v: payload[v] for v in cut.rows if spmd.is_global(payload[v])
+                and not _holds_own_rows(payload[v], cut.rows[v][0])}
+      if (whole or spread) and self.group is not None:
+        host = spmd.gather({**whole, **spread})
+        whole = {v: host[v] for v in whole}
+        payload = {**payload, **{v: host[v] for v in spread}}
+      rows = {v: _own_rows(payload[v], cut.rows[v][0][self.rank]) for v in cut.rows}
+      return _CutPayload(whole if (whole and self.leader) else None, rows)
     if self.group is None:
       return payload
     payload = spmd.gather(payload)
@@ -366,6 +446,9 @@ class StageWorker:
   def post(self, dst: int, key: MessageKey, payload: dict | None) -> None:
     """Queues a message for stage ``dst`` (a group's other members send nothing: one
     message per stage pair, from the leader)."""
+    if isinstance(payload, _CutPayload):
+      self._post_rows(dst, key, payload.rows)
+      payload = payload.whole
     if payload is None:
       return
     peer = self.group_peers.get(dst)
@@ -377,7 +460,53 @@ class StageWorker:
       raise RuntimeFailure(f"stage {self.stage} has no channel to stage {dst}")
     snd.submit(self._step, key, payload)
 
+  def _post_rows(self, dst: int, key: MessageKey, rows: dict) -> None:
+    """Sends this member's pieces of a cut to each member of ``dst`` whose rows overlap
+    them, each on its own connection."""
+    cut = self.cuts[(key.kind, self.stage, dst)]
+    msgs: dict[int, dict] = {}
+    for v, (src_rows, _, pieces) in cut.rows.items():
+      lo = src_rows[self.rank][0]
+      for r, d, a, b in pieces:
+        if r == self.rank:
+          msgs.setdefault(d, {})[v] = rows[v][a - lo:b - lo]
+    if msgs:
+      self.member_senders[dst].submit(self._step, PieceKey(key.kind, key.index, key.src,
+                                                           self.rank), msgs, cut.row_bytes)
+
+  def _recv_rows(self, key: MessageKey, cut: "_Cut", what: str) -> dict:
+    """This member's part of a cut sent per host pair: the values without rows from the
+    leader (broadcast in a group), each value with rows joined from the pieces of the
+    producer's members, as the stage's array."""
+    out: dict = {}
+    if cut.whole:
+      msg = None
+      if self.leader:
+        msg = self.mailbox.get((self._step, key), key.src, self.options.recv_timeout_s,
+                               f"{what} (step {self._step})")
+      out.update(msg if self.group is None else self._broadcast(msg, key.kind_key))
+    mine = {v: sorted((a, r) for r, d, a, _ in pieces if d == self.rank)
+            for v, (_, _, pieces) in cut.rows.items()}
+    got = {}
+    for r in sorted({r for parts in mine.values() for _, r in parts}):
+      got[r] = self.mailbox.get((self._step, PieceKey(key.kind, key.index, key.src, r)),
+                                key.src, self.options.recv_timeout_s,
+                                f"{what} (step {self._step}, rows of member {r})")
+    for v, parts in mine.items():
+      pieces = [got[r][v] for _, r in parts]
+      x = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+      if self.group is not None:
+        aval = self.lay.stages[self.stage].avals[v]
+        x = jax.make_array_from_process_local_data(self.exe.sharding(v), x, aval.shape)
+      out[v] = x
+    return out
+
   def recv(self, key: MessageKey, what: str) -> dict:
+    cut = self.cuts.get((key.kind, key.src, self.stage))
+    if cut is not None:
+      out = self._recv_rows(key, cut, what)
+      self._arrived = time.time()
+      return out
     msg = None
     if self.leader:
       msg = self.mailbox.get((self._step, key), key.src, self.options.recv_timeout_s,
@@ -493,11 +622,11 @@ class StageWorker:
         else:
           self.store[(step, k)] = env[o[2]]
     phases["outputs"] = time.time() - begin
-    for snd in self.senders.values():
+    for snd in list(self.senders.values()) + list(self.member_senders.values()):
       snd.flush(self.options.recv_timeout_s)
     phases["flush"] = time.time() - begin
     sends = []
-    for dst, snd in self.senders.items():
+    for dst, snd in list(self.senders.items()) + list(self.member_senders.items()):
       evs, snd.events = snd.events, []
       sends += [(dst,) + e[1:] for e in evs if e[0] == step]
     self._env = self._pending = None
@@ -711,3 +840,92 @@ class DeviceGroupWorker:
   def shutdown(self) -> None:
     for w in self.workers.values():
       w.shutdown()
+
+
+# --------------------------------------------------------------------------- cuts per host pair
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+  """A message kind between two stages sent per host pair: per value with rows, the rows of
+  each member of the sending and of the receiving stage and the pieces
+  (:func:`~harpjax.runtime.rows.member_pieces`); ``whole``: whether values without rows go
+  too (from leader to leader, as any message); ``row_bytes``: the bytes of the values with
+  rows (the cut's ``b``), ``senders`` and ``receivers``: the hosts holding distinct rows on
+  either side (of the first such value; ``cut_time_s``'s ``hp`` and ``hc``)."""
+  rows: dict
+  whole: bool
+  row_bytes: int
+  senders: int
+  receivers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _CutPayload:
+  whole: dict | None
+  rows: dict
+
+
+def host_pair_cuts(lay, stage: int | None, pairs: set, stage_ranks) -> dict:
+  """The cuts stage ``stage`` (``None``: any stage) sends or receives per host pair:
+  ``{(kind, src, dst): _Cut}``."""
+  out = {}
+  for (a, b) in pairs:
+    if stage is not None and stage not in (a, b):
+      continue
+    for kind, vids, (p, c) in ((ACT, lay.act_routes.get((a, b), ()), (a, b)),
+                               (CT, lay.ct_routes.get((a, b), ()), (a, b))):
+      rows, whole = {}, False
+      for v in vids:
+        sp, sc = lay.stages[p], lay.stages[c]
+        shape = tuple(sp.avals[v].shape)
+        src = member_rows(sp.specs[v], sp.logical_mesh, stage_ranks[p], shape)
+        dst = member_rows(sc.specs[v], sc.logical_mesh, stage_ranks[c], shape)
+        if src is None or dst is None:
+          whole = True
+        else:
+          rows[v] = (src, dst, member_pieces(src, dst))
+      if rows:
+        first = next(iter(rows.values()))
+        nbytes = sum(int(np.prod(lay.stages[p].avals[v].shape))
+                     * np.dtype(lay.stages[p].avals[v].dtype).itemsize for v in rows)
+        out[(kind, p, c)] = _Cut(rows, whole, nbytes, len(set(first[0])), len(set(first[1])))
+  return out
+
+
+def _holds_own_rows(x, src_rows) -> bool:
+  """Whether each process holds, on its own devices, the whole of the rows it sends of the
+  global array ``x`` (``src_rows``: by rank): the same answer in every process."""
+  ranges = row_ranges(x.sharding, x.shape)
+  if ranges is None:
+    return False
+  for rank, (lo, hi) in enumerate(src_rows):
+    held = sorted(r for d, r in ranges.items() if d.process_index == rank)
+    at = lo
+    for a, b in held:
+      if a <= at < b:
+        at = b
+    if at < hi:
+      return False
+  return True
+
+
+def _own_rows(x, rows: tuple[int, int]) -> np.ndarray:
+  """Rows ``[start, stop)`` of ``x`` in this process's host memory, from the shards this
+  process holds (a global array) or from the whole value."""
+  lo, hi = rows
+  if not spmd.is_global(x):
+    return np.asarray(x)[lo:hi]
+  shards = {}
+  for sh in x.addressable_shards:
+    r = sh.index[0]
+    start = r.start or 0
+    stop = x.shape[0] if r.stop is None else r.stop
+    if lo <= start and stop <= hi:
+      shards.setdefault(start, (stop, sh.data))
+  parts, at = [], lo
+  while at < hi:
+    stop, data = shards[at]
+    parts.append(np.asarray(data))
+    at = stop
+  return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)

@@ -35,9 +35,14 @@ from harpjax.compiler.schedule import (activations_after, chunk_residency,
                                        prefetch_stalls, PipelineCosts, pipeline_period,
                                        schedule_kind,
                                        ScheduleKind, simulate)
-from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
+from harpjax.errors import HarpjaxError, InfeasiblePlanError, InvalidOptionError, PlanError
 
-__all__ = ["PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error",
+CUT_MODELS = ("one_link", "replica_pairs")
+"""How :func:`evaluate_plan` prices a cut: one message on one link (what the runtime sends, and
+what the DP prices), or every host pair of the two stages at once (per data-parallel replica
+pair, Sailor's model)."""
+
+__all__ = ["CUT_MODELS", "PlannedStage", "PlanEvaluation", "evaluate_plan", "infeasible_error",
            "check_logical_mesh", "simulated_time"]
 
 log = logging.getLogger(__name__)
@@ -269,7 +274,7 @@ def check_logical_mesh(tables: CostTables, st: StageSpec, k: int, s: int) -> Non
 def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
                   schedule: str | ScheduleKind | None = None,
                   *, eps: float = 0.1, simulator: bool = True,
-                  fwd_fraction: float = 1.0 / 3.0) -> PlanEvaluation:
+                  fwd_fraction: float = 1.0 / 3.0, cuts: str = "one_link") -> PlanEvaluation:
   """Scores a plan on cost tables: Eq. 12, steady period, memory, links, packing.
 
   Args:
@@ -288,6 +293,17 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
     simulator: use :func:`harpjax.compiler.schedule.simulate` for ``iteration_s`` (else the
       analytic steady-period model).
     fwd_fraction: share of a stage's time spent in the forward pass (for the simulator).
+    cuts: how each cut is priced (Eq. 12 and the simulator read the same seconds):
+      ``"replica_pairs"``, every host pair of the two stages at once (:meth:`~harpjax.
+      compiler.profile.CostTables.replica_cut_costs`: what the runtimes send, each host its
+      rows on its own connection, and Sailor's model), or ``"one_link"`` (the default: the
+      price the DP optimises and the planner reports), one message on one link
+      (:meth:`~harpjax.compiler.profile.CostTables.cut_costs`), an upper bound of the former,
+      equal to it where either stage holds its rows on one host; docs/cost_model.md. The
+      warm-up counts are the one-link ones either way (the plan's, as the DP found it): with
+      them fixed, a cheaper cut never lengthens the simulated iteration. The warm-up counts are
+      the one-link ones either way (the plan's, as the DP found it): with them fixed, a
+      cheaper cut never lengthens the simulated iteration.
 
   Returns:
     The :class:`PlanEvaluation`.
@@ -305,14 +321,19 @@ def evaluate_plan(tables: CostTables, stages, num_microbatches: int,
   quads = _resolve_stages(tables, stages, max(group) + 1 if group else None)
   S = len(quads)
   t = [float(tables.stage_time_s[k][i, j, s]) for i, j, k, s in quads]
+  if cuts not in CUT_MODELS:
+    raise InvalidOptionError(f"evaluate_plan(cuts={cuts!r}): choose one of {CUT_MODELS}")
   c = [float(x) for x in tables.cut_costs(quads)]   # where the stages sit
+  # the warm-ups are the plan's as the DP prices its cuts (one link), which the runtime runs
+  warm = kind.warmups(PipelineCosts(S, B, tuple(t), tuple(c[:-1]), eps))
+  if cuts == "replica_pairs":
+    c = [float(x) for x in tables.replica_cut_costs(quads)]
   t_max = max(t)
   period = pipeline_period(c, t_max)
   violations = []
   if not math.isfinite(t_max):
     bad = [q for q, x in zip(quads, t) if not math.isfinite(x)]
     violations.append(f"stages {bad} have no finite time in the tables")
-  warm = kind.warmups(PipelineCosts(S, B, tuple(t), tuple(c[:-1]), eps))
   inflight = kind.inflight(S, B, warm)
   # Devices: over-subscription and packing per subcluster.
   devices_ok, uses_all = True, True

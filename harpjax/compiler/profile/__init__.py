@@ -35,8 +35,9 @@ from harpjax.compiler.profile.layer_profile import (LayerProfile, memory_to_comp
 from harpjax.compiler.profile.fees import (cut_fees, cuts_transfer, group_sync_transfer,
                                            LinkFees, plan_transfer,
                                            PlanTransfer, with_fees)
+from harpjax.compiler.profile.collectives import cut_time_s
 from harpjax.compiler.profile.remat_choice import with_remat_choice
-from harpjax.compiler.profile.routes import (group_route_s, home_sync_s, replica_link,
+from harpjax.compiler.profile.routes import (group_route_s, home_sync_s, replica_link, row_hosts,
                                              subcluster_link)
 from harpjax.compiler.profile.routed_split import RoutedSplit
 from harpjax.compiler.profile.tables import CostTables, range_sums
@@ -50,11 +51,11 @@ from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_ti
 
 __all__ = [
     "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables",
-    "default_cache_dir", "group_route_s", "group_sync_transfer", "cuts_transfer", "cut_fees", "LinkFees", "plan_transfer",
+    "cut_time_s", "default_cache_dir", "group_route_s", "group_sync_transfer", "cuts_transfer", "cut_fees", "LinkFees", "plan_transfer",
     "PlanTransfer", "with_fees", "home_sync_s", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "param_fetch_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",
-    "range_sums", "replica_grad_bytes", "replica_link", "RoutedSplit", "SOURCES", "stage_memory",
+    "range_sums", "replica_grad_bytes", "replica_link", "row_hosts", "RoutedSplit", "SOURCES", "stage_memory",
     "StageMemory", "stage_flops", "stage_times", "subcluster_link", "SubclusterSpec", "sync_per_microbatch",
     "synthetic_gpt_profile", "tables_for_plan", "with_remat_choice",
     "ZERO_LEVELS", "zero_collectives", "zero_layer_costs", "zero_stage_times",

@@ -216,5 +216,26 @@ def assemble_tables(*, names: Sequence[str], num_hosts: Sequence[int],
           l.bandwidth_bytes_per_s for l in host_links),
       host_latency_s=None if host_links is None else tuple(l.latency_s for l in host_links),
       peak_flops=None if peak_flops is None else tuple(float(p) for p in peak_flops),
-      layer_names=tuple(layer_names) if layer_names is not None else None)
+      layer_names=tuple(layer_names) if layer_names is not None else None,
+      link_curves=link_curves(intra_links, inter_links, pair_links))
   return tables, counts
+
+
+def link_curves(intra_links: Sequence[Link], inter_links: Sequence[Link],
+                pair_links: Sequence[Sequence[Link | None]] | None = None):
+  """``[K, K]`` bandwidth curves of the tables' links (:attr:`CostTables.link_curves`): the
+  diagonal from ``intra_links``, the rest from ``pair_links`` (or the consecutive
+  ``inter_links``); ``None`` where a link has none."""
+  K = len(intra_links)
+  out = [[None] * K for _ in range(K)]
+  for k, l in enumerate(intra_links):
+    out[k][k] = l.curve
+  if pair_links is None:
+    for k, l in enumerate(inter_links):
+      out[k][k + 1] = out[k + 1][k] = l.curve
+  else:
+    for a, row in enumerate(pair_links):
+      for b, l in enumerate(row):
+        if a != b and l is not None:
+          out[a][b] = l.curve
+  return tuple(tuple(r) for r in out)

@@ -1,5 +1,9 @@
-"""Collective communication times on one link (ring algorithms), and the round trip of a
-point-to-point transfer.
+"""Collective communication times on one link (ring algorithms), the round trip of a
+point-to-point transfer, and the seconds of a pipeline cut (:func:`cut_time_s`).
+
+A link whose bandwidth depends on the message size (:class:`~harpjax.cluster.BandwidthCurve`)
+is read at the size of each message the algorithm sends: a ring step's ``bytes / p``, a cut's
+share per host pair.
 
 The one cost model of collectives in harpjax: the profiler's per-layer tensor-parallel
 collectives and gradient all-reduce, :meth:`CostTables.from_layer_costs
@@ -19,7 +23,41 @@ import numpy as np
 from harpjax.cluster import Link
 
 __all__ = ["allreduce_time_s", "allgather_time_s", "all_to_all_time_s", "collective_time_s",
-           "round_trip_time_s", "update_time_s"]
+           "round_trip_time_s", "update_time_s", "cut_time_s"]
+
+
+def cut_time_s(nbytes, bandwidth_bytes_per_s, latency_s=0.0, curve=None, senders=1,
+               receivers=1):
+  """Seconds of a cut: ``nbytes`` sent from ``senders`` hosts to ``receivers`` hosts, each
+  host's rows to the hosts whose rows overlap them, every host pair on its own connection at
+  once.
+
+  With ``h = min(senders, receivers)`` and ``n = max(senders, receivers)``, the cut moves
+  ``n + h - gcd`` messages; the busiest host sends or receives ``n / h`` of them, each of
+  ``bytes / n`` (rows split evenly), so the cut takes ``latency + bytes / (h x bw(bytes /
+  n))``: ``bw`` is the link's bandwidth at that message size (``curve``, a
+  :class:`~harpjax.cluster.BandwidthCurve`, where given, else ``bandwidth_bytes_per_s``).
+  One host on each side: ``latency + bytes / bw(bytes)``, one message.
+
+  Args:
+    nbytes: bytes of the whole cut (a scalar or an array: then so is the result).
+    bandwidth_bytes_per_s: the link's bandwidth (no size known); ``0``: no link (``inf``).
+    latency_s: seconds per message.
+    curve: optional bandwidth by message size.
+    senders, receivers: hosts holding distinct rows of the cut on either side (``>= 1``;
+      numbers or arrays broadcasting with ``nbytes``).
+  """
+  h = np.minimum(senders, receivers).astype(np.float64)
+  n = np.maximum(senders, receivers).astype(np.float64)
+  x = np.asarray(nbytes, np.float64)
+  msg = x / n
+  if curve is not None:
+    bw = np.asarray(curve.bandwidth_at(msg), np.float64)
+  else:
+    bw = np.asarray(bandwidth_bytes_per_s, np.float64)
+  with np.errstate(divide="ignore"):
+    t = np.where(bw > 0, latency_s + x / (h * np.where(bw > 0, bw, 1.0)), np.inf)
+  return float(t) if t.ndim == 0 else t
 
 
 def allreduce_time_s(nbytes, p: int, link: Link):
@@ -35,8 +73,9 @@ def allreduce_time_s(nbytes, p: int, link: Link):
   nbytes = np.asarray(nbytes, dtype=np.float64)
   if p <= 1:
     t = np.zeros_like(nbytes)
-  else:
-    t = 2.0 * (p - 1) / p * nbytes / link.bandwidth_bytes_per_s + 2.0 * (p - 1) * link.latency_s
+  else:   # 2 (p - 1) steps, each a message of bytes / p
+    bw = link.bandwidth_at(nbytes / p)
+    t = 2.0 * (p - 1) / p * nbytes / bw + 2.0 * (p - 1) * link.latency_s
     t = np.where(nbytes > 0, t, 0.0)
   return float(t) if t.ndim == 0 else t
 
@@ -47,8 +86,8 @@ def allgather_time_s(nbytes, p: int, link: Link):
   ``"all-gather"``); ``0`` when ``p <= 1`` or there is nothing to gather; scalars or arrays,
   as :func:`allreduce_time_s`."""
   x = np.asarray(nbytes, dtype=np.float64)
-  with np.errstate(invalid="ignore"):
-    t = (p - 1) / p * x / link.bandwidth_bytes_per_s + (p - 1) * link.latency_s
+  with np.errstate(invalid="ignore", divide="ignore"):   # p - 1 steps of bytes / p each
+    t = (p - 1) / p * x / link.bandwidth_at(x / max(p, 1)) + (p - 1) * link.latency_s
   t = np.where((x > 0) & (p > 1), t, 0.0)
   return float(t) if t.ndim == 0 else t
 
@@ -66,9 +105,13 @@ def collective_time_s(colls: dict, p: int, link: Link) -> float:
   """Seconds of the collectives ``{kind: [bytes, count]}`` over ``p`` devices (ring model)."""
   if p <= 1:
     return 0.0
-  bw, lat = link.bandwidth_bytes_per_s, link.latency_s
+  lat = link.latency_s
   total = 0.0
   for kind, (nbytes, count) in colls.items():
+    # each step's message: bytes / p of each collective (the whole result of a
+    # reduce-scatter's step, the permuted value of a permute), count of them
+    per = nbytes / max(count, 1)
+    bw = link.bandwidth_at(per if kind in ("reduce-scatter", "collective-permute") else per / p)
     if kind == "all-reduce":
       total += 2.0 * (p - 1) / p * nbytes / bw + 2.0 * (p - 1) * lat * count
     elif kind == "reduce-scatter":     # result is 1/p of what each device sends

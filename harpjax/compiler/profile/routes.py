@@ -16,6 +16,9 @@ mixed stages of :mod:`harpjax.compiler.plan.mixed`).
   it: every other group sends its gradient to the home, which sums them, updates, and sends
   the parameters back, one group after the other, ``sum over g != home of 2 (bytes / bw +
   lat)``.
+* :func:`row_hosts`: the hosts of a stage that hold distinct rows of its microbatch (its
+  data-parallel replicas' rows, split over its hosts): how many host pairs a cut sent per
+  replica pair uses at once (:meth:`~harpjax.compiler.profile.CostTables.replica_cut_costs`).
 * :func:`replica_link`: the link between a submesh's data-parallel replicas: inside a host
   for a one-host submesh, else the subcluster's link between hosts; :func:`host_link` and
   :func:`node_link` are those two links of a cluster's subcluster.
@@ -34,7 +37,7 @@ from harpjax.cluster import INTRA_HOST_LATENCY_S, Link
 from harpjax.compiler.profile.collectives import round_trip_time_s
 
 __all__ = ["subcluster_link", "group_route_s", "home_sync_s", "replica_link", "host_link",
-           "node_link"]
+           "node_link", "row_hosts"]
 
 
 def subcluster_link(tables, a: int, b: int) -> tuple[float, float]:
@@ -93,4 +96,15 @@ def node_link(cluster, sub) -> Link:
   """The link between two hosts of subcluster ``sub`` of ``cluster``
   (:meth:`~harpjax.cluster.Cluster.intra_subcluster_link`, as a plain :class:`Link`)."""
   nl = cluster.intra_subcluster_link(sub.name)
-  return Link(nl.bandwidth_bytes_per_s, nl.latency_s)
+  return Link(nl.bandwidth_bytes_per_s, nl.latency_s, curve=nl.curve)
+
+
+def row_hosts(submesh: Sequence[int], mesh: Sequence[int]) -> int:
+  """Hosts of a stage on ``submesh`` ``(n, m)`` with logical mesh ``mesh`` ``(dp, tp[, ep])``
+  that hold distinct rows of its microbatch: ``min(n, dp x ep)``. The rows are split over the
+  ``dp x ep`` replicas, which take consecutive devices, host by host: a replica within one
+  host leaves each of the ``n`` hosts its own rows; one spanning several hosts (``tp`` wider
+  than a host) gives them the same rows (``dp x ep`` distinct sets)."""
+  n = int(submesh[0])
+  reps = int(mesh[0]) * (int(mesh[2]) if len(mesh) > 2 else 1)
+  return max(1, min(n, reps))

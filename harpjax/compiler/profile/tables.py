@@ -46,8 +46,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from harpjax.cluster import Link, host_joins, is_divisibility_chain
+from harpjax.cluster import BandwidthCurve, Link, host_joins, is_divisibility_chain
 from harpjax.errors import CostTablesError
+from harpjax.compiler.profile.collectives import cut_time_s
 from harpjax.compiler.profile.fees import LinkFees
 from harpjax.compiler.layers import LogicalMesh
 from harpjax.compiler.trace import REMAT_MODES
@@ -281,6 +282,12 @@ class CostTables:
       residual offload) variants (:func:`harpjax.compiler.plan.variants.expand_variants`):
       ``[K]`` tuples of ``(zero, offload, offload_activations)``, one per entry of
       ``submeshes[k]`` (whose shapes then repeat, once per variant).
+    link_curves: optional ``[K, K]`` :class:`~harpjax.cluster.BandwidthCurve` or ``None``
+      per link: entry ``[a][b]`` (``a != b``) is the bandwidth by message size of the link
+      from subcluster ``a`` to ``b``, ``[k][k]`` that of the link between two hosts of ``k``
+      (the cluster file's ``gbps_by_size``). A cut on such a link moves at the curve's
+      bandwidth at its message size (:func:`~harpjax.compiler.profile.cut_time_s`); ``None``
+      (the whole matrix or an entry): at the link's bandwidth.
     routed_split: optional :class:`~harpjax.compiler.profile.routed_split.RoutedSplit`: the
       experts' part of each routed layer's time and memory, which zebra stages (attention and
       experts on two groups of GPUs, :mod:`harpjax.compiler.plan.zebra_stages`) need.
@@ -322,6 +329,7 @@ class CostTables:
   host_latency_s: tuple[float, ...] | None = None
   fees: LinkFees | None = None
   routed_split: RoutedSplit | None = None
+  link_curves: tuple[tuple[BandwidthCurve | None, ...], ...] | None = None
 
   def __post_init__(self):
     L = check_int(self.num_layers, "num_layers")
@@ -359,6 +367,15 @@ class CostTables:
     elif self.host_latency_s is not None:
       raise CostTablesError("host_latency_s needs host_bandwidth_bytes_per_s")
     self._set_links(K)
+    if self.link_curves is not None:
+      rows = check_seq(self.link_curves, "link_curves", K)
+      curves = tuple(tuple(check_seq(r, f"link_curves[{a}]", K)) for a, r in enumerate(rows))
+      for a, r in enumerate(curves):
+        for b, c in enumerate(r):
+          if c is not None and not isinstance(c, BandwidthCurve):
+            raise CostTablesError(f"link_curves[{a}][{b}]={c!r}: expected a BandwidthCurve "
+                                  "or None")
+      set_("link_curves", None if all(c is None for r in curves for c in r) else curves)
     if self.fees is not None:
       if not isinstance(self.fees, LinkFees):
         raise CostTablesError(f"fees: expected a LinkFees, got {self.fees!r}")
@@ -581,17 +598,26 @@ class CostTables:
   def total_devices(self) -> int:
     return int(sum(self.subcluster_devices))
 
-  def _cuts_on(self, latency_s, bandwidth_bytes_per_s) -> np.ndarray:
-    """``[K, L]`` seconds of a cut after layer ``j`` on each subcluster's link of these."""
-    out = (np.asarray(latency_s)[:, None]
-           + self.boundary_bytes[None, :] / np.asarray(bandwidth_bytes_per_s)[:, None])
+  def _cuts_on(self, latency_s, bandwidth_bytes_per_s, curves=None) -> np.ndarray:
+    """``[K, L]`` seconds of a cut after layer ``j`` on each subcluster's link of these (at
+    ``curves[k]``'s bandwidth by message size where given)."""
+    K = self.num_subclusters
+    curves = (None,) * K if curves is None else curves
+    out = np.stack([cut_time_s(self.boundary_bytes, bandwidth_bytes_per_s[k], latency_s[k],
+                               curves[k]) for k in range(K)]).reshape(K, self.num_layers)
     out.setflags(write=False)
     return out
+
+  def curve(self, a: int, b: int) -> BandwidthCurve | None:
+    """The bandwidth by message size of the link from subcluster ``a`` to ``b`` (``a == b``:
+    between two hosts of ``a``), or ``None``."""
+    return None if self.link_curves is None else self.link_curves[a][b]
 
   @functools.cached_property
   def intra_comm_s(self) -> np.ndarray:
     """``[K, L]`` seconds of a cut after layer ``j`` inside subcluster ``k``: ``C(j)``."""
-    return self._cuts_on(self.intra_latency_s, self.intra_bandwidth_bytes_per_s)
+    return self._cuts_on(self.intra_latency_s, self.intra_bandwidth_bytes_per_s,
+                         [self.curve(k, k) for k in range(self.num_subclusters)])
 
   @functools.cached_property
   def inter_comm_s(self) -> np.ndarray:
@@ -619,7 +645,7 @@ class CostTables:
         if a == b:
           out[a, b] = self.intra_comm_s[a]
         elif bw[a, b] > 0:
-          out[a, b] = lat[a, b] + self.boundary_bytes / bw[a, b]
+          out[a, b] = cut_time_s(self.boundary_bytes, bw[a, b], lat[a, b], self.curve(a, b))
     out.setflags(write=False)
     return out
 
@@ -645,13 +671,100 @@ class CostTables:
 
   def cut_costs(self, stages: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
     """``[S]`` seconds of the cut after each stage of a plan (``0`` after the last), where
-    the stages sit.
+    the stages sit, each sent as one message on one link (what the runtime sends: a stage's
+    outputs gathered and posted once per consumer stage).
 
     Args:
       stages: ``(first layer, last layer, subcluster, submesh index)`` in pipeline order.
     """
     S = len(stages)
     out = np.zeros(S)
+    joins = self._host_joins(stages)
+    for x in range(S - 1):
+      a, b, j = stages[x][2], stages[x + 1][2], stages[x][1]
+      out[x] = self.host_comm_s[a, j] if joins[x] else self.pair_comm_s[a, b, j]
+    return out
+
+  def replica_cut_costs(self, stages: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
+    """``[S]`` seconds of the cut after each stage of a plan sent per data-parallel replica
+    pair (Sailor's model): each host of the producer sends its replicas' rows to the hosts
+    of the consumer whose rows overlap them, every host pair on its own connection at once,
+    :func:`~harpjax.compiler.profile.cut_time_s` with the two stages' :attr:`row_hosts`
+    (their submeshes and logical meshes). Two stages on one
+    host, or two stages whose rows each sit on one host, send one message as
+    :meth:`cut_costs`.
+
+    A cut is sent per replica pair only where that is faster than one message: on a link of
+    one bandwidth always when ``h > 1`` (``h`` pairs share the bytes), on a link with a
+    :class:`~harpjax.cluster.BandwidthCurve` where ``h x bw(bytes / n) > bw(bytes)`` (one
+    sending host, ``h = 1``, splitting its rows into ``n`` smaller, slower messages, is not);
+    the seconds are the lesser of the two, so never above :meth:`cut_costs`.
+
+    Args:
+      stages: ``(first layer, last layer, subcluster, submesh index)`` in pipeline order.
+    """
+    S = len(stages)
+    out = self.cut_costs(stages)
+    joins = self._host_joins(stages)
+    for x in range(S - 1):
+      if joins[x]:
+        continue
+      (i0, j0, a, s0), (i1, j1, b, s1) = stages[x], stages[x + 1]
+      hp, hc = int(self.row_hosts[a][i0, j0, s0]), int(self.row_hosts[b][i1, j1, s1])
+      if hp == 1 and hc == 1:
+        continue
+      bw, lat = ((self.intra_bandwidth_bytes_per_s[a], self.intra_latency_s[a]) if a == b else
+                 (self.link_bandwidth_bytes_per_s[a][b], self.link_latency_s[a][b]))
+      out[x] = min(out[x], cut_time_s(self.boundary_bytes[j0], bw, lat, self.curve(a, b),
+                                      hp, hc))
+    return out
+
+  @functools.cached_property
+  def row_hosts(self) -> tuple[np.ndarray, ...]:
+    """``[K]`` int arrays ``[L, L, S_k]``: the hosts of a stage on layers ``i..j`` on submesh
+    ``s`` that hold distinct rows of its microbatch (:func:`~harpjax.compiler.profile.
+    row_hosts` of the entry's submesh and logical mesh): what a cut sent per replica pair
+    reads of each of its two stages."""
+    out = []
+    L = self.num_layers
+    for k in range(self.num_subclusters):
+      n = np.array([sh[0] for sh in self.submeshes[k]], np.int64)
+      if self.logical_mesh is None:
+        reps = np.array([sh[0] * sh[1] for sh in self.submeshes[k]], np.int64)[None, None, :]
+      else:
+        lm = np.asarray(self.logical_mesh[k], np.int64)
+        reps = lm[..., 0] * (lm[..., 2] if lm.shape[-1] > 2 else 1)
+      a = np.broadcast_to(np.maximum(1, np.minimum(n[None, None, :], reps)),
+                          (L, L, len(n))).copy()
+      a.setflags(write=False)
+      out.append(a)
+    return tuple(out)
+
+  def replica_cut_table(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The seconds of a cut from a stage on subcluster ``a`` to one on ``b`` (``a == b``:
+    between two hosts of ``a``) sent per replica pair, by the two stages' row hosts
+    (:attr:`row_hosts`): what the DP would read beside :attr:`pair_comm_s`.
+
+    Returns:
+      ``(hosts_a, hosts_b, seconds)``: the distinct row-host counts of ``a``'s and ``b``'s
+      entries (sorted) and ``[len(hosts_a), len(hosts_b), L]`` seconds of the cut after
+      layer ``j`` from a stage with ``hosts_a[p]`` row hosts to one with ``hosts_b[q]``
+      (``inf`` without a link); ``seconds[0, 0]`` is :attr:`pair_comm_s` ``[a, b]`` when
+      both lists start at one host.
+    """
+    ha = np.unique(self.row_hosts[a])
+    hb = np.unique(self.row_hosts[b])
+    bw, lat = ((self.intra_bandwidth_bytes_per_s[a], self.intra_latency_s[a]) if a == b else
+               (self.link_bandwidth_bytes_per_s[a][b], self.link_latency_s[a][b]))
+    out = cut_time_s(self.boundary_bytes[None, None, :], bw, lat, self.curve(a, b),
+                     ha[:, None, None], hb[None, :, None])
+    out = np.broadcast_to(out, (ha.size, hb.size, self.num_layers)).copy()
+    out.setflags(write=False)
+    return ha, hb, out
+
+  def _host_joins(self, stages: Sequence[tuple[int, int, int, int]]) -> list[bool]:
+    """Per cut of a plan, whether its two stages sit on one host (priced at the host link)."""
+    S = len(stages)
     joins = [False] * max(S - 1, 0)
     x = 0
     while x < S:   # each subcluster's run of stages, placed as the allocator places it
@@ -664,10 +777,7 @@ class CostTables:
                                                     for st in stages[x:y + 1]])
         joins[x:y] = run
       x = y + 1
-    for x in range(S - 1):
-      a, b, j = stages[x][2], stages[x + 1][2], stages[x][1]
-      out[x] = self.host_comm_s[a, j] if joins[x] else self.pair_comm_s[a, b, j]
-    return out
+    return joins
 
   def linked(self, a: int, b: int) -> bool:
     """Whether a stage on subcluster ``a`` can be followed by one on ``b`` (``a != b``)."""
