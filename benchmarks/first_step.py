@@ -31,6 +31,12 @@ tables.
 (``git archive <commit> | tar -x -C DIR``, its own copy of this script and its own harpjax),
 interleaved, and prints both with the ratio of their CPU seconds.
 
+Cold is an empty profile cache and an empty executable cache. The FLOP fits of random draws
+read off XLA (``xla_fits.json`` in ``$HARPJAX_CACHE_DIR`` or ``~/.cache/harpjax/profiles``:
+per JAX version, key type, bit width and rank, not per model) stay where the environment puts
+them, as after any earlier run on the machine; point ``HARPJAX_CACHE_DIR`` at an empty
+directory to measure a first run ever.
+
   python benchmarks/first_step.py [--repeats 3] [--models demo-gpt,gpt2-small,bert-small]
       [--compare-with DIR]
 """

@@ -199,7 +199,7 @@ def _plan_automatically(fun: Callable, args: tuple, traced: Traced, cluster: Clu
   auto: AutoPlan = options.auto
   result = profile_step(fun, args, cluster, num_microbatches=traced.step.num_microbatches,
                         batch_argnums=options.batch_argnums, layer_options=auto.layers,
-                        options=auto.profile, layers=traced.layers)
+                        options=auto.profile, layers=traced.layers, traced=traced.step)
   log.info("profiled: %s", result.stats.describe())
   solve_opts = auto.solve
   if not mixed:

@@ -55,7 +55,8 @@ from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.remat_choice import in_remat_mode, with_remat_choice
 from harpjax.compiler.profile.routed_split import profile_routed_split
 from harpjax.compiler.profile.tables import CostTables, range_max, range_sums
-from harpjax.compiler.trace import REMAT_MODES, Lit, aval_nbytes, remat_mode, trace_step
+from harpjax.compiler.trace import (REMAT_MODES, Lit, TracedStep, aval_nbytes, remat_mode,
+                                   trace_step)
 from harpjax.errors import ClusterSpecError, HarpjaxError, PlanError
 
 log = logging.getLogger(__name__)
@@ -1216,11 +1217,13 @@ def _layers_per_repeat(layers: LayerSequence) -> int:
 def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: int,
                  batch_argnums: Sequence[int] = (1,), layer_options: LayerOptions | None = None,
                  options: ProfileOptions | None = None,
-                 layers: LayerSequence | None = None) -> ProfileResult:
+                 layers: LayerSequence | None = None,
+                 traced: TracedStep | None = None) -> ProfileResult:
   """Traces a train step, constructs its layers and profiles them on ``cluster``.
 
-  The step is traced once more per data-parallel degree at the local microbatch size, so the
-  analytic source costs exactly what one replica runs.
+  The step's region is traced once more per data-parallel degree at the local microbatch
+  size (only where a task misses the cache), rewritten as the step's own
+  (:func:`~harpjax.compiler.trace.trace_step` with ``like``): the program one replica runs.
 
   Args:
     step_fn: the train step (uses :func:`harpjax.value_and_grad`).
@@ -1232,14 +1235,16 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
     options: :class:`ProfileOptions`.
     layers: the step's layers (:func:`~harpjax.compiler.layers.layers_for_step` of its trace
       at ``num_microbatches``), if the caller has them; else the step is traced here.
+    traced: the trace ``layers`` were cut from (with ``layers``; without it the step is
+      traced again at full batch for each local microbatch size).
   """
   opts = options or ProfileOptions()
   traced_s = [0.0]
   if layers is None:
     t0 = time.perf_counter()
-    ts = trace_step(step_fn, args, num_microbatches=num_microbatches,
-                    batch_argnums=batch_argnums)
-    layers = layers_for_step(ts, layer_options)
+    traced = trace_step(step_fn, args, num_microbatches=num_microbatches,
+                        batch_argnums=batch_argnums)
+    layers = layers_for_step(traced, layer_options)
     traced_s[0] = time.perf_counter() - t0
     log.info("traced and cut the step in %.1f s: %s", traced_s[0], layers.summary)
   b = microbatch_size(layers)
@@ -1267,8 +1272,10 @@ def profile_step(step_fn: Callable, args: tuple, cluster, *, num_microbatches: i
   def _local(dp: int):
     t1 = time.perf_counter()
     try:
+      # The region at b / dp rows, rewritten as the step's (only the region is traced).
       ts_dp = trace_step(step_fn, args, num_microbatches=num_microbatches * dp,
-                         batch_argnums=batch_argnums, batch_coupling="per_microbatch")
+                         batch_argnums=batch_argnums, batch_coupling="per_microbatch",
+                         like=traced, factor=num_microbatches * dp if traced else None)
       program = ts_dp.region
       if layers.origin is not None:
         program, _ = unroll_scans(program, z=lopts.z, max_length=lopts.max_unroll)

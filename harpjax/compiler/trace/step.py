@@ -327,7 +327,8 @@ def trace_step(step_fn: Callable, args: tuple, *, num_microbatches: int,
     like: a step traced earlier from the same function at another batch size: the region is
       rewritten with ``like``'s analysis (its prelude and hoisted inputs), for groups of
       devices that compute part of each microbatch; ``factor`` is then the full batch's rows
-      over this trace's microbatch rows.
+      over this trace's microbatch rows. Only the region is traced again (at microbatch
+      size, up to the region): the result is ``like`` with that region.
 
   Raises:
     MicrobatchError: a batch leaf does not split into ``num_microbatches`` parts.
@@ -388,17 +389,10 @@ def _trace_step(step_fn, args, num_microbatches, batch_argnums, batch_coupling, 
   for a in batch_argnums:
     mb_args[a] = _split_batch(abstract[a], B, a)
 
+  if like is not None:
+    return _retraced(step_fn, tuple(mb_args), like, factor, B)
   full_closed, full_cap, out_shape = _trace(step_fn, abstract)
-  try:
-    mb_closed, mb_cap, _ = _trace(step_fn, tuple(mb_args), stop_at_region=True)
-  except (TraceError, MicrobatchError):
-    raise
-  except Exception as e:  # pylint: disable=broad-except  (the user's code, at another size)
-    raise TraceError(
-        f"the train step fails when traced with one microbatch (the batch split into {B}): "
-        f"{type(e).__name__}: {e}. harpjax runs the step on each microbatch, so shapes must "
-        "follow the batch: read the batch size from the arrays (x.shape[0]) instead of "
-        "writing it as a number") from e
+  mb_closed, mb_cap = _trace_microbatch(step_fn, tuple(mb_args), B)
   in_tree = jax.tree_util.tree_structure(args)
   out_tree = jax.tree_util.tree_structure(out_shape)
 
@@ -472,8 +466,6 @@ def _trace_step(step_fn, args, num_microbatches, batch_argnums, batch_coupling, 
                          f"{ma.shape} for a microbatch; it cannot be reassembled")
       aux_axes.append(axis)
 
-  if like is not None:
-    return _like(like, region, cuts, factor)
   flow, structure = _analysis(step_fn, abstract, batch_argnums, region_full, region, inputs,
                               B)
   if B > 1:
@@ -623,6 +615,45 @@ def _with_prelude(outer: Program, region_op: int, flow: BatchFlow,
   log.info("computing %d value(s) of the batch's data up front (the whole batch's), before "
            "the pipeline", len(inputs))
   return new_outer, len(before) + len(prelude), inputs
+
+
+def _trace_microbatch(step_fn, mb_args: tuple, B: int):
+  """``(closed jaxpr, capture)`` of the step traced at microbatch size up to its region."""
+  try:
+    return _trace(step_fn, mb_args, stop_at_region=True)[:2]
+  except (TraceError, MicrobatchError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (the user's code, at another size)
+    raise TraceError(
+        f"the train step fails when traced with one microbatch (the batch split into {B}): "
+        f"{type(e).__name__}: {e}. harpjax runs the step on each microbatch, so shapes must "
+        "follow the batch: read the batch size from the arrays (x.shape[0]) instead of "
+        "writing it as a number") from e
+
+
+def _retraced(step_fn, mb_args: tuple, like: TracedStep, factor, B: int) -> TracedStep:
+  """``like`` with its region traced again at the microbatch size of ``mb_args``.
+
+  Only the region is traced (up to it, at that size): the rest of ``like`` (its step at full
+  batch, its inputs, its analysis) is what a step traced at these rows would have, the
+  analysis applied to the new region by :func:`_like`."""
+  mb_closed, mb_cap = _trace_microbatch(step_fn, mb_args, B)
+  outer_mb = from_closed_jaxpr(mb_closed)
+  if sum(op.name == REGION_PRIMITIVE_NAME for op in outer_mb.ops) != 1 or \
+      len(mb_cap.regions) != 1:
+    raise TraceError("the train step traced with another microbatch size did not produce "
+                     "exactly one pipelined region; its control flow must not depend on the "
+                     "batch size")
+  rec = mb_cap.regions[0]
+  region, cuts = strip_markers(from_closed_jaxpr(rec.closed), BOUNDARY_PRIMITIVE_NAME)
+  before = like.flow.mb if like.flow is not None else like.region   # as traced, not rewritten
+  params = [k for k, inp in enumerate(like.inputs) if inp.kind == "param"]
+  if len(region.invars) != len(before.invars) or rec.num_diff != like.num_params or \
+      params != list(range(rec.num_consts, rec.num_consts + rec.num_diff)):
+    raise TraceError("the loss function captures different values when traced with another "
+                     "microbatch size; pass batch-dependent values as arguments of the loss "
+                     "function or through its closure consistently")
+  return _like(like, region, cuts, factor)
 
 
 def _like(like: TracedStep, region: Program, cuts, factor) -> TracedStep:

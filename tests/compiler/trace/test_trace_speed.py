@@ -317,3 +317,28 @@ def test_collector_restored_after_an_error():
   with pytest.raises(MicrobatchError):
     trace_step(case.step_fn, case.args, num_microbatches=2 * 3 + 1)
   assert gc.isenabled()
+
+
+@pytest.mark.parametrize("name", ["gpt_dropout", "masked_lm"])
+def test_retrace_at_other_rows_traces_only_the_region(x64, name):
+  # A step traced again at b / 2 rows per microbatch like its trace at b (what data-parallel
+  # replicas and the profiler's local microbatch run) calls the step once, up to the region,
+  # and its region is the one a trace of its own at 2 B microbatches rewrites.
+  if name == "gpt_dropout":
+    spec = BUILTIN_MODELS["gpt-tiny"](num_microbatches=2, dropout=0.1)
+    fn, args, kw = spec.step_fn, spec.args, {}
+  else:
+    case = zoo.COUPLED[name]()
+    fn, args, kw = case.step, (case.state, case.batches[0]), {"batch_coupling": "per_microbatch"}
+  ts = trace_step(fn, args, num_microbatches=2, **kw)
+  calls = []
+
+  def counted(*a):
+    calls.append(1)
+    return fn(*a)
+  got = trace_step(counted, args, num_microbatches=4, like=ts, factor=4, **kw)
+  assert len(calls) == 1
+  own = trace_step(fn, args, num_microbatches=4, batch_coupling="per_microbatch")
+  assert _program(got.region) == _program(own.region)
+  assert got.boundary_cuts == own.boundary_cuts
+  assert got.inputs == ts.inputs and got.outer is ts.outer
