@@ -109,15 +109,18 @@ from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZEBRA_MO
                                                 ZebraOptions, ZebraShape, zebra_stage_cost)
 from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
                                            variant_arrays)
-from harpjax.compiler.profile import (CostTables, group_route_s, home_sync_s, range_sums,
-                                      replica_grad_bytes, sync_per_microbatch)
+from harpjax.compiler.profile import (CostTables, cuts_transfer, group_route_s,
+                                      group_route_transfer, group_sync_transfer, home_sync_s,
+                                      LinkFees, PlanTransfer, range_sums, replica_grad_bytes,
+                                      route_cut_bytes, sync_per_microbatch)
 from harpjax.compiler.schedule import (H1F1B, PipelineCosts, pipeline_period, schedule_kind,
                                        ScheduleKind)
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
 __all__ = ["MixedOptions", "Fusion", "GroupCost", "MixedStageCost", "MixedEvaluation",
            "mixed_stage_cost", "mixed_cut_s", "evaluate_mixed", "candidate_fusions",
-           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES", "zebra_mixed_cost"]
+           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES", "zebra_mixed_cost",
+           "mixed_transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +442,10 @@ class MixedEvaluation:
     violations: what fails.
     num_devices: devices of every group.
     schedule: the schedule evaluated (its registered name).
+    fees_per_iteration: the transfer fee per iteration (the tables'
+      :attr:`~harpjax.compiler.profile.CostTables.fees`; ``0`` without): the cuts between the
+      stages' homes, and each mixed stage's groups' transfers (:func:`mixed_transfer`).
+    transfer_bytes: ``[3]`` those bytes per iteration per link class.
   """
   stages: tuple[MixedStageCost, ...]
   planned: tuple[PlannedStage, ...]
@@ -456,10 +463,37 @@ class MixedEvaluation:
   violations: tuple[str, ...]
   num_devices: int
   schedule: str = "h1f1b"
+  fees_per_iteration: float = 0.0
+  transfer_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
   @property
   def feasible(self) -> bool:
     return self.mem_ok and self.devices_ok and self.comm_ok
+
+
+def mixed_transfer(tables: CostTables, costs: Sequence[MixedStageCost], num_microbatches: int,
+                   microbatch_rows: int) -> PlanTransfer:
+  """The bytes per iteration per link class of a plan of stages ``costs`` (pipeline order),
+  and their fee: every cut between the homes of two stages (``2 B boundary_bytes[j]``, as
+  :func:`~harpjax.compiler.profile.plan_transfer`), and each mixed stage's groups' transfers:
+  their rows to and from the home (:func:`~harpjax.compiler.profile.group_route_transfer`)
+  and the cross-group gradient sum (:func:`~harpjax.compiler.profile.group_sync_transfer`,
+  ``grad_bytes`` of the stage), each over the link class of (home, group). A zebra stage's
+  all-to-all is not counted (zebra stages are plan-only)."""
+  B = int(num_microbatches)
+  names = tables.subcluster_names
+  fees = tables.fees
+  total = cuts_transfer(fees, names, tables.boundary_bytes,
+                        [(c.layers[1], c.groups[0].subcluster) for c in costs], B)
+  for c in costs:
+    if len(c.groups) < 2 or c.groups[0].rows == microbatch_rows:
+      continue   # a plain stage, or a zebra stage (each group sees all b rows)
+    home = names[c.groups[0].subcluster]
+    others = [(names[g.subcluster], g.rows) for g in c.groups[1:]]
+    total = total + group_route_transfer(fees, home, others, microbatch_rows,
+                                         tables.boundary_bytes, c.layers, B)
+    total = total + group_sync_transfer(fees, home, [n for n, _ in others], c.grad_bytes)
+  return total
 
 
 def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_microbatches: int,
@@ -576,6 +610,7 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
                         f"pack onto {tables.num_hosts[k]} hosts of "
                         f"{tables.devices_per_host[k]}")
   ends = [c.end_s for c in costs]
+  transfer = mixed_transfer(tables, costs, B, b)
   head = sum(x + 2.0 * y for x, y in zip(t, comm))
   iteration = math.inf
   if comm_ok and math.isfinite(t_max) and all(math.isfinite(e) for e in ends):
@@ -586,7 +621,8 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
       eq12_s=head + (B - 1) * t_max, iteration_s=iteration, mem_ok=mem_ok,
       devices_ok=devices_ok, comm_ok=comm_ok, violations=tuple(violations),
       num_devices=sum(g.submesh[0] * g.submesh[1] for c in costs for g in c.groups),
-      schedule=kind.name)
+      schedule=kind.name, fees_per_iteration=transfer.fee_per_iteration,
+      transfer_bytes=transfer.bytes_by_class)
 
 
 # --------------------------------------------------------------------------- fusions
@@ -852,6 +888,26 @@ def fused_tables(tables: CostTables, fusion: "Fusion | ZebraShape | Sequence",
       overrides.append((names[x], names[y], arr))
       if x != y:
         bw[x, y] = 1.0 if np.isfinite(arr).all() else 0.0
+  fees = None
+  if tables.fees is not None:   # the homes' places; the groups' rows charged on the cuts
+    place = {n: (z, r) for n, z, r in tables.fees.places}
+    homes = [tables.subcluster_names[f.members[0]] for f in fusions]
+    places = tuple((vnames[x], *place[homes[x]]) for x in range(F)) + tuple(
+        (tables.subcluster_names[k], *place[tables.subcluster_names[k]]) for k in keep)
+    route = [None if isinstance(f, ZebraShape) else route_cut_bytes(
+        tables.fees, homes[x], [(tables.subcluster_names[k], r)
+                                for k, r in zip(f.members[1:], f.rows[1:])], b,
+        tables.boundary_bytes) for x, f in enumerate(fusions)]
+    extra = []
+    for x in range(Kn):
+      for y in range(Kn):
+        arr = np.zeros((3, L))
+        for z in {x, y}:
+          if z < F and route[z] is not None:
+            arr = arr + route[z] * (2.0 if x == y else 1.0)
+        if arr.any():
+          extra.append((names[x], names[y], arr))
+    fees = LinkFees(places, tables.fees.fees, tuple(extra))
   peak = None
   if tables.peak_flops is not None:
     peak = tuple(sum(tables.peak_flops[k] * n * m for k, (n, m) in zip(f.members, f.shapes))
@@ -891,7 +947,7 @@ def fused_tables(tables: CostTables, fusion: "Fusion | ZebraShape | Sequence",
           (tuple((z, False, False) for z in levels),) * F
           + tuple(tuple(src.variants[k][s] for s in cols[k]) if src.variants is not None
                   else ((0, False, False),) * len(cols[k]) for k in keep)),
-      cut_override=tuple(overrides))
+      fees=fees, cut_override=tuple(overrides))
 
 
 def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOptions,
@@ -1132,6 +1188,9 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       expanded = expand_variants(tables, VariantOptions(
           plain.zero_levels, plain.offload, plain.offload_activations), B)
 
+    charges = tables.fees is not None and tables.fees.charges
+    loose = []   # DP values below the plan's true value (its groups' gradient sums' fees)
+
     def attempt(fused: CostTables) -> PlanResult | None:
       try:
         res = solve(fused, B, options=plain)
@@ -1139,6 +1198,28 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
         return None
       proofs.append(res.stats.proved)
       return res
+
+    def charged(res: PlanResult, group: tuple, fused: CostTables) -> PlanResult | None:
+      """``res`` with its true fees: the fused tables charge a mixed stage's cuts and its
+      groups' rows exactly, but not its cross-group gradient sum (a fee of the stage's whole
+      layer range, which no cut knows), so their value is a lower bound; ``None`` when the
+      fees break the budget."""
+      if not charges:
+        return res
+      ev = evaluate_mixed(tables, _plan_of(tables, fused, group, res, mopts), B, mopts,
+                          eps=options.eps, fwd_fraction=options.fwd_fraction)
+      fee = ev.fees_per_iteration
+      if fee <= res.fees_per_iteration * (1.0 + 1e-12):
+        return res
+      loose.append(res.value)
+      out = dataclasses.replace(
+          res, fees_per_iteration=fee, transfer_bytes=ev.transfer_bytes,
+          cost_per_iteration=None if res.rate_per_hour is None
+          else res.rate_per_hour * res.objective_s / 3600.0 + fee)
+      if options.budget_per_hour is not None and \
+          out.rate_with_fees_per_hour > options.budget_per_hour * (1.0 + 1e-9):
+        return None
+      return out
 
     mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
     for fusion in fusions:
@@ -1149,6 +1230,9 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       res = attempt(fused)
       if res is None or not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
+      res = charged(res, (fusion,), fused)
+      if res is None:
+        continue
       found += 1
       mixed_plans.append((res.value, len(mixed_plans), fusion))
       if best is None or res.value < best.value:
@@ -1164,14 +1248,20 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
         continue   # together they need more hosts than there are
       pairs += 1
       res = attempt(fused)
-      if res is not None and {0, 1} <= {s.subcluster for s in res.stages} \
-          and res.value < best.value:
-        best, chosen = res, ((f1, f2), fused)
+      if res is not None and {0, 1} <= {s.subcluster for s in res.stages}:
+        res = charged(res, (f1, f2), fused)
+        if res is not None and (best is None or res.value < best.value):
+          best, chosen = res, ((f1, f2), fused)
     log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, %d "
              "pairs, %.2f s", len(fusions), tried, found, pairs, time.perf_counter() - start)
     if chosen is not None:
       best = _mixed_result(tables, B, options, mopts, best, *chosen, start,
                            len(fusions))
+    if best is not None and any(v < best.value * (1.0 - 1e-12) for v in loose):
+      # a fusion's plan paid more than its search saw; another of its plans may beat best
+      log.info("planner: mixed-type stages: %d searches' plans pay gradient-sum fees their "
+               "bound does not see; the result is not proved optimal", len(loose))
+      proofs.append(False)
   if best is None:
     raise error
   proved = None if any(p is None for p in proofs) else all(proofs)
@@ -1215,11 +1305,17 @@ def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: Mixe
   meta.update(planner="harpjax.dp+mixed", mixed_stages=options.mixed_stages,
               microbatch_rows=mopts.microbatch_rows, fixed_fraction=mopts.fixed_fraction,
               mixed_fusions=num_fusions, mixed_seconds=time.perf_counter() - start)
+  assert math.isclose(ev.fees_per_iteration, res.fees_per_iteration, rel_tol=1e-9,
+                      abs_tol=1e-15), (ev.fees_per_iteration, res.fees_per_iteration)
   plan = res.plan.replace(stages=specs, meta=meta, predicted_iteration_s=ev.iteration_s)
   stats = dataclasses.replace(res.stats, seconds=time.perf_counter() - start)
   objective = ev.iteration_s if options.cost_model == "simulator" else res.objective_s
+  cost = (None if res.rate_per_hour is None
+          else res.rate_per_hour * objective / 3600.0 + ev.fees_per_iteration)
   return dataclasses.replace(res, plan=plan, stages=ev.planned, stats=stats,
-                             iteration_s=ev.iteration_s, objective_s=objective)
+                             iteration_s=ev.iteration_s, objective_s=objective,
+                             fees_per_iteration=ev.fees_per_iteration,
+                             transfer_bytes=ev.transfer_bytes, cost_per_iteration=cost)
 
 
 register_mixed_search(solve_mixed)
