@@ -73,8 +73,9 @@ def _oracle_stage(tables, i, j, groups, b, mo):
     out.append((k, r))
   end = max(ends)
   if len(groups) > 1:
-    grad = max(mo.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
-               * tables.logical_mesh_of(k, i, j, s)[1] for k, s, _ in groups)
+    grad = (sum(mo.grad_bytes[i:j + 1]) if mo.grad_bytes is not None else
+            max(mo.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
+                * tables.logical_mesh_of(k, i, j, s)[1] for k, s, _ in groups))
     for k, _, _ in groups[1:]:   # to the home and back, one group after the other
       bw, lat = _link(tables, groups[0][0], k)
       end += math.inf if bw <= 0 else 2 * (grad / bw + lat)
