@@ -93,6 +93,7 @@ import functools
 import itertools
 import logging
 import math
+import sys
 import time
 from typing import Sequence
 
@@ -172,6 +173,7 @@ class MixedOptions:
   pair_candidates: int = 4
   zebra: str = "off"
   zebra_options: ZebraOptions | None = None
+  prune: bool = True
 
   def __post_init__(self):
     from harpjax.errors import (InvalidOptionError, check_choice, check_count, check_flag,
@@ -1191,13 +1193,35 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
     charges = tables.fees is not None and tables.fees.charges
     loose = []   # DP values below the plan's true value (its groups' gradient sums' fees)
 
-    def attempt(fused: CostTables) -> PlanResult | None:
+    def attempt(fused: CostTables, beat: float = math.inf) -> PlanResult | None:
+      """The search on ``fused``; with ``beat`` finite only a plan whose value is at most
+      ``beat`` counts (``None``: none found; that search proves nothing)."""
       try:
-        res = solve(fused, B, options=plain)
+        if not math.isfinite(beat):
+          res = solve(fused, B, options=plain)
+        else:
+          res = _solve_below(fused, B, plain, beat)
+          if res is None:
+            proofs.append(False)
+            return None
       except InfeasiblePlanError:
         return None
       proofs.append(res.stats.proved)
       return res
+
+    def bar(pairs: bool = True) -> float:
+      """The largest value a fusion's plan may have and still count: the best plan's, and
+      (``pairs``) the last pair candidate's once there are that many (``inf``: search it
+      fully). Only
+      once some search could not prove its optimum (so the result will not be proved
+      either): a bounded search that finds nothing proves nothing."""
+      if not mopts.prune or all(p is True for p in proofs):
+        return math.inf
+      out = math.inf if best is None else best.value
+      pc = mopts.pair_candidates
+      if pairs and pc >= 2:
+        out = math.inf if len(mixed_plans) < pc else max(out, sorted(mixed_plans)[pc - 1][0])
+      return math.nextafter(out, math.inf) if math.isfinite(out) else out
 
     def charged(res: PlanResult, group: tuple, fused: CostTables) -> PlanResult | None:
       """``res`` with its true fees: the fused tables charge a mixed stage's cuts and its
@@ -1221,22 +1245,36 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
         return None
       return out
 
-    mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
-    for fusion in fusions:
+    mixed_plans = []   # (value, position, fusion) of every fusion that found a mixed plan
+    # Fusions no plan can use within the bounds: a mixed stage's GPUs alone cost more than the
+    # budget, or its fastest stage times B exceeds the time limit (every plan takes at least
+    # B times its slowest stage). Then the rest, the most promising first (position: the
+    # fusion's place in candidate_fusions, which breaks ties as the plain order does).
+    order, skipped = (_fusion_order(tables, fusions, B, mopts, options, levels) if mopts.prune
+                      else (list(range(len(fusions))), 0))
+    best_key = (-1,)   # the plain plan wins ties
+    for x in order:
+      fusion = fusions[x]
       fused = fused_tables(tables, fusion, B, mopts, expanded, levels, memo)
       if not np.isfinite(fused.stage_time_s[0]).any():
         continue
       tried += 1
-      res = attempt(fused)
+      limit, t0 = bar(), time.perf_counter()
+      res = attempt(fused, limit)
+      log.debug("planner: fusion %d (%s, %d stages, rows %s) below %.6g: %s, %.3f s", x,
+                fusion.name(tables), fusion.stages, fusion.rows, limit,
+                "none" if res is None else f"{res.value:.6g}" + (
+                    "" if any(s.subcluster == 0 for s in res.stages) else " (no mixed stage)"),
+                time.perf_counter() - t0)
       if res is None or not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
       res = charged(res, (fusion,), fused)
       if res is None:
         continue
       found += 1
-      mixed_plans.append((res.value, len(mixed_plans), fusion))
-      if best is None or res.value < best.value:
-        best, chosen = res, ((fusion,), fused)
+      mixed_plans.append((res.value, x, fusion))
+      if best is None or (res.value, x) < (best.value, *best_key):
+        best, chosen, best_key = res, ((fusion,), fused), (x,)
     # Two shapes of mixed stage in one plan: pairs of the best fusions that leave each other
     # the hosts they reserve.
     top = [f for _, _, f in sorted(mixed_plans)[:mopts.pair_candidates]]
@@ -1247,13 +1285,14 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       except PlanError:
         continue   # together they need more hosts than there are
       pairs += 1
-      res = attempt(fused)
+      res = attempt(fused, bar(pairs=False))
       if res is not None and {0, 1} <= {s.subcluster for s in res.stages}:
         res = charged(res, (f1, f2), fused)
         if res is not None and (best is None or res.value < best.value):
           best, chosen = res, ((f1, f2), fused)
-    log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, %d "
-             "pairs, %.2f s", len(fusions), tried, found, pairs, time.perf_counter() - start)
+    log.info("planner: mixed-type stages: %d fusions (%d out of bounds), %d solved, %d with a "
+             "mixed plan, %d pairs, %.2f s", len(fusions), skipped, tried, found, pairs,
+             time.perf_counter() - start)
     if chosen is not None:
       best = _mixed_result(tables, B, options, mopts, best, *chosen, start,
                            len(fusions))
@@ -1267,6 +1306,61 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
   proved = None if any(p is None for p in proofs) else all(proofs)
   best = dataclasses.replace(best, stats=dataclasses.replace(best.stats, proved=proved))
   return choose_schedule(best, mixed_scorer(tables, B, options, mopts), options)
+
+
+def _solve_below(tables: CostTables, B: int, options: SolveOptions, beat: float
+                 ) -> PlanResult | None:
+  """:func:`solve` (``options`` plain, H-1F1B) counting only plans whose value is below
+  ``beat`` (``None``: no such plan found): the planner's bounded search, whose every step
+  starts from that bound (the periods whose floor is beyond it are not even tested)."""
+  # solve.py's bounded cascade is module-internal; reached through its module object until
+  # that module exports it.
+  bounded = getattr(sys.modules[solve.__module__], "_solve_plain")
+  res = bounded(tables, B, options, time.perf_counter(), beat=beat)
+  if res is None:
+    return None
+  return choose_schedule(res, plan_scorer(tables, B, options.eps, options.fwd_fraction),
+                         options)
+
+
+def _fusion_order(tables: CostTables, fusions: Sequence, B: int, mopts: MixedOptions,
+                  options: SolveOptions, levels: Sequence[int] = (0,)
+                  ) -> tuple[list[int], int]:
+  """The positions of ``fusions`` to search, the most promising first, and how many were left
+  out because no plan with one of their mixed stages keeps the bounds.
+
+  Left out (exactly): a fusion whose one mixed stage's GPUs cost more per hour than
+  ``budget_per_hour`` (a plan's rate is at least that), or whose fastest mixed stage (at any ZeRO level of
+  ``levels``) times ``B`` exceeds ``time_limit_s`` (an iteration takes at least ``B`` times its slowest
+  stage). Order: by the iteration of one mixed stage on every layer (``B t + e``; times its
+  GPUs' price for the money objectives), unknown (a zebra shape, or no such stage) last; ties
+  keep their order."""
+  b = _rows(mopts)
+  L = tables.num_layers
+  goal = options.objective
+  priced_goal = goal in ("max_throughput_per_dollar", "min_cost_within_time")
+  keys, skipped = [], 0
+  for x, f in enumerate(fusions):
+    if not isinstance(f, Fusion) or sum(f.rows) != b:
+      keys.append((math.inf, x))
+      continue
+    rate = (None if tables.price_per_gpu_hour is None else
+            sum(tables.price_per_gpu_hour[k] * n * m for k, (n, m) in zip(f.members, f.shapes)))
+    if (options.budget_per_hour is not None and rate is not None
+        and rate > options.budget_per_hour * (1.0 + 1e-9)):
+      skipped += 1
+      continue
+    entries = [_virtual_entry(tables, f, B, mopts, z) for z in levels]
+    t, e = entries[0][0], entries[0][2]
+    fastest = min(float(np.min(v[0])) for v in entries)
+    if options.time_limit_s is not None and B * fastest > options.time_limit_s * (1.0 + 1e-9):
+      skipped += 1
+      continue
+    est = B * float(t[0, L - 1, 0]) + float(e[0, L - 1, 0])
+    if priced_goal and rate is not None:
+      est *= rate
+    keys.append((est if math.isfinite(est) else math.inf, x))
+  return [x for _, x in sorted(keys)], skipped
 
 
 def mixed_scorer(tables: CostTables, num_microbatches: int, options: SolveOptions,
