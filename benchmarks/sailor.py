@@ -16,6 +16,8 @@ Python port's own time is printed only as a note).
     python benchmarks/sailor.py                       # every setup, each setup's objective
     python benchmarks/sailor.py --plans               # and the plans
     python benchmarks/sailor.py --mixed --setups "2 zones, budget 100/h"   # mixed-type stages
+    python benchmarks/sailor.py --mixed --setups "2 zones, budget 100/h" --microbatches 16 \
+        --no-prune                                    # one b, every fusion searched fully
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def _bounds(objective: str, bound: float | None) -> dict:
 
 
 def ours(model, pools, objective: str, bound: float | None, microbatches=None,
-         mixed_stages: str = "off"):
+         mixed_stages: str = "off", mixed_options: MixedOptions | None = None):
   """Best of :func:`~harpjax.compiler.plan.solve` over the global microbatches, ranked with
   the transfer fees (the tables carry Sailor's zones and fees; the search counts them in the
   money and the budget); ``((result, evaluation), b, seconds)``, the
@@ -107,6 +109,7 @@ def ours(model, pools, objective: str, bound: float | None, microbatches=None,
   G = model.global_batch
   start = time.perf_counter()
   best, best_key, best_b = None, math.inf, None
+  mo = dataclasses.replace(mixed_options or MixedOptions(), grad_bytes=grad_bytes(model))
   skipped = []
   for b in microbatches or microbatch_choices(G):
     tables = sailor_tables(model, pools, b)
@@ -116,13 +119,11 @@ def ours(model, pools, objective: str, bound: float | None, microbatches=None,
     try:
       r = solve(tables, G // b, options=SolveOptions(
           objective=objective, mixed_stages=mixed_stages,
-          mixed_options=MixedOptions(grad_bytes=grad_bytes(model)),
-          **_bounds(objective, bound)))
+          mixed_options=mo, **_bounds(objective, bound)))
     except InfeasiblePlanError:
       continue
     if any(st.groups for st in r.plan.stages):   # mixed-type stages: their own evaluator
-      ev = evaluate_mixed(tables, r.plan, r.num_microbatches,
-                          MixedOptions(grad_bytes=grad_bytes(model)), eps=r.eps)
+      ev = evaluate_mixed(tables, r.plan, r.num_microbatches, mo, eps=r.eps)
     else:
       ev = evaluate_plan(tables, list(r.stages), r.num_microbatches, r.plan.schedule,
                          eps=r.eps)
@@ -227,7 +228,8 @@ class SetupRow:
     return 1.0 / u if u and u > 0 and math.isfinite(u) else math.nan
 
 
-def run_setups(names=None, mixed_stages: str = "off") -> tuple[list[SetupRow], list[str]]:
+def run_setups(names=None, mixed_stages: str = "off", microbatches=None,
+               mixed_options: MixedOptions | None = None) -> tuple[list[SetupRow], list[str]]:
   """Both planners on each setup of :data:`SETUPS` (all if ``names`` is ``None``); returns
   the rows (ours then Sailor's, per setup) and notes (the Python port's own search time)."""
   net = load_network()
@@ -239,7 +241,8 @@ def run_setups(names=None, mixed_stages: str = "off") -> tuple[list[SetupRow], l
       models[model_name] = load_model(model_name)
       warm_up(models[model_name])
     model = models[model_name]
-    fr, b, t_ours = ours(model, pools, objective, bound, mixed_stages=mixed_stages)
+    fr, b, t_ours = ours(model, pools, objective, bound, microbatches, mixed_stages,
+                         mixed_options)
     r, ev = fr
     B = model.global_batch // b
     tables = sailor_tables(model, pools, b)
@@ -282,8 +285,13 @@ def main(argv=None) -> int:
   ap.add_argument("--plans", action="store_true", help="print the plans")
   ap.add_argument("--mixed", action="store_true",
                   help="our planner with mixed-type stages (slow: minutes per setup)")
+  ap.add_argument("--microbatches", nargs="*", type=int,
+                  help="only these global microbatches b (default: every power of two)")
+  ap.add_argument("--no-prune", action="store_true",
+                  help="with --mixed: search every fusion fully (MixedOptions(prune=False))")
   args = ap.parse_args(argv)
-  rows, notes = run_setups(args.setups, "on" if args.mixed else "off")
+  rows, notes = run_setups(args.setups, "on" if args.mixed else "off", args.microbatches,
+                           MixedOptions(prune=not args.no_prune))
   print("Sailor's profiles, prices, fitted links and fees. 'simulated s' is our simulator "
         "(H-1F1B for ours, 1F1B for Sailor's plan where it is one of ours); 'Sailor's "
         "estimate' is its own Tpp. USD per iteration counts transfer fees for both.\n")

@@ -83,7 +83,11 @@ the slower of their own links; ``"on"`` any pair linked both ways. With the tabl
 without offload), and the plain stages around them their level and offloads from the tables'
 variants (:func:`fused_tables` with ``variants``), as the plan without mixed stages, always a
 candidate, does. A plan with offload on its mixed stages (hand-made, or edited) is scored by
-:func:`evaluate_mixed`.
+:func:`evaluate_mixed`. The fusions' searches are bounded (:attr:`MixedOptions.prune`): the
+fusions no plan within the budget or time limit can use are left out, the rest searched most
+promising first, and once a search has not proved its optimum each counts only plans that
+could still be kept or become pair candidates; the result is the one every fusion searched
+fully gives (docs/planner.md, "Bounds on the fusions' searches").
 """
 
 from __future__ import annotations
@@ -159,6 +163,11 @@ class MixedOptions:
       raises :class:`~harpjax.errors.ZebraPlanOnlyError`.
     zebra_options: how zebra stages are costed and searched (:class:`~harpjax.compiler.plan.
       zebra_stages.ZebraOptions`; ``None``: its defaults).
+    prune: bound the fusions' searches (:func:`solve_mixed`): leave out the fusions no plan
+      within the budget or time limit can use, search the most promising first, and, once a
+      search has not proved its optimum, count only plans that could still be kept or become
+      pair candidates. ``False``: every fusion searched fully, in order (the same result,
+      slower; a cross-check).
   """
   microbatch_rows: int | None = None
   fixed_fraction: float = 0.0
@@ -201,6 +210,7 @@ class MixedOptions:
     if self.zebra_options is not None and not isinstance(self.zebra_options, ZebraOptions):
       raise InvalidOptionError(f"MixedOptions.zebra_options={self.zebra_options!r} must be a "
                                "harpjax.compiler.plan.ZebraOptions, or None")
+    check_flag("MixedOptions.prune", self.prune)
 
 
 # --------------------------------------------------------------------------- the cost model
