@@ -1272,7 +1272,7 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       limit, t0 = bar(), time.perf_counter()
       res = attempt(fused, limit)
       log.debug("planner: fusion %d (%s, %d stages, rows %s) below %.6g: %s, %.3f s", x,
-                fusion.name(tables), fusion.stages, fusion.rows, limit,
+                fusion.name(tables), fusion.stages, getattr(fusion, "rows", "-"), limit,
                 "none" if res is None else f"{res.value:.6g}" + (
                     "" if any(s.subcluster == 0 for s in res.stages) else " (no mixed stage)"),
                 time.perf_counter() - t0)
