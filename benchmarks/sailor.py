@@ -15,12 +15,16 @@ Python port's own time is printed only as a note).
 
     python benchmarks/sailor.py                       # every setup, each setup's objective
     python benchmarks/sailor.py --plans               # and the plans
+    python benchmarks/sailor.py --mixed --setups "2 zones, budget 100/h"   # mixed-type stages
+    python benchmarks/sailor.py --mixed --setups "2 zones, budget 100/h" --microbatches 16 \
+        --no-prune                                    # one b, every fusion searched fully
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -28,14 +32,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harpjax.compiler.plan import SolveOptions, evaluate_plan, solve  # noqa: E402
+import numpy as np  # noqa: E402
+
+from harpjax.compiler.plan import (MixedOptions, SolveOptions, evaluate_mixed,  # noqa: E402
+                                   evaluate_plan, solve)
 from harpjax.errors import InfeasiblePlanError, PlanError  # noqa: E402
-from tools.sailor import (Pool, load_model, load_network, sailor_plan, sailor_tables,  # noqa: E402
-                          transfer_fees_usd)
+from tools.sailor import (Pool, grad_bytes, load_model, load_network,  # noqa: E402
+                          sailor_plan, sailor_tables, transfer_fees_usd)
 
 # Sailor's SOSP'25 paper: "Planning takes 0.1 seconds" (re-planning 16 -> 20 V100s, OPT-350M,
 # its whole reconfiguration about 11 s); search "below 1.5 sec" for one GPU type over up to 5
 # zones, 0.3 s / 6.2 s for 1 / 2 GPU types of 256 GPUs each (GPT-Neo-2.7B).
+log = logging.getLogger(__name__)
+
 SAILOR_PLAN_TIME_PAPER = "0.1-6.2 s (paper, C++)"
 
 ZONE_A, ZONE_B, WEST = "us-central1-a", "us-central1-b", "us-west1-b"
@@ -90,7 +99,8 @@ def _bounds(objective: str, bound: float | None) -> dict:
   return {}
 
 
-def ours(model, pools, objective: str, bound: float | None, microbatches=None):
+def ours(model, pools, objective: str, bound: float | None, microbatches=None,
+         mixed_stages: str = "off", mixed_options: MixedOptions | None = None):
   """Best of :func:`~harpjax.compiler.plan.solve` over the global microbatches, ranked with
   the transfer fees (the tables carry Sailor's zones and fees; the search counts them in the
   money and the budget); ``((result, evaluation), b, seconds)``, the
@@ -99,19 +109,56 @@ def ours(model, pools, objective: str, bound: float | None, microbatches=None):
   G = model.global_batch
   start = time.perf_counter()
   best, best_key, best_b = None, math.inf, None
+  mo = dataclasses.replace(mixed_options or MixedOptions(), grad_bytes=grad_bytes(model))
+  skipped = []
   for b in microbatches or microbatch_choices(G):
     tables = sailor_tables(model, pools, b)
+    if lower_bound(tables, G // b, objective, mixed_stages != "off") >= best_key:
+      skipped.append(b)   # no plan at this b can beat the best so far
+      continue
     try:
-      r = solve(tables, G // b, options=SolveOptions(objective=objective,
-                                                     **_bounds(objective, bound)))
+      r = solve(tables, G // b, options=SolveOptions(
+          objective=objective, mixed_stages=mixed_stages,
+          mixed_options=mo, **_bounds(objective, bound)))
     except InfeasiblePlanError:
       continue
-    ev = evaluate_plan(tables, list(r.stages), r.num_microbatches, r.plan.schedule, eps=r.eps)
-    key = ev.cost_per_iteration if objective in ("max_throughput_per_dollar",
-                                                 "min_cost_within_time") else ev.iteration_s
+    if any(st.groups for st in r.plan.stages):   # mixed-type stages: their own evaluator
+      ev = evaluate_mixed(tables, r.plan, r.num_microbatches, mo, eps=r.eps)
+    else:
+      ev = evaluate_plan(tables, list(r.stages), r.num_microbatches, r.plan.schedule,
+                         eps=r.eps)
+    usd = r.rate_per_hour * ev.iteration_s / 3600.0 + ev.fees_per_iteration
+    key = usd if objective in ("max_throughput_per_dollar", "min_cost_within_time") \
+        else ev.iteration_s
     if key < best_key:
       best, best_key, best_b = (r, ev), key, b
+  if skipped:
+    log.info("sailor: microbatches %s skipped by their lower bound", skipped)
   return best, best_b, time.perf_counter() - start
+
+
+def lower_bound(tables, num_microbatches: int, objective: str, mixed: bool) -> float:
+  """A value no plan on ``tables`` beats (the sweep's ranking key: seconds, or USD per
+  iteration for the money objectives): ``B`` times the slowest layer's least time (every
+  iteration takes ``B`` times its slowest stage, and a stage takes at least its layers'
+  time). That least time is the layer's fastest entry, or with mixed-type stages the layer
+  split over a submesh of every subcluster at once (``1 / sum_k 1 / t_k``: rows split in
+  proportion to speed, no fixed share; the bound holds for ``fixed_fraction >= 0``); for the
+  money objectives times the cheapest GPU's rate (one GPU at least), fees ignored."""
+  L = tables.num_layers
+  slowest = 0.0
+  for i in range(L):
+    fastest = [float(np.min(t[i, i])) for t in tables.stage_time_s]
+    if mixed:
+      speed = sum(1.0 / x for x in fastest if x > 0)
+      least = 1.0 / speed if speed > 0 else math.inf
+    else:
+      least = min(fastest)
+    slowest = max(slowest, least)
+  T = num_microbatches * slowest
+  if objective in ("max_throughput_per_dollar", "min_cost_within_time"):
+    return min(tables.price_per_gpu_hour) * T / 3600.0
+  return T
 
 
 def warm_up(model) -> None:
@@ -127,8 +174,12 @@ def warm_up(model) -> None:
 
 
 def describe_ours(r) -> str:
-  return " | ".join(f"{s.layers[0]}-{s.layers[1]} {s.subcluster_name} {s.submesh[0]}x"
-                    f"{s.submesh[1]} {s.logical_mesh}" for s in r.stages)
+  return " | ".join(f"{s.layers[0]}-{s.layers[1]} " + " + ".join(
+      f"{g.subcluster} {g.submesh[0]}x{g.submesh[1]} {g.logical_mesh}"
+      + (f" {r_}r" if s.groups else "") for g, r_ in zip(
+          s.all_groups, s.group_rows(dict(r.plan.meta).get("microbatch_rows") or 1)
+          if s.groups else (0,)))
+      for s in r.plan.stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +228,8 @@ class SetupRow:
     return 1.0 / u if u and u > 0 and math.isfinite(u) else math.nan
 
 
-def run_setups(names=None) -> tuple[list[SetupRow], list[str]]:
+def run_setups(names=None, mixed_stages: str = "off", microbatches=None,
+               mixed_options: MixedOptions | None = None) -> tuple[list[SetupRow], list[str]]:
   """Both planners on each setup of :data:`SETUPS` (all if ``names`` is ``None``); returns
   the rows (ours then Sailor's, per setup) and notes (the Python port's own search time)."""
   net = load_network()
@@ -189,14 +241,18 @@ def run_setups(names=None) -> tuple[list[SetupRow], list[str]]:
       models[model_name] = load_model(model_name)
       warm_up(models[model_name])
     model = models[model_name]
-    fr, b, t_ours = ours(model, pools, objective, bound)
+    fr, b, t_ours = ours(model, pools, objective, bound, microbatches, mixed_stages,
+                         mixed_options)
     r, ev = fr
     B = model.global_batch // b
     tables = sailor_tables(model, pools, b)
-    fees = transfer_fees_usd(pools, [(s.layers[0], s.layers[1], s.subcluster) for s in r.stages],
-                             tables.boundary_bytes, B, net)
-    assert math.isclose(fees, ev.fees_per_iteration, rel_tol=1e-9, abs_tol=1e-15)
-    usd = ev.cost_per_iteration
+    fees = ev.fees_per_iteration
+    if not any(s.groups for s in r.plan.stages):   # Sailor's own count agrees on plain plans
+      sailor_fees = transfer_fees_usd(
+          pools, [(s.layers[0], s.layers[1], s.subcluster) for s in r.stages],
+          tables.boundary_bytes, B, net)
+      assert math.isclose(sailor_fees, fees, rel_tol=1e-9, abs_tol=1e-15)
+    usd = r.rate_per_hour * ev.iteration_s / 3600.0 + fees
     ours_label = "ours" + (f" (<= {bound:g} USD/h)" if objective == "min_time_within_budget"
                            else "")
     rows.append(SetupRow(name, model.name, objective, ours_label, r.num_devices, b,
@@ -227,8 +283,15 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--setups", nargs="*", help="subset of the setups")
   ap.add_argument("--plans", action="store_true", help="print the plans")
+  ap.add_argument("--mixed", action="store_true",
+                  help="our planner with mixed-type stages (slow: minutes per setup)")
+  ap.add_argument("--microbatches", nargs="*", type=int,
+                  help="only these global microbatches b (default: every power of two)")
+  ap.add_argument("--no-prune", action="store_true",
+                  help="with --mixed: search every fusion fully (MixedOptions(prune=False))")
   args = ap.parse_args(argv)
-  rows, notes = run_setups(args.setups)
+  rows, notes = run_setups(args.setups, "on" if args.mixed else "off", args.microbatches,
+                           MixedOptions(prune=not args.no_prune))
   print("Sailor's profiles, prices, fitted links and fees. 'simulated s' is our simulator "
         "(H-1F1B for ours, 1F1B for Sailor's plan where it is one of ours); 'Sailor's "
         "estimate' is its own Tpp. USD per iteration counts transfer fees for both.\n")

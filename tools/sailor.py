@@ -80,7 +80,8 @@ from harpjax.compiler.profile.collectives import allreduce_time_s
 from harpjax.compiler.profile.tables import range_sums
 from harpjax.errors import PlanError
 
-__all__ = ["DATA_DIR", "SailorModel", "Pool", "load_model", "sailor_tables", "SailorNetwork",
+__all__ = ["DATA_DIR", "SailorModel", "Pool", "load_model", "sailor_tables", "grad_bytes",
+           "SailorNetwork",
            "load_network", "SailorPlan", "sailor_plan", "sailor_stages", "score_plan",
            "stage_entry", "transfer_fees_usd", "pool_fees"]
 
@@ -278,8 +279,15 @@ def sailor_tables(model: SailorModel, pools: Sequence[Pool], microbatch: int,
       pair_links=pair, price_per_gpu_hour=[model.price_per_gpu_hour[p.gpu] for p in pools])
   tables = tables.replace(boundary_bytes=np.where(np.arange(L) == L - 1, 0.0,
                                                   tables.boundary_bytes),
-                          fees=pool_fees(pools))
+                          fees=pool_fees(pools), microbatch_rows=int(microbatch))
   return tables
+
+
+def grad_bytes(model: SailorModel) -> tuple[float, ...]:
+  """``[L]`` bytes of each layer's gradient (fp32, one replica): what a mixed-type stage's
+  cross-group gradient sum sends (``MixedOptions.grad_bytes``)."""
+  params = model.memory[1][np.asarray(model.kinds), 0]
+  return tuple(float(x) * FLOAT_BYTES for x in params)
 
 
 def pool_fees(pools: Sequence[Pool], network: "SailorNetwork | None" = None) -> LinkFees:

@@ -83,7 +83,11 @@ the slower of their own links; ``"on"`` any pair linked both ways. With the tabl
 without offload), and the plain stages around them their level and offloads from the tables'
 variants (:func:`fused_tables` with ``variants``), as the plan without mixed stages, always a
 candidate, does. A plan with offload on its mixed stages (hand-made, or edited) is scored by
-:func:`evaluate_mixed`.
+:func:`evaluate_mixed`. The fusions' searches are bounded (:attr:`MixedOptions.prune`): the
+fusions no plan within the budget or time limit can use are left out, the rest searched most
+promising first, and once a search has not proved its optimum each counts only plans that
+could still be kept or become pair candidates; the result is the one every fusion searched
+fully gives (docs/planner.md, "Bounds on the fusions' searches").
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ import functools
 import itertools
 import logging
 import math
+import sys
 import time
 from typing import Sequence
 
@@ -109,15 +114,18 @@ from harpjax.compiler.plan.zebra_stages import (candidate_zebra_shapes, ZebraOpt
                                                 ZebraShape, zebra_mode, zebra_stage_cost)
 from harpjax.compiler.plan.variants import (VariantOptions, expand_variants, has_variant_data,
                                            variant_arrays)
-from harpjax.compiler.profile import (CostTables, group_route_s, home_sync_s, range_sums,
-                                      replica_grad_bytes, sync_per_microbatch)
+from harpjax.compiler.profile import (CostTables, cuts_transfer, group_route_s,
+                                      group_route_transfer, group_sync_transfer, home_sync_s,
+                                      LinkFees, PlanTransfer, range_sums, replica_grad_bytes,
+                                      route_cut_bytes, sync_per_microbatch)
 from harpjax.compiler.schedule import (H1F1B, PipelineCosts, pipeline_period, schedule_kind,
                                        ScheduleKind)
 from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError
 
 __all__ = ["MixedOptions", "Fusion", "GroupCost", "MixedStageCost", "MixedEvaluation",
            "mixed_stage_cost", "mixed_cut_s", "evaluate_mixed", "candidate_fusions",
-           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES", "zebra_mixed_cost"]
+           "fused_tables", "solve_mixed", "mixed_scorer", "MIXED_MODES", "zebra_mixed_cost",
+           "mixed_transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +166,11 @@ class MixedOptions:
       :class:`~harpjax.errors.ZebraPlanOnlyError` when laid out.
     zebra_options: how zebra stages are costed and searched (:class:`~harpjax.compiler.plan.
       zebra_stages.ZebraOptions`; ``None``: its defaults).
+    prune: bound the fusions' searches (:func:`solve_mixed`): leave out the fusions no plan
+      within the budget or time limit can use, search the most promising first, and, once a
+      search has not proved its optimum, count only plans that could still be kept or become
+      pair candidates. ``False``: every fusion searched fully, in order (the same result,
+      slower; a cross-check).
   """
   microbatch_rows: int | None = None
   fixed_fraction: float = 0.0
@@ -172,6 +185,7 @@ class MixedOptions:
   pair_candidates: int = 4
   zebra: str = "auto"
   zebra_options: ZebraOptions | None = None
+  prune: bool = True
 
   def __post_init__(self):
     from harpjax.errors import (InvalidOptionError, check_choice, check_count, check_flag,
@@ -199,6 +213,7 @@ class MixedOptions:
     if self.zebra_options is not None and not isinstance(self.zebra_options, ZebraOptions):
       raise InvalidOptionError(f"MixedOptions.zebra_options={self.zebra_options!r} must be a "
                                "harpjax.compiler.plan.ZebraOptions, or None")
+    check_flag("MixedOptions.prune", self.prune)
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -442,6 +457,10 @@ class MixedEvaluation:
     violations: what fails.
     num_devices: devices of every group.
     schedule: the schedule evaluated (its registered name).
+    fees_per_iteration: the transfer fee per iteration (the tables'
+      :attr:`~harpjax.compiler.profile.CostTables.fees`; ``0`` without): the cuts between the
+      stages' homes, and each mixed stage's groups' transfers (:func:`mixed_transfer`).
+    transfer_bytes: ``[3]`` those bytes per iteration per link class.
   """
   stages: tuple[MixedStageCost, ...]
   planned: tuple[PlannedStage, ...]
@@ -459,10 +478,37 @@ class MixedEvaluation:
   violations: tuple[str, ...]
   num_devices: int
   schedule: str = "h1f1b"
+  fees_per_iteration: float = 0.0
+  transfer_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
   @property
   def feasible(self) -> bool:
     return self.mem_ok and self.devices_ok and self.comm_ok
+
+
+def mixed_transfer(tables: CostTables, costs: Sequence[MixedStageCost], num_microbatches: int,
+                   microbatch_rows: int) -> PlanTransfer:
+  """The bytes per iteration per link class of a plan of stages ``costs`` (pipeline order),
+  and their fee: every cut between the homes of two stages (``2 B boundary_bytes[j]``, as
+  :func:`~harpjax.compiler.profile.plan_transfer`), and each mixed stage's groups' transfers:
+  their rows to and from the home (:func:`~harpjax.compiler.profile.group_route_transfer`)
+  and the cross-group gradient sum (:func:`~harpjax.compiler.profile.group_sync_transfer`,
+  ``grad_bytes`` of the stage), each over the link class of (home, group). A zebra stage's
+  all-to-all is not counted (zebra stages are plan-only)."""
+  B = int(num_microbatches)
+  names = tables.subcluster_names
+  fees = tables.fees
+  total = cuts_transfer(fees, names, tables.boundary_bytes,
+                        [(c.layers[1], c.groups[0].subcluster) for c in costs], B)
+  for c in costs:
+    if len(c.groups) < 2 or c.groups[0].rows == microbatch_rows:
+      continue   # a plain stage, or a zebra stage (each group sees all b rows)
+    home = names[c.groups[0].subcluster]
+    others = [(names[g.subcluster], g.rows) for g in c.groups[1:]]
+    total = total + group_route_transfer(fees, home, others, microbatch_rows,
+                                         tables.boundary_bytes, c.layers, B)
+    total = total + group_sync_transfer(fees, home, [n for n, _ in others], c.grad_bytes)
+  return total
 
 
 def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_microbatches: int,
@@ -579,6 +625,7 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
                         f"pack onto {tables.num_hosts[k]} hosts of "
                         f"{tables.devices_per_host[k]}")
   ends = [c.end_s for c in costs]
+  transfer = mixed_transfer(tables, costs, B, b)
   head = sum(x + 2.0 * y for x, y in zip(t, comm))
   iteration = math.inf
   if comm_ok and math.isfinite(t_max) and all(math.isfinite(e) for e in ends):
@@ -589,7 +636,8 @@ def evaluate_mixed(tables: CostTables, plan: Plan | Sequence[StageSpec], num_mic
       eq12_s=head + (B - 1) * t_max, iteration_s=iteration, mem_ok=mem_ok,
       devices_ok=devices_ok, comm_ok=comm_ok, violations=tuple(violations),
       num_devices=sum(g.submesh[0] * g.submesh[1] for c in costs for g in c.groups),
-      schedule=kind.name)
+      schedule=kind.name, fees_per_iteration=transfer.fee_per_iteration,
+      transfer_bytes=transfer.bytes_by_class)
 
 
 # --------------------------------------------------------------------------- fusions
@@ -855,6 +903,26 @@ def fused_tables(tables: CostTables, fusion: "Fusion | ZebraShape | Sequence",
       overrides.append((names[x], names[y], arr))
       if x != y:
         bw[x, y] = 1.0 if np.isfinite(arr).all() else 0.0
+  fees = None
+  if tables.fees is not None:   # the homes' places; the groups' rows charged on the cuts
+    place = {n: (z, r) for n, z, r in tables.fees.places}
+    homes = [tables.subcluster_names[f.members[0]] for f in fusions]
+    places = tuple((vnames[x], *place[homes[x]]) for x in range(F)) + tuple(
+        (tables.subcluster_names[k], *place[tables.subcluster_names[k]]) for k in keep)
+    route = [None if isinstance(f, ZebraShape) else route_cut_bytes(
+        tables.fees, homes[x], [(tables.subcluster_names[k], r)
+                                for k, r in zip(f.members[1:], f.rows[1:])], b,
+        tables.boundary_bytes) for x, f in enumerate(fusions)]
+    extra = []
+    for x in range(Kn):
+      for y in range(Kn):
+        arr = np.zeros((3, L))
+        for z in {x, y}:
+          if z < F and route[z] is not None:
+            arr = arr + route[z] * (2.0 if x == y else 1.0)
+        if arr.any():
+          extra.append((names[x], names[y], arr))
+    fees = LinkFees(places, tables.fees.fees, tuple(extra))
   peak = None
   if tables.peak_flops is not None:
     peak = tuple(sum(tables.peak_flops[k] * n * m for k, (n, m) in zip(f.members, f.shapes))
@@ -894,7 +962,7 @@ def fused_tables(tables: CostTables, fusion: "Fusion | ZebraShape | Sequence",
           (tuple((z, False, False) for z in levels),) * F
           + tuple(tuple(src.variants[k][s] for s in cols[k]) if src.variants is not None
                   else ((0, False, False),) * len(cols[k]) for k in keep)),
-      cut_override=tuple(overrides))
+      fees=fees, cut_override=tuple(overrides))
 
 
 def _virtual_entry(tables: CostTables, f: "Fusion", B: int, options: MixedOptions,
@@ -1135,27 +1203,91 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       expanded = expand_variants(tables, VariantOptions(
           plain.zero_levels, plain.offload, plain.offload_activations), B)
 
-    def attempt(fused: CostTables) -> PlanResult | None:
+    charges = tables.fees is not None and tables.fees.charges
+    loose = []   # DP values below the plan's true value (its groups' gradient sums' fees)
+
+    def attempt(fused: CostTables, beat: float = math.inf) -> PlanResult | None:
+      """The search on ``fused``; with ``beat`` finite only a plan whose value is at most
+      ``beat`` counts (``None``: none found; that search proves nothing)."""
       try:
-        res = solve(fused, B, options=plain)
+        if not math.isfinite(beat):
+          res = solve(fused, B, options=plain)
+        else:
+          res = _solve_below(fused, B, plain, beat)
+          if res is None:
+            proofs.append(False)
+            return None
       except InfeasiblePlanError:
         return None
       proofs.append(res.stats.proved)
       return res
 
-    mixed_plans = []   # (value, fusion) of every fusion whose search found a mixed plan
-    for fusion in fusions:
+    def bar(pairs: bool = True) -> float:
+      """The largest value a fusion's plan may have and still count: the best plan's, and
+      (``pairs``) the last pair candidate's once there are that many (``inf``: search it
+      fully). Only
+      once some search could not prove its optimum (so the result will not be proved
+      either): a bounded search that finds nothing proves nothing."""
+      if not mopts.prune or all(p is True for p in proofs):
+        return math.inf
+      out = math.inf if best is None else best.value
+      pc = mopts.pair_candidates
+      if pairs and pc >= 2:
+        out = math.inf if len(mixed_plans) < pc else max(out, sorted(mixed_plans)[pc - 1][0])
+      return math.nextafter(out, math.inf) if math.isfinite(out) else out
+
+    def charged(res: PlanResult, group: tuple, fused: CostTables) -> PlanResult | None:
+      """``res`` with its true fees: the fused tables charge a mixed stage's cuts and its
+      groups' rows exactly, but not its cross-group gradient sum (a fee of the stage's whole
+      layer range, which no cut knows), so their value is a lower bound; ``None`` when the
+      fees break the budget."""
+      if not charges:
+        return res
+      ev = evaluate_mixed(tables, _plan_of(tables, fused, group, res, mopts), B, mopts,
+                          eps=options.eps, fwd_fraction=options.fwd_fraction)
+      fee = ev.fees_per_iteration
+      if fee <= res.fees_per_iteration * (1.0 + 1e-12):
+        return res
+      loose.append(res.value)
+      out = dataclasses.replace(
+          res, fees_per_iteration=fee, transfer_bytes=ev.transfer_bytes,
+          cost_per_iteration=None if res.rate_per_hour is None
+          else res.rate_per_hour * res.objective_s / 3600.0 + fee)
+      if options.budget_per_hour is not None and \
+          out.rate_with_fees_per_hour > options.budget_per_hour * (1.0 + 1e-9):
+        return None
+      return out
+
+    mixed_plans = []   # (value, position, fusion) of every fusion that found a mixed plan
+    # Fusions no plan can use within the bounds: a mixed stage's GPUs alone cost more than the
+    # budget, or its fastest stage times B exceeds the time limit (every plan takes at least
+    # B times its slowest stage). Then the rest, the most promising first (position: the
+    # fusion's place in candidate_fusions, which breaks ties as the plain order does).
+    order, skipped = (_fusion_order(tables, fusions, B, mopts, options, levels) if mopts.prune
+                      else (list(range(len(fusions))), 0))
+    best_key = (-1,)   # the plain plan wins ties
+    for x in order:
+      fusion = fusions[x]
       fused = fused_tables(tables, fusion, B, mopts, expanded, levels, memo)
       if not np.isfinite(fused.stage_time_s[0]).any():
         continue
       tried += 1
-      res = attempt(fused)
+      limit, t0 = bar(), time.perf_counter()
+      res = attempt(fused, limit)
+      log.debug("planner: fusion %d (%s, %d stages, rows %s) below %.6g: %s, %.3f s", x,
+                fusion.name(tables), fusion.stages, getattr(fusion, "rows", "-"), limit,
+                "none" if res is None else f"{res.value:.6g}" + (
+                    "" if any(s.subcluster == 0 for s in res.stages) else " (no mixed stage)"),
+                time.perf_counter() - t0)
       if res is None or not any(s.subcluster == 0 for s in res.stages):
         continue   # no mixed stage: a plan the tables as they are already have
+      res = charged(res, (fusion,), fused)
+      if res is None:
+        continue
       found += 1
-      mixed_plans.append((res.value, len(mixed_plans), fusion))
-      if best is None or res.value < best.value:
-        best, chosen = res, ((fusion,), fused)
+      mixed_plans.append((res.value, x, fusion))
+      if best is None or (res.value, x) < (best.value, *best_key):
+        best, chosen, best_key = res, ((fusion,), fused), (x,)
     # Two shapes of mixed stage in one plan: pairs of the best fusions that leave each other
     # the hosts they reserve.
     top = [f for _, _, f in sorted(mixed_plans)[:mopts.pair_candidates]]
@@ -1166,20 +1298,82 @@ def solve_mixed(tables: CostTables, num_microbatches: int, options: SolveOptions
       except PlanError:
         continue   # together they need more hosts than there are
       pairs += 1
-      res = attempt(fused)
-      if res is not None and {0, 1} <= {s.subcluster for s in res.stages} \
-          and res.value < best.value:
-        best, chosen = res, ((f1, f2), fused)
-    log.info("planner: mixed-type stages: %d fusions, %d solved, %d with a mixed plan, %d "
-             "pairs, %.2f s", len(fusions), tried, found, pairs, time.perf_counter() - start)
+      res = attempt(fused, bar(pairs=False))
+      if res is not None and {0, 1} <= {s.subcluster for s in res.stages}:
+        res = charged(res, (f1, f2), fused)
+        if res is not None and (best is None or res.value < best.value):
+          best, chosen = res, ((f1, f2), fused)
+    log.info("planner: mixed-type stages: %d fusions (%d out of bounds), %d solved, %d with a "
+             "mixed plan, %d pairs, %.2f s", len(fusions), skipped, tried, found, pairs,
+             time.perf_counter() - start)
     if chosen is not None:
       best = _mixed_result(tables, B, options, mopts, best, *chosen, start,
                            len(fusions))
+    if best is not None and any(v < best.value * (1.0 - 1e-12) for v in loose):
+      # a fusion's plan paid more than its search saw; another of its plans may beat best
+      log.info("planner: mixed-type stages: %d searches' plans pay gradient-sum fees their "
+               "bound does not see; the result is not proved optimal", len(loose))
+      proofs.append(False)
   if best is None:
     raise error
   proved = None if any(p is None for p in proofs) else all(proofs)
   best = dataclasses.replace(best, stats=dataclasses.replace(best.stats, proved=proved))
   return choose_schedule(best, mixed_scorer(tables, B, options, mopts), options)
+
+
+def _solve_below(tables: CostTables, B: int, options: SolveOptions, beat: float
+                 ) -> PlanResult | None:
+  """:func:`solve` (``options`` plain, H-1F1B) counting only plans whose value is below
+  ``beat`` (``None``: no such plan found): the planner's bounded search, whose every step
+  starts from that bound (the periods whose floor is beyond it are not even tested)."""
+  # solve.py's bounded cascade is module-internal; reached through its module object until
+  # that module exports it.
+  bounded = getattr(sys.modules[solve.__module__], "_solve_plain")
+  res = bounded(tables, B, options, time.perf_counter(), beat=beat)
+  if res is None:
+    return None
+  return choose_schedule(res, plan_scorer(tables, B, options.eps, options.fwd_fraction),
+                         options)
+
+
+def _fusion_order(tables: CostTables, fusions: Sequence, B: int, mopts: MixedOptions,
+                  options: SolveOptions, levels: Sequence[int] = (0,)
+                  ) -> tuple[list[int], int]:
+  """The positions of ``fusions`` to search, the most promising first, and how many were left
+  out because no plan with one of their mixed stages keeps the bounds.
+
+  Left out (exactly): a fusion whose one mixed stage's GPUs cost more per hour than
+  ``budget_per_hour`` (a plan's rate is at least that), or whose fastest mixed stage (at any ZeRO level of
+  ``levels``) times ``B`` exceeds ``time_limit_s`` (an iteration takes at least ``B`` times its slowest
+  stage). Order: by the iteration of one mixed stage on every layer (``B t + e``; times its
+  GPUs' price for the money objectives), unknown (a zebra shape, or no such stage) last; ties
+  keep their order."""
+  b = _rows(mopts)
+  L = tables.num_layers
+  goal = options.objective
+  priced_goal = goal in ("max_throughput_per_dollar", "min_cost_within_time")
+  keys, skipped = [], 0
+  for x, f in enumerate(fusions):
+    if not isinstance(f, Fusion) or sum(f.rows) != b:
+      keys.append((math.inf, x))
+      continue
+    rate = (None if tables.price_per_gpu_hour is None else
+            sum(tables.price_per_gpu_hour[k] * n * m for k, (n, m) in zip(f.members, f.shapes)))
+    if (options.budget_per_hour is not None and rate is not None
+        and rate > options.budget_per_hour * (1.0 + 1e-9)):
+      skipped += 1
+      continue
+    entries = [_virtual_entry(tables, f, B, mopts, z) for z in levels]
+    t, e = entries[0][0], entries[0][2]
+    fastest = min(float(np.min(v[0])) for v in entries)
+    if options.time_limit_s is not None and B * fastest > options.time_limit_s * (1.0 + 1e-9):
+      skipped += 1
+      continue
+    est = B * float(t[0, L - 1, 0]) + float(e[0, L - 1, 0])
+    if priced_goal and rate is not None:
+      est *= rate
+    keys.append((est if math.isfinite(est) else math.inf, x))
+  return [x for _, x in sorted(keys)], skipped
 
 
 def mixed_scorer(tables: CostTables, num_microbatches: int, options: SolveOptions,
@@ -1218,11 +1412,17 @@ def _mixed_result(tables: CostTables, B: int, options: SolveOptions, mopts: Mixe
   meta.update(planner="harpjax.dp+mixed", mixed_stages=options.mixed_stages,
               microbatch_rows=mopts.microbatch_rows, fixed_fraction=mopts.fixed_fraction,
               mixed_fusions=num_fusions, mixed_seconds=time.perf_counter() - start)
+  assert math.isclose(ev.fees_per_iteration, res.fees_per_iteration, rel_tol=1e-9,
+                      abs_tol=1e-15), (ev.fees_per_iteration, res.fees_per_iteration)
   plan = res.plan.replace(stages=specs, meta=meta, predicted_iteration_s=ev.iteration_s)
   stats = dataclasses.replace(res.stats, seconds=time.perf_counter() - start)
   objective = ev.iteration_s if options.cost_model == "simulator" else res.objective_s
+  cost = (None if res.rate_per_hour is None
+          else res.rate_per_hour * objective / 3600.0 + ev.fees_per_iteration)
   return dataclasses.replace(res, plan=plan, stages=ev.planned, stats=stats,
-                             iteration_s=ev.iteration_s, objective_s=objective)
+                             iteration_s=ev.iteration_s, objective_s=objective,
+                             fees_per_iteration=ev.fees_per_iteration,
+                             transfer_bytes=ev.transfer_bytes, cost_per_iteration=cost)
 
 
 register_mixed_search(solve_mixed)

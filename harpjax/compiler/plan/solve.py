@@ -820,14 +820,13 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   the search counts them: the money objectives rank ``rate x T / 3600 + fees`` per iteration,
   ``budget_per_hour`` bounds ``rate + 3600 fees / T``, exactly as
   :func:`~harpjax.compiler.plan.evaluate_plan` reports them (each cut's fee carried in the
-  DP's state, :class:`~harpjax.compiler.plan.dp_kernel.Pricing`); and, not counting a mixed
-  stage's groups' transfers yet, the search is of plain stages (``mixed_stages="auto"``).
+  DP's state, :class:`~harpjax.compiler.plan.dp_kernel.Pricing`; a mixed-type stage's
+  groups' transfers too, :func:`~harpjax.compiler.plan.mixed.solve_mixed`).
 
   Raises:
     InfeasiblePlanError: no plan fits; the message names the constraint and by how much
       (its ``constraint`` attribute is ``"memory"``, ``"communication"``, ``"devices"``,
       ``"layers"``, ``"budget"`` or ``"time"``).
-    PlanError: ``mixed_stages="on"`` on tables that charge transfer fees.
   """
   if not isinstance(tables, CostTables):
     raise PlanError(f"solve needs CostTables, got {type(tables).__name__}")
@@ -835,15 +834,7 @@ def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | 
   B = int(num_microbatches)
   if B != num_microbatches or B < 1:
     raise PlanError(f"num_microbatches={num_microbatches} must be a positive integer")
-  charges = tables.fees is not None and tables.fees.charges
-  if charges and opts.mixed_stages == "on":
-    raise PlanError("SolveOptions(mixed_stages='on') on tables that charge transfer fees: a "
-                    "mixed-type stage's groups' transfers between zones are not counted in "
-                    "its fees yet; give mixed_stages='auto' (plain stages where fees are "
-                    "charged) or 'off'")
-  if charges and opts.mixed_stages == "auto":
-    log.info("planner: the tables charge transfer fees; planning without mixed-type stages")
-  elif opts.mixed_stages != "off" and _MIXED_SEARCH and not any(_required_offloads(opts)):
+  if opts.mixed_stages != "off" and _MIXED_SEARCH and not any(_required_offloads(opts)):
     return _MIXED_SEARCH[0](tables, B, opts)   # it chooses the schedule too
   asked, opts = opts, dataclasses.replace(opts, schedule=H1F1B.name)   # the search's schedule
   result = _solve_plain(tables, B, opts, time.perf_counter())

@@ -32,7 +32,8 @@ from harpjax.compiler.profile.profiler import (microbatch_size, profile_layers, 
 from harpjax.compiler.profile.assemble import assemble_tables
 from harpjax.compiler.profile.layer_profile import (LayerProfile, memory_to_compute_order,
                                                     SubclusterSpec, synthetic_gpt_profile)
-from harpjax.compiler.profile.fees import (cut_fees, cuts_transfer, group_sync_transfer,
+from harpjax.compiler.profile.fees import (cut_fees, cuts_transfer, group_route_transfer,
+                                           group_sync_transfer, route_cut_bytes, NO_TRANSFER,
                                            LinkFees, plan_transfer,
                                            PlanTransfer, with_fees)
 from harpjax.compiler.profile.collectives import cut_time_s
@@ -51,7 +52,9 @@ from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_ti
 
 __all__ = [
     "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables",
-    "cut_time_s", "default_cache_dir", "group_route_s", "group_sync_transfer", "cuts_transfer", "cut_fees", "LinkFees", "plan_transfer",
+    "cut_time_s", "default_cache_dir", "group_route_s", "group_sync_transfer",
+    "group_route_transfer", "route_cut_bytes", "NO_TRANSFER", "cuts_transfer", "cut_fees",
+    "LinkFees", "plan_transfer",
     "PlanTransfer", "with_fees", "home_sync_s", "LayerProfile",
     "memory_to_compute_order", "microbatch_size", "offload_time_s", "param_fetch_time_s", "profile_layers",
     "profile_step", "ProfileDB", "ProfileOptions", "ProfileResult", "ProfileStats", "progress_bar",

@@ -23,6 +23,11 @@ tables' subclusters reads it.
   between its home group and each other group (the gradient there, the parameters back,
   :func:`~harpjax.compiler.profile.routes.home_sync_s`'s traffic) per link class, for the
   evaluators of mixed plans.
+* :func:`group_route_transfer`: the bytes a mixed-type stage's other groups receive and send
+  per iteration, their rows of the stage's inputs and outputs to and from the home group,
+  forward and backward (:func:`~harpjax.compiler.profile.routes.group_route_s`'s traffic);
+  :func:`route_cut_bytes` the same bytes attributed to the cut before and the cut after the
+  stage (what the planner's search charges, :attr:`LinkFees.cut_extra`).
 
 The money of a plan per iteration is then ``rate x iteration_s / 3600 + fee``, and its hourly
 rate with fees ``rate + 3600 fee / iteration_s``
@@ -40,7 +45,8 @@ from harpjax.cluster import LINK_CLASSES, TransferFees
 from harpjax.errors import CostTablesError
 
 __all__ = ["LinkFees", "PlanTransfer", "with_fees", "plan_transfer", "cuts_transfer",
-           "cut_fees", "group_sync_transfer"]
+           "cut_fees", "group_sync_transfer", "group_route_transfer", "route_cut_bytes",
+           "NO_TRANSFER"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +57,19 @@ class LinkFees:
     places: ``(subcluster name, zone, region)`` per subcluster (zone and region ``None``
       where the cluster gives none).
     fees: the fee per GB of each link class.
+    cut_extra: ``(name a, name b, [3, L] bytes)``: bytes per microbatch that a cut after layer
+      ``j`` from a stage on ``a`` to one on ``b`` sends besides the cut itself, per link class
+      (:data:`~harpjax.cluster.LINK_CLASSES`); tables of mixed-type stages
+      (:func:`~harpjax.compiler.plan.fused_tables`) put the rows their groups exchange with
+      the home group there (:func:`route_cut_bytes`). Empty for a cluster's tables.
 
   Raises:
-    CostTablesError: a name twice, or ``fees`` not a :class:`~harpjax.cluster.TransferFees`.
+    CostTablesError: a name twice, ``fees`` not a :class:`~harpjax.cluster.TransferFees`, or
+      a ``cut_extra`` entry that is not ``[3, L]`` non-negative bytes.
   """
   places: tuple[tuple[str, str | None, str | None], ...]
   fees: TransferFees = TransferFees()
+  cut_extra: tuple = ()
 
   def __post_init__(self):
     places = tuple((str(n), z, r) for n, z, r in self.places)
@@ -66,6 +79,15 @@ class LinkFees:
     if not isinstance(self.fees, TransferFees):
       raise CostTablesError(f"LinkFees.fees: expected a TransferFees, got {self.fees!r}")
     object.__setattr__(self, "places", places)
+    extra = []
+    for a, b, arr in self.cut_extra:
+      arr = np.array(arr, np.float64)
+      if arr.ndim != 2 or arr.shape[0] != len(LINK_CLASSES) or not (arr >= 0).all():
+        raise CostTablesError(f"LinkFees.cut_extra[{a!r}, {b!r}]: expected [3, L] bytes >= 0 "
+                              f"per link class, got shape {arr.shape}")
+      arr.setflags(write=False)
+      extra.append((str(a), str(b), arr))
+    object.__setattr__(self, "cut_extra", tuple(extra))
 
   @classmethod
   def from_cluster(cls, cluster) -> "LinkFees":
@@ -105,8 +127,24 @@ class LinkFees:
 
   @property
   def charges(self) -> bool:
-    """Whether any link between two of the subclusters costs a fee."""
+    """Whether any link between two of the subclusters costs a fee (or any class does, where
+    cuts carry extra bytes)."""
+    if self.cut_extra and any(self.fees.per_byte(c) > 0 for c in LINK_CLASSES):
+      return True
     return any(self.fee_per_byte(a, b) > 0 for a in self.names for b in self.names)
+
+  @property
+  def class_per_byte(self) -> np.ndarray:
+    """``[3]`` the fee per byte of each link class."""
+    return np.array([self.fees.per_byte(c) for c in LINK_CLASSES], np.float64)
+
+  def extra_bytes(self, a: str, b: str, j: int) -> np.ndarray | None:
+    """``[3]`` the extra bytes per microbatch of the cut after layer ``j`` from ``a`` to
+    ``b`` (:attr:`cut_extra`), ``None`` where there are none."""
+    for x, y, arr in self.cut_extra:
+      if x == a and y == b:
+        return arr[:, j]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +211,12 @@ def cuts_transfer(fees: LinkFees | None, names: Sequence[str], boundary_bytes,
   for (j, a), (_, b) in zip(stages, stages[1:]):
     nbytes = 2.0 * B * float(boundary_bytes[j])
     fee += _charge(fees, by_class, names[a], names[b], nbytes)
+    extra = None if fees is None else fees.extra_bytes(names[a], names[b], j)
+    if extra is not None:
+      for c, cls in enumerate(LINK_CLASSES):
+        if extra[c]:
+          by_class[c] += B * float(extra[c])
+          fee += B * float(extra[c]) * fees.fees.per_byte(cls)
   return PlanTransfer(tuple(by_class), fee)
 
 
@@ -186,8 +230,10 @@ def cut_fees(tables) -> np.ndarray | None:
     ``[K, K, L]`` float64: the fee (currency of the prices) per microbatch of the cut after
     layer ``j`` from a stage on subcluster ``a`` to the next stage on ``b``: ``2
     boundary_bytes[j]`` bytes (forward and back) at the fee per byte of the class of ``(a,
-    b)`` (``a == b``: inside one zone). Times ``B`` it is :func:`plan_transfer`'s fee of that
-    cut per iteration. ``None`` when no link between two of the subclusters charges a fee.
+    b)`` (``a == b``: inside one zone), plus the fee of the cut's extra bytes
+    (:attr:`LinkFees.cut_extra`: a mixed-type stage's groups' rows). Times ``B`` it is
+    :func:`plan_transfer`'s fee of that cut per iteration. ``None`` when no link between two
+    of the subclusters charges a fee.
   """
   fees = tables.fees
   if fees is None or not fees.charges:
@@ -195,7 +241,12 @@ def cut_fees(tables) -> np.ndarray | None:
   names = tables.subcluster_names
   per_byte = np.array([[fees.fee_per_byte(a, b) for b in names] for a in names], np.float64)
   nbytes = 2.0 * np.asarray(tables.boundary_bytes, np.float64)
-  return np.ascontiguousarray(per_byte[:, :, None] * nbytes[None, None, :])
+  out = per_byte[:, :, None] * nbytes[None, None, :]
+  cls = fees.class_per_byte
+  for a, b, arr in fees.cut_extra:
+    if a in names and b in names:
+      out[names.index(a), names.index(b)] += cls @ arr
+  return np.ascontiguousarray(out)
 
 
 def group_sync_transfer(fees: LinkFees | None, home: str, others: Sequence[str],
@@ -210,3 +261,45 @@ def group_sync_transfer(fees: LinkFees | None, home: str, others: Sequence[str],
     nbytes = 2.0 * float(grad_bytes[g] if isinstance(grad_bytes, Mapping) else grad_bytes)
     fee += _charge(fees, by_class, home, g, nbytes)
   return PlanTransfer(tuple(by_class), fee)
+
+
+def _route_bytes(boundary_bytes, i: int, j: int) -> tuple[float, float]:
+  """``(in_i, out_j)``: the boundary bytes of the cut before layer ``i`` and after ``j``
+  (none at the ends of the model)."""
+  L = len(boundary_bytes)
+  into = float(boundary_bytes[i - 1]) if i > 0 else 0.0
+  out = float(boundary_bytes[j]) if j < L - 1 else 0.0
+  return into, out
+
+
+def group_route_transfer(fees: LinkFees | None, home: str, groups: Sequence[tuple[str, int]],
+                         microbatch_rows: int, boundary_bytes, layers: tuple[int, int],
+                         num_microbatches: int) -> PlanTransfer:
+  """The bytes per iteration a mixed-type stage on ``layers`` ``(i, j)`` moves between its
+  home group (on subcluster ``home``) and each other group ``(subcluster name, rows)``: the
+  group's ``rows / b`` of the stage's inputs (``in_i``) and outputs (``out_j``), forward and
+  their cotangents backward, ``2 (in_i + out_j) r / b`` per microbatch (``B`` of them), over
+  the link class of (home, group); none at the ends of the model
+  (:func:`~harpjax.compiler.profile.routes.group_route_s`'s traffic)."""
+  by_class = [0.0, 0.0, 0.0]
+  fee = 0.0
+  into, out = _route_bytes(boundary_bytes, *layers)
+  for name, rows in groups:
+    nbytes = 2.0 * int(num_microbatches) * (into + out) * (rows / int(microbatch_rows))
+    fee += _charge(fees, by_class, home, name, nbytes)
+  return PlanTransfer(tuple(by_class), fee)
+
+
+def route_cut_bytes(fees: LinkFees, home: str, groups: Sequence[tuple[str, int]],
+                    microbatch_rows: int, boundary_bytes) -> np.ndarray:
+  """``[3, L]`` per link class, the bytes per microbatch that a mixed stage's other groups
+  ``(subcluster name, rows)`` exchange with the home at the cut after layer ``j`` (their rows
+  of the boundary, forward and back: ``2 boundary_bytes[j] r / b``), once for a stage that
+  ends at ``j`` and once for one that starts at ``j + 1``. Summed over the cuts into and out
+  of a stage, times ``B``, they are :func:`group_route_transfer`'s bytes, which is how the
+  planner's search charges them (:attr:`LinkFees.cut_extra`)."""
+  bb = 2.0 * np.asarray(boundary_bytes, np.float64)
+  out = np.zeros((len(LINK_CLASSES), bb.size))
+  for name, rows in groups:
+    out[LINK_CLASSES.index(fees.link_class(home, name))] += bb * (rows / int(microbatch_rows))
+  return out

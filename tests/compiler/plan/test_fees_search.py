@@ -11,7 +11,7 @@ from harpjax.cluster import TransferFees
 from harpjax.compiler import plan as planner
 from harpjax.compiler.plan import dp_kernel
 from harpjax.compiler.profile import LinkFees
-from harpjax.errors import InfeasiblePlanError, PlanError
+from harpjax.errors import InfeasiblePlanError
 from tests.compiler.plan import oracle
 
 MODES = [dict(), dict(keep_order=True), dict(use_all_devices=True),
@@ -196,13 +196,3 @@ def test_fee_free_tables_are_unchanged():
         b = index.run(float(tau), B, 0.1, require_hit=True,
                       pricing=index.pricing(price, kind, rate_max, fee=nil))
         assert _close(a[0], b[0]) and _close(a[1], b[1]), (tau, a, b)
-
-
-def test_mixed_stages_on_with_fees_is_refused():
-  rng = np.random.default_rng(3)
-  tables = oracle.random_fees(rng, oracle.random_tables(rng, priced=True), 8)
-  if not tables.fees.charges:
-    tables = tables.replace(fees=LinkFees(tuple(
-        (n, f"z{k}", "r") for k, n in enumerate(tables.subcluster_names))))
-  with pytest.raises(PlanError, match="transfer fees"):
-    planner.solve(tables, 8, mixed_stages="on")

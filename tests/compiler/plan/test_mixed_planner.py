@@ -73,8 +73,9 @@ def _oracle_stage(tables, i, j, groups, b, mo):
     out.append((k, r))
   end = max(ends)
   if len(groups) > 1:
-    grad = max(mo.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
-               * tables.logical_mesh_of(k, i, j, s)[1] for k, s, _ in groups)
+    grad = (sum(mo.grad_bytes[i:j + 1]) if mo.grad_bytes is not None else
+            max(mo.grad_fraction * float(tables.param_mem_bytes[k][i, j, s])
+                * tables.logical_mesh_of(k, i, j, s)[1] for k, s, _ in groups))
     for k, _, _ in groups[1:]:   # to the home and back, one group after the other
       bw, lat = _link(tables, groups[0][0], k)
       end += math.inf if bw <= 0 else 2 * (grad / bw + lat)
@@ -115,11 +116,13 @@ def _reserved(tables, k, shape, count):
 
 
 def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True,
-                      use_all=False):
+                      use_all=False, rank=None):
   """The best simulated time over every plan: plain stages (each subcluster one contiguous
   run) and, with ``mixed``, mixed stages of one shape (one contiguous run; hosts holding their
   groups hold no plain stage), in any order the links allow. Returns ``(time, plan)``;
-  ``(inf, None)`` if none fits."""
+  ``(inf, None)`` if none fits. ``rank(times, plans)``: the values to minimise instead of the
+  times (``plans`` each ``(stages, shape)``, a stage ``(i, j, subcluster or "m", submesh)``);
+  the value is returned then."""
   L, K = tables.num_layers, tables.num_subclusters
   b = mo.microbatch_rows
   shapes = [None] + (_mixed_shapes(tables, mo.max_hosts_per_group, b) if mixed else [])
@@ -195,6 +198,10 @@ def brute_force_mixed(tables, B, mo, eps=0.1, fwd_fraction=1.0 / 3.0, mixed=True
   times = iteration_times([pad(x[0]) for x in cands], [pad(x[1]) for x in cands],
                           [pad(x[2]) for x in cands], [pad(x[3], 1) for x in cands],
                           [len(x[0]) for x in cands], B, fwd_fraction)
+  if rank is not None:
+    times = np.asarray(rank(times, [x[4:] for x in cands]), np.float64)
+    if not np.isfinite(times).any():
+      return math.inf, None
   q = int(np.argmin(times))
   return float(times[q]), cands[q][4:]
 
