@@ -59,7 +59,7 @@ BAD_VALUES = [
     ("MixedOptions", "min_link_ratio", -1.0), ("MixedOptions", "max_hosts_per_group", 0),
     ("MixedOptions", "max_members", 1), ("MixedOptions", "split_radius", 1.5),
     ("MixedOptions", "pair_candidates", -1), ("MixedOptions", "shares", "even"),
-    ("MixedOptions", "sub_host", "no"), ("MixedOptions", "zebra", "on"),
+    ("MixedOptions", "sub_host", "no"), ("MixedOptions", "zebra", "yes"),
     ("MixedOptions", "zebra_options", {"max_microbatches": 4}),
     ("ZebraOptions", "max_microbatches", 0), ("ZebraOptions", "assignment_limit", -1),
     ("ZebraOptions", "fwd_fraction", 1.0), ("ZebraOptions", "local_search", "no"),
