@@ -47,7 +47,12 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
   own: compute-heavy ops, ops doing more than one FLOP per result element (reductions,
   cumulative sums, sorts) and data movement that is neither computed inside its consumers nor
   a view (gather, scatter, concatenate, pad...); elementwise ops are fused into their
-  neighbours. Every term is a sum over ops.
+  neighbours. Every term is a sum over ops. A fused attention call
+  (``jax.nn.dot_product_attention(..., implementation="cudnn")``: the primitives in
+  :data:`harpjax._compat.FUSED_ATTENTION_PRIMITIVES`) is one kernel of its own
+  (``Work.flash_flops``, ``Work.flash_bytes``: its FLOPs, its operands and results), with its
+  XLA composition beside it (:func:`composition_work`) for GPU types without the kernel
+  (docs/cost_model.md, "Attention").
 
 The work is read off the forward+backward that also returns the forward's outputs, as the
 stage's forward the runtime runs does (they cross the cut to the next stage): the ops that

@@ -132,3 +132,73 @@ def test_work_json_and_arithmetic_keep_the_fused_calls(fused):
 def test_plain_attention_is_not_detected():
   einsum = _attention_work("einsum")
   assert not einsum.flash_flops and einsum.flash_composition is None
+
+
+# --------------------------------------------------------------------------- on CPU
+
+
+@pytest.mark.slow
+def test_dot_product_attention_gpt_flops_within_3_percent_of_xla():
+  """On CPU ``implementation=None`` is the XLA composition, costed as such: each stage's
+  FLOPs against XLA's ``cost_analysis`` of the executables the runtime compiles."""
+  import harpjax
+  from harpjax.compiler.profile import ProfileOptions, stage_flops
+  from harpjax.compiler.stages import compile_stage
+  from benchmarks.lm_step import lm_train_step
+  from tests.equivalence import DEMO_CLUSTER
+  step_fn, state, tokens = lm_train_step(
+      GPTConfig(vocab_size=256, seq_len=32, hidden=128, num_heads=4, num_blocks=2,
+                dtype="float32", param_dtype="float32", attention="xla"), 8)
+  step = harpjax.auto_parallel(step_fn, cluster=DEMO_CLUSTER, num_microbatches=2,
+                               plan=harpjax.AutoPlan(profile=ProfileOptions(use_cache=False)))
+  plan, prof = step.plan(state, tokens), step.profile(state, tokens)
+  cs = step.compile(state, tokens)
+  for spec, st in zip(plan.stages, cs.stages):
+    compiled = compile_stage(st)
+    xla = sum(float(compiled[k].cost_analysis()["flops"]) for k in ("fwd", "bwd"))
+    costs = prof.costs[(spec.subcluster, tuple(spec.submesh), tuple(spec.logical_mesh))]
+    tables = float(stage_flops(costs, plan.remat_of(spec))[spec.layers[0], spec.layers[1]])
+    assert abs(tables / xla - 1) <= 0.03, (spec.layers, tables, xla)
+
+
+@pytest.mark.slow
+def test_mixtral_with_dot_product_attention_equals_jit(x64):
+  """Mixtral with ``attention="xla"`` (routing per sequence: no example meets another) in
+  float64 equals ``jax.jit`` of the batch."""
+  from tests.models.test_moe_exactness import (BETWEEN_BLOCKS, RTOL, _mixtral, _run,
+                                               _small)
+  case = _mixtral(_small(routing_group="sequence", capacity_factor=1.0, attention="xla"))
+  (err,), coupling, _ = _run(case, BETWEEN_BLOCKS, [jax.jit(case.step)])
+  assert not coupling, coupling
+  assert err <= RTOL, err
+
+
+@pytest.mark.slow
+def test_profile_costs_cudnn_attention_per_gpu_type():
+  """The profiler's tables of a GPT written with cuDNN attention (traced without cuDNN):
+  the A100 subcluster pays the fused kernel, the V100 one the composition (within 5% of the
+  same GPT written with ``implementation=None``, the program it would run)."""
+  import harpjax
+  from harpjax.compiler.profile import ProfileOptions
+  from harpjax.models import GPT
+  from benchmarks.lm_step import lm_train_step
+  from tests.equivalence import DEMO_CLUSTER
+  cfg = GPTConfig(vocab_size=256, seq_len=512, hidden=256, num_heads=4, num_blocks=2,
+                  dtype="float16", param_dtype="float16")
+  step_fn, state, tokens = lm_train_step(cfg, 4)     # parameters of either: the same
+  times = {}
+  for att in ("cudnn", "xla"):
+    st = state.replace(apply_fn=GPT(dataclasses.replace(cfg, attention=att)).apply)
+    with _compat.tracing_cudnn_attention():
+      step = harpjax.auto_parallel(
+          step_fn, cluster=DEMO_CLUSTER, num_microbatches=2, batch_coupling="per_microbatch",
+          plan=harpjax.AutoPlan(profile=ProfileOptions(use_cache=False)))
+      prof = step.profile(st, tokens)
+    for sub in ("a100", "v100"):
+      times[att, sub] = np.asarray(prof.costs[(sub, (1, 1), (1, 1))]["time_s"])
+  blocks = slice(1, 3)       # embedding | block | block | head
+  assert np.all(times["cudnn", "a100"][blocks] < 0.9 * times["xla", "a100"][blocks])
+  np.testing.assert_allclose(times["cudnn", "v100"][blocks], times["xla", "v100"][blocks],
+                             rtol=0.05)
+  for sub in ("a100", "v100"):   # embedding and head: no attention, the same
+    np.testing.assert_allclose(times["cudnn", sub][[0, 3]], times["xla", sub][[0, 3]])
