@@ -59,6 +59,7 @@ import jax                                                            # noqa: E4
 import jax.numpy as jnp                                               # noqa: E402
 import numpy as np                                                    # noqa: E402
 
+from harpjax import _compat                                           # noqa: E402
 from harpjax.cluster import GPU_CATALOG, Link                         # noqa: E402
 from harpjax.compiler.layers import construct_layers, LayerOptions    # noqa: E402
 from harpjax.compiler.plan import (MixedOptions, SolveOptions,       # noqa: E402
@@ -176,11 +177,21 @@ def module_work(mod: nn.Module, x_shape) -> calib.Work:
   return total
 
 
+ATTENTION = "cudnn"
+"""How the attention side writes attention (``GPTConfig.attention``; ``--attention``):
+``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``: costed as cuDNN's fused
+kernel on GPU types that have it, A40 and L40S here, and as the XLA composition on V100 and
+T4) or ``"einsum"`` (the composition on every type)."""
+
+
 @functools.lru_cache(maxsize=None)
-def attn_work(hidden: int, heads: int, experts: int, seq: int, seqs: int) -> calib.Work:
+def attn_work(hidden: int, heads: int, experts: int, seq: int, seqs: int,
+              attention: str = "einsum") -> calib.Work:
   cfg = GPTConfig(seq_len=seq, hidden=hidden, num_heads=heads, num_blocks=1, dtype="float16",
-                  param_dtype="float16", softmax_dtype="float32", layer_marks=0)
-  return module_work(AttentionSide(cfg, experts), (seqs, seq, hidden))
+                  param_dtype="float16", softmax_dtype="float32", layer_marks=0,
+                  attention=attention)
+  with _compat.tracing_cudnn_attention():   # traced here, compiled on the GPUs
+    return module_work(AttentionSide(cfg, experts), (seqs, seq, hidden))
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,13 +202,14 @@ def expert_work(hidden: int, ffn: int, experts: int, tokens_each: int) -> calib.
 def seconds(work: calib.Work, gpu: str) -> float:
   g = GPU_CATALOG[gpu]
   return float(calib.predict_time_s(work, g.peak_flops, g.mem_bandwidth_bytes_per_s,
-                                    calib.efficiency_for(gpu)))
+                                    calib.efficiency_for(gpu),
+                                    fused_attention=g.fused_attention))
 
 
 def attn_s(m: MoEModel, seq: int, seqs: float, gpu: str) -> float:
   """Attention side of ``seqs`` sequences (linear in whole sequences: traced at 1 and 2)."""
-  w1 = attn_work(m.hidden, m.heads, m.experts, seq, 1)
-  w2 = attn_work(m.hidden, m.heads, m.experts, seq, 2)
+  w1 = attn_work(m.hidden, m.heads, m.experts, seq, 1, ATTENTION)
+  w2 = attn_work(m.hidden, m.heads, m.experts, seq, 2, ATTENTION)
   return seconds(w1.interpolate(w2, seqs - 1), gpu)
 
 
@@ -584,7 +596,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="one setting only")
   ap.add_argument("--seqs-per-gpu", type=int, default=4)
+  ap.add_argument("--attention", choices=("cudnn", "einsum"), default="cudnn",
+                  help="attention as cuDNN's fused kernel where the GPU has it (default), or "
+                       "the einsum composition everywhere")
   args = ap.parse_args(argv)
+  global ATTENTION
+  ATTENTION = args.attention
   runs = RUNS[:1] if args.quick else RUNS
   seqs = SEQS[:2] if args.quick else SEQS
   t_start = time.time()

@@ -27,7 +27,8 @@ __all__ = [
     "JAX_SETTINGS", "jax_settings", "differing_jax_settings", "apply_jax_settings",
     "setting_env_var", "use_persistent_compilation_cache", "trace_state",
     "flax_param_shape_memo", "threefry_key_words", "threefry2x32", "key_impl_name",
-    "draws_by_position",
+    "draws_by_position", "FUSED_ATTENTION_PRIMITIVES", "fused_attention_layout",
+    "fused_attention_causal", "tracing_cudnn_attention",
 ]
 
 JAX_VERSION = jax.__version_info__
@@ -430,3 +431,46 @@ def flax_param_shape_memo():
           scope.jax = scope.jax._module  # pylint: disable=protected-access
         _FLAX_ACTIVE[1] = None
         _FLAX_MEMO.clear()
+
+
+# ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (jax 0.10): a ``custom_vjp``
+# whose forward and backward each bind one primitive, lowered on CUDA to cuDNN's fused
+# (FlashAttention-2 style) kernels. ``implementation=None`` or ``"xla"`` traces to the plain
+# composition instead (two ``dot_general`` s and a softmax: no primitive of its own) on every
+# backend in this jax version.
+FUSED_ATTENTION_PRIMITIVES = frozenset({
+    "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fwd", "dot_product_attention_bwd"})
+
+
+def fused_attention_layout(params: dict) -> str:
+  """``"BTNH"`` or ``"BNTH"``: the operand layout of a fused attention equation."""
+  layout = params.get("layout", 0)
+  return "BNTH" if int(getattr(layout, "value", layout)) == 1 else "BTNH"
+
+
+def fused_attention_causal(params: dict) -> bool:
+  """Whether a fused attention equation applies a causal mask."""
+  mask = params.get("mask_type")
+  return "CAUSAL" in str(getattr(mask, "name", mask)).upper()
+
+
+@contextlib.contextmanager
+def tracing_cudnn_attention(cudnn_version: int = 90800):
+  """Lets ``jax.nn.dot_product_attention(..., implementation="cudnn")`` be *traced* (jaxpr
+  only, e.g. to plan for a GPU cluster from a machine without cuDNN) by answering jax's cuDNN
+  version check with ``cudnn_version``. Nothing can be compiled or run this way on a machine
+  without cuDNN; shape checks that ask the device (Hopper-only head dims) answer as a pre-Hopper
+  GPU would."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa   # pylint: disable=g-import-not-at-top
+  class _Versions:
+    @staticmethod
+    def cudnn_get_version():
+      return cudnn_version
+  before = fa.cuda_versions
+  if before is None:
+    fa.cuda_versions = _Versions()
+  try:
+    yield
+  finally:
+    fa.cuda_versions = before

@@ -173,12 +173,15 @@ class GPUType:
     mem_bandwidth_bytes_per_s: device memory bandwidth, bytes/s.
     intra_host_bytes_per_s: default bandwidth between two devices of one host (NVLink or PCIe,
       the spec-sheet figure), bytes/s.
+    compute_capability: CUDA compute capability (``8.0`` for A100, ``7.0`` for V100), or
+      ``None`` when unknown (user entries): then :attr:`fused_attention` is false.
   """
   name: str
   peak_flops: float
   memory_bytes: int
   mem_bandwidth_bytes_per_s: float
   intra_host_bytes_per_s: float
+  compute_capability: float | None = None
 
   def __post_init__(self):
     where = f"GPUType {self.name!r}"
@@ -188,6 +191,17 @@ class GPUType:
     check_physical(self.memory_bytes / GIB, f"{where}.memory_bytes / 2**30", MEMORY_GB_BOUNDS,
                    "GiB")
     object.__setattr__(self, "memory_bytes", int(round(self.memory_bytes)))
+    if self.compute_capability is not None:
+      check_pos_number(self.compute_capability, f"{where}.compute_capability")
+
+  @property
+  def fused_attention(self) -> bool:
+    """Whether cuDNN's fused (FlashAttention-2 style) attention kernel runs on this type:
+    compute capability 8.0 or newer (Ampere, Ada, Hopper). ``jax.nn.dot_product_attention(...,
+    implementation="cudnn")`` lowers to it there; V100 (7.0) and T4 (7.5) have none. The cost
+    model charges an attention written that way as the fused kernel on these types and as the
+    XLA composition (``S x S`` scores through memory) on the others (docs/cost_model.md)."""
+    return self.compute_capability is not None and self.compute_capability >= 8.0
 
   @classmethod
   def from_units(cls, name: str, tflops: float, memory_gb: float, mem_bandwidth_gbs: float,
@@ -208,24 +222,26 @@ class GPUType:
             "intra_host_gbps": _clean(self.intra_host_bytes_per_s / GBPS)}
 
 
-def _catalog_entry(name, tflops, memory_gib, mem_gbs, intra_host_gbs) -> GPUType:
-  return GPUType(name, tflops * TFLOPS, memory_gib * GIB, mem_gbs * GBS, intra_host_gbs * GBS)
+def _catalog_entry(name, tflops, memory_gib, mem_gbs, intra_host_gbs, cc) -> GPUType:
+  return GPUType(name, tflops * TFLOPS, memory_gib * GIB, mem_gbs * GBS, intra_host_gbs * GBS,
+                 cc)
 
 
 # name, dense fp16/bf16 tensor TFLOP/s, memory GiB, memory GB/s, intra-host GB/s (spec sheet:
-# NVLink total for SXM parts, PCIe Gen4 x16 = 64 GB/s, Gen3 x16 = 32 GB/s for PCIe parts).
+# NVLink total for SXM parts, PCIe Gen4 x16 = 64 GB/s, Gen3 x16 = 32 GB/s for PCIe parts),
+# CUDA compute capability (NVIDIA's table; >= 8.0 runs cuDNN's fused attention).
 GPU_CATALOG: dict[str, GPUType] = {g.name: g for g in (
-    _catalog_entry("A100-40G", 312, 40, 1555, 600),     # SXM4, NVLink 3
-    _catalog_entry("A100-80G", 312, 80, 2039, 600),     # SXM4, NVLink 3
-    _catalog_entry("V100-16G", 125, 16, 900, 300),      # SXM2, NVLink 2
-    _catalog_entry("V100-32G", 125, 32, 900, 300),      # SXM2, NVLink 2
-    _catalog_entry("H100-80G", 989, 80, 3350, 900),     # SXM5, NVLink 4
-    _catalog_entry("H200", 989, 141, 4800, 900),        # SXM, NVLink 4
-    _catalog_entry("L40S", 362, 48, 864, 64),           # PCIe Gen4
-    _catalog_entry("A40", 149.7, 48, 696, 64),          # PCIe Gen4 (GA102, GDDR6)
-    _catalog_entry("A10G", 70, 24, 600, 64),            # PCIe Gen4 (AWS g5)
-    _catalog_entry("T4", 65, 16, 320, 32),              # PCIe Gen3
-    _catalog_entry("RTX-4090", 165.2, 24, 1008, 64),    # PCIe Gen4, fp16 accumulate
+    _catalog_entry("A100-40G", 312, 40, 1555, 600, 8.0),     # SXM4, NVLink 3
+    _catalog_entry("A100-80G", 312, 80, 2039, 600, 8.0),     # SXM4, NVLink 3
+    _catalog_entry("V100-16G", 125, 16, 900, 300, 7.0),      # SXM2, NVLink 2
+    _catalog_entry("V100-32G", 125, 32, 900, 300, 7.0),      # SXM2, NVLink 2
+    _catalog_entry("H100-80G", 989, 80, 3350, 900, 9.0),     # SXM5, NVLink 4
+    _catalog_entry("H200", 989, 141, 4800, 900, 9.0),        # SXM, NVLink 4
+    _catalog_entry("L40S", 362, 48, 864, 64, 8.9),           # PCIe Gen4
+    _catalog_entry("A40", 149.7, 48, 696, 64, 8.6),          # PCIe Gen4 (GA102, GDDR6)
+    _catalog_entry("A10G", 70, 24, 600, 64, 8.6),            # PCIe Gen4 (AWS g5)
+    _catalog_entry("T4", 65, 16, 320, 32, 7.5),              # PCIe Gen3
+    _catalog_entry("RTX-4090", 165.2, 24, 1008, 64, 8.9),    # PCIe Gen4, fp16 accumulate
 )}
 """Built-in GPU types by name; names are matched case-insensitively."""
 

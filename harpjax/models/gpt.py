@@ -22,7 +22,24 @@ import jax.numpy as jnp
 from harpjax.compiler.trace import mark_layer_boundary
 
 __all__ = ["GPTConfig", "GPT", "Block", "Attention", "GPT_39B", "GPT_15B", "GPT_2_6B",
-           "GPT_TINY", "lm_loss"]
+           "GPT_TINY", "lm_loss", "ATTENTION_IMPLEMENTATIONS", "dot_product_attention"]
+
+ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+"""How the built-in models may write attention (``GPTConfig.attention``,
+``MixtralConfig.attention``)."""
+
+
+def check_attention(value: str, where: str) -> None:
+  if value not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"{where}={value!r}: use one of {ATTENTION_IMPLEMENTATIONS}")
+
+
+def dot_product_attention(q, k, v, implementation: str):
+  """Causal ``jax.nn.dot_product_attention`` of ``[B, T, N, H]`` queries and ``[B, S, K, H]``
+  keys and values: ``implementation`` ``"xla"`` (``None`` to jax: the XLA composition in jax
+  0.10 on every backend) or ``"cudnn"`` (cuDNN's fused kernel)."""
+  return jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=None if implementation == "xla" else "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +59,12 @@ class GPTConfig:
     softmax_dtype: dtype the attention softmax is computed in (``None``: ``dtype``).
     layer_marks: layer cuts marked per block: ``0`` (none: harpjax finds the layers), ``1``
       (after the embedding and after every block) or ``2`` (also between attention and MLP).
+    attention: how attention is written: ``"einsum"`` (two einsums and a softmax, the
+      default), ``"xla"`` (``jax.nn.dot_product_attention``, ``implementation=None``: the
+      same composition, softmax in fp32) or ``"cudnn"`` (``implementation="cudnn"``: cuDNN's
+      fused kernel, traceable only with cuDNN present or under
+      :func:`harpjax._compat.tracing_cudnn_attention`; costed fused on GPU types with
+      ``fused_attention``, docs/cost_model.md). The last two take no attention dropout.
   """
   vocab_size: int = 128
   seq_len: int = 16
@@ -56,10 +79,15 @@ class GPTConfig:
   key_bias: bool = False
   softmax_dtype: str | None = None
   layer_marks: int = 1
+  attention: str = "einsum"
 
   def __post_init__(self):
     if self.layer_marks not in (0, 1, 2):
       raise ValueError(f"GPTConfig.layer_marks={self.layer_marks}: use 0, 1 or 2")
+    check_attention(self.attention, "GPTConfig.attention")
+    if self.attention != "einsum" and self.dropout:
+      raise ValueError(f"GPTConfig.attention={self.attention!r} takes no attention dropout "
+                       f"(dropout={self.dropout}): use attention='einsum' or dropout=0")
 
   @property
   def num_params(self) -> int:
@@ -93,6 +121,9 @@ class Attention(nn.Module):
     else:
       q, k, v = dense(d, "query")(x), dense(d, "key", c.key_bias)(x), dense(d, "value")(x)
     q, k, v = (y.reshape(b, t, c.num_heads, hd) for y in (q, k, v))
+    if c.attention != "einsum":
+      out = dot_product_attention(q, k, v, c.attention).reshape(b, t, d)
+      return dense(d, "out")(out)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(c.dtype)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     logits = jnp.where(causal[None, None], logits, jnp.finfo(logits.dtype).min)

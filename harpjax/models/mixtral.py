@@ -57,6 +57,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from harpjax.models.gpt import check_attention, dot_product_attention
+
 __all__ = ["MixtralConfig", "Mixtral", "MixtralBlock", "MoEFeedForward", "GQAttention",
            "Routing", "route", "expert_capacity", "mixtral_loss", "MIXTRAL_8X7B",
            "MIXTRAL_TINY"]
@@ -86,6 +88,9 @@ class MixtralConfig:
     param_dtype: parameter dtype.
     router_dtype: dtype of the router's logits and softmax; ``None``: ``dtype`` promoted to
       at least float32.
+    attention: ``"einsum"`` (the default), ``"xla"`` or ``"cudnn"``:
+      ``jax.nn.dot_product_attention`` with ``implementation=None`` or ``"cudnn"``, as
+      ``GPTConfig.attention`` says.
   """
   vocab_size: int = 128
   seq_len: int = 16
@@ -104,6 +109,7 @@ class MixtralConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   router_dtype: str | None = None
+  attention: str = "einsum"
 
   def __post_init__(self):
     def positive_int(name, value):
@@ -130,6 +136,7 @@ class MixtralConfig:
                            or not math.isfinite(cf) or cf <= 0):
       raise ValueError(f"MixtralConfig.capacity_factor={cf!r} must be a number > 0, or None "
                        "for no drops")
+    check_attention(self.attention, "MixtralConfig.attention")
     if self.routing_group not in ROUTING_GROUPS:
       raise ValueError(f"MixtralConfig.routing_group={self.routing_group!r}: use one of "
                        f"{ROUTING_GROUPS}")
@@ -294,6 +301,9 @@ class GQAttention(nn.Module):
     q = _rope(dense(H * hd, "query")(x).reshape(b, s, H, hd), c.rope_theta)
     k = _rope(dense(K * hd, "key")(x).reshape(b, s, K, hd), c.rope_theta)
     v = dense(K * hd, "value")(x).reshape(b, s, K, hd)
+    if c.attention != "einsum":   # grouped-query heads: jax groups them itself
+      out = dot_product_attention(q, k, v, c.attention).reshape(b, s, H * hd)
+      return dense(h, "out")(out)
     q = q.reshape(b, s, K, H // K, hd)
     logits = jnp.einsum("bqkrd,bskd->bkrqs", q, k) / jnp.sqrt(hd).astype(c.dtype)
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))

@@ -47,7 +47,7 @@ __all__ = ["Efficiency", "Work", "CALIBRATION", "DEFAULT_EFFICIENCY", "COST_MODE
            "default_zorse_dir", "load_zorse", "load_zorse_stats", "zorse_layer_ms",
            "zorse_fit_ms"]
 
-COST_MODEL_VERSION = "3"
+COST_MODEL_VERSION = "4"
 """Bumped when the time model or its inputs change (invalidates cached analytic costs)."""
 
 
@@ -92,67 +92,116 @@ class Work:
     kernels: ops that launch a kernel of their own: compute-heavy ops, reductions and data
       movement that is not a view (gather, scatter, concatenate, pad...); elementwise ops are
       fused into their neighbours.
+    flash_flops: FLOPs of each fused attention call (``jax.nn.dot_product_attention(...,
+      implementation="cudnn")``: cuDNN's FlashAttention-2 style kernel, forward or backward),
+      as a GPU type with the kernel runs it (``GPUType.fused_attention``).
+    flash_bytes: bytes each of them reads and writes: Q, K, V, O (and the softmax statistics,
+      the output gradient, the input gradients), no ``S x S`` scores.
+    flash_composition: the same attention calls as the plain XLA composition (the ``S x S``
+      scores through memory, softmax in fp32), what a type without the kernel runs instead
+      (``None`` when there are none).
   """
   heavy_flops: tuple[float, ...] = ()
   heavy_bytes: tuple[float, ...] = ()
   light_flops: float = 0.0
   light_bytes: float = 0.0
   kernels: float = 0.0
+  flash_flops: tuple[float, ...] = ()
+  flash_bytes: tuple[float, ...] = ()
+  flash_composition: "Work | None" = None
 
   @property
   def flops(self) -> float:
-    return float(sum(self.heavy_flops)) + self.light_flops
+    """FLOPs of the program as written (fused attention calls as the fused kernel)."""
+    return float(sum(self.heavy_flops)) + self.light_flops + float(sum(self.flash_flops))
 
   @property
   def bytes(self) -> float:
-    return float(sum(self.heavy_bytes)) + self.light_bytes
+    return float(sum(self.heavy_bytes)) + self.light_bytes + float(sum(self.flash_bytes))
+
+  def unfused(self) -> "Work":
+    """This work with its fused attention calls replaced by their XLA composition (what a GPU
+    type without the fused kernel runs)."""
+    if self.flash_composition is None:
+      return self
+    return Work(self.heavy_flops, self.heavy_bytes, self.light_flops, self.light_bytes,
+                self.kernels) + self.flash_composition
 
   def scaled(self, scale: float) -> "Work":
     """The work of ``1 / scale`` of the batch (FLOPs and bytes divided, kernels kept)."""
     if scale == 1:
       return self
+    comp = None if self.flash_composition is None else self.flash_composition.scaled(scale)
     return Work(tuple(f / scale for f in self.heavy_flops),
                 tuple(b / scale for b in self.heavy_bytes), self.light_flops / scale,
-                self.light_bytes / scale, self.kernels)
+                self.light_bytes / scale, self.kernels,
+                tuple(f / scale for f in self.flash_flops),
+                tuple(b / scale for b in self.flash_bytes), comp)
 
   def __add__(self, other: "Work") -> "Work":
+    a, b = self.flash_composition, other.flash_composition
+    comp = a if b is None else b if a is None else a + b
     return Work(self.heavy_flops + other.heavy_flops, self.heavy_bytes + other.heavy_bytes,
                 self.light_flops + other.light_flops, self.light_bytes + other.light_bytes,
-                self.kernels + other.kernels)
+                self.kernels + other.kernels, self.flash_flops + other.flash_flops,
+                self.flash_bytes + other.flash_bytes, comp)
 
   def interpolate(self, other: "Work", x: float) -> "Work":
     """``self + (other - self) * x`` term by term (the same program at another batch)."""
     lerp = lambda a, b: a + (b - a) * x
+    comp = self.flash_composition
+    if comp is not None and other.flash_composition is not None:
+      comp = comp.interpolate(other.flash_composition, x)
     return Work(tuple(lerp(a, b) for a, b in zip(self.heavy_flops, other.heavy_flops)),
                 tuple(lerp(a, b) for a, b in zip(self.heavy_bytes, other.heavy_bytes)),
                 lerp(self.light_flops, other.light_flops),
-                lerp(self.light_bytes, other.light_bytes), self.kernels)
+                lerp(self.light_bytes, other.light_bytes), self.kernels,
+                tuple(lerp(a, b) for a, b in zip(self.flash_flops, other.flash_flops)),
+                tuple(lerp(a, b) for a, b in zip(self.flash_bytes, other.flash_bytes)), comp)
 
   def to_json(self) -> dict:
-    return {"heavy_flops": list(self.heavy_flops), "heavy_bytes": list(self.heavy_bytes),
-            "light_flops": self.light_flops, "light_bytes": self.light_bytes,
-            "kernels": self.kernels}
+    d = {"heavy_flops": list(self.heavy_flops), "heavy_bytes": list(self.heavy_bytes),
+         "light_flops": self.light_flops, "light_bytes": self.light_bytes,
+         "kernels": self.kernels}
+    if self.flash_flops:
+      d["flash_flops"] = list(self.flash_flops)
+      d["flash_bytes"] = list(self.flash_bytes)
+      d["flash_composition"] = (None if self.flash_composition is None
+                                else self.flash_composition.to_json())
+    return d
 
   @classmethod
   def from_json(cls, d: dict) -> "Work":
+    comp = d.get("flash_composition")
     return cls(tuple(float(x) for x in d["heavy_flops"]),
                tuple(float(x) for x in d["heavy_bytes"]), float(d["light_flops"]),
-               float(d["light_bytes"]), float(d["kernels"]))
+               float(d["light_bytes"]), float(d["kernels"]),
+               tuple(float(x) for x in d.get("flash_flops", ())),
+               tuple(float(x) for x in d.get("flash_bytes", ())),
+               None if comp is None else cls.from_json(comp))
 
 
 def predict_time_s(work: Work, peak_flops: float, mem_bandwidth_bytes_per_s: float,
-                   eff: Efficiency, compute=None, memory=None, kernel_s=None):
+                   eff: Efficiency, compute=None, memory=None, kernel_s=None,
+                   fused_attention: bool = False):
   """Seconds of ``work`` on one device (the module docstring's formula).
 
   ``compute``, ``memory`` and ``kernel_s`` override ``eff``'s and may be arrays (they
   broadcast: the calibration's grid search evaluates many factors at once).
+  ``fused_attention`` (``GPUType.fused_attention``): whether the type runs cuDNN's fused
+  attention kernel; if so each of the work's fused attention calls is one kernel on the
+  matmul roofline (its FLOPs, its Q/K/V/O bytes), if not they cost as their XLA composition
+  (:attr:`Work.flash_composition`).
   """
+  if work.flash_flops and not fused_attention:
+    work = work.unfused()
   c = eff.compute if compute is None else compute
   m = eff.memory if memory is None else memory
   k = eff.kernel_s if kernel_s is None else kernel_s
   peak, bw = peak_flops * np.asarray(c), mem_bandwidth_bytes_per_s * np.asarray(m)
-  t = np.asarray(work.light_bytes) / bw + np.asarray(k) * work.kernels
-  for f, b in zip(work.heavy_flops, work.heavy_bytes):
+  t = (np.asarray(work.light_bytes) / bw
+       + np.asarray(k) * (work.kernels + len(work.flash_flops)))
+  for f, b in zip(work.heavy_flops + work.flash_flops, work.heavy_bytes + work.flash_bytes):
     t = t + np.maximum(f / peak, b / bw)
   return t
 

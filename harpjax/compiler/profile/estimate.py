@@ -47,7 +47,12 @@ the compiled piece (the calibrated time factors were fitted to those statistics)
   own: compute-heavy ops, ops doing more than one FLOP per result element (reductions,
   cumulative sums, sorts) and data movement that is neither computed inside its consumers nor
   a view (gather, scatter, concatenate, pad...); elementwise ops are fused into their
-  neighbours. Every term is a sum over ops.
+  neighbours. Every term is a sum over ops. A fused attention call
+  (``jax.nn.dot_product_attention(..., implementation="cudnn")``: the primitives in
+  :data:`harpjax._compat.FUSED_ATTENTION_PRIMITIVES`) is one kernel of its own
+  (``Work.flash_flops``, ``Work.flash_bytes``: its FLOPs, its operands and results), with its
+  XLA composition beside it (:func:`composition_work`) for GPU types without the kernel
+  (docs/cost_model.md, "Attention").
 
 The work is read off the forward+backward that also returns the forward's outputs, as the
 stage's forward the runtime runs does (they cross the cut to the next stage): the ops that
@@ -66,6 +71,7 @@ shaped like a batch-sized value (a causal mask broadcast to the batch) is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -83,9 +89,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ESTIMATE_VERSION", "TracedPiece", "trace_piece", "jaxpr_stats", "jaxpr_work",
            "accumulated_params", "simplified_away", "outputs_recompute_ops",
-           "outputs_recompute_work", "live_ops_work"]
+           "outputs_recompute_work", "live_ops_work", "composition_work"]
 
-ESTIMATE_VERSION = "13"
+ESTIMATE_VERSION = "14"
 """Bumped when what :func:`jaxpr_stats` counts changes (part of the jaxpr source's cache key)."""
 
 # Ops XLA computes inside each consumer (fuses, duplicating them if need be): their results
@@ -1116,7 +1122,8 @@ def _work(prog: Program, sizes: _Sizes, read: dict, only: set | None = None) -> 
   """The :class:`Work` of a program: FLOPs (split as :class:`_Sizes` says), bytes as
   :func:`_bytes_accessed` counts them op by op, and the ops with a kernel of their own; with
   ``only`` (op indices), of those ops alone, each counted as it is in the whole program."""
-  heavy_f, heavy_b = [], []
+  heavy_f, heavy_b, flash_f, flash_b = [], [], [], []
+  composition = None
   light_f = light_b = kernels = 0.0
   copies = _copies(prog, read)
   gone = simplified_away(prog)
@@ -1146,6 +1153,14 @@ def _work(prog: Program, sizes: _Sizes, read: dict, only: set | None = None) -> 
     ins = dict.fromkeys(u for v in op.in_ids() for u in read.get(v, (v,)))
     nbytes = (sum(sizes.nbytes(v) for v in ins)
               + sum(sizes.nbytes(o) for o in op.outvars if o >= 0))
+    if op.name in _compat.FUSED_ATTENTION_PRIMITIVES:   # one fused kernel, or its composition
+      flash_f.append(flops)
+      flash_b.append(nbytes)
+      comp = composition_work(op.name, op.params,
+                              [None if isinstance(r, Lit) else prog.avals[r]
+                               for r in op.invars]).scaled(1.0 / scale)
+      composition = comp if composition is None else composition + comp
+      continue
     if primitives.is_compute_heavy(op.name):
       heavy_f.append(flops)
       heavy_b.append(nbytes)
@@ -1159,7 +1174,55 @@ def _work(prog: Program, sizes: _Sizes, read: dict, only: set | None = None) -> 
     if (op.name in _OWN_KERNELS or (once > max(out_elems, 1) and op.name not in _KEY_OPS)
         or (op.name in primitives.REDUCTIONS and raw > 0)):
       kernels += 1   # a reduction, scan or sort, or data movement XLA does not fuse away
-  return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels)
+  return Work(tuple(heavy_f), tuple(heavy_b), light_f, light_b, kernels, tuple(flash_f),
+              tuple(flash_b), composition)
+
+
+def _plain_work(closed) -> Work:
+  """The :class:`Work` of a whole closed jaxpr on one device (no mesh)."""
+  prog = _flatten(closed)
+  return _work(prog, _Sizes(prog, [], [], 1, 1), _read(prog))
+
+
+def composition_work(name: str, params: dict, in_avals) -> Work:
+  """The XLA composition of one fused attention equation (``name`` in
+  :data:`harpjax._compat.FUSED_ATTENTION_PRIMITIVES`): the program
+  ``jax.nn.dot_product_attention(..., implementation="xla")`` traces to on the same operands
+  (the ``S x S`` scores written and read, softmax in fp32), read as any program is. A
+  backward equation is the composition's forward+backward (``jax.vjp``) less its forward:
+  the gradient from the scores the forward kept, no recomputation. What a GPU type without
+  the fused kernel runs in its place (:attr:`Work.flash_composition`)."""
+  bias = in_avals[3] if len(in_avals) > 3 and in_avals[3] is not None and all(
+      in_avals[3].shape) and len(in_avals[3].shape) == 4 else None
+  key = (name, _compat.fused_attention_layout(params), _compat.fused_attention_causal(params),
+         float(params.get("scale", 1.0)),
+         tuple((tuple(a.shape), str(a.dtype)) for a in in_avals[:3]),
+         None if bias is None else (tuple(bias.shape), str(bias.dtype)))
+  return _composition_work(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _composition_work(key) -> Work:
+  name, layout, causal, scale, qkv, bias = key
+  structs = [jax.ShapeDtypeStruct(shape, np.dtype(dt)) for shape, dt in qkv]
+  if bias is not None:
+    structs.append(jax.ShapeDtypeStruct(bias[0], np.dtype(bias[1])))
+  btnh = (lambda t: t.transpose(0, 2, 1, 3)) if layout == "BNTH" else (lambda t: t)
+
+  def attention(q, k, v, *b):
+    out = jax.nn.dot_product_attention(btnh(q), btnh(k), btnh(v), b[0] if b else None,
+                                       scale=scale, is_causal=causal, implementation="xla")
+    return btnh(out)
+
+  fwd = _plain_work(jax.make_jaxpr(attention)(*structs))
+  if "bwd" not in name:
+    return fwd
+  out = jax.eval_shape(attention, *structs)
+  both = _plain_work(jax.make_jaxpr(lambda g, *a: jax.vjp(attention, *a)[1](g))(out, *structs))
+  n = len(fwd.heavy_flops)
+  return Work(both.heavy_flops[n:], both.heavy_bytes[n:],
+              max(both.light_flops - fwd.light_flops, 0.0),
+              max(both.light_bytes - fwd.light_bytes, 0.0), max(both.kernels - fwd.kernels, 0.0))
 
 
 def _fwd_sizes(traced: TracedPiece, dp: int, tp: int) -> _Sizes:

@@ -326,7 +326,8 @@ def _seconds(work: calib.Work, gpu, efficiencies) -> float:
   """Seconds of ``work`` on one device of ``gpu``: the calibrated time model, as
   :func:`~harpjax.compiler.profile.sources.compute_time_s` times a layer."""
   return float(calib.predict_time_s(work, gpu.peak_flops, gpu.mem_bandwidth_bytes_per_s,
-                                    calib.efficiency_for(gpu.name, efficiencies)))
+                                    calib.efficiency_for(gpu.name, efficiencies),
+                                    fused_attention=gpu.fused_attention))
 
 
 def profile_routed_split(layers, found, results: dict, tables, *, trace, db=None,

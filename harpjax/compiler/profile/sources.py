@@ -235,7 +235,8 @@ def compute_time_s(work: calib.Work, task: LayerTask, efficiencies: dict | None)
   """Seconds of ``work`` on one device of the task's GPU type (the calibrated time model)."""
   g = task.gpu
   return float(calib.predict_time_s(work, g.peak_flops, g.mem_bandwidth_bytes_per_s,
-                                    calib.efficiency_for(g.name, efficiencies)))
+                                    calib.efficiency_for(g.name, efficiencies),
+                                    fused_attention=g.fused_attention))
 
 
 def _efficiency_key(efficiencies: dict | None) -> dict:

@@ -39,7 +39,7 @@ __all__ = ["PrimitiveInfo", "PRIMITIVES", "ELEMENTWISE", "REDUCTIONS", "FUSES_PR
            "eqn_heavy_count", "jaxpr_flops", "jaxpr_heavy_count", "subjaxprs",
            "aval_nbytes", "aval_size", "is_float", "random_bits_flops", "random_key_flops",
            "small_program_flops",
-           "XlaFits"]
+           "XlaFits", "fused_attention_shape", "FUSED_ATTENTION_BWD_FLOPS_FACTOR"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +336,43 @@ def _register(names: Iterable[str], **kw) -> None:
 
 _register(["dot_general", "ragged_dot", "ragged_dot_general"], flops=_dot_flops, heavy=True)
 _register(["conv_general_dilated"], flops=_conv_flops, heavy=True)
+
+
+def fused_attention_shape(name: str, params: dict, in_avals: Sequence[Any]) -> tuple:
+  """``(batch, heads, q_len, kv_len, head_dim, kept_pairs_per_head)`` of a fused attention
+  call (:data:`_compat.FUSED_ATTENTION_PRIMITIVES`): query ``[B, T, N, H]`` (``[B, N, T, H]``
+  in the BNTH layout), key/value ``[B, S, K, H]``; ``kept_pairs`` is ``T * S``, or
+  ``T (T + 1) / 2`` under a causal mask with ``T == S`` (the kernel skips the masked blocks;
+  ``T * S - T (T - 1) / 2`` for ``T != S``)."""
+  q, k = in_avals[0].shape, in_avals[1].shape
+  if _compat.fused_attention_layout(params) == "BNTH":
+    b, n, t, h = q
+    s = k[2]
+  else:
+    b, t, n, h = q
+    s = k[1]
+  pairs = float(t) * s
+  if _compat.fused_attention_causal(params):
+    pairs -= t * (t - 1) / 2.0
+  return int(b), int(n), int(t), int(s), int(h), max(pairs, 0.0)
+
+
+FUSED_ATTENTION_BWD_FLOPS_FACTOR = 2.5
+"""A fused attention's backward does 2.5x its forward's FLOPs: it recomputes the scores
+``Q K^T`` and computes ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K``, ``dK = dS^T Q``
+(FlashAttention-2, §3.1.2): five matmuls of the forward's two."""
+
+
+def _fused_attention_flops(name: str):
+  def flops(params, in_avals, out_avals):
+    b, n, _, _, h, pairs = fused_attention_shape(name, params, in_avals)
+    fwd = 4.0 * b * n * pairs * h      # Q K^T and P V, 2 FLOPs per multiply-add
+    return fwd * (FUSED_ATTENTION_BWD_FLOPS_FACTOR if "bwd" in name else 1.0)
+  return flops
+
+
+for _name in _compat.FUSED_ATTENTION_PRIMITIVES:
+  _register([_name], flops=_fused_attention_flops(_name), heavy=True)
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor", "ceil",
     "round", "is_finite", "abs", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
