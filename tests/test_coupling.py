@@ -271,3 +271,30 @@ def test_a_batch_size_written_as_a_number_is_a_clear_error():
   with pytest.raises(harpjax.HarpjaxError, match="shapes must follow the batch"):
     trace_step(_step_of(loss), (jnp.ones((D, V)), {"x": jnp.ones((N, D))}),
                num_microbatches=2)
+
+
+def test_fused_attention_keeps_each_example_apart_and_a_batch_mean_into_it_is_coupled():
+  # cuDNN's fused attention (``implementation="cudnn"``, traced without cuDNN through the
+  # compat shim) is one primitive per direction inside a custom_vjp: each example attends over
+  # its own rows, as in the composition. A query shifted by the batch's mean is coupled.
+  from harpjax import _compat
+  H = 8
+
+  def attend(centre):
+    def loss(p, b):
+      q = (b["x"] @ p)[:, None, None, :].astype(jnp.float16)     # (N, 1, 1, H)
+      q = jnp.broadcast_to(q, (q.shape[0], 4, 1, H))              # (N, T=4, heads=1, H)
+      if centre:
+        q = q - jnp.mean(q, axis=0)
+      out = jax.nn.dot_product_attention(q, q, q, implementation="cudnn")
+      return jnp.mean(out.astype(jnp.float32) ** 2)
+    return loss
+
+  w = jnp.ones((D, H), jnp.float32)
+  batch = {"x": jnp.ones((N, D)), "y": jnp.zeros((N,), jnp.int32), "m": jnp.ones((N,))}
+  with _compat.tracing_cudnn_attention():
+    plain, centred = (trace_step(_step_of(attend(c)), (w, batch), num_microbatches=2,
+                                 batch_coupling="per_microbatch") for c in (False, True))
+  assert "custom_vjp_call" in {op.name for op in plain.region.ops}
+  assert not plain.couplings and plain.output_flows[0].kind == "sum"
+  assert centred.couplings

@@ -957,6 +957,23 @@ def _reduce_window(ctx: _Ctx, ins: list[Flow]) -> list[Flow]:
   return [_rows(a, ins)] * len(ctx.fo.outvars)
 
 
+def _fused_attention(ctx: _Ctx, ins: list[Flow]) -> list[Flow]:
+  """A fused attention call (cuDNN's, :data:`harpjax._compat.FUSED_ATTENTION_PRIMITIVES`):
+  each example attends over its own sequence, so the query, key, value (and their cotangents)
+  must carry the examples along their first axis (``B`` leads both layouts), and so does every
+  result of that length; a result without the batch's length (the gradient of a bias shared by
+  the examples) is a sum over them."""
+  if any(f.kind == SUM for f in ins):
+    raise _Couple("feeds a sum over the examples into attention")
+  axis = _rows_axis(ins)
+  if axis != 0:
+    raise _Couple("attends over operands whose examples do not run along their first axis")
+  _check_free_partners(ctx, ins, 0)
+  rows = ctx.in_shape(0)[0]
+  return [_rows(0, ins) if ctx.out_shape(k)[:1] == (rows,) else _sum(ins)
+          for k in range(len(ctx.fo.outvars))]
+
+
 def _optimization_barrier(ctx: _Ctx, ins: list[Flow]) -> list[Flow]:
   return list(ins)
 
@@ -1125,6 +1142,7 @@ _RULES = {
     "top_k": _top_k,
     "split": _split,
     "optimization_barrier": _optimization_barrier,
+    **{n: _fused_attention for n in _compat.FUSED_ATTENTION_PRIMITIVES},
     **{n: _reduce for n in _REDUCTIONS},
     **{n: _cumulative for n in _CUMULATIVE},
     **{n: _scatter for n in _SCATTERS},
