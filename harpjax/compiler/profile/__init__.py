@@ -40,7 +40,7 @@ from harpjax.compiler.profile.collectives import cut_time_s
 from harpjax.compiler.profile.remat_choice import with_remat_choice
 from harpjax.compiler.profile.routes import (group_route_s, home_sync_s, replica_link, row_hosts,
                                              subcluster_link)
-from harpjax.compiler.profile.routed_split import RoutedSplit
+from harpjax.compiler.profile.routed_split import expert_forward_ops, RoutedSplit
 from harpjax.compiler.profile.tables import CostTables, range_sums
 from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_time_s,
                                            param_fetch_time_s,
@@ -52,7 +52,7 @@ from harpjax.compiler.profile.zero import (activation_offload_time_s, offload_ti
 
 __all__ = [
     "activation_offload_time_s", "assemble_tables", "CACHE_DIR_ENV", "CostTables",
-    "cut_time_s", "default_cache_dir", "group_route_s", "group_sync_transfer",
+    "cut_time_s", "default_cache_dir", "expert_forward_ops", "group_route_s", "group_sync_transfer",
     "group_route_transfer", "route_cut_bytes", "NO_TRANSFER", "cuts_transfer", "cut_fees",
     "LinkFees", "plan_transfer",
     "PlanTransfer", "with_fees", "home_sync_s", "LayerProfile",

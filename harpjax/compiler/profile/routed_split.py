@@ -22,7 +22,7 @@ from harpjax.compiler.trace import Lit, Program, aval_nbytes, aval_size
 from harpjax.errors import CostTablesError
 
 __all__ = ["RoutedSplit", "ROUTED_SPLIT_VERSION", "ExpertCost", "expert_weights",
-           "expert_op_indices", "expert_cost"]
+           "expert_op_indices", "expert_forward_ops", "expert_cost"]
 
 
 def _per_layer(v, where: str, L: int) -> np.ndarray:
@@ -129,6 +129,31 @@ def expert_weights(program, ops, param_ids) -> dict[int, int]:
   return sharding.ep_dims(program, ops, param_ids, 1)
 
 
+def expert_forward_ops(ops, weights, const) -> set[int]:
+  """The indices of the ``ops`` that are views of the expert ``weights``, expert matmuls (a
+  ``dot_general`` reading a weight or a view of one) or the expert side (any other op reading
+  only what those made), in one pass in program order; ``const(r)`` tells the operands that
+  depend on no input (literals, constants), which are ignored."""
+  views, side, out = set(weights), set(), set()
+  for op in ops:
+    ins = [r for r in op.invars if not const(r)]
+    outs = [o for o in op.outvars if o >= 0]
+    if not ins or not outs:
+      continue
+    if op.name == "dot_general":
+      if any(r in views for r in ins):
+        out.add(op.index)
+        side.update(outs)
+      continue
+    if all(r in views for r in ins):
+      out.add(op.index)
+      views.update(outs)
+    elif all(r in views or r in side for r in ins):
+      out.add(op.index)
+      side.update(outs)
+  return out
+
+
 def expert_op_indices(prog: Program, weights, grads=()) -> set[int]:
   """The ops of ``prog`` (a layer's forward, or its forward+backward) that belong to its
   experts.
@@ -153,25 +178,7 @@ def expert_op_indices(prog: Program, weights, grads=()) -> set[int]:
   weights = set(weights)
   variable = prog.dependents([v for v in prog.invars])
   const = lambda r: isinstance(r, Lit) or r not in variable
-  views: set = set(weights)
-  side: set = set()
-  ops: set = set()
-  for op in prog.ops:
-    ins = [r for r in op.invars if not const(r)]
-    outs = [o for o in op.outvars if o >= 0]
-    if not ins or not outs:
-      continue
-    if op.name == "dot_general":
-      if any(r in views for r in ins):
-        ops.add(op.index)
-        side.update(outs)
-      continue
-    if all(r in views for r in ins):
-      ops.add(op.index)
-      views.update(outs)
-    elif all(r in views or r in side for r in ins):
-      ops.add(op.index)
-      side.update(outs)
+  ops = expert_forward_ops(prog.ops, weights, const)
   # the weight gradients: ops feeding nothing but weight gradients, walked backwards
   sink = {g for g in grads if not isinstance(g, Lit)}
   others = {v for v in prog.outvars if not isinstance(v, Lit)} - sink

@@ -79,6 +79,7 @@ from harpjax.compiler.layers import LayerSequence
 from harpjax.compiler.layers import sharding as sharding_lib
 from harpjax.compiler.plan import Plan, StageSpec
 from harpjax.compiler.schedule import ZebraCosts, ZebraTask, schedule_kind, theorem1_order
+from harpjax.compiler.profile import expert_forward_ops
 from harpjax.compiler.stages.layout import StageLayout, stage_layout
 from harpjax.compiler.stages.placement import Placement
 from harpjax.compiler.stages.split import (FIRST, SUMMED, WEIGHTED, Retrace, part_at, rows_of)
@@ -274,28 +275,10 @@ def issue_order(num_routed: int, num_microbatches: int, direction: str,
 
 
 def _expert_ops(ops, weights: set, const) -> set[int]:
-  """Op indices of the experts of one routed layer's forward ops (the profiler's rule,
-  :func:`harpjax.compiler.profile.routed_split.expert_op_indices`, on the forward): views of
-  the expert ``weights``, ``dot_general`` s reading one, and the ops between them reading only
-  their results."""
-  views, side, out = set(weights), set(), set()
-  for op in ops:
-    ins = [r for r in op.invars if not const(r)]
-    outs = [o for o in op.outvars if o >= 0]
-    if not ins or not outs:
-      continue
-    if op.name == "dot_general":
-      if any(r in views for r in ins):
-        out.add(op.index)
-        side.update(outs)
-      continue
-    if all(r in views for r in ins):
-      out.add(op.index)
-      views.update(outs)
-    elif all(r in views or r in side for r in ins):
-      out.add(op.index)
-      side.update(outs)
-  return out
+  """Op indices of the experts of one routed layer's forward ops: the profiler's rule
+  (:func:`harpjax.compiler.profile.routed_split.expert_forward_ops`), so the runtime splits
+  what the cost tables charge to the expert group."""
+  return expert_forward_ops(ops, weights, const)
 
 
 def _cut(s: int, sp: StageProgram, ts: TracedStep, layers: LayerSequence,
