@@ -392,9 +392,17 @@ class SparseIndex:
     x = int(np.searchsorted(self.sorted_t, tau))
     return x < self.sorted_t.size and self.sorted_t[x] == tau
 
-  def prefix_bound(self, tau: float, check_comm: bool = True) -> np.ndarray:
-    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""
-    return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
+  def prefix_bound(self, tau: float, check_comm: bool = True,
+                   live: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``; given ``live``, a
+    :meth:`prefix_bound` and a :meth:`suffix_bound` at a candidate at or above ``tau``, only
+    through the states that have both there (:meth:`prefix_bounds`): the same bound on every
+    state with a suffix at ``tau`` (each state of such a prefix has one there, and a prefix
+    at ``tau``, so both at the larger candidate), ``inf`` on some without one, so a
+    :meth:`suffix_bound` from it is the same too."""
+    if live is None:
+      return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
+    return dp_kernel.prefix_bounds(self.arrays, tau, -1.0, check_comm, live)[0]
 
   def prefix_bounds(self, tau: float, fwd_fraction: float, check_comm: bool = True,
                     live: tuple[np.ndarray, np.ndarray] | None = None

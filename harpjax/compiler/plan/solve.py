@@ -559,7 +559,8 @@ def simulate_paths(index: SparseIndex, paths: Sequence[np.ndarray], scoring: Sco
 
 
 def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scoring,
-                        bound: float, sigma_lb: float | dict[int, float] = 0.0
+                        bound: float, sigma_lb: float | dict[int, float] = 0.0,
+                        above: tuple[np.ndarray, np.ndarray] | None = None
                         ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
   """Exact DP at candidates ``taus`` (ascending indices), each plan scored, tightening
   ``bound`` as it goes: one loop for every objective (``scoring.kind``).
@@ -575,6 +576,12 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   slower than it. Objectives with prices: the DP with the rate criterion
   (:class:`~harpjax.compiler.plan.dp_kernel.Pricing`), its Eq. 12 value less the most the
   warm-ups can hide when the simulator judges compared with ``bound``.
+
+  ``above``: a prefix and a suffix bound (:meth:`~harpjax.compiler.plan.index.SparseIndex.
+  prefix_bound`, :meth:`~harpjax.compiler.plan.index.SparseIndex.suffix_bound`) at a candidate
+  at or above the largest of ``taus``, if the caller has them: the states that have both at
+  the largest of ``taus`` are then found by a pass through the states that have both there
+  (the same states, a shorter pass).
 
   Returns:
     For every plan found within the bound ``(candidate index, x, score, path)``, ``x`` the DP
@@ -610,7 +617,7 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     taus, floors = [taus[o] for o in order], floors[order]
   if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
-    live = index.prefix_bound(top)
+    live = index.prefix_bound(top, live=above)
     live = (live, index.suffix_bound(top, live))
   for x, idx in enumerate(taus):
     tau = float(index.candidates[idx])
@@ -1055,18 +1062,23 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
 
   n_g = [0]
   known = {}   # the bounds at the first candidate found feasible: bounds below it too
+  # G at the candidates where it was taken (the time objective): G is non-increasing in the
+  # period, so its value at one candidate bounds it from above at every larger one.
+  g_seen: dict[int, float] = {}
 
   def g(idx):  # G-feasibility: any plan with every stage and cut <= tau (monotone in tau)
     n_g[0] += 1
     tau = float(cand[idx])
     if known and known["idx"] > idx:
-      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=known["lb"],
-                      sb=known["sb"], pricing=budget)
-    else:
-      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, pricing=budget)
+      lb, sb = known["lb"], known["sb"]
+    else:   # the prefix bound the kernel takes here, kept for the probes below if feasible
+      lb, sb = index.prefix_bound(tau), None
+    out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=lb, sb=sb,
+                    pricing=budget)
     if math.isfinite(out[0]) and not known:   # the gallop's first feasible candidate
-      lb = index.prefix_bound(tau)
       known.update(idx=idx, lb=lb, sb=index.suffix_bound(tau, lb))
+    if math.isfinite(out[0]) and budget is None:
+      g_seen[idx] = float(out[0])
     return out
 
   def infeasible():
@@ -1082,10 +1094,16 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     if top_bounds.get("top") != top:
       lb = index.prefix_bound(float(cand[top]))
       top_bounds.update(top=top, lb=lb, sb=index.suffix_bound(float(cand[top]), lb))
-    value, path = index.run(float(cand[idx]), B, opts.eps, require_hit=False, kernel=kernel,
-                            lb=top_bounds["lb"], sb=top_bounds["sb"])
+    # G here is at most G at any smaller candidate: with that as the DP's bound it returns
+    # the same plan (only plans no cheaper than it are pruned) and prunes the rest.
+    tau = float(cand[idx])
+    upper = min((v for c, v in g_seen.items() if c <= idx), default=math.inf)
+    value, path = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel,
+                            lb=top_bounds["lb"], sb=top_bounds["sb"],
+                            bound=upper + (B - 1) * tau)
     if math.isfinite(value):
       g_plans.append(path)
+      g_seen[idx] = float(value)
     return value
 
   slack = 1.0 + BOUND_SLACK
@@ -1128,7 +1146,8 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   first = t_s_idx
   if not math.isfinite(beat):   # the incumbent: from t_S up until a candidate has a plan
     while first < M and _floor(index, scoring, first) <= bound * slack:
-      found, runs = evaluate_candidates(index, [first], scoring, bound)
+      found, runs = evaluate_candidates(index, [first], scoring, bound, above=(
+          (known["lb"], known["sb"]) if known and known["idx"] >= first else None))
       n_incumbent += runs
       keep(found)
       first += 1
@@ -1159,7 +1178,12 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   backend, workers = _backend(opts, index, window)
   args = (scoring, bound, sigma_lb)
   if backend == "sequential" or not window:
-    results, runs = evaluate_candidates(index, window, *args)
+    above = None   # bounds the search already took at a candidate at or above the window's
+    if window and top_bounds and top_bounds["top"] >= window[-1]:
+      above = (top_bounds["lb"], top_bounds["sb"])
+    elif window and known and known["idx"] >= window[-1]:
+      above = (known["lb"], known["sb"])
+    results, runs = evaluate_candidates(index, window, *args, above=above)
     workers_used = 1
   else:
     batches = _balanced_batches(index, window, workers)
