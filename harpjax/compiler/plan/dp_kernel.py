@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost", "link_rows",
            "fitting_submeshes", "prefix_bound", "prefix_bound_kernel", "prefix_bounds",
+           "grow_prefix_bounds",
            "prefix_rate", "prefix_fee", "cover_costs",
            "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
            "warmup_delta_kernel",
@@ -479,6 +480,79 @@ def _prefix_pair_impl(ix, tau, check_comm, phi, live_lb, live_sb):
           v = base + (t + ix.ent_e[e] if i == 0 else t)
           if ix.ent_j[e] == L - 1 and v < lb[L, 0]:
             lb[L, 0] = v
+  return lb, lbf
+
+
+def _prefix_pair_grow_impl(ix, old_tau, tau, check_comm, phi, live_lb, live_sb, lb, lbf,
+                           fresh):
+  """``(lb, lbf)`` of :func:`_prefix_pair_impl` at ``old_tau`` made, in place, those at a
+  larger ``tau`` (the same ``check_comm``, ``phi`` and live states): the same numbers as a
+  pass at ``tau``, from the states whose bound fell and the entries of time in ``(old_tau,
+  tau]`` alone (``fresh[k, i]``: some entry of subcluster ``k`` from layer ``i`` has one).
+
+  Why the same: a pass at ``tau`` takes each bound as the least ``lb[i, d] + t (+ e_0) + 2c``
+  (and ``lbf[i, d] + phi t + c``) over the moves into it. Here every such term is taken from
+  the final ``lb[i, d]`` where it fell (the states are visited by layer, so a state's bound
+  is final when it is visited) and, where it did not, the old entries' terms are those of
+  the pass at ``old_tau`` (the same base), the new ones are added; a term left from a larger
+  old base is never below its replacement (rounding is monotone). Entries only join as the
+  period grows, so nothing else changes."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  inf = np.inf
+  fwd = phi >= 0.0
+  live = live_lb.shape[0] == L + 1 and live_sb.shape[0] == L + 1
+  changed = np.zeros((L + 1, G), np.bool_)
+  for i in range(L):
+    for d in range(G):
+      base = lb[i, d]
+      if base == inf:
+        continue
+      k = ix.st_sub[d]
+      full = changed[i, d]
+      if not full and not fresh[k, i]:
+        continue   # neither its bound nor its entries changed: its terms are all there
+      base_f = lbf[i, d] if fwd else 0.0
+      gx = (k * L + i) * S_max
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        may_end = ix.st_end[d, s]
+        e0 = ix.sp_ptr[gx + s]
+        e1 = ix.sp_ptr[gx + s + 1]
+        if not full:   # the new entries only (sorted by time within the group)
+          e0 += np.searchsorted(ix.ent_t[e0:e1], old_tau, side="right")
+        for e in range(e0, e1):
+          t = ix.ent_t[e]
+          if t > tau:
+            break
+          j = ix.ent_j[e]
+          te = t + ix.ent_e[e] if i == 0 else t
+          if j == L - 1:
+            if may_end:
+              v = base + te
+              if v < lb[L, 0]:
+                lb[L, 0] = v
+            continue
+          for x in range(m0, m1):
+            d2 = ix.mv_state[x]
+            if live and (live_lb[j + 1, d2] == inf or live_sb[j + 1, d2] == inf):
+              continue
+            c = ix.c_link[ix.mv_link[x], j]
+            if check_comm and c > tau:
+              continue
+            v = base + te + 2.0 * c
+            if v < lb[j + 1, d2]:
+              lb[j + 1, d2] = v
+              changed[j + 1, d2] = True
+            if fwd:
+              v = base_f + phi * t + c
+              if v < lbf[j + 1, d2]:
+                lbf[j + 1, d2] = v
+                changed[j + 1, d2] = True
   return lb, lbf
 
 
@@ -1182,6 +1256,7 @@ if HAVE_NUMBA:
   _grow_stairs = _numba.njit(cache=True)(_grow_stairs)
   _stair_add = _numba.njit(cache=True)(_stair_add)
   _prefix_pair = _numba.njit(cache=True, nogil=True)(_prefix_pair_impl)
+  _prefix_pair_grow = _numba.njit(cache=True, nogil=True)(_prefix_pair_grow_impl)
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
   _prefix_rate = _numba.njit(cache=True, nogil=True)(_prefix_rate_impl)
@@ -1194,6 +1269,7 @@ else:  # pragma: no cover
   _warmup_delta = warmup_delta
   _warmup_step = warmup_step
   _prefix_pair = _prefix_pair_impl
+  _prefix_pair_grow = _prefix_pair_grow_impl
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
   _prefix_rate = _prefix_rate_impl
@@ -1317,6 +1393,23 @@ def prefix_bounds(ix: DPArrays, tau: float, fwd_fraction: float, check_comm: boo
   fn = _prefix_pair if (use_numba and HAVE_NUMBA) else _prefix_pair_impl
   llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
   return fn(ix, float(tau), bool(check_comm), float(fwd_fraction), llb, lsb)
+
+
+@interruptible_kernel
+def grow_prefix_bounds(ix: DPArrays, old_tau: float, tau: float, fwd_fraction: float,
+                       lb: np.ndarray, lbf: np.ndarray, fresh: np.ndarray,
+                       check_comm: bool = True,
+                       live: tuple[np.ndarray, np.ndarray] | None = None,
+                       use_numba: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """:func:`prefix_bounds` at ``tau`` from those at a smaller ``old_tau`` (``lb``, ``lbf``,
+  taken with the same ``fwd_fraction``, ``check_comm`` and ``live``; overwritten): the same
+  arrays, element for element, from a pass through the states whose bound falls and the
+  entries of time in ``(old_tau, tau]`` (``fresh``: ``[K, L]`` bool, some entry of
+  subcluster ``k`` from layer ``i`` has such a time)."""
+  fn = _prefix_pair_grow if (use_numba and HAVE_NUMBA) else _prefix_pair_grow_impl
+  llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
+  return fn(ix, float(old_tau), float(tau), bool(check_comm), float(fwd_fraction), llb, lsb,
+            lb, lbf, np.ascontiguousarray(fresh, np.bool_))
 
 
 @interruptible_kernel

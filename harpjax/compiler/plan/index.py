@@ -411,6 +411,22 @@ class SparseIndex:
     and the forward half of the same prefixes (through the ``live`` states only, given)."""
     return dp_kernel.prefix_bounds(self.arrays, tau, fwd_fraction, check_comm, live)
 
+  def grow_prefix_bounds(self, old_tau: float, tau: float, fwd_fraction: float,
+                         bounds: tuple[np.ndarray, np.ndarray], check_comm: bool = True,
+                         live: tuple[np.ndarray, np.ndarray] | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`prefix_bounds` at ``tau`` from ``bounds``, those at a smaller ``old_tau`` (the
+    same ``fwd_fraction``, ``check_comm`` and ``live``; overwritten): the same arrays, from
+    the entries that join between the two and the states whose bound falls
+    (:func:`harpjax.compiler.plan.dp_kernel.grow_prefix_bounds`)."""
+    lo = int(np.searchsorted(self.sorted_t, old_tau, side="right"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    e = self.by_t[lo:hi]
+    fresh = np.zeros((self.arrays.ent_ptr.shape[0], self.num_layers), np.bool_)
+    fresh[self.ent_k[e], self.ent_i[e]] = True
+    return dp_kernel.grow_prefix_bounds(self.arrays, old_tau, tau, fwd_fraction, bounds[0],
+                                        bounds[1], fresh, check_comm, live)
+
   def suffix_bound(self, tau: float, lb: np.ndarray, check_comm: bool = True) -> np.ndarray:
     """:func:`harpjax.compiler.plan.dp_kernel.suffix_bound` at ``tau``."""
     return dp_kernel.suffix_bound(self.arrays, tau, lb, check_comm)

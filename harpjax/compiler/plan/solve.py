@@ -600,6 +600,7 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   end_path = not priced and scoring.simulated and scoring.discount > 0 and index.has_ends
   chunk = BOUND_CHUNK if (end_path or priced) else len(taus)
   lb = sb = lbf = live = lbr = lbfee = None
+  top = -math.inf   # the period the bounds were last taken at
   shared: set[int] = set()   # the candidates that share the bounds
   slack = 1.0 + BOUND_SLACK
 
@@ -627,8 +628,10 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     if idx not in shared:
       left = np.flatnonzero(floors[x:] <= bound * slack)[:chunk] + x
       shared = {taus[int(y)] for y in left}
-      top = float(index.candidates[max(shared)])
-      if end_path:
+      prev, top = top, float(index.candidates[max(shared)])
+      if end_path and lb is not None and prev < top:   # the same bounds, from those below
+        lb, lbf = index.grow_prefix_bounds(prev, top, scoring.discount, (lb, lbf), live=live)
+      elif end_path:
         lb, lbf = index.prefix_bounds(top, scoring.discount, live=live)
       else:
         lb = index.prefix_bound(top)
