@@ -680,8 +680,10 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     if scoring.simulated and scoring.discount > 0 and index.is_stage_time(tau):
       # Its simulated time is at least its Eq. 12 value less the most the warm-ups can hide
       # (``relief``, as with prices): a plan whose value exceeds the bound by more cannot win.
+      # Its last stage of time tau holds at most the microbatches its memory allows
+      # (hit_cap): a plan beyond bound + relief is no plan to simulate.
       runs += 1
-      relief = scoring.discount * tau * (scoring.nmax - 1)
+      relief = scoring.discount * tau * (min(scoring.nmax, index.hit_cap(tau, B)) - 1)
       found.append(index.run(tau, B, scoring.eps, require_hit=True, kernel=scoring.kernel,
                              n_cap=n_cap, lb=lb, sb=sb, link_hits=False,
                              bound=bound + relief))
