@@ -222,6 +222,16 @@ class SparseIndex:
               hit_e=hit_e, hit_j=self.first_hit_layer(tau, hits) if require_hit else -1,
               pricing=pricing)
 
+  def feasible(self, tau: float, num_microbatches: int, eps: float, *,
+               check_comm: bool = True, lb: np.ndarray | None = None,
+               sb: np.ndarray | None = None, use_numba: bool = True) -> bool:
+    """Whether :meth:`run` with ``require_hit=False`` finds a plan at ``tau``
+    (:func:`harpjax.compiler.plan.dp_kernel.feasible`: the fewest warm-ups per state, not the
+    cost)."""
+    return dp_kernel.feasible(self.arrays, tau, num_microbatches, eps,
+                              self.n_cap(num_microbatches, check_comm), check_comm, lb, sb,
+                              use_numba)
+
   def r_min(self, price: np.ndarray) -> float:
     """The least hourly rate of one stage (an entry's devices times its subcluster's
     ``price``): a lower bound on any plan's rate (``0`` without entries)."""

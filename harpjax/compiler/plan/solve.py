@@ -616,7 +616,9 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   if priced:
     order = np.lexsort((np.asarray(taus), floors))
     taus, floors = [taus[o] for o in order], floors[order]
-  if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
+  if end_path and taus and above is not None and len(taus) <= chunk:
+    live = above   # one set of bounds: taken through the states live above (the same)
+  elif end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
     live = index.prefix_bound(top, live=above)
     live = (live, index.suffix_bound(top, live))
@@ -1067,24 +1069,26 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
 
   n_g = [0]
   known = {}   # the bounds at the first candidate found feasible: bounds below it too
-  # G at the candidates where it was taken (the time objective): G is non-increasing in the
-  # period, so its value at one candidate bounds it from above at every larger one.
+  # G at the candidates where it was taken (the time objective, from t_S): G is
+  # non-increasing in the period, so its value at one candidate bounds it from above at every
+  # larger one.
   g_seen: dict[int, float] = {}
 
-  def g(idx):  # G-feasibility: any plan with every stage and cut <= tau (monotone in tau)
+  def g(idx) -> bool:  # G-feasibility: a plan with every stage and cut <= tau (monotone)
     n_g[0] += 1
     tau = float(cand[idx])
     if known and known["idx"] > idx:
       lb, sb = known["lb"], known["sb"]
     else:   # the prefix bound the kernel takes here, kept for the probes below if feasible
       lb, sb = index.prefix_bound(tau), None
-    out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=lb, sb=sb,
-                    pricing=budget)
-    if math.isfinite(out[0]) and not known:   # the gallop's first feasible candidate
+    if budget is None:   # existence alone: the fewest warm-ups per state, not the cost
+      ok = index.feasible(tau, B, opts.eps, lb=lb, sb=sb, use_numba=kernel == "numba")
+    else:
+      ok = math.isfinite(index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=lb,
+                                   sb=sb, pricing=budget)[0])
+    if ok and not known:   # the gallop's first feasible candidate
       known.update(idx=idx, lb=lb, sb=index.suffix_bound(tau, lb))
-    if math.isfinite(out[0]) and budget is None:
-      g_seen[idx] = float(out[0])
-    return out
+    return ok
 
   def infeasible():
     return infeasible_error(tables, B, opts.eps, opts.use_all_devices, opts.keep_order,
@@ -1102,6 +1106,10 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     # G here is at most G at any smaller candidate: with that as the DP's bound it returns
     # the same plan (only plans no cheaper than it are pruned) and prunes the rest.
     tau = float(cand[idx])
+    if not g_seen and t_s_idx <= idx:   # G at t_S, with the bounds of its first probe
+      n_g[0] += 1
+      g_seen[t_s_idx] = index.run(float(cand[t_s_idx]), B, opts.eps, require_hit=False,
+                                  kernel=kernel, lb=known["lb"], sb=known["sb"])[0]
     upper = min((v for c, v in g_seen.items() if c <= idx), default=math.inf)
     value, path = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel,
                             lb=top_bounds["lb"], sb=top_bounds["sb"],
@@ -1112,7 +1120,7 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
     return value
 
   slack = 1.0 + BOUND_SLACK
-  feasible = lambda idx: math.isfinite(g(idx)[0])
+  feasible = g
   if math.isfinite(beat):   # periods whose floor is beyond beat cannot win: not even tested
     if priced:
       floors = (index.cover_rates(price) * B * cand + 3600.0 * index.least_fee(B)
