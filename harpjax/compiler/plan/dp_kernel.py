@@ -488,7 +488,8 @@ def _prefix_pair_grow_impl(ix, old_tau, tau, check_comm, phi, live_lb, live_sb, 
   """``(lb, lbf)`` of :func:`_prefix_pair_impl` at ``old_tau`` made, in place, those at a
   larger ``tau`` (the same ``check_comm``, ``phi`` and live states): the same numbers as a
   pass at ``tau``, from the states whose bound fell and the entries of time in ``(old_tau,
-  tau]`` alone (``fresh[k, i]``: some entry of subcluster ``k`` from layer ``i`` has one).
+  tau]`` alone (``fresh[k, i]``: some entry of subcluster ``k`` from layer ``i`` has one);
+  with ``check_comm``, no cut has a time in ``(old_tau, tau]``.
 
   Why the same: a pass at ``tau`` takes each bound as the least ``lb[i, d] + t (+ e_0) + 2c``
   (and ``lbf[i, d] + phi t + c``) over the moves into it. Here every such term is taken from
@@ -1500,7 +1501,9 @@ def grow_prefix_bounds(ix: DPArrays, old_tau: float, tau: float, fwd_fraction: f
   taken with the same ``fwd_fraction``, ``check_comm`` and ``live``; overwritten): the same
   arrays, element for element, from a pass through the states whose bound falls and the
   entries of time in ``(old_tau, tau]`` (``fresh``: ``[K, L]`` bool, some entry of
-  subcluster ``k`` from layer ``i`` has such a time)."""
+  subcluster ``k`` from layer ``i`` has such a time). With ``check_comm`` no cut may take a
+  time in ``(old_tau, tau]`` (the moves it opens after old entries are not revisited; the
+  caller takes a fresh :func:`prefix_bounds` then)."""
   fn = _prefix_pair_grow if (use_numba and HAVE_NUMBA) else _prefix_pair_grow_impl
   llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
   return fn(ix, float(old_tau), float(tau), bool(check_comm), float(fwd_fraction), llb, lsb,

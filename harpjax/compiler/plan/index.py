@@ -428,7 +428,12 @@ class SparseIndex:
     """:meth:`prefix_bounds` at ``tau`` from ``bounds``, those at a smaller ``old_tau`` (the
     same ``fwd_fraction``, ``check_comm`` and ``live``; overwritten): the same arrays, from
     the entries that join between the two and the states whose bound falls
-    (:func:`harpjax.compiler.plan.dp_kernel.grow_prefix_bounds`)."""
+    (:func:`harpjax.compiler.plan.dp_kernel.grow_prefix_bounds`); a fresh
+    :meth:`prefix_bounds` where a cut's time lies between the two (``check_comm``: its moves
+    open, which the growth does not revisit)."""
+    c = self.arrays.c_link
+    if check_comm and np.any((c > old_tau) & (c <= tau)):
+      return self.prefix_bounds(tau, fwd_fraction, check_comm, live)
     lo = int(np.searchsorted(self.sorted_t, old_tau, side="right"))
     hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
     e = self.by_t[lo:hi]
