@@ -1101,7 +1101,11 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   def g_bounded(idx, top):  # G at idx with the prefix and suffix bounds of candidate top
     n_g[0] += 1
     if top_bounds.get("top") != top:
-      lb = index.prefix_bound(float(cand[top]))
+      if known and known["idx"] < top:   # grown from the first feasible probe's: the same
+        lb = index.grow_prefix_bounds(float(cand[known["idx"]]), float(cand[top]), -1.0,
+                                      (known["lb"].copy(), np.zeros((0, 0))))[0]
+      else:
+        lb = index.prefix_bound(float(cand[top]))
       top_bounds.update(top=top, lb=lb, sb=index.suffix_bound(float(cand[top]), lb))
     # G here is at most G at any smaller candidate: with that as the DP's bound it returns
     # the same plan (only plans no cheaper than it are pruned) and prunes the rest.

@@ -51,6 +51,10 @@ def test_grown_prefix_bounds_equal_a_fresh_pass():
       fresh = index.prefix_bounds(float(cand[b]), 0.3, live=live)
       np.testing.assert_array_equal(grown[0], fresh[0])
       np.testing.assert_array_equal(grown[1], fresh[1])
+    # The plain prefix bound (no forward half, no live states) grows the same way.
+    a, b = float(cand[steps[0]]), float(cand[steps[-1]])
+    plain = index.grow_prefix_bounds(a, b, -1.0, (index.prefix_bound(a), np.zeros((0, 0))))[0]
+    np.testing.assert_array_equal(plain, index.prefix_bound(b))
     # A bound through the live states above is the plain one wherever a suffix leaves.
     tau = float(cand[steps[-1]])
     plain = index.prefix_bound(tau)
