@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["DPArrays", "Frontier", "Pricing", "NO_PRICING", "moves", "cut_cost", "link_rows",
            "fitting_submeshes", "prefix_bound", "prefix_bound_kernel", "prefix_bounds",
+           "grow_prefix_bounds", "feasible",
            "prefix_rate", "prefix_fee", "cover_costs",
            "suffix_bound", "hit_possible", "hit_floor", "warmup_step", "warmup_step_kernel",
            "warmup_delta_kernel",
@@ -482,6 +483,80 @@ def _prefix_pair_impl(ix, tau, check_comm, phi, live_lb, live_sb):
   return lb, lbf
 
 
+def _prefix_pair_grow_impl(ix, old_tau, tau, check_comm, phi, live_lb, live_sb, lb, lbf,
+                           fresh):
+  """``(lb, lbf)`` of :func:`_prefix_pair_impl` at ``old_tau`` made, in place, those at a
+  larger ``tau`` (the same ``check_comm``, ``phi`` and live states): the same numbers as a
+  pass at ``tau``, from the states whose bound fell and the entries of time in ``(old_tau,
+  tau]`` alone (``fresh[k, i]``: some entry of subcluster ``k`` from layer ``i`` has one);
+  with ``check_comm``, no cut has a time in ``(old_tau, tau]``.
+
+  Why the same: a pass at ``tau`` takes each bound as the least ``lb[i, d] + t (+ e_0) + 2c``
+  (and ``lbf[i, d] + phi t + c``) over the moves into it. Here every such term is taken from
+  the final ``lb[i, d]`` where it fell (the states are visited by layer, so a state's bound
+  is final when it is visited) and, where it did not, the old entries' terms are those of
+  the pass at ``old_tau`` (the same base), the new ones are added; a term left from a larger
+  old base is never below its replacement (rounding is monotone). Entries only join as the
+  period grows, so nothing else changes."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  inf = np.inf
+  fwd = phi >= 0.0
+  live = live_lb.shape[0] == L + 1 and live_sb.shape[0] == L + 1
+  changed = np.zeros((L + 1, G), np.bool_)
+  for i in range(L):
+    for d in range(G):
+      base = lb[i, d]
+      if base == inf:
+        continue
+      k = ix.st_sub[d]
+      full = changed[i, d]
+      if not full and not fresh[k, i]:
+        continue   # neither its bound nor its entries changed: its terms are all there
+      base_f = lbf[i, d] if fwd else 0.0
+      gx = (k * L + i) * S_max
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        may_end = ix.st_end[d, s]
+        e0 = ix.sp_ptr[gx + s]
+        e1 = ix.sp_ptr[gx + s + 1]
+        if not full:   # the new entries only (sorted by time within the group)
+          e0 += np.searchsorted(ix.ent_t[e0:e1], old_tau, side="right")
+        for e in range(e0, e1):
+          t = ix.ent_t[e]
+          if t > tau:
+            break
+          j = ix.ent_j[e]
+          te = t + ix.ent_e[e] if i == 0 else t
+          if j == L - 1:
+            if may_end:
+              v = base + te
+              if v < lb[L, 0]:
+                lb[L, 0] = v
+            continue
+          for x in range(m0, m1):
+            d2 = ix.mv_state[x]
+            if live and (live_lb[j + 1, d2] == inf or live_sb[j + 1, d2] == inf):
+              continue
+            c = ix.c_link[ix.mv_link[x], j]
+            if check_comm and c > tau:
+              continue
+            v = base + te + 2.0 * c
+            if v < lb[j + 1, d2]:
+              lb[j + 1, d2] = v
+              changed[j + 1, d2] = True
+            if fwd:
+              v = base_f + phi * t + c
+              if v < lbf[j + 1, d2]:
+                lbf[j + 1, d2] = v
+                changed[j + 1, d2] = True
+  return lb, lbf
+
+
 def _prefix_rate_impl(ix, tau, check_comm, held, price):
   """``lbr[i, d]``: the least hourly rate a prefix reaching layer ``i`` in device state ``d``
   with every stage (and, with ``check_comm``, cut) ``<= tau`` charges, memory ignored: the
@@ -792,6 +867,79 @@ def _row_add(sv, sw, sz, sf, se, sq, cnt, n, v, w, z, f, e, q):
   cnt[n] = m + 1
 
 
+def _feasible_impl(ix, tau, num_microbatches, eps, n_cap, check_comm, lb, sb):
+  """Kernel body of :func:`feasible`: per state the fewest warm-ups of a suffix from it
+  (``n_cap + 1``: none), layer by layer from the last."""
+  L = ix.ent_ptr.shape[1] - 1
+  G = ix.st_sub.shape[0]
+  S_max = ix.st_stay.shape[1]
+  B = num_microbatches
+  inf = np.inf
+  if lb.shape[0] != L + 1:
+    lb = _prefix_bound(ix, tau, check_comm)
+  if lb[L, 0] == inf:
+    return False   # no plan has every stage within tau
+  use_sb = sb.shape[0] == L + 1
+  none = n_cap + 1
+  fewest = np.full((L + 1, G), none, np.int64)
+  # jmin[d]: the first layer (of those done) with a suffix from state d (as in solve_tau).
+  jmin = np.full(G, L + 1, np.int64)
+  for i in range(L - 1, -1, -1):
+    for d in range(G):
+      if lb[i, d] == inf or (use_sb and sb[i, d] == inf):
+        continue
+      k = ix.st_sub[d]
+      mk = ix.mem[k]
+      gx = (k * L + i) * S_max
+      best = none
+      for y in range(ix.fs_ptr[d], ix.fs_ptr[d + 1]):
+        s = ix.fs_s[y]
+        mp = d * S_max + s
+        m0 = ix.mv_ptr[mp]
+        m1 = ix.mv_ptr[mp + 1]
+        may_end = ix.st_end[d, s]
+        jlo = L - 1 if may_end else L + 1   # the least last layer worth a look
+        for x in range(m0, m1):
+          v = jmin[ix.mv_state[x]] - 1
+          if v < jlo:
+            jlo = v
+        if jlo >= L:
+          continue
+        e0 = ix.sp_ptr[gx + s]
+        e1 = ix.sp_ptr[gx + s + 1]
+        if jlo > i:
+          e0 += np.searchsorted(ix.ent_jmax[e0:e1], jlo)
+        for e in range(e0, e1):
+          if ix.ent_t[e] > tau:
+            break  # sorted by time within (subcluster, first layer, submesh)
+          j = ix.ent_j[e]
+          if j < jlo:
+            continue
+          if j == L - 1:
+            if may_end:
+              best = 1   # the last stage holds one microbatch (every entry fits one)
+            continue
+          p = ix.ent_p[e]
+          a = ix.ent_a[e]
+          for x in range(m0, m1):
+            n_next = fewest[j + 1, ix.mv_state[x]]
+            if n_next > n_cap:
+              continue
+            c = ix.c_link[ix.mv_link[x], j]
+            if check_comm and c > tau:
+              continue
+            n = _warmup_step(n_next, _warmup_delta(c, tau, eps), B, p, a, mk)
+            if 0 < n < best:
+              best = n
+      fewest[i, d] = best
+      if best < none:
+        jmin[d] = i
+  for r in ix.roots:
+    if fewest[0, r] <= n_cap:
+      return True
+  return False
+
+
 def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_comm, bound,
                     link_hits, discount, lb, sb, hit_cap, end_path, lbf, hit_e, hit_j, pr):
   """Kernel body (compiled by Numba when available); see :func:`solve_tau`. Returns
@@ -826,16 +974,20 @@ def _solve_tau_impl(ix, tau, num_microbatches, eps, n_cap, require_hit, check_co
     nmax = hit_cap
   disc_max = discount * tau * (nmax - 1) if (require_hit and not priced) else 0.0
   # The frontiers are kept for the states some prefix reaches only (their own numbering).
+  # (lb read by rows, as it lies in memory; the states numbered in order)
   act = np.full(G, -1, np.int64)
+  for i in range(L + 1):
+    for d in range(G):
+      if lb[i, d] < inf:
+        act[d] = 0
   n_act = 0
   for d in range(G):
-    for i in range(L + 1):
-      if lb[i, d] < inf:
-        act[d] = n_act
-        n_act += 1
-        break
-  first = np.zeros((L + 1, n_act, H), np.int64)
-  count = np.zeros((L + 1, n_act, H), np.int64)
+    if act[d] == 0:
+      act[d] = n_act
+      n_act += 1
+  # first[i, a, h] is read only where count[i, a, h] > 0 (set together): left unset.
+  first = np.empty((L + 1, n_act, H), np.int64)
+  count = np.zeros((L + 1, n_act, H), np.int32)
   pool = _new_frontier(1024)
   used = 0
   # Best suffix per (n, h) found for the current state: cost, entry, successor point.
@@ -1182,6 +1334,7 @@ if HAVE_NUMBA:
   _grow_stairs = _numba.njit(cache=True)(_grow_stairs)
   _stair_add = _numba.njit(cache=True)(_stair_add)
   _prefix_pair = _numba.njit(cache=True, nogil=True)(_prefix_pair_impl)
+  _prefix_pair_grow = _numba.njit(cache=True, nogil=True)(_prefix_pair_grow_impl)
   _prefix_bound = _numba.njit(cache=True, nogil=True)(_prefix_bound_impl)
   _suffix_bound = _numba.njit(cache=True, nogil=True)(_suffix_bound_impl)
   _prefix_rate = _numba.njit(cache=True, nogil=True)(_prefix_rate_impl)
@@ -1190,10 +1343,12 @@ if HAVE_NUMBA:
   _hit_possible = _numba.njit(cache=True, nogil=True)(_hit_possible_impl)
   _hit_floor = _numba.njit(cache=True, nogil=True)(_hit_floor_impl)
   _solve_tau_numba = _numba.njit(cache=True, nogil=True)(_solve_tau_impl)
+  _feasible_numba = _numba.njit(cache=True, nogil=True)(_feasible_impl)
 else:  # pragma: no cover
   _warmup_delta = warmup_delta
   _warmup_step = warmup_step
   _prefix_pair = _prefix_pair_impl
+  _prefix_pair_grow = _prefix_pair_grow_impl
   _prefix_bound = _prefix_bound_impl
   _suffix_bound = _suffix_bound_impl
   _prefix_rate = _prefix_rate_impl
@@ -1202,6 +1357,7 @@ else:  # pragma: no cover
   _hit_possible = _hit_possible_impl
   _hit_floor = _hit_floor_impl
   _solve_tau_numba = None
+  _feasible_numba = None
 
 prefix_bound_kernel = _prefix_bound
 """The compiled :func:`prefix_bound` ``(ix, tau, check_comm)``, callable from other kernels."""
@@ -1317,6 +1473,41 @@ def prefix_bounds(ix: DPArrays, tau: float, fwd_fraction: float, check_comm: boo
   fn = _prefix_pair if (use_numba and HAVE_NUMBA) else _prefix_pair_impl
   llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
   return fn(ix, float(tau), bool(check_comm), float(fwd_fraction), llb, lsb)
+
+
+@interruptible_kernel
+def feasible(ix: DPArrays, tau: float, num_microbatches: int, eps: float, n_cap: int,
+             check_comm: bool = True, lb: np.ndarray | None = None,
+             sb: np.ndarray | None = None, use_numba: bool = True) -> bool:
+  """Whether :func:`solve_tau` with ``require_hit=False`` (and no bound, no pricing) finds a
+  plan: some plan has every stage (and, with ``check_comm``, cut) within ``tau`` and fits
+  memory with the H-1F1B warm-ups of ``tau``. The same DP keeping per state only the fewest
+  warm-ups of a suffix, not its cost: a stage fits with fewer warm-ups after it whenever it
+  fits with more (:func:`warmup_step` is monotone in ``n_next``), so a suffix with the fewest
+  is as good as any for feasibility. ``lb``, ``sb``: as for :func:`solve_tau`."""
+  fn = _feasible_numba if (use_numba and HAVE_NUMBA) else _feasible_impl
+  return bool(fn(ix, float(tau), int(num_microbatches), float(eps), int(n_cap),
+                 bool(check_comm), _NO_BOUND if lb is None else lb,
+                 _NO_BOUND if sb is None else sb))
+
+
+@interruptible_kernel
+def grow_prefix_bounds(ix: DPArrays, old_tau: float, tau: float, fwd_fraction: float,
+                       lb: np.ndarray, lbf: np.ndarray, fresh: np.ndarray,
+                       check_comm: bool = True,
+                       live: tuple[np.ndarray, np.ndarray] | None = None,
+                       use_numba: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """:func:`prefix_bounds` at ``tau`` from those at a smaller ``old_tau`` (``lb``, ``lbf``,
+  taken with the same ``fwd_fraction``, ``check_comm`` and ``live``; overwritten): the same
+  arrays, element for element, from a pass through the states whose bound falls and the
+  entries of time in ``(old_tau, tau]`` (``fresh``: ``[K, L]`` bool, some entry of
+  subcluster ``k`` from layer ``i`` has such a time). With ``check_comm`` no cut may take a
+  time in ``(old_tau, tau]`` (the moves it opens after old entries are not revisited; the
+  caller takes a fresh :func:`prefix_bounds` then)."""
+  fn = _prefix_pair_grow if (use_numba and HAVE_NUMBA) else _prefix_pair_grow_impl
+  llb, lsb = (_NO_BOUND, _NO_BOUND) if live is None else live
+  return fn(ix, float(old_tau), float(tau), bool(check_comm), float(fwd_fraction), llb, lsb,
+            lb, lbf, np.ascontiguousarray(fresh, np.bool_))
 
 
 @interruptible_kernel

@@ -222,6 +222,16 @@ class SparseIndex:
               hit_e=hit_e, hit_j=self.first_hit_layer(tau, hits) if require_hit else -1,
               pricing=pricing)
 
+  def feasible(self, tau: float, num_microbatches: int, eps: float, *,
+               check_comm: bool = True, lb: np.ndarray | None = None,
+               sb: np.ndarray | None = None, use_numba: bool = True) -> bool:
+    """Whether :meth:`run` with ``require_hit=False`` finds a plan at ``tau``
+    (:func:`harpjax.compiler.plan.dp_kernel.feasible`: the fewest warm-ups per state, not the
+    cost)."""
+    return dp_kernel.feasible(self.arrays, tau, num_microbatches, eps,
+                              self.n_cap(num_microbatches, check_comm), check_comm, lb, sb,
+                              use_numba)
+
   def r_min(self, price: np.ndarray) -> float:
     """The least hourly rate of one stage (an entry's devices times its subcluster's
     ``price``): a lower bound on any plan's rate (``0`` without entries)."""
@@ -392,9 +402,17 @@ class SparseIndex:
     x = int(np.searchsorted(self.sorted_t, tau))
     return x < self.sorted_t.size and self.sorted_t[x] == tau
 
-  def prefix_bound(self, tau: float, check_comm: bool = True) -> np.ndarray:
-    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``."""
-    return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
+  def prefix_bound(self, tau: float, check_comm: bool = True,
+                   live: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """:func:`harpjax.compiler.plan.dp_kernel.prefix_bound` at ``tau``; given ``live``, a
+    :meth:`prefix_bound` and a :meth:`suffix_bound` at a candidate at or above ``tau``, only
+    through the states that have both there (:meth:`prefix_bounds`): the same bound on every
+    state with a suffix at ``tau`` (each state of such a prefix has one there, and a prefix
+    at ``tau``, so both at the larger candidate), ``inf`` on some without one, so a
+    :meth:`suffix_bound` from it is the same too."""
+    if live is None:
+      return dp_kernel.prefix_bound(self.arrays, tau, check_comm)
+    return dp_kernel.prefix_bounds(self.arrays, tau, -1.0, check_comm, live)[0]
 
   def prefix_bounds(self, tau: float, fwd_fraction: float, check_comm: bool = True,
                     live: tuple[np.ndarray, np.ndarray] | None = None
@@ -402,6 +420,27 @@ class SparseIndex:
     """:func:`harpjax.compiler.plan.dp_kernel.prefix_bounds` at ``tau``: :meth:`prefix_bound`
     and the forward half of the same prefixes (through the ``live`` states only, given)."""
     return dp_kernel.prefix_bounds(self.arrays, tau, fwd_fraction, check_comm, live)
+
+  def grow_prefix_bounds(self, old_tau: float, tau: float, fwd_fraction: float,
+                         bounds: tuple[np.ndarray, np.ndarray], check_comm: bool = True,
+                         live: tuple[np.ndarray, np.ndarray] | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`prefix_bounds` at ``tau`` from ``bounds``, those at a smaller ``old_tau`` (the
+    same ``fwd_fraction``, ``check_comm`` and ``live``; overwritten): the same arrays, from
+    the entries that join between the two and the states whose bound falls
+    (:func:`harpjax.compiler.plan.dp_kernel.grow_prefix_bounds`); a fresh
+    :meth:`prefix_bounds` where a cut's time lies between the two (``check_comm``: its moves
+    open, which the growth does not revisit)."""
+    c = self.arrays.c_link
+    if check_comm and np.any((c > old_tau) & (c <= tau)):
+      return self.prefix_bounds(tau, fwd_fraction, check_comm, live)
+    lo = int(np.searchsorted(self.sorted_t, old_tau, side="right"))
+    hi = int(np.searchsorted(self.sorted_t, tau, side="right"))
+    e = self.by_t[lo:hi]
+    fresh = np.zeros((self.arrays.ent_ptr.shape[0], self.num_layers), np.bool_)
+    fresh[self.ent_k[e], self.ent_i[e]] = True
+    return dp_kernel.grow_prefix_bounds(self.arrays, old_tau, tau, fwd_fraction, bounds[0],
+                                        bounds[1], fresh, check_comm, live)
 
   def suffix_bound(self, tau: float, lb: np.ndarray, check_comm: bool = True) -> np.ndarray:
     """:func:`harpjax.compiler.plan.dp_kernel.suffix_bound` at ``tau``."""

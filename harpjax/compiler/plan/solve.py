@@ -559,7 +559,8 @@ def simulate_paths(index: SparseIndex, paths: Sequence[np.ndarray], scoring: Sco
 
 
 def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scoring,
-                        bound: float, sigma_lb: float | dict[int, float] = 0.0
+                        bound: float, sigma_lb: float | dict[int, float] = 0.0,
+                        above: tuple[np.ndarray, np.ndarray] | None = None
                         ) -> tuple[list[tuple[int, float, float, np.ndarray]], int]:
   """Exact DP at candidates ``taus`` (ascending indices), each plan scored, tightening
   ``bound`` as it goes: one loop for every objective (``scoring.kind``).
@@ -575,6 +576,12 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   slower than it. Objectives with prices: the DP with the rate criterion
   (:class:`~harpjax.compiler.plan.dp_kernel.Pricing`), its Eq. 12 value less the most the
   warm-ups can hide when the simulator judges compared with ``bound``.
+
+  ``above``: a prefix and a suffix bound (:meth:`~harpjax.compiler.plan.index.SparseIndex.
+  prefix_bound`, :meth:`~harpjax.compiler.plan.index.SparseIndex.suffix_bound`) at a candidate
+  at or above the largest of ``taus``, if the caller has them: the states that have both at
+  the largest of ``taus`` are then found by a pass through the states that have both there
+  (the same states, a shorter pass).
 
   Returns:
     For every plan found within the bound ``(candidate index, x, score, path)``, ``x`` the DP
@@ -593,6 +600,7 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   end_path = not priced and scoring.simulated and scoring.discount > 0 and index.has_ends
   chunk = BOUND_CHUNK if (end_path or priced) else len(taus)
   lb = sb = lbf = live = lbr = lbfee = None
+  top = -math.inf   # the period the bounds were last taken at
   shared: set[int] = set()   # the candidates that share the bounds
   slack = 1.0 + BOUND_SLACK
 
@@ -608,9 +616,11 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
   if priced:
     order = np.lexsort((np.asarray(taus), floors))
     taus, floors = [taus[o] for o in order], floors[order]
-  if end_path and taus:   # states without a prefix or a suffix at the top are in no plan
+  if end_path and taus and above is not None and len(taus) <= chunk:
+    live = above   # one set of bounds: taken through the states live above (the same)
+  elif end_path and taus:   # states without a prefix or a suffix at the top are in no plan
     top = float(index.candidates[taus[-1]])
-    live = index.prefix_bound(top)
+    live = index.prefix_bound(top, live=above)
     live = (live, index.suffix_bound(top, live))
   for x, idx in enumerate(taus):
     tau = float(index.candidates[idx])
@@ -620,8 +630,10 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     if idx not in shared:
       left = np.flatnonzero(floors[x:] <= bound * slack)[:chunk] + x
       shared = {taus[int(y)] for y in left}
-      top = float(index.candidates[max(shared)])
-      if end_path:
+      prev, top = top, float(index.candidates[max(shared)])
+      if end_path and lb is not None and prev < top:   # the same bounds, from those below
+        lb, lbf = index.grow_prefix_bounds(prev, top, scoring.discount, (lb, lbf), live=live)
+      elif end_path:
         lb, lbf = index.prefix_bounds(top, scoring.discount, live=live)
       else:
         lb = index.prefix_bound(top)
@@ -670,8 +682,10 @@ def evaluate_candidates(index: SparseIndex, taus: Sequence[int], scoring: Scorin
     if scoring.simulated and scoring.discount > 0 and index.is_stage_time(tau):
       # Its simulated time is at least its Eq. 12 value less the most the warm-ups can hide
       # (``relief``, as with prices): a plan whose value exceeds the bound by more cannot win.
+      # Its last stage of time tau holds at most the microbatches its memory allows
+      # (hit_cap): a plan beyond bound + relief is no plan to simulate.
       runs += 1
-      relief = scoring.discount * tau * (scoring.nmax - 1)
+      relief = scoring.discount * tau * (min(scoring.nmax, index.hit_cap(tau, B)) - 1)
       found.append(index.run(tau, B, scoring.eps, require_hit=True, kernel=scoring.kernel,
                              n_cap=n_cap, lb=lb, sb=sb, link_hits=False,
                              bound=bound + relief))
@@ -1046,19 +1060,26 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
 
   n_g = [0]
   known = {}   # the bounds at the first candidate found feasible: bounds below it too
+  # G at the candidates where it was taken (the time objective, from t_S): G is
+  # non-increasing in the period, so its value at one candidate bounds it from above at every
+  # larger one.
+  g_seen: dict[int, float] = {}
 
-  def g(idx):  # G-feasibility: any plan with every stage and cut <= tau (monotone in tau)
+  def g(idx) -> bool:  # G-feasibility: a plan with every stage and cut <= tau (monotone)
     n_g[0] += 1
     tau = float(cand[idx])
     if known and known["idx"] > idx:
-      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=known["lb"],
-                      sb=known["sb"], pricing=budget)
+      lb, sb = known["lb"], known["sb"]
+    else:   # the prefix bound the kernel takes here, kept for the probes below if feasible
+      lb, sb = index.prefix_bound(tau), None
+    if budget is None:   # existence alone: the fewest warm-ups per state, not the cost
+      ok = index.feasible(tau, B, opts.eps, lb=lb, sb=sb, use_numba=kernel == "numba")
     else:
-      out = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, pricing=budget)
-    if math.isfinite(out[0]) and not known:   # the gallop's first feasible candidate
-      lb = index.prefix_bound(tau)
+      ok = math.isfinite(index.run(tau, B, opts.eps, require_hit=False, kernel=kernel, lb=lb,
+                                   sb=sb, pricing=budget)[0])
+    if ok and not known:   # the gallop's first feasible candidate
       known.update(idx=idx, lb=lb, sb=index.suffix_bound(tau, lb))
-    return out
+    return ok
 
   def infeasible():
     return infeasible_error(tables, B, opts.eps, opts.use_all_devices, opts.keep_order,
@@ -1071,16 +1092,30 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   def g_bounded(idx, top):  # G at idx with the prefix and suffix bounds of candidate top
     n_g[0] += 1
     if top_bounds.get("top") != top:
-      lb = index.prefix_bound(float(cand[top]))
+      if known and known["idx"] < top:   # grown from the first feasible probe's: the same
+        lb = index.grow_prefix_bounds(float(cand[known["idx"]]), float(cand[top]), -1.0,
+                                      (known["lb"].copy(), np.zeros((0, 0))))[0]
+      else:
+        lb = index.prefix_bound(float(cand[top]))
       top_bounds.update(top=top, lb=lb, sb=index.suffix_bound(float(cand[top]), lb))
-    value, path = index.run(float(cand[idx]), B, opts.eps, require_hit=False, kernel=kernel,
-                            lb=top_bounds["lb"], sb=top_bounds["sb"])
+    # G here is at most G at any smaller candidate: with that as the DP's bound it returns
+    # the same plan (only plans no cheaper than it are pruned) and prunes the rest.
+    tau = float(cand[idx])
+    if not g_seen and t_s_idx <= idx:   # G at t_S, with the bounds of its first probe
+      n_g[0] += 1
+      g_seen[t_s_idx] = index.run(float(cand[t_s_idx]), B, opts.eps, require_hit=False,
+                                  kernel=kernel, lb=known["lb"], sb=known["sb"])[0]
+    upper = min((v for c, v in g_seen.items() if c <= idx), default=math.inf)
+    value, path = index.run(tau, B, opts.eps, require_hit=False, kernel=kernel,
+                            lb=top_bounds["lb"], sb=top_bounds["sb"],
+                            bound=upper + (B - 1) * tau)
     if math.isfinite(value):
       g_plans.append(path)
+      g_seen[idx] = float(value)
     return value
 
   slack = 1.0 + BOUND_SLACK
-  feasible = lambda idx: math.isfinite(g(idx)[0])
+  feasible = g
   if math.isfinite(beat):   # periods whose floor is beyond beat cannot win: not even tested
     if priced:
       floors = (index.cover_rates(price) * B * cand + 3600.0 * index.least_fee(B)
@@ -1119,7 +1154,8 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   first = t_s_idx
   if not math.isfinite(beat):   # the incumbent: from t_S up until a candidate has a plan
     while first < M and _floor(index, scoring, first) <= bound * slack:
-      found, runs = evaluate_candidates(index, [first], scoring, bound)
+      found, runs = evaluate_candidates(index, [first], scoring, bound, above=(
+          (known["lb"], known["sb"]) if known and known["idx"] >= first else None))
       n_incumbent += runs
       keep(found)
       first += 1
@@ -1150,7 +1186,12 @@ def _search(tables: CostTables, B: int, opts: SolveOptions, start: float,
   backend, workers = _backend(opts, index, window)
   args = (scoring, bound, sigma_lb)
   if backend == "sequential" or not window:
-    results, runs = evaluate_candidates(index, window, *args)
+    above = None   # bounds the search already took at a candidate at or above the window's
+    if window and top_bounds and top_bounds["top"] >= window[-1]:
+      above = (top_bounds["lb"], top_bounds["sb"])
+    elif window and known and known["idx"] >= window[-1]:
+      above = (known["lb"], known["sb"])
+    results, runs = evaluate_candidates(index, window, *args, above=above)
     workers_used = 1
   else:
     batches = _balanced_batches(index, window, workers)
