@@ -7,6 +7,7 @@ which object, which value and what to change. ``assert`` is kept for internal in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -278,10 +279,31 @@ def interruptible_kernel(fn):
   """
   @functools.wraps(fn)
   def call(*args, **kwargs):
-    try:
+    with interrupts_as_keyboard():
       return fn(*args, **kwargs)
-    except SystemError as e:
-      if isinstance(e.__cause__, KeyboardInterrupt):
-        raise KeyboardInterrupt from None
-      raise
   return call
+
+
+def interrupted(e: BaseException) -> bool:
+  """Whether ``e`` is a ``SystemError`` of a C callback or Numba dispatcher that returned with
+  a ``KeyboardInterrupt`` pending (the interrupt anywhere in its chain of causes)."""
+  seen = set()
+  x = e if isinstance(e, SystemError) else None
+  while x is not None and id(x) not in seen:
+    seen.add(id(x))
+    if isinstance(x, KeyboardInterrupt):
+      return True
+    x = x.__cause__ or x.__context__
+  return False
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard():
+  """Raises ``KeyboardInterrupt`` for a Ctrl-C that came back as such a ``SystemError``
+  (:func:`interrupted`), inside the block; other errors pass unchanged."""
+  try:
+    yield
+  except SystemError as e:
+    if interrupted(e):
+      raise KeyboardInterrupt from None
+    raise

@@ -24,7 +24,7 @@ import threading
 import click
 
 from harpjax.cli import plan, simulate
-from harpjax.errors import INTERRUPT_MESSAGE, INTERRUPTED
+from harpjax.errors import INTERRUPT_MESSAGE, INTERRUPTED, interrupts_as_keyboard
 
 __all__ = ["main", "run", "INTERRUPTED", "INTERRUPT_MESSAGE", "INTERRUPT_GRACE_S"]
 
@@ -127,14 +127,10 @@ class _Group(click.Group):
 
   def invoke(self, ctx: click.Context):
     try:
-      try:
+      # Ctrl-C handled inside a C callback (NumPy's dtype hooks, a Numba dispatcher) comes
+      # back as "returned a result with an exception set", chained to the interrupt
+      with interrupts_as_keyboard():
         return super().invoke(ctx)
-      except SystemError as e:
-        # Ctrl-C handled inside a C callback (NumPy's dtype hooks, a Numba dispatcher) comes
-        # back as "returned a result with an exception set", chained to the interrupt
-        if isinstance(e.__cause__, KeyboardInterrupt):
-          raise KeyboardInterrupt from None
-        raise
     except KeyboardInterrupt:
       if _WATCHER is not None:
         _WATCHER.announce()

@@ -117,6 +117,35 @@ def test_ctrl_c_inside_a_nogil_numba_kernel_is_a_keyboard_interrupt(sigint):
     sender.join()
 
 
+def test_an_interrupt_anywhere_in_the_chain_is_told_and_other_system_errors_pass():
+  from harpjax.errors import interrupted, interrupts_as_keyboard
+
+  def chained(link):
+    try:
+      raise KeyboardInterrupt
+    except KeyboardInterrupt as ki:
+      e = SystemError("returned a result with an exception set")
+      if link == "cause":
+        e.__cause__ = ki
+      elif link == "context":
+        e.__context__ = ki
+      elif link == "deeper":
+        mid = SystemError("inner")
+        mid.__cause__ = ki
+        e.__cause__ = mid
+      return e
+
+  for link in ("cause", "context", "deeper"):
+    assert interrupted(chained(link)), link
+    with pytest.raises(KeyboardInterrupt):
+      with interrupts_as_keyboard():
+        raise chained(link)
+  assert not interrupted(SystemError("unrelated")) and not interrupted(KeyboardInterrupt())
+  with pytest.raises(SystemError, match="unrelated"):
+    with interrupts_as_keyboard():
+      raise SystemError("unrelated")
+
+
 # --------------------------------------------------------------------------- the long part
 
 

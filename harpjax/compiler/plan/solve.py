@@ -66,7 +66,8 @@ from harpjax.compiler.plan.spec import Plan, StageSpec
 from harpjax.compiler.profile import CostTables
 from harpjax.compiler.schedule import (H1F1B, h1f1b_counts, iteration_times, pipeline_period,
                                        schedule_key)
-from harpjax.errors import HarpjaxError, InfeasiblePlanError, PlanError, RuntimeFailure
+from harpjax.errors import (HarpjaxError, InfeasiblePlanError, interruptible_kernel, PlanError,
+                            RuntimeFailure)
 
 __all__ = ["SolveOptions", "SearchStats", "PlanResult", "Scoring", "solve", "single_subcluster",
            "keeps_budget",
@@ -814,6 +815,7 @@ def _run_parallel(index: SparseIndex, batches: list[list[int]], args: tuple, bac
 # --------------------------------------------------------------------------- solve
 
 
+@interruptible_kernel   # Ctrl-C in any kernel or NumPy callback of the search: KeyboardInterrupt
 def solve(tables: CostTables, num_microbatches: int, *, options: SolveOptions | None = None,
           **overrides: Any) -> PlanResult:
   """Finds the fastest plan (or the best by a money objective): HARP §5.2's search, judged by
