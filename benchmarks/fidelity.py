@@ -197,13 +197,19 @@ class _Estimates:
     return work, stats
 
 
+# Plain stages only: these rows compare each stage's tables with XLA's account of its
+# compiled programs; a zebra stage (attention and experts on two groups, which the planner now
+# considers for routed models by default) has its own report (``memory_report``, docs/moe.md).
+PLAIN = harpjax.SolveOptions(mixed_options=harpjax.MixedOptions(zebra="off"))
+
+
 def measure_stages(name: str, remat: bool, plan_name: str = "planner") -> list[dict]:
   """Per stage of a plan (the planner's, or a hand-written one): tables vs XLA for FLOPs,
   bytes and peak memory."""
   m = MODELS[name]()
   opts = ProfileOptions(remat=remat, **OPTS)
   step = harpjax.auto_parallel(m.step, cluster=CLUSTER, num_microbatches=MICROBATCHES,
-                               plan=harpjax.AutoPlan(profile=opts))
+                               plan=harpjax.AutoPlan(profile=opts, solve=PLAIN))
   prof = step.profile(*m.args)
   if plan_name != "planner":
     plan = dataclasses.replace(_manual(len(prof.layers), plan_name),
@@ -243,7 +249,8 @@ def measure_plan(name: str, plan_name: str, *, steps: int, min_task_s: float) ->
   """The planner's predicted iteration against the emulated runtime's, for one plan."""
   m = MODELS[name]()
   probe = harpjax.auto_parallel(m.step, cluster=CLUSTER, num_microbatches=MICROBATCHES,
-                                plan=harpjax.AutoPlan(profile=ProfileOptions(**OPTS)))
+                                plan=harpjax.AutoPlan(profile=ProfileOptions(**OPTS),
+                                                      solve=PLAIN))
   prof = probe.profile(*m.args)
   if plan_name == "planner":
     plan = probe.plan(*m.args)
