@@ -110,6 +110,17 @@ def _check_group_order(runner):
     assert all(ran[i][1] <= ran[i + 1][0] for i in range(len(ran) - 1))
 
 
+def _two_steps_equal_jit(case, pstep, ray_instance):
+  """Two steps of ``pstep`` from the case's state equal ``jax.jit``'s to :data:`RTOL`."""
+  ref = jax.jit(case.step)
+  s_ref = s_par = case.state
+  for i, batch in enumerate(case.batches[:2]):
+    out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
+    err = max_rel_err(out_ref, ray_instance.gather(out_par))
+    assert err <= RTOL, f"step {i}: {err:.3g}"
+    s_ref, s_par = out_ref[0], out_par[0]
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork")
 @pytest.mark.parametrize("backend,zero", [("ray", 0), ("ray", 3), ("threads", 0)])
@@ -118,13 +129,7 @@ def test_interleaved_on_ray_equals_jit(x64, ray_instance, backend, zero):
   plan = interleaved_plan(_num_layers(case), GROUPS, zero=zero)
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
                                 runtime=harpjax.RayRuntime(backend=backend))
-  ref = jax.jit(case.step)
-  s_ref = s_par = case.state
-  for i, batch in enumerate(case.batches[:2]):
-    out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
-    err = max_rel_err(out_ref, ray_instance.gather(out_par))
-    assert err <= RTOL, f"step {i}: {err:.3g}"
-    s_ref, s_par = out_ref[0], out_par[0]
+  _two_steps_equal_jit(case, pstep, ray_instance)
   runner = pstep.runner(case.state, case.batches[0])
   assert runner.device_groups == ((0, 2), (1, 3))
   if backend == "ray":   # one process per device group; between groups, TCP
@@ -151,13 +156,7 @@ def test_parameter_offload_on_ray_equals_jit(x64, ray_instance, backend):
                            for st in plan.stages])
   pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=4, plan=plan,
                                 runtime=harpjax.RayRuntime(backend=backend))
-  ref = jax.jit(case.step)
-  s_ref = s_par = case.state
-  for i, batch in enumerate(case.batches[:2]):
-    out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
-    err = max_rel_err(out_ref, ray_instance.gather(out_par))
-    assert err <= RTOL, f"step {i}: {err:.3g}"
-    s_ref, s_par = out_ref[0], out_par[0]
+  _two_steps_equal_jit(case, pstep, ray_instance)
   _check_group_order(pstep.runner(case.state, case.batches[0]))
 
 

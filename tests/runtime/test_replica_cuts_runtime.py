@@ -165,31 +165,43 @@ def test_cut_between_different_dp_matches_jit_float64(x64, name, monkeypatch):
   assert (dp[0], dp[1]) in moved and (dp[1], dp[0]) in moved, moved
 
 
+def _ray(monkeypatch=None):
+  pytest.importorskip("ray")
+  from harpjax.runtime import ray_runtime
+  hosts = [h.name for h in harpjax.Cluster.load(DEMO_CLUSTER).hosts]
+  ray_runtime.init_ray(num_cpus=2, resources={ray_runtime.HOST_RESOURCE_PREFIX + h: 100
+                                               for h in hosts})
+  return ray_runtime
+
+
+def _trains_like_jit_on_ray(case, stages, ray_runtime):
+  """The case planned as ``stages`` on Ray: every step's loss and the final state equal
+  ``jax.jit``'s to :data:`RTOL`; returns the pipelined step."""
+  probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2)
+  plan = _plan(len(probe.trace(case.state, case.batches[0]).layers), stages)
+  pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2,
+                                plan=plan, runtime="ray")
+  ref = jax.jit(case.step)
+  s_ref = s_par = case.state
+  for i, batch in enumerate(case.batches):
+    out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
+    assert max_rel_err(out_ref[1], out_par[1]) <= RTOL, i
+    s_ref, s_par = out_ref[0], out_par[0]
+  assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+  return pstep
+
+
 @pytest.mark.slow   # Ray start-up: about 50 s
 @pytest.mark.filterwarnings("ignore:os.fork")
 def test_cut_between_different_dp_on_ray_matches_jit_float64(x64):
   # Stage 0 (dp = 4, one V100 host) sends to stage 1 (dp = 2, one A100 host) over TCP: one
   # host on each side, so the cut is the one host-pair message cut_time_s prices with
   # hp = hc = 1; the A100 stage's devices each take their rows of it.
-  pytest.importorskip("ray")
-  from harpjax.runtime import ray_runtime
-  hosts = [h.name for h in harpjax.Cluster.load(DEMO_CLUSTER).hosts]
-  ray_runtime.init_ray(num_cpus=2, resources={ray_runtime.HOST_RESOURCE_PREFIX + h: 100
-                                               for h in hosts})
+  ray_runtime = _ray()
   try:
     case = _case()
-    probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2)
-    plan = _plan(len(probe.trace(case.state, case.batches[0]).layers),
-                 [("v100", (1, 4), (4, 1), 0), ("a100", (1, 2), (2, 1), 2)])
-    pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                  plan=plan, runtime="ray")
-    ref = jax.jit(case.step)
-    s_ref = s_par = case.state
-    for i, batch in enumerate(case.batches):
-      out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
-      assert max_rel_err(out_ref[1], out_par[1]) <= RTOL, i
-      s_ref, s_par = out_ref[0], out_par[0]
-    assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+    pstep = _trains_like_jit_on_ray(case, [("v100", (1, 4), (4, 1), 0),
+                                           ("a100", (1, 2), (2, 1), 2)], ray_runtime)
     runner = pstep.runner(case.state, case.batches[0])
     assert [r.transport for r in runner.routes.values()] == ["tcp", "tcp"]
     runner.shutdown()
@@ -224,15 +236,6 @@ def test_emulated_link_charges_the_one_host_pair_message_as_cut_time_s(curve):
   assert emu.cut_delay_fn(1, 0, 2, 2) is None   # no link given that way
 
 
-def _ray(monkeypatch=None):
-  pytest.importorskip("ray")
-  from harpjax.runtime import ray_runtime
-  hosts = [h.name for h in harpjax.Cluster.load(DEMO_CLUSTER).hosts]
-  ray_runtime.init_ray(num_cpus=2, resources={ray_runtime.HOST_RESOURCE_PREFIX + h: 100
-                                               for h in hosts})
-  return ray_runtime
-
-
 @pytest.mark.slow   # Ray start-up and a group of two processes: about 40 s each
 @pytest.mark.filterwarnings("ignore:os.fork")
 @pytest.mark.parametrize("stages", [
@@ -248,17 +251,7 @@ def test_cut_to_a_stage_over_two_hosts_goes_per_host_pair_float64(x64, stages):
   import ray
   try:
     case = _case()
-    probe = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2)
-    plan = _plan(len(probe.trace(case.state, case.batches[0]).layers), stages)
-    pstep = harpjax.auto_parallel(case.step, cluster=DEMO_CLUSTER, num_microbatches=2,
-                                  plan=plan, runtime="ray")
-    ref = jax.jit(case.step)
-    s_ref = s_par = case.state
-    for i, batch in enumerate(case.batches):
-      out_ref, out_par = ref(s_ref, batch), pstep(s_par, batch)
-      assert max_rel_err(out_ref[1], out_par[1]) <= RTOL, i
-      s_ref, s_par = out_ref[0], out_par[0]
-    assert max_rel_err(s_ref, ray_runtime.gather(s_par)) <= RTOL
+    pstep = _trains_like_jit_on_ray(case, stages, ray_runtime)
     runner = pstep.runner(case.state, case.batches[0])
     members = runner._backend.actors[1]
     assert len(members) == 2
