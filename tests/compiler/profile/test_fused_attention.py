@@ -9,17 +9,12 @@ import dataclasses
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from harpjax import _compat
 from harpjax.cluster import GPU_CATALOG, GPUType
-from harpjax.compiler.layers import LayerOptions, construct_layers
 from harpjax.compiler.profile import calibration as calib
-from harpjax.compiler.profile import estimate
-from harpjax.compiler.profile import pieces as pieces_lib
-from harpjax.compiler.trace import from_closed_jaxpr
 from harpjax.models.gpt import Attention, GPTConfig
 
 B, T, N, H = 2, 256, 4, 64          # sequences, length, heads, head size
@@ -31,22 +26,9 @@ def _attention_work(attention: str, causal_cfg: GPTConfig | None = None) -> cali
   fp16, read the way the default cost source reads a layer."""
   cfg = causal_cfg or GPTConfig(seq_len=T, hidden=N * H, num_heads=N, dtype="float16",
                                 param_dtype="float16", layer_marks=0, attention=attention)
-  mod = Attention(cfg)
-  x = jax.ShapeDtypeStruct((B, T, N * H), jnp.float16)
+  from benchmarks.moe import module_work
   with _compat.tracing_cudnn_attention():
-    params = jax.eval_shape(mod.init, jax.random.key(0), x)
-    leaves, tree = jax.tree_util.tree_flatten(params)
-    closed = jax.make_jaxpr(
-        lambda ps, x: mod.apply(jax.tree_util.tree_unflatten(tree, ps), x))(leaves, x)
-    program = from_closed_jaxpr(closed)
-    kinds = ["static"] * len(closed.consts) + ["param"] * len(leaves) + ["split"]
-    layers = construct_layers(program, kinds, options=LayerOptions())
-    dep = pieces_lib.batch_dependent(program, kinds)
-    total = calib.Work()
-    for i in range(len(layers)):
-      traced = estimate.trace_piece(pieces_lib.build_piece(layers, i, i, dep))
-      total = total + estimate.jaxpr_work(traced, (1, 1))
-  return total
+    return module_work(Attention(cfg), (B, T, N * H))
 
 
 @pytest.fixture(scope="module")
